@@ -1,0 +1,692 @@
+"""Tests for tim_rl, in the order of STYLE.md: exact properties by enumeration and Hypothesis first (each paired with
+an anti-vacuity twin that shows the property is not trivially true), then misuse, then the pipeline, then the
+notebook. Run: `pytest -q` (profile `ci`, derandomised, is the default; `HYPOTHESIS_PROFILE=dev` explores more)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tim_rl as tr
+
+settings.register_profile(
+    "ci", derandomize=True, deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("dev", deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# Tolerances, each with its reason.
+EXPECT_ATOL = 1e-6  # expectations of float32 gradients summed over <= 8 outcomes of magnitude <= 4
+FP32_ATOL = 1e-5  # token_logprobs against log_softmax in float32 (V up to 1000, logits up to 30)
+N_NOISE = 1 << 16  # every stochastic-rounding draw
+
+# ---- strategies (bounded floats; names carry shapes) ----
+
+finite_fp32 = st.floats(
+    min_value=-(2.0**127), max_value=2.0**127, allow_nan=False, allow_infinity=False, allow_subnormal=True, width=32
+)
+subnormal_fp32 = st.floats(min_value=-(2.0**-126), max_value=2.0**-126, allow_subnormal=True, width=32)
+logit = st.floats(min_value=-4.0, max_value=4.0, allow_nan=False, width=32)
+
+
+@st.composite
+def logits_pq_V(draw, min_v=2, max_v=8):
+    """Logits of two different categorical distributions p (trainer) and q (sampler) over V <= 8 tokens."""
+    V = draw(st.integers(min_v, max_v))
+    zp = torch.tensor(draw(st.lists(logit, min_size=V, max_size=V)), dtype=torch.float64)
+    zq = torch.tensor(draw(st.lists(logit, min_size=V, max_size=V)), dtype=torch.float64)
+    return zp, zq
+
+
+@st.composite
+def logps_BT(draw, max_b=4, max_t=6, low=-8.0):
+    """(logp_old, logp_infer, mask) with B <= 4, T <= 6, log-probs in [low, 0], at least one masked token."""
+    B, T = draw(st.integers(1, max_b)), draw(st.integers(1, max_t))
+    lp = st.floats(min_value=low, max_value=0.0, allow_nan=False, width=32)
+    a = torch.tensor(draw(st.lists(lp, min_size=B * T, max_size=B * T))).view(B, T)
+    b = torch.tensor(draw(st.lists(lp, min_size=B * T, max_size=B * T))).view(B, T)
+    lengths = draw(st.lists(st.integers(1, T), min_size=B, max_size=B))
+    mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+    return a, b, mask
+
+
+def bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 values just below and above |x| (truncation and one cell away from zero), as float64."""
+    low_bits = x.view(torch.int32) & ~0xFFFF
+    return low_bits.view(torch.float32).double(), (low_bits + 0x10000).view(torch.float32).double()
+
+
+def bf16_cell(x: torch.Tensor) -> torch.Tensor:
+    lo, hi = bf16_neighbours(x)
+    return (hi - lo).abs()
+
+
+def all_noise(shape) -> torch.Tensor:
+    """(65536, *shape) int32: every possible stochastic-rounding draw, the same for every element."""
+    return torch.arange(N_NOISE, dtype=torch.int32).view(-1, *([1] * len(shape))).expand(N_NOISE, *shape).contiguous()
+
+
+# =================================================================================================================
+# 1. stochastic rounding is exactly unbiased; round-to-nearest is not
+
+
+@given(st.lists(st.one_of(finite_fp32, subnormal_fp32), min_size=1, max_size=4))
+def test_stochastic_round_is_exactly_unbiased(values):
+    x = torch.tensor(values, dtype=torch.float32)
+    xs = x.expand(N_NOISE, -1).contiguous()
+    out = tr.stochastic_round_bf16(xs, noise=all_noise(x.shape)).double()  # (65536, n)
+    # Exact in float64: 2^16 bf16 values need 8 + 16 < 53 mantissa bits, and the division is by a power of two.
+    assert torch.equal(out.mean(dim=0), x.double())
+    lo, hi = bf16_neighbours(x)
+    assert ((out == lo) | (out == hi)).all(), "every draw must be one of the two bf16 neighbours"
+
+
+def test_stochastic_round_non_finite_pass_through():
+    x = torch.tensor([math.inf, -math.inf, math.nan, 1.0])
+    noise = torch.full((4,), 0xFFFF, dtype=torch.int32)
+    out = tr.stochastic_round_bf16(x, noise=noise).float()
+    assert out[0] == math.inf and out[1] == -math.inf and math.isnan(out[2]) and out[3] == 1.0
+    # a NaN whose payload would overflow the int32 addition still comes back NaN
+    weird_nan = torch.tensor([-1], dtype=torch.int32).view(torch.float32)
+    assert torch.isnan(tr.stochastic_round_bf16(weird_nan, noise=noise[:1]).float()).all()
+
+
+@given(
+    st.floats(min_value=2.0**-100, max_value=2.0**100, width=32),
+    st.integers(1, (1 << 15) - 1),
+    st.sampled_from([1.0, -1.0]),
+)
+def test_rtn_loses_subhalf_cell_update_sr_keeps_it(w, k, sign):
+    """Anti-vacuity twin: a master on the bf16 grid moved by less than half a cell."""
+    master = torch.tensor([w], dtype=torch.float32).to(torch.bfloat16).float() * sign  # on the grid
+    fp32_ulp = bf16_cell(master) / (1 << 16)
+    updated = (master.double() + sign * k * fp32_ulp).float()  # k fp32 ulps away from zero, exact in fp32
+    assert float((updated.double() - master.double()).abs()) < 0.5 * float(bf16_cell(master))
+    assert torch.equal(tr.round_nearest_bf16(updated).float(), master), "RTN swallows the update"
+    sr = tr.stochastic_round_bf16(updated.expand(N_NOISE).contiguous(), noise=all_noise(())).double()
+    assert float(sr.mean() - master.double()) == float(updated.double() - master.double())
+
+
+def test_stochastic_round_generator_is_reproducible_and_random():
+    x = torch.full((4096,), 1.0 + 2.0**-10)  # 1/8 of a bf16 cell above 1
+    a = tr.stochastic_round_bf16(x, generator=torch.Generator().manual_seed(0))
+    b = tr.stochastic_round_bf16(x, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a, b)
+    up = (a.float() > 1).double().mean()
+    assert 0.09 < float(up) < 0.16, "rounds up about 1/8 of the time"
+
+
+# =================================================================================================================
+# 2. error feedback keeps the running sum
+
+
+@given(
+    st.floats(min_value=-10.0, max_value=10.0, width=32),
+    st.lists(st.floats(min_value=-(2.0**-10), max_value=2.0**-10, width=32), min_size=1, max_size=60),
+)
+def test_error_feedback_running_sum(start, steps):
+    master = torch.tensor([start], dtype=torch.float32)
+    residual = torch.zeros(1)
+    sum_master = sum_served = 0.0
+    slop = 0.0  # the only inexact operation is the fp32 addition master + residual: half an fp32 ulp each step
+    for dx in steps:
+        master = master + dx
+        target = master + residual
+        served, residual = tr.error_feedback_round_bf16(master, residual)
+        assert float(residual.abs()) <= 0.5 * float(bf16_cell(target)), "residual below half a cell"
+        sum_master += float(master.double())
+        sum_served += float(served.double())
+        slop += 0.5 * float(bf16_cell(target)) / (1 << 16)
+        assert abs(sum_served - sum_master) <= 0.5 * float(bf16_cell(target)) + slop
+
+
+def test_error_feedback_vs_rtn_on_constant_offgrid_master():
+    """Anti-vacuity twin: RTN's running sum drifts linearly, error feedback's stays bounded."""
+    master = torch.tensor([1.0 + 2.0**-10])  # 1/8 cell above the grid point 1.0
+    residual = torch.zeros(1)
+    served_ef, served_rtn = [], []
+    for _ in range(64):
+        s, residual = tr.error_feedback_round_bf16(master, residual)
+        served_ef.append(float(s))
+        served_rtn.append(float(tr.round_nearest_bf16(master)))
+    err_ef = abs(sum(served_ef) - 64 * float(master))
+    err_rtn = abs(sum(served_rtn) - 64 * float(master))
+    assert err_rtn == 64 * 2.0**-10 and err_ef <= 0.5 * 2.0**-7
+
+
+# =================================================================================================================
+# 3. visible update fraction
+
+
+def test_visible_update_fraction_identity_rtn_and_sr_expectation():
+    before = torch.tensor([0.5, -0.25, 1.0, 3.0]).to(torch.bfloat16).float()  # on the grid
+    update = bf16_cell(before).float() * torch.tensor([0.1, -0.3, 0.45, 0.2])  # below half a cell
+    after = before + update
+    assert tr.visible_update_fraction(before, after, before, after) == 1.0
+    assert tr.visible_update_fraction(before, after, before, tr.round_nearest_bf16(after).float()) == 0.0
+    sr = tr.stochastic_round_bf16(after.expand(N_NOISE, 4).contiguous(), noise=all_noise((4,))).double()
+    fractions = [tr.visible_update_fraction(before, after, before, row) for row in sr[::64]]  # every 64th draw
+    full = sum((sr - before.double()) @ (after.double() - before.double())) / float(
+        (after.double() - before.double()).square().sum()
+    )
+    assert abs(float(full) / N_NOISE - 1.0) < 1e-9, "E[fraction] = 1 over all 65536 draws"
+    assert min(fractions) < 0.5 < max(fractions), "single draws vary"
+    assert tr.visible_update_fraction(before, before, before, after) == 0.0
+
+
+# =================================================================================================================
+# 4. score centering cancels drift, exactly
+
+
+def _sc_case(zp, zq, y, adv, **kw):
+    """Gradient w.r.t. trainer logits of the SC (or PG when kw['pg']) loss for one sampled token y."""
+    z = zp.clone().requires_grad_(True)
+    logp_all = torch.log_softmax(z, -1)
+    logq_all = torch.log_softmax(zq, -1)
+    k = kw.get("k", len(zp))
+    head = torch.argsort(logq_all, descending=True)[:k]
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    a = torch.tensor([[adv]], dtype=torch.float64)
+    if kw.get("pg"):
+        loss = tr.pg_loss(logp_all[y].view(1, 1), a, mask)
+    else:
+        loss = tr.score_centering_loss(
+            logp_all[y].view(1, 1), logp_all[head].view(1, 1, k), logq_all[y].view(1, 1),
+            logq_all[head].view(1, 1, k), a, mask, cap=kw.get("cap"), band=kw.get("band"),
+        )
+    (grad,) = torch.autograd.grad(loss, z)
+    return grad
+
+
+def _expect_q(zp, zq, advs, **kw):
+    q = torch.softmax(zq, -1)
+    return sum(q[y] * _sc_case(zp, zq, y, advs[y], **kw) for y in range(len(zp)))
+
+
+@given(logits_pq_V(), st.floats(min_value=-2.0, max_value=2.0, width=32))
+def test_score_centering_cancels_drift_pg_does_not(pq, adv):
+    zp, zq = pq
+    V = len(zp)
+    p, q = torch.softmax(zp, -1), torch.softmax(zq, -1)
+    for kw in ({}, {"cap": 2.0}, {"band": (0.5, 5.0)}):
+        drift = _expect_q(zp, zq, [adv] * V, **kw)
+        assert torch.allclose(drift, torch.zeros(V, dtype=torch.float64), atol=EXPECT_ATOL), kw
+    pg = _expect_q(zp, zq, [adv] * V, pg=True)
+    assert torch.allclose(pg, -adv * (q - p), atol=EXPECT_ATOL), "plain PG carries the drift A (q - p)"
+
+
+@given(logits_pq_V(), st.lists(st.floats(min_value=-2.0, max_value=2.0, width=32), min_size=8, max_size=8))
+def test_score_centering_keeps_the_signal(pq, advs):
+    zp, zq = pq
+    V = len(zp)
+    advs = advs[:V]
+    p, q = torch.softmax(zp, -1), torch.softmax(zq, -1)
+    scores = torch.eye(V, dtype=torch.float64) - p  # s_y = d log p_y / d logits
+    a = torch.tensor(advs, dtype=torch.float64)
+    cov = (q[:, None] * a[:, None] * scores).sum(0) - (q * a).sum() * (q[:, None] * scores).sum(0)
+    assert torch.allclose(_expect_q(zp, zq, advs), -cov, atol=EXPECT_ATOL)
+
+
+def _sc_reference(zp, zq, y, adv, k, f):
+    """Independent float64 reference of the top-k estimator (PAPERS.md), as a differentiable function of logits."""
+    z = zp.clone().requires_grad_(True)
+    logp = torch.log_softmax(z, -1)
+    p, q = logp.detach().exp(), torch.softmax(zq, -1)
+    head = torch.argsort(q, descending=True)[:k]
+    tail_q = max(float(1 - q[head].sum()), tr.TAIL_FLOOR)
+    tail_p = max(float(1 - p[head].sum()), tr.TAIL_FLOOR)
+    rho_tail = tail_q / tail_p
+    alpha = rho_tail * f(1 / rho_tail)
+    coef = torch.stack([q[v] * f(float(p[v] / q[v])) - alpha * p[v] for v in head.tolist()])
+    loss = -adv * (f(float(p[y] / q[y])) * logp[y] - (coef * logp[head]).sum())
+    (grad,) = torch.autograd.grad(loss, z)
+    return float(loss), grad
+
+
+@given(logits_pq_V(min_v=3), st.integers(1, 7), st.floats(min_value=-2.0, max_value=2.0, width=32))
+def test_score_centering_topk_matches_modelled_tail_formula(pq, k, adv):
+    zp, zq = pq
+    V = len(zp)
+    k = min(k, V)
+    fs = {
+        None: (lambda r: 1.0),
+        2.0: (lambda r: min(r, 2.0)),
+    }
+    for cap, f in fs.items():
+        for y in range(V):
+            _, ref_grad = _sc_reference(zp, zq, y, adv, k, f)
+            grad = _sc_case(zp, zq, y, adv, k=k, cap=cap)
+            assert torch.allclose(grad, ref_grad, atol=EXPECT_ATOL), (cap, y, k)
+    band = (0.5, 5.0)
+    f_mis = lambda r: r if band[0] <= r <= band[1] else 0.0  # noqa: E731
+    for y in range(V):
+        _, ref_grad = _sc_reference(zp, zq, y, adv, k, f_mis)
+        assert torch.allclose(_sc_case(zp, zq, y, adv, k=k, band=band), ref_grad, atol=EXPECT_ATOL)
+
+
+@given(logits_pq_V(), st.floats(min_value=-2.0, max_value=2.0, width=32))
+def test_score_centering_full_vocab_equals_full_centering(pq, adv):
+    zp, zq = pq
+    V = len(zp)
+    p, q = torch.softmax(zp, -1), torch.softmax(zq, -1)
+    for y in range(V):
+        s_y = torch.eye(V, dtype=torch.float64)[y] - p
+        expected = -adv * (s_y - (q[:, None] * (torch.eye(V, dtype=torch.float64) - p)).sum(0))
+        assert torch.allclose(_sc_case(zp, zq, y, adv), expected, atol=EXPECT_ATOL)
+
+
+# =================================================================================================================
+# 5. importance weights
+
+
+@given(logits_pq_V(), st.lists(st.floats(min_value=-2.0, max_value=2.0, width=32), min_size=8, max_size=8))
+def test_importance_weight_is_unbiased_by_enumeration(pq, advs):
+    zp, zq = pq
+    V = len(zp)
+    p, q = torch.softmax(zp, -1), torch.softmax(zq, -1)
+    logq_all = torch.log_softmax(zq, -1)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    total = torch.zeros(V, dtype=torch.float64)
+    for y in range(V):
+        z = zp.clone().requires_grad_(True)
+        logp = torch.log_softmax(z, -1)[y].view(1, 1)
+        w = tr.tis_weights(logp.detach(), logq_all[y].view(1, 1), mask, cap=math.inf)  # exact rho = p / q
+        (g,) = torch.autograd.grad(tr.pg_loss(logp, torch.tensor([[advs[y]]]), mask, weights=w), z)
+        total += q[y] * g
+    scores = torch.eye(V, dtype=torch.float64) - p
+    on_policy = -(p[:, None] * torch.tensor(advs[:V], dtype=torch.float64)[:, None] * scores).sum(0)
+    assert torch.allclose(total, on_policy, atol=1e-5)  # weights are float32: rho carries ~1e-7 relative error
+    unweighted = -(q[:, None] * torch.tensor(advs[:V], dtype=torch.float64)[:, None] * scores).sum(0)
+    if (p - q).abs().max() > 0.05 and (on_policy - unweighted).abs().max() > 1e-3:
+        assert not torch.allclose(unweighted, on_policy, atol=1e-5), "anti-vacuity: without rho it is biased"
+
+
+WEIGHT_FUNCS = {
+    "tis": lambda a, b, m: tr.tis_weights(a, b, m),
+    "mis": lambda a, b, m: tr.mis_weights(a, b, m),
+    "seq_tis": lambda a, b, m: tr.seq_tis_weights(a, b, m),
+    "geo": lambda a, b, m: tr.geo_mask_weights(a, b, m),
+    "cis": lambda a, b, m: tr.cis_weights(a, b, m),
+    "dlc": lambda a, b, m: tr.dlc_weights(a, b, m),
+    "copc": lambda a, b, m: tr.copc_mask(a, b, m),
+}
+
+
+@given(logps_BT())
+def test_weights_bounds_detached_and_zero_outside_mask(data):
+    logp_old, logp_infer, mask = data
+    logp_old = logp_old.clone().requires_grad_(True)
+    rho = (logp_old.detach() - logp_infer).exp()
+    p_old = logp_old.detach().exp()
+    for name, fn in WEIGHT_FUNCS.items():
+        w = fn(logp_old, logp_infer, mask)
+        assert not w.requires_grad, f"{name} must be detached"
+        assert w.shape == mask.shape and w.dtype == torch.float32
+        assert (w[~mask] == 0).all(), f"{name} must be 0 outside the mask"
+        assert torch.isfinite(w).all() and (w >= 0).all()
+    assert (tr.tis_weights(logp_old, logp_infer, mask, cap=2.0) <= 2.0).all()
+    w = tr.mis_weights(logp_old, logp_infer, mask, low=0.5, high=5.0)
+    assert ((w == 0) | ((w >= 0.5) & (w <= 5.0))).all()
+    assert torch.allclose(w[w > 0], rho[w > 0])
+    assert (tr.seq_tis_weights(logp_old, logp_infer, mask, cap=5.0) <= 5.0).all()
+    assert set(tr.geo_mask_weights(logp_old, logp_infer, mask).unique().tolist()) <= {0.0, 1.0}
+    w = tr.cis_weights(logp_old, logp_infer, mask, lam=2.3, kappa=5e-3)
+    cap = 1 + 2.3 * (1 - p_old).clamp(min=5e-3)
+    assert (w[mask] <= cap[mask] * (1 + 1e-6)).all() and (w <= 1 + 2.3).all()
+    assert torch.allclose(w[mask], torch.minimum(rho, cap)[mask])
+    w = tr.dlc_weights(logp_old, logp_infer, mask, clamp=1.0)
+    assert ((w[mask] >= math.exp(-1) * (1 - 1e-6)) & (w[mask] <= math.e * (1 + 1e-6))).all()
+
+
+@given(logps_BT())
+def test_sequence_weights_are_constant_per_sequence(data):
+    logp_old, logp_infer, mask = data
+    for fn in (tr.seq_tis_weights, tr.geo_mask_weights):
+        w = fn(logp_old, logp_infer, mask)
+        for i in range(mask.shape[0]):
+            assert w[i][mask[i]].unique().numel() == 1
+
+
+def test_geometric_mask_is_length_neutral_product_is_not():
+    """The known trap (TRL #5814): each token 0.999 -> the product vanishes with length, the geometric mean does not."""
+    T = 200
+    logp_infer = torch.zeros(1, T)
+    logp_old = torch.full((1, T), math.log(0.999))
+    mask = torch.ones(1, T, dtype=torch.bool)
+    assert tr.geo_mask_weights(logp_old, logp_infer, mask, low=0.99, high=1.01).min() == 1.0
+    assert tr.seq_tis_weights(logp_old, logp_infer, mask).max() < 0.82
+
+
+@given(st.floats(min_value=-6.0, max_value=-(2.0**-10)), st.floats(min_value=-6.0, max_value=-(2.0**-10)))
+def test_cis_log_odds_identity(logp, logq):
+    """k = p / q = p + (1 - p) e^eps with eps = logit p - logit q (Yu et al.)."""
+    lp, lq = torch.tensor([logp], dtype=torch.float64), torch.tensor([logq], dtype=torch.float64)
+    eps = tr.log_odds_displacement(lp, lq)
+    p = lp.exp()
+    assert torch.allclose(p + (1 - p) * eps.exp(), (lp - lq).exp(), rtol=1e-9)
+
+
+@given(logps_BT())
+def test_corrections_reduce_to_plain_pg_and_ppo_without_mismatch(data):
+    logp_fixed, _, mask = data
+    logp = logp_fixed.clone().requires_grad_(True)
+    adv = torch.linspace(-1, 1, mask.shape[0])[:, None]
+    same = logp.detach()
+    plain_pg = tr.pg_loss(logp, adv, mask)
+    (g_pg,) = torch.autograd.grad(plain_pg, logp)
+    for name, fn in WEIGHT_FUNCS.items():
+        w = fn(same, same, mask)
+        assert torch.equal(w, mask.float()), f"{name} weight must be exactly 1 on every token when p_old == q"
+    lossa = {
+        "sc": tr.score_centering_loss(logp, logp[..., None], same, same[..., None], adv, mask),
+        "sc_tis": tr.score_centering_loss(logp, logp[..., None], same, same[..., None], adv, mask, cap=2.0),
+        "sc_mis": tr.score_centering_loss(logp, logp[..., None], same, same[..., None], adv, mask, band=(0.5, 5.0)),
+        "dppo": tr.dppo_loss(logp, same, adv, mask),
+    }
+    for name, loss in lossa.items():
+        (g,) = torch.autograd.grad(loss, logp)
+        assert torch.allclose(g, g_pg, atol=1e-7), name
+    ppo = tr.ppo_loss(logp, same, adv, mask)
+    assert torch.allclose(tr.dlc_loss(logp, same, same, adv, mask), ppo)
+
+
+# =================================================================================================================
+# 6. losses
+
+
+@given(logps_BT())
+def test_ppo_gradient_equals_pg_at_first_step(data):
+    logp_fixed, _, mask = data
+    adv = torch.linspace(-1, 2, mask.shape[0])[:, None]
+    logp = logp_fixed.clone().requires_grad_(True)
+    (g_ppo,) = torch.autograd.grad(tr.ppo_loss(logp, logp.detach(), adv, mask), logp)
+    (g_pg,) = torch.autograd.grad(tr.pg_loss(logp, adv, mask), logp)
+    assert torch.allclose(g_ppo, g_pg, atol=1e-7)
+
+
+def test_ppo_clip_kills_gradient_on_the_correct_side_only():
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    logp_old = torch.log(torch.full((1, 4), 0.5))
+    # ratios 1.5 (above 1 + 0.28), 0.5 (below 1 - 0.2), for A > 0 and A < 0
+    logp = torch.log(torch.tensor([[0.75, 0.25, 0.75, 0.25]])).requires_grad_(True)
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    (g,) = torch.autograd.grad(tr.ppo_loss(logp, logp_old, adv, mask), logp)
+    assert g[0, 0] == 0, "A > 0, r above 1 + eps: clipped"
+    assert g[0, 1] != 0, "A > 0, r below 1 - eps: still pushed up"
+    assert g[0, 2] != 0, "A < 0, r above 1 + eps: still pushed down"
+    assert g[0, 3] == 0, "A < 0, r below 1 - eps: clipped"
+
+
+def test_dlc_weights_centre_a_constant_shift():
+    mask = torch.tensor([[True, True, True, False]])
+    logp_infer = torch.log(torch.tensor([[0.5, 0.2, 0.9, 0.3]]))
+    logp_old = logp_infer + 0.3  # a persistent engine offset
+    w = tr.dlc_weights(logp_old, logp_infer, mask)
+    assert torch.allclose(w[mask], torch.ones(3)) and w[0, 3] == 0
+    tis = tr.tis_weights(logp_old, logp_infer, mask)
+    assert torch.allclose(tis[mask], torch.full((3,), math.exp(0.3))), "anti-vacuity: TIS keeps the offset"
+
+
+@given(logps_BT(low=-3.0), logps_BT(low=-3.0))
+def test_dppo_masks_only_harmful_moves_and_is_is_pg_elsewhere(d1, d2):
+    logp_fixed, logp_infer, mask = d1
+    B, T = mask.shape
+    adv = torch.where(torch.arange(B * T).view(B, T) % 2 == 0, 1.0, -1.0)
+    logp = logp_fixed.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(tr.dppo_loss(logp, logp_infer, adv, mask, delta=0.2), logp)
+    shift = logp_fixed.exp() - logp_infer.exp()
+    harmful = ((adv > 0) & (shift > 0.2)) | ((adv < 0) & (shift < -0.2))
+    r = (logp_fixed - logp_infer).exp()
+    n = mask.sum()
+    expected = torch.where(mask & ~harmful, -r * adv / n, torch.zeros_like(r))
+    assert torch.allclose(g, expected, atol=1e-6)
+
+
+def test_dppo_mask_anti_vacuity():
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    logp_infer = torch.log(torch.tensor([[0.2, 0.8]]))
+    logp = torch.log(torch.tensor([[0.6, 0.4]])).requires_grad_(True)  # +0.4 and -0.4 shifts
+    adv = torch.tensor([[1.0, 1.0]])
+    (g,) = torch.autograd.grad(tr.dppo_loss(logp, logp_infer, adv, mask), logp)
+    assert g[0, 0] == 0, "already pushed up by 0.4 > delta with A > 0: masked"
+    assert g[0, 1] != 0, "moved down, A > 0 pulls back: kept"
+
+
+# =================================================================================================================
+# 7. COPC advantages
+
+
+def _gae_loop(values, rewards, mask, gamma, lam):
+    B, T = mask.shape
+    adv = torch.zeros(B, T, dtype=torch.float64)
+    for i in range(B):
+        n = int(mask[i].sum())
+        last = 0.0
+        for t in reversed(range(n)):
+            next_v = float(values[i, t + 1]) if t + 1 < n else 0.0
+            r = float(rewards[i]) if t == n - 1 else 0.0
+            delta = r + gamma * next_v - float(values[i, t])
+            last = delta + gamma * lam * last
+            adv[i, t] = last
+    return adv
+
+
+@given(logps_BT(), st.floats(0.5, 1.0), st.floats(0.0, 1.0))
+def test_copc_equals_gae_without_mismatch(data, gamma, lam):
+    logp, values_raw, mask = data
+    values = values_raw.exp()  # in [0, 1], like a reward-bounded critic
+    rewards = torch.linspace(0, 1, mask.shape[0])
+    adv, targets = tr.copc_advantages(values, rewards, logp, logp, mask, gamma=gamma, lam=lam)
+    ref = _gae_loop(values, rewards, mask, gamma, lam)
+    assert torch.allclose(adv.double(), ref, atol=1e-5)
+    assert torch.allclose(targets[mask], (values + adv)[mask])
+    assert (adv[~mask] == 0).all()
+
+
+@given(logps_BT())
+def test_copc_residual_weights_bounded_and_matter(data):
+    logp, logp_infer, mask = data
+    c = tr.copc_residual_weights(logp, logp_infer, mask, eps=0.2)
+    assert ((c[mask] >= 0.8 - 1e-7) & (c[mask] <= 1.2 + 1e-7)).all() and (c[~mask] == 0).all()
+    values = torch.zeros_like(logp)
+    adv, _ = tr.copc_advantages(values, torch.ones(mask.shape[0]), logp, logp_infer, mask, lam=0.0)
+    last = mask & (mask.cumsum(1) == mask.sum(1, keepdim=True))
+    assert torch.allclose(adv[last], c[last]), "with lambda = 0 and V = 0, A at the reward token is c_t * r"
+
+
+# =================================================================================================================
+# 8. GRPO advantages
+
+
+@given(st.integers(1, 5), st.integers(1, 6), st.data())
+def test_grpo_advantages_centre_and_scale(n_groups, G, data):
+    rewards = torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=n_groups * G,
+                                              max_size=n_groups * G)))
+    adv = tr.grpo_advantages(rewards, G).view(n_groups, G)
+    assert torch.allclose(adv.sum(1), torch.zeros(n_groups), atol=1e-6)
+    adv_n = tr.grpo_advantages(rewards, G, normalize_std=True).view(n_groups, G)
+    for g in range(n_groups):
+        if rewards.view(n_groups, G)[g].unique().numel() > 1:
+            assert abs(float(adv_n[g].std()) - 1.0) < 1e-5
+        else:
+            assert (adv_n[g] == 0).all()
+
+
+# =================================================================================================================
+# 9. metrics and ledger
+
+
+@given(logps_BT())
+def test_metrics_zero_on_identical_and_k3_nonnegative(data):
+    a, b, mask = data
+    m = tr.mismatch_metrics(a, a, mask)
+    for k in ("k1", "k2", "k3", "chi2", "abs_diff", "max_abs_diff"):
+        assert m[k] == 0.0, k
+    assert m["ess"] == 1.0 and m["ratio_min"] == m["ratio_max"] == 1.0
+    m = tr.mismatch_metrics(a, b, mask)
+    assert m["k3"] >= 0 and m["k2"] >= 0 and 0 < m["ess"] <= 1 + 1e-12
+    lr = (a - b)[mask].double()
+    assert math.isclose(m["k1"], float(-lr.mean()), abs_tol=1e-9)
+    assert math.isclose(m["abs_diff"], float(lr.abs().mean()), abs_tol=1e-9)
+
+
+@given(logps_BT(), logps_BT())
+def test_ledger_parts_add_up(d1, d2):
+    logp, logp_old, mask = d1
+    logp_infer = torch.roll(logp, 1, dims=1)
+    led = tr.mismatch_ledger(logp, logp_old, logp_infer, mask)
+    assert math.isclose(led["lag_mean"] + led["numerics_mean"], led["total_mean"], abs_tol=1e-9)
+    master = logp_old + 0.01 * torch.cos(torch.arange(logp.numel()).view(logp.shape).float())
+    led = tr.mismatch_ledger(logp, logp_old, logp_infer, mask, logp_master_old=master)
+    parts = led["lag_mean"] + led["rounding_mean"] + led["numerics_mean"]
+    assert math.isclose(parts, led["total_mean"], abs_tol=1e-9)
+    assert led["rounding_abs"] > 0
+
+
+# =================================================================================================================
+# 10. token_logprobs
+
+
+@given(st.integers(1, 40), st.integers(2, 1000), st.integers(1, 50), st.integers(0, 2**31 - 1))
+def test_token_logprobs_matches_log_softmax(n, V, chunk, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, V, generator=g) * 10
+    ids = torch.randint(0, V, (n,), generator=g)
+    ref = torch.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1)
+    assert torch.allclose(tr.token_logprobs(logits, ids, chunk_rows=chunk), ref, atol=FP32_ATOL)
+    assert torch.allclose(tr.token_logprobs(logits.view(1, n, V), ids.view(1, n)).view(n), ref, atol=FP32_ATOL)
+
+
+def test_token_logprobs_bf16_logits_and_gradient():
+    logits = torch.randn(3, 5, 64).to(torch.bfloat16).requires_grad_(True)
+    ids = torch.randint(0, 64, (3, 5))
+    out = tr.token_logprobs(logits, ids)
+    assert out.dtype == torch.float32
+    ref = torch.log_softmax(logits.float(), -1).gather(-1, ids[..., None]).squeeze(-1)
+    assert torch.allclose(out, ref, atol=FP32_ATOL)
+    out.sum().backward()
+    assert logits.grad is not None and torch.isfinite(logits.grad.float()).all()
+
+
+# =================================================================================================================
+# 11. non-finite inputs
+
+
+def _all_losses(logp, logp_old, logp_infer, adv, mask):
+    topk = torch.stack([logp, logp - 1.0], -1)
+    topk_infer = torch.stack([logp_infer, logp_infer - 1.0], -1)
+    return {
+        "pg": tr.pg_loss(logp, adv, mask),
+        "pg_tis": tr.pg_loss(logp, adv, mask, weights=tr.tis_weights(logp_old, logp_infer, mask)),
+        "pg_cis": tr.pg_loss(logp, adv, mask, weights=tr.cis_weights(logp_old, logp_infer, mask)),
+        "ppo_mis": tr.ppo_loss(logp, logp_old, adv, mask, weights=tr.mis_weights(logp_old, logp_infer, mask)),
+        "ppo_seq": tr.ppo_loss(logp, logp_old, adv, mask, weights=tr.seq_tis_weights(logp_old, logp_infer, mask)),
+        "ppo_geo": tr.ppo_loss(logp, logp_old, adv, mask, weights=tr.geo_mask_weights(logp_old, logp_infer, mask)),
+        "sc": tr.score_centering_loss(logp, topk, logp_infer, topk_infer, adv, mask),
+        "sc_tis": tr.score_centering_loss(logp, topk, logp_infer, topk_infer, adv, mask, cap=2.0),
+        "sc_mis": tr.score_centering_loss(logp, topk, logp_infer, topk_infer, adv, mask, band=(0.5, 5.0)),
+        "dlc": tr.dlc_loss(logp, logp_old, logp_infer, adv, mask),
+        "dppo": tr.dppo_loss(logp, logp_infer, adv, mask),
+    }
+
+
+extreme = st.sampled_from([-1e4, -50.0, -1e-6, 0.0, -math.inf, math.nan, 1e4, math.inf])
+
+
+@given(logps_BT(), st.data())
+def test_non_finite_outside_mask_changes_nothing_inside_never_nan(data, draw):
+    logp, logp_infer, mask = data
+    logp_old = (logp + logp_infer) / 2
+    adv = torch.linspace(-1, 1, mask.shape[0])[:, None]
+    clean = _all_losses(logp, logp_old, logp_infer, adv, mask)
+    poisoned = [t.clone() for t in (logp, logp_old, logp_infer)]
+    for t in poisoned:
+        t[~mask] = draw.draw(extreme)
+    dirty = _all_losses(*poisoned, adv, mask)
+    for name in clean:
+        assert torch.equal(clean[name], dirty[name]), name
+    # inside the mask: extreme values and non-finite numbers, never a NaN loss or gradient
+    inside = [t.clone() for t in (logp, logp_old, logp_infer)]
+    idx = draw.draw(st.lists(st.integers(0, mask.numel() - 1), min_size=1, max_size=3))
+    for t in inside:
+        for i in idx:
+            t.view(-1)[i] = draw.draw(extreme)
+    lp = inside[0].clone().requires_grad_(True)
+    for name, loss in _all_losses(lp, inside[1], inside[2], adv, mask).items():
+        assert torch.isfinite(loss), name
+        (g,) = torch.autograd.grad(loss, lp)
+        assert torch.isfinite(g).all(), name
+    m = tr.mismatch_metrics(inside[0], inside[2], mask)
+    assert all(math.isfinite(v) for v in m.values())
+
+
+# =================================================================================================================
+# misuse
+
+
+def test_misuse_raises_clear_errors():
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    x = torch.zeros(2, 3)
+    with pytest.raises(TypeError, match="mask must be a bool"):
+        tr.tis_weights(x, x, mask.float())
+    with pytest.raises(ValueError, match="logp_infer must have shape"):
+        tr.tis_weights(x, torch.zeros(2, 4), mask)
+    with pytest.raises(TypeError, match="logp_old must be a torch.Tensor"):
+        tr.mis_weights([[0.0]], x, mask)
+    with pytest.raises(ValueError, match="mask is empty"):
+        tr.pg_loss(torch.zeros(0, 3), torch.zeros(0, 1), torch.ones(0, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="adv must have shape"):
+        tr.pg_loss(x, torch.zeros(3, 3), mask)
+    with pytest.raises(ValueError, match="logp_topk must have shape"):
+        tr.score_centering_loss(x, torch.zeros(2, 3), x, torch.zeros(2, 3), x, mask)
+    with pytest.raises(ValueError, match="at most one"):
+        tr.score_centering_loss(x, x[..., None], x, x[..., None], x, mask, cap=2.0, band=(0.5, 2.0))
+    with pytest.raises(TypeError, match="float32"):
+        tr.stochastic_round_bf16(torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="noise"):
+        tr.stochastic_round_bf16(torch.zeros(3), noise=torch.full((3,), 1 << 16, dtype=torch.int32))
+    with pytest.raises(ValueError, match="group_size"):
+        tr.grpo_advantages(torch.zeros(6), 4)
+    with pytest.raises(ValueError, match="ids must have shape"):
+        tr.token_logprobs(torch.zeros(2, 5), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="residual must have shape"):
+        tr.error_feedback_round_bf16(torch.zeros(3), torch.zeros(4))
+
+
+def test_calibrated_clip_bounds_match_reference_clip_share():
+    g = torch.Generator().manual_seed(0)
+    B, T = 8, 64
+    mask = torch.ones(B, T, dtype=torch.bool)
+    adv = torch.where(torch.arange(B) % 2 == 0, 1.0, -1.0)[:, None].expand(B, T)
+    ratio_ref = (0.15 * torch.randn(B, T, generator=g)).exp()
+    ratio_low = ratio_ref * (0.3 * torch.randn(B, T, generator=g)).exp()  # low precision: wider spread
+    L, H = tr.calibrated_clip_bounds(ratio_ref, ratio_ref, adv, mask)
+    neg = adv < 0
+    share_ref = float((ratio_ref[neg] < 0.8).float().mean())
+    assert abs(float((ratio_ref[neg] < L).float().mean()) - share_ref) < 1e-9
+    assert 0.75 < L <= 0.85 and 1.2 < H < 1.36, "identical ratios give bounds near the nominal ones"
+    L, H = tr.calibrated_clip_bounds(ratio_low, ratio_ref, adv, mask)
+    assert abs(float((ratio_low[neg] < L).float().mean()) - share_ref) < 1e-9
+    assert L < 0.8, "wider low-precision spread: a lower L clips the same share"
+    share_fixed = float((ratio_low[neg] < 0.8).float().mean())
+    assert share_fixed > share_ref + 0.05, "anti-vacuity: the fixed bound clips more negative tokens"
+
+
+def test_dlc_should_resync():
+    assert not tr.dlc_should_resync(3, 0.01, max_staleness=8, max_discrepancy=0.05)
+    assert tr.dlc_should_resync(9, 0.01, max_staleness=8, max_discrepancy=0.05)
+    assert tr.dlc_should_resync(1, -0.2, max_staleness=8, max_discrepancy=0.05)
+    assert tr.dlc_should_resync(1, math.nan, max_staleness=8, max_discrepancy=0.05)
+
+
+def test_math_imports_with_torch_alone():
+    import subprocess
+    import sys
+
+    code = "import sys, tim_rl; bad = [m for m in ('transformers', 'vllm') if m in sys.modules]; assert not bad, bad"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.abspath(tr.__file__)))
