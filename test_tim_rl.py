@@ -560,6 +560,9 @@ def test_token_logprobs_matches_log_softmax(n, V, chunk, seed):
     ref = torch.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1)
     assert torch.allclose(tr.token_logprobs(logits, ids, chunk_rows=chunk), ref, atol=FP32_ATOL)
     assert torch.allclose(tr.token_logprobs(logits.view(1, n, V), ids.view(1, n)).view(n), ref, atol=FP32_ATOL)
+    topk = torch.randint(0, V, (n, 3), generator=g)
+    ref_k = torch.log_softmax(logits, -1).gather(-1, topk)
+    assert torch.allclose(tr.token_logprobs(logits, topk, chunk_rows=chunk), ref_k, atol=FP32_ATOL)
 
 
 def test_token_logprobs_bf16_logits_and_gradient():
@@ -652,6 +655,8 @@ def test_misuse_raises_clear_errors():
         tr.stochastic_round_bf16(torch.zeros(3), noise=torch.full((3,), 1 << 16, dtype=torch.int32))
     with pytest.raises(ValueError, match="group_size"):
         tr.grpo_advantages(torch.zeros(6), 4)
+    with pytest.raises(ValueError, match="ids must have shape"):
+        tr.token_logprobs(torch.zeros(2, 5), torch.zeros(3, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="ids must have shape"):
         tr.token_logprobs(torch.zeros(2, 5), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="residual must have shape"):

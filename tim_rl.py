@@ -48,7 +48,17 @@ References
 
 from __future__ import annotations
 
+import copy
+import json
 import math
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from fractions import Fraction
+from pathlib import Path
 
 import torch
 
@@ -59,6 +69,79 @@ LOG_RATIO_CLAMP = 20.0
 TAIL_FLOOR = 1e-6
 # Bits of an fp32 number that bf16 drops: the low 16 of the 32.
 BF16_DROPPED_BITS = 16
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ---- config dataclasses ----
+# One flat dataclass per concern; every field has a help text, and the CLI builds its flags from them.
+
+
+def _arg(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class EngineSpec:
+    """The sampler engine's numerics: its own copy of the weights, stored and computed this way."""
+
+    dtype: str = _arg("fp32", "sampler weight/compute dtype: fp32 | bf16 | fp16")
+    quant: str = _arg("none", "weight fake-quantisation of Linear layers (lm_head excluded): none | int8 | fp8")
+    noise: float = _arg(0.0, "relative weight noise s: w + s * N(0,1) * w, drawn once per run (SC paper's control)")
+    noise_seed: int = _arg(1234, "seed of that noise draw (the same draw is re-applied after every sync)")
+    exact: bool = _arg(False, "zero-mismatch limit: record log-probs with the trainer's own fp32 forward")
+
+
+@dataclass
+class PretrainConfig:
+    """Supervised pre-training of the embedded tiny model on the arithmetic task."""
+
+    out: str = _arg("runs/base", "model directory written (safetensors + tokenizer)")
+    steps: int = _arg(1200, "AdamW steps")
+    batch: int = _arg(64, "problems per step")
+    lr: float = _arg(1e-3, "AdamW learning rate (cosine to 10%)")
+    digits: int = _arg(2, "operand digits")
+    ops: str = _arg("+", "operators drawn from")
+    seed: int = _arg(0, "seed of init and data")
+
+
+@dataclass
+class RLConfig:
+    """One RL run: sample -> verify -> advantages -> recompute -> correct -> step -> export/sync."""
+
+    name: str = _arg("run", "run name: writes runs/<name>/metrics.jsonl")
+    model: str = _arg("runs/base", "HF causal-LM directory (the embedded tiny model is built there if missing)")
+    sampler: str = _arg("torch", "sampler engine: torch | vllm")
+    dtype: str = _arg("fp32", "sampler dtype: fp32 | bf16 | fp16")
+    quant: str = _arg("none", "sampler weight quantisation: none | int8 | fp8")
+    noise: float = _arg(0.0, "sampler relative weight noise s")
+    exact: bool = _arg(False, "exact mode: sampler log-probs from the trainer's forward (ratio 1)")
+    correction: str = _arg("none", "none|tis|mis|seq_tis|geo|cis|ppo|dppo|sc|sc_tis|sc_mis|dlc|copc|calibrated")
+    steps: int = _arg(200, "optimizer steps")
+    prompts: int = _arg(16, "prompts per step")
+    group: int = _arg(8, "samples per prompt (G)")
+    max_new_tokens: int = _arg(5, "response length cap")
+    temperature: float = _arg(1.0, "sampling temperature (top-p / top-k off)")
+    topk: int = _arg(0, "sampler top-K ids recorded for score centering; 0 = whole vocabulary")
+    baseline: str = _arg("group", "advantage baseline: group (GRPO mean, no std) | none (raw reward)")
+    optimizer: str = _arg("adamw", "adamw | sgd")
+    lr: float = _arg(1e-4, "learning rate")
+    sync_every: int = _arg(1, "copy trainer weights into the sampler every k steps (policy lag k - 1)")
+    export: str = _arg("rtn", "fp32 -> bf16/fp16 export rounding: rtn | sr | ef")
+    loss_on_served: bool = _arg(False, "Fair Cast: forward on the served (rounded) weights, step the fp32 master")
+    tis_cap: float = _arg(2.0, "TIS cap C")
+    mis_low: float = _arg(0.5, "MIS band low")
+    mis_high: float = _arg(5.0, "MIS band high")
+    eps_low: float = _arg(0.2, "PPO clip low")
+    eps_high: float = _arg(0.28, "PPO clip high")
+    dppo_delta: float = _arg(0.2, "DPPO trust region on |p - q|")
+    dlc_max_staleness: int = _arg(0, "DLC: force a resync after this many steps without one (0 = off)")
+    dlc_max_discrepancy: float = _arg(0.05, "DLC: resync when |mean(logp_old - logp_infer)| exceeds this")
+    eval_every: int = _arg(25, "held-out greedy accuracy of trainer and sampler every N steps")
+    eval_n: int = _arg(256, "held-out problems per evaluation")
+    diagnose_drift: bool = _arg(False, "log norms of the drift and signal parts of the gradient (extra backwards)")
+    seed: int = _arg(0, "seed of sampling, data and noise")
+    out_dir: str = _arg("runs", "parent directory of runs")
+    progress: bool = _arg(True, "show a tqdm bar")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -122,26 +205,31 @@ def _finite_log_ratio(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Te
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
-    """log softmax(logits)[ids] in float32, by gather - logsumexp over row chunks. (..., V), (...) -> (...).
+    """log softmax(logits)[ids] in float32, as gather - logsumexp over row chunks. (..., V), (...) -> (...).
 
-    Never materialises a second full-size float32 copy of the logits: each chunk of rows is upcast and reduced on its
-    own (default: 1/8 of the rows, so the transient is <= 1/8 of the logits in float32). Differentiable.
+    `ids` may also carry a trailing K axis, (..., K) -> (..., K), for the sampler's top-k ids (one logsumexp serves
+    all K). Never materialises a second full-size float32 copy of the logits: each chunk of rows is upcast and
+    reduced on its own (default 1/8 of the rows, so the transient is <= 1/8 of the logits in float32). Differentiable.
     """
     _check_tensor("logits", logits)
     _check_tensor("ids", ids, floating=False)
-    if logits.shape[:-1] != ids.shape:
-        raise ValueError(f"ids must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, got {tuple(ids.shape)}")
+    lead = logits.shape[:-1]
+    if ids.shape != lead and (ids.dim() != logits.dim() or ids.shape[:-1] != lead):
+        raise ValueError(f"ids must have shape {tuple(lead)} or {tuple(lead)} + (K,), got {tuple(ids.shape)}")
     V = logits.shape[-1]
-    flat_logits, flat_ids = logits.reshape(-1, V), ids.reshape(-1)  # (N, V), (N,)
-    N = flat_ids.numel()
+    flat_logits = logits.reshape(-1, V)  # (N, V)
+    N = flat_logits.shape[0]
+    flat_ids = ids.reshape(N, -1)  # (N, 1) or (N, K)
     if chunk_rows is None:
         chunk_rows = max(1, math.ceil(N / 8))
     out = []
     for start in range(0, N, chunk_rows):
         chunk = flat_logits[start : start + chunk_rows].float()  # (n, V), a copy only when logits are not fp32
-        picked = chunk.gather(-1, flat_ids[start : start + chunk_rows, None]).squeeze(-1)  # (n,)
-        out.append(picked - torch.logsumexp(chunk, dim=-1))
-    return torch.cat(out).reshape(ids.shape) if out else flat_logits.new_zeros(ids.shape, dtype=torch.float32)
+        picked = chunk.gather(-1, flat_ids[start : start + chunk_rows])  # (n, K)
+        out.append(picked - torch.logsumexp(chunk, dim=-1, keepdim=True))
+    if not out:
+        return flat_logits.new_zeros(ids.shape, dtype=torch.float32)
+    return torch.cat(out).reshape(ids.shape)
 
 
 def log1mexp(logp: torch.Tensor) -> torch.Tensor:
@@ -630,3 +718,928 @@ def dlc_should_resync(staleness: int, mean_discrepancy: float, max_staleness: in
     if not math.isfinite(mean_discrepancy):
         return True  # an unmeasurable discrepancy is no reason to trust a stale sampler
     return staleness > max_staleness or abs(mean_discrepancy) > max_discrepancy
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ---- task and reward verifier ----
+# Model text is data, never code: the verifier uses regular expressions and fractions.Fraction, nothing else.
+
+MAX_VERIFY_CHARS = 10_000  # extract_answer reads only the last 10 000 characters: final answers come last
+MAX_NUMBER_CHARS = 64  # a longer digit run is not an answer here (and int() of huge strings is slow)
+_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:/\d+)?")  # no nested quantifiers: linear time
+
+
+def _is_eval_problem(a: int, b: int, op: str) -> bool:
+    """A fixed fifth of all problems is held out (a hash of the operands), whatever the seed."""
+    return (a * 7919 + b * 104729 + ord(op)) % 5 == 0
+
+
+def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+", split: str = "train"):
+    """n (prompt, answer) pairs "ab+cd=" -> "e" with operands of exactly `digits` digits; `split` train | eval.
+
+    The eval split (a fixed 20% of all operand pairs) never appears in train, for any seed.
+    """
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    if not isinstance(digits, int) or not 1 <= digits <= 9:
+        raise ValueError(f"digits must be an int in [1, 9], got {digits!r}")
+    if not ops or set(ops) - set("+-*"):
+        raise ValueError(f"ops must be a non-empty string over '+-*', got {ops!r}")
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    rng = random.Random(f"{seed}-{split}-{digits}-{ops}")
+    lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+    out = []
+    while len(out) < n:
+        a, b, op = rng.randint(lo, hi), rng.randint(lo, hi), rng.choice(ops)
+        if _is_eval_problem(a, b, op) != (split == "eval"):
+            continue
+        answer = a + b if op == "+" else a - b if op == "-" else a * b
+        out.append((f"{a}{op}{b}=", str(answer)))
+    return out
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} with balanced braces, or None (linear: one scan from the last opener)."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None  # unbalanced: fall back to the other rules
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer: last \\boxed{...} (balanced), else the number after the last ####, else the last number.
+
+    Only the last MAX_VERIFY_CHARS characters are read (longer text is truncated, not rejected). Linear time.
+    """
+    if not isinstance(text, str):
+        return None
+    text = text[-MAX_VERIFY_CHARS:]
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    hashes = text.rfind("####")
+    if hashes >= 0:
+        match = _NUMBER.search(text, hashes + 4)
+        return match.group(0) if match else None
+    last = None
+    for last in _NUMBER.finditer(text):
+        pass
+    return last.group(0) if last else None
+
+
+def _parse_number(s: str) -> Fraction | None:
+    """'1,234' '-47' '+3' '2.50' '3/4' -> Fraction; anything else -> None. Never evaluates code."""
+    s = s.strip().rstrip(".")
+    if len(s) > MAX_NUMBER_CHARS or not re.fullmatch(r"[-+]?\d[\d,]*(?:\.\d+)?(?:/\d+)?", s):
+        return None
+    if "," in s and not re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?:/\d+)?", s):
+        return None  # commas only as thousands separators
+    try:
+        return Fraction(s.replace(",", ""))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def verify(text: str, answer: str) -> float:
+    """1.0 iff extract_answer(text) equals `answer` as a number, else 0.0. Never raises for a str; never runs code.
+
+    Accepted: integers, a leading sign, decimals, thousands separators (1,234), simple fractions a/b (compared as
+    values: 6/8 == 0.75), one trailing period. Leading zeros are the same number (047 == 47). Rejected (reward 0):
+    scientific notation, percent signs inside the number, unicode digits, anything else.
+    """
+    extracted = extract_answer(text) if isinstance(text, str) else None
+    if extracted is None or not isinstance(answer, str):
+        return 0.0
+    got, want = _parse_number(extracted), _parse_number(answer)
+    return 1.0 if got is not None and want is not None and got == want else 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ---- model and tokenizer ----
+# transformers is imported inside these functions: the math above must import with torch alone.
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+
+
+class CharTokenizer:
+    """One id per printable ASCII character, plus <pad> <bos> <eos> <unk>; vocab padded to `vocab_size`."""
+
+    def __init__(self, vocab_size: int = 128):
+        chars = [chr(c) for c in range(32, 127)]
+        self.tokens = list(SPECIAL_TOKENS) + chars
+        self.tokens += [f"<unused{i}>" for i in range(vocab_size - len(self.tokens))]
+        self.index = {t: i for i, t in enumerate(self.tokens)}
+        self.vocab_size, self.eos_id, self.pad_id, self.bos_id = len(self.tokens), EOS_ID, PAD_ID, BOS_ID
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        return ([BOS_ID] if bos else []) + [self.index.get(c, UNK_ID) for c in text]
+
+    def decode(self, ids) -> str:
+        out = []
+        for i in ids:
+            if int(i) == EOS_ID:
+                break
+            tok = self.tokens[int(i)] if 0 <= int(i) < len(self.tokens) else "<unk>"
+            out.append(tok if len(tok) == 1 else "")
+        return "".join(out)
+
+    def save(self, directory: str | Path) -> None:
+        """Write an HF fast tokenizer equivalent to this one, so transformers and vLLM load the directory offline."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+        from transformers import PreTrainedTokenizerFast
+
+        tok = Tokenizer(models.WordLevel(vocab=self.index, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+        tok.decoder = decoders.Fuse()
+        tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", BOS_ID)])
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                       pad_token="<pad>", unk_token="<unk>")
+        fast.save_pretrained(str(directory))
+
+
+def build_tiny_model(vocab_size: int = 128, hidden: int = 128, layers: int = 4, heads: int = 4,
+                     intermediate: int = 384, max_positions: int = 64, seed: int = 0):
+    """An untied Llama, head size 32 (vLLM CPU attention needs 32/64/...), ~0.9 M parameters at the defaults.
+
+    Untied embeddings because vLLM's CPU build keeps a pre-packed copy of a tied output head across in-place weight
+    syncs (ENGINES.md).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
+        max_position_embeddings=max_positions, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).float()
+
+
+def load_model(path: str | Path, trust_remote_code: bool = False):
+    """Load an HF causal LM from a local directory in fp32 (safetensors; no remote code unless asked)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, use_safetensors=True,
+                                                trust_remote_code=trust_remote_code, local_files_only=True)
+
+
+def _encode_problems(tokenizer: CharTokenizer, problems):
+    """Prompts as token-id lists (with <bos>) and answers as strings."""
+    return [tokenizer.encode(p) for p, _ in problems], [a for _, a in problems]
+
+
+def pretrain(cfg: PretrainConfig) -> dict:
+    """Supervised training of the tiny model on "prompt answer<eos>" (loss on the answer), saved to cfg.out."""
+    from tqdm.auto import tqdm
+
+    tokenizer = CharTokenizer()
+    model = build_tiny_model(vocab_size=tokenizer.vocab_size, seed=cfg.seed).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / cfg.steps))))
+    problems = make_arithmetic_task(cfg.steps * cfg.batch, cfg.digits, cfg.seed, cfg.ops)
+    t0 = time.time()
+    for step in tqdm(range(cfg.steps), desc="pretrain", mininterval=2):
+        batch = problems[step * cfg.batch : (step + 1) * cfg.batch]
+        seqs = [tokenizer.encode(p) + tokenizer.encode(a, bos=False) + [EOS_ID] for p, a in batch]
+        L = max(map(len, seqs))
+        ids = torch.tensor([s + [PAD_ID] * (L - len(s)) for s in seqs])  # (B, L) right-padded
+        labels = ids.clone()
+        for i, (p, _) in enumerate(batch):
+            labels[i, : len(p) + 1] = -100  # learn the answer only
+        labels[ids == PAD_ID] = -100
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+    model.eval()
+    acc = greedy_accuracy(model, tokenizer, make_arithmetic_task(512, cfg.digits, 0, cfg.ops, split="eval"))
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save(out)
+    info = {"greedy_accuracy_eval": acc, "seconds": time.time() - t0, "steps": cfg.steps, "digits": cfg.digits,
+            "ops": cfg.ops, "params": sum(p.numel() for p in model.parameters())}
+    (out / "pretrain.json").write_text(json.dumps(info, indent=1))
+    return info
+
+
+def ensure_base_model(path: str | Path = "runs/base") -> Path:
+    """Pre-train the embedded tiny model into `path` unless a model is already there."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        print(f"[tim_rl] no model at {path}: pre-training the embedded tiny model (about a minute)", file=sys.stderr)
+        pretrain(PretrainConfig(out=str(path)))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ---- samplers (torch, vLLM) ----
+
+
+@dataclass
+class Rollout:
+    """One batch of sampled responses. Prompts are left-padded to P; responses right-padded to T."""
+
+    prompt_ids: torch.Tensor  # (B, P) long, left-padded with PAD_ID
+    prompt_mask: torch.Tensor  # (B, P) bool, True on real prompt tokens
+    response_ids: torch.Tensor  # (B, T) long, PAD_ID after <eos>
+    mask: torch.Tensor  # (B, T) bool, True on generated tokens (<eos> included)
+    logp_infer: torch.Tensor  # (B, T) float32, the sampler's log-prob of each sampled token
+    topk_ids: torch.Tensor  # (B, T, K) long, the sampler's top-K ids at each position
+    logp_topk_infer: torch.Tensor  # (B, T, K) float32, the sampler's log-probs of those ids
+    texts: list[str]  # decoded responses
+
+
+def _left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    P = max(map(len, prompts))
+    ids = torch.tensor([[PAD_ID] * (P - len(p)) + p for p in prompts])  # (B, P)
+    return ids, ids.new_tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts]).bool()
+
+
+def _positions(attention: torch.Tensor) -> torch.Tensor:
+    return (attention.long().cumsum(1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, topk: int = 0,
+           generator: torch.Generator | None = None, decode_text=None) -> Rollout:
+    """KV-cache sampling from softmax(logits / temperature) (greedy at 0), recording log-probs as it goes.
+
+    The recorded log-probs are those of the distribution actually sampled from (temperature applied, no top-p/top-k
+    filtering), computed in float32 from the engine's logits, as vLLM's processed log-probs are. topk = 0: all V.
+    """
+    from transformers import DynamicCache
+
+    prompt_ids, prompt_mask = _left_pad(prompts)
+    B = prompt_ids.shape[0]
+    attention = prompt_mask.long()
+    cache = DynamicCache()
+    out = model(input_ids=prompt_ids, attention_mask=attention, position_ids=_positions(attention),
+                past_key_values=cache, use_cache=True)
+    logits = out.logits[:, -1]  # (B, V)
+    V = logits.shape[-1]
+    K = V if topk <= 0 else min(topk, V)
+    finished = torch.zeros(B, dtype=torch.bool)
+    ids, masks, logps, top_ids, top_logps = [], [], [], [], []
+    for _ in range(max_new_tokens):
+        logprobs = torch.log_softmax(logits.float() / (temperature if temperature > 0 else 1.0), -1)  # (B, V)
+        if temperature > 0:
+            token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)  # (B,)
+        else:
+            token = logprobs.argmax(-1)
+        token = torch.where(finished, torch.full_like(token, PAD_ID), token)
+        masks.append(~finished)
+        ids.append(token)
+        logps.append(logprobs.gather(-1, token[:, None]).squeeze(1))
+        top = logprobs.topk(K, dim=-1)  # (B, K)
+        top_ids.append(top.indices)
+        top_logps.append(top.values)
+        finished = finished | (token == EOS_ID)
+        if finished.all():
+            break
+        attention = torch.cat([attention, torch.ones(B, 1, dtype=torch.long)], 1)
+        out = model(input_ids=token[:, None], attention_mask=attention,
+                    position_ids=_positions(attention)[:, -1:], past_key_values=out.past_key_values, use_cache=True)
+        logits = out.logits[:, -1]
+    response_ids = torch.stack(ids, 1)  # (B, T)
+    decode_text = decode_text or (lambda row: " ".join(map(str, row)))
+    return Rollout(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, mask=torch.stack(masks, 1),
+        logp_infer=torch.stack(logps, 1), topk_ids=torch.stack(top_ids, 1), logp_topk_infer=torch.stack(top_logps, 1),
+        texts=[decode_text(row.tolist()) for row in response_ids],
+    )
+
+
+def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_ids: torch.Tensor | None = None,
+                      params: dict | None = None):
+    """Trainer-engine log-probs of the rollout's tokens (and of its top-K ids): one full forward, no KV cache.
+
+    Returns (logp (B, T), logp_topk (B, T, K) or None, last hidden state at the response positions (B, T, H)).
+    `params` (name -> tensor) runs the same model with other weights (torch.func.functional_call).
+    """
+    input_ids = torch.cat([rollout.prompt_ids, rollout.response_ids], 1)  # (B, P + T)
+    attention = torch.cat([rollout.prompt_mask, torch.ones_like(rollout.mask)], 1).long()
+    kwargs = dict(input_ids=input_ids, attention_mask=attention, position_ids=_positions(attention),
+                  output_hidden_states=True)
+    out = model(**kwargs) if params is None else torch.func.functional_call(model, params, args=(), kwargs=kwargs)
+    P, T = rollout.prompt_ids.shape[1], rollout.response_ids.shape[1]
+    logits = out.logits[:, P - 1 : P + T - 1]  # (B, T, V): position t predicts response token t
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    logp = token_logprobs(logits, rollout.response_ids)
+    logp_topk = token_logprobs(logits, topk_ids) if topk_ids is not None else None
+    return logp, logp_topk, out.hidden_states[-1][:, P - 1 : P + T - 1]
+
+
+def greedy_accuracy(model, tokenizer: CharTokenizer, problems, max_new_tokens: int = 6, batch: int = 256) -> float:
+    """Held-out exact-match accuracy of greedy decoding with `model` (any engine's copy)."""
+    prompts, answers = _encode_problems(tokenizer, problems)
+    correct = 0.0
+    for i in range(0, len(prompts), batch):
+        ro = decode(model, prompts[i : i + batch], max_new_tokens, temperature=0.0, topk=1,
+                    decode_text=tokenizer.decode)
+        correct += sum(verify(t, a) for t, a in zip(ro.texts, answers[i : i + batch]))
+    return correct / max(len(prompts), 1)
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
+INT8_MAX = 127.0
+
+
+def fake_quantize(w: torch.Tensor, quant: str) -> torch.Tensor:
+    """Weight fake-quantisation in fp32: int8 per output channel (symmetric) or fp8-e4m3 per tensor. (O, I)."""
+    if quant == "int8":
+        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / INT8_MAX  # (O, 1)
+        return (w / scale).round().clamp(-INT8_MAX, INT8_MAX) * scale
+    if quant == "fp8":
+        scale = w.abs().max().clamp(min=1e-12) / FP8_E4M3_MAX
+        return (w / scale).to(torch.float8_e4m3fn).float() * scale
+    raise ValueError(f"quant must be 'int8' or 'fp8', got {quant!r}")
+
+
+class TorchSampler:
+    """A sampler engine in plain torch: its own copy of the weights in the engine's numerics, KV-cache decoding."""
+
+    def __init__(self, model_dir_or_model, engine: EngineSpec | None = None, tokenizer: CharTokenizer | None = None):
+        self.engine = engine or EngineSpec()
+        if self.engine.dtype not in _DTYPES:
+            raise ValueError(f"engine.dtype must be one of {sorted(_DTYPES)}, got {self.engine.dtype!r}")
+        if self.engine.quant not in ("none", "int8", "fp8"):
+            raise ValueError(f"engine.quant must be none | int8 | fp8, got {self.engine.quant!r}")
+        if self.engine.exact and (self.engine.dtype != "fp32" or self.engine.quant != "none" or self.engine.noise):
+            raise ValueError("engine.exact needs dtype fp32 without quantisation or noise")
+        source = load_model(model_dir_or_model) if isinstance(model_dir_or_model, (str, Path)) else model_dir_or_model
+        self.model = copy.deepcopy(source).eval()
+        self.tokenizer = tokenizer or CharTokenizer(self.model.config.vocab_size)
+        self.load_weights({k: v.detach() for k, v in source.state_dict().items()})
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy exported weights in, then apply the engine's numerics: dtype, quantisation, noise (same draw)."""
+        # TIM: everything below is where this engine's numbers start to differ from the trainer's
+        self.model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
+        noise_gen = torch.Generator().manual_seed(self.engine.noise_seed)
+        for name, module in self.model.named_modules():
+            if not isinstance(module, torch.nn.Linear) or name.endswith("lm_head"):
+                continue
+            w = module.weight
+            if self.engine.quant != "none":
+                w.copy_(fake_quantize(w.float(), self.engine.quant))
+            if self.engine.noise:
+                w.add_(self.engine.noise * torch.randn(w.shape, generator=noise_gen) * w)
+        self.model.to(_DTYPES[self.engine.dtype])
+
+    def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5, temperature: float = 1.0,
+               topk: int = 0, generator: torch.Generator | None = None) -> Rollout:
+        """n samples per prompt (consecutive rows), log-probs and top-K recorded at sampling time."""
+        expanded = [p for p in prompts for _ in range(n)]
+        rollout = decode(self.model, expanded, max_new_tokens, temperature, topk, generator, self.tokenizer.decode)
+        if self.engine.exact:
+            # TIM: zero-mismatch limit: score the sampled tokens with the trainer's own fp32 forward (same kernels,
+            # shapes and weights as Trainer.logprobs), so logp_infer == logp_old bitwise.
+            with torch.no_grad():
+                logp, logp_topk, _ = sequence_logprobs(self.model, rollout, temperature, rollout.topk_ids)
+            rollout.logp_infer = torch.where(rollout.mask, logp, torch.zeros_like(logp))
+            rollout.logp_topk_infer = logp_topk
+        return rollout
+
+    def greedy_accuracy(self, problems) -> float:
+        return greedy_accuracy(self.model, self.tokenizer, problems)
+
+
+class VLLMSampler:
+    """The same interface over vllm.LLM (vLLM's CPU build here, `vllm` on a GPU); weights synced in place.
+
+    Log-probs come from SamplingParams(logprobs=K) with logprobs_mode="processed_logprobs", i.e. of the
+    distribution actually sampled from (temperature applied; top-p / top-k are off). Prompts go in as token ids, so
+    no tokenizer can disagree. In-place sync: collective_rpc("reload_weights", weights_iterator=...) then
+    reset_prefix_cache() (ENGINES.md); the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) is required for
+    passing tensors.
+    """
+
+    def __init__(self, model_dir: str | Path, dtype: str = "fp32", seed: int = 0, tokenizer=None,
+                 max_model_len: int = 128, max_num_seqs: int = 256):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: tensors can be passed
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU build only
+        threads = str(torch.get_num_threads())
+        os.environ.setdefault("OMP_NUM_THREADS", threads)  # else vLLM drops torch to one thread
+        from vllm import LLM  # heavy (~4 s): imported only when a vLLM sampler is built
+
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        self.dtype, self.seed = dtype, seed
+        self.tokenizer = tokenizer or load_tokenizer(model_dir)
+        self.llm = LLM(model=str(model_dir), dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
+                       enforce_eager=True, block_size=32, seed=seed, max_model_len=max_model_len,
+                       max_num_seqs=max_num_seqs, max_num_batched_tokens=4096, logprobs_mode="processed_logprobs",
+                       max_logprobs=-1)
+        torch.set_num_threads(int(threads))
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        self._calls = 0
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """In-place sync of exported weights (vLLM casts them to its dtype)."""
+        # TIM: the served copy enters vLLM's own kernels here
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
+        self.llm.reset_prefix_cache()
+
+    def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5, temperature: float = 1.0,
+               topk: int = 0, generator: torch.Generator | None = None) -> Rollout:
+        """n samples per prompt (consecutive rows) with vLLM's log-probs of each token and of its top-K ids."""
+        from vllm import SamplingParams
+
+        K = self.vocab_size if topk <= 0 else min(topk, self.vocab_size)
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) if generator is not None else None
+        params = SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0 if temperature > 0 else 1,
+                                max_tokens=max_new_tokens, logprobs=K, seed=seed, skip_special_tokens=False)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        rows = []
+        for out in outputs:
+            for comp in out.outputs:  # n completions of one prompt, in order
+                rows.append(comp)
+        T = max(len(c.token_ids) for c in rows)
+        B = len(rows)
+        response_ids = torch.full((B, T), PAD_ID, dtype=torch.long)
+        mask = torch.zeros(B, T, dtype=torch.bool)
+        logp = torch.zeros(B, T)
+        top_ids = torch.zeros(B, T, K, dtype=torch.long)
+        top_logp = torch.full((B, T, K), -math.inf)
+        for i, comp in enumerate(rows):
+            for t, (tok, lp) in enumerate(zip(comp.token_ids, comp.logprobs)):
+                response_ids[i, t], mask[i, t] = tok, True
+                logp[i, t] = lp[tok].logprob
+                ranked = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:K]
+                top_ids[i, t, : len(ranked)] = torch.tensor([k for k, _ in ranked])
+                top_logp[i, t, : len(ranked)] = torch.tensor([v.logprob for _, v in ranked])
+        prompt_ids, prompt_mask = _left_pad([p for p in prompts for _ in range(n)])
+        return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, mask=mask,
+                       logp_infer=logp, topk_ids=top_ids, logp_topk_infer=top_logp,
+                       texts=[self.tokenizer.decode(row.tolist()) for row in response_ids])
+
+    def greedy_accuracy(self, problems) -> float:
+        prompts, answers = _encode_problems(self.tokenizer, problems)
+        ro = self.sample(prompts, 1, 6, temperature=0.0, topk=1)
+        return sum(verify(t, a) for t, a in zip(ro.texts, answers)) / max(len(prompts), 1)
+
+
+class HFTokenizer:
+    """CharTokenizer's interface over any saved HF tokenizer (for --model directories that are not tim_rl's)."""
+
+    def __init__(self, directory: str | Path):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        self.eos_id = self.tok.eos_token_id
+        self.vocab_size = len(self.tok)
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        return self.tok(text, add_special_tokens=bos)["input_ids"]
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        return self.tok.decode(ids[: ids.index(self.eos_id)] if self.eos_id in ids else ids, skip_special_tokens=True)
+
+
+def load_tokenizer(directory: str | Path):
+    """tim_rl's CharTokenizer when the directory holds it (pretrain.json), else the directory's HF tokenizer."""
+    return CharTokenizer() if (Path(directory) / "pretrain.json").exists() else HFTokenizer(directory)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ---- trainer ----
+
+
+class Trainer:
+    """fp32 master weights + optimizer; recomputes log-probs; exports the served copy the sampler will hold."""
+
+    def __init__(self, model, lr: float = 1e-4, optimizer: str = "adamw", export_dtype: str = "fp32",
+                 loss_on_served: bool = False, extra_params=()):
+        if export_dtype not in _DTYPES:
+            raise ValueError(f"export_dtype must be one of {sorted(_DTYPES)}, got {export_dtype!r}")
+        self.model = model.float().train()
+        # The trainer engine on the weights the sampler holds: logp_old comes from here (kept when the sampler lags).
+        self.behaviour = copy.deepcopy(self.model).eval()
+        # The unrounded master at the last export: splits export rounding off the ledger (bf16 / fp16 exports only).
+        self.master_at_export = copy.deepcopy(self.model).eval() if export_dtype != "fp32" else None
+        params = list(self.model.parameters()) + list(extra_params)
+        if optimizer == "adamw":
+            self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        elif optimizer == "sgd":
+            self.opt = torch.optim.SGD(params, lr=lr)
+        else:
+            raise ValueError(f"optimizer must be adamw or sgd, got {optimizer!r}")
+        self.export_dtype, self.loss_on_served = export_dtype, loss_on_served
+        self.residual: dict[str, torch.Tensor] = {}  # error-feedback residuals, fp32
+        self.served = {n: p.detach().clone() for n, p in self.model.named_parameters()}  # fp32 values served
+        self._served_leaves: dict[str, torch.Tensor] | None = None
+
+    def logprobs(self, rollout: Rollout, topk_ids: torch.Tensor | None = None, temperature: float = 1.0):
+        """(logp, logp_topk, hidden) under the current weights, with gradient. Fair Cast's loss_on_served runs the
+        forward on the served (rounded) copy and routes its gradient to the fp32 master (straight-through)."""
+        params = None
+        if self.loss_on_served:  # TIM: the loss sees exactly what the sampler samples with
+            self._served_leaves = {n: v.clone().requires_grad_(True) for n, v in self.served.items()}
+            params = self._served_leaves
+        return sequence_logprobs(self.model, rollout, temperature, topk_ids, params=params)
+
+    @torch.no_grad()
+    def behaviour_logprobs(self, rollout: Rollout, temperature: float = 1.0):
+        """(logp_old, logp_master_old or None): the trainer engine on the served weights / on the master at export."""
+        logp_old = sequence_logprobs(self.behaviour, rollout, temperature)[0]
+        if self.master_at_export is None:
+            return logp_old, None
+        return logp_old, sequence_logprobs(self.master_at_export, rollout, temperature)[0]
+
+    def step(self, loss: torch.Tensor) -> float:
+        """Backward and one optimizer step on the fp32 master; returns the gradient norm."""
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if self._served_leaves is not None:
+            for name, p in self.model.named_parameters():
+                p.grad = self._served_leaves[name].grad
+            self._served_leaves = None
+        grads = [p.grad for group in self.opt.param_groups for p in group["params"] if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
+        self.opt.step()
+        return norm
+
+    @torch.no_grad()
+    def export(self, mode: str = "rtn", generator: torch.Generator | None = None) -> tuple[dict, float]:
+        """Round the fp32 master to the sampler's dtype (rtn | sr | ef). Returns (state dict, visible update fraction).
+
+        Also moves the behaviour copy to the served weights, so that logp_old is the trainer engine on exactly what
+        the sampler now holds.
+        """
+        if mode not in ("rtn", "sr", "ef"):
+            raise ValueError(f"mode must be rtn | sr | ef, got {mode!r}")
+        if mode != "rtn" and self.export_dtype != "bf16":
+            raise ValueError(f"export mode {mode!r} rounds to bf16, but the sampler dtype is {self.export_dtype}")
+        state, dot, norm2 = {}, 0.0, 0.0
+        for name, p in self.model.named_parameters():
+            master = p.detach()
+            if self.export_dtype == "fp32":
+                served = master.clone()
+            elif mode == "sr":  # TIM: Fair Cast, unbiased rounding
+                served = stochastic_round_bf16(master, generator=generator)
+            elif mode == "ef":  # TIM: Fair Cast, error feedback
+                served, self.residual[name] = error_feedback_round_bf16(
+                    master, self.residual.get(name, torch.zeros_like(master)))
+            else:  # TIM: round-to-nearest swallows updates below half a cell
+                served = master.to(_DTYPES[self.export_dtype])
+            before = self.master_at_export.get_parameter(name) if self.master_at_export is not None else None
+            if before is not None:
+                d_master = master.double() - before.double()
+                dot += float((d_master * (served.double() - self.served[name].double())).sum())
+                norm2 += float(d_master.square().sum())
+            state[name] = served
+            self.served[name] = served.float()
+        self.behaviour.load_state_dict(self.served, strict=False)
+        if self.master_at_export is not None:
+            self.master_at_export.load_state_dict({n: p.detach() for n, p in self.model.named_parameters()},
+                                                  strict=False)
+        return state, (dot / norm2 if norm2 > 0 else (1.0 if self.export_dtype == "fp32" else 0.0))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ---- experiment loop and ledger ----
+
+CORRECTIONS = ("none", "tis", "mis", "seq_tis", "geo", "cis", "ppo", "dppo", "sc", "sc_tis", "sc_mis", "dlc", "copc",
+               "calibrated")
+
+
+def policy_loss(cfg: RLConfig, logp, logp_topk, logp_old, ro: Rollout, adv):
+    """The chosen correction as one loss; returns (loss, per-token weight or None). Each entry is one call."""
+    m, q = ro.mask, ro.logp_infer
+    weighted = {  # TIM: REINFORCE with a detached per-token weight on p_old / q
+        "none": None,
+        "tis": lambda: tis_weights(logp_old, q, m, cfg.tis_cap),
+        "mis": lambda: mis_weights(logp_old, q, m, cfg.mis_low, cfg.mis_high),
+        "seq_tis": lambda: seq_tis_weights(logp_old, q, m),
+        "geo": lambda: geo_mask_weights(logp_old, q, m),
+    }
+    if cfg.correction in weighted:
+        w = weighted[cfg.correction]() if weighted[cfg.correction] else None
+        return pg_loss(logp, adv, m, weights=w), w
+    if cfg.correction in ("ppo", "cis", "copc"):  # TIM: decoupled PPO, engine gap in the weight, lag in the clip
+        w = {"ppo": lambda: tis_weights(logp_old, q, m, cfg.tis_cap), "cis": lambda: cis_weights(logp_old, q, m),
+             "copc": lambda: copc_mask(logp_old, q, m)}[cfg.correction]()
+        return ppo_loss(logp, logp_old, adv, m, weights=w, eps_low=cfg.eps_low, eps_high=cfg.eps_high), w
+    if cfg.correction == "dppo":
+        return dppo_loss(logp, q, adv, m, delta=cfg.dppo_delta), None
+    if cfg.correction in ("sc", "sc_tis", "sc_mis"):
+        cap = cfg.tis_cap if cfg.correction == "sc_tis" else None
+        band = (cfg.mis_low, cfg.mis_high) if cfg.correction == "sc_mis" else None
+        return score_centering_loss(logp, logp_topk, q, ro.logp_topk_infer, adv, m, cap=cap, band=band), None
+    if cfg.correction == "dlc":
+        return dlc_loss(logp, logp_old, q, adv, m, cfg.eps_low, cfg.eps_high), dlc_weights(logp_old, q, m)
+    if cfg.correction == "calibrated":  # TIM: PPO on p / q with FP8-calibrated bounds, TIS on (C = 2)
+        ratio_low, ratio_ref = (logp.detach() - q).exp(), (logp.detach() - logp_old).exp()
+        lo, hi = calibrated_clip_bounds(ratio_low, ratio_ref, adv, m, cfg.eps_low, cfg.eps_high)
+        w = tis_weights(logp_old, q, m, cfg.tis_cap)
+        return ppo_loss(logp, q, adv, m, weights=w, eps_low=1 - lo, eps_high=hi - 1), w
+    raise ValueError(f"correction must be one of {CORRECTIONS}, got {cfg.correction!r}")
+
+
+def drift_signal_norms(params, logp, logp_topk, ro: Rollout, adv) -> dict[str, float]:
+    """Norms of the REINFORCE gradient's drift part E_q[A] sum_v q_v s_v and signal part (SC's gradient) [2]."""
+    params = [p for p in params if p.requires_grad]
+    g_total = torch.autograd.grad(pg_loss(logp, adv, ro.mask), params, retain_graph=True, allow_unused=True)
+    sc = score_centering_loss(logp, logp_topk, ro.logp_infer, ro.logp_topk_infer, adv, ro.mask)
+    g_signal = torch.autograd.grad(sc, params, retain_graph=True, allow_unused=True)
+    zero = torch.zeros(())
+    drift = math.sqrt(sum(float(((a if a is not None else zero) - (b if b is not None else zero)).square().sum())
+                          for a, b in zip(g_total, g_signal)))
+    signal = math.sqrt(sum(float(b.square().sum()) for b in g_signal if b is not None))
+    return {"drift_grad_norm": drift, "signal_grad_norm": signal, "drift_over_signal": drift / max(signal, 1e-12)}
+
+
+def make_sampler(cfg: RLConfig, model, tokenizer):
+    """The sampler engine of the run: TorchSampler, or VLLMSampler (needs vLLM)."""
+    if cfg.sampler == "torch":
+        engine = EngineSpec(dtype=cfg.dtype, quant=cfg.quant, noise=cfg.noise, noise_seed=cfg.seed + 1234,
+                            exact=cfg.exact)
+        return TorchSampler(model, engine, tokenizer)
+    if cfg.sampler == "vllm":
+        if cfg.quant != "none" or cfg.noise or cfg.exact:
+            raise ValueError("the vLLM sampler takes dtype only (no quant / noise / exact)")
+        return VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer)
+    raise ValueError(f"sampler must be torch or vllm, got {cfg.sampler!r}")
+
+
+def _check_run_config(cfg: RLConfig) -> None:
+    if cfg.correction not in CORRECTIONS:
+        raise ValueError(f"correction must be one of {CORRECTIONS}, got {cfg.correction!r}")
+    if cfg.baseline not in ("group", "none"):
+        raise ValueError(f"baseline must be group or none, got {cfg.baseline!r}")
+    if cfg.sync_every < 1:
+        raise ValueError(f"sync_every must be >= 1, got {cfg.sync_every}")
+    if cfg.loss_on_served and cfg.sync_every != 1:
+        raise ValueError("loss_on_served needs sync_every = 1 (the loss runs on the copy the sampler holds)")
+
+
+def run(cfg: RLConfig) -> list[dict]:
+    """RL under mismatch: sample -> verify -> advantages -> recompute + ledger -> correct -> step -> export/sync.
+
+    Writes one JSON line per step to runs/<name>/metrics.jsonl and returns the same records.
+    """
+    from tqdm.auto import tqdm
+
+    _check_run_config(cfg)
+    torch.manual_seed(cfg.seed)
+    model_dir = ensure_base_model(cfg.model) if cfg.model == "runs/base" else Path(cfg.model)
+    tokenizer = load_tokenizer(model_dir)
+    info = json.loads((model_dir / "pretrain.json").read_text()) if (model_dir / "pretrain.json").exists() else {}
+    digits, ops = info.get("digits", 2), info.get("ops", "+")
+    model = load_model(model_dir)
+    value_head = torch.nn.Linear(model.config.hidden_size, 1) if cfg.correction == "copc" else None
+    trainer = Trainer(model, cfg.lr, cfg.optimizer, export_dtype=cfg.dtype, loss_on_served=cfg.loss_on_served,
+                      extra_params=value_head.parameters() if value_head is not None else ())
+    sampler = make_sampler(cfg, trainer.model, tokenizer)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    state, _ = trainer.export(cfg.export, generator=gen)  # the sampler starts from the served copy of the master
+    sampler.load_weights(state)
+    train_set = make_arithmetic_task(cfg.steps * cfg.prompts, digits, cfg.seed, ops)
+    eval_set = make_arithmetic_task(cfg.eval_n, digits, 0, ops, split="eval")
+    out = Path(cfg.out_dir) / cfg.name
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+    records, since_sync = [], 0
+    with open(out / "metrics.jsonl", "w") as log:
+        for step in tqdm(range(cfg.steps), desc=cfg.name, disable=not cfg.progress, mininterval=2):
+            t = {"t0": time.perf_counter()}
+            # 1) sample
+            problems = train_set[step * cfg.prompts : (step + 1) * cfg.prompts]
+            prompts, answers = _encode_problems(tokenizer, problems)
+            ro = sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, cfg.topk, gen)
+            t["sample"] = time.perf_counter()
+            # 2) verify
+            rewards = torch.tensor([verify(text, answers[i // cfg.group]) for i, text in enumerate(ro.texts)])
+            # 3) recompute: current (grad), behaviour (the weights the sampler holds), master at export
+            logp, logp_topk, hidden = trainer.logprobs(ro, ro.topk_ids, cfg.temperature)
+            logp_old, logp_master_old = trainer.behaviour_logprobs(ro, cfg.temperature)
+            t["recompute"] = time.perf_counter()
+            # 4) advantages and the correction
+            if cfg.correction == "copc":
+                values = torch.sigmoid(value_head(hidden.detach()).squeeze(-1))  # (B, T), bounded to [0, 1] rewards
+                adv, targets = copc_advantages(values, rewards, logp, ro.logp_infer, ro.mask)
+            else:
+                adv = (grpo_advantages(rewards, cfg.group) if cfg.baseline == "group" else rewards)[:, None]
+            loss, weights = policy_loss(cfg, logp, logp_topk, logp_old, ro, adv)
+            if cfg.correction == "copc":
+                loss = loss + 0.5 * masked_mean((values - targets).square(), ro.mask)
+            drift = drift_signal_norms(trainer.model.parameters(), logp, logp_topk, ro, adv) \
+                if cfg.diagnose_drift else {}
+            t["loss"] = time.perf_counter()
+            # 5) step
+            grad_norm = trainer.step(loss)
+            t["optimizer"] = time.perf_counter()
+            # 6) export + sync every sync_every steps (policy lag), or when DLC asks for it
+            since_sync += 1
+            ledger = mismatch_ledger(logp.detach(), logp_old, ro.logp_infer, ro.mask, logp_master_old)
+            resync = since_sync >= cfg.sync_every or (cfg.correction == "dlc" and cfg.dlc_max_staleness > 0 and
+                                                      dlc_should_resync(since_sync, ledger["numerics_mean"],
+                                                                        cfg.dlc_max_staleness, cfg.dlc_max_discrepancy))
+            vuf = None
+            if resync:
+                state, vuf = trainer.export(cfg.export, generator=gen)
+                sampler.load_weights(state)  # TIM: the trainer's weights (and its drift) enter the sampler
+                since_sync = 0
+            t["sync"] = time.perf_counter()
+            record = {"step": step, "reward": float(rewards.mean()), "loss": loss.item(), "grad_norm": grad_norm,
+                      "synced": resync, "visible_update_fraction": vuf, "staleness": since_sync}
+            record |= {f"mm_{k}": v for k, v in mismatch_metrics(logp.detach(), ro.logp_infer, ro.mask).items()}
+            record |= {f"ledger_{k}": v for k, v in ledger.items()} | drift
+            if weights is not None:
+                record["frac_zero_weight"] = float(((weights == 0) & ro.mask).sum() / ro.mask.sum())
+            if ro.logp_topk_infer.shape[-1] == model.config.vocab_size:  # full distribution recorded: entropy
+                ent = -(ro.logp_topk_infer.exp() * ro.logp_topk_infer.nan_to_num(neginf=0.0)).sum(-1)
+                record["entropy"] = float(masked_mean(ent, ro.mask))
+            if step % cfg.eval_every == 0 or step == cfg.steps - 1:
+                record["acc_trainer"] = greedy_accuracy(trainer.model, tokenizer, eval_set)
+                record["acc_sampler"] = sampler.greedy_accuracy(eval_set)
+            phases = ["sample", "recompute", "loss", "optimizer", "sync"]
+            prev = t["t0"]
+            for ph in phases:
+                record[f"sec_{ph}"] = t[ph] - prev
+                prev = t[ph]
+            records.append(record)
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+    return records
+
+
+def measure_engines(model_dir: str | Path, engines: list[tuple[str, object]], n_prompts: int = 64, n: int = 4,
+                    max_new_tokens: int = 5, seed: int = 0) -> list[dict]:
+    """Mismatch of each sampler engine against the fp32 trainer forward on the tokens that engine sampled.
+
+    `engines` is a list of (label, EngineSpec or "vllm-fp32"/"vllm-bf16"). Same prompts and seed for all.
+    """
+    model_dir = Path(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    info = json.loads((model_dir / "pretrain.json").read_text()) if (model_dir / "pretrain.json").exists() else {}
+    problems = make_arithmetic_task(n_prompts, info.get("digits", 2), seed, info.get("ops", "+"), split="eval")
+    prompts, _ = _encode_problems(tokenizer, problems)
+    trainer_model = load_model(model_dir).eval()
+    rows = []
+    for label, spec in engines:
+        if isinstance(spec, EngineSpec):
+            sampler = TorchSampler(trainer_model, spec, tokenizer)
+        else:
+            sampler = VLLMSampler(model_dir, dtype=spec.split("-")[1], seed=seed, tokenizer=tokenizer)
+        ro = sampler.sample(prompts, n, max_new_tokens, 1.0, 0, torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            logp = sequence_logprobs(trainer_model, ro)[0]  # TIM: the trainer's view of the same tokens
+        m = mismatch_metrics(logp, ro.logp_infer, ro.mask)
+        rows.append({"engine": label, "tokens": int(m["n_tokens"]), "k3": m["k3"], "abs_diff": m["abs_diff"],
+                     "max_abs_diff": m["max_abs_diff"], "ratio_min": m["ratio_min"], "ratio_max": m["ratio_max"]})
+    return rows
+
+
+def vllm_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def default_engines() -> list[tuple[str, object]]:
+    engines = [("torch fp32 (KV cache)", EngineSpec()), ("torch fp32 exact", EngineSpec(exact=True)),
+               ("torch fp16", EngineSpec(dtype="fp16")), ("torch bf16", EngineSpec(dtype="bf16")),
+               ("torch int8 weights", EngineSpec(quant="int8")), ("torch fp8-e4m3 weights", EngineSpec(quant="fp8"))]
+    if vllm_available():
+        engines += [("vLLM fp32", "vllm-fp32"), ("vLLM bf16", "vllm-bf16")]
+    return engines
+
+
+def _markdown_table(rows: list[dict], floats: str = "{:.3g}") -> str:
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for r in rows:
+        lines.append("| " + " | ".join(floats.format(v) if isinstance(v, float) else str(v) for v in r.values()) + " |")
+    return "\n".join(lines)
+
+
+def compare(base: RLConfig, corrections: list[str], seeds: list[int], name: str, control: bool = True) -> list[dict]:
+    """Run each correction (and a synced, uncorrected control) over seeds; write results.md and plot.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = [("synced control (k=1, none)", {"correction": "none", "sync_every": 1})] if control else []
+    arms += [(f"{c} (k={base.sync_every})", {"correction": c}) for c in corrections]
+    out = Path(base.out_dir) / name
+    out.mkdir(parents=True, exist_ok=True)
+    rows, curves = [], {}
+    for label, change in arms:
+        finals = []
+        for seed in seeds:
+            cfg = RLConfig(**(asdict(base) | change | {"seed": seed, "out_dir": str(out),
+                                                       "name": f"{change['correction']}_k{change.get('sync_every', base.sync_every)}_s{seed}"}))
+            recs = run(cfg)
+            evals = [r for r in recs if "acc_trainer" in r]
+            curves.setdefault(label, []).append(([r["step"] for r in evals], [r["acc_trainer"] for r in evals]))
+            finals.append({"acc_trainer": evals[-1]["acc_trainer"], "acc_sampler": evals[-1]["acc_sampler"],
+                           "k3": sum(r["mm_k3"] for r in recs) / len(recs),
+                           "lag_abs": sum(r["ledger_lag_abs"] for r in recs) / len(recs)})
+        row = {"arm": label, "seeds": len(seeds)}
+        for key in ("acc_trainer", "acc_sampler", "k3", "lag_abs"):
+            vals = torch.tensor([f[key] for f in finals], dtype=torch.float64)
+            sd = float(vals.std()) if len(vals) > 1 else 0.0
+            row[key] = f"{float(vals.mean()):.3f} ± {sd:.3f}" if key.startswith("acc") else f"{float(vals.mean()):.3g}"
+        rows.append(row)
+    table = _markdown_table(rows)
+    (out / "results.md").write_text(f"{table}\n\nsteps={base.steps} prompts={base.prompts} group={base.group} "
+                                    f"lr={base.lr} dtype={base.dtype} sync_every={base.sync_every}\n")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, runs in curves.items():
+        steps = runs[0][0]
+        mean = [sum(r[1][i] for r in runs) / len(runs) for i in range(len(steps))]
+        ax.plot(steps, mean, marker="o", ms=3, label=label)
+    ax.set(title=f"held-out greedy accuracy of the trainer (mean of {len(seeds)} seeds)", xlabel="optimizer step",
+           ylabel="exact-match accuracy (fraction)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "plot.png", dpi=110)
+    plt.close(fig)
+    return rows
+
+
+def demo(steps: int = 150, seeds: tuple[int, ...] = (0,), sync_every: int = 32) -> None:
+    """The default command: mismatch of every engine, then policy lag hurting and being repaired."""
+    model_dir = ensure_base_model("runs/base")
+    print("\n== 1. measured mismatch of each sampler engine vs the fp32 trainer (same prompts, 256 samples) ==")
+    print(_markdown_table(measure_engines(model_dir, default_engines())))
+    print(f"\n== 2. policy lag: sampler synced every {sync_every} steps vs every step, {steps} steps ==")
+    base = RLConfig(steps=steps, sync_every=sync_every, eval_every=max(steps // 6, 1), eval_n=256, topk=0)
+    rows = compare(base, ["none", "tis", "sc", "sc_tis"], list(seeds), "demo")
+    print(_markdown_table(rows))
+    print("\nwrote runs/demo/results.md and runs/demo/plot.png")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ---- CLI ----
+
+
+def _add_fields(parser, cls) -> None:
+    """One --flag per dataclass field, its help text from the field's metadata."""
+    import argparse
+
+    for f in fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=f.metadata.get("help"))
+        else:
+            typ = {"int": int, "float": float, "str": str}.get(f.type, type(f.default))
+            parser.add_argument(flag, type=typ, default=f.default, help=f.metadata.get("help") + " (%(default)s)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="tim_rl", description="RL under training-inference mismatch. "
+                                     "No subcommand: the default demo (pre-trains the tiny model if needed).")
+    sub = parser.add_subparsers(dest="cmd")
+    _add_fields(sub.add_parser("pretrain", help="pre-train the embedded tiny model"), PretrainConfig)
+    _add_fields(sub.add_parser("train", help="one RL run"), RLConfig)
+    p_cmp = sub.add_parser("compare", help="several corrections side by side (plus a synced control)")
+    _add_fields(p_cmp, RLConfig)
+    p_cmp.add_argument("--corrections", default="none,tis,sc,sc_tis", help="comma-separated corrections")
+    p_cmp.add_argument("--seeds", default="0", help="comma-separated seeds")
+    p_eng = sub.add_parser("engines", help="measured mismatch of each sampler engine vs the fp32 trainer")
+    p_eng.add_argument("--model", default="runs/base")
+    p_demo = sub.add_parser("demo", help="the default demo")
+    p_demo.add_argument("--steps", type=int, default=150)
+    p_demo.add_argument("--seeds", default="0")
+    args = parser.parse_args(argv)
+    if args.cmd == "pretrain":
+        print(json.dumps(pretrain(PretrainConfig(**{f.name: getattr(args, f.name) for f in fields(PretrainConfig)}))))
+    elif args.cmd in ("train", "compare"):
+        cfg = RLConfig(**{f.name: getattr(args, f.name) for f in fields(RLConfig)})
+        if args.cmd == "train":
+            last = run(cfg)[-1]
+            print(json.dumps({k: v for k, v in last.items() if not k.startswith("sec_")}, indent=1))
+        else:
+            rows = compare(cfg, args.corrections.split(","), [int(s) for s in args.seeds.split(",")], cfg.name)
+            print(_markdown_table(rows))
+    elif args.cmd == "engines":
+        print(_markdown_table(measure_engines(ensure_base_model(args.model) if args.model == "runs/base"
+                                              else Path(args.model), default_engines())))
+    else:
+        steps = getattr(args, "steps", 150)
+        demo(steps=steps, seeds=tuple(int(s) for s in getattr(args, "seeds", "0").split(",")))
+
+
+if __name__ == "__main__":
+    main()
