@@ -695,3 +695,201 @@ def test_math_imports_with_torch_alone():
 
     code = "import sys, tim_rl; bad = [m for m in ('transformers', 'vllm') if m in sys.modules]; assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.abspath(tr.__file__)))
+
+
+# =================================================================================================================
+# verifier and task
+
+
+@pytest.mark.parametrize("text,answer,expected", [
+    ("47", "47", 1.0), ("the sum is 47", "47", 1.0), ("\\boxed{47}", "47", 1.0), ("x #### 47", "47", 1.0),
+    ("\\boxed{4{7}}", "47", 0.0), ("1,234", "1234", 1.0), ("12,34", "1234", 0.0), ("-47", "47", 0.0),
+    ("47.5", "47", 0.0), ("47.0", "47", 1.0), ("3/4", "0.75", 1.0), ("047", "47", 1.0), ("4 7", "47", 0.0),
+    ("47.", "47", 1.0), ("", "47", 0.0), ("no number", "47", 0.0), ("1e3", "1000", 0.0),
+    ("\\boxed{12} then 47", "12", 1.0), ("#### 5 and 6", "5", 1.0), ("__import__('os').system('x')", "0", 0.0),
+])
+def test_verify_table(text, answer, expected):
+    assert tr.verify(text, answer) == expected
+
+
+@given(st.text(max_size=300))
+def test_verify_never_raises(text):
+    assert tr.verify(text, "47") in (0.0, 1.0)
+    tr.extract_answer(text)
+
+
+def test_task_splits_are_disjoint_and_answers_verify():
+    train = tr.make_arithmetic_task(2000, digits=2, seed=3)
+    held = tr.make_arithmetic_task(500, digits=2, seed=3, split="eval")
+    assert not {p for p, _ in train} & {p for p, _ in held}
+    assert all(tr.verify(a, a) == 1.0 and len(p) == 6 for p, a in train)
+    with pytest.raises(ValueError, match="ops"):
+        tr.make_arithmetic_task(3, ops="/")
+
+
+# =================================================================================================================
+# pipeline (a model pre-trained once per session, shared by the tests below)
+
+
+@pytest.fixture(scope="session")
+def base_model_dir(tmp_path_factory):
+    """The embedded tiny model; pre-trained here once (about a minute) unless TIM_RL_BASE points at one."""
+    given_dir = os.environ.get("TIM_RL_BASE")
+    if given_dir:
+        return tr.Path(given_dir)
+    out = tmp_path_factory.mktemp("base")
+    info = tr.pretrain(tr.PretrainConfig(out=str(out)))
+    assert info["greedy_accuracy_eval"] >= 0.4, f"pre-training must leave a usable model, got {info}"
+    return out
+
+
+def test_saved_model_loads_offline_with_hf(base_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(base_model_dir), local_files_only=True)
+    ours = tr.CharTokenizer()
+    assert tok("12+34=")["input_ids"] == ours.encode("12+34=")
+    model = tr.load_model(base_model_dir)
+    assert not model.config.tie_word_embeddings
+
+
+def _rollout(model_dir, engine, n_prompts=16, n=4, seed=0):
+    model = tr.load_model(model_dir).eval()
+    sampler = tr.TorchSampler(model, engine)
+    prompts = [sampler.tokenizer.encode(p) for p, _ in tr.make_arithmetic_task(n_prompts, seed=seed, split="eval")]
+    ro = sampler.sample(prompts, n, 5, 1.0, 0, torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        logp, logp_topk, _ = tr.sequence_logprobs(model, ro, topk_ids=ro.topk_ids)
+    return ro, logp, logp_topk
+
+
+def test_exact_mode_ratio_is_exactly_one(base_model_dir):
+    ro, logp, logp_topk = _rollout(base_model_dir, tr.EngineSpec(exact=True))
+    assert torch.equal(logp[ro.mask], ro.logp_infer[ro.mask]), "bitwise identical log-probs"
+    assert torch.equal(logp_topk[ro.mask], ro.logp_topk_infer[ro.mask])
+    m = tr.mismatch_metrics(logp, ro.logp_infer, ro.mask)
+    assert m["max_abs_diff"] == 0.0 and m["ess"] == 1.0
+    ro, logp, _ = _rollout(base_model_dir, tr.EngineSpec())  # anti-vacuity: KV-cache decoding is not bitwise
+    diff = (logp - ro.logp_infer)[ro.mask].abs().max()
+    assert 0 < diff < 1e-4, "fp32 KV cache vs full forward: tiny but non-zero"
+
+
+@pytest.mark.parametrize("engine,low,high", [
+    (tr.EngineSpec(dtype="bf16"), 1e-3, 0.5), (tr.EngineSpec(quant="int8"), 1e-4, 0.5),
+    (tr.EngineSpec(quant="fp8"), 1e-3, 0.5), (tr.EngineSpec(dtype="fp16"), 1e-5, 0.05),
+])
+def test_low_precision_engines_give_real_mismatch(base_model_dir, engine, low, high):
+    ro, logp, _ = _rollout(base_model_dir, engine)
+    m = tr.mismatch_metrics(logp, ro.logp_infer, ro.mask)
+    assert low < m["abs_diff"] < high, m
+
+
+def test_fp16_mismatch_smaller_than_bf16(base_model_dir):
+    """The FP16 paper's claim at this scale: 3 more mantissa bits, a much smaller gap."""
+    gaps = {}
+    for dtype in ("bf16", "fp16"):
+        ro, logp, _ = _rollout(base_model_dir, tr.EngineSpec(dtype=dtype))
+        gaps[dtype] = tr.mismatch_metrics(logp, ro.logp_infer, ro.mask)["abs_diff"]
+    assert gaps["fp16"] * 3 < gaps["bf16"], gaps
+
+
+def test_rtn_export_loses_small_step_sr_and_ef_do_not(base_model_dir):
+    model = tr.load_model(base_model_dir)
+    for p in model.parameters():  # masters on the bf16 grid, as after loading a bf16 checkpoint
+        p.data.copy_(p.data.to(torch.bfloat16).float())
+    changed = {}
+    for mode in ("rtn", "sr", "ef"):
+        trainer = tr.Trainer(tr.copy.deepcopy(model), lr=1e-6, optimizer="sgd", export_dtype="bf16")
+        before, _ = trainer.export(mode, generator=torch.Generator().manual_seed(0))
+        for p in trainer.model.parameters():  # a tiny update: at most 2e-4 of a bf16 cell
+            p.data.add_(1e-4 * 2.0**-7 * p.data.abs())
+        after, vuf = trainer.export(mode, generator=torch.Generator().manual_seed(1))
+        changed[mode] = sum(int((after[k] != before[k]).sum()) for k in after)
+        if mode == "rtn":
+            assert vuf < 0.01
+    assert changed["rtn"] == 0 and changed["sr"] > 0
+    # EF accumulates: updates of 0.2 cell flip served weights after a few steps, deterministically
+    trainer = tr.Trainer(tr.copy.deepcopy(model), lr=1e-6, optimizer="sgd", export_dtype="bf16")
+    first, _ = trainer.export("ef")
+    for _ in range(3):
+        for p in trainer.model.parameters():
+            p.data.add_(0.2 * p.data.abs().clamp(min=1e-3) * 2.0**-7)
+        last, _ = trainer.export("ef")
+    assert sum(int((last[k] != first[k]).sum()) for k in last) > 0
+
+
+SMOKE = dict(steps=3, prompts=4, group=4, eval_every=2, eval_n=16, progress=False)
+
+
+@pytest.mark.parametrize("correction", tr.CORRECTIONS)
+def test_every_correction_runs_with_finite_metrics(base_model_dir, tmp_path, correction):
+    cfg = tr.RLConfig(name=correction, model=str(base_model_dir), correction=correction, dtype="bf16",
+                      sync_every=2, out_dir=str(tmp_path), **SMOKE)
+    recs = tr.run(cfg)
+    assert len(recs) == 3
+    lines = (tmp_path / correction / "metrics.jsonl").read_text().splitlines()
+    assert [tr.json.loads(line)["step"] for line in lines] == [0, 1, 2]
+    for r in recs:
+        for k, v in r.items():
+            if isinstance(v, float):
+                assert math.isfinite(v), (k, v)
+    assert recs[1]["staleness"] == 0 and recs[0]["staleness"] == 1, "sync every 2 steps"
+    assert "acc_trainer" in recs[-1] and "acc_sampler" in recs[-1]
+
+
+def test_policy_lag_shows_in_the_ledger_and_loss_on_served_runs(base_model_dir, tmp_path):
+    common = dict(model=str(base_model_dir), out_dir=str(tmp_path), lr=1e-3, baseline="none",  # always a gradient
+                  **(SMOKE | {"steps": 5}))
+    lagged = tr.run(tr.RLConfig(name="lag", sync_every=8, **common))
+    synced = tr.run(tr.RLConfig(name="sync", sync_every=1, **common))
+    assert lagged[-1]["ledger_lag_abs"] > 10 * max(synced[-1]["ledger_lag_abs"], 1e-7)
+    served = tr.run(tr.RLConfig(name="fc", dtype="bf16", export="sr", loss_on_served=True, **common))
+    assert all(math.isfinite(r["loss"]) for r in served)
+    drift = tr.run(tr.RLConfig(name="dr", dtype="bf16", diagnose_drift=True, **common))
+    assert drift[-1]["drift_grad_norm"] > 0 and drift[-1]["signal_grad_norm"] > 0
+
+
+def test_cli_help_and_train(base_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(tr.__file__))
+    out = subprocess.run([sys.executable, "tim_rl.py", "train", "--help"], cwd=here, capture_output=True, text=True)
+    assert out.returncode == 0 and "--sync-every" in out.stdout
+    out = subprocess.run([sys.executable, "tim_rl.py", "train", "--model", str(base_model_dir), "--steps", "2",
+                          "--prompts", "2", "--group", "2", "--eval-n", "8", "--out-dir", str(tmp_path),
+                          "--no-progress"], cwd=here, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "acc_trainer" in out.stdout
+
+
+# =================================================================================================================
+# vLLM (second CI environment)
+
+needs_vllm = pytest.mark.skipif(not tr.vllm_available(), reason="vLLM is not installed in this environment "
+                                "(CI runs these in its second environment with the extra `vllm`)")
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_vllm_fp32_matches_trainer_after_sync_bf16_differs(base_model_dir):
+    model = tr.load_model(base_model_dir).eval()
+    tok = tr.CharTokenizer()
+    prompts = [tok.encode(p) for p, _ in tr.make_arithmetic_task(16, split="eval")]
+    sampler = tr.VLLMSampler(base_model_dir, dtype="fp32", seed=0, tokenizer=tok)
+    with torch.no_grad():  # move the weights, sync in place, compare with the trainer on the new weights
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p) * p)
+    sampler.load_weights({k: v.detach() for k, v in model.state_dict().items()})
+    ro = sampler.sample(prompts, 4, 5, 1.0, 0, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logp = tr.sequence_logprobs(model, ro)[0]
+    assert (logp - ro.logp_infer)[ro.mask].abs().max() < 1e-4
+    assert torch.allclose(ro.logp_topk_infer.exp().sum(-1)[ro.mask], torch.ones(int(ro.mask.sum())), atol=1e-3)
+    del sampler
+    bf16 = tr.VLLMSampler(base_model_dir, dtype="bf16", seed=0, tokenizer=tok)
+    bf16.load_weights({k: v.detach() for k, v in model.state_dict().items()})
+    ro = bf16.sample(prompts, 4, 5, 1.0, 0, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logp = tr.sequence_logprobs(model, ro)[0]
+    assert (logp - ro.logp_infer)[ro.mask].abs().mean() > 1e-3
