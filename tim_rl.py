@@ -1129,7 +1129,7 @@ class VLLMSampler:
     """
 
     def __init__(self, model_dir: str | Path, dtype: str = "fp32", seed: int = 0, tokenizer=None,
-                 max_model_len: int = 128, max_num_seqs: int = 256):
+                 max_model_len: int | None = None, max_num_seqs: int = 256):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: tensors can be passed
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU build only
         threads = str(torch.get_num_threads())
