@@ -1321,12 +1321,16 @@ CORRECTIONS = ("none", "tis", "mis", "seq_tis", "geo", "cis", "ppo", "dppo", "sc
 def policy_loss(cfg: RLConfig, logp, logp_topk, logp_old, ro: Rollout, adv):
     """The chosen correction as one loss; returns (loss, per-token weight or None). Each entry is one call."""
     m, q = ro.mask, ro.logp_infer
-    weighted = {  # TIM: REINFORCE with a detached per-token weight on p_old / q
+    # TIM: REINFORCE has no ratio clip, so its weight must cover the whole gap p / q = lag x numerics: the weight
+    # functions get the current log-prob (detached) as their trainer side. PPO-style arms weight p_old / q and leave
+    # the lag p / p_old to the clip.
+    logp_now = logp.detach()
+    weighted = {
         "none": None,
-        "tis": lambda: tis_weights(logp_old, q, m, cfg.tis_cap),
-        "mis": lambda: mis_weights(logp_old, q, m, cfg.mis_low, cfg.mis_high),
-        "seq_tis": lambda: seq_tis_weights(logp_old, q, m),
-        "geo": lambda: geo_mask_weights(logp_old, q, m),
+        "tis": lambda: tis_weights(logp_now, q, m, cfg.tis_cap),
+        "mis": lambda: mis_weights(logp_now, q, m, cfg.mis_low, cfg.mis_high),
+        "seq_tis": lambda: seq_tis_weights(logp_now, q, m),
+        "geo": lambda: geo_mask_weights(logp_now, q, m),
     }
     if cfg.correction in weighted:
         w = weighted[cfg.correction]() if weighted[cfg.correction] else None
