@@ -571,7 +571,8 @@ def calibrated_clip_bounds(
     n_clipped = int((ratio_ref[neg] < 1 - eps_low).sum())  # what the reference zeroes
     L = float(low_neg[n_clipped]) if n_clipped < low_neg.numel() else math.nextafter(float(low_neg[-1]), math.inf)
 
-    def balance(r, H, L_):  # P(H) / N(L)
+    def balance(r, H, L_):
+        """(P(H), N(L)) of the ratios r."""
         p_mass = (A[pos] * r[pos]).double()[r[pos] <= H].sum()
         n_mass = (-A[neg] * r[neg]).double()[r[neg] >= L_].sum()
         return float(p_mass), float(n_mass)
@@ -839,9 +840,11 @@ class CharTokenizer:
         self.vocab_size, self.eos_id, self.pad_id, self.bos_id = len(self.tokens), EOS_ID, PAD_ID, BOS_ID
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
+        """Token ids of `text`, <bos> first."""
         return ([BOS_ID] if bos else []) + [self.index.get(c, UNK_ID) for c in text]
 
     def decode(self, ids) -> str:
+        """Text up to the first <eos>; special tokens dropped."""
         out = []
         for i in ids:
             if int(i) == EOS_ID:
@@ -1115,6 +1118,7 @@ class TorchSampler:
         return rollout
 
     def greedy_accuracy(self, problems) -> float:
+        """Held-out greedy exact match of this engine's copy of the weights."""
         return greedy_accuracy(self.model, self.tokenizer, problems)
 
 
@@ -1188,6 +1192,7 @@ class VLLMSampler:
                        texts=[self.tokenizer.decode(row.tolist()) for row in response_ids])
 
     def greedy_accuracy(self, problems) -> float:
+        """Held-out greedy exact match of vLLM's copy of the weights."""
         prompts, answers = _encode_problems(self.tokenizer, problems)
         ro = self.sample(prompts, 1, 6, temperature=0.0, topk=1)
         return sum(verify(t, a) for t, a in zip(ro.texts, answers)) / max(len(prompts), 1)
@@ -1204,9 +1209,11 @@ class HFTokenizer:
         self.vocab_size = len(self.tok)
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
+        """Token ids of `text` with the tokenizer's special tokens."""
         return self.tok(text, add_special_tokens=bos)["input_ids"]
 
     def decode(self, ids) -> str:
+        """Text up to the first <eos>, special tokens skipped."""
         ids = [int(i) for i in ids]
         return self.tok.decode(ids[: ids.index(self.eos_id)] if self.eos_id in ids else ids, skip_special_tokens=True)
 
@@ -1392,6 +1399,25 @@ def _check_run_config(cfg: RLConfig) -> None:
         raise ValueError("loss_on_served needs sync_every = 1 (the loss runs on the copy the sampler holds)")
 
 
+def _step_record(step, rewards, loss, grad_norm, synced, vuf, staleness, logp, ro: Rollout, ledger, drift, weights,
+                 vocab_size, t) -> dict:
+    """One metrics.jsonl line: reward, mismatch metrics, ledger, weights' zero share, entropy, seconds per phase."""
+    record = {"step": step, "reward": float(rewards.mean()), "loss": loss.item(), "grad_norm": grad_norm,
+              "synced": synced, "visible_update_fraction": vuf, "staleness": staleness}
+    record |= {f"mm_{k}": v for k, v in mismatch_metrics(logp.detach(), ro.logp_infer, ro.mask).items()}
+    record |= {f"ledger_{k}": v for k, v in ledger.items()} | drift
+    if weights is not None:
+        record["frac_zero_weight"] = float(((weights == 0) & ro.mask).sum() / ro.mask.sum())
+    if ro.logp_topk_infer.shape[-1] == vocab_size:  # the full distribution was recorded: its entropy
+        ent = -(ro.logp_topk_infer.exp() * ro.logp_topk_infer.nan_to_num(neginf=0.0)).sum(-1)
+        record["entropy"] = float(masked_mean(ent, ro.mask))
+    prev = t["t0"]
+    for phase in ("sample", "recompute", "loss", "optimizer", "sync"):
+        record[f"sec_{phase}"] = t[phase] - prev
+        prev = t[phase]
+    return record
+
+
 def run(cfg: RLConfig) -> list[dict]:
     """RL under mismatch: sample -> verify -> advantages -> recompute + ledger -> correct -> step -> export/sync.
 
@@ -1460,23 +1486,11 @@ def run(cfg: RLConfig) -> list[dict]:
                 sampler.load_weights(state)  # TIM: the trainer's weights (and its drift) enter the sampler
                 since_sync = 0
             t["sync"] = time.perf_counter()
-            record = {"step": step, "reward": float(rewards.mean()), "loss": loss.item(), "grad_norm": grad_norm,
-                      "synced": resync, "visible_update_fraction": vuf, "staleness": since_sync}
-            record |= {f"mm_{k}": v for k, v in mismatch_metrics(logp.detach(), ro.logp_infer, ro.mask).items()}
-            record |= {f"ledger_{k}": v for k, v in ledger.items()} | drift
-            if weights is not None:
-                record["frac_zero_weight"] = float(((weights == 0) & ro.mask).sum() / ro.mask.sum())
-            if ro.logp_topk_infer.shape[-1] == model.config.vocab_size:  # full distribution recorded: entropy
-                ent = -(ro.logp_topk_infer.exp() * ro.logp_topk_infer.nan_to_num(neginf=0.0)).sum(-1)
-                record["entropy"] = float(masked_mean(ent, ro.mask))
+            record = _step_record(step, rewards, loss, grad_norm, resync, vuf, since_sync, logp, ro, ledger, drift,
+                                  weights, model.config.vocab_size, t)
             if step % cfg.eval_every == 0 or step == cfg.steps - 1:
                 record["acc_trainer"] = greedy_accuracy(trainer.model, tokenizer, eval_set)
                 record["acc_sampler"] = sampler.greedy_accuracy(eval_set)
-            phases = ["sample", "recompute", "loss", "optimizer", "sync"]
-            prev = t["t0"]
-            for ph in phases:
-                record[f"sec_{ph}"] = t[ph] - prev
-                prev = t[ph]
             records.append(record)
             log.write(json.dumps(record) + "\n")
             log.flush()
@@ -1511,12 +1525,14 @@ def measure_engines(model_dir: str | Path, engines: list[tuple[str, object]], n_
 
 
 def vllm_available() -> bool:
+    """True when the module `vllm` can be imported (vLLM's CPU build or the GPU build)."""
     import importlib.util
 
     return importlib.util.find_spec("vllm") is not None
 
 
 def default_engines() -> list[tuple[str, object]]:
+    """The engines the demo measures: torch fp32/exact/fp16/bf16/int8/fp8, and vLLM fp32/bf16 when installed."""
     engines = [("torch fp32 (KV cache)", EngineSpec()), ("torch fp32 exact", EngineSpec(exact=True)),
                ("torch fp16", EngineSpec(dtype="fp16")), ("torch bf16", EngineSpec(dtype="bf16")),
                ("torch int8 weights", EngineSpec(quant="int8")), ("torch fp8-e4m3 weights", EngineSpec(quant="fp8"))]
@@ -1610,6 +1626,7 @@ def _add_fields(parser, cls) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`python tim_rl.py [pretrain|train|compare|engines|demo] --help`; no subcommand runs the demo."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="tim_rl", description="RL under training-inference mismatch. "
