@@ -743,6 +743,16 @@ def base_model_dir(tmp_path_factory):
     return out
 
 
+def test_pretraining_leaves_rl_room(base_model_dir):
+    """The bar: the tiny model generalises to held-out problems, but not perfectly (RL has room)."""
+    info = tr.json.loads((base_model_dir / "pretrain.json").read_text())
+    assert 0.4 <= info["greedy_accuracy_eval"] <= 0.95, info
+    model = tr.load_model(base_model_dir).eval()
+    problems = tr.make_arithmetic_task(128, split="eval")
+    acc = tr.greedy_accuracy(model, tr.CharTokenizer(), problems)
+    assert 0.3 <= acc <= 0.97, "the saved weights reproduce it"
+
+
 def test_saved_model_loads_offline_with_hf(base_model_dir):
     from transformers import AutoTokenizer
 
