@@ -245,7 +245,7 @@ def _sc_reference(zp, zq, y, adv, k, f):
     coef = torch.stack([q[v] * f(float(p[v] / q[v])) - alpha * p[v] for v in head.tolist()])
     loss = -adv * (f(float(p[y] / q[y])) * logp[y] - (coef * logp[head]).sum())
     (grad,) = torch.autograd.grad(loss, z)
-    return float(loss), grad
+    return float(loss.detach()), grad
 
 
 @given(logits_pq_V(min_v=3), st.integers(1, 7), st.floats(min_value=-2.0, max_value=2.0, width=32))
