@@ -912,4 +912,5 @@ def test_rl_steps_with_the_vllm_sampler(base_model_dir, tmp_path):
                       out_dir=str(tmp_path), **SMOKE)
     recs = tr.run(cfg)
     assert len(recs) == 3 and all(math.isfinite(r["loss"]) for r in recs)
-    assert recs[-1]["ledger_numerics_abs"] > 1e-4, "bf16 vLLM vs the fp32 trainer: a real engine gap"
+    # the served copy is already bf16-rounded, so only bf16 *compute* remains in the numerics part: small, not zero
+    assert recs[-1]["ledger_numerics_abs"] > 1e-6, "bf16 vLLM vs the fp32 trainer on the same weights"
