@@ -797,7 +797,7 @@ def extract_answer(text: str) -> str | None:
 def _parse_number(s: str) -> Fraction | None:
     """'1,234' '-47' '+3' '2.50' '3/4' -> Fraction; anything else -> None. Never evaluates code."""
     s = s.strip().rstrip(".")
-    if len(s) > MAX_NUMBER_CHARS or not re.fullmatch(r"[-+]?\d[\d,]*(?:\.\d+)?(?:/\d+)?", s):
+    if len(s) > MAX_NUMBER_CHARS or not _NUMBER.fullmatch(s):
         return None
     if "," in s and not re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?:/\d+)?", s):
         return None  # commas only as thousands separators
@@ -1218,6 +1218,12 @@ class HFTokenizer:
         return self.tok.decode(ids[: ids.index(self.eos_id)] if self.eos_id in ids else ids, skip_special_tokens=True)
 
 
+def _task_info(model_dir: Path) -> dict:
+    """What the embedded model was pre-trained on (digits, ops), from its pretrain.json; {} for other models."""
+    path = Path(model_dir) / "pretrain.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def load_tokenizer(directory: str | Path):
     """tim_rl's CharTokenizer when the directory holds it (pretrain.json), else the directory's HF tokenizer."""
     return CharTokenizer() if (Path(directory) / "pretrain.json").exists() else HFTokenizer(directory)
@@ -1429,7 +1435,7 @@ def run(cfg: RLConfig) -> list[dict]:
     torch.manual_seed(cfg.seed)
     model_dir = ensure_base_model(cfg.model) if cfg.model == "runs/base" else Path(cfg.model)
     tokenizer = load_tokenizer(model_dir)
-    info = json.loads((model_dir / "pretrain.json").read_text()) if (model_dir / "pretrain.json").exists() else {}
+    info = _task_info(model_dir)
     digits, ops = info.get("digits", 2), info.get("ops", "+")
     model = load_model(model_dir)
     value_head = torch.nn.Linear(model.config.hidden_size, 1) if cfg.correction == "copc" else None
@@ -1505,7 +1511,7 @@ def measure_engines(model_dir: str | Path, engines: list[tuple[str, object]], n_
     """
     model_dir = Path(model_dir)
     tokenizer = load_tokenizer(model_dir)
-    info = json.loads((model_dir / "pretrain.json").read_text()) if (model_dir / "pretrain.json").exists() else {}
+    info = _task_info(model_dir)
     problems = make_arithmetic_task(n_prompts, info.get("digits", 2), seed, info.get("ops", "+"), split="eval")
     prompts, _ = _encode_problems(tokenizer, problems)
     trainer_model = load_model(model_dir).eval()
