@@ -914,3 +914,20 @@ def test_rl_steps_with_the_vllm_sampler(base_model_dir, tmp_path):
     assert len(recs) == 3 and all(math.isfinite(r["loss"]) for r in recs)
     # the served copy is already bf16-rounded, so only bf16 *compute* remains in the numerics part: small, not zero
     assert recs[-1]["ledger_numerics_abs"] > 1e-6, "bf16 vLLM vs the fp32 trainer on the same weights"
+
+
+# =================================================================================================================
+# The notebook, executed top to bottom from a clean kernel (its own asserts are the checks)
+
+
+@pytest.mark.notebook
+def test_tutorial_notebook_executes(base_model_dir, tmp_path, monkeypatch):
+    nbformat = pytest.importorskip("nbformat", reason="install the extra `notebook` to execute tutorial.ipynb")
+    nbclient = pytest.importorskip("nbclient", reason="install the extra `notebook` to execute tutorial.ipynb")
+    monkeypatch.setenv("TIM_RL_BASE", str(tr.Path(base_model_dir).resolve()))  # the kernel inherits it
+    nb = nbformat.read(tr.Path(__file__).with_name("tutorial.ipynb"), as_version=4)
+    assert any(c.cell_type == "code" and "assert" in c.source for c in nb.cells)
+    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()  # raises CellExecutionError on the first failing cell (an assert included)
+    assert (tmp_path / "runs" / "tutorial" / "compare_lag16" / "results.md").exists()
