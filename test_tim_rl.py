@@ -96,6 +96,46 @@ def test_stochastic_round_non_finite_pass_through():
     assert torch.isnan(tr.stochastic_round_bf16(weird_nan, noise=noise[:1]).float()).all()
 
 
+def _chi2_per_dof(values: torch.Tensor, bins: int = 256) -> float:
+    counts = torch.bincount(values, minlength=bins).double()
+    expected = values.numel() / bins
+    return float(((counts - expected) ** 2 / expected).sum()) / (bins - 1)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**31 - 1])
+def test_hash_noise_is_uniform_on_16_bits(seed):
+    noise = tr.hash_noise16((1 << 20,), torch.tensor(seed, dtype=torch.int32))
+    assert noise.dtype == torch.int32 and int(noise.min()) >= 0 and int(noise.max()) < 1 << 16
+    # high byte and low byte each uniform over 256 bins: chi2/dof ~ 1 +- 0.09 for 2^20 draws
+    assert _chi2_per_dof(noise >> 8) < 1.5 and _chi2_per_dof(noise & 255) < 1.5
+    # anti-vacuity: the same check rejects noise that misses its top bit (i.e. a biased rounding)
+    assert _chi2_per_dof((noise & 0x7FFF) >> 8) > 10
+    other = tr.hash_noise16((1 << 20,), torch.tensor(seed ^ 1, dtype=torch.int32))
+    assert float((noise == other).double().mean()) < 1e-3, "another seed, other noise"
+
+
+@pytest.mark.parametrize("compile_", [False, True])
+def test_fused_stochastic_round_equals_the_reference_with_its_noise(compile_):
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(5000, generator=g) * 10.0 ** torch.randint(-40, 38, (5000,), generator=g),
+                   torch.tensor([math.inf, -math.inf, math.nan, 0.0, -0.0, 1e-45, 3.4e38]),
+                   torch.tensor([-1], dtype=torch.int32).view(torch.float32)])  # a NaN that overflows int32
+    x = x.reshape(8, -1)  # (8, 626): a 2-D parameter
+    fused = tr.stochastic_round_bf16_fused(x, seed=123, compile=compile_)
+    ref = tr.stochastic_round_bf16(x, noise=tr.hash_noise16(tuple(x.reshape(-1).shape), torch.tensor(123,
+                                   dtype=torch.int32)).reshape(x.shape))
+    assert fused.shape == x.shape and fused.dtype == torch.bfloat16
+    assert torch.equal(fused.view(torch.int16), ref.view(torch.int16)), "bit for bit, NaNs included"
+
+
+def test_fused_stochastic_round_is_unbiased_rtn_is_not():
+    x = torch.full((1 << 20,), 1.0 + 2.0**-9)  # a quarter of a bf16 cell (2^-7) above 1
+    means = [float(tr.stochastic_round_bf16_fused(x, seed=s, compile=False).double().mean()) for s in range(4)]
+    sd = 2.0**-7 * math.sqrt(0.25 * 0.75 / x.numel())
+    assert all(abs(m - (1.0 + 2.0**-9)) < 5 * sd for m in means)
+    assert float(tr.round_nearest_bf16(x).double().mean()) == 1.0, "RTN: the quarter cell is gone"
+
+
 @given(
     st.floats(min_value=2.0**-100, max_value=2.0**100, width=32),
     st.integers(1, (1 << 15) - 1),
@@ -563,6 +603,12 @@ def test_token_logprobs_matches_log_softmax(n, V, chunk, seed):
     topk = torch.randint(0, V, (n, 3), generator=g)
     ref_k = torch.log_softmax(logits, -1).gather(-1, topk)
     assert torch.allclose(tr.token_logprobs(logits, topk, chunk_rows=chunk), ref_k, atol=FP32_ATOL)
+    # the hand-written backward equals autograd through log_softmax + gather (repeated ids included)
+    upstream = torch.randn(n, 3, generator=g)
+    leaf = logits.clone().requires_grad_(True)
+    (ours,) = torch.autograd.grad((tr.token_logprobs(leaf, topk, chunk_rows=chunk) * upstream).sum(), leaf)
+    (ref_g,) = torch.autograd.grad((torch.log_softmax(leaf, -1).gather(-1, topk) * upstream).sum(), leaf)
+    assert torch.allclose(ours, ref_g, atol=1e-5)
 
 
 def test_token_logprobs_bf16_logits_and_gradient():
@@ -663,6 +709,80 @@ def test_misuse_raises_clear_errors():
         tr.error_feedback_round_bf16(torch.zeros(3), torch.zeros(4))
 
 
+def _bt_functions():
+    """Every public (B, T) function, called with named (B, T) tensors: name -> (callable(**kw), tensor names)."""
+    return {
+        "tis_weights": (lambda logp_old, logp_infer, mask: tr.tis_weights(logp_old, logp_infer, mask),
+                        ("logp_old", "logp_infer")),
+        "mis_weights": (lambda logp_old, logp_infer, mask: tr.mis_weights(logp_old, logp_infer, mask),
+                        ("logp_old", "logp_infer")),
+        "seq_tis_weights": (lambda logp_old, logp_infer, mask: tr.seq_tis_weights(logp_old, logp_infer, mask),
+                            ("logp_old", "logp_infer")),
+        "geo_mask_weights": (lambda logp_old, logp_infer, mask: tr.geo_mask_weights(logp_old, logp_infer, mask),
+                             ("logp_old", "logp_infer")),
+        "cis_weights": (lambda logp_old, logp_infer, mask: tr.cis_weights(logp_old, logp_infer, mask),
+                        ("logp_old", "logp_infer")),
+        "dlc_weights": (lambda logp_old, logp_infer, mask: tr.dlc_weights(logp_old, logp_infer, mask),
+                        ("logp_old", "logp_infer")),
+        "copc_mask": (lambda logp_old, logp_infer, mask: tr.copc_mask(logp_old, logp_infer, mask),
+                      ("logp_old", "logp_infer")),
+        "mismatch_metrics": (lambda logp_train, logp_infer, mask: tr.mismatch_metrics(logp_train, logp_infer, mask),
+                             ("logp_train", "logp_infer")),
+        "mismatch_ledger": (lambda logp, logp_old, logp_infer, mask: tr.mismatch_ledger(logp, logp_old, logp_infer,
+                                                                                         mask), ("logp", "logp_old", "logp_infer")),
+        "pg_loss": (lambda logp, mask: tr.pg_loss(logp, torch.zeros(mask.shape[0], 1), mask), ("logp",)),
+        "ppo_loss": (lambda logp, logp_old, mask: tr.ppo_loss(logp, logp_old, torch.zeros(mask.shape[0], 1), mask),
+                     ("logp", "logp_old")),
+        "dppo_loss": (lambda logp, logp_infer, mask: tr.dppo_loss(logp, logp_infer, torch.zeros(mask.shape[0], 1),
+                                                                  mask), ("logp", "logp_infer")),
+        "dlc_loss": (lambda logp, logp_old, logp_infer, mask: tr.dlc_loss(logp, logp_old, logp_infer,
+                                                                          torch.zeros(mask.shape[0], 1), mask),
+                     ("logp", "logp_old", "logp_infer")),
+        "score_centering_loss": (lambda logp, logp_infer, mask: tr.score_centering_loss(
+            logp, torch.full((*mask.shape, 2), -1.0), logp_infer, torch.full((*mask.shape, 2), -1.0),
+            torch.zeros(mask.shape[0], 1), mask), ("logp", "logp_infer")),
+        "copc_advantages": (lambda logp, logp_infer, mask: tr.copc_advantages(
+            torch.zeros(mask.shape), torch.zeros(mask.shape[0]), logp, logp_infer, mask), ("logp", "logp_infer")),
+        "calibrated_clip_bounds": (lambda ratio_lowprec, ratio_ref, mask: tr.calibrated_clip_bounds(
+            ratio_lowprec, ratio_ref, torch.ones(mask.shape[0], 1), mask), ("ratio_lowprec", "ratio_ref")),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_bt_functions()))
+def test_every_bt_function_names_the_bad_argument(name):
+    fn, args = _bt_functions()[name]
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    good = {a: torch.full((2, 3), -0.5) for a in args}
+    fn(mask=mask, **good)  # the well-formed call works
+    for a in args:
+        with pytest.raises(TypeError, match=a):
+            fn(mask=mask, **(good | {a: [[0.0] * 3] * 2}))  # not a tensor
+        with pytest.raises(ValueError, match=rf"{a} must have shape.*\(2, 3\)"):
+            fn(mask=mask, **(good | {a: torch.zeros(2, 4)}))  # wrong shape, the expected one is named
+        with pytest.raises(TypeError, match=a):
+            fn(mask=mask, **(good | {a: torch.zeros(2, 3, dtype=torch.long)}))  # not floating point
+    with pytest.raises(TypeError, match="mask must be a bool"):
+        fn(mask=mask.float(), **good)
+    with pytest.raises(ValueError, match="mask is empty"):
+        fn(mask=torch.ones(0, 3, dtype=torch.bool), **{a: torch.zeros(0, 3) for a in args})
+
+
+NEUTRAL = {"tis_weights": 0.0, "mis_weights": 0.0, "seq_tis_weights": 0.0, "geo_mask_weights": 0.0,
+           "cis_weights": 1.0, "dlc_weights": 0.0, "copc_mask": 0.0}  # the documented weight of a non-finite token
+
+
+@pytest.mark.parametrize("name", sorted(NEUTRAL))
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_token_gets_its_documented_weight(name, bad):
+    fn = getattr(tr, name)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    logp_old, logp_infer = torch.full((2, 3), -0.5), torch.full((2, 3), -0.5)
+    logp_infer[0, 1] = bad
+    w = fn(logp_old, logp_infer, mask)
+    assert float(w[0, 1]) == NEUTRAL[name] and torch.isfinite(w).all()
+    assert float(w[1, 1]) == 1.0, "other sequences are untouched"
+
+
 def test_calibrated_clip_bounds_match_reference_clip_share():
     g = torch.Generator().manual_seed(0)
     B, T = 8, 64
@@ -701,21 +821,81 @@ def test_math_imports_with_torch_alone():
 # verifier and task
 
 
-@pytest.mark.parametrize("text,answer,expected", [
+VERIFY_CASES = [  # (text, answer, reward): the documented semantics of verify, near-misses included
+    # where the answer is read
     ("47", "47", 1.0), ("the sum is 47", "47", 1.0), ("\\boxed{47}", "47", 1.0), ("x #### 47", "47", 1.0),
-    ("\\boxed{4{7}}", "47", 0.0), ("1,234", "1234", 1.0), ("12,34", "1234", 0.0), ("-47", "47", 0.0),
-    ("47.5", "47", 0.0), ("47.0", "47", 1.0), ("3/4", "0.75", 1.0), ("047", "47", 1.0), ("4 7", "47", 0.0),
-    ("47.", "47", 1.0), ("", "47", 0.0), ("no number", "47", 0.0), ("1e3", "1000", 0.0),
-    ("\\boxed{12} then 47", "12", 1.0), ("#### 5 and 6", "5", 1.0), ("__import__('os').system('x')", "0", 0.0),
-])
+    ("\\boxed{12} then 47", "12", 1.0), ("#### 5 and 6", "5", 1.0), ("#### 1 #### 2", "2", 1.0),
+    ("12 then 47", "12", 0.0), ("\\boxed{4{7}}", "47", 0.0), ("\\boxed{47", "47", 1.0),
+    ("\\boxed{ 47 }", "47", 1.0), ("\\boxed{\\boxed{47}}", "47", 1.0), ("#### no number", "47", 0.0),
+    # number forms
+    ("1,234", "1234", 1.0), ("1,234,567", "1234567", 1.0), ("12,34", "1234", 0.0), ("1,23,4", "1234", 0.0),
+    ("-47", "-47", 1.0), ("+47", "47", 1.0), ("47.0", "47", 1.0), ("47.50", "47.5", 1.0), ("3/4", "0.75", 1.0),
+    ("6/8", "3/4", 1.0), ("047", "47", 1.0), ("0", "0", 1.0), ("-0", "0", 1.0), ("1/0", "0", 0.0),
+    # text around the number
+    ("47.", "47", 1.0), ("47%", "47", 1.0), ("47 apples", "47", 1.0), ("$47", "47", 1.0), ("(47)", "47", 1.0),
+    # near-misses that must score 0
+    ("-47", "47", 0.0), ("47.5", "47", 0.0), ("4 7", "47", 0.0), ("470", "47", 0.0), ("4.7e1", "47", 0.0),
+    ("4.7e1", "1", 0.0), ("1e3", "1000", 0.0), ("\u0664\u0667", "47", 0.0), ("\uff14\uff17", "47", 0.0),
+    ("", "47", 0.0), ("no number", "47", 0.0), ("4" * 65, "4" * 65, 0.0), ("47", "forty-seven", 0.0),
+    # model text is data, never code
+    ("__import__('os').system('x')", "0", 0.0), ("eval('40+7')", "47", 0.0), ("$(echo 47)x", "47", 1.0),
+]
+
+
+@pytest.mark.parametrize("text,answer,expected", VERIFY_CASES)
 def test_verify_table(text, answer, expected):
     assert tr.verify(text, answer) == expected
 
 
-@given(st.text(max_size=300))
-def test_verify_never_raises(text):
-    assert tr.verify(text, "47") in (0.0, 1.0)
-    tr.extract_answer(text)
+FUZZ_FRAGMENTS = ["\\boxed{", "{", "}", "####", "#", "-", "+", ",", ".", "/", "e", "E", "7", "0", " ", "\n", "\x00",
+                  "\\", "٤", "７", "%", "$", "\ud7ff", "\U0001f600", "1,234", "3/4", "4.7e1", "\\boxed{47}"]
+
+
+@st.composite
+def hostile_text(draw):
+    """Arbitrary unicode, binary-looking bytes, and runs of verifier-relevant fragments repeated up to 1e5 times."""
+    kind = draw(st.sampled_from(["unicode", "binary", "runs"]))
+    if kind == "unicode":
+        return draw(st.text(max_size=2000))
+    if kind == "binary":
+        return draw(st.binary(max_size=4000)).decode("latin-1")
+    pieces = draw(st.lists(st.tuples(st.sampled_from(FUZZ_FRAGMENTS), st.integers(1, 100_000)), min_size=1,
+                           max_size=6))
+    return "".join(fragment * times for fragment, times in pieces)
+
+
+@settings(max_examples=300)
+@given(hostile_text(), st.sampled_from(["47", "-3/4", "1,234", "0"]))
+def test_verify_never_raises(text, answer):
+    assert tr.verify(text, answer) in (0.0, 1.0)
+    found = tr.extract_answer(text)
+    assert found is None or isinstance(found, str)
+
+
+@pytest.mark.parametrize("size", [10**6, 4 * 10**6])
+def test_verify_reads_only_the_tail_of_huge_text(size):
+    """1 MB and 4 MB inputs are truncated to the last MAX_VERIFY_CHARS characters, not scanned whole."""
+    assert tr.verify("\\boxed{" * (size // 7) + "47", "47") == 1.0
+    assert tr.verify("47 " + "{" * size, "47") == 0.0, "the 47 lies outside the tail that is read"
+    assert tr.verify("9" * size, "9" * 10) == 0.0
+
+
+def test_verify_never_executes_model_text(tmp_path, monkeypatch):
+    import builtins
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("model text reached eval/exec/compile")
+
+    for name in ("eval", "exec", "compile"):
+        monkeypatch.setattr(builtins, name, forbidden)
+    sentinel = tmp_path / "pwned"
+    payloads = [f"__import__('os').system('touch {sentinel}')", f"$(touch {sentinel})", f"`touch {sentinel}`",
+                f"; touch {sentinel} #### 47", "{{7*7}}", "exec('x=47')", "import os; os.remove('/')",
+                f"\\boxed{{__import__('pathlib').Path('{sentinel}').touch()}}"]
+    rewards = [tr.verify(p, "49") for p in payloads]
+    assert rewards == [0.0] * len(payloads)
+    assert not sentinel.exists(), "nothing ran"
+    assert tr.verify("#### 47", "47") == 1.0, "the verifier still works without eval"
 
 
 def test_task_splits_are_disjoint_and_answers_verify():
@@ -871,6 +1051,118 @@ def test_cli_help_and_train(base_model_dir, tmp_path):
                           "--no-progress"], cwd=here, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "acc_trainer" in out.stdout
+
+
+# =================================================================================================================
+# faults: determinism, atomic checkpoints, resume after SIGKILL, no remote code
+
+
+def _without_timings(records):
+    return [{k: v for k, v in r.items() if not k.startswith("sec_")} for r in records]
+
+
+def test_same_seed_same_metrics_different_seed_different(base_model_dir, tmp_path):
+    common = dict(model=str(base_model_dir), out_dir=str(tmp_path), dtype="bf16", export="sr", sync_every=2,
+                  correction="sc_tis", **(SMOKE | {"steps": 4}))
+    a = tr.run(tr.RLConfig(name="a", **common))
+    b = tr.run(tr.RLConfig(name="b", **common))
+    c = tr.run(tr.RLConfig(name="c", **(common | {"seed": 1})))
+    assert _without_timings(a) == _without_timings(b), "same seed, same machine: identical metrics"
+    assert _without_timings(a) != _without_timings(c)
+
+
+def test_checkpoint_round_trip_restores_the_trainer_bitwise(base_model_dir, tmp_path):
+    cfg = tr.RLConfig(name="ck", model=str(base_model_dir), out_dir=str(tmp_path), dtype="bf16", export="ef",
+                      correction="copc", **(SMOKE | {"steps": 2}))
+    tr.run(cfg)
+    path = tmp_path / "ck" / "checkpoint.safetensors"
+    tensors, meta = tr.load_checkpoint(path)
+    assert meta["next_step"] == 2 and {"rng.generator", "rng.torch"} <= set(tensors)
+    assert any(k.startswith("residual.") for k in tensors) and any(k.startswith("value_head.") for k in tensors)
+    assert any(k.startswith("opt.") for k in tensors) and any(k.startswith("master_at_export.") for k in tensors)
+    fresh = tr.Trainer(tr.load_model(base_model_dir), export_dtype="bf16")
+    head = torch.nn.Linear(fresh.model.config.hidden_size, 1)
+    fresh.opt = torch.optim.AdamW(list(fresh.model.parameters()) + list(head.parameters()), lr=1e-4, weight_decay=0.0)
+    tr.load_trainer_state(fresh, tensors, meta, {"value_head": head})
+    again, meta2 = tr.trainer_state(fresh, {"value_head": head})
+    assert meta2 == meta or tr.json.loads(tr.json.dumps(meta2))["param_groups"] == meta["param_groups"]
+    for k, v in again.items():
+        assert torch.equal(v, tensors[k]), k
+    assert not list(path.parent.glob("*.tmp")), "no temporary file left behind"
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "c.safetensors"
+    tr.save_checkpoint(path, {"w": torch.ones(3)}, {"next_step": 1})
+    import safetensors.torch
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", crash)
+    with pytest.raises(OSError):
+        tr.save_checkpoint(path, {"w": torch.zeros(3)}, {"next_step": 2})
+    tensors, meta = tr.load_checkpoint(path)
+    assert meta["next_step"] == 1 and torch.equal(tensors["w"], torch.ones(3)), "the old checkpoint survives"
+
+
+def test_resume_after_sigkill_loses_no_step_and_matches_an_uninterrupted_run(base_model_dir, tmp_path):
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    here = os.path.dirname(os.path.abspath(tr.__file__))
+    steps = 24
+    flags = ["--model", str(base_model_dir), "--steps", str(steps), "--prompts", "4", "--group", "4", "--eval-every",
+             "8", "--eval-n", "16", "--dtype", "bf16", "--export", "sr", "--sync-every", "3", "--correction",
+             "sc_tis", "--checkpoint-every", "1", "--no-progress"]
+    train = [sys.executable, "tim_rl.py", "train"]
+    kill_after = random.randint(3, 16)  # lines in metrics.jsonl before the kill
+    killed = subprocess.Popen(train + flags + ["--name", "killed", "--out-dir", str(tmp_path)], cwd=here,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and killed.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after:
+            break
+        time.sleep(0.02)
+    assert killed.poll() is None, f"the run ended before the kill (after {kill_after} steps)"
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.wait()
+    resumed = subprocess.run(train + ["--resume", str(tmp_path / "killed")], cwd=here, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    whole = subprocess.run(train + flags + ["--name", "whole", "--out-dir", str(tmp_path)], cwd=here,
+                           capture_output=True, text=True)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+
+    def records(name):
+        return [tr.json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    assert [r["step"] for r in records("killed")] == list(range(steps)), f"every step once (killed at {kill_after})"
+    assert _without_timings(records("killed")) == _without_timings(records("whole")), f"killed at {kill_after}"
+    a, _ = tr.load_checkpoint(tmp_path / "killed" / "checkpoint.safetensors")
+    b, _ = tr.load_checkpoint(tmp_path / "whole" / "checkpoint.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "final weights equal bit for bit"
+
+
+def test_model_code_is_never_run_without_the_flag(tmp_path, base_model_dir):
+    import shutil
+
+    evil = tmp_path / "evil"
+    shutil.copytree(base_model_dir, evil)
+    sentinel = tmp_path / "ran"
+    (evil / "evil_model.py").write_text(f"open({str(sentinel)!r}, 'w').write('x')\n")
+    config = tr.json.loads((evil / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "evil_model.EvilConfig", "AutoModelForCausalLM": "evil_model.EvilModel"}
+    (evil / "config.json").write_text(tr.json.dumps(config))
+    try:
+        tr.load_model(evil)  # transformers ignores auto_map (or refuses) without trust_remote_code
+    except (ValueError, OSError):
+        pass
+    assert not sentinel.exists(), "code shipped with the model ran without trust_remote_code"
+    assert tr.RLConfig().trust_remote_code is False
 
 
 # =================================================================================================================

@@ -141,6 +141,8 @@ class RLConfig:
     diagnose_drift: bool = _arg(False, "log norms of the drift and signal parts of the gradient (extra backwards)")
     seed: int = _arg(0, "seed of sampling, data and noise")
     out_dir: str = _arg("runs", "parent directory of runs")
+    checkpoint_every: int = _arg(50, "write runs/<name>/checkpoint.safetensors every N steps (0: at the end only)")
+    trust_remote_code: bool = _arg(False, "let transformers run Python code shipped in --model (off: never)")
     progress: bool = _arg(True, "show a tqdm bar")
 
 
@@ -204,12 +206,49 @@ def _finite_log_ratio(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Te
     return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), ok
 
 
+class _TokenLogprobs(torch.autograd.Function):
+    """log softmax(logits)[ids] by row chunks, with a hand-written backward that writes the gradient in place.
+
+    Forward keeps (logits, ids, lse): no (N, V) tensor is saved. Backward fills one (N, V) gradient chunk by chunk:
+    d/dz_v = 1[v in ids] g - softmax(z)_v sum_k g_k. Autograd's own logsumexp + gather backward would allocate
+    several full-size temporaries instead.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, ids, chunk_rows):  # logits (N, V), ids (N, K) -> (N, K) float32
+        lse = torch.empty(logits.shape[0], 1, dtype=torch.float32)  # (N, 1)
+        out = torch.empty(ids.shape, dtype=torch.float32)
+        for start in range(0, logits.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            chunk = logits[rows].float()  # (n, V), a copy only when logits are not fp32
+            torch.logsumexp(chunk, dim=-1, keepdim=True, out=lse[rows])
+            torch.sub(chunk.gather(-1, ids[rows]), lse[rows], out=out[rows])
+        ctx.save_for_backward(logits, ids, lse)
+        ctx.chunk_rows = chunk_rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # grad_out (N, K)
+        logits, ids, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)  # (N, V), the only full-size tensor
+        for start in range(0, logits.shape[0], ctx.chunk_rows):
+            rows = slice(start, start + ctx.chunk_rows)
+            g = grad_out[rows].float()  # (n, K)
+            fp32 = logits.dtype == torch.float32  # then work in the gradient's own rows: no temporary at all
+            probs = torch.sub(logits[rows], lse[rows], out=grad[rows]) if fp32 else logits[rows].float() - lse[rows]
+            probs.exp_().mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, ids[rows], g)  # (n, V)
+            if not fp32:
+                grad[rows] = probs
+        return grad, None, None
+
+
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
-    """log softmax(logits)[ids] in float32, as gather - logsumexp over row chunks. (..., V), (...) -> (...).
+    """log softmax(logits)[ids] in float32, over row chunks. (..., V), (...) -> (...).
 
     `ids` may also carry a trailing K axis, (..., K) -> (..., K), for the sampler's top-k ids (one logsumexp serves
     all K). Never materialises a second full-size float32 copy of the logits: each chunk of rows is upcast and
-    reduced on its own (default 1/8 of the rows, so the transient is <= 1/8 of the logits in float32). Differentiable.
+    reduced on its own (default 1/8 of the rows, so the transient is <= 1/8 of the logits in float32), and the
+    backward writes the logits' gradient chunk by chunk. Differentiable w.r.t. logits.
     """
     _check_tensor("logits", logits)
     _check_tensor("ids", ids, floating=False)
@@ -219,17 +258,16 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | No
     V = logits.shape[-1]
     flat_logits = logits.reshape(-1, V)  # (N, V)
     N = flat_logits.shape[0]
+    if N == 0:
+        return flat_logits.new_zeros(ids.shape, dtype=torch.float32)
     flat_ids = ids.reshape(N, -1)  # (N, 1) or (N, K)
     if chunk_rows is None:
         chunk_rows = max(1, math.ceil(N / 8))
-    out = []
-    for start in range(0, N, chunk_rows):
-        chunk = flat_logits[start : start + chunk_rows].float()  # (n, V), a copy only when logits are not fp32
-        picked = chunk.gather(-1, flat_ids[start : start + chunk_rows])  # (n, K)
-        out.append(picked - torch.logsumexp(chunk, dim=-1, keepdim=True))
-    if not out:
-        return flat_logits.new_zeros(ids.shape, dtype=torch.float32)
-    return torch.cat(out).reshape(ids.shape)
+    if not (torch.is_grad_enabled() and logits.requires_grad):  # no graph: log_softmax's fused kernel is fastest
+        out = [torch.log_softmax(flat_logits[i : i + chunk_rows].float(), dim=-1).gather(-1, flat_ids[i : i + chunk_rows])
+               for i in range(0, N, chunk_rows)]
+        return torch.cat(out).reshape(ids.shape)
+    return _TokenLogprobs.apply(flat_logits, flat_ids, chunk_rows).reshape(ids.shape)
 
 
 def log1mexp(logp: torch.Tensor) -> torch.Tensor:
@@ -354,6 +392,48 @@ def stochastic_round_bf16(
     return torch.where(torch.isfinite(x), rounded, x.to(torch.bfloat16))
 
 
+def hash_noise16(shape: tuple[int, ...], seed: torch.Tensor) -> torch.Tensor:
+    """Counter-based uniform noise in [0, 2^16): 32-bit integer hash of (element index, seed). int32, `shape`.
+
+    Deterministic given the seed (no generator state), so a compiler can fuse it with the rounding into one pass.
+    The hash is lowbias32 (C. Wellons' hash-prospector); int32 products wrap, shifts are made logical by masking.
+    """
+    h = torch.arange(math.prod(shape), dtype=torch.int32).reshape(shape) * -1640531535 + seed  # x 0x9E3779B1
+    h = h ^ ((h >> 16) & 0xFFFF)
+    h = h * 0x7FEB352D
+    h = h ^ ((h >> 15) & 0x1FFFF)
+    h = h * -2073254261  # 0x846CA68B as int32
+    h = h ^ ((h >> 16) & 0xFFFF)
+    return h & 0xFFFF
+
+
+def _sr_hashed(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    bits = (x.view(torch.int32) + hash_noise16(tuple(x.shape), seed)) & ~((1 << BF16_DROPPED_BITS) - 1)
+    return torch.where(torch.isfinite(x), bits.view(torch.float32).to(torch.bfloat16), x.to(torch.bfloat16))
+
+
+_SR_COMPILED = None  # torch.compile(_sr_hashed), built on first use (a few seconds, needs a C++ compiler on CPU)
+
+
+def stochastic_round_bf16_fused(x: torch.Tensor, seed: int, compile: bool = True) -> torch.Tensor:
+    """stochastic_round_bf16 with hash_noise16(seed) as its noise, fused by torch.compile into one pass. Same shape.
+
+    Bitwise equal to stochastic_round_bf16(x, noise=hash_noise16(x.shape, seed)), so E[SR(x)] = x holds as far as
+    the hash is uniform (tested). Use a fresh seed per export. For large models: the reference draws 2^16-valued
+    noise with torch's generator in a separate pass; this runs at close to the speed of x.to(torch.bfloat16).
+    compile=False runs the same code eagerly (slow; for machines without a compiler).
+    """
+    global _SR_COMPILED
+    _check_fp32("x", x)
+    seed_t = torch.tensor(seed & 0x7FFFFFFF, dtype=torch.int32)
+    flat = x.contiguous().reshape(-1)  # one compiled kernel for every parameter shape
+    if not compile:
+        return _sr_hashed(flat, seed_t).reshape(x.shape)
+    if _SR_COMPILED is None:
+        _SR_COMPILED = torch.compile(_sr_hashed, dynamic=True)
+    return _SR_COMPILED(flat, seed_t).reshape(x.shape)
+
+
 def error_feedback_round_bf16(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigma-delta export: served = RTN(x + e), e' = x + e - served. Returns (served bf16, e' fp32). Same shapes.
 
@@ -367,10 +447,12 @@ def error_feedback_round_bf16(x: torch.Tensor, residual: torch.Tensor) -> tuple[
         raise ValueError(f"residual must have shape {tuple(x.shape)} like x, got {tuple(residual.shape)}")
     target = x + residual
     served = target.to(torch.bfloat16)
-    new_residual = target - served.float()  # exact (Sterbenz): served is within half a cell of target
-    finite = torch.isfinite(target)
-    served = torch.where(finite, served, x.to(torch.bfloat16))
-    return served, torch.where(finite, new_residual, torch.zeros_like(new_residual))
+    new_residual = target.sub_(served)  # exact (Sterbenz): served is within half a cell of target; in place
+    if torch.isnan(new_residual.sum()):  # only inf - inf or nan give nan; a sum is the cheapest check
+        bad = torch.isnan(new_residual)
+        served = torch.where(bad, x.to(torch.bfloat16), served)
+        new_residual = torch.where(bad, torch.zeros_like(new_residual), new_residual)
+    return served, new_residual
 
 
 def visible_update_fraction(
@@ -727,7 +809,11 @@ def dlc_should_resync(staleness: int, mean_discrepancy: float, max_staleness: in
 
 MAX_VERIFY_CHARS = 10_000  # extract_answer reads only the last 10 000 characters: final answers come last
 MAX_NUMBER_CHARS = 64  # a longer digit run is not an answer here (and int() of huge strings is slow)
-_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:/\d+)?")  # no nested quantifiers: linear time
+# ASCII digits only; no nested quantifiers, so every scan is linear time. A candidate may carry an exponent so that
+# "4.7e1" is one candidate (then rejected), not the number 1.
+_CANDIDATE = re.compile(r"[-+]?[0-9][0-9,]*(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?(?:/[0-9]+)?")
+_NUMBER = re.compile(r"[-+]?[0-9][0-9,]*(?:\.[0-9]+)?(?:/[0-9]+)?")
+_THOUSANDS = re.compile(r"[-+]?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?(?:/[0-9]+)?")
 
 
 def _is_eval_problem(a: int, b: int, op: str) -> bool:
@@ -776,7 +862,9 @@ def _last_boxed(text: str) -> str | None:
 def extract_answer(text: str) -> str | None:
     """The final answer: last \\boxed{...} (balanced), else the number after the last ####, else the last number.
 
-    Only the last MAX_VERIFY_CHARS characters are read (longer text is truncated, not rejected). Linear time.
+    Only the last MAX_VERIFY_CHARS characters are read (longer text is truncated, not rejected). Linear time. A
+    "number" here is a candidate of _CANDIDATE (ASCII digits, sign, commas, decimals, a/b, an exponent); whether it
+    is an acceptable answer is _parse_number's decision.
     """
     if not isinstance(text, str):
         return None
@@ -786,10 +874,10 @@ def extract_answer(text: str) -> str | None:
         return boxed.strip()
     hashes = text.rfind("####")
     if hashes >= 0:
-        match = _NUMBER.search(text, hashes + 4)
+        match = _CANDIDATE.search(text, hashes + 4)
         return match.group(0) if match else None
     last = None
-    for last in _NUMBER.finditer(text):
+    for last in _CANDIDATE.finditer(text):
         pass
     return last.group(0) if last else None
 
@@ -799,7 +887,7 @@ def _parse_number(s: str) -> Fraction | None:
     s = s.strip().rstrip(".")
     if len(s) > MAX_NUMBER_CHARS or not _NUMBER.fullmatch(s):
         return None
-    if "," in s and not re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?:/\d+)?", s):
+    if "," in s and not _THOUSANDS.fullmatch(s):
         return None  # commas only as thousands separators
     try:
         return Fraction(s.replace(",", ""))
@@ -810,9 +898,13 @@ def _parse_number(s: str) -> Fraction | None:
 def verify(text: str, answer: str) -> float:
     """1.0 iff extract_answer(text) equals `answer` as a number, else 0.0. Never raises for a str; never runs code.
 
-    Accepted: integers, a leading sign, decimals, thousands separators (1,234), simple fractions a/b (compared as
-    values: 6/8 == 0.75), one trailing period. Leading zeros are the same number (047 == 47). Rejected (reward 0):
-    scientific notation, percent signs inside the number, unicode digits, anything else.
+    Where the answer is read: the last \\boxed{...} with balanced braces, else the first number after the last
+    "####", else the last number in the text (of its last MAX_VERIFY_CHARS characters).
+    Accepted number forms: integers, a leading + or -, decimals (47.0 == 47), thousands separators in groups of
+    three (1,234), simple fractions a/b compared as values (6/8 == 0.75), leading zeros (047 == 47).
+    Text around the number is ignored: "47.", "47%", "47 apples", "$47" all read 47.
+    Rejected (reward 0): scientific notation (4.7e1), misplaced commas (12,34), unicode digits (٤٧, full-width),
+    numbers longer than MAX_NUMBER_CHARS, a/0, and a non-str text or answer. "4 7" reads as its last number, 7.
     """
     extracted = extract_answer(text) if isinstance(text, str) else None
     if extracted is None or not isinstance(answer, str):
@@ -1039,8 +1131,11 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_id
     logits = out.logits[:, P - 1 : P + T - 1]  # (B, T, V): position t predicts response token t
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    logp = token_logprobs(logits, rollout.response_ids)
-    logp_topk = token_logprobs(logits, topk_ids) if topk_ids is not None else None
+    if topk_ids is None:
+        logp, logp_topk = token_logprobs(logits, rollout.response_ids), None
+    else:  # one pass over the logits for the sampled id and the K head ids
+        both = token_logprobs(logits, torch.cat([rollout.response_ids[..., None], topk_ids], -1))  # (B, T, 1 + K)
+        logp, logp_topk = both[..., 0], both[..., 1:]
     return logp, logp_topk, out.hidden_states[-1][:, P - 1 : P + T - 1]
 
 
@@ -1324,6 +1419,74 @@ class Trainer:
         return state, (dot / norm2 if norm2 > 0 else (1.0 if self.export_dtype == "fp32" else 0.0))
 
 
+def trainer_state(trainer: Trainer, extra: dict[str, torch.nn.Module] | None = None) -> tuple[dict, dict]:
+    """(tensors, metadata) that restore a Trainer bit for bit: master, served copy, EF residuals, master at export,
+    optimizer moments; plus any extra modules (the COPC value head). Names are prefixed by what they belong to."""
+    tensors = {f"model.{n}": p.detach() for n, p in trainer.model.named_parameters()}
+    tensors |= {f"served.{n}": v for n, v in trainer.served.items()}
+    tensors |= {f"residual.{n}": v for n, v in trainer.residual.items()}
+    if trainer.master_at_export is not None:
+        tensors |= {f"master_at_export.{n}": p.detach() for n, p in trainer.master_at_export.named_parameters()}
+    for name, module in (extra or {}).items():
+        tensors |= {f"{name}.{n}": p.detach() for n, p in module.named_parameters()}
+    opt = trainer.opt.state_dict()
+    for index, slots in opt["state"].items():
+        tensors |= {f"opt.{index}.{key}": torch.as_tensor(v) for key, v in slots.items()}
+    return tensors, {"param_groups": opt["param_groups"], "opt_slots": {i: list(v) for i, v in opt["state"].items()}}
+
+
+@torch.no_grad()
+def load_trainer_state(trainer: Trainer, tensors: dict, meta: dict, extra: dict | None = None) -> None:
+    """Inverse of trainer_state (the behaviour copy is rebuilt from the served weights)."""
+    trainer.model.load_state_dict({n[6:]: v for n, v in tensors.items() if n.startswith("model.")}, strict=False)
+    trainer.served = {n[7:]: v.clone() for n, v in tensors.items() if n.startswith("served.")}
+    trainer.residual = {n[9:]: v.clone() for n, v in tensors.items() if n.startswith("residual.")}
+    trainer.behaviour.load_state_dict(trainer.served, strict=False)
+    if trainer.master_at_export is not None:
+        trainer.master_at_export.load_state_dict(
+            {n[17:]: v for n, v in tensors.items() if n.startswith("master_at_export.")}, strict=False)
+    for name, module in (extra or {}).items():
+        module.load_state_dict({n[len(name) + 1:]: v for n, v in tensors.items() if n.startswith(name + ".")})
+    state = {int(i): {key: tensors[f"opt.{i}.{key}"].clone() for key in keys} for i, keys in meta["opt_slots"].items()}
+    trainer.opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write text to a temporary file next to `path`, then rename it over `path` (all or nothing)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Atomic safetensors write: a temporary file in the same directory, fsync, then rename over `path`.
+
+    A crash leaves either the previous checkpoint or the new one, never a torn file. `meta` is stored as JSON in
+    the safetensors header (no pickle anywhere).
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp), metadata={"json": json.dumps(meta)})
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, meta) from save_checkpoint's file. safetensors only: loading never executes code."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["json"])
+    return load_file(str(path)), meta
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # ---- experiment loop and ledger ----
 
@@ -1405,6 +1568,9 @@ def _check_run_config(cfg: RLConfig) -> None:
         raise ValueError("loss_on_served needs sync_every = 1 (the loss runs on the copy the sampler holds)")
 
 
+STEP_PHASES = ("sample", "recompute", "loss", "optimizer", "export", "sync")  # sec_<phase> in metrics.jsonl
+
+
 def _step_record(step, rewards, loss, grad_norm, synced, vuf, staleness, logp, ro: Rollout, ledger, drift, weights,
                  vocab_size, t) -> dict:
     """One metrics.jsonl line: reward, mismatch metrics, ledger, weights' zero share, entropy, seconds per phase."""
@@ -1418,26 +1584,85 @@ def _step_record(step, rewards, loss, grad_norm, synced, vuf, staleness, logp, r
         ent = -(ro.logp_topk_infer.exp() * ro.logp_topk_infer.nan_to_num(neginf=0.0)).sum(-1)
         record["entropy"] = float(masked_mean(ent, ro.mask))
     prev = t["t0"]
-    for phase in ("sample", "recompute", "loss", "optimizer", "sync"):
+    for phase in STEP_PHASES:
         record[f"sec_{phase}"] = t[phase] - prev
         prev = t[phase]
     return record
 
 
-def run(cfg: RLConfig) -> list[dict]:
-    """RL under mismatch: sample -> verify -> advantages -> recompute + ledger -> correct -> step -> export/sync.
+@dataclass
+class _RunState:
+    """What one RL run holds between steps (everything a checkpoint must restore, plus the fixed data)."""
 
-    Writes one JSON line per step to runs/<name>/metrics.jsonl and returns the same records.
-    """
-    from tqdm.auto import tqdm
+    trainer: Trainer
+    sampler: object
+    tokenizer: object
+    gen: torch.Generator  # the run's only random stream: sampling and SR export
+    value_head: torch.nn.Module | None  # COPC's critic
+    train_set: list
+    eval_set: list
+    since_sync: int = 0
 
+
+def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
+    """One step: sample -> verify -> recompute -> advantages + correction -> optimizer -> export/sync. -> record."""
+    trainer, sampler, gen = rs.trainer, rs.sampler, rs.gen
+    t = {"t0": time.perf_counter()}
+    # 1) sample
+    prompts, answers = _encode_problems(rs.tokenizer, rs.train_set[step * cfg.prompts : (step + 1) * cfg.prompts])
+    ro = sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, cfg.topk, gen)
+    t["sample"] = time.perf_counter()
+    # 2) verify
+    rewards = torch.tensor([verify(text, answers[i // cfg.group]) for i, text in enumerate(ro.texts)])
+    # 3) recompute: current (grad), behaviour (the weights the sampler holds), master at export
+    logp, logp_topk, hidden = trainer.logprobs(ro, ro.topk_ids, cfg.temperature)
+    logp_old, logp_master_old = trainer.behaviour_logprobs(ro, cfg.temperature)
+    t["recompute"] = time.perf_counter()
+    # 4) advantages and the correction
+    if cfg.correction == "copc":
+        values = torch.sigmoid(rs.value_head(hidden.detach()).squeeze(-1))  # (B, T), bounded to [0, 1] rewards
+        adv, targets = copc_advantages(values, rewards, logp, ro.logp_infer, ro.mask)
+    else:
+        adv = (grpo_advantages(rewards, cfg.group) if cfg.baseline == "group" else rewards)[:, None]
+    loss, weights = policy_loss(cfg, logp, logp_topk, logp_old, ro, adv)
+    if cfg.correction == "copc":
+        loss = loss + 0.5 * masked_mean((values - targets).square(), ro.mask)
+    drift = drift_signal_norms(trainer.model.parameters(), logp, logp_topk, ro, adv) if cfg.diagnose_drift else {}
+    t["loss"] = time.perf_counter()
+    # 5) step
+    grad_norm = trainer.step(loss)
+    t["optimizer"] = time.perf_counter()
+    # 6) export + sync every sync_every steps (policy lag), or when DLC asks for it
+    rs.since_sync += 1
+    ledger = mismatch_ledger(logp.detach(), logp_old, ro.logp_infer, ro.mask, logp_master_old)
+    resync = rs.since_sync >= cfg.sync_every or (cfg.correction == "dlc" and cfg.dlc_max_staleness > 0 and
+                                                 dlc_should_resync(rs.since_sync, ledger["numerics_mean"],
+                                                                   cfg.dlc_max_staleness, cfg.dlc_max_discrepancy))
+    vuf = None
+    if resync:
+        state, vuf = trainer.export(cfg.export, generator=gen)
+        t["export"] = time.perf_counter()
+        sampler.load_weights(state)  # TIM: the trainer's weights (and its drift) enter the sampler
+        rs.since_sync = 0
+    t.setdefault("export", time.perf_counter())
+    t["sync"] = time.perf_counter()
+    record = _step_record(step, rewards, loss, grad_norm, resync, vuf, rs.since_sync, logp, ro, ledger, drift,
+                          weights, trainer.model.config.vocab_size, t)
+    if step % cfg.eval_every == 0 or step == cfg.steps - 1:
+        record["acc_trainer"] = greedy_accuracy(trainer.model, rs.tokenizer, rs.eval_set)
+        record["acc_sampler"] = sampler.greedy_accuracy(rs.eval_set)
+    return record
+
+
+def _setup_run(cfg: RLConfig) -> _RunState:
+    """Model, trainer, sampler (holding the first served copy), data; all seeded from cfg.seed."""
     _check_run_config(cfg)
     torch.manual_seed(cfg.seed)
     model_dir = ensure_base_model(cfg.model) if cfg.model == "runs/base" else Path(cfg.model)
     tokenizer = load_tokenizer(model_dir)
     info = _task_info(model_dir)
     digits, ops = info.get("digits", 2), info.get("ops", "+")
-    model = load_model(model_dir)
+    model = load_model(model_dir, trust_remote_code=cfg.trust_remote_code)
     value_head = torch.nn.Linear(model.config.hidden_size, 1) if cfg.correction == "copc" else None
     trainer = Trainer(model, cfg.lr, cfg.optimizer, export_dtype=cfg.dtype, loss_on_served=cfg.loss_on_served,
                       extra_params=value_head.parameters() if value_head is not None else ())
@@ -1445,61 +1670,68 @@ def run(cfg: RLConfig) -> list[dict]:
     gen = torch.Generator().manual_seed(cfg.seed)
     state, _ = trainer.export(cfg.export, generator=gen)  # the sampler starts from the served copy of the master
     sampler.load_weights(state)
-    train_set = make_arithmetic_task(cfg.steps * cfg.prompts, digits, cfg.seed, ops)
-    eval_set = make_arithmetic_task(cfg.eval_n, digits, 0, ops, split="eval")
+    return _RunState(trainer, sampler, tokenizer, gen, value_head,
+                     train_set=make_arithmetic_task(cfg.steps * cfg.prompts, digits, cfg.seed, ops),
+                     eval_set=make_arithmetic_task(cfg.eval_n, digits, 0, ops, split="eval"))
+
+
+def _save_run_checkpoint(out: Path, rs: _RunState, next_step: int) -> None:
+    extra = {"value_head": rs.value_head} if rs.value_head is not None else {}
+    tensors, meta = trainer_state(rs.trainer, extra)
+    tensors |= {"rng.generator": rs.gen.get_state(), "rng.torch": torch.get_rng_state()}
+    save_checkpoint(out / "checkpoint.safetensors", tensors, meta | {"next_step": next_step,
+                                                                      "since_sync": rs.since_sync})
+
+
+def _resume_run(out: Path, rs: _RunState) -> tuple[int, list[dict]]:
+    """Restore the checkpoint into rs; keep metrics.jsonl lines of the steps it covers (drop later or torn ones)."""
+    tensors, meta = load_checkpoint(out / "checkpoint.safetensors")
+    extra = {"value_head": rs.value_head} if rs.value_head is not None else {}
+    load_trainer_state(rs.trainer, tensors, meta, extra)
+    rs.sampler.load_weights(rs.trainer.served)  # the sampler holds the served copy of the last sync
+    rs.gen.set_state(tensors["rng.generator"])
+    torch.set_rng_state(tensors["rng.torch"])
+    rs.since_sync, start = meta["since_sync"], meta["next_step"]
+    records = []
+    for line in (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line torn by the kill
+            continue
+        if record.get("step", start) < start:
+            records.append(record)
+    return start, records
+
+
+def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
+    """RL under mismatch: sample -> verify -> advantages -> recompute + ledger -> correct -> step -> export/sync.
+
+    Writes one JSON line per step to runs/<name>/metrics.jsonl, a checkpoint every cfg.checkpoint_every steps and at
+    the end, and returns the records. resume=True continues from runs/<name>/checkpoint.safetensors (bit for bit
+    the run that was interrupted, on the same machine and thread count).
+    """
+    from tqdm.auto import tqdm
+
+    rs = _setup_run(cfg)
     out = Path(cfg.out_dir) / cfg.name
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
-    records, since_sync = [], 0
-    with open(out / "metrics.jsonl", "w") as log:
-        for step in tqdm(range(cfg.steps), desc=cfg.name, disable=not cfg.progress, mininterval=2):
-            t = {"t0": time.perf_counter()}
-            # 1) sample
-            problems = train_set[step * cfg.prompts : (step + 1) * cfg.prompts]
-            prompts, answers = _encode_problems(tokenizer, problems)
-            ro = sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, cfg.topk, gen)
-            t["sample"] = time.perf_counter()
-            # 2) verify
-            rewards = torch.tensor([verify(text, answers[i // cfg.group]) for i, text in enumerate(ro.texts)])
-            # 3) recompute: current (grad), behaviour (the weights the sampler holds), master at export
-            logp, logp_topk, hidden = trainer.logprobs(ro, ro.topk_ids, cfg.temperature)
-            logp_old, logp_master_old = trainer.behaviour_logprobs(ro, cfg.temperature)
-            t["recompute"] = time.perf_counter()
-            # 4) advantages and the correction
-            if cfg.correction == "copc":
-                values = torch.sigmoid(value_head(hidden.detach()).squeeze(-1))  # (B, T), bounded to [0, 1] rewards
-                adv, targets = copc_advantages(values, rewards, logp, ro.logp_infer, ro.mask)
-            else:
-                adv = (grpo_advantages(rewards, cfg.group) if cfg.baseline == "group" else rewards)[:, None]
-            loss, weights = policy_loss(cfg, logp, logp_topk, logp_old, ro, adv)
-            if cfg.correction == "copc":
-                loss = loss + 0.5 * masked_mean((values - targets).square(), ro.mask)
-            drift = drift_signal_norms(trainer.model.parameters(), logp, logp_topk, ro, adv) \
-                if cfg.diagnose_drift else {}
-            t["loss"] = time.perf_counter()
-            # 5) step
-            grad_norm = trainer.step(loss)
-            t["optimizer"] = time.perf_counter()
-            # 6) export + sync every sync_every steps (policy lag), or when DLC asks for it
-            since_sync += 1
-            ledger = mismatch_ledger(logp.detach(), logp_old, ro.logp_infer, ro.mask, logp_master_old)
-            resync = since_sync >= cfg.sync_every or (cfg.correction == "dlc" and cfg.dlc_max_staleness > 0 and
-                                                      dlc_should_resync(since_sync, ledger["numerics_mean"],
-                                                                        cfg.dlc_max_staleness, cfg.dlc_max_discrepancy))
-            vuf = None
-            if resync:
-                state, vuf = trainer.export(cfg.export, generator=gen)
-                sampler.load_weights(state)  # TIM: the trainer's weights (and its drift) enter the sampler
-                since_sync = 0
-            t["sync"] = time.perf_counter()
-            record = _step_record(step, rewards, loss, grad_norm, resync, vuf, since_sync, logp, ro, ledger, drift,
-                                  weights, model.config.vocab_size, t)
-            if step % cfg.eval_every == 0 or step == cfg.steps - 1:
-                record["acc_trainer"] = greedy_accuracy(trainer.model, tokenizer, eval_set)
-                record["acc_sampler"] = sampler.greedy_accuracy(eval_set)
+    start, records = 0, []
+    if resume:
+        if not (out / "checkpoint.safetensors").exists():
+            raise FileNotFoundError(f"resume: no checkpoint.safetensors in {out}")
+        start, records = _resume_run(out, rs)
+    _write_atomic(out / "config.json", json.dumps(asdict(cfg), indent=1))
+    _write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))  # steps covered, once
+    with open(out / "metrics.jsonl", "a") as log:
+        for step in tqdm(range(start, cfg.steps), desc=cfg.name, disable=not cfg.progress, mininterval=2,
+                         initial=start, total=cfg.steps):
+            record = _rl_step(cfg, step, rs)
             records.append(record)
             log.write(json.dumps(record) + "\n")
             log.flush()
+            every = cfg.checkpoint_every
+            if step == cfg.steps - 1 or (every > 0 and (step + 1) % every == 0):
+                _save_run_checkpoint(out, rs, step + 1)
     return records
 
 
@@ -1614,6 +1846,261 @@ def demo(steps: int = 150, seeds: tuple[int, ...] = (0,), sync_every: int = 32) 
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# ---- benchmarks ----
+# Every number is a ratio against a baseline timed in the same process, on the same inputs, right next to it
+# (median of `repeats` after a warm-up), so a busy machine slows both sides alike. Nothing here is asserted.
+
+
+@dataclass
+class BenchConfig:
+    """Sizes of `python tim_rl.py bench` (--quick shrinks every size so the whole bench runs in under a minute)."""
+
+    quick: bool = _arg(False, "small sizes: a smoke run of every row (CI), not the numbers to quote")
+    repeats: int = _arg(5, "timed repeats per measurement (the median is reported)")
+    out: str = _arg("runs/bench", "writes bench.md there")
+    model: str = _arg("runs/base", "model for the sampler and RL-step rows")
+
+
+def _median_seconds(fn, repeats: int = 5, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+_PEAK_RSS_SCRIPT = """
+import re, sys, torch, tim_rl
+rows, V, which = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+torch.set_num_threads({threads})
+logits = torch.ones(rows, V)  # (N, V) fp32, every page touched
+ids = torch.zeros(rows, dtype=torch.long)
+status = lambda key: int(re.search(key + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+open("/proc/self/clear_refs", "w").write("5")  # Linux: reset the peak (VmHWM) to the current RSS
+before = status("VmRSS")
+if which == "tim_rl":
+    out = tim_rl.token_logprobs(logits, ids)
+else:
+    out = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, None]).squeeze(-1)
+print(status("VmHWM") - before)
+"""
+
+
+def _peak_extra_bytes(rows: int, V: int, which: str) -> int:
+    """Peak resident memory added by one log-prob call on (rows, V) fp32 logits, in a fresh subprocess."""
+    import subprocess
+
+    script = _PEAK_RSS_SCRIPT.format(threads=torch.get_num_threads())
+    out = subprocess.run([sys.executable, "-c", script, str(rows), str(V), which], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).parent)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def bench_export(n: int, repeats: int) -> list[dict]:
+    """SR and EF on n fp32 values vs round-to-nearest (x.to(bf16)) and a plain clone (the bandwidth floor)."""
+    x = torch.randn(n)
+    residual = torch.zeros_like(x)
+    gen = torch.Generator().manual_seed(0)
+    rtn = _median_seconds(lambda: x.to(torch.bfloat16), repeats)
+    clone = _median_seconds(lambda: x.clone(), repeats)
+    sr = _median_seconds(lambda: stochastic_round_bf16(x, generator=gen), repeats)
+    fused = _median_seconds(lambda: stochastic_round_bf16_fused(x, seed=int(torch.randint(0, 2**31 - 1, (1,)))),
+                            repeats)
+    ef = _median_seconds(lambda: error_feedback_round_bf16(x, residual), repeats)
+    size = f"{n / 2**20:.0f}M fp32"
+    return [{"what": f"clone ({size})", "baseline": "RTN", "ratio": clone / rtn, "goal": "(floor)"},
+            {"what": f"stochastic_round_bf16_fused ({size})", "baseline": "RTN", "ratio": fused / rtn, "goal": "<= 1.5"},
+            {"what": f"stochastic_round_bf16, torch RNG ({size})", "baseline": "RTN", "ratio": sr / rtn,
+             "goal": "(reference)"},
+            {"what": f"error_feedback_round_bf16 ({size})", "baseline": "RTN", "ratio": ef / rtn, "goal": "<= 2"}]
+
+
+def bench_token_logprobs(rows: int, V: int, repeats: int, with_backward: bool = False) -> list[dict]:
+    """token_logprobs vs log_softmax + gather: time, same values, peak extra memory (subprocess RSS), and with
+    with_backward the time of values + gradient."""
+    logits = torch.randn(rows, V)
+    ids = torch.randint(0, V, (rows,))
+    ref = torch.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1)
+    ours = token_logprobs(logits, ids)
+    if not torch.allclose(ours, ref, atol=1e-5, rtol=0):
+        raise RuntimeError(f"token_logprobs differs from log_softmax + gather: {float((ours - ref).abs().max())}")
+    t_ref = _median_seconds(lambda: torch.log_softmax(logits, -1).gather(-1, ids[:, None]), repeats)
+    t_ours = _median_seconds(lambda: token_logprobs(logits, ids), repeats)
+    rows_out = []
+    if with_backward:  # the trainer's path: values and their gradient w.r.t. the logits
+        logits.requires_grad_(True)
+
+        def backward(fn):
+            def once():
+                fn().sum().backward()
+                logits.grad = None
+            return once
+
+        t_ref_bw = _median_seconds(backward(lambda: torch.log_softmax(logits, -1).gather(-1, ids[:, None])), repeats)
+        t_ours_bw = _median_seconds(backward(lambda: token_logprobs(logits, ids)), repeats)
+        rows_out.append({"what": f"token_logprobs + backward (N={rows}, V={V})", "baseline":
+                         "log_softmax+gather + backward", "ratio": t_ours_bw / t_ref_bw, "goal": "<= 1.2"})
+    del logits
+    logits_bytes = rows * V * 4
+    mem_ours, mem_ref = _peak_extra_bytes(rows, V, "tim_rl"), _peak_extra_bytes(rows, V, "ref")
+    label = f"token_logprobs (N={rows}, V={V})"
+    return [{"what": label + " time", "baseline": "log_softmax+gather", "ratio": t_ours / t_ref, "goal": "<= 1.2"},
+            {"what": label + " peak extra memory", "baseline": "the fp32 logits tensor",
+             "ratio": mem_ours / logits_bytes, "goal": f"<= 0.3 (log_softmax: {mem_ref / logits_bytes:.2f})"}] + rows_out
+
+
+def bench_corrections(B: int, T: int, V: int, K: int, repeats: int) -> list[dict]:
+    """Each correction's loss + backward from (B, T, V) logits vs pg_loss + backward on the same logits.
+
+    The inputs are a synthetic batch: the sampler's log-probs are the trainer's plus small Gaussian noise. That is
+    fine for timing (the work does not depend on the values) and says nothing about mismatch.
+    """
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(B, T, V, generator=g).requires_grad_(True)  # (B, T, V) the trainer's, fp32
+    ids = torch.randint(0, V, (B, T), generator=g)
+    topk = torch.cat([ids[..., None], torch.randint(0, V, (B, T, K - 1), generator=g)], -1)  # (B, T, K)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[:, T * 3 // 4 :] = False
+    with torch.no_grad():
+        lp_all = token_logprobs(logits, topk)  # (B, T, K)
+    logp_old = lp_all[..., 0]
+    logp_infer = logp_old + 0.05 * torch.randn(B, T, generator=g)
+    logp_topk_infer = lp_all + 0.05 * torch.randn(B, T, K, generator=g)
+    adv = torch.randn(B, 1, generator=g)
+
+    def step(loss_fn, need_topk=False):
+        def run_once():
+            if need_topk:  # one logsumexp serves the sampled id and the K head ids
+                lp = token_logprobs(logits, topk)  # (B, T, K); column 0 is the sampled id
+                loss = loss_fn(lp[..., 0], lp)
+            else:
+                loss = loss_fn(token_logprobs(logits, ids), None)
+            loss.backward()
+            logits.grad = None
+        return run_once
+
+    arms = {
+        "tis": lambda lp, _: pg_loss(lp, adv, mask, tis_weights(lp.detach(), logp_infer, mask)),
+        "mis": lambda lp, _: pg_loss(lp, adv, mask, mis_weights(lp.detach(), logp_infer, mask)),
+        "seq_tis": lambda lp, _: pg_loss(lp, adv, mask, seq_tis_weights(lp.detach(), logp_infer, mask)),
+        "geo": lambda lp, _: pg_loss(lp, adv, mask, geo_mask_weights(lp.detach(), logp_infer, mask)),
+        "cis": lambda lp, _: ppo_loss(lp, logp_old, adv, mask, cis_weights(logp_old, logp_infer, mask)),
+        "dlc": lambda lp, _: dlc_loss(lp, logp_old, logp_infer, adv, mask),
+        "ppo": lambda lp, _: ppo_loss(lp, logp_old, adv, mask),
+        "dppo": lambda lp, _: dppo_loss(lp, logp_infer, adv, mask),
+    }
+    base = _median_seconds(step(lambda lp, _: pg_loss(lp, adv, mask)), repeats)
+    rows = [{"what": f"{name} loss+backward (B={B}, T={T}, V={V})", "baseline": "pg_loss+backward",
+             "ratio": _median_seconds(step(fn), repeats) / base, "goal": "<= 1.2"} for name, fn in arms.items()]
+    sc = lambda lp, lp_topk: score_centering_loss(lp, lp_topk, logp_infer, logp_topk_infer, adv, mask)  # noqa: E731
+    rows.append({"what": f"sc loss+backward (K={K})", "baseline": "pg_loss+backward",
+                 "ratio": _median_seconds(step(sc, need_topk=True), repeats) / base, "goal": "<= 1.5"})
+    return rows
+
+
+def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int) -> list[dict]:
+    """Generated tokens/s of TorchSampler vs HF generate (same model, fp32, batch, max length), and of vLLM."""
+    tokenizer = load_tokenizer(model_dir)
+    model = load_model(model_dir).eval()
+    problems = make_arithmetic_task(prompts_n, 2, 0, split="eval")
+    prompts, _ = _encode_problems(tokenizer, problems)
+    gen = torch.Generator().manual_seed(0)
+
+    def ours(sampler):
+        def once():
+            return int(sampler.sample(prompts, group, 5, 1.0, 0, gen).mask.sum())
+        return once
+
+    def hf():
+        ids, attention = _left_pad([p for p in prompts for _ in range(group)])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=attention.long(), do_sample=True, max_new_tokens=5,
+                                 temperature=1.0, top_k=0, top_p=1.0, pad_token_id=PAD_ID, eos_token_id=EOS_ID)
+        new = out[:, ids.shape[1]:]  # (B, <= 5)
+        ended = (new == EOS_ID).long().cumsum(1)
+        return int(((ended == 0) | ((ended == 1) & (new == EOS_ID))).sum())  # tokens up to and including <eos>
+
+    def tokens_per_second(fn):
+        counts = []
+        seconds = _median_seconds(lambda: counts.append(fn()), repeats)
+        return sorted(counts)[len(counts) // 2] / seconds
+
+    torch_tps = tokens_per_second(ours(TorchSampler(model, EngineSpec(), tokenizer)))
+    hf_tps = tokens_per_second(hf)
+    rows = [{"what": f"TorchSampler tokens/s ({prompts_n}x{group} seqs, fp32; {torch_tps:.0f} tok/s)",
+             "baseline": f"HF generate ({hf_tps:.0f} tok/s)", "ratio": torch_tps / hf_tps, "goal": ">= 1.0"}]
+    if vllm_available():
+        vllm_tps = tokens_per_second(ours(VLLMSampler(model_dir, dtype="fp32", seed=0, tokenizer=tokenizer)))
+        rows.append({"what": f"VLLMSampler tokens/s ({vllm_tps:.0f} tok/s)", "baseline": "TorchSampler",
+                     "ratio": vllm_tps / torch_tps, "goal": "report"})
+    return rows
+
+
+def bench_rl_step(model_dir: Path, steps: int, out_dir: str) -> list[dict]:
+    """Shares of one RL step (demo settings: lag 32, SC + TIS over the whole vocabulary) per phase."""
+    cfg = RLConfig(name="bench_step", model=str(model_dir), steps=steps, sync_every=8, correction="sc_tis",
+                   eval_every=10**9, out_dir=out_dir, progress=False)
+    recs = run(cfg)[1:]  # the first step warms up
+    totals = {phase: sum(r[f"sec_{phase}"] for r in recs) for phase in STEP_PHASES}
+    whole = sum(totals.values())
+    rows = [{"what": f"RL step: {phase}" + (" (advantages + correction weights + loss)" if phase == "loss" else ""),
+             "baseline": f"whole step ({whole / len(recs) * 1e3:.1f} ms)", "ratio": totals[phase] / whole,
+             "goal": "< 0.05" if phase == "loss" else "report"} for phase in STEP_PHASES]
+    return rows
+
+
+def bench_verifier(repeats: int) -> list[dict]:
+    """Worst per-call time of verify() over adversarial 10 kB texts (and one of 1 MB), in milliseconds."""
+    n = 10_000
+    corpus = {"digit run": "7" * n, "commas": "1," * (n // 2), "fraction chain": "1/" * (n // 2),
+              "decimals": "1." * (n // 2), "open braces": "{" * n, "nested boxed": "\\boxed{" * (n // 7),
+              "many ####": "#### 1 " * (n // 7), "minus signs": "-" * n + "1", "unicode digits": "٣" * n,
+              "mixed": ("\\boxed{1,2/3.4} #### -5e9 " * (n // 26)), "1 MB": "9" * 10**6}
+    worst, worst_name = 0.0, ""
+    for name, text in corpus.items():
+        seconds = _median_seconds(lambda: verify(text, "47"), repeats)
+        if seconds > worst:
+            worst, worst_name = seconds, name
+    return [{"what": f"verify worst case over {len(corpus)} adversarial texts ({worst_name})", "baseline": "10 ms",
+             "ratio": worst / 0.010, "goal": "< 1"}]
+
+
+def bench(cfg: BenchConfig) -> list[dict]:
+    """Run every benchmark row, print the table, write <out>/bench.md. Returns the rows."""
+    from tqdm.auto import tqdm
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model_dir = ensure_base_model(cfg.model) if cfg.model == "runs/base" else Path(cfg.model)
+    q = cfg.quick
+    print(f"[bench] torch {torch.__version__}, {torch.get_num_threads()} threads, quick={q}", file=sys.stderr)
+    sections = [
+        lambda: bench_export(2**20 if q else 16 * 2**20, cfg.repeats),
+        lambda: bench_token_logprobs(512 if q else 4096, 32_000, cfg.repeats, with_backward=True),
+        lambda: [] if q else bench_token_logprobs(4096, 151_936, 3),
+        lambda: bench_corrections(2 if q else 4, 128 if q else 512, 8_000 if q else 32_000, 128, cfg.repeats),
+        lambda: bench_samplers(model_dir, 4 if q else 16, 8, cfg.repeats),
+        lambda: bench_rl_step(model_dir, 6 if q else 40, cfg.out),
+        lambda: bench_verifier(cfg.repeats),
+    ]
+    rows = []
+    for section in tqdm(sections, desc="bench", mininterval=0):
+        rows += section()
+    for r in rows:
+        r["ratio"] = float(r["ratio"])
+    table = _markdown_table(rows)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    header = (f"`python tim_rl.py bench{' --quick' if q else ''}`: torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads, median of {cfg.repeats} after a warm-up.\n\n")
+    (out / "bench.md").write_text(header + table + "\n")
+    print(table)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # ---- CLI ----
 
 
@@ -1632,20 +2119,25 @@ def _add_fields(parser, cls) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python tim_rl.py [pretrain|train|compare|engines|demo] --help`; no subcommand runs the demo."""
+    """`python tim_rl.py [pretrain|train|compare|engines|bench|demo] --help`; no subcommand runs the demo."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="tim_rl", description="RL under training-inference mismatch. "
                                      "No subcommand: the default demo (pre-trains the tiny model if needed).")
     sub = parser.add_subparsers(dest="cmd")
     _add_fields(sub.add_parser("pretrain", help="pre-train the embedded tiny model"), PretrainConfig)
-    _add_fields(sub.add_parser("train", help="one RL run"), RLConfig)
+    p_train = sub.add_parser("train", help="one RL run")
+    _add_fields(p_train, RLConfig)
+    p_train.add_argument("--resume", metavar="RUN_DIR", default="",
+                         help="continue runs/<name> from its checkpoint, with its config.json (other flags ignored)")
     p_cmp = sub.add_parser("compare", help="several corrections side by side (plus a synced control)")
     _add_fields(p_cmp, RLConfig)
     p_cmp.add_argument("--corrections", default="none,tis,sc,sc_tis", help="comma-separated corrections")
     p_cmp.add_argument("--seeds", default="0", help="comma-separated seeds")
     p_eng = sub.add_parser("engines", help="measured mismatch of each sampler engine vs the fp32 trainer")
     p_eng.add_argument("--model", default="runs/base")
+    _add_fields(sub.add_parser("bench", help="speed and memory ratios against baselines timed side by side"),
+                BenchConfig)
     p_demo = sub.add_parser("demo", help="the default demo")
     p_demo.add_argument("--steps", type=int, default=150)
     p_demo.add_argument("--seeds", default="0")
@@ -1655,11 +2147,16 @@ def main(argv: list[str] | None = None) -> None:
     elif args.cmd in ("train", "compare"):
         cfg = RLConfig(**{f.name: getattr(args, f.name) for f in fields(RLConfig)})
         if args.cmd == "train":
-            last = run(cfg)[-1]
+            if args.resume:
+                saved = json.loads((Path(args.resume) / "config.json").read_text())
+                cfg = RLConfig(**{f.name: saved[f.name] for f in fields(RLConfig) if f.name in saved})
+            last = run(cfg, resume=bool(args.resume))[-1]
             print(json.dumps({k: v for k, v in last.items() if not k.startswith("sec_")}, indent=1))
         else:
             rows = compare(cfg, args.corrections.split(","), [int(s) for s in args.seeds.split(",")], cfg.name)
             print(_markdown_table(rows))
+    elif args.cmd == "bench":
+        bench(BenchConfig(**{f.name: getattr(args, f.name) for f in fields(BenchConfig)}))
     elif args.cmd == "engines":
         print(_markdown_table(measure_engines(ensure_base_model(args.model) if args.model == "runs/base"
                                               else Path(args.model), default_engines())))
