@@ -641,6 +641,9 @@ def _all_losses(logp, logp_old, logp_infer, adv, mask):
         "sc_mis": tr.score_centering_loss(logp, topk, logp_infer, topk_infer, adv, mask, band=(0.5, 5.0)),
         "dlc": tr.dlc_loss(logp, logp_old, logp_infer, adv, mask),
         "dppo": tr.dppo_loss(logp, logp_infer, adv, mask),
+        "ppo": tr.ppo_loss(logp, logp_old, adv, mask),
+        "pg_dlc": tr.pg_loss(logp, adv, mask, weights=tr.dlc_weights(logp_old, logp_infer, mask)),
+        "ppo_copc": tr.ppo_loss(logp, logp_old, adv, mask, weights=tr.copc_mask(logp_old, logp_infer, mask)),
     }
 
 
