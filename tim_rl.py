@@ -2085,16 +2085,17 @@ def bench(cfg: BenchConfig) -> list[dict]:
         lambda: bench_rl_step(model_dir, 6 if q else 40, cfg.out),
         lambda: bench_verifier(cfg.repeats),
     ]
-    rows = []
+    rows, t0 = [], time.perf_counter()
     for section in tqdm(sections, desc="bench", mininterval=0):
         rows += section()
+    seconds = time.perf_counter() - t0
     for r in rows:
         r["ratio"] = float(r["ratio"])
     table = _markdown_table(rows)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     header = (f"`python tim_rl.py bench{' --quick' if q else ''}`: torch {torch.__version__}, "
-              f"{torch.get_num_threads()} threads, median of {cfg.repeats} after a warm-up.\n\n")
+              f"{torch.get_num_threads()} threads, median of {cfg.repeats} after a warm-up, {seconds:.0f} s.\n\n")
     (out / "bench.md").write_text(header + table + "\n")
     print(table)
     return rows
