@@ -1743,29 +1743,34 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
 
 
 def measure_engines(model_dir: str | Path, engines: list[tuple[str, object]], n_prompts: int = 64, n: int = 4,
-                    max_new_tokens: int = 5, seed: int = 0) -> list[dict]:
+                    max_new_tokens: int = 5, seeds: tuple[int, ...] = (0,)) -> list[dict]:
     """Mismatch of each sampler engine against the fp32 trainer forward on the tokens that engine sampled.
 
-    `engines` is a list of (label, EngineSpec or "vllm-fp32"/"vllm-bf16"). Same prompts and seed for all.
+    `engines` is a list of (label, EngineSpec or "vllm-fp32"/"vllm-bf16"). Each engine is built once and samples
+    n completions of the same n_prompts held-out prompts per seed (prompts and sampling seeded by the seed).
+    One row per (engine, seed), in that order.
     """
     model_dir = Path(model_dir)
     tokenizer = load_tokenizer(model_dir)
     info = _task_info(model_dir)
-    problems = make_arithmetic_task(n_prompts, info.get("digits", 2), seed, info.get("ops", "+"), split="eval")
-    prompts, _ = _encode_problems(tokenizer, problems)
     trainer_model = load_model(model_dir).eval()
     rows = []
     for label, spec in engines:
         if isinstance(spec, EngineSpec):
             sampler = TorchSampler(trainer_model, spec, tokenizer)
-        else:
-            sampler = VLLMSampler(model_dir, dtype=spec.split("-")[1], seed=seed, tokenizer=tokenizer)
-        ro = sampler.sample(prompts, n, max_new_tokens, 1.0, 0, torch.Generator().manual_seed(seed))
-        with torch.no_grad():
-            logp = sequence_logprobs(trainer_model, ro)[0]  # TIM: the trainer's view of the same tokens
-        m = mismatch_metrics(logp, ro.logp_infer, ro.mask)
-        rows.append({"engine": label, "tokens": int(m["n_tokens"]), "k3": m["k3"], "abs_diff": m["abs_diff"],
-                     "max_abs_diff": m["max_abs_diff"], "ratio_min": m["ratio_min"], "ratio_max": m["ratio_max"]})
+        else:  # one vLLM engine per process at a time: build it once for all seeds
+            sampler = VLLMSampler(model_dir, dtype=spec.split("-")[1], seed=seeds[0], tokenizer=tokenizer)
+        for seed in seeds:
+            problems = make_arithmetic_task(n_prompts, info.get("digits", 2), seed, info.get("ops", "+"), split="eval")
+            prompts, _ = _encode_problems(tokenizer, problems)
+            ro = sampler.sample(prompts, n, max_new_tokens, 1.0, 0, torch.Generator().manual_seed(seed))
+            with torch.no_grad():
+                logp = sequence_logprobs(trainer_model, ro)[0]  # TIM: the trainer's view of the same tokens
+            m = mismatch_metrics(logp, ro.logp_infer, ro.mask)
+            rows.append({"engine": label, "seed": seed, "tokens": int(m["n_tokens"]), "k3": m["k3"],
+                         "abs_diff": m["abs_diff"], "max_abs_diff": m["max_abs_diff"], "ratio_min": m["ratio_min"],
+                         "ratio_max": m["ratio_max"]})
+        del sampler
     return rows
 
 
@@ -1966,14 +1971,13 @@ def preset_precision(pc: PresetConfig, seeds: list[int], out: Path) -> str:
     """FP16 paper [9]: fp16 shrinks the mismatch by about an order of magnitude against bf16."""
     model_dir = ensure_base_model(pc.model) if pc.model == "runs/base" else Path(pc.model)
     engines = [e for e in default_engines() if e[0] != "torch fp32 exact"]
-    per_seed = [measure_engines(model_dir, engines, n_prompts=16 if pc.smoke else 128, seed=s) for s in seeds]
-    rows = [{"engine": label, "seeds": len(seeds), "tokens / seed": per_seed[0][i]["tokens"],
-             "k3": _mean_sd([p[i]["k3"] for p in per_seed], "{:.3g}"),
-             "mean |Δlogp|": _mean_sd([p[i]["abs_diff"] for p in per_seed], "{:.3g}"),
-             "max |Δlogp|": _mean_sd([p[i]["max_abs_diff"] for p in per_seed], "{:.3g}")}
-            for i, (label, _) in enumerate(engines)]
-    i16, i_bf = [label for label, _ in engines].index("torch fp16"), [label for label, _ in engines].index("torch bf16")
-    ratio = [p[i_bf]["abs_diff"] / p[i16]["abs_diff"] for p in per_seed]
+    measured = measure_engines(model_dir, engines, n_prompts=16 if pc.smoke else 128, seeds=tuple(seeds))
+    by_engine = {label: [r for r in measured if r["engine"] == label] for label, _ in engines}  # rows per seed
+    rows = [{"engine": label, "seeds": len(seeds), "tokens / seed": rs[0]["tokens"],
+             "k3": _mean_sd([r["k3"] for r in rs], "{:.3g}"),
+             "mean |Δlogp|": _mean_sd([r["abs_diff"] for r in rs], "{:.3g}"),
+             "max |Δlogp|": _mean_sd([r["max_abs_diff"] for r in rs], "{:.3g}")} for label, rs in by_engine.items()]
+    ratio = [bf["abs_diff"] / f16["abs_diff"] for bf, f16 in zip(by_engine["torch bf16"], by_engine["torch fp16"])]
     _write_results(out, "precision: sampler engines against the fp32 trainer", [
         (f"Each engine samples 4 completions of {16 if pc.smoke else 128} held-out prompts per seed; the fp32 "
          "trainer scores the same tokens.", rows)],
@@ -2134,8 +2138,33 @@ def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> str:
         rows.append({"engine": label, "tokens / seed": int(per_seed[0]["n_tokens"]),
                      "k3": _mean_sd([m["k3"] for m in per_seed], "{:.3g}"),
                      "mean |Δlogp|": _mean_sd([m["abs_diff"] for m in per_seed], "{:.3g}")})
+    if vllm_available():  # vLLM reads the dequantised weights from a safetensors copy
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        with tempfile.TemporaryDirectory() as tmp:  # save_pretrained refuses GGUF-loaded models: write by hand
+            config = model.config.to_dict()
+            config.pop("quantization_config", None)
+            (Path(tmp) / "config.json").write_text(json.dumps(config))
+            tied = config.get("tie_word_embeddings", False)
+            save_file({n: t.contiguous() for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")},
+                      str(Path(tmp) / "model.safetensors"))
+            tok.save_pretrained(tmp)
+            for dtype in ("fp32", "bf16"):
+                sampler = VLLMSampler(tmp, dtype=dtype, seed=seeds[0], max_model_len=256)
+                per_seed = []
+                for seed in seeds:
+                    ro = sampler.sample(prompts, 2, n_new, 1.0, 1, torch.Generator().manual_seed(seed))
+                    with torch.no_grad():
+                        per_seed.append(mismatch_metrics(sequence_logprobs(model, ro)[0], ro.logp_infer, ro.mask))
+                del sampler
+                rows.append({"engine": f"vLLM {dtype}", "tokens / seed": int(per_seed[0]["n_tokens"]),
+                             "k3": _mean_sd([m["k3"] for m in per_seed], "{:.3g}"),
+                             "mean |Δlogp|": _mean_sd([m["abs_diff"] for m in per_seed], "{:.3g}")})
     _write_results(out, "real-lm: SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)", [
-        (f"{len(prompts)} prompts x 2 samples x {n_new} new tokens per seed:", rows)], "")
+        (f"{len(prompts)} prompts x 2 samples x {n_new} new tokens per seed, the fp32 torch forward as trainer:",
+         rows)], "")
     return "see table"
 
 
