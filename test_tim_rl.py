@@ -1226,3 +1226,64 @@ def test_tutorial_notebook_executes(base_model_dir, tmp_path, monkeypatch):
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute()  # raises CellExecutionError on the first failing cell (an assert included)
     assert (tmp_path / "runs" / "tutorial" / "compare_lag16" / "results.md").exists()
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_trl_grpo_trainer_with_colocated_vllm_and_a_tim_rl_correction(base_model_dir, tmp_path):
+    """TRL's GRPOTrainer + vLLM colocate (CPU build) + tim_rl TIS: the sampler stays synced, the weight hits the loss."""
+    trl = pytest.importorskip("trl", reason="install the extra `trl` (CI's vLLM environment has it)")
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    problems = tr.make_arithmetic_task(64, seed=0, split="eval")  # held out: rewards vary within a group
+    dataset = Dataset.from_list([{"prompt": p, "answer": a} for p, a in problems])
+
+    def reward(completions, answer, **kwargs):
+        return [tr.verify(c, a) for c, a in zip(completions, answer)]
+
+    def make(dtype, steps):
+        args = trl.GRPOConfig(output_dir=str(tmp_path / dtype), use_vllm=True, vllm_mode="colocate",
+                              num_generations=4, per_device_train_batch_size=16, max_completion_length=5,
+                              max_steps=steps, learning_rate=1e-3, logging_steps=1, report_to="none", use_cpu=True,
+                              bf16=False, seed=0, save_strategy="no", beta=0.0, temperature=1.0,
+                              vllm_importance_sampling_mode="token_truncate")
+        trainer = tr.trl_grpo_trainer("tis", vllm_dtype=dtype, model=tr.load_model(base_model_dir),
+                                      reward_funcs=reward, args=args, train_dataset=dataset,
+                                      processing_class=AutoTokenizer.from_pretrained(base_model_dir))
+        seen, compute_loss = [], trainer._compute_loss
+
+        def spy(model, inputs):
+            seen.append({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
+            return compute_loss(model, inputs)
+
+        trainer._compute_loss = spy
+        return trainer, seen, compute_loss
+
+    # fp32: after three optimizer steps and syncs the trainer and vLLM still agree (no sync: the gap grows)
+    trainer, seen, _ = make("fp32", 3)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters())), "the model trained"
+    gaps = [h["tim_rl/abs_diff"] for h in trainer.state.log_history if "tim_rl/abs_diff" in h]
+    assert len(gaps) == 3 and max(gaps) < 1e-4, gaps
+    last = seen[-1]
+    expected = tr.trl_weights("tis", last["old_per_token_logps"], last["sampling_per_token_logps"],
+                              last["completion_mask"])
+    assert torch.equal(last["importance_sampling_ratio"], expected), "TRL's loss gets tim_rl's weight"
+    del trainer
+    # bf16: a real engine gap, so the weight moves the gradient on the same rollouts
+    trainer, seen, compute_loss = make("bf16", 1)
+    trainer.train()
+    inputs = seen[-1]
+    assert (inputs["importance_sampling_ratio"] - 1).abs().max() > 1e-3, "bf16 vLLM vs the fp32 trainer"
+
+    def grad(ratio):
+        trainer.model.zero_grad()
+        compute_loss(trainer.model, dict(inputs, importance_sampling_ratio=ratio)).backward()
+        return torch.cat([p.grad.reshape(-1) for p in trainer.model.parameters() if p.grad is not None])
+
+    ones = torch.ones_like(inputs["importance_sampling_ratio"])
+    weighted, plain, again = grad(inputs["importance_sampling_ratio"]), grad(ones), grad(ones)
+    assert plain.norm() > 0 and torch.equal(plain, again), "the same rollouts give the same gradient bit for bit"
+    assert not torch.equal(weighted, plain), "the tim_rl weight changes the gradient TRL applies"

@@ -49,6 +49,7 @@ References
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import os
@@ -1218,6 +1219,29 @@ class TorchSampler:
         return greedy_accuracy(self.model, self.tokenizer, problems)
 
 
+_VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _vllm_environment() -> int:
+    """Settings vLLM must see before it is imported; returns torch's thread count (to restore after start-up)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: tensors can be passed
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU build only
+    threads = torch.get_num_threads()
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # else vLLM drops torch to one thread
+    return threads
+
+
+def reload_vllm_weights(llm, named_tensors) -> None:
+    """In-place weight sync of a vllm.LLM: collective_rpc("reload_weights") + reset_prefix_cache (ENGINES.md).
+
+    Works on vLLM's CPU build, whose repacked Linear weights break the per-parameter `load_weights` path that TRL's
+    colocate sync uses. `named_tensors`: (HF parameter name, tensor) pairs; vLLM casts them to its dtype.
+    """
+    # TIM: the served copy enters vLLM's own kernels here
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [(n, t.detach()) for n, t in named_tensors]})
+    llm.reset_prefix_cache()
+
+
 class VLLMSampler:
     """The same interface over vllm.LLM (vLLM's CPU build here, `vllm` on a GPU); weights synced in place.
 
@@ -1230,29 +1254,24 @@ class VLLMSampler:
 
     def __init__(self, model_dir: str | Path, dtype: str = "fp32", seed: int = 0, tokenizer=None,
                  max_model_len: int | None = None, max_num_seqs: int = 256):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: tensors can be passed
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU build only
-        threads = str(torch.get_num_threads())
-        os.environ.setdefault("OMP_NUM_THREADS", threads)  # else vLLM drops torch to one thread
+        threads = _vllm_environment()
         from vllm import LLM  # heavy (~4 s): imported only when a vLLM sampler is built
 
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         self.dtype, self.seed = dtype, seed
         self.tokenizer = tokenizer or load_tokenizer(model_dir)
-        self.llm = LLM(model=str(model_dir), dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
+        self.llm = LLM(model=str(model_dir), dtype=_VLLM_DTYPES[dtype],
                        enforce_eager=True, block_size=32, seed=seed, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=4096, logprobs_mode="processed_logprobs",
                        max_logprobs=-1)
-        torch.set_num_threads(int(threads))
+        torch.set_num_threads(threads)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self._calls = 0
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """In-place sync of exported weights (vLLM casts them to its dtype)."""
-        # TIM: the served copy enters vLLM's own kernels here
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
-        self.llm.reset_prefix_cache()
+        reload_vllm_weights(self.llm, state_dict.items())
 
     def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5, temperature: float = 1.0,
                topk: int = 0, generator: torch.Generator | None = None) -> Rollout:
@@ -2189,6 +2208,75 @@ def run_preset(pc: PresetConfig) -> list[Path]:
         print(f"[{name}] {summary} ({time.perf_counter() - t0:.0f} s) -> {out / 'results.md'}", file=sys.stderr)
         written.append(out / "results.md")
     return written
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ---- interop: TRL ----
+# The weight-style corrections ride through TRL's GRPOTrainer, which multiplies its per-token PPO loss by
+# inputs["importance_sampling_ratio"] (TRL 1.16, vLLM on, a token_* mode). Score centering cannot: it needs the
+# sampler's top-k log-probs, which TRL does not request from vLLM. COPC cannot: it needs a critic. DPPO cannot: its
+# mask depends on the current log-prob's gradient direction, not on a weight fixed at generation time.
+
+TRL_CORRECTIONS = {"tis": tis_weights, "mis": mis_weights, "seq_tis": seq_tis_weights, "geo": geo_mask_weights,
+                   "cis": cis_weights, "dlc": dlc_weights}
+
+
+def trl_weights(correction: str, old_per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor,
+                completion_mask: torch.Tensor) -> torch.Tensor:
+    """A tim_rl weight from TRL's tensors (trainer-engine p_old, vLLM's q, int mask). (B, T) -> (B, T) detached.
+
+    TRL pads sampling log-probs with 0 and marks positions vLLM gave none with NaN: those get the correction's
+    documented value for a non-finite token.
+    """
+    if correction not in TRL_CORRECTIONS:
+        raise ValueError(f"correction must be one of {sorted(TRL_CORRECTIONS)} to ride through TRL, got {correction!r}")
+    mask = completion_mask.bool()
+    return TRL_CORRECTIONS[correction](old_per_token_logps.detach().float(), sampling_per_token_logps.float(), mask)
+
+
+def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **trainer_kwargs):
+    """trl.GRPOTrainer(**trainer_kwargs) whose vLLM importance weight is a tim_rl correction; logs tim_rl/* metrics.
+
+    - The weight multiplies TRL's per-token loss (clipped PPO on p / p_old), i.e. it covers p_old / q as in
+      tim_rl's PPO arms. Needs GRPOConfig(use_vllm=True, vllm_importance_sampling_mode="token_truncate" or
+      "token_mask"); TRL's own sampling/importance_sampling_ratio/* metrics describe TRL's ratio, not this weight.
+    - mismatch_metrics(old_per_token_logps, sampling_per_token_logps) are logged as tim_rl/k1, tim_rl/k3, ...
+    - vllm_dtype ("fp32" | "bf16" | "fp16") sets vLLM's dtype, which GRPOConfig cannot.
+    - Colocated vLLM is synced with reload_vllm_weights (the CPU build needs it; it also works on GPUs).
+    """
+    import trl.generation.vllm_generation as trl_vllm
+    from trl import GRPOTrainer
+
+    if correction not in TRL_CORRECTIONS:
+        raise ValueError(f"correction must be one of {sorted(TRL_CORRECTIONS)} to ride through TRL, got {correction!r}")
+
+    class TimRLGRPOTrainer(GRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            p_old, q = out.get("old_per_token_logps"), out.get("sampling_per_token_logps")
+            if p_old is None or q is None:  # no vLLM, or TRL's correction off: nothing to weight
+                return out
+            out["importance_sampling_ratio"] = trl_weights(correction, p_old, q, out["completion_mask"])  # TIM
+            mode = "train" if self.model.training else "eval"
+            for key, value in mismatch_metrics(p_old, q, out["completion_mask"].bool()).items():
+                self._metrics[mode][f"tim_rl/{key}"].append(value)
+            return out
+
+    threads = _vllm_environment()
+    original_llm = getattr(trl_vllm, "LLM", None)
+    if vllm_dtype is not None:
+        if vllm_dtype not in _VLLM_DTYPES:
+            raise ValueError(f"vllm_dtype must be one of {sorted(_VLLM_DTYPES)}, got {vllm_dtype!r}")
+        trl_vllm.LLM = functools.partial(original_llm, dtype=_VLLM_DTYPES[vllm_dtype])
+    try:
+        trainer = TimRLGRPOTrainer(**trainer_kwargs)
+    finally:
+        trl_vllm.LLM = original_llm
+    torch.set_num_threads(threads)
+    generation = getattr(trainer, "vllm_generation", None)
+    if trainer.use_vllm and generation is not None and generation.mode == "colocate":
+        generation.sync_weights = lambda: reload_vllm_weights(generation.llm, trainer.model.named_parameters())
+    return trainer
 
 
 # ---------------------------------------------------------------------------------------------------------------
