@@ -2488,6 +2488,49 @@ def bench_rl_step(model_dir: Path, steps: int, out_dir: str) -> list[dict]:
     return rows
 
 
+def bench_trl_step(model_dir: Path, steps: int, out_dir: str) -> list[dict]:
+    """tim_rl's RL step vs TRL's GRPOTrainer step: same model, 16 prompts x 8 samples, <= 5 new tokens, torch/HF
+    generation on both sides, AdamW 1e-4, no KL term; median seconds per step after the first."""
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        return [{"what": "tim_rl RL step vs TRL GRPOTrainer step", "baseline": "TRL (not installed: extra `trl`)",
+                 "ratio": float("nan"), "goal": "report"}]
+    import transformers
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    recs = run(RLConfig(name="bench_tim_rl_step", model=str(model_dir), steps=steps, prompts=16, group=8,
+                        max_new_tokens=5, eval_every=10**9, out_dir=out_dir, progress=False))
+    ours = sorted(sum(r[f"sec_{p}"] for p in STEP_PHASES) for r in recs[1:])[(len(recs) - 1) // 2]
+
+    class StepTimer(transformers.TrainerCallback):
+        def __init__(self):
+            self.seconds, self.t0 = [], 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seconds.append(time.perf_counter() - self.t0)
+
+    problems = make_arithmetic_task(16 * steps, 2, 0)
+    timer = StepTimer()
+    trainer = GRPOTrainer(
+        model=load_model(model_dir), processing_class=transformers.AutoTokenizer.from_pretrained(str(model_dir)),
+        reward_funcs=lambda completions, answer, **kw: [verify(c, a) for c, a in zip(completions, answer)],
+        train_dataset=Dataset.from_list([{"prompt": p, "answer": a} for p, a in problems]), callbacks=[timer],
+        args=GRPOConfig(output_dir=str(Path(out_dir) / "bench_trl"), num_generations=8, per_device_train_batch_size=128,
+                        max_completion_length=5, max_steps=steps, learning_rate=1e-4, beta=0.0, temperature=1.0,
+                        use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=10**9,
+                        disable_tqdm=True, seed=0))
+    trainer.train()
+    theirs = sorted(timer.seconds[1:])[(len(timer.seconds) - 1) // 2]
+    return [{"what": f"tim_rl RL step ({ours * 1e3:.0f} ms; 16x8, 5 tokens, torch sampler)",
+             "baseline": f"TRL GRPOTrainer step ({theirs * 1e3:.0f} ms; HF generate)", "ratio": ours / theirs,
+             "goal": "report"}]
+
+
 def bench_verifier(repeats: int) -> list[dict]:
     """Worst per-call time of verify() over adversarial 10 kB texts (and one of 1 MB), in milliseconds."""
     n = 10_000
@@ -2519,6 +2562,7 @@ def bench(cfg: BenchConfig) -> list[dict]:
         lambda: bench_corrections(2 if q else 4, 128 if q else 512, 8_000 if q else 32_000, 128, cfg.repeats),
         lambda: bench_samplers(model_dir, 4 if q else 16, 8, cfg.repeats),
         lambda: bench_rl_step(model_dir, 6 if q else 40, cfg.out),
+        lambda: bench_trl_step(model_dir, 4 if q else 12, cfg.out),
         lambda: bench_verifier(cfg.repeats),
     ]
     rows, t0 = [], time.perf_counter()
