@@ -1056,6 +1056,26 @@ def test_cli_help_and_train(base_model_dir, tmp_path):
     assert "acc_trainer" in out.stdout
 
 
+def test_every_compare_preset_runs_in_smoke_size(base_model_dir, tmp_path):
+    """`compare --preset all --smoke`: every preset writes a results.md with a table (and its plot), in seconds."""
+    written = tr.run_preset(tr.PresetConfig(preset="all", smoke=True, model=str(base_model_dir), out_dir=str(tmp_path)))
+    assert [p.parent.name for p in written] == list(tr.PRESETS)
+    for path in written:
+        text = path.read_text()
+        assert text.startswith("# "), path
+        if "skipped:" in text:  # real-lm without its optional package says so
+            assert path.parent.name == "real-lm"
+            continue
+        table = [line for line in text.splitlines() if line.startswith("|")]
+        assert len(table) >= 3 and all(line.count("|") == table[0].count("|") for line in table[:2]), path
+        plot = path.with_name("plot.png")
+        if plot.exists():
+            assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "staleness" / "plot.png").exists() and (tmp_path / "drift" / "plot.png").exists()
+    with pytest.raises(ValueError, match="preset must be one of"):
+        tr.run_preset(tr.PresetConfig(preset="nope", smoke=True))
+
+
 # =================================================================================================================
 # faults: determinism, atomic checkpoints, resume after SIGKILL, no remote code
 
