@@ -611,6 +611,16 @@ def test_token_logprobs_matches_log_softmax(n, V, chunk, seed):
     assert torch.allclose(ours, ref_g, atol=1e-5)
 
 
+def test_token_logprobs_with_and_without_gradient_are_bitwise_equal():
+    """Exact mode (ratio exactly 1) and a lag of exactly 0 at k = 1 rely on one code path for both."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 5, 96, generator=g) * 8
+    ids = torch.randint(0, 96, (7, 5, 4), generator=g)
+    with torch.no_grad():
+        plain = tr.token_logprobs(logits, ids)
+    assert torch.equal(plain, tr.token_logprobs(logits.clone().requires_grad_(True), ids).detach())
+
+
 def test_token_logprobs_bf16_logits_and_gradient():
     logits = torch.randn(3, 5, 64).to(torch.bfloat16).requires_grad_(True)
     ids = torch.randint(0, 64, (3, 5))

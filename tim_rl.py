@@ -208,6 +208,23 @@ def _finite_log_ratio(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Te
     return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), ok
 
 
+def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int):
+    """(log softmax(logits)[ids], logsumexp(logits)) by row chunks: (N, V), (N, K) -> (N, K), (N, 1) float32.
+
+    One code path for every caller, with and without a gradient, so that the trainer's log-probs are bitwise the
+    same whichever way they are computed (exact mode and a lag of exactly 0 rely on it).
+    """
+    out = torch.empty(ids.shape, dtype=torch.float32)
+    lse = torch.empty(logits.shape[0], 1, dtype=torch.float32)
+    for start in range(0, logits.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        chunk = logits[rows].float()  # (n, V), a copy only when logits are not fp32
+        log_probs = torch.log_softmax(chunk, dim=-1)  # (n, V) transient: log_softmax's fused kernel
+        out[rows] = log_probs.gather(-1, ids[rows])
+        lse[rows] = chunk[:, :1] - log_probs[:, :1]  # logsumexp, read off column 0
+    return out, lse
+
+
 class _TokenLogprobs(torch.autograd.Function):
     """log softmax(logits)[ids] by row chunks, with a hand-written backward that writes the gradient in place.
 
@@ -218,13 +235,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ids, chunk_rows):  # logits (N, V), ids (N, K) -> (N, K) float32
-        lse = torch.empty(logits.shape[0], 1, dtype=torch.float32)  # (N, 1)
-        out = torch.empty(ids.shape, dtype=torch.float32)
-        for start in range(0, logits.shape[0], chunk_rows):
-            rows = slice(start, start + chunk_rows)
-            chunk = logits[rows].float()  # (n, V), a copy only when logits are not fp32
-            torch.logsumexp(chunk, dim=-1, keepdim=True, out=lse[rows])
-            torch.sub(chunk.gather(-1, ids[rows]), lse[rows], out=out[rows])
+        out, lse = _chunked_logprobs(logits, ids, chunk_rows)
         ctx.save_for_backward(logits, ids, lse)
         ctx.chunk_rows = chunk_rows
         return out
@@ -265,10 +276,8 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | No
     flat_ids = ids.reshape(N, -1)  # (N, 1) or (N, K)
     if chunk_rows is None:
         chunk_rows = max(1, math.ceil(N / 8))
-    if not (torch.is_grad_enabled() and logits.requires_grad):  # no graph: log_softmax's fused kernel is fastest
-        out = [torch.log_softmax(flat_logits[i : i + chunk_rows].float(), dim=-1).gather(-1, flat_ids[i : i + chunk_rows])
-               for i in range(0, N, chunk_rows)]
-        return torch.cat(out).reshape(ids.shape)
+    if not (torch.is_grad_enabled() and logits.requires_grad):  # no graph to record
+        return _chunked_logprobs(flat_logits, flat_ids, chunk_rows)[0].reshape(ids.shape)
     return _TokenLogprobs.apply(flat_logits, flat_ids, chunk_rows).reshape(ids.shape)
 
 
