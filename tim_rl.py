@@ -2048,7 +2048,7 @@ def preset_fp8_clip(pc: PresetConfig, seeds: list[int], out: Path) -> str:
     arms = [("ppo, bf16 sampler (reference)", {"correction": "ppo", "dtype": "bf16"}),
             ("ppo, fp8 sampler", {"correction": "ppo", "quant": "fp8"}),
             ("calibrated, fp8 sampler", {"correction": "calibrated", "quant": "fp8"})]
-    runs = run_arms(_preset_base(pc, steps=60, sync_every=4), arms, seeds, out)
+    runs = run_arms(_preset_base(pc, steps=100, sync_every=4), arms, seeds, out)
     share = lambda rs: sum(r["neg_adv_below_clip"] for r in rs) / len(rs)  # noqa: E731
     plot_arms(out / "plot.png", runs, key="neg_adv_below_clip", ylabel="share of A < 0 tokens with p/q < 1 - eps",
               title="negative-advantage tokens below the PPO clip")
