@@ -1252,7 +1252,7 @@ def test_tutorial_notebook_executes(base_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("TIM_RL_BASE", str(tr.Path(base_model_dir).resolve()))  # the kernel inherits it
     nb = nbformat.read(tr.Path(__file__).with_name("tutorial.ipynb"), as_version=4)
     assert any(c.cell_type == "code" and "assert" in c.source for c in nb.cells)
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+    client = nbclient.NotebookClient(nb, timeout=1800, kernel_name="python3",  # per cell; ~40 s on 2 idle cores
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute()  # raises CellExecutionError on the first failing cell (an assert included)
     assert (tmp_path / "runs" / "tutorial" / "compare_lag16" / "results.md").exists()
