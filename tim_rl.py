@@ -5,7 +5,10 @@ the weights, a copy that is some steps old) while the gradient is computed by a 
 weights in torch). The two assign different probabilities to the same tokens. That gap biases the policy gradient,
 and the bias compounds because every weight sync copies the biased trainer back into the sampler. This module
 measures the gap, splits it into its sources, and implements every published correction as a short pure function
-of tensors that you can copy into your own trainer.
+of tensors that you can copy into your own trainer. Around the math: a torch and a vLLM sampler, an fp32 trainer with
+atomic checkpoints, `compare --preset` (one paper claim per preset, several seeds), `bench` (speed and memory as
+ratios against baselines timed side by side) and an adapter that runs the weight corrections inside TRL's
+GRPOTrainer.
 
 Shape letters
     B  sequences in the batch (prompts x samples per prompt)
@@ -1885,6 +1888,7 @@ def demo(steps: int = 150, seeds: tuple[int, ...] = (0,), sync_every: int = 32) 
     print("\nwrote runs/demo/results.md and runs/demo/plot.png")
 
 
+# ---------------------------------------------------------------------------------------------------------------
 # ---- compare presets: one claim per preset ----
 
 def _mean_sd(values: list[float], fmt: str = "{:.3f}") -> str:
