@@ -1908,6 +1908,11 @@ def run_arms(base: RLConfig, arms: list[tuple[str, dict]], seeds: list[int], out
     return runs
 
 
+def _step_mean(key: str):
+    """records -> mean of records[key] over steps (a missing key counts 0: e.g. no weight, nothing zeroed)."""
+    return lambda records: sum(r.get(key, 0.0) for r in records) / len(records)
+
+
 def _last_eval(records: list[dict], key: str) -> float:
     return [r[key] for r in records if key in r][-1]
 
@@ -1916,7 +1921,7 @@ def summarise_arms(runs: dict[str, list[list[dict]]], extra: dict | None = None)
     """One row per arm: final held-out accuracy of trainer and sampler, mean k3, plus `extra` {column: fn(records)}."""
     columns = {"acc_trainer": lambda rs: _last_eval(rs, "acc_trainer"),
                "acc_sampler": lambda rs: _last_eval(rs, "acc_sampler"),
-               "k3 (mean)": lambda rs: sum(r["mm_k3"] for r in rs) / len(rs)} | (extra or {})
+               "k3 (mean)": _step_mean("mm_k3")} | (extra or {})
     rows = []
     for label, per_seed in runs.items():
         row = {"arm": label, "seeds": len(per_seed)}
@@ -2040,7 +2045,7 @@ def preset_cis(pc: PresetConfig, seeds: list[int], out: Path) -> str:
             (("bf16", {"dtype": "bf16"}), ("fp8", {"quant": "fp8"})) for c in ("none", "tis", "mis", "cis")]
     runs = run_arms(_preset_base(pc, steps=100), arms, seeds, out)
     plot_arms(out / "plot.png", runs, title="CIS vs TIS vs IcePop (MIS) under bf16 / fp8 samplers")
-    rows = summarise_arms(runs, {"zeroed weights": lambda rs: sum(r.get("frac_zero_weight", 0.0) for r in rs) / len(rs)})
+    rows = summarise_arms(runs, {"zeroed weights": _step_mean("frac_zero_weight")})
     _write_results(out, "cis: confidence-aware IS under low-precision samplers", [
         ("Spread of the engine gap by the trainer's confidence in the sampled token (seed 0, 8 samples per prompt):",
          bins), ("RL, sampler synced every step, REINFORCE arms weight p/q:", rows)], "")
@@ -2053,12 +2058,11 @@ def preset_fp8_clip(pc: PresetConfig, seeds: list[int], out: Path) -> str:
             ("ppo, fp8 sampler", {"correction": "ppo", "quant": "fp8"}),
             ("calibrated, fp8 sampler", {"correction": "calibrated", "quant": "fp8"})]
     runs = run_arms(_preset_base(pc, steps=100, sync_every=4), arms, seeds, out)
-    share = lambda rs: sum(r["neg_adv_below_clip"] for r in rs) / len(rs)  # noqa: E731
     plot_arms(out / "plot.png", runs, key="neg_adv_below_clip", ylabel="share of A < 0 tokens with p/q < 1 - eps",
               title="negative-advantage tokens below the PPO clip")
     _write_results(out, "fp8-clip: what an fp8 sampler does to PPO's clip", [(
         "Sampler synced every 4 steps; `below clip` = share of negative-advantage tokens with p/q < 1 - eps_low "
-        "(p current trainer, q sampler), mean over steps:", summarise_arms(runs, {"below clip": share}))], "")
+        "(p current trainer, q sampler), mean over steps:", summarise_arms(runs, {"below clip": _step_mean("neg_adv_below_clip")}))], "")
     return "see table"
 
 
@@ -2098,10 +2102,9 @@ def preset_staleness(pc: PresetConfig, seeds: list[int], out: Path) -> str:
         arms += [(f"{c} (k={k})", {"sync_every": k, "correction": c}) for c in corrections]
     runs = run_arms(_preset_base(pc, steps=80), arms, seeds, out)
     plot_arms(out / "plot.png", runs, title="policy lag: trainer accuracy (mean over seeds)")
-    lag = lambda rs: sum(r["ledger_lag_abs"] for r in rs) / len(rs)  # noqa: E731
     _write_results(out, "staleness: sampler synced every k steps", [
         ("REINFORCE arms weight p/q; ppo / copc weight p_old/q and clip p/p_old; fp32 sampler:",
-         summarise_arms(runs, {"mean abs lag": lag}))], "")
+         summarise_arms(runs, {"mean abs lag": _step_mean("ledger_lag_abs")}))], "")
     return "see table"
 
 
@@ -2114,8 +2117,7 @@ def preset_dlc(pc: PresetConfig, seeds: list[int], out: Path) -> str:
     plot_arms(out / "plot.png", runs, title="bf16 sampler synced every 8 steps")
     syncs = lambda rs: float(sum(r["synced"] for r in rs))  # noqa: E731
     _write_results(out, "dlc: engine numerics and policy lag together (bf16 sampler, k = 8)", [
-        ("", summarise_arms(runs, {"syncs": syncs, "mean abs numerics": lambda rs: sum(
-            r["ledger_numerics_abs"] for r in rs) / len(rs)}))], "")
+        ("", summarise_arms(runs, {"syncs": syncs, "mean abs numerics": _step_mean("ledger_numerics_abs")}))], "")
     return "see table"
 
 
