@@ -119,8 +119,8 @@ class RLConfig:
     quant: str = _arg("none", "sampler weight quantisation: none | int8 | fp8")
     noise: float = _arg(0.0, "sampler relative weight noise s")
     exact: bool = _arg(False, "exact mode: sampler log-probs from the trainer's forward (ratio 1)")
-    correction: str = _arg("none", "none|tis|mis|seq_tis|geo|cis|ppo|dppo|sc|sc_tis|sc_mis|dlc|copc|calibrated"
-                                   " (drift_only: the drift part alone, a positive control)")
+    correction: str = _arg("none", "none|tis|mis|seq_tis|geo|cis|ppo|ppo_infer|dppo|sc|sc_tis|sc_mis|dlc|copc|"
+                                   "calibrated (drift_only: the drift part alone, a positive control)")
     steps: int = _arg(200, "optimizer steps")
     prompts: int = _arg(16, "prompts per step")
     group: int = _arg(8, "samples per prompt (G)")
@@ -131,6 +131,8 @@ class RLConfig:
     optimizer: str = _arg("adamw", "adamw | sgd")
     lr: float = _arg(1e-4, "learning rate")
     sync_every: int = _arg(1, "copy trainer weights into the sampler every k steps (policy lag k - 1)")
+    updates_per_batch: int = _arg(1, "optimizer steps per rollout batch, full batch each (verl ppo_epochs, TRL "
+                                     "num_iterations); the proximal log-probs are taken before the first")
     export: str = _arg("rtn", "fp32 -> bf16/fp16 export rounding: rtn | sr | ef")
     loss_on_served: bool = _arg(False, "Fair Cast: forward on the served (rounded) weights, step the fp32 master")
     tis_cap: float = _arg(2.0, "TIS cap C")
@@ -139,10 +141,10 @@ class RLConfig:
     eps_low: float = _arg(0.2, "PPO clip low")
     eps_high: float = _arg(0.28, "PPO clip high")
     dppo_delta: float = _arg(0.2, "DPPO trust region on |p - q|")
-    dlc_max_staleness: int = _arg(0, "DLC: force a resync after this many steps without one (0 = off)")
-    dlc_max_discrepancy: float = _arg(0.05, "DLC: resync when |mean(logp_old - logp_infer)| exceeds this")
-    eval_every: int = _arg(25, "held-out greedy accuracy of trainer and sampler every N steps")
-    eval_n: int = _arg(256, "held-out problems per evaluation")
+    dlc_max_staleness: int = _arg(0, "DLC: resync once this many steps passed without one (0 = off)")
+    dlc_max_lag: float = _arg(0.0, "DLC: resync when the lag mean |logp - logp_old| exceeds this (0 = off)")
+    eval_every: int = _arg(25, "evaluate before step 0, every N steps and after the last (>= 5 points: N <= steps/4)")
+    eval_n: int = _arg(512, "distinct held-out problems per evaluation")
     diagnose_drift: bool = _arg(False, "log norms of the drift and signal parts of the gradient (extra backwards)")
     seed: int = _arg(0, "seed of sampling, data and noise")
     out_dir: str = _arg("runs", "parent directory of runs")
@@ -716,18 +718,20 @@ def pg_loss(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, weights: 
     return -masked_mean(w * A * logp, ok)
 
 
-def ppo_loss(logp, logp_old, adv, mask, weights=None, eps_low: float = 0.2, eps_high: float = 0.28):
-    """-mean_mask(w * min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)), r = p / p_old. Decoupled PPO [10]. -> scalar.
+def ppo_loss(logp, logp_prox, adv, mask, weights=None, eps_low: float = 0.2, eps_high: float = 0.28):
+    """-mean_mask(w * min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)), r = p / p_prox. Decoupled PPO [10]. -> scalar.
 
-    The clip is anchored at the behaviour weights of the trainer engine (logp_old), and the engine gap
-    p_old / q_infer goes into `weights` (TIS, MIS, CIS, ...). Clip-higher 0.28 as in DAPO. A token whose log-ratio
-    is non-finite is dropped.
+    The clip is anchored at the proximal policy p_prox: the trainer's own weights before the first update on this
+    rollout batch (AReaL; verl's recomputed old_log_prob). The behaviour gap p_prox / q (lag + engine numerics) is not
+    in the clip but in `weights` (TIS, MIS, CIS, ...). With one update per batch r = 1 and the clip is inert; it bites
+    from the second update on (RLConfig.updates_per_batch). Anchoring at the sampler instead (p_prox := q) gives the
+    plain "sampler log-probs as pi_old" PPO. Clip-higher 0.28 as in DAPO. A non-finite log-ratio drops the token.
     """
-    _check_bt(mask, logp=logp, logp_old=logp_old)
+    _check_bt(mask, logp=logp, logp_prox=logp_prox)
     A, w = _check_adv(adv, mask), _weights_or_ones(weights, mask)
-    ok = mask & torch.isfinite(logp) & torch.isfinite(logp_old)
-    log_ratio = torch.where(ok, logp - logp_old.detach(), torch.zeros_like(logp))
-    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # r = p / p_old, carries gradient
+    ok = mask & torch.isfinite(logp) & torch.isfinite(logp_prox)
+    log_ratio = torch.where(ok, logp - logp_prox.detach(), torch.zeros_like(logp))
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # r = p / p_prox, carries gradient
     surrogate = ratio * A
     surrogate_clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * A
     return -masked_mean(w * torch.minimum(surrogate, surrogate_clipped), ok)
@@ -782,14 +786,20 @@ def score_centering_loss(
     return -masked_mean(A * (f_y * logp_y - baseline), ok)
 
 
-def dlc_loss(logp, logp_old, logp_infer, adv, mask, eps_low: float = 0.2, eps_high: float = 0.28, clamp: float = 1.0):
-    """Decoupled PPO on the lag ratio p / p_old, weighted by the centred discrepancy of dlc_weights. DLC [3].
+def dlc_loss(logp, logp_old, logp_infer, adv, mask, eps_low: float = 0.2, eps_high: float = 0.28, clamp: float = 1.0,
+             logp_prox=None, lag_cap: float = 2.0):
+    """Decoupled PPO with w = dlc_weights(d) * min(p_prox / p_old, lag_cap): numerics centred, lag clipped. DLC [3].
 
-    Reconstructed from the abstract of Li, Zhou & Lan: numerics are centred (dlc_weights), lag ratios are clipped
-    (the PPO clip), and the sampler is resynchronised when either grows (dlc_should_resync). (B, T) -> scalar.
+    Reconstructed from the abstract of Li, Zhou & Lan ("centres numerical errors, clips lag ratios"): the engine
+    part d = logp_old - logp_infer gets the centred weight of dlc_weights; the staleness part p_prox / p_old (same
+    engine, behaviour -> proximal weights) is truncated at lag_cap; the update p / p_prox is PPO-clipped. Each part
+    is bounded on its own, so lag cannot use up the budget meant for numerics. logp_prox defaults to logp (one update
+    per batch). (B, T) -> scalar.
     """
+    logp_prox = logp.detach() if logp_prox is None else logp_prox
     weights = dlc_weights(logp_old, logp_infer, mask, clamp=clamp)  # TIM: numerics only
-    return ppo_loss(logp, logp_old, adv, mask, weights=weights, eps_low=eps_low, eps_high=eps_high)  # TIM: lag only
+    weights = weights * tis_weights(logp_prox, logp_old, mask, cap=lag_cap)  # TIM: staleness lag only
+    return ppo_loss(logp, logp_prox, adv, mask, weights=weights, eps_low=eps_low, eps_high=eps_high)
 
 
 def dppo_loss(logp, logp_infer, adv, mask, delta: float = 0.2):
@@ -810,11 +820,35 @@ def dppo_loss(logp, logp_infer, adv, mask, delta: float = 0.2):
     return -masked_mean(torch.where(outside, torch.zeros_like(ratio), ratio * A), ok)
 
 
-def dlc_should_resync(staleness: int, mean_discrepancy: float, max_staleness: int, max_discrepancy: float) -> bool:
-    """Resync the sampler when staleness > K_max or |mean(logp_old - logp_infer)| > threshold. DLC [3] (reconstr.)."""
-    if not math.isfinite(mean_discrepancy):
-        return True  # an unmeasurable discrepancy is no reason to trust a stale sampler
-    return staleness > max_staleness or abs(mean_discrepancy) > max_discrepancy
+def effective_token_weights(loss: torch.Tensor, logp: torch.Tensor, adv, mask: torch.Tensor) -> torch.Tensor:
+    """w_t = -(d loss / d logp_t) * N / A_t: what a loss multiplies each token's A grad log p by. (B, T), detached.
+
+    1 for plain REINFORCE, rho for IS, 0 where a clip or mask drops the token; nan where A_t = 0 (undefined). N is
+    the number of masked tokens (losses are token means). Differentiates only back to logp, not into the model.
+    """
+    _check_bt(mask, logp=logp)
+    A = _check_adv(adv, mask)
+    (grad,) = torch.autograd.grad(loss, logp, retain_graph=True, allow_unused=True)
+    grad = torch.zeros_like(logp) if grad is None else grad.detach()
+    w = -grad * mask.sum().clamp(min=1) / A
+    return torch.where(mask & (A != 0), w, torch.full_like(w, math.nan))
+
+
+def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness: int = 0, max_lag: float = 0.05) -> bool:
+    """Resync when mean_mask |logp - logp_old| > max_lag or staleness >= max_staleness (each 0 = off). DLC [3].
+
+    Reconstructed from the abstract of Li, Zhou & Lan ("resynchronises the sampler"): the trigger watches the part of
+    the mismatch a resync removes, the policy lag (same engine, trainer weights now vs the weights the sampler
+    holds). The engine discrepancy logp_old - logp_infer is computed on the same weights on both sides, so no resync
+    can change it, and it is deliberately not an input. logp (detached), logp_old (B, T). An unmeasurable
+    (non-finite) lag resyncs.
+    """
+    _check_bt(mask, logp=logp, logp_old=logp_old)
+    lag, ok = _finite_log_ratio(logp.detach(), logp_old.detach(), mask)
+    if bool((mask & ~ok).any()):
+        return True  # an unmeasurable lag is no reason to trust a stale sampler
+    too_stale = max_staleness > 0 and staleness >= max_staleness
+    return too_stale or (max_lag > 0 and float(masked_mean(lag.abs(), ok)) > max_lag)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -830,15 +864,21 @@ _NUMBER = re.compile(r"[-+]?[0-9][0-9,]*(?:\.[0-9]+)?(?:/[0-9]+)?")
 _THOUSANDS = re.compile(r"[-+]?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?(?:/[0-9]+)?")
 
 
-def _is_eval_problem(a: int, b: int, op: str) -> bool:
-    """A fixed fifth of all problems is held out (a hash of the operands), whatever the seed."""
-    return (a * 7919 + b * 104729 + ord(op)) % 5 == 0
+SPLITS = ("pretrain", "rl", "eval")
 
 
-def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+", split: str = "train"):
-    """n (prompt, answer) pairs "ab+cd=" -> "e" with operands of exactly `digits` digits; `split` train | eval.
+def _split_of(a: int, b: int, op: str) -> str:
+    """Each problem belongs to exactly one pool, by a hash of its operands, whatever the seed: 20% eval, 20% rl."""
+    bucket = (a * 7919 + b * 104729 + ord(op)) % 5
+    return "eval" if bucket == 0 else "rl" if bucket == 1 else "pretrain"
 
-    The eval split (a fixed 20% of all operand pairs) never appears in train, for any seed.
+
+def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+", split: str = "pretrain"):
+    """n (prompt, answer) pairs "ab+cd=" -> "e" with operands of exactly `digits` digits, from one pool of three.
+
+    The pools pretrain | rl | eval are disjoint by construction for every seed (a hash of the operands picks the
+    pool), so RL never trains on a problem the base model was pre-trained on and evaluation sees neither. eval draws
+    distinct problems (at most the pool's size); pretrain and rl draw with replacement.
     """
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a non-negative int, got {n!r}")
@@ -846,15 +886,18 @@ def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+",
         raise ValueError(f"digits must be an int in [1, 9], got {digits!r}")
     if not ops or set(ops) - set("+-*"):
         raise ValueError(f"ops must be a non-empty string over '+-*', got {ops!r}")
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     rng = random.Random(f"{seed}-{split}-{digits}-{ops}")
     lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
-    out = []
+    if split == "eval" and n > (hi - lo + 1) ** 2 * len(set(ops)) // 6:  # the pool holds ~1/5 of all problems
+        raise ValueError(f"n = {n} distinct eval problems is more than the eval pool of {digits}-digit {ops!r} holds")
+    out, seen = [], set()
     while len(out) < n:
         a, b, op = rng.randint(lo, hi), rng.randint(lo, hi), rng.choice(ops)
-        if _is_eval_problem(a, b, op) != (split == "eval"):
+        if _split_of(a, b, op) != split or (split == "eval" and (a, b, op) in seen):
             continue
+        seen.add((a, b, op))
         answer = a + b if op == "+" else a - b if op == "-" else a * b
         out.append((f"{a}{op}{b}=", str(answer)))
     return out
@@ -1014,7 +1057,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / cfg.steps))))
-    problems = make_arithmetic_task(cfg.steps * cfg.batch, cfg.digits, cfg.seed, cfg.ops)
+    problems = make_arithmetic_task(cfg.steps * cfg.batch, cfg.digits, cfg.seed, cfg.ops, split="pretrain")
     t0 = time.time()
     for step in tqdm(range(cfg.steps), desc="pretrain", mininterval=2):
         batch = problems[step * cfg.batch : (step + 1) * cfg.batch]
@@ -1069,9 +1112,9 @@ class Rollout:
     texts: list[str]  # decoded responses
 
 
-def _left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def _left_pad(prompts: list[list[int]], pad_id: int = PAD_ID) -> tuple[torch.Tensor, torch.Tensor]:
     P = max(map(len, prompts))
-    ids = torch.tensor([[PAD_ID] * (P - len(p)) + p for p in prompts])  # (B, P)
+    ids = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompts])  # (B, P)
     return ids, ids.new_tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts]).bool()
 
 
@@ -1081,15 +1124,20 @@ def _positions(attention: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, topk: int = 0,
-           generator: torch.Generator | None = None, decode_text=None) -> Rollout:
+           generator: torch.Generator | None = None, decode_text=None, eos_id: int | None = None,
+           pad_id: int | None = None) -> Rollout:
     """KV-cache sampling from softmax(logits / temperature) (greedy at 0), recording log-probs as it goes.
 
     The recorded log-probs are those of the distribution actually sampled from (temperature applied, no top-p/top-k
     filtering), computed in float32 from the engine's logits, as vLLM's processed log-probs are. topk = 0: all V.
+    A sequence stops at eos_id (default: the model config's; the mask includes it); pad_id fills prompts and ends.
     """
     from transformers import DynamicCache
 
-    prompt_ids, prompt_mask = _left_pad(prompts)
+    eos_id = model.config.eos_token_id if eos_id is None else eos_id
+    eos_id = eos_id[0] if isinstance(eos_id, (list, tuple)) else eos_id
+    pad_id = (model.config.pad_token_id if model.config.pad_token_id is not None else eos_id) if pad_id is None else pad_id
+    prompt_ids, prompt_mask = _left_pad(prompts, pad_id)
     B = prompt_ids.shape[0]
     attention = prompt_mask.long()
     cache = DynamicCache()
@@ -1106,14 +1154,14 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
             token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)  # (B,)
         else:
             token = logprobs.argmax(-1)
-        token = torch.where(finished, torch.full_like(token, PAD_ID), token)
+        token = torch.where(finished, torch.full_like(token, pad_id), token)
         masks.append(~finished)
         ids.append(token)
         logps.append(logprobs.gather(-1, token[:, None]).squeeze(1))
         top = logprobs.topk(K, dim=-1)  # (B, K)
         top_ids.append(top.indices)
         top_logps.append(top.values)
-        finished = finished | (token == EOS_ID)
+        finished = finished | (token == eos_id)
         if finished.all():
             break
         attention = torch.cat([attention, torch.ones(B, 1, dtype=torch.long)], 1)
@@ -1159,9 +1207,30 @@ def greedy_accuracy(model, tokenizer: CharTokenizer, problems, max_new_tokens: i
     correct = 0.0
     for i in range(0, len(prompts), batch):
         ro = decode(model, prompts[i : i + batch], max_new_tokens, temperature=0.0, topk=1,
-                    decode_text=tokenizer.decode)
+                    decode_text=tokenizer.decode, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
         correct += sum(verify(t, a) for t, a in zip(ro.texts, answers[i : i + batch]))
     return correct / max(len(prompts), 1)
+
+
+def answer_logprobs(model, tokenizer, problems, batch: int = 256) -> torch.Tensor:
+    """log P(answer + <eos> | prompt) under `model`, teacher-forced (one full forward per batch). -> (N,) float32.
+
+    exp() of it is `pc`, the probability of the exact correct answer: a far less noisy accuracy than greedy match.
+    """
+    out = []
+    for i in range(0, len(problems), batch):
+        chunk = problems[i : i + batch]
+        prompt_ids, prompt_mask = _left_pad([tokenizer.encode(p) for p, _ in chunk], tokenizer.pad_id)
+        answers = [tokenizer.encode(a, bos=False) + [tokenizer.eos_id] for _, a in chunk]
+        T = max(map(len, answers))
+        response_ids = torch.tensor([a + [tokenizer.pad_id] * (T - len(a)) for a in answers])  # (B, T)
+        mask = torch.tensor([[1] * len(a) + [0] * (T - len(a)) for a in answers]).bool()
+        ro = Rollout(prompt_ids, prompt_mask, response_ids, mask, torch.zeros(mask.shape),
+                     torch.zeros(*mask.shape, 0, dtype=torch.long), torch.zeros(*mask.shape, 0), [])
+        with torch.no_grad():
+            logp = sequence_logprobs(model, ro)[0]
+        out.append(torch.where(mask, logp, torch.zeros_like(logp)).sum(1))
+    return torch.cat(out)
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -1216,7 +1285,8 @@ class TorchSampler:
                topk: int = 0, generator: torch.Generator | None = None) -> Rollout:
         """n samples per prompt (consecutive rows), log-probs and top-K recorded at sampling time."""
         expanded = [p for p in prompts for _ in range(n)]
-        rollout = decode(self.model, expanded, max_new_tokens, temperature, topk, generator, self.tokenizer.decode)
+        rollout = decode(self.model, expanded, max_new_tokens, temperature, topk, generator, self.tokenizer.decode,
+                         self.tokenizer.eos_id, self.tokenizer.pad_id)
         if self.engine.exact:
             # TIM: zero-mismatch limit: score the sampled tokens with the trainer's own fp32 forward (same kernels,
             # shapes and weights as Trainer.logprobs), so logp_infer == logp_old bitwise.
@@ -1229,6 +1299,10 @@ class TorchSampler:
     def greedy_accuracy(self, problems) -> float:
         """Held-out greedy exact match of this engine's copy of the weights."""
         return greedy_accuracy(self.model, self.tokenizer, problems)
+
+    def answer_logprobs(self, problems) -> torch.Tensor:
+        """log P(answer + <eos> | prompt) under this engine's copy of the weights. (N,)."""
+        return answer_logprobs(self.model, self.tokenizer, problems)
 
 
 _VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -1291,9 +1365,13 @@ class VLLMSampler:
         from vllm import SamplingParams
 
         K = self.vocab_size if topk <= 0 else min(topk, self.vocab_size)
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) if generator is not None else None
-        params = SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0 if temperature > 0 else 1,
-                                max_tokens=max_new_tokens, logprobs=K, seed=seed, skip_special_tokens=False)
+        # One seed per prompt: vLLM seeds completion i of a request with seed + i, so one seed for the whole batch
+        # would give every prompt's i-th sample the same random stream (and duplicate prompts identical groups).
+        seeds = (torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist() if generator is not None
+                 else [None] * len(prompts))
+        params = [SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0 if temperature > 0 else 1,
+                                 max_tokens=max_new_tokens, logprobs=K, seed=seed, skip_special_tokens=False)
+                  for seed in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         rows = []
         for out in outputs:
@@ -1301,7 +1379,7 @@ class VLLMSampler:
                 rows.append(comp)
         T = max(len(c.token_ids) for c in rows)
         B = len(rows)
-        response_ids = torch.full((B, T), PAD_ID, dtype=torch.long)
+        response_ids = torch.full((B, T), self.tokenizer.pad_id, dtype=torch.long)
         mask = torch.zeros(B, T, dtype=torch.bool)
         logp = torch.zeros(B, T)
         top_ids = torch.zeros(B, T, K, dtype=torch.long)
@@ -1313,7 +1391,7 @@ class VLLMSampler:
                 ranked = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:K]
                 top_ids[i, t, : len(ranked)] = torch.tensor([k for k, _ in ranked])
                 top_logp[i, t, : len(ranked)] = torch.tensor([v.logprob for _, v in ranked])
-        prompt_ids, prompt_mask = _left_pad([p for p in prompts for _ in range(n)])
+        prompt_ids, prompt_mask = _left_pad([p for p in prompts for _ in range(n)], self.tokenizer.pad_id)
         return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, mask=mask,
                        logp_infer=logp, topk_ids=top_ids, logp_topk_infer=top_logp,
                        texts=[self.tokenizer.decode(row.tolist()) for row in response_ids])
@@ -1324,6 +1402,17 @@ class VLLMSampler:
         ro = self.sample(prompts, 1, 6, temperature=0.0, topk=1)
         return sum(verify(t, a) for t, a in zip(ro.texts, answers)) / max(len(prompts), 1)
 
+    def answer_logprobs(self, problems) -> torch.Tensor:
+        """log P(answer + <eos> | prompt) from vLLM's prompt log-probs (teacher-forced). (N,)."""
+        from vllm import SamplingParams
+
+        seqs = [(self.tokenizer.encode(p), self.tokenizer.encode(a, bos=False) + [self.tokenizer.eos_id])
+                for p, a in problems]
+        outputs = self.llm.generate([{"prompt_token_ids": p + a} for p, a in seqs],
+                                    SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        return torch.tensor([sum(o.prompt_logprobs[len(p) + j][tok].logprob for j, tok in enumerate(a))
+                             for o, (p, a) in zip(outputs, seqs)])
+
 
 class HFTokenizer:
     """CharTokenizer's interface over any saved HF tokenizer (for --model directories that are not tim_rl's)."""
@@ -1333,6 +1422,7 @@ class HFTokenizer:
 
         self.tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         self.eos_id = self.tok.eos_token_id
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
         self.vocab_size = len(self.tok)
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
@@ -1349,6 +1439,12 @@ def _task_info(model_dir: Path) -> dict:
     """What the embedded model was pre-trained on (digits, ops), from its pretrain.json; {} for other models."""
     path = Path(model_dir) / "pretrain.json"
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _task_kwargs(model_dir: Path) -> dict:
+    """make_arithmetic_task's digits and ops for the model in model_dir (2-digit addition for other models)."""
+    info = _task_info(model_dir)
+    return {"digits": info.get("digits", 2), "ops": info.get("ops", "+")}
 
 
 def load_tokenizer(directory: str | Path):
@@ -1400,6 +1496,10 @@ class Trainer:
         if self.master_at_export is None:
             return logp_old, None
         return logp_old, sequence_logprobs(self.master_at_export, rollout, temperature)[0]
+
+    def grad_leaves(self) -> list[torch.Tensor]:
+        """The tensors the last forward ran on: the served leaves under loss_on_served, else the master."""
+        return list(self._served_leaves.values()) if self._served_leaves is not None else list(self.model.parameters())
 
     def step(self, loss: torch.Tensor) -> float:
         """Backward and one optimizer step on the fp32 master; returns the gradient norm."""
@@ -1522,16 +1622,20 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
 # ---------------------------------------------------------------------------------------------------------------
 # ---- experiment loop and ledger ----
 
-CORRECTIONS = ("none", "tis", "mis", "seq_tis", "geo", "cis", "ppo", "dppo", "sc", "sc_tis", "sc_mis", "dlc", "copc",
-               "calibrated", "drift_only")  # drift_only: a positive control, not a correction
+CORRECTIONS = ("none", "tis", "mis", "seq_tis", "geo", "cis", "ppo", "ppo_infer", "dppo", "sc", "sc_tis", "sc_mis",
+               "dlc", "copc", "calibrated", "drift_only")  # drift_only: a positive control, not a correction
 
 
-def policy_loss(cfg: RLConfig, logp, logp_topk, logp_old, ro: Rollout, adv):
-    """The chosen correction as one loss; returns (loss, per-token weight or None). Each entry is one call."""
+def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout, adv):
+    """The chosen correction as one loss (its per-token weight: effective_token_weights). Each entry is one call.
+
+    logp (grad) current trainer; logp_prox the trainer before this batch's first update; logp_old the trainer engine
+    on the weights the sampler holds; ro.logp_infer the sampler. At the first update logp == logp_prox.
+    """
     m, q = ro.mask, ro.logp_infer
-    # TIM: REINFORCE has no ratio clip, so its weight must cover the whole gap p / q = lag x numerics: the weight
-    # functions get the current log-prob (detached) as their trainer side. PPO-style arms weight p_old / q and leave
-    # the lag p / p_old to the clip.
+    # TIM: REINFORCE has no trust region, so its weight covers the whole gap p / q = lag x numerics: the weight
+    # functions get the current log-prob (detached) as their trainer side. The decoupled-PPO arms weight the
+    # behaviour gap p_prox / q and leave the update p / p_prox to the clip.
     logp_now = logp.detach()
     weighted = {
         "none": None,
@@ -1542,32 +1646,37 @@ def policy_loss(cfg: RLConfig, logp, logp_topk, logp_old, ro: Rollout, adv):
     }
     if cfg.correction in weighted:
         w = weighted[cfg.correction]() if weighted[cfg.correction] else None
-        return pg_loss(logp, adv, m, weights=w), w
-    if cfg.correction in ("ppo", "cis", "copc"):  # TIM: decoupled PPO, engine gap in the weight, lag in the clip
-        w = {"ppo": lambda: tis_weights(logp_old, q, m, cfg.tis_cap), "cis": lambda: cis_weights(logp_old, q, m),
-             "copc": lambda: copc_mask(logp_old, q, m)}[cfg.correction]()
-        return ppo_loss(logp, logp_old, adv, m, weights=w, eps_low=cfg.eps_low, eps_high=cfg.eps_high), w
+        return pg_loss(logp, adv, m, weights=w)
+    if cfg.correction in ("ppo", "cis", "copc"):  # TIM: decoupled PPO: behaviour gap in the weight, update clipped
+        w = {"ppo": lambda: tis_weights(logp_prox, q, m, cfg.tis_cap), "cis": lambda: cis_weights(logp_prox, q, m),
+             "copc": lambda: copc_mask(logp_prox, q, m)}[cfg.correction]()
+        return ppo_loss(logp, logp_prox, adv, m, weights=w, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+    if cfg.correction == "ppo_infer":  # TIM: PPO with the sampler's log-probs as pi_old: the whole gap is clipped
+        return ppo_loss(logp, q, adv, m, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+    if cfg.correction == "calibrated":  # TIM: ppo_infer with FP8-calibrated bounds [7]; the ratio p/q is the IS
+        ratio_low, ratio_ref = (logp_now - q).exp(), (logp_now - logp_old).exp()  # weight, so no TIS on top (rho^2)
+        lo, hi = calibrated_clip_bounds(ratio_low, ratio_ref, adv, m, cfg.eps_low, cfg.eps_high)
+        return ppo_loss(logp, q, adv, m, eps_low=1 - lo, eps_high=hi - 1)
     if cfg.correction == "dppo":
-        return dppo_loss(logp, q, adv, m, delta=cfg.dppo_delta), None
+        return dppo_loss(logp, q, adv, m, delta=cfg.dppo_delta)
     if cfg.correction in ("sc", "sc_tis", "sc_mis"):
         cap = cfg.tis_cap if cfg.correction == "sc_tis" else None
         band = (cfg.mis_low, cfg.mis_high) if cfg.correction == "sc_mis" else None
-        return score_centering_loss(logp, logp_topk, q, ro.logp_topk_infer, adv, m, cap=cap, band=band), None
+        return score_centering_loss(logp, logp_topk, q, ro.logp_topk_infer, adv, m, cap=cap, band=band)
     if cfg.correction == "drift_only":  # positive control [2]: REINFORCE minus its signal part = the drift alone
         sc = score_centering_loss(logp, logp_topk, q, ro.logp_topk_infer, adv, m)
-        return pg_loss(logp, adv, m) - sc, None
+        return pg_loss(logp, adv, m) - sc
     if cfg.correction == "dlc":
-        return dlc_loss(logp, logp_old, q, adv, m, cfg.eps_low, cfg.eps_high), dlc_weights(logp_old, q, m)
-    if cfg.correction == "calibrated":  # TIM: PPO on p / q with FP8-calibrated bounds, TIS on (C = 2)
-        ratio_low, ratio_ref = (logp.detach() - q).exp(), (logp.detach() - logp_old).exp()
-        lo, hi = calibrated_clip_bounds(ratio_low, ratio_ref, adv, m, cfg.eps_low, cfg.eps_high)
-        w = tis_weights(logp_old, q, m, cfg.tis_cap)
-        return ppo_loss(logp, q, adv, m, weights=w, eps_low=1 - lo, eps_high=hi - 1), w
+        return dlc_loss(logp, logp_old, q, adv, m, cfg.eps_low, cfg.eps_high, logp_prox=logp_prox)
     raise ValueError(f"correction must be one of {CORRECTIONS}, got {cfg.correction!r}")
 
 
 def drift_signal_norms(params, logp, logp_topk, ro: Rollout, adv) -> dict[str, float]:
-    """Norms of the REINFORCE gradient's drift part E_q[A] sum_v q_v s_v and signal part (SC's gradient) [2]."""
+    """Norms of the plain REINFORCE gradient's drift part E_q[A] sum_v q_v s_v and signal part (SC's gradient) [2].
+
+    The split is of REINFORCE on this batch, whatever the arm trains with (hence the pg_ prefix). `params` are the
+    leaves the forward ran on (the served copy under loss_on_served).
+    """
     params = [p for p in params if p.requires_grad]
     g_total = torch.autograd.grad(pg_loss(logp, adv, ro.mask), params, retain_graph=True, allow_unused=True)
     sc = score_centering_loss(logp, logp_topk, ro.logp_infer, ro.logp_topk_infer, adv, ro.mask)
@@ -1576,7 +1685,8 @@ def drift_signal_norms(params, logp, logp_topk, ro: Rollout, adv) -> dict[str, f
     drift = math.sqrt(sum(float(((a if a is not None else zero) - (b if b is not None else zero)).square().sum())
                           for a, b in zip(g_total, g_signal)))
     signal = math.sqrt(sum(float(b.square().sum()) for b in g_signal if b is not None))
-    return {"drift_grad_norm": drift, "signal_grad_norm": signal, "drift_over_signal": drift / max(signal, 1e-12)}
+    return {"pg_drift_grad_norm": drift, "pg_signal_grad_norm": signal,
+            "pg_drift_over_signal": drift / max(signal, 1e-12)}
 
 
 def make_sampler(cfg: RLConfig, model, tokenizer):
@@ -1601,28 +1711,41 @@ def _check_run_config(cfg: RLConfig) -> None:
         raise ValueError(f"sync_every must be >= 1, got {cfg.sync_every}")
     if cfg.loss_on_served and cfg.sync_every != 1:
         raise ValueError("loss_on_served needs sync_every = 1 (the loss runs on the copy the sampler holds)")
+    if cfg.updates_per_batch < 1 or cfg.eval_every < 1:
+        raise ValueError(f"updates_per_batch and eval_every must be >= 1, got {cfg.updates_per_batch}, {cfg.eval_every}")
+    if cfg.loss_on_served and cfg.updates_per_batch != 1:
+        raise ValueError("loss_on_served needs updates_per_batch = 1 (the served copy changes only at a sync)")
 
 
 STEP_PHASES = ("sample", "recompute", "loss", "optimizer", "export", "sync")  # sec_<phase> in metrics.jsonl
 
 
-def _step_record(step, rewards, loss, grad_norm, synced, vuf, staleness, logp, ro: Rollout, ledger, drift, weights,
-                 vocab_size, t) -> dict:
-    """One metrics.jsonl line: reward, mismatch metrics, ledger, weights' zero share, entropy, seconds per phase."""
-    record = {"step": step, "reward": float(rewards.mean()), "loss": loss.item(), "grad_norm": grad_norm,
-              "synced": synced, "visible_update_fraction": vuf, "staleness": staleness}
+def _step_record(step, rewards, updates: list[dict], synced, vuf, staleness, logp, ro: Rollout, ledger, drift,
+                 vocab_size, sec: dict) -> dict:
+    """One metrics.jsonl line: reward, mismatch metrics, ledger, what the arm zeroed, entropy, seconds per phase.
+
+    `updates` holds loss, grad_norm and the effective per-token weights of each optimizer step on the batch; the
+    mismatch metrics and the ledger are of the first (logp before any update on this batch).
+    """
+    record = {"step": step, "reward": float(rewards.mean()), "synced": synced, "visible_update_fraction": vuf,
+              "staleness": staleness}
+    for key in ("loss", "grad_norm", "frac_zeroed", "frac_zeroed_neg_adv"):  # mean over the updates
+        record[key] = sum(u[key] for u in updates) / len(updates)
     record |= {f"mm_{k}": v for k, v in mismatch_metrics(logp.detach(), ro.logp_infer, ro.mask).items()}
     record |= {f"ledger_{k}": v for k, v in ledger.items()} | drift
-    if weights is not None:
-        record["frac_zero_weight"] = float(((weights == 0) & ro.mask).sum() / ro.mask.sum())
     if ro.logp_topk_infer.shape[-1] == vocab_size:  # the full distribution was recorded: its entropy
         ent = -(ro.logp_topk_infer.exp() * ro.logp_topk_infer.nan_to_num(neginf=0.0)).sum(-1)
         record["entropy"] = float(masked_mean(ent, ro.mask))
-    prev = t["t0"]
-    for phase in STEP_PHASES:
-        record[f"sec_{phase}"] = t[phase] - prev
-        prev = t[phase]
-    return record
+    return record | {f"sec_{phase}": sec[phase] for phase in STEP_PHASES}
+
+
+def _zeroed_shares(w_eff: torch.Tensor, adv: torch.Tensor) -> dict[str, float]:
+    """Share of the tokens with A != 0 (and of those with A < 0) whose gradient the arm's clip, mask or weight zeroes."""
+    live = torch.isfinite(w_eff)  # masked tokens with A != 0
+    neg = live & (adv.expand_as(w_eff) < 0)
+    zero = live & (w_eff == 0)
+    return {"frac_zeroed": float(zero.sum() / live.sum().clamp(min=1)),
+            "frac_zeroed_neg_adv": float((zero & neg).sum() / neg.sum().clamp(min=1))}
 
 
 @dataclass
@@ -1639,57 +1762,75 @@ class _RunState:
     since_sync: int = 0
 
 
+def evaluate(step: int, rs: _RunState) -> dict:
+    """Held-out greedy exact match (acc_) and probability of the exact answer (pc_), of trainer and sampler engine."""
+    model, problems = rs.trainer.model, rs.eval_set
+    return {"step": step, "acc_trainer": greedy_accuracy(model, rs.tokenizer, problems),
+            "acc_sampler": rs.sampler.greedy_accuracy(problems),
+            "pc_trainer": float(answer_logprobs(model, rs.tokenizer, problems).exp().mean()),
+            "pc_sampler": float(rs.sampler.answer_logprobs(problems).exp().mean())}
+
+
+def _advantages(cfg: RLConfig, rewards, logp, hidden, ro: Rollout, value_head):
+    """(B, 1) GRPO / raw-reward advantages, or COPC's (B, T) advantages and its critic loss."""
+    if cfg.correction != "copc":
+        return (grpo_advantages(rewards, cfg.group) if cfg.baseline == "group" else rewards)[:, None], 0.0
+    values = torch.sigmoid(value_head(hidden.detach()).squeeze(-1))  # (B, T), bounded to [0, 1] rewards
+    adv, targets = copc_advantages(values, rewards, logp, ro.logp_infer, ro.mask)
+    return adv, 0.5 * masked_mean((values - targets).square(), ro.mask)
+
+
 def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
-    """One step: sample -> verify -> recompute -> advantages + correction -> optimizer -> export/sync. -> record."""
+    """One step: sample -> verify -> recompute -> (correct -> optimizer) x updates -> export/sync. -> record."""
     trainer, sampler, gen = rs.trainer, rs.sampler, rs.gen
-    t = {"t0": time.perf_counter()}
+    sec, clock = dict.fromkeys(STEP_PHASES, 0.0), [time.perf_counter()]
+
+    def lap(phase: str) -> None:
+        now = time.perf_counter()
+        sec[phase] += now - clock[0]
+        clock[0] = now
+
     # 1) sample
     prompts, answers = _encode_problems(rs.tokenizer, rs.train_set[step * cfg.prompts : (step + 1) * cfg.prompts])
     ro = sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, cfg.topk, gen)
-    t["sample"] = time.perf_counter()
+    lap("sample")
     # 2) verify
     rewards = torch.tensor([verify(text, answers[i // cfg.group]) for i, text in enumerate(ro.texts)])
-    # 3) recompute: current (grad), behaviour (the weights the sampler holds), master at export
-    logp, logp_topk, hidden = trainer.logprobs(ro, ro.topk_ids, cfg.temperature)
+    # 3) recompute the behaviour log-probs: the trainer engine on the weights the sampler holds, and on the master
     logp_old, logp_master_old = trainer.behaviour_logprobs(ro, cfg.temperature)
-    t["recompute"] = time.perf_counter()
-    # 4) advantages and the correction
-    if cfg.correction == "copc":
-        values = torch.sigmoid(rs.value_head(hidden.detach()).squeeze(-1))  # (B, T), bounded to [0, 1] rewards
-        adv, targets = copc_advantages(values, rewards, logp, ro.logp_infer, ro.mask)
-    else:
-        adv = (grpo_advantages(rewards, cfg.group) if cfg.baseline == "group" else rewards)[:, None]
-    loss, weights = policy_loss(cfg, logp, logp_topk, logp_old, ro, adv)
-    if cfg.correction == "copc":
-        loss = loss + 0.5 * masked_mean((values - targets).square(), ro.mask)
-    drift = drift_signal_norms(trainer.model.parameters(), logp, logp_topk, ro, adv) if cfg.diagnose_drift else {}
-    t["loss"] = time.perf_counter()
-    # 5) step
-    grad_norm = trainer.step(loss)
-    t["optimizer"] = time.perf_counter()
-    # 6) export + sync every sync_every steps (policy lag), or when DLC asks for it
+    lap("recompute")
+    # 4) + 5) correct and step, updates_per_batch times on the same batch
+    updates, logp_prox = [], None
+    for _ in range(cfg.updates_per_batch):
+        logp, logp_topk, hidden = trainer.logprobs(ro, ro.topk_ids, cfg.temperature)
+        lap("recompute")
+        if logp_prox is None:  # TIM: the proximal policy: the trainer before the first update on this batch
+            logp_prox, first_logp, first_topk = logp.detach(), logp, logp_topk
+        adv, critic_loss = _advantages(cfg, rewards, logp, hidden, ro, rs.value_head)
+        loss = policy_loss(cfg, logp, logp_topk, logp_prox, logp_old, ro, adv)
+        w_eff = effective_token_weights(loss, logp, adv, ro.mask)  # what the arm did to each token
+        if not updates and cfg.diagnose_drift:
+            leaves = trainer.grad_leaves()
+            drift = drift_signal_norms(leaves, first_logp, first_topk, ro, adv)
+        lap("loss")
+        grad_norm = trainer.step(loss + critic_loss)
+        updates.append({"loss": loss.item(), "grad_norm": grad_norm} | _zeroed_shares(w_eff, adv))
+        lap("optimizer")
+    # 6) export + sync every sync_every steps (policy lag), or when DLC's lag trigger fires
     rs.since_sync += 1
-    ledger = mismatch_ledger(logp.detach(), logp_old, ro.logp_infer, ro.mask, logp_master_old)
-    resync = rs.since_sync >= cfg.sync_every or (cfg.correction == "dlc" and cfg.dlc_max_staleness > 0 and
-                                                 dlc_should_resync(rs.since_sync, ledger["numerics_mean"],
-                                                                   cfg.dlc_max_staleness, cfg.dlc_max_discrepancy))
+    ledger = mismatch_ledger(logp_prox, logp_old, ro.logp_infer, ro.mask, logp_master_old)
+    lag_anchor = logp_old if logp_master_old is None else logp_master_old  # the lag part only, rounding aside
+    resync = rs.since_sync >= cfg.sync_every or (cfg.correction == "dlc" and dlc_should_resync(
+        logp_prox, lag_anchor, ro.mask, rs.since_sync, cfg.dlc_max_staleness, cfg.dlc_max_lag))
     vuf = None
     if resync:
         state, vuf = trainer.export(cfg.export, generator=gen)
-        t["export"] = time.perf_counter()
+        lap("export")
         sampler.load_weights(state)  # TIM: the trainer's weights (and its drift) enter the sampler
         rs.since_sync = 0
-    t.setdefault("export", time.perf_counter())
-    t["sync"] = time.perf_counter()
-    record = _step_record(step, rewards, loss, grad_norm, resync, vuf, rs.since_sync, logp, ro, ledger, drift,
-                          weights, trainer.model.config.vocab_size, t)
-    neg = ro.mask & (adv.expand_as(ro.mask) < 0)  # (B, T) negative-advantage tokens
-    below = ((logp.detach() - ro.logp_infer).exp() < 1 - cfg.eps_low) & neg  # what a PPO clip on p/q would cut
-    record["neg_adv_below_clip"] = float(below.sum() / neg.sum().clamp(min=1))
-    if step % cfg.eval_every == 0 or step == cfg.steps - 1:
-        record["acc_trainer"] = greedy_accuracy(trainer.model, rs.tokenizer, rs.eval_set)
-        record["acc_sampler"] = sampler.greedy_accuracy(rs.eval_set)
-    return record
+    lap("sync")
+    return _step_record(step, rewards, updates, resync, vuf, rs.since_sync, logp_prox, ro, ledger,
+                        drift if cfg.diagnose_drift else {}, trainer.model.config.vocab_size, sec)
 
 
 def _setup_run(cfg: RLConfig) -> _RunState:
@@ -1698,8 +1839,7 @@ def _setup_run(cfg: RLConfig) -> _RunState:
     torch.manual_seed(cfg.seed)
     model_dir = ensure_base_model(cfg.model) if cfg.model == "runs/base" else Path(cfg.model)
     tokenizer = load_tokenizer(model_dir)
-    info = _task_info(model_dir)
-    digits, ops = info.get("digits", 2), info.get("ops", "+")
+    task = _task_kwargs(model_dir)
     model = load_model(model_dir, trust_remote_code=cfg.trust_remote_code)
     value_head = torch.nn.Linear(model.config.hidden_size, 1) if cfg.correction == "copc" else None
     trainer = Trainer(model, cfg.lr, cfg.optimizer, export_dtype=cfg.dtype, loss_on_served=cfg.loss_on_served,
@@ -1709,8 +1849,8 @@ def _setup_run(cfg: RLConfig) -> _RunState:
     state, _ = trainer.export(cfg.export, generator=gen)  # the sampler starts from the served copy of the master
     sampler.load_weights(state)
     return _RunState(trainer, sampler, tokenizer, gen, value_head,
-                     train_set=make_arithmetic_task(cfg.steps * cfg.prompts, digits, cfg.seed, ops),
-                     eval_set=make_arithmetic_task(cfg.eval_n, digits, 0, ops, split="eval"))
+                     train_set=make_arithmetic_task(cfg.steps * cfg.prompts, seed=cfg.seed, split="rl", **task),
+                     eval_set=make_arithmetic_task(cfg.eval_n, seed=0, split="eval", **task))
 
 
 def _save_run_checkpoint(out: Path, rs: _RunState, next_step: int) -> None:
@@ -1736,7 +1876,7 @@ def _resume_run(out: Path, rs: _RunState) -> tuple[int, list[dict]]:
             record = json.loads(line)
         except json.JSONDecodeError:  # a line torn by the kill
             continue
-        if record.get("step", start) < start:
+        if record.get("step", start) < start:  # an evaluation at `start` runs again
             records.append(record)
     return start, records
 
@@ -1761,15 +1901,20 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
     _write_atomic(out / "config.json", json.dumps(asdict(cfg), indent=1))
     _write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))  # steps covered, once
     with open(out / "metrics.jsonl", "a") as log:
-        for step in tqdm(range(start, cfg.steps), desc=cfg.name, disable=not cfg.progress, mininterval=2,
-                         initial=start, total=cfg.steps):
-            record = _rl_step(cfg, step, rs)
+        def write(record: dict) -> None:
             records.append(record)
             log.write(json.dumps(record) + "\n")
             log.flush()
+
+        for step in tqdm(range(start, cfg.steps), desc=cfg.name, disable=not cfg.progress, mininterval=2,
+                         initial=start, total=cfg.steps):
+            if step % cfg.eval_every == 0:  # before the step's update: step 0 is the model RL starts from
+                write(evaluate(step, rs))
+            write(_rl_step(cfg, step, rs))
             every = cfg.checkpoint_every
             if step == cfg.steps - 1 or (every > 0 and (step + 1) % every == 0):
                 _save_run_checkpoint(out, rs, step + 1)
+        write(evaluate(cfg.steps, rs))  # after the last update
     return records
 
 
@@ -1783,7 +1928,6 @@ def measure_engines(model_dir: str | Path, engines: list[tuple[str, object]], n_
     """
     model_dir = Path(model_dir)
     tokenizer = load_tokenizer(model_dir)
-    info = _task_info(model_dir)
     trainer_model = load_model(model_dir).eval()
     rows = []
     for label, spec in engines:
@@ -1792,7 +1936,7 @@ def measure_engines(model_dir: str | Path, engines: list[tuple[str, object]], n_
         else:  # one vLLM engine per process at a time: build it once for all seeds
             sampler = VLLMSampler(model_dir, dtype=spec.split("-")[1], seed=seeds[0], tokenizer=tokenizer)
         for seed in seeds:
-            problems = make_arithmetic_task(n_prompts, info.get("digits", 2), seed, info.get("ops", "+"), split="eval")
+            problems = make_arithmetic_task(n_prompts, seed=seed, split="eval", **_task_kwargs(model_dir))
             prompts, _ = _encode_problems(tokenizer, problems)
             ro = sampler.sample(prompts, n, max_new_tokens, 1.0, 0, torch.Generator().manual_seed(seed))
             with torch.no_grad():
@@ -1830,66 +1974,127 @@ def _markdown_table(rows: list[dict], floats: str = "{:.3g}") -> str:
     return "\n".join(lines)
 
 
-def compare(base: RLConfig, corrections: list[str], seeds: list[int], name: str, control: bool = True) -> list[dict]:
-    """Run each correction (and a synced, uncorrected control) over seeds; write results.md and plot.png."""
-    import matplotlib
+def compare(base: RLConfig, corrections: list[str], seeds: list[int], name: str) -> list[dict]:
+    """Each correction at base.sync_every plus a synced, uncorrected control, over paired seeds; Δ vs the control.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    arms = [("synced control (k=1, none)", {"correction": "none", "sync_every": 1})] if control else []
+    Writes <out_dir>/<name>/results.md and plot.png; returns the table rows.
+    """
+    arms = [(SYNCED_CONTROL, {"correction": "none", "sync_every": 1})]
     arms += [(f"{c} (k={base.sync_every})", {"correction": c}) for c in corrections]
     out = Path(base.out_dir) / name
-    out.mkdir(parents=True, exist_ok=True)
-    rows, curves = [], {}
-    for label, change in arms:
-        finals = []
-        for seed in seeds:
-            cfg = RLConfig(**(asdict(base) | change | {"seed": seed, "out_dir": str(out),
-                                                       "name": f"{change['correction']}_k{change.get('sync_every', base.sync_every)}_s{seed}"}))
-            recs = run(cfg)
-            evals = [r for r in recs if "acc_trainer" in r]
-            curves.setdefault(label, []).append(([r["step"] for r in evals], [r["acc_trainer"] for r in evals]))
-            finals.append({"acc_trainer": evals[-1]["acc_trainer"], "acc_sampler": evals[-1]["acc_sampler"],
-                           "k3": sum(r["mm_k3"] for r in recs) / len(recs),
-                           "lag_abs": sum(r["ledger_lag_abs"] for r in recs) / len(recs)})
-        row = {"arm": label, "seeds": len(seeds)}
-        for key in ("acc_trainer", "acc_sampler", "k3", "lag_abs"):
-            vals = torch.tensor([f[key] for f in finals], dtype=torch.float64)
-            sd = float(vals.std()) if len(vals) > 1 else 0.0
-            row[key] = f"{float(vals.mean()):.3f} ± {sd:.3f}" if key.startswith("acc") else f"{float(vals.mean()):.3g}"
-        rows.append(row)
-    table = _markdown_table(rows)
-    (out / "results.md").write_text(f"{table}\n\nsteps={base.steps} prompts={base.prompts} group={base.group} "
-                                    f"lr={base.lr} dtype={base.dtype} sync_every={base.sync_every}\n")
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, runs in curves.items():
-        steps = runs[0][0]
-        mean = [sum(r[1][i] for r in runs) / len(runs) for i in range(len(steps))]
-        ax.plot(steps, mean, marker="o", ms=3, label=label)
-    ax.set(title=f"held-out greedy accuracy of the trainer (mean of {len(seeds)} seeds)", xlabel="optimizer step",
-           ylabel="exact-match accuracy (fraction)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "plot.png", dpi=110)
-    plt.close(fig)
+    runs = run_arms(base, arms, seeds, out)
+    plot_arms(out / "plot.png", runs, key="pc_trainer", title=f"{name}: trainer pc (mean of {len(seeds)} seeds)")
+    rows = arm_table(runs, SYNCED_CONTROL)
+    _write_results(out, name, [(f"steps={base.steps} prompts={base.prompts} group={base.group} lr={base.lr} "
+                                f"dtype={base.dtype} sync_every={base.sync_every}", rows)], "")
     return rows
 
 
-def demo(steps: int = 150, seeds: tuple[int, ...] = (0,), sync_every: int = 32) -> None:
-    """The default command: mismatch of every engine, then policy lag hurting and being repaired."""
+def demo(steps: int = 60, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: int = 16) -> None:
+    """The default command: mismatch of every engine, then policy lag hurting and being repaired (paired seeds)."""
     model_dir = ensure_base_model("runs/base")
     print("\n== 1. measured mismatch of each sampler engine vs the fp32 trainer (same prompts, 256 samples) ==")
     print(_markdown_table(measure_engines(model_dir, default_engines())))
-    print(f"\n== 2. policy lag: sampler synced every {sync_every} steps vs every step, {steps} steps ==")
-    base = RLConfig(steps=steps, sync_every=sync_every, eval_every=max(steps // 6, 1), eval_n=256, topk=0)
-    rows = compare(base, ["none", "tis", "sc", "sc_tis"], list(seeds), "demo")
-    print(_markdown_table(rows))
+    print(f"\n== 2. policy lag: sampler synced every {sync_every} steps vs every step, {steps} steps, "
+          f"{len(seeds)} paired seeds ==")
+    base = RLConfig(steps=steps, sync_every=sync_every, eval_every=max(steps // 4, 1), progress=False)
+    print(_markdown_table(compare(base, ["none", "tis", "sc", "sc_tis"], list(seeds), "demo")))
     print("\nwrote runs/demo/results.md and runs/demo/plot.png")
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # ---- compare presets: one claim per preset ----
+# Every RL preset states its claims before it runs (Claim: arm, reference arm, metric, direction), runs every arm on
+# the same seeds (a seed fixes the prompts and the first sampler draw), and computes each verdict from the paired
+# differences: `reproduced` when the 95% bootstrap CI of mean(arm - reference) excludes 0 in the claimed direction,
+# `contradicted` when it excludes 0 the other way, `not resolved` otherwise, and `invalid testbed` when the preset's
+# own synced control did not learn (CI of its final - start pc above 0).
+
+SYNCED_CONTROL = "synced control (k=1, none)"
+BOOTSTRAP_DRAWS = 10_000
+PRESET_STEPS = 60  # RL steps of every training preset (the testbed's control still improves at the middle)
+PRESET_LAG = 16  # sync interval k of the lag presets: hurts the uncorrected arm without annihilating it
+DLC_MAX_LAG = 0.05  # DLC's resync threshold on mean |logp - logp_old|
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One claim of a paper, fixed before the run: `arm` beats (direction +1) or trails (-1) `reference` on `metric`."""
+
+    text: str
+    arm: str
+    reference: str
+    metric: str = "pc_trainer"  # an evaluation key (summary auc | final) or a step key (summary steps)
+    summary: str = "auc"  # auc: mean over evaluations | final: last evaluation | steps: mean over RL steps
+    direction: int = 1
+
+
+def bootstrap_ci(values: list[float], level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
+    """(mean, low, high): percentile bootstrap CI of the mean of paired differences over seeds."""
+    v = torch.tensor(values, dtype=torch.float64)
+    if len(v) < 2:
+        return float(v.mean()), -math.inf, math.inf  # one seed: no interval, nothing resolved
+    idx = torch.randint(0, len(v), (BOOTSTRAP_DRAWS, len(v)), generator=torch.Generator().manual_seed(seed))
+    means = v[idx].mean(dim=1)
+    alpha = (1 - level) / 2
+    return float(v.mean()), float(means.quantile(alpha)), float(means.quantile(1 - alpha))
+
+
+def verdict(low: float, high: float, direction: int) -> str:
+    """reproduced | contradicted | not resolved, from the CI of mean(arm - reference) and the claimed direction."""
+    if low > 0 or high < 0:
+        return "reproduced" if (low > 0) == (direction > 0) else "contradicted"
+    return "not resolved"
+
+
+def seed_value(records: list[dict], key: str, summary: str = "auc") -> float:
+    """One number per run: mean over evaluations (auc), the last evaluation (final) or mean over RL steps (steps)."""
+    if summary == "steps":
+        values = [r[key] for r in records if "reward" in r and r.get(key) is not None]
+    else:
+        values = [r[key] for r in records if "reward" not in r and key in r]
+        values = values[-1:] if summary == "final" else values
+    return sum(values) / len(values)
+
+
+def control_learned(runs: dict[str, list[list[dict]]], key: str = "pc_trainer") -> tuple[bool, str]:
+    """Did the synced control improve? CI of (final - start) of `key` over seeds entirely above 0."""
+    gains = [seed_value(rs, key, "final") - [r[key] for r in rs if key in r][0] for rs in runs[SYNCED_CONTROL]]
+    mean, low, high = bootstrap_ci(gains)
+    return low > 0, f"synced control {key} final - start: {mean:+.3f} [{low:+.3f}, {high:+.3f}]"
+
+
+def judge(runs: dict[str, list[list[dict]]], claim: Claim, learned: bool) -> dict:
+    """The claim's row: paired Δ (arm - reference) with its 95% CI over seeds and the computed verdict."""
+    deltas = [seed_value(a, claim.metric, claim.summary) - seed_value(r, claim.metric, claim.summary)
+              for a, r in zip(runs[claim.arm], runs[claim.reference])]  # paired: same seed, same prompts
+    mean, low, high = bootstrap_ci(deltas)
+    return {"claim": claim.text, "metric": f"{claim.metric} ({claim.summary})", "Δ arm - reference": mean,
+            "95% CI": f"[{low:.3g}, {high:.3g}]", "seeds": len(deltas),
+            "verdict": verdict(low, high, claim.direction) if learned else "invalid testbed"}
+
+
+def arm_table(runs: dict[str, list[list[dict]]], reference: str, extra: dict | None = None) -> list[dict]:
+    """One row per arm: start, final and auc of pc_trainer (mean ± sd), Δ vs `reference` with CIs, extra columns."""
+    rows = []
+    for label, per_seed in runs.items():
+        row = {"arm": label, "seeds": len(per_seed), "pc start": _mean_sd([seed_value(rs[:1], "pc_trainer", "final")
+                                                                            for rs in per_seed])}
+        for summary in ("final", "auc"):
+            mine = [seed_value(rs, "pc_trainer", summary) for rs in per_seed]
+            ref = [seed_value(rs, "pc_trainer", summary) for rs in runs[reference]]
+            row[f"pc {summary}"] = _mean_sd(mine)
+            if label != reference:
+                mean, low, high = bootstrap_ci([m - r for m, r in zip(mine, ref)])
+                row[f"Δ {summary} vs ref"] = f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]"
+            else:
+                row[f"Δ {summary} vs ref"] = "(reference)"
+        row["acc final"] = _mean_sd([seed_value(rs, "acc_trainer", "final") for rs in per_seed])
+        for column, (key, summary) in (extra or {}).items():
+            row[column] = _mean_sd([seed_value(rs, key, summary) for rs in per_seed], "{:.3g}")
+        rows.append(row)
+    return rows
+
 
 def _mean_sd(values: list[float], fmt: str = "{:.3f}") -> str:
     """'mean ± sd' over seeds (sd with Bessel's correction; 0 for one seed)."""
@@ -1900,39 +2105,18 @@ def _mean_sd(values: list[float], fmt: str = "{:.3f}") -> str:
 
 def run_arms(base: RLConfig, arms: list[tuple[str, dict]], seeds: list[int], out: Path) -> dict[str, list[list[dict]]]:
     """Every arm (label, RLConfig overrides) for every seed, into out/<arm>_s<seed>. -> {label: [records per seed]}."""
+    from tqdm.auto import tqdm
+
     runs: dict[str, list[list[dict]]] = {}
-    for i, (label, change) in enumerate(arms):
-        for seed in seeds:
-            cfg = RLConfig(**(asdict(base) | change | {"seed": seed, "out_dir": str(out), "name": f"arm{i}_s{seed}"}))
-            runs.setdefault(label, []).append(run(cfg))
+    jobs = [(i, label, change, seed) for i, (label, change) in enumerate(arms) for seed in seeds]
+    for i, label, change, seed in tqdm(jobs, desc=out.name, mininterval=5):
+        cfg = RLConfig(**(asdict(base) | change | {"seed": seed, "out_dir": str(out), "name": f"arm{i}_s{seed}"}))
+        runs.setdefault(label, []).append(run(cfg))
     return runs
 
 
-def _step_mean(key: str):
-    """records -> mean of records[key] over steps (a missing key counts 0: e.g. no weight, nothing zeroed)."""
-    return lambda records: sum(r.get(key, 0.0) for r in records) / len(records)
-
-
-def _last_eval(records: list[dict], key: str) -> float:
-    return [r[key] for r in records if key in r][-1]
-
-
-def summarise_arms(runs: dict[str, list[list[dict]]], extra: dict | None = None) -> list[dict]:
-    """One row per arm: final held-out accuracy of trainer and sampler, mean k3, plus `extra` {column: fn(records)}."""
-    columns = {"acc_trainer": lambda rs: _last_eval(rs, "acc_trainer"),
-               "acc_sampler": lambda rs: _last_eval(rs, "acc_sampler"),
-               "k3 (mean)": _step_mean("mm_k3")} | (extra or {})
-    rows = []
-    for label, per_seed in runs.items():
-        row = {"arm": label, "seeds": len(per_seed)}
-        for column, fn in columns.items():
-            row[column] = _mean_sd([fn(rs) for rs in per_seed], "{:.3f}" if column.startswith("acc") else "{:.3g}")
-        rows.append(row)
-    return rows
-
-
-def plot_arms(path: Path, runs: dict[str, list[list[dict]]], key: str = "acc_trainer", title: str = "",
-              ylabel: str = "held-out exact-match accuracy (fraction)") -> None:
+def plot_arms(path: Path, runs: dict[str, list[list[dict]]], key: str = "pc_trainer", title: str = "",
+              ylabel: str = "held-out probability of the exact answer (pc)") -> None:
     """Mean over seeds of `key` against the step, one line per arm."""
     import matplotlib
 
@@ -1941,7 +2125,7 @@ def plot_arms(path: Path, runs: dict[str, list[list[dict]]], key: str = "acc_tra
 
     fig, ax = plt.subplots(figsize=(7.5, 4))
     for label, per_seed in runs.items():
-        points = [[(r["step"], r[key]) for r in rs if key in r and r[key] is not None] for rs in per_seed]
+        points = [[(r["step"], r[key]) for r in rs if r.get(key) is not None] for rs in per_seed]
         steps = [s for s, _ in points[0]]
         mean = [sum(p[i][1] for p in points) / len(points) for i in range(len(steps))]
         ax.plot(steps, mean, marker="o" if len(steps) < 30 else None, ms=3, label=label)
@@ -1954,10 +2138,52 @@ def plot_arms(path: Path, runs: dict[str, list[list[dict]]], key: str = "acc_tra
 
 
 def _write_results(out: Path, title: str, sections: list[tuple[str, list[dict]]], notes: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
     text = f"# {title}\n\n"
     for caption, rows in sections:
         text += f"{caption}\n\n{_markdown_table(rows)}\n\n"
     (out / "results.md").write_text(text + notes + "\n")
+
+
+def rl_preset(pc: "PresetConfig", seeds: list[int], out: Path, title: str, base: RLConfig,
+              arms: list[tuple[str, dict]], claims: list[Claim], extra: dict | None = None,
+              plot_key: str = "pc_trainer", sections: list | None = None) -> list[dict]:
+    """Run a synced control plus `arms` on paired seeds; write the arm table, the claims' verdicts and a plot."""
+    runs = run_arms(base, [(SYNCED_CONTROL, {"correction": "none", "sync_every": 1, "dtype": "fp32",
+                                             "quant": "none", "noise": 0.0})] + arms, seeds, out)
+    learned, learned_note = control_learned(runs)
+    verdicts = [judge(runs, claim, learned) for claim in claims]
+    plot_arms(out / "plot.png", runs, key=plot_key, title=title)
+    _write_results(out, title, (sections or []) + [
+        ("Claims, stated before the run; verdict computed from the paired seeds:", verdicts),
+        (f"Arms ({base.steps} steps, {base.prompts} prompts x {base.group} samples, lr {base.lr}, eval on "
+         f"{base.eval_n} held-out problems every {base.eval_every} steps; Δ = arm - reference, paired by seed, 95% "
+         f"bootstrap CI):", arm_table(runs, SYNCED_CONTROL, extra))], learned_note)
+    return verdicts
+
+
+@dataclass
+class PresetConfig:
+    """`compare --preset NAME`: claims of the papers, each with a verdict computed over paired seeds."""
+
+    preset: str = _arg("", "precision | cis | fp8-clip | fair-cast | staleness | dlc | drift | real-lm | all")
+    seeds: str = _arg("0,1,2,3,4", "comma-separated seeds (>= 5 for a verdict worth quoting)")
+    smoke: bool = _arg(False, "seconds-sized version of every run (CI): checks the outputs, not the claim")
+    model: str = _arg("runs/base", "the tiny model (built if missing)")
+    out_dir: str = _arg("runs/compare", "writes <out_dir>/<preset>/results.md and plot.png (CLI: <--out-dir>/compare)")
+
+
+def _preset_base(pc: PresetConfig, **change) -> RLConfig:
+    """The RL settings every training preset starts from; --smoke shrinks them to seconds."""
+    base = dict(model=pc.model, steps=PRESET_STEPS, progress=False, checkpoint_every=0) | change
+    base.setdefault("eval_every", base["steps"] // 4)  # 5 evaluations: before the first step, 3 between, after
+    if pc.smoke:
+        base |= dict(steps=3, prompts=4, group=4, eval_every=2, eval_n=16)
+    return RLConfig(**base)
+
+
+def _summary(verdicts: list[dict]) -> str:
+    return "; ".join(f"{v['verdict']}: {v['claim']}" for v in verdicts)
 
 
 def export_visibility(weights: torch.Tensor, lr: float, steps: int, seed: int = 0) -> dict[str, list[float]]:
@@ -1984,26 +2210,6 @@ def export_visibility(weights: torch.Tensor, lr: float, steps: int, seed: int = 
     return curves
 
 
-@dataclass
-class PresetConfig:
-    """`compare --preset NAME`: one claim of the papers, as a results table over seeds."""
-
-    preset: str = _arg("", "precision | cis | fp8-clip | fair-cast | staleness | dlc | drift | real-lm | all")
-    seeds: str = _arg("0,1,2", "comma-separated seeds (>= 3 for a table worth quoting)")
-    smoke: bool = _arg(False, "seconds-sized version of every run (CI): checks the outputs, not the claim")
-    model: str = _arg("runs/base", "the tiny model (built if missing)")
-    out_dir: str = _arg("runs/compare", "writes <out_dir>/<preset>/results.md and plot.png (CLI: <--out-dir>/compare)")
-
-
-def _preset_base(pc: PresetConfig, **change) -> RLConfig:
-    """The RL settings every training preset starts from; --smoke shrinks them to seconds."""
-    base = dict(model=pc.model, steps=150, eval_n=256, progress=False, checkpoint_every=0) | change
-    base.setdefault("eval_every", base["steps"] // 2)  # held-out accuracy at the start, middle and end (budget)
-    if pc.smoke:
-        base |= dict(steps=3, prompts=4, group=4, eval_every=2, eval_n=16)
-    return RLConfig(**base)
-
-
 def preset_precision(pc: PresetConfig, seeds: list[int], out: Path) -> str:
     """FP16 paper [9]: fp16 shrinks the mismatch by about an order of magnitude against bf16."""
     model_dir = ensure_base_model(pc.model) if pc.model == "runs/base" else Path(pc.model)
@@ -2023,51 +2229,57 @@ def preset_precision(pc: PresetConfig, seeds: list[int], out: Path) -> str:
 
 
 def preset_cis(pc: PresetConfig, seeds: list[int], out: Path) -> str:
-    """CIS [6]: the log-odds gap is flat across confidence while the log-ratio gap shrinks; CIS vs TIS vs IcePop."""
+    """CIS [6]. Claim: under an fp8 sampler, CIS's confidence-aware cap trains at least as well as token TIS
+    (reference TIS; metric trainer pc, mean over evaluations; direction: CIS above). Also measured: the spread of the
+    log-odds gap by confidence, and what each weight zeroes."""
     model_dir = ensure_base_model(pc.model) if pc.model == "runs/base" else Path(pc.model)
     model, tokenizer = load_model(model_dir).eval(), load_tokenizer(model_dir)
-    problems = make_arithmetic_task(16 if pc.smoke else 128, 2, 0, split="eval")
+    problems = make_arithmetic_task(16 if pc.smoke else 128, **_task_kwargs(model_dir), split="eval")
     prompts, _ = _encode_problems(tokenizer, problems)
-    edges = [0.0, 0.5, 0.9, 0.99, 0.999, 1.0001]
-    bins = []
-    for label, spec in (("bf16", EngineSpec(dtype="bf16")), ("fp8", EngineSpec(quant="fp8"))):
-        ro = TorchSampler(model, spec, tokenizer).sample(prompts, 8, 5, 1.0, 0, torch.Generator().manual_seed(0))
-        with torch.no_grad():
-            logp = sequence_logprobs(model, ro)[0]
-        p, eps = logp[ro.mask].exp(), log_odds_displacement(logp, ro.logp_infer)[ro.mask]
-        log_r = (logp - ro.logp_infer)[ro.mask]
-        for lo, hi in zip(edges[:-1], edges[1:]):
-            sel = (p >= lo) & (p < hi)
-            if int(sel.sum()) >= 2:
-                bins.append({"sampler": label, "p bin": f"[{lo}, {min(hi, 1.0)})", "tokens": int(sel.sum()),
-                             "sd(logit p - logit q)": float(eps[sel].std()), "sd(log p - log q)": float(log_r[sel].std())})
-    arms = [(f"{c} ({name})", {"correction": c, **change}) for name, change in
-            (("bf16", {"dtype": "bf16"}), ("fp8", {"quant": "fp8"})) for c in ("none", "tis", "mis", "cis")]
-    runs = run_arms(_preset_base(pc, steps=100), arms, seeds, out)
-    plot_arms(out / "plot.png", runs, title="CIS vs TIS vs IcePop (MIS) under bf16 / fp8 samplers")
-    rows = summarise_arms(runs, {"zeroed weights": _step_mean("frac_zero_weight")})
-    _write_results(out, "cis: confidence-aware IS under low-precision samplers", [
-        ("Spread of the engine gap by the trainer's confidence in the sampled token (seed 0, 8 samples per prompt):",
-         bins), ("RL, sampler synced every step, REINFORCE arms weight p/q:", rows)], "")
-    return "see table"
+    edges, bins = [0.0, 0.5, 0.9, 0.99, 0.999, 1.0001], []
+    ro = TorchSampler(model, EngineSpec(quant="fp8"), tokenizer).sample(prompts, 8, 5, 1.0, 0,
+                                                                        torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logp = sequence_logprobs(model, ro)[0]
+    p, eps = logp[ro.mask].exp(), log_odds_displacement(logp, ro.logp_infer)[ro.mask]
+    log_r = (logp - ro.logp_infer)[ro.mask]
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        sel = (p >= lo) & (p < hi)
+        if int(sel.sum()) >= 2:
+            bins.append({"p bin": f"[{lo}, {min(hi, 1.0)})", "tokens": int(sel.sum()),
+                         "sd(logit p - logit q)": float(eps[sel].std()), "sd(log p - log q)": float(log_r[sel].std())})
+    arms = [(f"{c} (fp8)", {"correction": c, "quant": "fp8"}) for c in ("none", "tis", "mis", "cis")]
+    claims = [Claim("CIS trains at least as well as TIS under an fp8 sampler", "cis (fp8)", "tis (fp8)")]
+    verdicts = rl_preset(pc, seeds, out, "cis: confidence-aware IS under an fp8 sampler", _preset_base(pc), arms,
+                         claims, {"zeroed": ("frac_zeroed", "steps")}, sections=[(
+                             "Spread of the fp8 engine gap by the trainer's confidence (seed 0, 8 samples/prompt):",
+                             bins)])
+    return _summary(verdicts)
 
 
 def preset_fp8_clip(pc: PresetConfig, seeds: list[int], out: Path) -> str:
-    """FP8 RL [7]: an fp8 sampler makes PPO clip more negative-advantage tokens; calibrated bounds undo that."""
-    arms = [("ppo, bf16 sampler (reference)", {"correction": "ppo", "dtype": "bf16"}),
-            ("ppo, fp8 sampler", {"correction": "ppo", "quant": "fp8"}),
-            ("calibrated, fp8 sampler", {"correction": "calibrated", "quant": "fp8"})]
-    runs = run_arms(_preset_base(pc, steps=100, sync_every=4), arms, seeds, out)
-    plot_arms(out / "plot.png", runs, key="neg_adv_below_clip", ylabel="share of A < 0 tokens with p/q < 1 - eps",
-              title="negative-advantage tokens below the PPO clip")
-    _write_results(out, "fp8-clip: what an fp8 sampler does to PPO's clip", [(
-        "Sampler synced every 4 steps; `below clip` = share of negative-advantage tokens with p/q < 1 - eps_low "
-        "(p current trainer, q sampler), mean over steps:", summarise_arms(runs, {"below clip": _step_mean("neg_adv_below_clip")}))], "")
-    return "see table"
+    """FP8 RL [7]. Claims: with PPO on p/q (the sampler's log-probs as pi_old), an fp8 sampler zeroes more
+    negative-advantage tokens than a bf16 one (metric frac_zeroed_neg_adv, mean over steps; direction: fp8 above);
+    calibrated bounds zero fewer than the default bounds under fp8 (direction: calibrated below)."""
+    arms = [("ppo_infer (bf16)", {"correction": "ppo_infer", "dtype": "bf16"}),
+            ("ppo_infer (fp8)", {"correction": "ppo_infer", "quant": "fp8"}),
+            ("calibrated (fp8)", {"correction": "calibrated", "quant": "fp8"})]
+    claims = [Claim("an fp8 sampler makes PPO on p/q zero more A<0 tokens than bf16", "ppo_infer (fp8)",
+                    "ppo_infer (bf16)", "frac_zeroed_neg_adv", "steps", +1),
+              Claim("calibrated bounds zero fewer A<0 tokens than the default ones (fp8)", "calibrated (fp8)",
+                    "ppo_infer (fp8)", "frac_zeroed_neg_adv", "steps", -1),
+              Claim("calibrated bounds train at least as well as the default ones (fp8)", "calibrated (fp8)",
+                    "ppo_infer (fp8)")]
+    base = _preset_base(pc, updates_per_batch=2)  # the second update moves p off q: the clip has something to cut
+    verdicts = rl_preset(pc, seeds, out, "fp8-clip: what an fp8 sampler does to PPO's clip", base, arms, claims,
+                         {"A<0 zeroed": ("frac_zeroed_neg_adv", "steps")})
+    return _summary(verdicts)
 
 
 def preset_fair_cast(pc: PresetConfig, seeds: list[int], out: Path) -> str:
-    """Fair Cast [4] (reconstruction): RTN hides small updates from a bf16 sampler; SR / EF / loss on served."""
+    """Fair Cast [4] (reconstruction). Claim: with a bf16 sampler at a small learning rate, SR export + loss on the
+    served copy trains better than RTN export (reference RTN; trainer pc over evaluations; direction: above).
+    Also measured: the visible update fraction of RTN / SR / EF exports on the model's own weights."""
     model_dir = ensure_base_model(pc.model) if pc.model == "runs/base" else Path(pc.model)
     model = load_model(model_dir)
     weights = torch.cat([p.detach().reshape(-1) for n, p in model.named_parameters() if n.endswith("proj.weight")])
@@ -2079,65 +2291,65 @@ def preset_fair_cast(pc: PresetConfig, seeds: list[int], out: Path) -> str:
             half = next((i + 1 for i, v in enumerate(curve) if v >= 0.5), None)
             vis_rows.append({"lr": f"{lr:g}", "export": mode} | {f"after {m}": curve[m - 1] for m in marks}
                             | {"steps to 1/2": half if half is not None else f"> {steps}"})
-    arms = [("fp32 sampler (control)", {"dtype": "fp32"}), ("bf16, RTN export", {"dtype": "bf16", "export": "rtn"}),
+    arms = [("bf16, RTN export", {"dtype": "bf16", "export": "rtn"}),
             ("bf16, EF export", {"dtype": "bf16", "export": "ef"}),
             ("bf16, SR export + loss on served", {"dtype": "bf16", "export": "sr", "loss_on_served": True})]
-    runs = run_arms(_preset_base(pc, steps=100, lr=3e-5), arms, seeds, out)
-    plot_arms(out / "plot.png", runs, title="held-out accuracy of the trainer, bf16 sampler, AdamW lr 3e-5")
-    vuf = lambda rs: sum(r["visible_update_fraction"] for r in rs if r["visible_update_fraction"] is not None) / len(rs)  # noqa: E731
-    _write_results(out, "fair-cast: bf16 export rounding", [
-        ("Visible update fraction of the tiny model's Linear weights (masters on the bf16 grid, constant-sign steps "
-         "of size lr, exported every step):", vis_rows),
-        ("RL with AdamW lr 3e-5, sampler synced every step; `visible` = mean visible update fraction per sync:",
-         summarise_arms(runs, {"visible": vuf}))], "")
-    return "see table"
+    claims = [Claim("SR export + loss on served trains better than RTN (bf16 sampler, lr 1e-5)",
+                    "bf16, SR export + loss on served", "bf16, RTN export")]
+    verdicts = rl_preset(pc, seeds, out, "fair-cast: bf16 export rounding", _preset_base(pc, lr=1e-5), arms, claims,
+                         {"visible": ("visible_update_fraction", "steps")}, sections=[(
+                             "Visible update fraction of the Linear weights (masters on the bf16 grid, constant-sign "
+                             "steps of size lr, exported every step):", vis_rows)])
+    return _summary(verdicts)
 
 
 def preset_staleness(pc: PresetConfig, seeds: list[int], out: Path) -> str:
-    """Policy lag: none vs TIS vs SC vs SC+TIS vs decoupled PPO vs DPPO vs COPC at sync intervals k."""
-    arms = [("synced control (k=1, none)", {"sync_every": 1, "correction": "none"})]
-    subsets = {8: ("none", "tis", "sc_tis", "ppo"), 32: ("none", "tis", "sc", "sc_tis", "ppo", "dppo", "copc"),
-               64: ("none", "tis", "copc")}  # every correction at k = 32, the main ones at 8 and 64 (15-min budget)
-    for k, corrections in subsets.items():
-        arms += [(f"{c} (k={k})", {"sync_every": k, "correction": c}) for c in corrections]
-    runs = run_arms(_preset_base(pc, steps=80), arms, seeds, out)
-    plot_arms(out / "plot.png", runs, title="policy lag: trainer accuracy (mean over seeds)")
-    _write_results(out, "staleness: sampler synced every k steps", [
-        ("REINFORCE arms weight p/q; ppo / copc weight p_old/q and clip p/p_old; fp32 sampler:",
-         summarise_arms(runs, {"mean abs lag": _step_mean("ledger_lag_abs")}))], "")
-    return "see table"
+    """Policy lag. Claims (trainer pc, mean over evaluations): with the sampler synced every k = PRESET_LAG steps,
+    REINFORCE trails the synced control; TIS, decoupled PPO (2 updates per batch) and SC + TIS each beat
+    uncorrected REINFORCE at the same lag."""
+    k = PRESET_LAG
+    arms = [(f"{c} (k={k})", {"correction": c, "sync_every": k}) for c in ("none", "tis", "sc_tis", "dppo")]
+    arms += [(f"ppo x2 (k={k})", {"correction": "ppo", "sync_every": k, "updates_per_batch": 2})]
+    none = f"none (k={k})"
+    claims = [Claim(f"lag k={k} hurts uncorrected REINFORCE", none, SYNCED_CONTROL, direction=-1)]
+    claims += [Claim(f"{c} beats no correction at lag k={k}", f"{c} (k={k})", none) for c in ("tis", "sc_tis", "dppo")]
+    claims += [Claim(f"decoupled PPO (2 updates/batch) beats no correction at lag k={k}", f"ppo x2 (k={k})", none)]
+    verdicts = rl_preset(pc, seeds, out, f"staleness: sampler synced every {k} steps", _preset_base(pc), arms, claims,
+                         {"mean abs lag": ("ledger_lag_abs", "steps")})
+    return _summary(verdicts)
 
 
 def preset_dlc(pc: PresetConfig, seeds: list[int], out: Path) -> str:
-    """DLC [3] (reconstruction): numerics and lag together; one weight on the whole ratio vs decoupled corrections."""
-    arms = [("tis on p/q (one weight)", {"correction": "tis"}), ("decoupled ppo (tis on p_old/q)", {"correction": "ppo"}),
-            ("dlc", {"correction": "dlc"}), ("dlc + resync", {"correction": "dlc", "dlc_max_staleness": 4,
-                                                               "dlc_max_discrepancy": 0.01})]
-    runs = run_arms(_preset_base(pc, steps=100, dtype="bf16", sync_every=8), arms, seeds, out)
-    plot_arms(out / "plot.png", runs, title="bf16 sampler synced every 8 steps")
-    syncs = lambda rs: float(sum(r["synced"] for r in rs))  # noqa: E731
-    _write_results(out, "dlc: engine numerics and policy lag together (bf16 sampler, k = 8)", [
-        ("", summarise_arms(runs, {"syncs": syncs, "mean abs numerics": _step_mean("ledger_numerics_abs")}))], "")
-    return "see table"
+    """DLC [3] (reconstruction). Claims (bf16 sampler synced every k = PRESET_LAG steps; trainer pc over evaluations):
+    DLC's separately bounded numerics and lag beat one TIS weight on the whole ratio p/q; DLC with its lag-triggered
+    resync (and no fixed schedule) beats DLC alone."""
+    k = PRESET_LAG
+    arms = [(f"tis on p/q (k={k})", {"correction": "tis", "sync_every": k}),
+            (f"ppo (k={k})", {"correction": "ppo", "sync_every": k}),
+            (f"dlc (k={k})", {"correction": "dlc", "sync_every": k}),
+            ("dlc + lag resync", {"correction": "dlc", "sync_every": 10**6, "dlc_max_lag": DLC_MAX_LAG})]
+    claims = [Claim("dlc beats one TIS weight on p/q", f"dlc (k={k})", f"tis on p/q (k={k})"),
+              Claim("dlc + lag-triggered resync beats dlc on a fixed schedule", "dlc + lag resync", f"dlc (k={k})")]
+    verdicts = rl_preset(pc, seeds, out, "dlc: engine numerics and policy lag together (bf16 sampler)",
+                         _preset_base(pc, dtype="bf16"), arms, claims,
+                         {"syncs": ("synced", "steps"), "mean abs lag": ("ledger_lag_abs", "steps")})
+    return _summary(verdicts)
 
 
 def preset_drift(pc: PresetConfig, seeds: list[int], out: Path) -> str:
-    """Score centering [2]: drift accumulates without correction; SC cancels it and matches or beats IS."""
-    arms = []
-    for noise in (0.02, 0.05, 0.1):  # every arm at s = 0.1; the size of the effect at s = 0.02 and 0.05
-        for c in (("none", "tis", "dppo", "sc", "sc_tis", "drift_only") if noise == 0.1 else ("none",)):
-            arms.append((f"{c}, s={noise}, no baseline", {"noise": noise, "correction": c, "baseline": "none"}))
-    arms += [(f"{c}, s=0.1, group mean", {"noise": 0.1, "correction": c}) for c in ("none", "sc")]
-    arms += [(f"none, {q} weights, no baseline", {"quant": q, "baseline": "none"}) for q in ("int8", "fp8")]
-    runs = run_arms(_preset_base(pc, steps=40, diagnose_drift=True), arms, seeds, out)
-    plot_arms(out / "plot.png", runs, key="acc_sampler", title="drift: sampler accuracy (mean over seeds)")
-    ratio = lambda q: lambda rs: float(torch.tensor([r["drift_over_signal"] for r in rs]).quantile(q))  # noqa: E731
-    _write_results(out, "drift: score centering under a noisy / quantised sampler", [(
-        "REINFORCE, sampler synced every step, relative weight noise s (drawn once) or quantised weights; "
-        "`drift/signal` = norm ratio of the two parts of the REINFORCE gradient (median / p99 / max over steps); "
-        "`drift_only` applies only the drift part (positive control):",
-        summarise_arms(runs, {"drift/signal p50": ratio(0.5), "p99": ratio(0.99), "max": ratio(1.0)}))], "")
-    return "see table"
+    """Score centering [2]. Claims (relative sampler weight noise s = 0.1, raw-reward advantages, synced every step;
+    trainer pc over evaluations): SC beats uncorrected REINFORCE; the drift part alone (positive control) trails the
+    synced control."""
+    arms = [(f"{c}, s=0.1", {"noise": 0.1, "correction": c, "baseline": "none"})
+            for c in ("none", "tis", "sc", "sc_tis", "drift_only")]
+    claims = [Claim("SC beats no correction (s=0.1, no baseline)", "sc, s=0.1", "none, s=0.1"),
+              Claim("SC + TIS beats no correction (s=0.1, no baseline)", "sc_tis, s=0.1", "none, s=0.1"),
+              Claim("the drift part alone hurts (positive control)", "drift_only, s=0.1", SYNCED_CONTROL,
+                    direction=-1)]
+    verdicts = rl_preset(pc, seeds, out, "drift: score centering under a noisy sampler",
+                         _preset_base(pc, diagnose_drift=True), arms, claims,
+                         {"pg drift/signal": ("pg_drift_over_signal", "steps")})
+    return _summary(verdicts)
 
 
 def _real_lm_vllm_rows(model, tok, prompts: list[list[int]], n_new: int, seeds: list[int]) -> list[dict]:
@@ -2258,6 +2470,16 @@ def trl_weights(correction: str, old_per_token_logps: torch.Tensor, sampling_per
     return TRL_CORRECTIONS[correction](old_per_token_logps.detach().float(), sampling_per_token_logps.float(), mask)
 
 
+def check_trl_args(args) -> None:
+    """Refuse GRPOConfig settings under which a tim_rl weight would be silently wrong or ignored (TRL 1.16)."""
+    if getattr(args, "loss_type", None) == "vespo":
+        raise ValueError("loss_type='vespo' takes log(importance_sampling_ratio) and sums it over unmasked padding: "
+                         "tim_rl's weights are 0 there (and where a mask drops a token); use another loss_type")
+    if not getattr(args, "vllm_importance_sampling_correction", True):
+        raise ValueError("vllm_importance_sampling_correction=False: TRL would compute the tim_rl weight and never "
+                         "apply it; set it to True")
+
+
 def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **trainer_kwargs):
     """trl.GRPOTrainer(**trainer_kwargs) whose vLLM importance weight is a tim_rl correction; logs tim_rl/* metrics.
 
@@ -2266,13 +2488,16 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
       "token_mask"); TRL's own sampling/importance_sampling_ratio/* metrics describe TRL's ratio, not this weight.
     - mismatch_metrics(old_per_token_logps, sampling_per_token_logps) are logged as tim_rl/k1, tim_rl/k3, ...
     - vllm_dtype ("fp32" | "bf16" | "fp16") sets vLLM's dtype, which GRPOConfig cannot.
-    - Colocated vLLM is synced with reload_vllm_weights (the CPU build needs it; it also works on GPUs).
+    - On vLLM's CPU build a colocated vLLM is synced with reload_vllm_weights (TRL's per-parameter sync breaks
+      there); on a GPU TRL's own sync is kept. loss_type="vespo" and a disabled correction are refused.
     """
     import trl.generation.vllm_generation as trl_vllm
     from trl import GRPOTrainer
 
     if correction not in TRL_CORRECTIONS:
         raise ValueError(f"correction must be one of {sorted(TRL_CORRECTIONS)} to ride through TRL, got {correction!r}")
+    if "args" in trainer_kwargs:
+        check_trl_args(trainer_kwargs["args"])
 
     class TimRLGRPOTrainer(GRPOTrainer):
         def _generate_and_score_completions(self, inputs):
@@ -2298,7 +2523,11 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
         trl_vllm.LLM = original_llm
     torch.set_num_threads(threads)
     generation = getattr(trainer, "vllm_generation", None)
-    if trainer.use_vllm and generation is not None and generation.mode == "colocate":
+    from vllm.platforms import current_platform
+
+    if trainer.use_vllm and generation is not None and generation.mode == "colocate" and current_platform.is_cpu():
+        # vLLM's CPU build repacks Linear weights, which breaks TRL's per-parameter sync; on a GPU TRL's own sync
+        # (PEFT merge, ZeRO-3 gather, sleep-mode wake-up) stays in charge
         generation.sync_weights = lambda: reload_vllm_weights(generation.llm, trainer.model.named_parameters())
     return trainer
 
@@ -2463,7 +2692,7 @@ def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int) ->
     """Generated tokens/s of TorchSampler vs HF generate (same model, fp32, batch, max length), and of vLLM."""
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir).eval()
-    problems = make_arithmetic_task(prompts_n, 2, 0, split="eval")
+    problems = make_arithmetic_task(prompts_n, **_task_kwargs(model_dir), split="eval")
     prompts, _ = _encode_problems(tokenizer, problems)
     gen = torch.Generator().manual_seed(0)
 
@@ -2536,7 +2765,7 @@ def bench_trl_step(model_dir: Path, steps: int, out_dir: str) -> list[dict]:
         def on_step_end(self, args, state, control, **kwargs):
             self.seconds.append(time.perf_counter() - self.t0)
 
-    problems = make_arithmetic_task(16 * steps, 2, 0)
+    problems = make_arithmetic_task(16 * steps, **_task_kwargs(model_dir), split="rl")
     timer = StepTimer()
     trainer = GRPOTrainer(
         model=load_model(model_dir), processing_class=transformers.AutoTokenizer.from_pretrained(str(model_dir)),
