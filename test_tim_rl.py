@@ -830,6 +830,34 @@ def test_math_imports_with_torch_alone():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.abspath(tr.__file__)))
 
 
+CLI_MISTAKES = [  # (argv, words the one error line must contain); each fails before any model is built
+    (["train", "--model", "/nonexistent"], ["--model", "no model directory", "config.json", "omit --model"]),
+    (["train", "--steps", "-3"], ["--steps must be >= 1"]),
+    (["train", "--prompts", "0"], ["--prompts must be >= 1"]),
+    (["train", "--group", "0"], ["--group must be >= 1"]),
+    (["train", "--max-new-tokens", "0"], ["--max-new-tokens must be >= 1"]),
+    (["train", "--eval-every", "0"], ["--eval-every must be >= 1"]),
+    (["train", "--correction", "nope"], ["--correction must be one of", "seq_tis"]),
+    (["train", "--dtype", "fp64"], ["--dtype must be one of fp32 | bf16 | fp16"]),
+    (["compare", "--preset", "nope"], ["--preset must be one of", "fair-cast", "all"]),
+    (["compare", "--corrections", "tis,nope"], ["--corrections", "'nope'"]),
+    (["train", "--resume", "."], ["--resume", "no config.json"]),
+]
+
+
+@pytest.mark.parametrize("argv,words", CLI_MISTAKES, ids=[" ".join(a) for a, _ in CLI_MISTAKES])
+def test_cli_mistake_is_one_error_line_with_status_2(argv, words):
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(tr.__file__))
+    out = subprocess.run([sys.executable, "tim_rl.py", *argv], cwd=here, capture_output=True, text=True, timeout=60)
+    lines = out.stderr.splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("tim_rl: error: "), out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and out.stdout == ""
+    assert all(w in lines[0] for w in words), lines[0]
+
+
 # =================================================================================================================
 # verifier and task
 

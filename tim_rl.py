@@ -2621,6 +2621,46 @@ def _add_fields(parser, cls) -> None:
             parser.add_argument(flag, type=typ, default=f.default, help=f.metadata.get("help") + " (%(default)s)")
 
 
+class UsageError(ValueError):
+    """A mistake on the command line: main() prints it as one `tim_rl: error: ...` line and exits with status 2."""
+
+
+# Flags checked before anything is built (a user's mistake is one line, not a traceback): smallest value allowed,
+# and the allowed values. Keys are config field names; a subcommand checks the ones it has.
+_CLI_MIN = {"steps": 1, "prompts": 1, "group": 1, "max_new_tokens": 1, "eval_every": 1, "eval_n": 1, "sync_every": 1,
+            "checkpoint_every": 0, "topk": 0, "batch": 1, "digits": 1, "repeats": 1}
+_CLI_CHOICES = {"sampler": ("torch", "vllm"), "dtype": tuple(_DTYPES), "quant": ("none", "int8", "fp8"),
+                "correction": CORRECTIONS, "baseline": ("group", "none"), "optimizer": ("adamw", "sgd"),
+                "export": ("rtn", "sr", "ef"), "preset": ("", *PRESETS, "all")}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_cli(args) -> None:
+    """Raise UsageError, naming the flag, for a value the run would reject later (or reject with a traceback)."""
+    for name, low in _CLI_MIN.items():
+        if getattr(args, name, low) < low:
+            raise UsageError(f"{_flag(name)} must be >= {low}, got {getattr(args, name)}")
+    for name, choices in _CLI_CHOICES.items():
+        if getattr(args, name, choices[0]) not in choices:
+            shown = " | ".join(c for c in choices if c)
+            raise UsageError(f"{_flag(name)} must be one of {shown}, got {getattr(args, name)!r}")
+    for c in getattr(args, "corrections", "").split(","):
+        if c and c not in CORRECTIONS:
+            raise UsageError(f"--corrections: {c!r} is not one of {' | '.join(CORRECTIONS)}")
+    model = getattr(args, "model", "runs/base")
+    if model != "runs/base" and not (Path(model) / "config.json").is_file():  # runs/base is built when missing
+        found = "a directory without config.json" if Path(model).is_dir() else "no model directory there"
+        raise UsageError(f"--model {model}: {found} (expected a Hugging Face causal-LM directory with config.json; "
+                         "omit --model to use the embedded tiny model)")
+    resume = getattr(args, "resume", "")
+    for need in ("config.json", "checkpoint.safetensors") if resume else ():
+        if not (Path(resume) / need).is_file():
+            raise UsageError(f"--resume {resume}: no {need} there (expected a run directory written by train)")
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python tim_rl.py [pretrain|train|compare|engines|bench|demo] --help`; no subcommand runs the demo."""
     import argparse
@@ -2648,6 +2688,10 @@ def main(argv: list[str] | None = None) -> None:
     p_demo.add_argument("--steps", type=int, default=150)
     p_demo.add_argument("--seeds", default="0")
     args = parser.parse_args(argv)
+    try:
+        _check_cli(args)
+    except UsageError as e:
+        parser.exit(2, f"tim_rl: error: {e}\n")
     if args.cmd == "pretrain":
         print(json.dumps(pretrain(PretrainConfig(**{f.name: getattr(args, f.name) for f in fields(PretrainConfig)}))))
     elif args.cmd in ("train", "compare"):
