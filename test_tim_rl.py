@@ -859,6 +859,121 @@ def test_cli_mistake_is_one_error_line_with_status_2(argv, words):
 
 
 # =================================================================================================================
+# copy-ready functions: each public math function runs from its own source plus the names on its `needs:` line
+
+
+def _copy_calls():
+    """name -> call(fn) on one fixed random batch: (B, T) = (3, 5) log-probs, a ragged mask, K = 4, V = 11."""
+    g = torch.Generator().manual_seed(0)
+    B, T, K, V = 3, 5, 4, 11
+    a, b, c, d = (-3 * torch.rand(B, T, generator=g) for _ in range(4))
+    mask = torch.arange(T)[None, :] < torch.tensor([5, 3, 1])[:, None]
+    adv = torch.tensor([[1.0], [-1.0], [0.5]])
+    head, head_infer = (-3 * torch.rand(B, T, K, generator=g) - math.log(K + 1) for _ in range(2))  # sum_K p < 1
+    x, dx = torch.randn(64, generator=g), 1e-3 * torch.randn(64, generator=g)
+    logits, ids = torch.randn(B, T, V, generator=g).requires_grad_(), torch.randint(V, (B, T), generator=g)
+    weight_calls = {n: lambda f: f(a, b, mask) for n in (
+        "tis_weights", "mis_weights", "seq_tis_weights", "geo_mask_weights", "cis_weights", "dlc_weights",
+        "copc_mask", "copc_residual_weights", "mismatch_metrics")}
+    return weight_calls | {
+        "masked_mean": lambda f: f(a, mask),
+        "token_logprobs": lambda f: f(logits, ids),
+        "log1mexp": lambda f: f(a),
+        "mismatch_ledger": lambda f: f(a, b, c, mask, d),
+        "log_odds_displacement": lambda f: f(a, b),
+        "round_nearest_bf16": lambda f: f(x),
+        "stochastic_round_bf16": lambda f: f(x, generator=torch.Generator().manual_seed(1)),
+        "hash_noise16": lambda f: f((4, 5), torch.tensor(7, dtype=torch.int32)),
+        "stochastic_round_bf16_fused": lambda f: f(x, 7, compile=False),
+        "error_feedback_round_bf16": lambda f: f(x, dx),
+        "visible_update_fraction": lambda f: f(x, x + dx, x.bfloat16().float(), (x + dx).bfloat16().float()),
+        "grpo_advantages": lambda f: f(torch.rand(6, generator=torch.Generator().manual_seed(2)), 3, True),
+        "copc_advantages": lambda f: f(c, d[:, 0].exp(), a, b, mask),
+        "calibrated_clip_bounds": lambda f: f(a.exp(), b.exp(), adv, mask),
+        "pg_loss": lambda f: f(a, adv, mask, b.exp()),
+        "ppo_loss": lambda f: f(a, b, adv, mask),
+        "score_centering_loss": lambda f: f(a, head, b, head_infer, adv, mask),
+        "dlc_loss": lambda f: f(a, b, c, adv, mask),
+        "dppo_loss": lambda f: f(a, b, adv, mask),
+    }
+
+
+def _needs(name: str) -> list[str]:
+    """The names after `needs:`, the last thing in tr.<name>'s docstring ([] for `needs: nothing`)."""
+    _, found, tail = (getattr(tr, name).__doc__ or "").rpartition("needs:")
+    assert found, f"{name}: the docstring does not end with a needs: line"
+    return [] if tail.strip() == "nothing" else [n.strip() for n in tail.split(",")]
+
+
+def _module_names_used(obj) -> set[str]:
+    """Module-level names read or written by obj's code (nested code and class methods included), less torch,
+    math and builtins."""
+    import builtins
+    import dis
+    import inspect
+
+    members = vars(obj).values() if inspect.isclass(obj) else [obj]
+    todo = [getattr(m, "__func__", m).__code__ for m in members if inspect.isfunction(getattr(m, "__func__", m))]
+    names = set()
+    while todo:
+        code = todo.pop()
+        names |= {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "STORE_GLOBAL")}
+        todo += [k for k in code.co_consts if inspect.iscode(k)]
+    return {n for n in names if n not in ("torch", "math") and not hasattr(builtins, n)}
+
+
+def _copy_source(name: str) -> str:
+    """What a user copies for `name`: a function's or class's source, or a constant's assignment."""
+    import ast
+    import inspect
+
+    obj = getattr(tr, name)
+    if inspect.isfunction(obj) or inspect.isclass(obj):
+        return inspect.getsource(obj)
+    module = inspect.getsource(tr)
+    (node,) = [n for n in ast.parse(module).body if isinstance(n, ast.Assign) and
+               any(isinstance(t, ast.Name) and t.id == name for t in n.targets)]
+    return ast.get_source_segment(module, node)
+
+
+def _plain(x):
+    """An output as plain Python values (tensors as dtype + nested lists), so that == is bitwise equality."""
+    if isinstance(x, torch.Tensor):
+        return str(x.dtype), x.detach().tolist()
+    if isinstance(x, (tuple, list)):
+        return [_plain(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return x
+
+
+@pytest.mark.parametrize("name", sorted(_copy_calls()))
+def test_function_runs_from_its_source_and_needs_alone(name):
+    needs = _needs(name)
+    for n in [name, *needs]:
+        missing = _module_names_used(getattr(tr, n)) - set(needs)
+        assert not missing, f"{name}: {n} uses {sorted(missing)}, not on the needs: line"
+    used, todo = set(), [name]
+    while todo:
+        todo += sorted(_module_names_used(getattr(tr, todo.pop())) - used)
+        used |= set(todo)
+    assert not set(needs) - used, f"{name}: needs: lists {sorted(set(needs) - used)}, which it does not use"
+    namespace = {"torch": torch, "math": math, "__builtins__": __builtins__}
+    exec("\n\n".join(_copy_source(n) for n in [*needs, name]), namespace)
+    call = _copy_calls()[name]
+    assert _plain(call(namespace[name])) == _plain(call(getattr(tr, name)))
+
+
+def test_every_public_math_function_is_copy_tested():
+    import inspect
+
+    lines = inspect.getsource(tr).splitlines()
+    first, last = (lines.index(f"# ---- {b} ----") + 1 for b in ("log-space helpers", "task and reward verifier"))
+    public = {n for n, f in vars(tr).items() if inspect.isfunction(f) and f.__module__ == tr.__name__ and
+              not n.startswith("_") and first <= inspect.getsourcelines(f)[1] <= last}
+    assert public - {"dlc_should_resync"} == set(_copy_calls())
+
+# =================================================================================================================
 # verifier and task
 
 

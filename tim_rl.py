@@ -199,7 +199,10 @@ def _check_adv(adv, mask) -> torch.Tensor:
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """sum(x * mask) / max(sum(mask), 1); values outside the mask (even nan) are ignored. (B, T) -> scalar."""
+    """sum(x * mask) / max(sum(mask), 1); values outside the mask (even nan) are ignored. (B, T) -> scalar.
+
+    needs: nothing
+    """
     total = torch.where(mask, x, torch.zeros_like(x)).sum()
     return total / mask.sum().clamp(min=1)
 
@@ -265,6 +268,8 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | No
     all K). Never materialises a second full-size float32 copy of the logits: each chunk of rows is upcast and
     reduced on its own (default 1/8 of the rows, so the transient is <= 1/8 of the logits in float32), and the
     backward writes the logits' gradient chunk by chunk. Differentiable w.r.t. logits.
+
+    needs: _TokenLogprobs, _check_tensor, _chunked_logprobs
     """
     _check_tensor("logits", logits)
     _check_tensor("ids", ids, floating=False)
@@ -285,7 +290,10 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | No
 
 
 def log1mexp(logp: torch.Tensor) -> torch.Tensor:
-    """log(1 - exp(logp)) for logp <= 0, stable at both ends (Maechler 2012). Same shape."""
+    """log(1 - exp(logp)) for logp <= 0, stable at both ends (Maechler 2012). Same shape.
+
+    needs: nothing
+    """
     logp = logp.clamp(max=0.0)
     return torch.where(logp > -math.log(2.0), torch.log(-torch.expm1(logp)), torch.log1p(-torch.exp(logp)))
 
@@ -300,6 +308,8 @@ def mismatch_metrics(logp_train: torch.Tensor, logp_infer: torch.Tensor, mask: t
     k1 = mean(-log r), k2 = mean((log r)^2 / 2), k3 = mean(r - 1 - log r) (all estimate KL(q || p) under y ~ q;
     Schulman's estimators), chi2 = mean(r^2) - 1, ess = (sum r)^2 / (N sum r^2) in (0, 1], abs_diff = mean |log r|.
     Non-finite log-probs inside the mask are left out and counted in frac_nonfinite. Computed in float64.
+
+    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_train=logp_train, logp_infer=logp_infer)
     log_ratio, ok = _finite_log_ratio(logp_train.detach(), logp_infer.detach(), mask)
@@ -340,6 +350,8 @@ def mismatch_ledger(
     exported from) the master-vs-served part is split off: rounding = logp_master_old - logp_old and
     lag = logp - logp_master_old, so that lag + rounding + numerics == total token by token.
     Tokens where any input is non-finite are left out of every part.
+
+    needs: _check_bt, _check_mask, _check_tensor
     """
     _check_bt(mask, logp=logp, logp_old=logp_old, logp_infer=logp_infer)
     anchor = logp_old if logp_master_old is None else logp_master_old
@@ -358,7 +370,10 @@ def mismatch_ledger(
 
 
 def log_odds_displacement(logp_train: torch.Tensor, logp_infer: torch.Tensor) -> torch.Tensor:
-    """eps = logit p - logit q, so that p / q = p + (1 - p) e^eps (Yu et al. [6], the CIS identity). Same shape."""
+    """eps = logit p - logit q, so that p / q = p + (1 - p) e^eps (Yu et al. [6], the CIS identity). Same shape.
+
+    needs: _check_tensor, log1mexp
+    """
     _check_tensor("logp_train", logp_train)
     _check_tensor("logp_infer", logp_infer)
     return (logp_train - log1mexp(logp_train)) - (logp_infer - log1mexp(logp_infer))
@@ -377,7 +392,10 @@ def _check_fp32(name: str, x) -> None:
 
 
 def round_nearest_bf16(x: torch.Tensor) -> torch.Tensor:
-    """Round-to-nearest-even fp32 -> bf16 (what `x.to(torch.bfloat16)` does in every framework). Same shape."""
+    """Round-to-nearest-even fp32 -> bf16 (what `x.to(torch.bfloat16)` does in every framework). Same shape.
+
+    needs: _check_fp32, _check_tensor
+    """
     _check_fp32("x", x)
     return x.to(torch.bfloat16)
 
@@ -390,6 +408,8 @@ def stochastic_round_bf16(
     Fair Cast [4] (reconstructed): rounds away from zero with probability equal to x's position in its bf16 cell,
     so E[SR(x)] = x exactly for every finite x whose neighbours are finite. `noise` (int32, shaped like x, values in
     [0, 2^16)) replaces the random draw so that tests can enumerate all 65 536 draws. inf/nan pass through.
+
+    needs: _check_fp32, _check_tensor, BF16_DROPPED_BITS
     """
     _check_fp32("x", x)
     if noise is None:
@@ -411,6 +431,8 @@ def hash_noise16(shape: tuple[int, ...], seed: torch.Tensor) -> torch.Tensor:
 
     Deterministic given the seed (no generator state), so a compiler can fuse it with the rounding into one pass.
     The hash is lowbias32 (C. Wellons' hash-prospector); int32 products wrap, shifts are made logical by masking.
+
+    needs: nothing
     """
     h = torch.arange(math.prod(shape), dtype=torch.int32).reshape(shape) * -1640531535 + seed  # x 0x9E3779B1
     h = h ^ ((h >> 16) & 0xFFFF)
@@ -436,6 +458,8 @@ def stochastic_round_bf16_fused(x: torch.Tensor, seed: int, compile: bool = True
     the hash is uniform (tested). Use a fresh seed per export. For large models: the reference draws 2^16-valued
     noise with torch's generator in a separate pass; this runs at close to the speed of x.to(torch.bfloat16).
     compile=False runs the same code eagerly (slow; for machines without a compiler).
+
+    needs: _check_fp32, _check_tensor, hash_noise16, _sr_hashed, BF16_DROPPED_BITS, _SR_COMPILED
     """
     global _SR_COMPILED
     _check_fp32("x", x)
@@ -454,6 +478,8 @@ def error_feedback_round_bf16(x: torch.Tensor, residual: torch.Tensor) -> tuple[
     Fair Cast [4] (reconstructed): the rounding error is carried to the next export, so the running sum of served
     values never leaves the running sum of masters by more than half a bf16 cell. Deterministic. A non-finite
     master is served as-is and its residual reset to 0.
+
+    needs: _check_fp32, _check_tensor
     """
     _check_fp32("x", x)
     _check_fp32("residual", residual)
@@ -475,6 +501,8 @@ def visible_update_fraction(
     """<d_served, d_master> / |d_master|^2: the share of the master's move the sampler sees (Fair Cast [4]). Any shape.
 
     1 for a lossless export, ~0 when round-to-nearest swallows the update; 0 when the master did not move.
+
+    needs: _check_tensor
     """
     for name, t in (("master_before", master_before), ("master_after", master_after),
                     ("served_before", served_before), ("served_after", served_after)):
@@ -496,6 +524,8 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool 
 
     GRPO (Shao et al. 2024); Dr. GRPO and the score-centering paper [2] drop the std. Groups with zero reward
     variance get advantage 0 either way. Non-finite rewards count as 0.
+
+    needs: _check_tensor
     """
     _check_tensor("rewards", rewards)
     if rewards.dim() != 1 or rewards.numel() == 0:
@@ -511,7 +541,10 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool 
 
 
 def copc_residual_weights(logp: torch.Tensor, logp_infer: torch.Tensor, mask: torch.Tensor, eps: float = 0.2):
-    """c_t = clip(p / q, 1 - eps, 1 + eps), detached; 1 where non-finite, 0 outside the mask. COPC [5]. (B, T)."""
+    """c_t = clip(p / q, 1 - eps, 1 + eps), detached; 1 where non-finite, 0 outside the mask. COPC [5]. (B, T).
+
+    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    """
     _check_bt(mask, logp=logp, logp_infer=logp_infer)
     log_ratio, ok = _finite_log_ratio(logp.detach(), logp_infer.detach(), mask)
     c = log_ratio.exp().clamp(1 - eps, 1 + eps)  # the log-ratio of non-finite tokens is 0, so c = 1 there
@@ -534,6 +567,8 @@ def copc_advantages(
     clipped ratio c_t = clip(p / q, 1 - eps, 1 + eps), so stale continuations count less. With p == q it is plain
     GAE(gamma, lambda). `rewards` is (B,) (paid at the last response token) or (B, T). The state after the last
     masked token is terminal (value 0). Returns detached (advantages, value_targets), 0 outside the mask.
+
+    needs: _check_bt, _check_mask, _check_tensor, copc_residual_weights, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, values=values, logp=logp, logp_infer=logp_infer)
     _check_tensor("rewards", rewards)
@@ -565,7 +600,10 @@ def copc_advantages(
 
 
 def tis_weights(logp_old: torch.Tensor, logp_infer: torch.Tensor, mask: torch.Tensor, cap: float = 2.0):
-    """w = min(rho, C). Token-level truncated IS, Yao et al. 2025 [1]. Non-finite log-ratio -> 0. (B, T)."""
+    """w = min(rho, C). Token-level truncated IS, Yao et al. 2025 [1]. Non-finite log-ratio -> 0. (B, T).
+
+    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
     w = log_rho.exp().clamp(max=cap)
@@ -573,7 +611,10 @@ def tis_weights(logp_old: torch.Tensor, logp_infer: torch.Tensor, mask: torch.Te
 
 
 def mis_weights(logp_old, logp_infer, mask, low: float = 0.5, high: float = 5.0):
-    """w = rho * 1[low <= rho <= high]. Masked IS / IcePop [11]; band of [2] by default. Non-finite -> 0. (B, T)."""
+    """w = rho * 1[low <= rho <= high]. Masked IS / IcePop [11]; band of [2] by default. Non-finite -> 0. (B, T).
+
+    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
     rho = log_rho.exp()
@@ -585,6 +626,8 @@ def seq_tis_weights(logp_old, logp_infer, mask, cap: float = 5.0):
     """w_i = min(prod_t rho_it, C) on every token of sequence i. Sequence-level TIS. Non-finite -> 0 for the sequence.
 
     Beware: the product shrinks long sequences towards 0 (TRL #5814); geo_mask_weights does not. (B, T).
+
+    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
@@ -598,6 +641,8 @@ def geo_mask_weights(logp_old, logp_infer, mask, low: float = 0.99, high: float 
     """w_i = 1[low <= exp(mean_t log rho_it) <= high] on every token of sequence i: geometric-mean sequence mask.
 
     Length-neutral replacement for the sequence product (TRL #5814, NeMo-RL #2269). Non-finite -> 0. (B, T).
+
+    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
@@ -612,6 +657,8 @@ def cis_weights(logp_old, logp_infer, mask, lam: float = 2.3, kappa: float = 5e-
 
     From rho = p + (1 - p) e^eps with eps = logit p - logit q, truncating eps gives a cap that tightens with
     confidence. Upper side only. Non-finite log-ratio -> 1 (left uncorrected, as the official code does). (B, T).
+
+    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
@@ -626,6 +673,8 @@ def dlc_weights(logp_old, logp_infer, mask, clamp: float = 1.0):
 
     Reconstructed from the abstract of Li, Zhou & Lan ("centres numerical errors"): the persistent part of the engine
     discrepancy (its batch mean) is removed, the rest is a bounded weight in [e^-c, e^c]. Non-finite -> 0. (B, T).
+
+    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, masked_mean, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     d, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
@@ -635,7 +684,10 @@ def dlc_weights(logp_old, logp_infer, mask, clamp: float = 1.0):
 
 
 def copc_mask(logp_old, logp_infer, mask, low: float = 0.5, high: float = 2.0):
-    """m = 1[low <= rho <= high]: COPC's token-level ratio mask [5] (policy side; reconstructed). Non-finite -> 0."""
+    """m = 1[low <= rho <= high]: COPC's token-level ratio mask [5] (policy side; reconstructed). Non-finite -> 0.
+
+    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
     rho = log_rho.exp()
@@ -656,6 +708,8 @@ def calibrated_clip_bounds(
     r_lowprec < L equals the share with r_ref < 1 - eps_low; H so that P(H) / N(L) on the low-precision ratios
     equals P(1 + eps_high) / N(1 - eps_low) on the reference, with P(H) = sum_{A>0, r<=H} A r and
     N(L) = sum_{A<0, r>=L} |A| r. Falls back to (1 - eps_low, 1 + eps_high) when a side has no tokens. (B, T).
+
+    needs: _check_adv, _check_bt, _check_mask, _check_tensor
     """
     _check_bt(mask, ratio_lowprec=ratio_lowprec, ratio_ref=ratio_ref)
     A = _check_adv(adv, mask)
@@ -709,6 +763,8 @@ def pg_loss(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, weights: 
     """-mean_mask(w * A * logp): REINFORCE with an optional detached per-token weight. (B, T) -> scalar.
 
     A non-finite logp inside the mask drops that token (no gradient, no NaN).
+
+    needs: _check_adv, _check_bt, _check_mask, _check_tensor, _finite_or_zero, masked_mean, _weights_or_ones
     """
     _check_bt(mask, logp=logp)
     A, w = _check_adv(adv, mask), _weights_or_ones(weights, mask)
@@ -722,6 +778,8 @@ def ppo_loss(logp, logp_old, adv, mask, weights=None, eps_low: float = 0.2, eps_
     The clip is anchored at the behaviour weights of the trainer engine (logp_old), and the engine gap
     p_old / q_infer goes into `weights` (TIS, MIS, CIS, ...). Clip-higher 0.28 as in DAPO. A token whose log-ratio
     is non-finite is dropped.
+
+    needs: _check_adv, _check_bt, _check_mask, _check_tensor, masked_mean, _weights_or_ones, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp, logp_old=logp_old)
     A, w = _check_adv(adv, mask), _weights_or_ones(weights, mask)
@@ -750,6 +808,9 @@ def score_centering_loss(
     Top-k head H (K ids), tail modelled as p rescaled to q's tail mass: rho_tail = (1 - sum_H q) / (1 - sum_H p),
     alpha = rho_tail f(1 / rho_tail), coef_v = q_v f(p_v / q_v) - alpha p_v (all detached). Exact when K = V.
     logp, logp_infer, adv (B, T); logp_topk (grad) and logp_topk_infer (B, T, K). -> scalar.
+
+    needs: _check_adv, _check_bt, _check_mask, _check_tensor, _finite_log_ratio, _finite_or_zero, masked_mean,
+    LOG_RATIO_CLAMP, TAIL_FLOOR
     """
     _check_bt(mask, logp=logp, logp_infer=logp_infer)
     for name, t in (("logp_topk", logp_topk), ("logp_topk_infer", logp_topk_infer)):
@@ -787,6 +848,9 @@ def dlc_loss(logp, logp_old, logp_infer, adv, mask, eps_low: float = 0.2, eps_hi
 
     Reconstructed from the abstract of Li, Zhou & Lan: numerics are centred (dlc_weights), lag ratios are clipped
     (the PPO clip), and the sampler is resynchronised when either grows (dlc_should_resync). (B, T) -> scalar.
+
+    needs: _check_adv, _check_bt, _check_mask, _check_tensor, dlc_weights, _finite_log_ratio, masked_mean, ppo_loss,
+    _weights_or_ones, LOG_RATIO_CLAMP
     """
     weights = dlc_weights(logp_old, logp_infer, mask, clamp=clamp)  # TIM: numerics only
     return ppo_loss(logp, logp_old, adv, mask, weights=weights, eps_low=eps_low, eps_high=eps_high)  # TIM: lag only
@@ -798,6 +862,8 @@ def dppo_loss(logp, logp_infer, adv, mask, delta: float = 0.2):
     The trust region is the sampled token's absolute probability shift p - q from the behaviour (sampler) policy;
     only updates that push further out are masked. Otherwise the gradient is the IS-weighted policy gradient
     r A grad log p. Non-finite log-ratio -> token dropped. (B, T) -> scalar.
+
+    needs: _check_adv, _check_bt, _check_mask, _check_tensor, masked_mean, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp, logp_infer=logp_infer)
     A = _check_adv(adv, mask)
