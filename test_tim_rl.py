@@ -1,4 +1,4 @@
-"""Tests for tim_rl, in the order of STYLE.md: exact properties by enumeration and Hypothesis first (each paired with
+"""Tests for tim_rl, in this order: exact properties by enumeration and Hypothesis first (each paired with
 an anti-vacuity twin that shows the property is not trivially true), then misuse, then the pipeline, then the
 notebook. Run: `pytest -q` (profile `ci`, derandomised, is the default; `HYPOTHESIS_PROFILE=dev` explores more)."""
 
@@ -273,7 +273,7 @@ def test_score_centering_keeps_the_signal(pq, advs):
 
 
 def _sc_reference(zp, zq, y, adv, k, f):
-    """Independent float64 reference of the top-k estimator (PAPERS.md), as a differentiable function of logits."""
+    """Independent float64 reference of the top-k estimator (Marek & Ryabinin, App. A), differentiable in the logits."""
     z = zp.clone().requires_grad_(True)
     logp = torch.log_softmax(z, -1)
     p, q = logp.detach().exp(), torch.softmax(zq, -1)
@@ -828,6 +828,20 @@ def test_math_imports_with_torch_alone():
 
     code = "import sys, tim_rl; bad = [m for m in ('transformers', 'vllm') if m in sys.modules]; assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.abspath(tr.__file__)))
+
+
+def test_every_markdown_file_named_is_in_the_repository():
+    """A reader can open every *.md the project names (results.md and bench.md are what compare and bench write)."""
+    import re
+
+    here = os.path.dirname(os.path.realpath(tr.__file__))
+    written = {"results.md", "bench.md"}
+    for name in ("tim_rl.py", "test_tim_rl.py", "README.md", ".ci/run", "tutorial.ipynb"):
+        with open(os.path.join(here, name), encoding="utf-8") as f:
+            for ref in re.findall(r"[\w./-]*\w\.md\b", f.read()):
+                path = os.path.realpath(os.path.join(here, ref))  # inside the repository: ../ does not count
+                inside = path.startswith(here + os.sep) and os.path.isfile(path)
+                assert os.path.basename(ref) in written or inside, f"{name} names {ref}, not in the repository"
 
 
 CLI_MISTAKES = [  # (argv, words the one error line must contain); each fails before any model is built

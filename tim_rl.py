@@ -1044,7 +1044,7 @@ def build_tiny_model(vocab_size: int = 128, hidden: int = 128, layers: int = 4, 
     """An untied Llama, head size 32 (vLLM CPU attention needs 32/64/...), ~0.9 M parameters at the defaults.
 
     Untied embeddings because vLLM's CPU build keeps a pre-packed copy of a tied output head across in-place weight
-    syncs (ENGINES.md).
+    syncs: after a sync the head would still compute with the old weights.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -1310,7 +1310,7 @@ def _vllm_environment() -> int:
 
 
 def reload_vllm_weights(llm, named_tensors) -> None:
-    """In-place weight sync of a vllm.LLM: collective_rpc("reload_weights") + reset_prefix_cache (ENGINES.md).
+    """In-place weight sync of a vllm.LLM: collective_rpc("reload_weights") + reset_prefix_cache.
 
     Works on vLLM's CPU build, whose repacked Linear weights break the per-parameter `load_weights` path that TRL's
     colocate sync uses. `named_tensors`: (HF parameter name, tensor) pairs; vLLM casts them to its dtype.
@@ -1326,7 +1326,7 @@ class VLLMSampler:
     Log-probs come from SamplingParams(logprobs=K) with logprobs_mode="processed_logprobs", i.e. of the
     distribution actually sampled from (temperature applied; top-p / top-k are off). Prompts go in as token ids, so
     no tokenizer can disagree. In-place sync: collective_rpc("reload_weights", weights_iterator=...) then
-    reset_prefix_cache() (ENGINES.md); the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) is required for
+    reset_prefix_cache(); the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) is required for
     passing tensors.
     """
 
