@@ -350,6 +350,7 @@ WEIGHT_FUNCS = {
     "tis": lambda a, b, m: tr.tis_weights(a, b, m),
     "mis": lambda a, b, m: tr.mis_weights(a, b, m),
     "seq_tis": lambda a, b, m: tr.seq_tis_weights(a, b, m),
+    "seq_mask": lambda a, b, m: tr.seq_mask_weights(a, b, m),
     "geo": lambda a, b, m: tr.geo_mask_weights(a, b, m),
     "cis": lambda a, b, m: tr.cis_weights(a, b, m),
     "dlc": lambda a, b, m: tr.dlc_weights(a, b, m),
@@ -374,6 +375,8 @@ def test_weights_bounds_detached_and_zero_outside_mask(data):
     assert ((w == 0) | ((w >= 0.5) & (w <= 5.0))).all()
     assert torch.allclose(w[w > 0], rho[w > 0])
     assert (tr.seq_tis_weights(logp_old, logp_infer, mask, cap=5.0) <= 5.0).all()
+    w = tr.seq_mask_weights(logp_old, logp_infer, mask, low=0.5, high=3.0)
+    assert ((w == 0) | ((w >= 0.5) & (w <= 3.0))).all()
     assert set(tr.geo_mask_weights(logp_old, logp_infer, mask).unique().tolist()) <= {0.0, 1.0}
     w = tr.cis_weights(logp_old, logp_infer, mask, lam=2.3, kappa=5e-3)
     cap = 1 + 2.3 * (1 - p_old).clamp(min=5e-3)
@@ -386,7 +389,7 @@ def test_weights_bounds_detached_and_zero_outside_mask(data):
 @given(logps_BT())
 def test_sequence_weights_are_constant_per_sequence(data):
     logp_old, logp_infer, mask = data
-    for fn in (tr.seq_tis_weights, tr.geo_mask_weights):
+    for fn in (tr.seq_tis_weights, tr.seq_mask_weights, tr.geo_mask_weights):
         w = fn(logp_old, logp_infer, mask)
         for i in range(mask.shape[0]):
             assert w[i][mask[i]].unique().numel() == 1
@@ -400,6 +403,24 @@ def test_geometric_mask_is_length_neutral_product_is_not():
     mask = torch.ones(1, T, dtype=torch.bool)
     assert tr.geo_mask_weights(logp_old, logp_infer, mask, low=0.99, high=1.01).min() == 1.0
     assert tr.seq_tis_weights(logp_old, logp_infer, mask).max() < 0.82
+
+
+def test_seq_mask_keeps_a_sequence_iff_its_product_ratio_is_in_the_band():
+    """TRL's default correction: the whole sequence weighted by prod_t rho_t, or 0 when that product leaves the band."""
+    log_rho = torch.tensor([[0.5, 0.5, 0.0],  # product e^1 = 2.72 <= 3: kept, weight e on every token
+                            [1.0, 0.2, 0.0],  # e^1.2 = 3.32 > 3: dropped
+                            [-2.0, -2.0, -2.0],  # e^-6: kept (no lower bound by default)
+                            [math.log(2.0), 0.0, 9.0]])  # the 9 is outside the mask: product 2, kept
+    mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    logp_infer = torch.full((4, 3), -3.0)
+    w = tr.seq_mask_weights(logp_infer + log_rho, logp_infer, mask)
+    expected = torch.tensor([math.e, 0.0, math.exp(-6.0), 2.0])[:, None] * mask
+    assert torch.allclose(w, expected, rtol=1e-5, atol=0.0)
+    kept = float(w[0, 0])  # band edges are inclusive, as in TRL (a ratio is masked only when < low or > high)
+    above = float(torch.nextafter(torch.tensor(kept), torch.tensor(math.inf)))
+    assert (tr.seq_mask_weights(logp_infer + log_rho, logp_infer, mask, low=kept, high=kept)[0] == kept).all()
+    assert (tr.seq_mask_weights(logp_infer + log_rho, logp_infer, mask, low=above, high=4.0)[0] == 0).all()
+    assert (tr.seq_mask_weights(logp_infer + log_rho, logp_infer, mask, low=0.01)[2] == 0).all(), "low bound"
 
 
 @given(st.floats(min_value=-6.0, max_value=-(2.0**-10)), st.floats(min_value=-6.0, max_value=-(2.0**-10)))
@@ -733,6 +754,8 @@ def _bt_functions():
                             ("logp_old", "logp_infer")),
         "geo_mask_weights": (lambda logp_old, logp_infer, mask: tr.geo_mask_weights(logp_old, logp_infer, mask),
                              ("logp_old", "logp_infer")),
+        "seq_mask_weights": (lambda logp_old, logp_infer, mask: tr.seq_mask_weights(logp_old, logp_infer, mask),
+                             ("logp_old", "logp_infer")),
         "cis_weights": (lambda logp_old, logp_infer, mask: tr.cis_weights(logp_old, logp_infer, mask),
                         ("logp_old", "logp_infer")),
         "dlc_weights": (lambda logp_old, logp_infer, mask: tr.dlc_weights(logp_old, logp_infer, mask),
@@ -780,8 +803,9 @@ def test_every_bt_function_names_the_bad_argument(name):
         fn(mask=torch.ones(0, 3, dtype=torch.bool), **{a: torch.zeros(0, 3) for a in args})
 
 
-NEUTRAL = {"tis_weights": 0.0, "mis_weights": 0.0, "seq_tis_weights": 0.0, "geo_mask_weights": 0.0,
-           "cis_weights": 1.0, "dlc_weights": 0.0, "copc_mask": 0.0}  # the documented weight of a non-finite token
+NEUTRAL = {"tis_weights": 0.0, "mis_weights": 0.0, "seq_tis_weights": 0.0, "seq_mask_weights": 0.0,
+           "geo_mask_weights": 0.0, "cis_weights": 1.0, "dlc_weights": 0.0,
+           "copc_mask": 0.0}  # the documented weight of a non-finite token
 
 
 @pytest.mark.parametrize("name", sorted(NEUTRAL))
@@ -887,8 +911,8 @@ def _copy_calls():
     x, dx = torch.randn(64, generator=g), 1e-3 * torch.randn(64, generator=g)
     logits, ids = torch.randn(B, T, V, generator=g).requires_grad_(), torch.randint(V, (B, T), generator=g)
     weight_calls = {n: lambda f: f(a, b, mask) for n in (
-        "tis_weights", "mis_weights", "seq_tis_weights", "geo_mask_weights", "cis_weights", "dlc_weights",
-        "copc_mask", "copc_residual_weights", "mismatch_metrics")}
+        "tis_weights", "mis_weights", "seq_tis_weights", "seq_mask_weights", "geo_mask_weights", "cis_weights",
+        "dlc_weights", "copc_mask", "copc_residual_weights", "mismatch_metrics")}
     return weight_calls | {
         "masked_mean": lambda f: f(a, mask),
         "token_logprobs": lambda f: f(logits, ids),

@@ -637,6 +637,23 @@ def seq_tis_weights(logp_old, logp_infer, mask, cap: float = 5.0):
     return torch.where(mask & seq_ok, w, torch.zeros_like(w))
 
 
+def seq_mask_weights(logp_old, logp_infer, mask, low: float = 0.0, high: float = 3.0):
+    """w_i = R_i * 1[low <= R_i <= high], R_i = prod_t rho_it, on every token of sequence i: sequence masked IS.
+
+    TRL's GRPOTrainer default (1.16: vllm_importance_sampling_mode="sequence_mask", band [clip_min, clip_max] =
+    [None (no lower bound), 3.0], edges kept). Non-finite -> 0 for the sequence (TRL counts a NaN token as ratio 1).
+    The product shrinks long sequences like seq_tis_weights does. (B, T).
+
+    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    """
+    _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
+    log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
+    seq_ok = (ok == mask).all(dim=1, keepdim=True)  # (B, 1) every generated token finite
+    seq_rho = log_rho.sum(dim=1, keepdim=True).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # (B, 1)
+    keep = mask & seq_ok & (seq_rho >= low) & (seq_rho <= high)  # (B, T)
+    return torch.where(keep, seq_rho.expand_as(log_rho), torch.zeros_like(log_rho))
+
+
 def geo_mask_weights(logp_old, logp_infer, mask, low: float = 0.99, high: float = 1.01):
     """w_i = 1[low <= exp(mean_t log rho_it) <= high] on every token of sequence i: geometric-mean sequence mask.
 
@@ -2307,8 +2324,8 @@ def run_preset(pc: PresetConfig) -> list[Path]:
 # sampler's top-k log-probs, which TRL does not request from vLLM. COPC cannot: it needs a critic. DPPO cannot: its
 # mask depends on the current log-prob's gradient direction, not on a weight fixed at generation time.
 
-TRL_CORRECTIONS = {"tis": tis_weights, "mis": mis_weights, "seq_tis": seq_tis_weights, "geo": geo_mask_weights,
-                   "cis": cis_weights, "dlc": dlc_weights}
+TRL_CORRECTIONS = {"tis": tis_weights, "mis": mis_weights, "seq_tis": seq_tis_weights, "seq_mask": seq_mask_weights,
+                   "geo": geo_mask_weights, "cis": cis_weights, "dlc": dlc_weights}
 
 
 def trl_weights(correction: str, old_per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor,
