@@ -199,6 +199,26 @@ def test_error_feedback_vs_rtn_on_constant_offgrid_master():
     assert err_rtn == 64 * 2.0**-10 and err_ef <= 0.5 * 2.0**-7
 
 
+@pytest.mark.parametrize("compile_", [False, True])
+def test_fused_error_feedback_equals_the_reference_bit_for_bit(compile_):
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(5000, generator=g) * 10.0 ** torch.randint(-40, 38, (5000,), generator=g),
+                   torch.tensor([math.inf, -math.inf, math.nan, 0.0, -0.0, 1e-45, 3.4e38, 3.39e38, -3.39e38]),
+                   torch.tensor([-1], dtype=torch.int32).view(torch.float32)])  # a NaN that overflows int32
+    residual = torch.randn(x.shape, generator=g) * 10.0 ** torch.randint(-45, -3, x.shape, generator=g)
+    residual = torch.nan_to_num(residual * x.abs().clamp(max=1e30), nan=0.0)  # residuals near the cell sizes
+    residual[:3] = torch.tensor([math.inf, -math.inf, 3.4e38])  # inf - inf, and a finite sum that overflows
+    x, residual = x.reshape(10, -1), residual.reshape(10, -1)  # (10, 501): a 2-D parameter
+    for _ in range(2):  # the second export feeds the first one's residual back
+        served, new = tr.error_feedback_round_bf16_fused(x, residual, compile=compile_)
+        ref_served, ref_new = tr.error_feedback_round_bf16(x, residual)
+        assert served.shape == x.shape and served.dtype == torch.bfloat16 and new.dtype == torch.float32
+        assert torch.equal(served.view(torch.int16), ref_served.view(torch.int16)), "served, NaNs included"
+        assert torch.equal(new.view(torch.int32), ref_new.view(torch.int32)), "residual"
+        assert (new != 0).float().mean() > 0.5, "anti-vacuity: the residual is not dropped"
+        residual = new
+
+
 # =================================================================================================================
 # 3. visible update fraction
 
@@ -924,6 +944,7 @@ def _copy_calls():
         "hash_noise16": lambda f: f((4, 5), torch.tensor(7, dtype=torch.int32)),
         "stochastic_round_bf16_fused": lambda f: f(x, 7, compile=False),
         "error_feedback_round_bf16": lambda f: f(x, dx),
+        "error_feedback_round_bf16_fused": lambda f: f(x, dx, compile=False),
         "visible_update_fraction": lambda f: f(x, x + dx, x.bfloat16().float(), (x + dx).bfloat16().float()),
         "grpo_advantages": lambda f: f(torch.rand(6, generator=torch.Generator().manual_seed(2)), 3, True),
         "copc_advantages": lambda f: f(c, d[:, 0].exp(), a, b, mask),
@@ -944,14 +965,15 @@ def _needs(name: str) -> list[str]:
 
 
 def _module_names_used(obj) -> set[str]:
-    """Module-level names read or written by obj's code (nested code and class methods included), less torch,
-    math and builtins."""
+    """Module-level names read or written by obj's code in tim_rl.py (nested code and class methods included), less
+    torch, math and builtins. A constant (or what torch.compile built from a function) uses none."""
     import builtins
     import dis
     import inspect
 
     members = vars(obj).values() if inspect.isclass(obj) else [obj]
     todo = [getattr(m, "__func__", m).__code__ for m in members if inspect.isfunction(getattr(m, "__func__", m))]
+    todo = [code for code in todo if code.co_filename == tr.__file__]
     names = set()
     while todo:
         code = todo.pop()
@@ -965,13 +987,10 @@ def _copy_source(name: str) -> str:
     import ast
     import inspect
 
-    obj = getattr(tr, name)
-    if inspect.isfunction(obj) or inspect.isclass(obj):
-        return inspect.getsource(obj)
     module = inspect.getsource(tr)
-    (node,) = [n for n in ast.parse(module).body if isinstance(n, ast.Assign) and
-               any(isinstance(t, ast.Name) and t.id == name for t in n.targets)]
-    return ast.get_source_segment(module, node)
+    assigned = [n for n in ast.parse(module).body if isinstance(n, ast.Assign) and
+                any(isinstance(t, ast.Name) and t.id == name for t in n.targets)]
+    return ast.get_source_segment(module, assigned[0]) if assigned else inspect.getsource(getattr(tr, name))
 
 
 def _plain(x):
