@@ -1,4 +1,4 @@
-"""Tests for tim_rl, in the order of STYLE.md: exact properties by enumeration and Hypothesis first (each paired with
+"""Tests for tim_rl, in this order: exact properties by enumeration and Hypothesis first (each paired with
 an anti-vacuity twin that shows the property is not trivially true), then misuse, then the pipeline, then the
 notebook. Run: `pytest -q` (profile `ci`, derandomised, is the default; `HYPOTHESIS_PROFILE=dev` explores more)."""
 
@@ -199,6 +199,26 @@ def test_error_feedback_vs_rtn_on_constant_offgrid_master():
     assert err_rtn == 64 * 2.0**-10 and err_ef <= 0.5 * 2.0**-7
 
 
+@pytest.mark.parametrize("compile_", [False, True])
+def test_fused_error_feedback_equals_the_reference_bit_for_bit(compile_):
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(5000, generator=g) * 10.0 ** torch.randint(-40, 38, (5000,), generator=g),
+                   torch.tensor([math.inf, -math.inf, math.nan, 0.0, -0.0, 1e-45, 3.4e38, 3.39e38, -3.39e38]),
+                   torch.tensor([-1], dtype=torch.int32).view(torch.float32)])  # a NaN that overflows int32
+    residual = torch.randn(x.shape, generator=g) * 10.0 ** torch.randint(-45, -3, x.shape, generator=g)
+    residual = torch.nan_to_num(residual * x.abs().clamp(max=1e30), nan=0.0)  # residuals near the cell sizes
+    residual[:3] = torch.tensor([math.inf, -math.inf, 3.4e38])  # inf - inf, and a finite sum that overflows
+    x, residual = x.reshape(10, -1), residual.reshape(10, -1)  # (10, 501): a 2-D parameter
+    for _ in range(2):  # the second export feeds the first one's residual back
+        served, new = tr.error_feedback_round_bf16_fused(x, residual, compile=compile_)
+        ref_served, ref_new = tr.error_feedback_round_bf16(x, residual)
+        assert served.shape == x.shape and served.dtype == torch.bfloat16 and new.dtype == torch.float32
+        assert torch.equal(served.view(torch.int16), ref_served.view(torch.int16)), "served, NaNs included"
+        assert torch.equal(new.view(torch.int32), ref_new.view(torch.int32)), "residual"
+        assert (new != 0).float().mean() > 0.5, "anti-vacuity: the residual is not dropped"
+        residual = new
+
+
 # =================================================================================================================
 # 3. visible update fraction
 
@@ -273,7 +293,7 @@ def test_score_centering_keeps_the_signal(pq, advs):
 
 
 def _sc_reference(zp, zq, y, adv, k, f):
-    """Independent float64 reference of the top-k estimator (PAPERS.md), as a differentiable function of logits."""
+    """Independent float64 reference of the top-k estimator (Marek & Ryabinin, App. A), differentiable in the logits."""
     z = zp.clone().requires_grad_(True)
     logp = torch.log_softmax(z, -1)
     p, q = logp.detach().exp(), torch.softmax(zq, -1)
@@ -350,6 +370,7 @@ WEIGHT_FUNCS = {
     "tis": lambda a, b, m: tr.tis_weights(a, b, m),
     "mis": lambda a, b, m: tr.mis_weights(a, b, m),
     "seq_tis": lambda a, b, m: tr.seq_tis_weights(a, b, m),
+    "seq_mask": lambda a, b, m: tr.seq_mask_weights(a, b, m),
     "geo": lambda a, b, m: tr.geo_mask_weights(a, b, m),
     "cis": lambda a, b, m: tr.cis_weights(a, b, m),
     "dlc": lambda a, b, m: tr.dlc_weights(a, b, m),
@@ -374,6 +395,8 @@ def test_weights_bounds_detached_and_zero_outside_mask(data):
     assert ((w == 0) | ((w >= 0.5) & (w <= 5.0))).all()
     assert torch.allclose(w[w > 0], rho[w > 0])
     assert (tr.seq_tis_weights(logp_old, logp_infer, mask, cap=5.0) <= 5.0).all()
+    w = tr.seq_mask_weights(logp_old, logp_infer, mask, low=0.5, high=3.0)
+    assert ((w == 0) | ((w >= 0.5) & (w <= 3.0))).all()
     assert set(tr.geo_mask_weights(logp_old, logp_infer, mask).unique().tolist()) <= {0.0, 1.0}
     w = tr.cis_weights(logp_old, logp_infer, mask, lam=2.3, kappa=5e-3)
     cap = 1 + 2.3 * (1 - p_old).clamp(min=5e-3)
@@ -386,7 +409,7 @@ def test_weights_bounds_detached_and_zero_outside_mask(data):
 @given(logps_BT())
 def test_sequence_weights_are_constant_per_sequence(data):
     logp_old, logp_infer, mask = data
-    for fn in (tr.seq_tis_weights, tr.geo_mask_weights):
+    for fn in (tr.seq_tis_weights, tr.seq_mask_weights, tr.geo_mask_weights):
         w = fn(logp_old, logp_infer, mask)
         for i in range(mask.shape[0]):
             assert w[i][mask[i]].unique().numel() == 1
@@ -400,6 +423,24 @@ def test_geometric_mask_is_length_neutral_product_is_not():
     mask = torch.ones(1, T, dtype=torch.bool)
     assert tr.geo_mask_weights(logp_old, logp_infer, mask, low=0.99, high=1.01).min() == 1.0
     assert tr.seq_tis_weights(logp_old, logp_infer, mask).max() < 0.82
+
+
+def test_seq_mask_keeps_a_sequence_iff_its_product_ratio_is_in_the_band():
+    """TRL's default correction: the whole sequence weighted by prod_t rho_t, or 0 when that product leaves the band."""
+    log_rho = torch.tensor([[0.5, 0.5, 0.0],  # product e^1 = 2.72 <= 3: kept, weight e on every token
+                            [1.0, 0.2, 0.0],  # e^1.2 = 3.32 > 3: dropped
+                            [-2.0, -2.0, -2.0],  # e^-6: kept (no lower bound by default)
+                            [math.log(2.0), 0.0, 9.0]])  # the 9 is outside the mask: product 2, kept
+    mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    logp_infer = torch.full((4, 3), -3.0)
+    w = tr.seq_mask_weights(logp_infer + log_rho, logp_infer, mask)
+    expected = torch.tensor([math.e, 0.0, math.exp(-6.0), 2.0])[:, None] * mask
+    assert torch.allclose(w, expected, rtol=1e-5, atol=0.0)
+    kept = float(w[0, 0])  # band edges are inclusive, as in TRL (a ratio is masked only when < low or > high)
+    above = float(torch.nextafter(torch.tensor(kept), torch.tensor(math.inf)))
+    assert (tr.seq_mask_weights(logp_infer + log_rho, logp_infer, mask, low=kept, high=kept)[0] == kept).all()
+    assert (tr.seq_mask_weights(logp_infer + log_rho, logp_infer, mask, low=above, high=4.0)[0] == 0).all()
+    assert (tr.seq_mask_weights(logp_infer + log_rho, logp_infer, mask, low=0.01)[2] == 0).all(), "low bound"
 
 
 @given(st.floats(min_value=-6.0, max_value=-(2.0**-10)), st.floats(min_value=-6.0, max_value=-(2.0**-10)))
@@ -752,6 +793,8 @@ def _bt_functions():
                             ("logp_old", "logp_infer")),
         "geo_mask_weights": (lambda logp_old, logp_infer, mask: tr.geo_mask_weights(logp_old, logp_infer, mask),
                              ("logp_old", "logp_infer")),
+        "seq_mask_weights": (lambda logp_old, logp_infer, mask: tr.seq_mask_weights(logp_old, logp_infer, mask),
+                             ("logp_old", "logp_infer")),
         "cis_weights": (lambda logp_old, logp_infer, mask: tr.cis_weights(logp_old, logp_infer, mask),
                         ("logp_old", "logp_infer")),
         "dlc_weights": (lambda logp_old, logp_infer, mask: tr.dlc_weights(logp_old, logp_infer, mask),
@@ -801,8 +844,9 @@ def test_every_bt_function_names_the_bad_argument(name):
         fn(mask=torch.ones(0, 3, dtype=torch.bool), **{a: torch.zeros(0, 3) for a in args})
 
 
-NEUTRAL = {"tis_weights": 0.0, "mis_weights": 0.0, "seq_tis_weights": 0.0, "geo_mask_weights": 0.0,
-           "cis_weights": 1.0, "dlc_weights": 0.0, "copc_mask": 0.0}  # the documented weight of a non-finite token
+NEUTRAL = {"tis_weights": 0.0, "mis_weights": 0.0, "seq_tis_weights": 0.0, "seq_mask_weights": 0.0,
+           "geo_mask_weights": 0.0, "cis_weights": 1.0, "dlc_weights": 0.0,
+           "copc_mask": 0.0}  # the documented weight of a non-finite token
 
 
 @pytest.mark.parametrize("name", sorted(NEUTRAL))
@@ -842,9 +886,9 @@ def test_dlc_resync_fires_on_growing_lag_not_on_a_constant_engine_offset():
     logp_old = -torch.rand(4, 6, generator=g)
     logp_infer = logp_old - 0.5  # a large, constant engine offset: no resync can change it
     direction = torch.randn(4, 6, generator=g).sign()
-    fired = [tr.dlc_should_resync(logp_old + 0.01 * k * direction, logp_old, mask, staleness=k, max_lag=0.05)
+    fired = [tr.dlc_should_resync(logp_old + 0.01 * k * direction, logp_old, mask, staleness=k, max_lag=0.045)
              for k in range(10)]  # the trainer drifts away from the behaviour weights by 0.01 per step
-    assert fired == [False] * 6 + [True] * 4, fired
+    assert fired == [False] * 5 + [True] * 5, fired
     assert tr.mismatch_ledger(logp_old, logp_old, logp_infer, mask)["numerics_abs"] > 0.4, "the offset is there"
     assert not tr.dlc_should_resync(logp_old, logp_old, mask, staleness=100, max_lag=0.05), "no lag, no resync"
     assert tr.dlc_should_resync(logp_old, logp_old, mask, staleness=4, max_staleness=4, max_lag=0.0)
@@ -931,6 +975,165 @@ def test_math_imports_with_torch_alone():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.abspath(tr.__file__)))
 
 
+def test_every_markdown_file_named_is_in_the_repository():
+    """A reader can open every *.md the project names (results.md and bench.md are what compare and bench write)."""
+    import re
+
+    here = os.path.dirname(os.path.realpath(tr.__file__))
+    written = {"results.md", "bench.md"}
+    for name in ("tim_rl.py", "test_tim_rl.py", "README.md", ".ci/run", "tutorial.ipynb"):
+        with open(os.path.join(here, name), encoding="utf-8") as f:
+            for ref in re.findall(r"[\w./-]*\w\.md\b", f.read()):
+                path = os.path.realpath(os.path.join(here, ref))  # inside the repository: ../ does not count
+                inside = path.startswith(here + os.sep) and os.path.isfile(path)
+                assert os.path.basename(ref) in written or inside, f"{name} names {ref}, not in the repository"
+
+
+CLI_MISTAKES = [  # (argv, words the one error line must contain); each fails before any model is built
+    (["train", "--model", "/nonexistent"], ["--model", "no model directory", "config.json", "omit --model"]),
+    (["train", "--steps", "-3"], ["--steps must be >= 1"]),
+    (["train", "--prompts", "0"], ["--prompts must be >= 1"]),
+    (["train", "--group", "0"], ["--group must be >= 1"]),
+    (["train", "--max-new-tokens", "0"], ["--max-new-tokens must be >= 1"]),
+    (["train", "--eval-every", "0"], ["--eval-every must be >= 1"]),
+    (["train", "--correction", "nope"], ["--correction must be one of", "seq_tis"]),
+    (["train", "--dtype", "fp64"], ["--dtype must be one of fp32 | bf16 | fp16"]),
+    (["compare", "--preset", "nope"], ["--preset must be one of", "fair-cast", "all"]),
+    (["compare", "--corrections", "tis,nope"], ["--corrections", "'nope'"]),
+    (["train", "--resume", "."], ["--resume", "no config.json"]),
+]
+
+
+@pytest.mark.parametrize("argv,words", CLI_MISTAKES, ids=[" ".join(a) for a, _ in CLI_MISTAKES])
+def test_cli_mistake_is_one_error_line_with_status_2(argv, words):
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(tr.__file__))
+    out = subprocess.run([sys.executable, "tim_rl.py", *argv], cwd=here, capture_output=True, text=True, timeout=60)
+    lines = out.stderr.splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("tim_rl: error: "), out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and out.stdout == ""
+    assert all(w in lines[0] for w in words), lines[0]
+
+
+# =================================================================================================================
+# copy-ready functions: each public math function runs from its own source plus the names on its `needs:` line
+
+
+def _copy_calls():
+    """name -> call(fn) on one fixed random batch: (B, T) = (3, 5) log-probs, a ragged mask, K = 4, V = 11."""
+    g = torch.Generator().manual_seed(0)
+    B, T, K, V = 3, 5, 4, 11
+    a, b, c, d = (-3 * torch.rand(B, T, generator=g) for _ in range(4))
+    mask = torch.arange(T)[None, :] < torch.tensor([5, 3, 1])[:, None]
+    adv = torch.tensor([[1.0], [-1.0], [0.5]])
+    head, head_infer = (-3 * torch.rand(B, T, K, generator=g) - math.log(K + 1) for _ in range(2))  # sum_K p < 1
+    x, dx = torch.randn(64, generator=g), 1e-3 * torch.randn(64, generator=g)
+    logits, ids = torch.randn(B, T, V, generator=g).requires_grad_(), torch.randint(V, (B, T), generator=g)
+    logp_grad = a.clone().requires_grad_(True)
+    weight_calls = {n: lambda f: f(a, b, mask) for n in (
+        "tis_weights", "mis_weights", "seq_tis_weights", "seq_mask_weights", "geo_mask_weights", "cis_weights",
+        "dlc_weights", "copc_mask", "copc_residual_weights", "mismatch_metrics")}
+    return weight_calls | {
+        "masked_mean": lambda f: f(a, mask),
+        "token_logprobs": lambda f: f(logits, ids),
+        "log1mexp": lambda f: f(a),
+        "mismatch_ledger": lambda f: f(a, b, c, mask, d),
+        "log_odds_displacement": lambda f: f(a, b),
+        "round_nearest_bf16": lambda f: f(x),
+        "stochastic_round_bf16": lambda f: f(x, generator=torch.Generator().manual_seed(1)),
+        "hash_noise16": lambda f: f((4, 5), torch.tensor(7, dtype=torch.int32)),
+        "stochastic_round_bf16_fused": lambda f: f(x, 7, compile=False),
+        "error_feedback_round_bf16": lambda f: f(x, dx),
+        "error_feedback_round_bf16_fused": lambda f: f(x, dx, compile=False),
+        "visible_update_fraction": lambda f: f(x, x + dx, x.bfloat16().float(), (x + dx).bfloat16().float()),
+        "grpo_advantages": lambda f: f(torch.rand(6, generator=torch.Generator().manual_seed(2)), 3, True),
+        "copc_advantages": lambda f: f(c, d[:, 0].exp(), a, b, mask),
+        "calibrated_clip_bounds": lambda f: f(a.exp(), b.exp(), adv, mask),
+        "pg_loss": lambda f: f(a, adv, mask, b.exp()),
+        "ppo_loss": lambda f: f(a, b, adv, mask),
+        "score_centering_loss": lambda f: f(a, head, b, head_infer, adv, mask),
+        "dlc_loss": lambda f: f(a, b, c, adv, mask),
+        "dppo_loss": lambda f: f(a, b, adv, mask),
+        "effective_token_weights": lambda f: f(-(logp_grad * adv).sum(), logp_grad, adv, mask).nan_to_num(-9.0),
+        "dlc_should_resync": lambda f: f(a, b, mask, 3, 0, 0.05),
+    }
+
+
+def _needs(name: str) -> list[str]:
+    """The names after `needs:`, the last thing in tr.<name>'s docstring ([] for `needs: nothing`)."""
+    _, found, tail = (getattr(tr, name).__doc__ or "").rpartition("needs:")
+    assert found, f"{name}: the docstring does not end with a needs: line"
+    return [] if tail.strip() == "nothing" else [n.strip() for n in tail.split(",")]
+
+
+def _module_names_used(obj) -> set[str]:
+    """Module-level names read or written by obj's code in tim_rl.py (nested code and class methods included), less
+    torch, math and builtins. A constant (or what torch.compile built from a function) uses none."""
+    import builtins
+    import dis
+    import inspect
+
+    members = vars(obj).values() if inspect.isclass(obj) else [obj]
+    todo = [getattr(m, "__func__", m).__code__ for m in members if inspect.isfunction(getattr(m, "__func__", m))]
+    todo = [code for code in todo if code.co_filename == tr.__file__]
+    names = set()
+    while todo:
+        code = todo.pop()
+        names |= {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "STORE_GLOBAL")}
+        todo += [k for k in code.co_consts if inspect.iscode(k)]
+    return {n for n in names if n not in ("torch", "math") and not hasattr(builtins, n)}
+
+
+def _copy_source(name: str) -> str:
+    """What a user copies for `name`: a function's or class's source, or a constant's assignment."""
+    import ast
+    import inspect
+
+    module = inspect.getsource(tr)
+    assigned = [n for n in ast.parse(module).body if isinstance(n, ast.Assign) and
+                any(isinstance(t, ast.Name) and t.id == name for t in n.targets)]
+    return ast.get_source_segment(module, assigned[0]) if assigned else inspect.getsource(getattr(tr, name))
+
+
+def _plain(x):
+    """An output as plain Python values (tensors as dtype + nested lists), so that == is bitwise equality."""
+    if isinstance(x, torch.Tensor):
+        return str(x.dtype), x.detach().tolist()
+    if isinstance(x, (tuple, list)):
+        return [_plain(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return x
+
+
+@pytest.mark.parametrize("name", sorted(_copy_calls()))
+def test_function_runs_from_its_source_and_needs_alone(name):
+    needs = _needs(name)
+    for n in [name, *needs]:
+        missing = _module_names_used(getattr(tr, n)) - set(needs)
+        assert not missing, f"{name}: {n} uses {sorted(missing)}, not on the needs: line"
+    used, todo = set(), [name]
+    while todo:
+        todo += sorted(_module_names_used(getattr(tr, todo.pop())) - used)
+        used |= set(todo)
+    assert not set(needs) - used, f"{name}: needs: lists {sorted(set(needs) - used)}, which it does not use"
+    namespace = {"torch": torch, "math": math, "__builtins__": __builtins__}
+    exec("\n\n".join(_copy_source(n) for n in [*needs, name]), namespace)
+    call = _copy_calls()[name]
+    assert _plain(call(namespace[name])) == _plain(call(getattr(tr, name)))
+
+
+def test_every_public_math_function_is_copy_tested():
+    import inspect
+
+    lines = inspect.getsource(tr).splitlines()
+    first, last = (lines.index(f"# ---- {b} ----") + 1 for b in ("log-space helpers", "task and reward verifier"))
+    public = {n for n, f in vars(tr).items() if inspect.isfunction(f) and f.__module__ == tr.__name__ and
+              not n.startswith("_") and first <= inspect.getsourcelines(f)[1] <= last}
+    assert public == set(_copy_calls())
+
 # =================================================================================================================
 # verifier and task
 
@@ -1014,13 +1217,16 @@ def test_verify_never_executes_model_text(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("ops", ["+", "+-"])
 def test_task_pools_are_disjoint_for_every_seed_and_eval_is_distinct(ops):
-    pools = {split: {p for seed in range(4) for p, _ in tr.make_arithmetic_task(3000, 2, seed, ops, split)}
+    pools = {split: {p for seed in range(4) for p, _ in tr.make_arithmetic_task(1000, 2, seed, ops, split)}
              for split in tr.SPLITS}
     assert not pools["pretrain"] & pools["rl"] and not pools["pretrain"] & pools["eval"]
     assert not pools["rl"] & pools["eval"]
     assert min(len(v) for v in pools.values()) > 500, "anti-vacuity: every pool holds many problems"
     held = tr.make_arithmetic_task(512, 2, 0, ops, "eval")
     assert len({p for p, _ in held}) == 512, "evaluation problems are distinct"
+    for split in tr.SPLITS:  # no pool is a class of answers: a linear hash once held out every sum ending in 3 or 8
+        last_digits = {a[-1] for _, a in tr.make_arithmetic_task(400, 2, 0, ops, split)}
+        assert last_digits == set("0123456789"), (split, last_digits)
     train = tr.make_arithmetic_task(200, 2, 3, ops, "rl")
     assert all(tr.verify(a, a) == 1.0 and len(p) == 6 for p, a in train)
     with pytest.raises(ValueError, match="ops"):
@@ -1043,18 +1249,24 @@ def base_model_dir(tmp_path_factory):
         return tr.Path(given_dir)
     out = tmp_path_factory.mktemp("base")
     info = tr.pretrain(tr.PretrainConfig(out=str(out)))
-    assert info["greedy_accuracy_eval"] >= 0.4, f"pre-training must leave a usable model, got {info}"
+    assert 0.3 <= info["greedy_accuracy_eval"] <= 0.95, f"pre-training must leave a usable model, got {info}"
     return out
 
 
-def test_pretraining_leaves_rl_room(base_model_dir):
-    """The bar: the tiny model generalises to held-out problems, but not perfectly (RL has room)."""
-    info = tr.json.loads((base_model_dir / "pretrain.json").read_text())
-    assert 0.4 <= info["greedy_accuracy_eval"] <= 0.95, info
-    model = tr.load_model(base_model_dir).eval()
-    problems = tr.make_arithmetic_task(128, split="eval")
-    acc = tr.greedy_accuracy(model, tr.CharTokenizer(), problems)
-    assert 0.3 <= acc <= 0.97, "the saved weights reproduce it"
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_synced_control_learns_and_the_flipped_advantage_unlearns(base_model_dir, tmp_path, monkeypatch, seed):
+    """The testbed: RL starts with room (sampled reward in [0.2, 0.7]) and the synced control raises held-out pc;
+    its anti-vacuity twin, the same steps with the advantage's sign flipped (reward 1 - r), lowers it."""
+    cfg = dict(model=str(base_model_dir), out_dir=str(tmp_path), steps=30, eval_every=30, eval_n=256, seed=seed,
+               progress=False, checkpoint_every=0)
+    learned = tr.run(tr.RLConfig(name="up", **cfg))
+    assert 0.2 <= learned[1]["reward"] <= 0.7, "sampled reward at step 0: neither hopeless nor memorised"
+    verify = tr.verify
+    monkeypatch.setattr(tr, "verify", lambda text, answer: 1.0 - verify(text, answer))  # A -> -A (group mean)
+    flipped = tr.run(tr.RLConfig(name="down", **cfg))
+    assert learned[0]["pc_trainer"] == flipped[0]["pc_trainer"], "the same start"
+    assert learned[-1]["pc_trainer"] > learned[0]["pc_trainer"] + 0.005, learned[-1]
+    assert flipped[-1]["pc_trainer"] < flipped[0]["pc_trainer"] - 0.005, flipped[-1]
 
 
 def test_saved_model_loads_offline_with_hf(base_model_dir):
@@ -1158,9 +1370,9 @@ def test_policy_lag_shows_in_the_ledger_and_loss_on_served_runs(base_model_dir, 
                   **(SMOKE | {"steps": 5}))
     lagged = tr.run(tr.RLConfig(name="lag", sync_every=8, **common))
     synced = tr.run(tr.RLConfig(name="sync", sync_every=1, **common))
-    assert lagged[-1]["ledger_lag_abs"] > 10 * max(synced[-1]["ledger_lag_abs"], 1e-7)
+    assert lagged[-2]["ledger_lag_abs"] > 10 * max(synced[-2]["ledger_lag_abs"], 1e-7)
     served = tr.run(tr.RLConfig(name="fc", dtype="bf16", export="sr", loss_on_served=True, **common))
-    assert all(math.isfinite(r["loss"]) for r in served)
+    assert all(math.isfinite(r["loss"]) for r in served if "reward" in r)
     drift = tr.run(tr.RLConfig(name="dr", dtype="bf16", diagnose_drift=True, **common))
     assert drift[-2]["pg_drift_grad_norm"] > 0 and drift[-2]["pg_signal_grad_norm"] > 0
     served = tr.run(tr.RLConfig(name="fcd", dtype="bf16", export="sr", loss_on_served=True, diagnose_drift=True,

