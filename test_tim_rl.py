@@ -1366,7 +1366,7 @@ def test_every_correction_runs_with_finite_metrics(base_model_dir, tmp_path, cor
 
 
 def test_policy_lag_shows_in_the_ledger_and_loss_on_served_runs(base_model_dir, tmp_path):
-    common = dict(model=str(base_model_dir), out_dir=str(tmp_path), lr=1e-3, baseline="none",  # always a gradient
+    common = dict(model=str(base_model_dir), out_dir=str(tmp_path), baseline="none",  # a gradient at reward > 0
                   **(SMOKE | {"steps": 5}))
     lagged = tr.run(tr.RLConfig(name="lag", sync_every=8, **common))
     synced = tr.run(tr.RLConfig(name="sync", sync_every=1, **common))

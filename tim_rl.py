@@ -2580,8 +2580,9 @@ def run_preset(pc: PresetConfig) -> list[Path]:
         verdicts = PRESETS[name](pc, seeds, out)
         seconds = time.perf_counter() - t0
         print(f"[{name}] {[v['verdict'] for v in verdicts]} ({seconds:.0f} s) -> {out / 'results.md'}", file=sys.stderr)
+        command = f"python tim_rl.py compare --preset {name} --seeds {','.join(map(str, seeds))}"
+        (out / "verdicts.json").write_text(json.dumps({"verdicts": verdicts, "command": command, "seconds": seconds}))
         if pc.publish and not pc.smoke:
-            command = f"python tim_rl.py compare --preset {name} --seeds {','.join(map(str, seeds))}"
             publish(name, (out / "results.md").read_text(), verdicts, command, seconds)
         written.append(out / "results.md")
     return written
