@@ -896,6 +896,7 @@ def test_dlc_resync_fires_on_growing_lag_not_on_a_constant_engine_offset():
     bad = logp_old.clone()
     bad[0, 0] = math.nan
     assert tr.dlc_should_resync(bad, logp_old, mask, staleness=0), "an unmeasurable lag resyncs"
+    assert not tr.dlc_should_resync(bad, logp_old, mask, staleness=9, max_staleness=0, max_lag=0.0), "both off"
 
 
 # ---- each RL arm computes what its name says: its per-token weight on a hand-made batch ----
@@ -1722,11 +1723,14 @@ def test_trl_grpo_trainer_with_colocated_vllm_and_a_tim_rl_correction(base_model
 def test_trl_settings_that_would_drop_the_weight_are_refused():
     from types import SimpleNamespace
 
-    tr.check_trl_args(SimpleNamespace(loss_type="dapo", vllm_importance_sampling_correction=True))
+    ok = dict(use_vllm=True, loss_type="dapo", vllm_importance_sampling_correction=True)
+    tr.check_trl_args(SimpleNamespace(**ok))
     with pytest.raises(ValueError, match="vespo"):
-        tr.check_trl_args(SimpleNamespace(loss_type="vespo", vllm_importance_sampling_correction=True))
+        tr.check_trl_args(SimpleNamespace(**(ok | {"loss_type": "vespo"})))
     with pytest.raises(ValueError, match="vllm_importance_sampling_correction"):
-        tr.check_trl_args(SimpleNamespace(loss_type="dapo", vllm_importance_sampling_correction=False))
+        tr.check_trl_args(SimpleNamespace(**(ok | {"vllm_importance_sampling_correction": False})))
+    with pytest.raises(ValueError, match="use_vllm"):
+        tr.check_trl_args(SimpleNamespace(**(ok | {"use_vllm": False})))
 
 
 @needs_vllm
