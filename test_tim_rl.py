@@ -1748,3 +1748,19 @@ def test_vllm_duplicate_prompts_get_independent_groups(base_model_dir):
     with torch.no_grad():
         expected = tr.answer_logprobs(tr.load_model(base_model_dir).eval(), tok, problems)
     assert torch.allclose(sampler.answer_logprobs(problems), expected, atol=1e-4), "teacher-forced pc in vLLM"
+
+
+def test_publish_rewrites_only_its_blocks(tmp_path):
+    (tmp_path / "README.md").write_text("# x\n\nsee `<!-- verdicts -->` in prose\n<!-- verdicts -->\nold\n"
+                                        "<!-- /verdicts -->\n\ntail\n")
+    row = {"claim": "a | b", "metric": "m", "Δ": "+1", "95% CI": "[+1, +2]", "seeds": 5, "verdict": "reproduced"}
+    tr.publish("staleness", "# t\n\nfirst\n", [row], "cmd", 60.0, tmp_path)
+    tr.publish("staleness", "# t\n\nsecond\n# sub\n", [row | {"verdict": "not resolved"}], "cmd", 60.0, tmp_path)
+    tr.publish("real-lm", "# r\n\nmeasured\n", [], "cmd2", 60.0, tmp_path)
+    readme, results = (tmp_path / "README.md").read_text(), (tmp_path / "RESULTS.md").read_text()
+    assert "old" not in readme and readme.endswith("tail\n") and "see `<!-- verdicts -->` in prose" in readme
+    assert readme.count("| staleness |") == 1 and "not resolved" in readme and "a \\| b" in readme
+    assert "first" not in results and "second" in results and "### sub" in results and "measured" in results
+    assert results.count("<!-- preset:staleness -->") == 1
+    with pytest.raises(ValueError, match="no closing"):
+        tr._replace_block("<!-- verdicts -->\nno end\n", "verdicts", "x")
