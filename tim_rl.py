@@ -2255,7 +2255,8 @@ def arm_table(runs: dict[str, list[list[dict]]], reference: str, extra: dict | N
             row[f"pc {summary}"] = _mean_sd(mine)
             if label != reference:
                 mean, low, high = bootstrap_ci([m - r for m, r in zip(mine, ref)])
-                row[f"Δ {summary} vs ref"] = f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]"
+                ci = f"[{low:+.3f}, {high:+.3f}]" if math.isfinite(low) else "(1 seed: no CI)"
+                row[f"Δ {summary} vs ref"] = f"{mean:+.3f} {ci}"
             else:
                 row[f"Δ {summary} vs ref"] = "(reference)"
         row["acc final"] = _mean_sd([seed_value(rs, "acc_trainer", "final") for rs in per_seed])
