@@ -2788,14 +2788,16 @@ print(status("VmHWM") - before)
 """
 
 
-def _peak_extra_bytes(rows: int, V: int, which: str) -> int:
-    """Peak resident memory added by one log-prob call on (rows, V) fp32 logits, in a fresh subprocess."""
+def _peak_extra_bytes(rows: int, V: int, which: str, repeats: int = 3) -> int:
+    """Peak resident memory added by one log-prob call on (rows, V) fp32 logits: median over fresh subprocesses
+    (the allocator's arenas make a single reading jitter by ~10-20 MB)."""
     import subprocess
 
     script = _PEAK_RSS_SCRIPT.format(threads=torch.get_num_threads())
-    out = subprocess.run([sys.executable, "-c", script, str(rows), str(V), which], capture_output=True, text=True,
-                         check=True, cwd=Path(__file__).parent)
-    return int(out.stdout.strip().splitlines()[-1])
+    readings = [int(subprocess.run([sys.executable, "-c", script, str(rows), str(V), which], capture_output=True,
+                                   text=True, check=True, cwd=Path(__file__).parent).stdout.strip().splitlines()[-1])
+                for _ in range(repeats)]
+    return sorted(readings)[repeats // 2]
 
 
 def bench_export(n: int, repeats: int) -> list[dict]:
