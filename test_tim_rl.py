@@ -1385,8 +1385,9 @@ def test_updates_per_batch_clip_bites_from_the_second_update(base_model_dir, tmp
     common = dict(model=str(base_model_dir), out_dir=str(tmp_path), lr=1e-3, correction="ppo", **SMOKE)
     one = [r for r in tr.run(tr.RLConfig(name="u1", **common)) if "reward" in r]
     three = [r for r in tr.run(tr.RLConfig(name="u3", updates_per_batch=3, **common)) if "reward" in r]
-    assert all(r["frac_zeroed"] == 0 for r in one), "one update: r = p / p_prox = 1, fp32 sampler: nothing cut"
-    assert max(r["frac_zeroed"] for r in three) > 0, "later updates move p off p_prox: the clip cuts"
+    measured = lambda recs: [r["frac_zeroed"] for r in recs if r["frac_zeroed"] is not None]  # None: every A = 0  # noqa: E731
+    assert measured(one) and all(v == 0 for v in measured(one)), "one update: r = p / p_prox = 1, nothing cut"
+    assert max(measured(three)) > 0, "later updates move p off p_prox: the clip cuts"
     assert one[0]["mm_k3"] == three[0]["mm_k3"], "the same first batch (paired), the same mismatch"
 
 
