@@ -667,18 +667,23 @@ def mis_weights(logp_old, logp_infer, mask, low: float = 0.5, high: float = 5.0)
     return torch.where(keep, rho, torch.zeros_like(rho))
 
 
+def _sequence_log_ratio(logp_old, logp_infer, mask):
+    """(sum_t log rho_t clamped to +-LOG_RATIO_CLAMP, True where every generated token is finite), each (B, 1)."""
+    _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
+    log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
+    seq_ok = (ok == mask).all(dim=1, keepdim=True)  # (B, 1)
+    return log_rho.sum(dim=1, keepdim=True).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), seq_ok  # (B, 1)
+
+
 def seq_tis_weights(logp_old, logp_infer, mask, cap: float = 5.0):
     """w_i = min(prod_t rho_it, C) on every token of sequence i. Sequence-level TIS. Non-finite -> 0 for the sequence.
 
     Beware: the product shrinks long sequences towards 0 (TRL #5814); geo_mask_weights does not. (B, T).
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
     """
-    _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
-    log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
-    seq_ok = (ok == mask).all(dim=1, keepdim=True)  # (B, 1) every generated token finite
-    seq_log_rho = log_rho.sum(dim=1, keepdim=True).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, 1)
-    w = seq_log_rho.exp().clamp(max=cap).expand_as(log_rho)  # (B, T)
+    seq_log_rho, seq_ok = _sequence_log_ratio(logp_old, logp_infer, mask)  # (B, 1) each
+    w = seq_log_rho.exp().clamp(max=cap).expand(mask.shape)  # (B, T)
     return torch.where(mask & seq_ok, w, torch.zeros_like(w))
 
 
@@ -689,14 +694,12 @@ def seq_mask_weights(logp_old, logp_infer, mask, low: float = 0.0, high: float =
     [None (no lower bound), 3.0], edges kept). Non-finite -> 0 for the sequence (TRL counts a NaN token as ratio 1).
     The product shrinks long sequences like seq_tis_weights does. (B, T).
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
     """
-    _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
-    log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
-    seq_ok = (ok == mask).all(dim=1, keepdim=True)  # (B, 1) every generated token finite
-    seq_rho = log_rho.sum(dim=1, keepdim=True).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # (B, 1)
+    seq_log_rho, seq_ok = _sequence_log_ratio(logp_old, logp_infer, mask)
+    seq_rho = seq_log_rho.exp()  # (B, 1)
     keep = mask & seq_ok & (seq_rho >= low) & (seq_rho <= high)  # (B, T)
-    return torch.where(keep, seq_rho.expand_as(log_rho), torch.zeros_like(log_rho))
+    return torch.where(keep, seq_rho.expand(mask.shape), torch.zeros(mask.shape))
 
 
 def geo_mask_weights(logp_old, logp_infer, mask, low: float = 0.99, high: float = 1.01):
@@ -1283,7 +1286,8 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
 
     eos_id = model.config.eos_token_id if eos_id is None else eos_id
     eos_id = eos_id[0] if isinstance(eos_id, (list, tuple)) else eos_id
-    pad_id = (model.config.pad_token_id if model.config.pad_token_id is not None else eos_id) if pad_id is None else pad_id
+    if pad_id is None:
+        pad_id = eos_id if model.config.pad_token_id is None else model.config.pad_token_id
     prompt_ids, prompt_mask = _left_pad(prompts, pad_id)
     B = prompt_ids.shape[0]
     attention = prompt_mask.long()
@@ -1955,18 +1959,18 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
     logp_old, logp_master_old = trainer.behaviour_logprobs(ro, cfg.temperature)
     lap("recompute")
     # 4) + 5) correct and step, updates_per_batch times on the same batch
-    updates, logp_prox = [], None
+    updates, logp_prox, drift = [], None, {}
     for _ in range(cfg.updates_per_batch):
         logp, logp_topk, hidden = trainer.logprobs(ro, ro.topk_ids, cfg.temperature)
         lap("recompute")
-        if logp_prox is None:  # TIM: the proximal policy: the trainer before the first update on this batch
-            logp_prox, first_logp, first_topk = logp.detach(), logp, logp_topk
+        first = logp_prox is None
+        if first:  # TIM: the proximal policy: the trainer before the first update on this batch
+            logp_prox = logp.detach()
         adv, critic_loss = _advantages(cfg, rewards, logp, hidden, ro, rs.value_head)
         loss = policy_loss(cfg, logp, logp_topk, logp_prox, logp_old, ro, adv)
         w_eff = effective_token_weights(loss, logp, adv, ro.mask)  # what the arm did to each token
-        if not updates and cfg.diagnose_drift:
-            leaves = trainer.grad_leaves()
-            drift = drift_signal_norms(leaves, first_logp, first_topk, ro, adv)
+        if first and cfg.diagnose_drift:
+            drift = drift_signal_norms(trainer.grad_leaves(), logp, logp_topk, ro, adv)
         lap("loss")
         grad_norm = trainer.step(loss + critic_loss)
         updates.append({"loss": loss.item(), "grad_norm": grad_norm} | _zeroed_shares(w_eff, adv))
@@ -1990,8 +1994,8 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
         sampler.load_weights(state)  # TIM: the trainer's weights (and its drift) enter the sampler
         rs.since_sync = 0
     lap("sync")
-    return _step_record(step, rewards, updates, resync, vuf, rs.since_sync, logp_prox, ro, ledger,
-                        drift if cfg.diagnose_drift else {}, trainer.model.config.vocab_size, sec)
+    return _step_record(step, rewards, updates, resync, vuf, rs.since_sync, logp_prox, ro, ledger, drift,
+                        trainer.model.config.vocab_size, sec)
 
 
 def _setup_run(cfg: RLConfig) -> _RunState:
@@ -2315,9 +2319,8 @@ def _write_results(out: Path, title: str, sections: list[tuple[str, list[dict]]]
     (out / "results.md").write_text(text + notes + "\n")
 
 
-def rl_preset(pc: "PresetConfig", seeds: list[int], out: Path, title: str, base: RLConfig,
-              arms: list[tuple[str, dict]], claims: list[Claim], extra: dict | None = None,
-              plot_key: str = "pc_trainer", sections: list | None = None) -> list[dict]:
+def rl_preset(seeds: list[int], out: Path, title: str, base: RLConfig, arms: list[tuple[str, dict]],
+              claims: list[Claim], extra: dict | None = None, sections: list | None = None) -> list[dict]:
     """Run a synced control plus `arms` on paired seeds; write the arm table, the claims' verdicts and a plot."""
     labels = {SYNCED_CONTROL} | {label for label, _ in arms}
     unknown = [name for c in claims for name in (c.arm, c.reference) if name not in labels]
@@ -2327,7 +2330,7 @@ def rl_preset(pc: "PresetConfig", seeds: list[int], out: Path, title: str, base:
                                              "quant": "none", "noise": 0.0})] + arms, seeds, out)
     learned, learned_note = control_learned(runs)
     verdicts = [judge(runs, claim, learned) for claim in claims]
-    plot_arms(out / "plot.png", runs, key=plot_key, title=title)
+    plot_arms(out / "plot.png", runs, title=title)
     _write_results(out, title, (sections or []) + [
         ("Claims, stated before the run; verdict computed from the paired seeds:", verdicts),
         (f"Arms ({base.steps} steps, {base.prompts} prompts x {base.group} samples, lr {base.lr}, eval on "
@@ -2355,8 +2358,6 @@ def _preset_base(pc: PresetConfig, **change) -> RLConfig:
     if pc.smoke:
         base |= dict(steps=3, prompts=4, group=4, eval_every=2, eval_n=16)
     return RLConfig(**base)
-
-
 
 
 def export_visibility(weights: torch.Tensor, lr: float, steps: int, seed: int = 0) -> dict[str, list[float]]:
@@ -2427,11 +2428,10 @@ def preset_cis(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
                          "sd(logit p - logit q)": float(eps[sel].std()), "sd(log p - log q)": float(log_r[sel].std())})
     arms = [(f"{c} (fp8)", {"correction": c, "quant": "fp8"}) for c in ("none", "tis", "mis", "cis")]
     claims = [Claim("CIS trains better than TIS under an fp8 sampler", "cis (fp8)", "tis (fp8)")]
-    verdicts = rl_preset(pc, seeds, out, "cis: confidence-aware IS under an fp8 sampler", _preset_base(pc), arms,
+    return rl_preset(seeds, out, "cis: confidence-aware IS under an fp8 sampler", _preset_base(pc), arms,
                          claims, {"zeroed": ("frac_zeroed", "steps")}, sections=[(
                              "Spread of the fp8 engine gap by the trainer's confidence (seed 0, 8 samples/prompt):",
                              bins)])
-    return verdicts
 
 
 def preset_fp8_clip(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
@@ -2449,9 +2449,8 @@ def preset_fp8_clip(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]
               Claim("calibrated bounds train better than the default ones (fp8)", "calibrated (fp8)",
                     "ppo_infer (fp8)")]
     base = _preset_base(pc, updates_per_batch=2)  # the second update moves p off q: the clip has something to cut
-    verdicts = rl_preset(pc, seeds, out, "fp8-clip: what an fp8 sampler does to PPO's clip", base, arms, claims,
+    return rl_preset(seeds, out, "fp8-clip: what an fp8 sampler does to PPO's clip", base, arms, claims,
                          {"A<0 zeroed": ("frac_zeroed_neg_adv", "steps")})
-    return verdicts
 
 
 def preset_fair_cast(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
@@ -2474,11 +2473,10 @@ def preset_fair_cast(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict
             ("bf16, SR export + loss on served", {"dtype": "bf16", "export": "sr", "loss_on_served": True})]
     claims = [Claim("SR export + loss on served trains better than RTN (bf16 sampler, lr 1e-5)",
                     "bf16, SR export + loss on served", "bf16, RTN export")]
-    verdicts = rl_preset(pc, seeds, out, "fair-cast: bf16 export rounding", _preset_base(pc, lr=1e-5), arms, claims,
+    return rl_preset(seeds, out, "fair-cast: bf16 export rounding", _preset_base(pc, lr=1e-5), arms, claims,
                          {"visible": ("visible_update_fraction", "steps")}, sections=[(
                              "Visible update fraction of the Linear weights (masters on the bf16 grid, constant-sign "
                              "steps of size lr, exported every step):", vis_rows)])
-    return verdicts
 
 
 def preset_staleness(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
@@ -2492,9 +2490,8 @@ def preset_staleness(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict
     claims = [Claim(f"lag k={k} hurts uncorrected REINFORCE", none, SYNCED_CONTROL, direction=-1)]
     claims += [Claim(f"{c} beats no correction at lag k={k}", f"{c} (k={k})", none) for c in ("tis", "sc_tis", "dppo")]
     claims += [Claim(f"decoupled PPO (2 updates/batch) beats no correction at lag k={k}", f"ppo x2 (k={k})", none)]
-    verdicts = rl_preset(pc, seeds, out, f"staleness: sampler synced every {k} steps", _preset_base(pc), arms, claims,
+    return rl_preset(seeds, out, f"staleness: sampler synced every {k} steps", _preset_base(pc), arms, claims,
                          {"mean abs lag": ("ledger_lag_abs", "steps")})
-    return verdicts
 
 
 def preset_dlc(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
@@ -2508,10 +2505,9 @@ def preset_dlc(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
             ("dlc + lag resync", {"correction": "dlc", "sync_every": 10**6, "dlc_max_lag": DLC_MAX_LAG})]
     claims = [Claim("dlc beats one TIS weight on p/q", f"dlc (k={k})", f"tis on p/q (k={k})"),
               Claim("dlc + lag-triggered resync beats dlc on a fixed schedule", "dlc + lag resync", f"dlc (k={k})")]
-    verdicts = rl_preset(pc, seeds, out, "dlc: engine numerics and policy lag together (bf16 sampler)",
+    return rl_preset(seeds, out, "dlc: engine numerics and policy lag together (bf16 sampler)",
                          _preset_base(pc, dtype="bf16"), arms, claims,
                          {"syncs": ("synced", "steps"), "mean abs lag": ("ledger_lag_abs", "steps")})
-    return verdicts
 
 
 def preset_drift(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
@@ -2524,10 +2520,9 @@ def preset_drift(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
               Claim("SC + TIS beats no correction (s=0.1, no baseline)", "sc_tis, s=0.1", "none, s=0.1"),
               Claim("the drift part alone trails no correction (positive control)", "drift_only, s=0.1",
                     "none, s=0.1", direction=-1)]
-    verdicts = rl_preset(pc, seeds, out, "drift: score centering under a noisy sampler",
+    return rl_preset(seeds, out, "drift: score centering under a noisy sampler",
                          _preset_base(pc, diagnose_drift=True), arms, claims,
                          {"pg drift/signal": ("pg_drift_over_signal", "steps")})
-    return verdicts
 
 
 def _real_lm_vllm_rows(model, tok, prompts: list[list[int]], n_new: int, seeds: list[int]) -> list[dict]:
@@ -3108,8 +3103,8 @@ def _check_cli(args) -> None:
             raise UsageError(f"--resume {resume}: no {need} there (expected a run directory written by train)")
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`python tim_rl.py [pretrain|train|compare|engines|bench|demo] --help`; no subcommand runs the demo."""
+def _parser():
+    """The argparse parser of every subcommand, flags built from the config dataclasses."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="tim_rl", description="RL under training-inference mismatch. "
@@ -3137,6 +3132,12 @@ def main(argv: list[str] | None = None) -> None:
     p_demo = sub.add_parser("demo", help="the default demo")
     p_demo.add_argument("--steps", type=int, default=80)
     p_demo.add_argument("--seeds", default="0,1,2,3,4")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python tim_rl.py [pretrain|train|compare|engines|bench|demo] --help`; no subcommand runs the demo."""
+    parser = _parser()
     args = parser.parse_args(argv)
     try:
         _check_cli(args)
