@@ -1765,3 +1765,13 @@ def test_publish_rewrites_only_its_blocks(tmp_path):
     assert results.count("<!-- preset:staleness -->") == 1
     with pytest.raises(ValueError, match="no closing"):
         tr._replace_block("<!-- verdicts -->\nno end\n", "verdicts", "x")
+
+
+def test_control_learned_needs_every_seed_and_the_ci():
+    def runs(gains):
+        return {tr.SYNCED_CONTROL: [[{"step": 0, "pc_trainer": 0.4}, {"step": 0, "reward": 0.5},
+                                     {"step": 1, "pc_trainer": 0.4 + g}] for g in gains]}
+
+    assert tr.control_learned(runs([0.04, 0.05, 0.03, 0.06, 0.02]))[0]
+    assert not tr.control_learned(runs([0.06, 0.005, 0.023, -0.002, 0.032]))[0], "one seed fell: invalid"
+    assert not tr.control_learned(runs([-0.01, -0.02, 0.0, -0.03, 0.01]))[0]
