@@ -372,7 +372,9 @@ def test_importance_weight_is_unbiased_by_enumeration(pq, advs):
 
 def test_truncation_mask_follows_vllms_rules_on_a_hand_made_distribution():
     logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()  # probabilities, largest first
-    keep = lambda **kw: tr.truncation_mask(logits, **kw).tolist()  # noqa: E731
+    def keep(**kw):
+        return tr.truncation_mask(logits, **kw).tolist()
+
     assert keep() == [True] * 4, "all off keeps everything"
     assert keep(top_p=0.8) == [True, True, False, False], "0.05 + 0.15 <= 1 - 0.8: both dropped (inclusive)"
     assert keep(top_p=0.81) == [True, True, True, False]
@@ -1571,7 +1573,7 @@ def test_kv_cache_sampler_records_the_tempered_distribution(base_model_dir):
     assert (untempered - ro.logp_infer)[ro.mask].abs().max() > 1e-2, "anti-vacuity: temperature matters here"
 
 
-@pytest.mark.parametrize("trunc", [dict(top_p=0.8), dict(top_k=5), dict(min_p=0.1)])
+@pytest.mark.parametrize("trunc", [{"top_p": 0.8}, {"top_k": 5}, {"min_p": 0.1}])
 def test_exact_sampler_truncated_ratio_is_the_kept_mass_renormalised_is_one(base_model_dir, trunc):
     """Identical numerics (exact mode), truncated sampling: p / q~ = S at every token, p~ / q~ = 1."""
     model = tr.load_model(base_model_dir).eval()
