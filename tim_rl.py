@@ -2554,7 +2554,8 @@ def rl_preset(seeds: list[int], out: Path, title: str, base: RLConfig, arms: lis
 class PresetConfig:
     """`compare --preset NAME`: claims of the papers, each with a verdict computed over paired seeds."""
 
-    preset: str = _arg("", "precision | cis | fp8-clip | fair-cast | staleness | dlc | drift | real-lm | all")
+    preset: str = _arg("", "precision | cis | fp8-clip | fair-cast | staleness | dlc | drift | truncation | real-lm | "
+                           "all")
     seeds: str = _arg("0,1,2,3,4", "comma-separated seeds (>= 5 for a verdict worth quoting)")
     smoke: bool = _arg(False, "seconds-sized version of every run (CI): checks the outputs, not the claim")
     model: str = _arg("runs/base", "the tiny model (built if missing)")
@@ -2807,9 +2808,76 @@ def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     return []  # a measurement, no claim
 
 
+TRUNCATIONS = (("none", {}), ("top_p 0.95", {"top_p": 0.95}), ("top_p 0.9", {"top_p": 0.9}),
+               ("top_p 0.8", {"top_p": 0.8}), ("top_k 20", {"top_k": 20}), ("top_k 5", {"top_k": 5}),
+               ("min_p 0.1", {"min_p": 0.1}))
+PRESET_TOP_P = 0.8  # the truncation preset's RL runs: mean kept mass ~0.93 on the tiny model (lower where it hesitates)
+
+
+def truncation_rows(model, engine: str, sampler, prompts: list[list[int]], n: int, n_new: int, topk: int = 0,
+                    seed: int = 0) -> list[dict]:
+    """Kept mass S and the ratio's truncation bias for one sampler engine, the fp32 `model` as trainer, per setting.
+
+    `ratio p/q~` uses the trainer's full-vocabulary log-probs (what TRL 1.16 computes), `|log p~/q~|` the ones
+    renormalised on the kept support: the sampler's own when it returned it, else rebuilt from the trainer's logits.
+    """
+    rows = []
+    for label, trunc in TRUNCATIONS:
+        ro = sampler.sample(prompts, n, n_new, 1.0, topk, torch.Generator().manual_seed(seed), **trunc)
+        m, q = ro.mask, ro.logp_infer
+        row = {"engine": engine, "sampling": label, "tokens": int(m.sum()), "support differs": "-"}
+        with torch.no_grad():
+            logp = sequence_logprobs(model, ro)[0]
+            log_s, logp_renorm, source = torch.zeros_like(logp), logp, "-"
+            if trunc:
+                rebuilt = kept_support(model, ro, 1.0, trunc.get("top_p", 1.0), trunc.get("top_k", 0),
+                                       trunc.get("min_p", 0.0))
+                if ro.kept_ids is not None:
+                    row["support differs"] = support_differs(ro.kept_ids, rebuilt, m, model.config.vocab_size)
+                source, ro.kept_ids = ("sampler", ro.kept_ids) if ro.kept_ids is not None else ("rebuilt", rebuilt)
+                logp_renorm, _, _, log_s = support_logprobs(model, ro)
+        rows.append(row | {"support": source, "S mean": float(log_s[m].exp().mean()),
+                           "S min": float(log_s[m].exp().min()), "ratio p/q~ mean": float((logp - q)[m].exp().mean()),
+                           "|log p/q~|": float((logp - q)[m].abs().mean()),
+                           "|log p~/q~|": float((logp_renorm - q)[m].abs().mean())})
+    return rows
+
+
+def preset_truncation(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
+    """Sampling transforms (top-p / top-k / min-p; TRL #6789). Table: kept mass S and the ratio's bias per setting
+    and engine. Claims (bf16 sampler, top_p = PRESET_TOP_P, TIS cap 2): (1) the full-vocabulary ratio's mean log is
+    below the renormalised one's (steps mean of mm_mean_log_ratio; direction: below); (2) TIS on the renormalised
+    ratio trains better than TIS on the full-vocabulary ratio and (3) than no correction (trainer pc, mean over
+    evaluations; direction: above)."""
+    model_dir = ensure_base_model(pc.model) if pc.model == "runs/base" else Path(pc.model)
+    model, tokenizer = load_model(model_dir).eval(), load_tokenizer(model_dir)
+    problems = make_arithmetic_task(16 if pc.smoke else 64, **_task_kwargs(model_dir), split="eval")
+    prompts, _ = _encode_problems(tokenizer, problems)
+    engines = [("torch fp32", TorchSampler(model, EngineSpec(), tokenizer)),
+               ("torch bf16", TorchSampler(model, EngineSpec(dtype="bf16"), tokenizer))]
+    if vllm_available() and not pc.smoke:
+        engines += [(f"vLLM {d}", VLLMSampler(model_dir, dtype=d, tokenizer=tokenizer)) for d in ("fp32", "bf16")]
+    table = [row for label, sampler in engines for row in truncation_rows(model, label, sampler, prompts, 4, 5)]
+    engines.clear()  # release the vLLM engines before the RL runs
+    p = PRESET_TOP_P
+    arms = [(f"none (bf16, top_p {p})", {"correction": "none"}),
+            (f"tis, full vocabulary (bf16, top_p {p})", {"correction": "tis", "renormalize": False}),
+            (f"tis, renormalised (bf16, top_p {p})", {"correction": "tis"})]
+    arms = [(label, change | {"dtype": "bf16"}) for label, change in arms]
+    none, full, renorm = (label for label, _ in arms)
+    claims = [Claim("the full-vocabulary ratio carries the kept mass (mean log ratio lower)", full, renorm,
+                    "mm_mean_log_ratio", "steps", direction=-1),
+              Claim("TIS on the renormalised ratio beats TIS on the full-vocabulary ratio", renorm, full),
+              Claim("TIS on the renormalised ratio beats no correction", renorm, none)]
+    return rl_preset(seeds, out, f"truncation: top_p {p} sampling, bf16 sampler", _preset_base(pc, top_p=p), arms,
+                     claims, {"kept mass": ("kept_mass", "steps"), "mean log ratio": ("mm_mean_log_ratio", "steps")},
+                     sections=[(f"Kept mass S and ratio bias, tiny model, {len(prompts)} prompts x 4 samples x 5 "
+                                "tokens, temperature 1, fp32 trainer:", table)])
+
+
 PRESETS = {"precision": preset_precision, "cis": preset_cis, "fp8-clip": preset_fp8_clip,
            "fair-cast": preset_fair_cast, "staleness": preset_staleness, "dlc": preset_dlc, "drift": preset_drift,
-           "real-lm": preset_real_lm}
+           "real-lm": preset_real_lm, "truncation": preset_truncation}
 
 
 def run_preset(pc: PresetConfig) -> list[Path]:
