@@ -1510,10 +1510,12 @@ def greedy_accuracy(model, tokenizer: CharTokenizer, problems, max_new_tokens: i
     return correct / max(len(prompts), 1)
 
 
-def answer_logprobs(model, tokenizer, problems, batch: int = 256) -> torch.Tensor:
+def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tuple | None = None) -> torch.Tensor:
     """log P(answer + <eos> | prompt) under `model`, teacher-forced (one full forward per batch). -> (N,) float32.
 
     exp() of it is `pc`, the probability of the exact correct answer: a far less noisy accuracy than greedy match.
+    truncation = (top_p, top_k, min_p): the probability under the truncated policy that such a sampler draws from
+    (renormalised over the kept tokens at each position; 0 when an answer token is not kept).
     """
     out = []
     for i in range(0, len(problems), batch):
@@ -1526,7 +1528,12 @@ def answer_logprobs(model, tokenizer, problems, batch: int = 256) -> torch.Tenso
         ro = Rollout(prompt_ids, prompt_mask, response_ids, mask, torch.zeros(mask.shape),
                      torch.zeros(*mask.shape, 0, dtype=torch.long), torch.zeros(*mask.shape, 0), [])
         with torch.no_grad():
-            logp = sequence_logprobs(model, ro)[0]
+            if truncation is None:
+                logp = sequence_logprobs(model, ro)[0]
+            else:  # TIM: the truncated policy's probability of the answer
+                logits = _response_forward(model, ro)[0].float()  # (B, T, V)
+                logits = logits.masked_fill(~truncation_mask(logits, *truncation), -math.inf)
+                logp = torch.log_softmax(logits, -1).gather(-1, response_ids[..., None]).squeeze(-1)  # (B, T)
         out.append(torch.where(mask, logp, torch.zeros_like(logp)).sum(1))
     return torch.cat(out)
 
@@ -2116,16 +2123,21 @@ class _RunState:
     value_head: torch.nn.Module | None  # COPC's critic
     train_set: list
     eval_set: list
+    truncation: tuple | None = None  # (top_p, top_k, min_p) when the sampler truncates
     since_sync: int = 0
 
 
 def evaluate(step: int, rs: _RunState) -> dict:
     """Held-out greedy exact match (acc_) and probability of the exact answer (pc_), of trainer and sampler engine."""
     model, problems = rs.trainer.model, rs.eval_set
-    return {"step": step, "acc_trainer": greedy_accuracy(model, rs.tokenizer, problems),
-            "acc_sampler": rs.sampler.greedy_accuracy(problems),
-            "pc_trainer": float(answer_logprobs(model, rs.tokenizer, problems).exp().mean()),
-            "pc_sampler": float(rs.sampler.answer_logprobs(problems).exp().mean())}
+    record = {"step": step, "acc_trainer": greedy_accuracy(model, rs.tokenizer, problems),
+              "acc_sampler": rs.sampler.greedy_accuracy(problems),
+              "pc_trainer": float(answer_logprobs(model, rs.tokenizer, problems).exp().mean()),
+              "pc_sampler": float(rs.sampler.answer_logprobs(problems).exp().mean())}
+    if rs.truncation is not None:  # what a truncated sampler would draw: the objective truncated RL optimises
+        pct = answer_logprobs(model, rs.tokenizer, problems, truncation=rs.truncation).exp().mean()
+        record["pct_trainer"] = float(pct)
+    return record
 
 
 def _advantages(cfg: RLConfig, rewards, logp, hidden, ro: Rollout, value_head):
@@ -2225,7 +2237,8 @@ def _setup_run(cfg: RLConfig) -> _RunState:
     sampler.load_weights(state)
     return _RunState(trainer, sampler, tokenizer, gen, value_head,
                      train_set=make_arithmetic_task(cfg.steps * cfg.prompts, seed=cfg.seed, split="rl", **task),
-                     eval_set=make_arithmetic_task(cfg.eval_n, seed=0, split="eval", **task))
+                     eval_set=make_arithmetic_task(cfg.eval_n, seed=0, split="eval", **task),
+                     truncation=(cfg.top_p, cfg.top_k, cfg.min_p) if _truncates(cfg) else None)
 
 
 def _save_run_checkpoint(out: Path, rs: _RunState, next_step: int) -> None:
@@ -2532,15 +2545,17 @@ def _write_results(out: Path, title: str, sections: list[tuple[str, list[dict]]]
 
 
 def rl_preset(seeds: list[int], out: Path, title: str, base: RLConfig, arms: list[tuple[str, dict]],
-              claims: list[Claim], extra: dict | None = None, sections: list | None = None) -> list[dict]:
-    """Run a synced control plus `arms` on paired seeds; write the arm table, the claims' verdicts and a plot."""
+              claims: list[Claim], extra: dict | None = None, sections: list | None = None,
+              control_key: str = "pc_trainer") -> list[dict]:
+    """Run a synced control plus `arms` on paired seeds; write the arm table, the claims' verdicts and a plot.
+    The testbed is valid when the control improved `control_key` (control_learned)."""
     labels = {SYNCED_CONTROL} | {label for label, _ in arms}
     unknown = [name for c in claims for name in (c.arm, c.reference) if name not in labels]
     if unknown:
         raise ValueError(f"claims name arms that are not run: {unknown}")
     runs = run_arms(base, [(SYNCED_CONTROL, {"correction": "none", "sync_every": 1, "dtype": "fp32",
                                              "quant": "none", "noise": 0.0})] + arms, seeds, out)
-    learned, learned_note = control_learned(runs)
+    learned, learned_note = control_learned(runs, control_key)
     verdicts = [judge(runs, claim, learned) for claim in claims]
     plot_arms(out / "plot.png", runs, title=title)
     _write_results(out, title, (sections or []) + [
@@ -2848,8 +2863,10 @@ def preset_truncation(pc: PresetConfig, seeds: list[int], out: Path) -> list[dic
     """Sampling transforms (top-p / top-k / min-p; TRL #6789). Table: kept mass S and the ratio's bias per setting
     and engine. Claims (bf16 sampler, top_p = PRESET_TOP_P, TIS cap 2): (1) the full-vocabulary ratio's mean log is
     below the renormalised one's (steps mean of mm_mean_log_ratio; direction: below); (2) TIS on the renormalised
-    ratio trains better than TIS on the full-vocabulary ratio and (3) than no correction (trainer pc, mean over
-    evaluations; direction: above)."""
+    ratio trains better than TIS on the full-vocabulary ratio and (3) than no correction (pct_trainer, the trainer's
+    answer probability under the truncated policy, mean over evaluations; direction: above). The testbed is valid
+    when the synced control raised pct_trainer. (A first run judged by the untruncated pc_trainer was invalid: the
+    control's pc fell on one seed while its pct rose on all; truncated RL sharpens the kept head, see RESULTS.md.)"""
     model_dir = ensure_base_model(pc.model) if pc.model == "runs/base" else Path(pc.model)
     model, tokenizer = load_model(model_dir).eval(), load_tokenizer(model_dir)
     problems = make_arithmetic_task(16 if pc.smoke else 64, **_task_kwargs(model_dir), split="eval")
@@ -2868,12 +2885,14 @@ def preset_truncation(pc: PresetConfig, seeds: list[int], out: Path) -> list[dic
     none, full, renorm = (label for label, _ in arms)
     claims = [Claim("the full-vocabulary ratio carries the kept mass (mean log ratio lower)", full, renorm,
                     "mm_mean_log_ratio", "steps", direction=-1),
-              Claim("TIS on the renormalised ratio beats TIS on the full-vocabulary ratio", renorm, full),
-              Claim("TIS on the renormalised ratio beats no correction", renorm, none)]
+              Claim("TIS on the renormalised ratio beats TIS on the full-vocabulary ratio", renorm, full, "pct_trainer"),
+              Claim("TIS on the renormalised ratio beats no correction", renorm, none, "pct_trainer")]
     return rl_preset(seeds, out, f"truncation: top_p {p} sampling, bf16 sampler", _preset_base(pc, top_p=p), arms,
-                     claims, {"kept mass": ("kept_mass", "steps"), "mean log ratio": ("mm_mean_log_ratio", "steps")},
+                     claims, {"pct final": ("pct_trainer", "final"),
+                              "pct auc": ("pct_trainer", "auc"), "kept mass": ("kept_mass", "steps"),
+                              "mean log ratio": ("mm_mean_log_ratio", "steps")},
                      sections=[(f"Kept mass S and ratio bias, tiny model, {len(prompts)} prompts x 4 samples x 5 "
-                                "tokens, temperature 1, fp32 trainer:", table)])
+                                "tokens, temperature 1, fp32 trainer:", table)], control_key="pct_trainer")
 
 
 PRESETS = {"precision": preset_precision, "cis": preset_cis, "fp8-clip": preset_fp8_clip,
