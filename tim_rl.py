@@ -2357,7 +2357,7 @@ def default_engines() -> list[tuple[str, object]]:
 def _markdown_table(rows: list[dict], floats: str = "{:.3g}") -> str:
     cell = lambda v: (floats.format(v) if isinstance(v, float) else str(v)).replace("|", "\\|")  # noqa: E731
     keys = list(rows[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines = ["| " + " | ".join(cell(k) for k in keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(cell(v) for v in r.values()) + " |" for r in rows]
     return "\n".join(lines)
 
@@ -2854,8 +2854,8 @@ def truncation_rows(model, engine: str, sampler, prompts: list[list[int]], n: in
                 logp_renorm, _, _, log_s = support_logprobs(model, ro)
         rows.append(row | {"support": source, "S mean": float(log_s[m].exp().mean()),
                            "S min": float(log_s[m].exp().min()), "ratio p/q~ mean": float((logp - q)[m].exp().mean()),
-                           "|log p/q~|": float((logp - q)[m].abs().mean()),
-                           "|log p~/q~|": float((logp_renorm - q)[m].abs().mean())})
+                           "mean abs log p/q~": float((logp - q)[m].abs().mean()),
+                           "mean abs log p~/q~": float((logp_renorm - q)[m].abs().mean())})
     return rows
 
 
