@@ -156,6 +156,9 @@ class RLConfig:
     checkpoint_every: int = _arg(50, "write runs/<name>/checkpoint.safetensors every N steps (0: at the end only)")
     trust_remote_code: bool = _arg(False, "let transformers run Python code shipped in --model (off: never)")
     progress: bool = _arg(True, "show a tqdm bar")
+    device: str = _arg("auto", "trainer, optimizer, TorchSampler and evaluation: auto (cuda if available) | cpu | cuda")
+    vllm_gpu_memory: float = _arg(0.3, "share of GPU memory vLLM takes when colocated with the trainer (GPU only)")
+    task: str = _arg("arithmetic", "arithmetic (the tiny model's) | words (chat word problems, --model a chat model)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -370,7 +373,7 @@ def mismatch_ledger(
         ok = ok & torch.isfinite(logp_master_old)
     out = {}
     for name, (a, b) in parts.items():
-        diff = torch.where(ok, a.detach().double() - b.detach().double(), torch.zeros((), dtype=torch.float64))
+        diff = torch.where(ok, a.detach().double() - b.detach().double(), ok.new_zeros((), dtype=torch.float64))
         out[f"{name}_mean"] = float(diff.sum() / ok.sum().clamp(min=1))
         out[f"{name}_abs"] = float(diff.abs().sum() / ok.sum().clamp(min=1))
     return out
@@ -420,7 +423,7 @@ def stochastic_round_bf16(
     """
     _check_fp32("x", x)
     if noise is None:
-        noise = torch.randint(0, 1 << BF16_DROPPED_BITS, x.shape, dtype=torch.int32, generator=generator)
+        noise = torch.randint(0, 1 << BF16_DROPPED_BITS, x.shape, dtype=torch.int32, generator=generator).to(x.device)
     else:
         _check_tensor("noise", noise, floating=False)
         if noise.dtype != torch.int32 or noise.shape != x.shape:
@@ -619,19 +622,18 @@ def copc_advantages(
     B, T = mask.shape
     if rewards.shape == (B,):
         last = (mask.cumsum(dim=1) == mask.sum(dim=1, keepdim=True)) & mask  # (B, T) last generated token
-        rewards = torch.where(last, rewards.float()[:, None], torch.zeros(B, T))
+        rewards = torch.where(last, rewards.float()[:, None], mask.new_zeros(B, T, dtype=torch.float32))
     elif rewards.shape != (B, T):
         raise ValueError(f"rewards must have shape (B,) = {(B,)} or (B, T) = {(B, T)}, got {tuple(rewards.shape)}")
-    zero = torch.zeros(B, T)
+    zero = mask.new_zeros(B, T, dtype=torch.float32)
     v = torch.where(mask, values.detach().float(), zero)
     r = torch.where(mask, torch.nan_to_num(rewards.detach().float()), zero)
     c = copc_residual_weights(logp, logp_infer, mask, eps)  # TIM: stale residuals are down-weighted
-    next_v = torch.cat([v[:, 1:], torch.zeros(B, 1)], dim=1)  # 0 past the end and on masked-out positions
+    next_v = torch.cat([v[:, 1:], zero[:, :1]], dim=1)  # 0 past the end and on masked-out positions
     delta = r + gamma * next_v - v
-    adv = torch.zeros(B, T)
-    running = torch.zeros(B)
+    adv, running = zero.clone(), zero[:, 0]
     for t in reversed(range(T)):
-        running = torch.where(mask[:, t], c[:, t] * delta[:, t] + gamma * lam * running, torch.zeros(B))
+        running = torch.where(mask[:, t], c[:, t] * delta[:, t] + gamma * lam * running, zero[:, 0])
         adv[:, t] = running
     return adv, torch.where(mask, v + adv, zero)
 
@@ -699,7 +701,7 @@ def seq_mask_weights(logp_old, logp_infer, mask, low: float = 0.0, high: float =
     seq_log_rho, seq_ok = _sequence_log_ratio(logp_old, logp_infer, mask)
     seq_rho = seq_log_rho.exp()  # (B, 1)
     keep = mask & seq_ok & (seq_rho >= low) & (seq_rho <= high)  # (B, T)
-    return torch.where(keep, seq_rho.expand(mask.shape), torch.zeros(mask.shape))
+    return torch.where(keep, seq_rho.expand(mask.shape), torch.zeros_like(keep, dtype=torch.float32))
 
 
 def geo_mask_weights(logp_old, logp_infer, mask, low: float = 0.99, high: float = 1.01):
@@ -1053,6 +1055,53 @@ def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+",
     return out
 
 
+# Word problems for chat models: (text, op); {a} and {b} are drawn, a - b only with b <= a (answers >= 0).
+WORD_TEMPLATES = {
+    "apples+": ("Sam has {a} apples and buys {b} more. How many apples does Sam have now?", "+"),
+    "apples-": ("Sam has {a} apples and gives {b} of them away. How many apples does Sam have left?", "-"),
+    "distance+": ("A cyclist rides {a} km in the morning and {b} km in the afternoon. How many km does she ride?", "+"),
+    "distance-": ("A trail is {a} km long and Mia has walked {b} km of it. How many km are left?", "-"),
+    "money+": ("Leo has {a} dollars and earns {b} dollars more. How many dollars does Leo have now?", "+"),
+    "money-": ("Leo has {a} dollars and spends {b} dollars. How many dollars does Leo have left?", "-"),
+    "books+": ("A shelf holds {a} books and {b} more books are put on it. How many books are on the shelf?", "+"),
+    "birds-": ("{a} birds sit on a wire and {b} of them fly away. How many birds are still on the wire?", "-"),
+}
+BOXED_INSTRUCTION = "Put the final answer in \\boxed{}."
+TASKS = ("arithmetic", "words")
+
+
+def make_word_problems(n: int, seed: int = 0, split: str = "rl", max_operand: int = 20) -> list[tuple[str, str]]:
+    """n (question, answer) word problems a + b or a - b, 0 <= a, b <= max_operand, answer >= 0 (WORD_TEMPLATES).
+
+    Two pools, rl | eval, disjoint by construction for every seed: _split_of's hash of (template, a, b) picks the
+    pool (its eval bucket is eval, the rest rl; a chat model comes pre-trained). eval draws distinct problems.
+    """
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    if not isinstance(max_operand, int) or max_operand < 1:
+        raise ValueError(f"max_operand must be an int >= 1, got {max_operand!r}")
+    if split not in ("rl", "eval"):
+        raise ValueError(f"split must be rl or eval, got {split!r}")
+    pool = [(name, a, b) for name, (_, op) in WORD_TEMPLATES.items() for a in range(max_operand + 1)
+            for b in range(max_operand + 1 if op == "+" else a + 1)
+            if (_split_of(a, b, name) == "eval") == (split == "eval")]
+    rng = random.Random(f"{seed}-{split}-words-{max_operand}")
+    if split == "eval" and n > len(pool):
+        raise ValueError(f"n = {n} distinct eval word problems is more than the pool holds ({len(pool)})")
+    picks = rng.sample(pool, n) if split == "eval" else [rng.choice(pool) for _ in range(n)]
+    return [(WORD_TEMPLATES[name][0].format(a=a, b=b), str(a + b if name.endswith("+") else a - b))
+            for name, a, b in picks]
+
+
+def chat_prompt(tokenizer, question: str) -> str:
+    """The question plus BOXED_INSTRUCTION as one user turn of the tokenizer's chat template, up to the answer."""
+    tok = getattr(tokenizer, "tok", tokenizer)  # HFTokenizer wraps the transformers tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"tokenizer: {type(tok).__name__} has no chat template (task words needs a chat model)")
+    return tok.apply_chat_template([{"role": "user", "content": f"{question} {BOXED_INSTRUCTION}"}],
+                                   add_generation_prompt=True, tokenize=False)
+
+
 def _last_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} with balanced braces, or None (linear: one scan from the last opener)."""
     start = text.rfind("\\boxed{")
@@ -1261,6 +1310,10 @@ class Rollout:
     logp_topk_infer: torch.Tensor  # (B, T, K) float32, the sampler's log-probs of those ids
     texts: list[str]  # decoded responses
 
+    def to(self, device) -> Rollout:
+        """The same rollout with every tensor on `device` (vLLM returns CPU tensors; the trainer may be on a GPU)."""
+        return Rollout(*(getattr(self, f.name).to(device) for f in fields(self) if f.name != "texts"), self.texts)
+
 
 def _left_pad(prompts: list[list[int]], pad_id: int = PAD_ID) -> tuple[torch.Tensor, torch.Tensor]:
     P = max(map(len, prompts))
@@ -1288,7 +1341,8 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     eos_id = eos_id[0] if isinstance(eos_id, (list, tuple)) else eos_id
     if pad_id is None:
         pad_id = eos_id if model.config.pad_token_id is None else model.config.pad_token_id
-    prompt_ids, prompt_mask = _left_pad(prompts, pad_id)
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = (t.to(device) for t in _left_pad(prompts, pad_id))
     B = prompt_ids.shape[0]
     attention = prompt_mask.long()
     cache = DynamicCache()
@@ -1297,12 +1351,12 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     logits = out.logits[:, -1]  # (B, V)
     V = logits.shape[-1]
     K = V if topk <= 0 else min(topk, V)
-    finished = torch.zeros(B, dtype=torch.bool)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
     ids, masks, logps, top_ids, top_logps = [], [], [], [], []
     for _ in range(max_new_tokens):
         logprobs = torch.log_softmax(logits.float() / (temperature if temperature > 0 else 1.0), -1)  # (B, V)
         if temperature > 0:
-            token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)  # (B,)
+            token = torch.multinomial(logprobs.exp().cpu(), 1, generator=generator).squeeze(1).to(device)  # (B,)
         else:
             token = logprobs.argmax(-1)
         token = torch.where(finished, torch.full_like(token, pad_id), token)
@@ -1315,7 +1369,7 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
         finished = finished | (token == eos_id)
         if finished.all():
             break
-        attention = torch.cat([attention, torch.ones(B, 1, dtype=torch.long)], 1)
+        attention = torch.cat([attention, attention.new_ones(B, 1)], 1)
         out = model(input_ids=token[:, None], attention_mask=attention,
                     position_ids=_positions(attention)[:, -1:], past_key_values=out.past_key_values, use_cache=True)
         logits = out.logits[:, -1]
@@ -1378,9 +1432,10 @@ def answer_logprobs(model, tokenizer, problems, batch: int = 256) -> torch.Tenso
         mask = torch.tensor([[1] * len(a) + [0] * (T - len(a)) for a in answers]).bool()
         ro = Rollout(prompt_ids, prompt_mask, response_ids, mask, torch.zeros(mask.shape),
                      torch.zeros(*mask.shape, 0, dtype=torch.long), torch.zeros(*mask.shape, 0), [])
+        ro = ro.to(next(model.parameters()).device)
         with torch.no_grad():
             logp = sequence_logprobs(model, ro)[0]
-        out.append(torch.where(mask, logp, torch.zeros_like(logp)).sum(1))
+        out.append(torch.where(ro.mask, logp, torch.zeros_like(logp)).sum(1).cpu())
     return torch.cat(out)
 
 
@@ -1429,7 +1484,7 @@ class TorchSampler:
             if self.engine.quant != "none":
                 w.copy_(fake_quantize(w.float(), self.engine.quant))
             if self.engine.noise:
-                w.add_(self.engine.noise * torch.randn(w.shape, generator=noise_gen) * w)
+                w.add_(self.engine.noise * torch.randn(w.shape, generator=noise_gen).to(w.device) * w)
         self.model.to(_DTYPES[self.engine.dtype])
 
     def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5, temperature: float = 1.0,
@@ -1447,9 +1502,9 @@ class TorchSampler:
             rollout.logp_topk_infer = logp_topk
         return rollout
 
-    def greedy_accuracy(self, problems) -> float:
+    def greedy_accuracy(self, problems, max_new_tokens: int = 6) -> float:
         """Held-out greedy exact match of this engine's copy of the weights."""
-        return greedy_accuracy(self.model, self.tokenizer, problems)
+        return greedy_accuracy(self.model, self.tokenizer, problems, max_new_tokens)
 
     def answer_logprobs(self, problems) -> torch.Tensor:
         """log P(answer + <eos> | prompt) under this engine's copy of the weights. (N,)."""
@@ -1497,7 +1552,7 @@ class VLLMSampler:
     """
 
     def __init__(self, model_dir: str | Path, dtype: str = "fp32", seed: int = 0, tokenizer=None,
-                 max_model_len: int | None = None, max_num_seqs: int = 256):
+                 max_model_len: int | None = None, max_num_seqs: int = 256, gpu_memory: float = 0.3):
         threads = _vllm_environment()
         from vllm import LLM  # heavy (~4 s): imported only when a vLLM sampler is built
 
@@ -1505,10 +1560,12 @@ class VLLMSampler:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         self.dtype, self.seed = dtype, seed
         self.tokenizer = tokenizer or load_tokenizer(model_dir)
+        # colocated with the trainer on one GPU: vLLM takes this share of its memory (the CPU build has its own knob)
+        on_gpu = {} if _vllm_on_cpu() else {"gpu_memory_utilization": gpu_memory}
         self.llm = LLM(model=str(model_dir), dtype=_VLLM_DTYPES[dtype],
                        enforce_eager=True, block_size=32, seed=seed, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=4096, logprobs_mode="processed_logprobs",
-                       max_logprobs=-1)
+                       max_logprobs=-1, **on_gpu)
         torch.set_num_threads(threads)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self._calls = 0
@@ -1528,7 +1585,8 @@ class VLLMSampler:
         seeds = (torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist() if generator is not None
                  else [None] * len(prompts))
         params = [SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0 if temperature > 0 else 1,
-                                 max_tokens=max_new_tokens, logprobs=K, seed=seed, skip_special_tokens=False)
+                                 max_tokens=max_new_tokens, logprobs=K, seed=seed, skip_special_tokens=False,
+                                 stop_token_ids=[self.tokenizer.eos_id])
                   for seed in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         rows = []
@@ -1554,10 +1612,10 @@ class VLLMSampler:
                        logp_infer=logp, topk_ids=top_ids, logp_topk_infer=top_logp,
                        texts=[self.tokenizer.decode(row.tolist()) for row in response_ids])
 
-    def greedy_accuracy(self, problems) -> float:
+    def greedy_accuracy(self, problems, max_new_tokens: int = 6) -> float:
         """Held-out greedy exact match of vLLM's copy of the weights."""
         prompts, answers = _encode_problems(self.tokenizer, problems)
-        ro = self.sample(prompts, 1, 6, temperature=0.0, topk=1)
+        ro = self.sample(prompts, 1, max_new_tokens, temperature=0.0, topk=1)
         return sum(verify(t, a) for t, a in zip(ro.texts, answers)) / max(len(prompts), 1)
 
     def answer_logprobs(self, problems) -> torch.Tensor:
@@ -1572,6 +1630,9 @@ class VLLMSampler:
                              for o, (p, a) in zip(outputs, seqs)])
 
 
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")  # ChatML (SmolLM2, Qwen), Llama 3, Gemma
+
+
 class HFTokenizer:
     """CharTokenizer's interface over any saved HF tokenizer (for --model directories that are not tim_rl's)."""
 
@@ -1579,12 +1640,16 @@ class HFTokenizer:
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-        self.eos_id = self.tok.eos_token_id
+        template, vocab = self.tok.chat_template or "", self.tok.get_vocab()
+        turn_end = next((t for t in END_OF_TURN if t in template and t in vocab), None)
+        # A chat model ends its answer with the template's end-of-turn token, which need not be the EOS (Llama 3)
+        self.eos_id = vocab[turn_end] if turn_end else self.tok.eos_token_id
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
         self.vocab_size = len(self.tok)
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
-        """Token ids of `text` with the tokenizer's special tokens."""
+        """Token ids of `text` with the tokenizer's special tokens, but no second BOS before a chat template's."""
+        bos = bos and not (self.tok.bos_token and text.startswith(self.tok.bos_token))
         return self.tok(text, add_special_tokens=bos)["input_ids"]
 
     def decode(self, ids) -> str:
@@ -1729,8 +1794,9 @@ def trainer_state(trainer: Trainer, extra: dict[str, torch.nn.Module] | None = N
 def load_trainer_state(trainer: Trainer, tensors: dict, meta: dict, extra: dict | None = None) -> None:
     """Inverse of trainer_state (the behaviour copy is rebuilt from the served weights)."""
     trainer.model.load_state_dict({n[6:]: v for n, v in tensors.items() if n.startswith("model.")}, strict=False)
-    trainer.served = {n[7:]: v.clone() for n, v in tensors.items() if n.startswith("served.")}
-    trainer.residual = {n[9:]: v.clone() for n, v in tensors.items() if n.startswith("residual.")}
+    device = next(trainer.model.parameters()).device
+    trainer.served = {n[7:]: v.to(device, copy=True) for n, v in tensors.items() if n.startswith("served.")}
+    trainer.residual = {n[9:]: v.to(device, copy=True) for n, v in tensors.items() if n.startswith("residual.")}
     trainer.behaviour.load_state_dict(trainer.served, strict=False)
     if trainer.master_at_export is not None:
         trainer.master_at_export.load_state_dict(
@@ -1839,7 +1905,7 @@ def drift_signal_norms(params, logp, logp_topk, ro: Rollout, adv) -> dict[str, f
     g_total = torch.autograd.grad(pg_loss(logp, adv, ro.mask), params, retain_graph=True, allow_unused=True)
     sc = score_centering_loss(logp, logp_topk, ro.logp_infer, ro.logp_topk_infer, adv, ro.mask)
     g_signal = torch.autograd.grad(sc, params, retain_graph=True, allow_unused=True)
-    zero = torch.zeros(())
+    zero = logp.new_zeros(())
     drift = math.sqrt(sum(float(((a if a is not None else zero) - (b if b is not None else zero)).square().sum())
                           for a, b in zip(g_total, g_signal)))
     signal = math.sqrt(sum(float(b.square().sum()) for b in g_signal if b is not None))
@@ -1856,11 +1922,25 @@ def make_sampler(cfg: RLConfig, model, tokenizer):
     if cfg.sampler == "vllm":
         if cfg.quant != "none" or cfg.noise or cfg.exact:
             raise ValueError("the vLLM sampler takes dtype only (no quant / noise / exact)")
-        return VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer)
+        return VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer,
+                           gpu_memory=cfg.vllm_gpu_memory)
     raise ValueError(f"sampler must be torch or vllm, got {cfg.sampler!r}")
 
 
+def resolve_device(device: str) -> torch.device:
+    """auto -> cuda when torch sees a GPU, else cpu; cuda without a GPU is a clear error (naming --device)."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto | cpu | cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' (--device cuda) but torch.cuda.is_available() is False: no GPU or a CPU "
+                         "build of torch; use --device cpu or auto")
+    return torch.device("cuda" if device == "auto" and torch.cuda.is_available() else device.replace("auto", "cpu"))
+
+
 def _check_run_config(cfg: RLConfig) -> None:
+    resolve_device(cfg.device)
+    if cfg.task not in TASKS:
+        raise ValueError(f"task must be one of {tuple(TASKS)}, got {cfg.task!r}")
     if cfg.correction not in CORRECTIONS:
         raise ValueError(f"correction must be one of {CORRECTIONS}, got {cfg.correction!r}")
     if cfg.baseline not in ("group", "none"):
@@ -1892,10 +1972,18 @@ def _step_record(step, rewards, updates: list[dict], synced, vuf, staleness, log
         record[key] = sum(values) / len(values) if values else None
     record |= {f"mm_{k}": v for k, v in mismatch_metrics(logp.detach(), ro.logp_infer, ro.mask).items()}
     record |= {f"ledger_{k}": v for k, v in ledger.items()} | drift
+    record["peak_rss_mb"] = peak_rss_mb()
     if ro.logp_topk_infer.shape[-1] == vocab_size:  # the full distribution was recorded: its entropy
         ent = -(ro.logp_topk_infer.exp() * ro.logp_topk_infer.nan_to_num(neginf=0.0)).sum(-1)
         record["entropy"] = float(masked_mean(ent, ro.mask))
     return record | {f"sec_{phase}": sec[phase] for phase in STEP_PHASES}
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, MiB (getrusage: Linux reports KiB)."""
+    import resource  # Unix only
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _zeroed_shares(w_eff: torch.Tensor, adv: torch.Tensor) -> dict[str, float]:
@@ -1919,13 +2007,14 @@ class _RunState:
     train_set: list
     eval_set: list
     since_sync: int = 0
+    eval_tokens: int = 6  # greedy answer length at evaluation (the arithmetic answer; max_new_tokens for words)
 
 
 def evaluate(step: int, rs: _RunState) -> dict:
     """Held-out greedy exact match (acc_) and probability of the exact answer (pc_), of trainer and sampler engine."""
     model, problems = rs.trainer.model, rs.eval_set
-    return {"step": step, "acc_trainer": greedy_accuracy(model, rs.tokenizer, problems),
-            "acc_sampler": rs.sampler.greedy_accuracy(problems),
+    return {"step": step, "acc_trainer": greedy_accuracy(model, rs.tokenizer, problems, rs.eval_tokens),
+            "acc_sampler": rs.sampler.greedy_accuracy(problems, rs.eval_tokens),
             "pc_trainer": float(answer_logprobs(model, rs.tokenizer, problems).exp().mean()),
             "pc_sampler": float(rs.sampler.answer_logprobs(problems).exp().mean())}
 
@@ -1952,9 +2041,11 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
     # 1) sample
     prompts, answers = _encode_problems(rs.tokenizer, rs.train_set[step * cfg.prompts : (step + 1) * cfg.prompts])
     ro = sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, cfg.topk, gen)
+    device = next(trainer.model.parameters()).device
+    ro = ro.to(device)
     lap("sample")
     # 2) verify
-    rewards = torch.tensor([verify(text, answers[i // cfg.group]) for i, text in enumerate(ro.texts)])
+    rewards = torch.tensor([verify(text, answers[i // cfg.group]) for i, text in enumerate(ro.texts)], device=device)
     # 3) recompute the behaviour log-probs: the trainer engine on the weights the sampler holds, and on the master
     logp_old, logp_master_old = trainer.behaviour_logprobs(ro, cfg.temperature)
     lap("recompute")
@@ -2004,18 +2095,27 @@ def _setup_run(cfg: RLConfig) -> _RunState:
     torch.manual_seed(cfg.seed)
     model_dir = ensure_base_model(cfg.model) if cfg.model == "runs/base" else Path(cfg.model)
     tokenizer = load_tokenizer(model_dir)
-    task = _task_kwargs(model_dir)
-    model = load_model(model_dir, trust_remote_code=cfg.trust_remote_code)
-    value_head = torch.nn.Linear(model.config.hidden_size, 1) if cfg.correction == "copc" else None
+    device = resolve_device(cfg.device)
+    model = load_model(model_dir, trust_remote_code=cfg.trust_remote_code).to(device)
+    value_head = torch.nn.Linear(model.config.hidden_size, 1).to(device) if cfg.correction == "copc" else None
     trainer = Trainer(model, cfg.lr, cfg.optimizer, export_dtype=cfg.dtype, loss_on_served=cfg.loss_on_served,
                       extra_params=value_head.parameters() if value_head is not None else ())
     sampler = make_sampler(cfg, trainer.model, tokenizer)
     gen = torch.Generator().manual_seed(cfg.seed)
     state, _ = trainer.export(cfg.export, generator=gen)  # the sampler starts from the served copy of the master
     sampler.load_weights(state)
-    return _RunState(trainer, sampler, tokenizer, gen, value_head,
-                     train_set=make_arithmetic_task(cfg.steps * cfg.prompts, seed=cfg.seed, split="rl", **task),
-                     eval_set=make_arithmetic_task(cfg.eval_n, seed=0, split="eval", **task))
+    return _RunState(trainer, sampler, tokenizer, gen, value_head, *task_problems(cfg, model_dir, tokenizer),
+                     eval_tokens=6 if cfg.task == "arithmetic" else cfg.max_new_tokens)
+
+
+def task_problems(cfg: RLConfig, model_dir: Path, tokenizer) -> tuple[list, list]:
+    """(RL problems, held-out problems) of cfg.task; word problems go through the tokenizer's chat template."""
+    if cfg.task == "arithmetic":
+        task = _task_kwargs(model_dir)
+        return (make_arithmetic_task(cfg.steps * cfg.prompts, seed=cfg.seed, split="rl", **task),
+                make_arithmetic_task(cfg.eval_n, seed=0, split="eval", **task))
+    rl, held_out = make_word_problems(cfg.steps * cfg.prompts, cfg.seed), make_word_problems(cfg.eval_n, 0, "eval")
+    return [[(chat_prompt(tokenizer, q), a) for q, a in problems] for problems in (rl, held_out)]
 
 
 def _save_run_checkpoint(out: Path, rs: _RunState, next_step: int) -> None:
