@@ -1491,8 +1491,9 @@ def test_decode_stops_at_the_tokenizers_eos_not_id_2(tmp_path):
 
 
 def test_left_padded_batch_gives_each_prompts_log_probs_alone(base_model_dir):
-    """Prompts of different lengths, left-padded into one batch (position ids from the mask): the same greedy tokens
-    and per-token log-probs as each prompt decoded alone, in the sampler and in the teacher-forced trainer forward."""
+    """Prompts of different lengths, left-padded into one batch: the same greedy tokens and per-token log-probs as
+    each prompt decoded alone, in the sampler and in the teacher-forced trainer forward. (RoPE is blind to a constant
+    position shift, so on this Llama the check bites on the attention mask: the twin below attends to the pads.)"""
     model, tok = tr.load_model(base_model_dir).eval(), tr.CharTokenizer()
     texts = ["7+5=", "12+34=", "Q: 40+2=", "what is 123+456? ="]
     prompts = [tok.encode(t) for t in texts]
@@ -1508,6 +1509,11 @@ def test_left_padded_batch_gives_each_prompts_log_probs_alone(base_model_dir):
         with torch.no_grad():
             logp_alone = tr.sequence_logprobs(model, alone)[0]
         assert (logp_batch[i, :T] - logp_alone[0])[m].abs().max() < LOGP_PAD_TOL
+    leaky = tr.copy.copy(batch)
+    leaky.prompt_mask = torch.ones_like(batch.prompt_mask)
+    with torch.no_grad():
+        logp_leaky = tr.sequence_logprobs(model, leaky)[0]
+    assert (logp_leaky - logp_batch)[batch.mask].abs().max() > 100 * LOGP_PAD_TOL, "anti-vacuity: pads attended"
 
 
 def test_kv_cache_sampler_records_the_tempered_distribution(base_model_dir):
