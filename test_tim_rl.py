@@ -366,6 +366,132 @@ def test_importance_weight_is_unbiased_by_enumeration(pq, advs):
         assert not torch.allclose(unweighted, on_policy, atol=1e-5), "anti-vacuity: without rho it is biased"
 
 
+# =================================================================================================================
+# 5b. sampling transforms: the truncation bias is exactly the kept mass S, and renormalising removes it
+
+
+def test_truncation_mask_follows_vllms_rules_on_a_hand_made_distribution():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()  # probabilities, largest first
+    def keep(**kw):
+        return tr.truncation_mask(logits, **kw).tolist()
+
+    assert keep() == [True] * 4, "all off keeps everything"
+    assert keep(top_p=0.8) == [True, True, False, False], "0.05 + 0.15 <= 1 - 0.8: both dropped (inclusive)"
+    assert keep(top_p=0.81) == [True, True, True, False]
+    assert keep(top_p=1e-6) == [True, False, False, False], "the most likely token always stays"
+    assert keep(top_k=2) == [True, True, False, False]
+    assert keep(min_p=0.2) == [True, True, True, False], "p >= 0.2 * 0.5"
+    assert keep(min_p=0.2, top_k=1) == [True, False, False, False]
+    ties = tr.truncation_mask(torch.tensor([1.0, 2.0, 2.0, 0.0]), top_k=1)
+    assert ties.tolist() == [False, True, True, False], "top-k keeps ties at the k-th value, as vLLM does"
+    for bad, kw in (("top_p", {"top_p": 0.0}), ("top_k", {"top_k": -1}), ("min_p", {"min_p": 1.0})):
+        with pytest.raises(ValueError, match=bad):
+            tr.truncation_mask(logits, **kw)
+
+
+def _truncated(z, top_p, top_k, min_p):
+    """(log q~ over V with -inf off the support, kept ids (S,)) of the distribution softmax(z) truncated."""
+    keep = tr.truncation_mask(z, top_p, top_k, min_p)
+    return torch.log_softmax(z.masked_fill(~keep, -math.inf), -1), tr.support_ids(keep)
+
+
+truncations = st.tuples(st.floats(0.05, 1.0), st.integers(0, 8), st.sampled_from([0.0, 0.1, 0.3]))
+
+
+@given(logits_pq_V(), truncations)
+def test_truncation_bias_is_exactly_the_kept_mass_and_renormalising_removes_it(pq, trunc):
+    zp, _ = pq
+    logq_trunc, kept = _truncated(zp, *trunc)  # identical numerics: the sampler is the trainer, truncated
+    logp = torch.log_softmax(zp, -1)
+    S = logp.exp()[kept].sum()
+    for y in kept.tolist():
+        assert math.isclose(float(logp[y] - logq_trunc[y]), float(S.log()), abs_tol=1e-9), "ratio = S everywhere"
+        logp_renorm, log_s = tr.renormalize_on_support(logp[y].view(1, 1), logp[kept].view(1, 1, -1))
+        assert math.isclose(float(logp_renorm - logq_trunc[y]), 0.0, abs_tol=1e-9), "renormalised: exactly 1"
+        assert math.isclose(float(log_s), float(S.log()), abs_tol=1e-9)
+    if trunc == (1.0, 0, 0.0) or len(kept) == len(zp):  # twin: nothing truncated, the ratio is exactly 1
+        assert math.isclose(float(S), 1.0, abs_tol=1e-9)
+
+
+def test_truncation_bias_twin_top_p_one_is_ratio_one_and_top_p_below_one_is_not():
+    z = torch.tensor([2.0, 1.0, 0.5, -1.0, -2.0], dtype=torch.float64)
+    logp = torch.log_softmax(z, -1)
+    assert torch.equal(_truncated(z, 1.0, 0, 0.0)[0], logp), "top_p = 1, top_k = 0: the sampled distribution is p"
+    logq_trunc, kept = _truncated(z, 0.8, 0, 0.0)
+    assert (logp[kept] - logq_trunc[kept]).max() < math.log(0.95), "top_p = 0.8: every ratio carries S < 0.95"
+    zq, f = torch.tensor([0.8, 0.6, -0.2, -1.5], dtype=torch.float64), [1.0, -0.5, 0.3, 2.0]
+    renorm, _ = _expected_grad(z[:4], zq, f, (0.7, 0, 0.0), renormalise=True)
+    biased, _ = _expected_grad(z[:4], zq, f, (0.7, 0, 0.0), renormalise=False)
+    assert (renorm - biased).abs().max() > 0.02, "the full-vocabulary ratio and score give another gradient"
+
+
+def _expected_grad(zp, zq, f, trunc, renormalise):
+    """E_{y ~ q~}[w_y f_y d log p_y / d z] by enumeration over the sampler's support; w = p~ / q~ (renormalised
+    trainer) or p / q~ (the full-vocabulary ratio and score)."""
+    logq_trunc, kept = _truncated(zq, *trunc)
+    total = torch.zeros_like(zp)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    for y in kept.tolist():
+        z = zp.clone().requires_grad_(True)
+        logp_all = torch.log_softmax(z, -1)
+        logp = logp_all[y].view(1, 1)
+        if renormalise:
+            logp = tr.renormalize_on_support(logp, logp_all[kept].view(1, 1, -1))[0]
+        w = tr.tis_weights(logp.detach(), logq_trunc[y].view(1, 1), mask, cap=math.inf)
+        (g,) = torch.autograd.grad(tr.pg_loss(logp, torch.tensor([[f[y]]]), mask, weights=w), z)
+        total += logq_trunc[y].exp() * g
+    return total, kept
+
+
+@given(logits_pq_V(min_v=3), st.lists(st.floats(-2.0, 2.0, width=32), min_size=8, max_size=8),
+       st.sampled_from([(0.7, 0, 0.0), (1.0, 2, 0.0), (0.9, 0, 0.2)]))
+def test_renormalised_is_gradient_is_unbiased_for_the_truncated_policy_full_vocab_is_not(pq, f, trunc):
+    zp, zq = pq
+    got, kept = _expected_grad(zp, zq, f, trunc, renormalise=True)
+    z = zp.clone().requires_grad_(True)
+    p_kept = torch.softmax(z, -1)[kept]
+    objective = (p_kept / p_kept.sum() * torch.tensor(f, dtype=torch.float64)[kept]).sum()  # E_{p~}[f]
+    (truth,) = torch.autograd.grad(-objective, z)
+    assert torch.allclose(got, truth, atol=1e-5), "renormalised IS: the truncated policy's gradient"
+    biased, _ = _expected_grad(zp, zq, f, trunc, renormalise=False)
+    S = float(torch.softmax(zp, -1)[kept].sum())
+    if S < 0.95 and (truth - biased).abs().max() > 1e-3:  # anti-vacuity where truncation bites
+        assert not torch.allclose(biased, truth, atol=1e-5)
+
+
+@given(logits_pq_V(min_v=3), st.floats(min_value=-2.0, max_value=2.0, width=32),
+       st.sampled_from([(0.7, 0, 0.0), (1.0, 2, 0.0), (0.9, 0, 0.2)]))
+def test_score_centering_over_the_truncated_distribution_cancels_drift(pq, adv, trunc):
+    zp, zq = pq
+    logq_trunc, kept = _truncated(zq, *trunc)
+    V, mask, a = len(zp), torch.ones(1, 1, dtype=torch.bool), torch.tensor([[adv]], dtype=torch.float64)
+    on_support = torch.isfinite(logq_trunc)
+    drift, pg = torch.zeros_like(zp), torch.zeros_like(zp)
+    for y in kept.tolist():
+        z = zp.clone().requires_grad_(True)
+        logp_all = torch.log_softmax(z, -1)
+        logp, log_s = tr.renormalize_on_support(logp_all[y].view(1, 1), logp_all[kept].view(1, 1, -1))
+        logp_topk = torch.where(on_support, logp_all - log_s.view(1), -math.inf).view(1, 1, V)  # K = V
+        loss = tr.score_centering_loss(logp, logp_topk, logq_trunc[y].view(1, 1), logq_trunc.view(1, 1, V), a, mask)
+        drift += logq_trunc[y].exp() * torch.autograd.grad(loss, z, retain_graph=True)[0]
+        pg += logq_trunc[y].exp() * torch.autograd.grad(tr.pg_loss(logp, a, mask), z)[0]
+    assert torch.allclose(drift, torch.zeros(V, dtype=torch.float64), atol=EXPECT_ATOL)
+    p_trunc = torch.softmax(zp.masked_fill(~on_support, -math.inf), -1)
+    expected_pg = -adv * (logq_trunc.exp() - p_trunc)  # anti-vacuity: plain PG drifts by A (q~ - p~)
+    assert torch.allclose(pg, expected_pg, atol=EXPECT_ATOL)
+
+
+def test_support_ids_round_trip_and_support_differs():
+    keep = torch.tensor([[[True, False, True, False], [False, False, False, True]]])  # (1, 2, 4)
+    ids = tr.support_ids(keep)
+    assert ids.tolist() == [[[0, 2], [3, -1]]], "kept ids first, -1 pads to the largest count"
+    same = torch.tensor([[[2, 0], [3, -1]]])
+    other = torch.tensor([[[2, 1], [3, -1]]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    assert tr.support_differs(ids, same, mask, 4) == 0.0, "the same sets in another order"
+    assert tr.support_differs(ids, other, mask, 4) == 0.5
+
+
 WEIGHT_FUNCS = {
     "tis": lambda a, b, m: tr.tis_weights(a, b, m),
     "mis": lambda a, b, m: tr.mis_weights(a, b, m),
@@ -1002,6 +1128,8 @@ CLI_MISTAKES = [  # (argv, words the one error line must contain); each fails be
     (["compare", "--preset", "nope"], ["--preset must be one of", "fair-cast", "all"]),
     (["compare", "--corrections", "tis,nope"], ["--corrections", "'nope'"]),
     (["train", "--resume", "."], ["--resume", "no config.json"]),
+    (["train", "--top-p", "1.5"], ["--top-p must be in (0, 1]"]),
+    (["train", "--min-p", "-0.1"], ["--min-p must be in [0, 1)"]),
     (["train", "--device", "tpu"], ["--device must be one of auto | cpu | cuda"]),
     (["train", "--task", "poems"], ["--task must be one of arithmetic | words"]),
 ] + ([(["train", "--device", "cuda"], ["--device cuda", "torch.cuda.is_available() is False"])]
@@ -1062,6 +1190,9 @@ def _copy_calls():
         "dppo_loss": lambda f: f(a, b, adv, mask),
         "effective_token_weights": lambda f: f(-(logp_grad * adv).sum(), logp_grad, adv, mask).nan_to_num(-9.0),
         "dlc_should_resync": lambda f: f(a, b, mask, 3, 0, 0.05),
+        "truncation_mask": lambda f: f(logits.detach(), 0.8, 6, 0.05),
+        "support_ids": lambda f: f(torch.rand(B, T, V, generator=torch.Generator().manual_seed(3)) < 0.3),
+        "renormalize_on_support": lambda f: f(logp_grad, torch.cat([logp_grad[..., None], head], -1)),
     }
 
 
@@ -1528,6 +1659,52 @@ def test_kv_cache_sampler_records_the_tempered_distribution(base_model_dir):
     assert (untempered - ro.logp_infer)[ro.mask].abs().max() > 1e-2, "anti-vacuity: temperature matters here"
 
 
+@pytest.mark.parametrize("trunc", [{"top_p": 0.8}, {"top_k": 5}, {"min_p": 0.1}])
+def test_exact_sampler_truncated_ratio_is_the_kept_mass_renormalised_is_one(base_model_dir, trunc):
+    """Identical numerics (exact mode), truncated sampling: p / q~ = S at every token, p~ / q~ = 1."""
+    model = tr.load_model(base_model_dir).eval()
+    sampler = tr.TorchSampler(model, tr.EngineSpec(exact=True))
+    prompts = [sampler.tokenizer.encode(p) for p, _ in tr.make_arithmetic_task(16, split="eval")]
+    ro = sampler.sample(prompts, 4, 5, 1.0, 0, torch.Generator().manual_seed(0), **trunc)
+    kept, m = ro.kept_ids, ro.mask
+    assert kept is not None and (kept == ro.response_ids[..., None]).any(-1)[m].all(), "the sampled token is kept"
+    assert torch.equal(torch.isfinite(ro.logp_topk_infer).sum(-1)[m], (kept >= 0).sum(-1)[m]), "-inf off support"
+    with torch.no_grad():
+        logp = tr.sequence_logprobs(model, ro)[0]
+        logp_renorm, _, _, log_s = tr.support_logprobs(model, ro)
+    assert torch.equal(logp_renorm[m], ro.logp_infer[m]), "renormalised: ratio exactly 1"
+    assert torch.allclose((logp - ro.logp_infer)[m], log_s[m], atol=1e-6), "full vocabulary: ratio = S"
+    assert log_s[m].min() < math.log(0.99), "anti-vacuity: truncation removed mass somewhere"
+    plain = sampler.sample(prompts, 4, 5, 1.0, 0, torch.Generator().manual_seed(0))
+    assert plain.kept_ids is None, "twin: no truncation, no support recorded"
+
+
+def test_truncated_run_renormalised_vs_full_vocabulary_and_the_ledger_adds_up(base_model_dir, tmp_path):
+    common = dict(model=str(base_model_dir), out_dir=str(tmp_path), top_p=0.8, correction="tis", **SMOKE)
+    renorm = [r for r in tr.run(tr.RLConfig(name="renorm", **common)) if "reward" in r]
+    biased = [r for r in tr.run(tr.RLConfig(name="biased", renormalize=False, **common)) if "reward" in r]
+    for r in renorm + biased:
+        parts = sum(r[f"ledger_{k}_mean"] for k in ("lag", "numerics", "truncation"))
+        assert math.isclose(parts, r["ledger_total_mean"], abs_tol=1e-9)
+        assert r["ledger_truncation_mean"] < -0.01 and r["support_differs"] <= 0.05 and 0 < r["kept_mass"] < 1
+    assert all(r["mm_abs_diff"] < 1e-4 for r in renorm), "fp32 sampler, renormalised: only KV-cache noise"
+    assert all(math.isclose(r["mm_mean_log_ratio"], r["ledger_truncation_mean"], abs_tol=1e-4) for r in biased), \
+        "full-vocabulary log-probs: the mean log-ratio is the mean log kept mass"
+    with pytest.raises(ValueError, match="renormalize"):
+        tr.run(tr.RLConfig(name="x", renormalize=False, **(common | {"correction": "dlc"})))
+
+
+def test_trl_truncated_sampling_is_refused():
+    from types import SimpleNamespace
+
+    ok = dict(use_vllm=True, loss_type="dapo", vllm_importance_sampling_correction=True, top_p=1.0, top_k=0,
+              min_p=None)
+    tr.check_trl_args(SimpleNamespace(**ok))
+    for change in ({"top_p": 0.9}, {"top_k": 50}, {"min_p": 0.05}):
+        with pytest.raises(ValueError, match="kept mass"):
+            tr.check_trl_args(SimpleNamespace(**(ok | change)))
+
+
 def test_teacher_forced_answer_probability(base_model_dir):
     model, tok = tr.load_model(base_model_dir).eval(), tr.CharTokenizer()
     problems = tr.make_arithmetic_task(8, split="eval")
@@ -1803,6 +1980,43 @@ def test_cuda_vllm_fp32_matches_trainer_after_sync(base_model_dir):
     with torch.no_grad():
         logp = tr.sequence_logprobs(model, ro)[0]
     assert (logp - ro.logp_infer)[ro.mask].abs().max() < 1e-3, "fp32 on both sides (GPU kernels: TF32 off by default)"
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_truncation_mask_equals_vllms_own_functions():
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    g = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(64, 50, generator=g)
+    for top_p, top_k in ((0.9, 0), (1.0, 7), (0.8, 20), (0.5, 3)):
+        k = torch.full((64,), top_k) if top_k else None
+        p = torch.full((64,), top_p) if top_p < 1 else None
+        theirs = torch.isfinite(apply_top_k_top_p_pytorch(logits.clone(), k, p))
+        assert torch.equal(tr.truncation_mask(logits, top_p, top_k), theirs), (top_p, top_k)
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_vllm_truncated_sampling_support_and_ratio(base_model_dir):
+    """vLLM fp32 with top_p: its processed log-probs give the kept support (all V requested), the full-vocabulary
+    ratio is the kept mass, the renormalised one is 1 up to engine noise; a temperature below 0.01 is refused."""
+    model = tr.load_model(base_model_dir).eval()
+    tok = tr.CharTokenizer()
+    prompts = [tok.encode(p) for p, _ in tr.make_arithmetic_task(16, split="eval")]
+    sampler = tr.VLLMSampler(base_model_dir, dtype="fp32", seed=0, tokenizer=tok)
+    ro = sampler.sample(prompts, 4, 5, 0.8, 0, torch.Generator().manual_seed(0), top_p=0.8)
+    m = ro.mask
+    assert ro.kept_ids is not None and (ro.kept_ids == ro.response_ids[..., None]).any(-1)[m].all()
+    with torch.no_grad():
+        logp = tr.sequence_logprobs(model, ro, temperature=0.8)[0]
+        logp_renorm, _, _, log_s = tr.support_logprobs(model, ro, temperature=0.8)
+        rebuilt = tr.kept_support(model, ro, 0.8, 0.8, 0, 0.0)
+    assert (logp_renorm - ro.logp_infer)[m].abs().max() < 1e-4, "same temperature, same support: ratio 1"
+    assert ((logp - ro.logp_infer) - log_s)[m].abs().max() < 1e-4 and log_s[m].min() < math.log(0.99)
+    assert tr.support_differs(ro.kept_ids, rebuilt, m, tok.vocab_size) < 0.02, "fp32: the same supports"
+    with pytest.raises(ValueError, match="temperature"):
+        sampler.sample(prompts, 1, 2, 0.005)
 
 
 # =================================================================================================================

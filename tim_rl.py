@@ -131,7 +131,13 @@ class RLConfig:
     prompts: int = _arg(16, "prompts per step")
     group: int = _arg(8, "samples per prompt (G)")
     max_new_tokens: int = _arg(5, "response length cap")
-    temperature: float = _arg(1.0, "sampling temperature (top-p / top-k off)")
+    temperature: float = _arg(1.0, "sampling temperature; sampler and trainer both divide the logits by it (vLLM "
+                                   "raises a value in (0, 0.01) to 0.01: the trainer would not, so they are refused)")
+    top_p: float = _arg(1.0, "sampler nucleus truncation (vLLM's rule; 1 = off)")
+    top_k: int = _arg(0, "sampler top-k truncation (0 = off; not the recorded --topk)")
+    min_p: float = _arg(0.0, "sampler min-p truncation: keep p >= min_p * max p (0 = off)")
+    renormalize: bool = _arg(True, "with truncation, renormalise the trainer's log-probs on the sampler's kept support "
+                                   "(off: full-vocabulary log-probs, every ratio biased by the kept mass S)")
     topk: int = _arg(0, "sampler top-K ids recorded for score centering; 0 = whole vocabulary")
     baseline: str = _arg("group", "advantage baseline: group (GRPO mean, no std) | none (raw reward)")
     optimizer: str = _arg("adamw", "adamw | sgd")
@@ -310,6 +316,78 @@ def log1mexp(logp: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# ---- sampling transforms (top-p / top-k / min-p) ----
+# vLLM's processed log-probs are log(p_v / S) over the tokens that survive truncation, S their mass under the
+# untruncated p; a full-vocabulary trainer log-softmax gives log p_v. Their ratio is S at every position: a bias,
+# not a policy change (TRL issue #6789). The fix is to renormalise the trainer on the sampler's kept support.
+
+
+def truncation_mask(logits: torch.Tensor, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> torch.Tensor:
+    """Tokens kept after min_p, then top_k, then top_p, on logits already divided by the temperature. (..., V) bool.
+
+    vLLM 0.32's rules and order: min_p keeps p_v >= min_p * max p (MinPLogitsProcessor); top_k keeps logits >= the
+    k-th largest (ties kept); top_p sorts ascending and drops a token when the mass of it and every smaller one is
+    <= 1 - top_p, always keeping the largest (apply_top_k_top_p_pytorch). top_p = 1, top_k = 0, min_p = 0: all kept.
+
+    needs: _check_tensor, _check_truncation
+    """
+    _check_tensor("logits", logits)
+    _check_truncation(top_p, top_k, min_p)
+    x = logits.float()
+    keep = torch.ones_like(x, dtype=torch.bool)
+    if min_p > 0:
+        probs = x.softmax(-1)
+        keep &= probs >= min_p * probs.amax(-1, keepdim=True)
+    if 0 < top_k < x.shape[-1]:
+        x = x.masked_fill(~keep, -math.inf)
+        keep &= x >= x.topk(top_k, dim=-1).values[..., -1:]
+    if top_p < 1:
+        x_sorted, order = x.masked_fill(~keep, -math.inf).sort(dim=-1)  # ascending
+        drop = x_sorted.softmax(-1).cumsum(-1) <= 1 - top_p  # (..., V), in sorted order
+        drop[..., -1] = False  # the most likely token always stays
+        keep &= ~torch.zeros_like(drop).scatter(-1, order, drop)
+    return keep
+
+
+def _check_truncation(top_p: float, top_k: int, min_p: float) -> None:
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if not 0 <= min_p < 1:
+        raise ValueError(f"min_p must be in [0, 1), got {min_p}")
+
+
+def support_ids(keep: torch.Tensor) -> torch.Tensor:
+    """The kept ids of a (..., V) bool mask, padded with -1 to the largest kept count S. (..., V) -> (..., S) long.
+
+    Costs 8 S bytes per position instead of V for the mask: far less whenever truncation bites (S << V / 8).
+
+    needs: nothing
+    """
+    S = max(int(keep.sum(-1).max()), 1) if keep.numel() else 1
+    order = torch.sort(keep.to(torch.uint8), dim=-1, descending=True, stable=True).indices[..., :S]  # kept first
+    return torch.where(keep.gather(-1, order), order, torch.full_like(order, -1))
+
+
+def renormalize_on_support(logp: torch.Tensor, logp_kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p~, log S): log p~ = log p - log S, S = sum_{v kept} p_v; the trainer's log-prob of the truncated policy.
+
+    The sampler's processed log-prob is log q~ = log q - log S_q on the same support, so p~ / q~ has no truncation
+    bias (TRL PR #7269, NeMo-RL PR #2053). Gradient flows through both terms: it is the truncated policy's score.
+    The support must contain the sampled token. logp (B, T); logp_kept (B, T, S) with -inf on padding.
+
+    needs: _check_tensor
+    """
+    _check_tensor("logp", logp)
+    _check_tensor("logp_kept", logp_kept)
+    if logp_kept.dim() != logp.dim() + 1 or logp_kept.shape[:-1] != logp.shape:
+        raise ValueError(f"logp_kept must have shape {tuple(logp.shape)} + (S,), got {tuple(logp_kept.shape)}")
+    log_s = torch.logsumexp(logp_kept, dim=-1).clamp(max=0.0)  # (B, T); all -inf (no support) gives -inf
+    return logp - log_s, log_s
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # ---- mismatch metrics ----
 
 
@@ -353,25 +431,33 @@ def mismatch_ledger(
     logp_infer: torch.Tensor,
     mask: torch.Tensor,
     logp_master_old: torch.Tensor | None = None,
+    log_kept_mass: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """Split total = log p - log q into lag + numerics (+ rounding); mean and mean |.| of each. (B, T) -> dict.
+    """Split total = log p - log q into lag + numerics (+ rounding) (+ truncation); mean and mean |.| of each.
 
     numerics = logp_old - logp_infer (same weights, different engines), and without logp_master_old
     lag = logp - logp_old. With logp_master_old (trainer engine on the unrounded fp32 master the served copy was
     exported from) the master-vs-served part is split off: rounding = logp_master_old - logp_old and
-    lag = logp - logp_master_old, so that lag + rounding + numerics == total token by token.
+    lag = logp - logp_master_old. With log_kept_mass (log S of the current trainer on the sampler's kept support,
+    renormalize_on_support) the trainer log-probs are the renormalised ones, total = logp + log S - logp_infer
+    and truncation = log S. lag + rounding + numerics + truncation == total token by token. (B, T) -> dict.
     Tokens where any input is non-finite are left out of every part.
 
     needs: _check_bt, _check_mask, _check_tensor
     """
     _check_bt(mask, logp=logp, logp_old=logp_old, logp_infer=logp_infer)
     anchor = logp_old if logp_master_old is None else logp_master_old
-    parts = {"total": (logp, logp_infer), "lag": (logp, anchor), "numerics": (logp_old, logp_infer)}
-    ok = mask & torch.isfinite(logp) & torch.isfinite(logp_old) & torch.isfinite(logp_infer)
+    logp_full = logp if log_kept_mass is None else logp + log_kept_mass
+    parts = {"total": (logp_full, logp_infer), "lag": (logp, anchor), "numerics": (logp_old, logp_infer)}
+    ok = mask & torch.isfinite(logp_full) & torch.isfinite(logp_old) & torch.isfinite(logp_infer)
     if logp_master_old is not None:
         _check_bt(mask, logp_master_old=logp_master_old)
         parts["rounding"] = (logp_master_old, logp_old)
         ok = ok & torch.isfinite(logp_master_old)
+    if log_kept_mass is not None:
+        _check_bt(mask, log_kept_mass=log_kept_mass)
+        parts["truncation"] = (logp_full, logp)
+        ok = ok & torch.isfinite(logp)
     out = {}
     for name, (a, b) in parts.items():
         diff = torch.where(ok, a.detach().double() - b.detach().double(), ok.new_zeros((), dtype=torch.float64))
@@ -1310,10 +1396,19 @@ class Rollout:
     topk_ids: torch.Tensor  # (B, T, K) long, the sampler's top-K ids at each position
     logp_topk_infer: torch.Tensor  # (B, T, K) float32, the sampler's log-probs of those ids
     texts: list[str]  # decoded responses
+    kept_ids: torch.Tensor | None = None  # (B, T, S) long, -1 padded: the sampler's kept support (None: untruncated,
+    # or the engine cannot return it: the loop then rebuilds it from the trainer's logits, kept_support)
 
     def to(self, device) -> Rollout:
         """The same rollout with every tensor on `device` (vLLM returns CPU tensors; the trainer may be on a GPU)."""
-        return Rollout(*(getattr(self, f.name).to(device) for f in fields(self) if f.name != "texts"), self.texts)
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Rollout(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+
+
+def _pad_stack(rows: list[torch.Tensor], value: int) -> torch.Tensor:
+    """Stack (B, S_t) tensors along a new dim 1, padding the last dim to the largest S_t. -> (B, T, S)."""
+    S = max(r.shape[-1] for r in rows)
+    return torch.stack([torch.nn.functional.pad(r, (0, S - r.shape[-1]), value=value) for r in rows], 1)
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int = PAD_ID) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1329,11 +1424,12 @@ def _positions(attention: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, topk: int = 0,
            generator: torch.Generator | None = None, decode_text=None, eos_id: int | None = None,
-           pad_id: int | None = None) -> Rollout:
-    """KV-cache sampling from softmax(logits / temperature) (greedy at 0), recording log-probs as it goes.
+           pad_id: int | None = None, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Rollout:
+    """KV-cache sampling from softmax(logits / temperature) truncated by min_p, top_k, top_p (greedy at 0).
 
-    The recorded log-probs are those of the distribution actually sampled from (temperature applied, no top-p/top-k
-    filtering), computed in float32 from the engine's logits, as vLLM's processed log-probs are. topk = 0: all V.
+    The recorded log-probs are those of the distribution actually sampled from (temperature applied, renormalised
+    over the kept tokens, -inf elsewhere), computed in float32 from the engine's logits, as vLLM's processed
+    log-probs are; with truncation the kept support is recorded too (Rollout.kept_ids). topk = 0: all V.
     A sequence stops at eos_id (default: the model config's; the mask includes it); pad_id fills prompts and ends.
     """
     from transformers import DynamicCache
@@ -1353,9 +1449,15 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     V = logits.shape[-1]
     K = V if topk <= 0 else min(topk, V)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
-    ids, masks, logps, top_ids, top_logps = [], [], [], [], []
+    truncate = temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0)
+    ids, masks, logps, top_ids, top_logps, kept = [], [], [], [], [], []
     for _ in range(max_new_tokens):
-        logprobs = torch.log_softmax(logits.float() / (temperature if temperature > 0 else 1.0), -1)  # (B, V)
+        scaled = logits.float() / (temperature if temperature > 0 else 1.0)  # (B, V)
+        if truncate:  # TIM: the sampled distribution is renormalised over the kept tokens
+            keep = truncation_mask(scaled, top_p, top_k, min_p)  # (B, V)
+            scaled = scaled.masked_fill(~keep, -math.inf)
+            kept.append(support_ids(keep))  # (B, S_t)
+        logprobs = torch.log_softmax(scaled, -1)  # (B, V)
         if temperature > 0:
             token = torch.multinomial(logprobs.exp().cpu(), 1, generator=generator).squeeze(1).to(device)  # (B,)
         else:
@@ -1379,7 +1481,7 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     return Rollout(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, mask=torch.stack(masks, 1),
         logp_infer=torch.stack(logps, 1), topk_ids=torch.stack(top_ids, 1), logp_topk_infer=torch.stack(top_logps, 1),
-        texts=[decode_text(row.tolist()) for row in response_ids],
+        texts=[decode_text(row.tolist()) for row in response_ids], kept_ids=_pad_stack(kept, -1) if kept else None,
     )
 
 
@@ -1390,6 +1492,17 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_id
     Returns (logp (B, T), logp_topk (B, T, K) or None, last hidden state at the response positions (B, T, H)).
     `params` (name -> tensor) runs the same model with other weights (torch.func.functional_call).
     """
+    logits, hidden = _response_forward(model, rollout, temperature, params)  # (B, T, V), (B, T, H)
+    if topk_ids is None:
+        logp, logp_topk = token_logprobs(logits, rollout.response_ids), None
+    else:  # one pass over the logits for the sampled id and the K head ids
+        both = token_logprobs(logits, torch.cat([rollout.response_ids[..., None], topk_ids], -1))  # (B, T, 1 + K)
+        logp, logp_topk = both[..., 0], both[..., 1:]
+    return logp, logp_topk, hidden
+
+
+def _response_forward(model, rollout: Rollout, temperature: float = 1.0, params: dict | None = None):
+    """One full forward over prompt + response: (logits / temperature, last hidden) at the response positions."""
     input_ids = torch.cat([rollout.prompt_ids, rollout.response_ids], 1)  # (B, P + T)
     attention = torch.cat([rollout.prompt_mask, torch.ones_like(rollout.mask)], 1).long()
     kwargs = dict(input_ids=input_ids, attention_mask=attention, position_ids=_positions(attention),
@@ -1399,12 +1512,48 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_id
     logits = out.logits[:, P - 1 : P + T - 1]  # (B, T, V): position t predicts response token t
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
+    return logits, out.hidden_states[-1][:, P - 1 : P + T - 1]
+
+
+def support_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_ids: torch.Tensor | None = None,
+                     params: dict | None = None):
+    """sequence_logprobs renormalised on the sampler's kept support rollout.kept_ids (renormalize_on_support).
+
+    Returns (log p~ (B, T), log p~ of the top-K ids (B, T, K) or None, hidden, log S (B, T)). Top-K ids off the
+    support (-inf in the sampler's processed logp_topk_infer) get -inf: the truncated policy puts no mass there.
+    """
+    kept = rollout.kept_ids  # (B, T, S), -1 pads
+    K = 0 if topk_ids is None else topk_ids.shape[-1]
+    ids = kept.clamp(min=0) if topk_ids is None else torch.cat([topk_ids, kept.clamp(min=0)], -1)  # (B, T, K + S)
+    logp, both, hidden = sequence_logprobs(model, rollout, temperature, ids, params)
+    logp, log_s = renormalize_on_support(logp, both[..., K:].masked_fill(kept < 0, -math.inf))
     if topk_ids is None:
-        logp, logp_topk = token_logprobs(logits, rollout.response_ids), None
-    else:  # one pass over the logits for the sampled id and the K head ids
-        both = token_logprobs(logits, torch.cat([rollout.response_ids[..., None], topk_ids], -1))  # (B, T, 1 + K)
-        logp, logp_topk = both[..., 0], both[..., 1:]
-    return logp, logp_topk, out.hidden_states[-1][:, P - 1 : P + T - 1]
+        return logp, None, hidden, log_s
+    on_support = torch.isfinite(rollout.logp_topk_infer)
+    return logp, torch.where(on_support, both[..., :K] - log_s[..., None], -math.inf), hidden, log_s
+
+
+@torch.no_grad()
+def kept_support(model, rollout: Rollout, temperature: float, top_p: float, top_k: int, min_p: float):
+    """The kept support rebuilt from `model`'s own logits with the sampler's rule, plus the sampled token. (B, T, S).
+
+    For engines that cannot return theirs (vLLM 0.32's return_sampling_mask needs the GPU model runner V2): engine
+    numerics can move a token across the top-p boundary, so it may differ from the sampler's (support_differs).
+    """
+    logits = _response_forward(model, rollout, temperature)[0]  # (B, T, V)
+    keep = truncation_mask(logits, top_p, top_k, min_p)
+    keep.scatter_(-1, rollout.response_ids[..., None], True)  # TIM: the token was sampled, so it was kept
+    return support_ids(keep)
+
+
+def support_differs(kept_a: torch.Tensor, kept_b: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> float:
+    """Share of masked positions whose two kept supports ((B, T, S) ids, -1 pads) are not the same set."""
+    def as_mask(kept):  # (B, T, V + 1) bool, column 0 collects the pads
+        blank = torch.zeros(*kept.shape[:2], vocab_size + 1, dtype=torch.bool, device=kept.device)
+        return blank.scatter_(-1, kept + 1, True)[..., 1:]
+
+    differs = (as_mask(kept_a) != as_mask(kept_b)).any(-1)  # (B, T)
+    return float(differs[mask].float().mean()) if mask.any() else 0.0
 
 
 def greedy_accuracy(model, tokenizer: CharTokenizer, problems, max_new_tokens: int = 6, batch: int = 256) -> float:
@@ -1489,16 +1638,18 @@ class TorchSampler:
         self.model.to(_DTYPES[self.engine.dtype])
 
     def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5, temperature: float = 1.0,
-               topk: int = 0, generator: torch.Generator | None = None) -> Rollout:
-        """n samples per prompt (consecutive rows), log-probs and top-K recorded at sampling time."""
+               topk: int = 0, generator: torch.Generator | None = None, top_p: float = 1.0, top_k: int = 0,
+               min_p: float = 0.0) -> Rollout:
+        """n samples per prompt (consecutive rows), log-probs, top-K and kept support recorded at sampling time."""
         expanded = [p for p in prompts for _ in range(n)]
         rollout = decode(self.model, expanded, max_new_tokens, temperature, topk, generator, self.tokenizer.decode,
-                         self.tokenizer.eos_id, self.tokenizer.pad_id)
+                         self.tokenizer.eos_id, self.tokenizer.pad_id, top_p, top_k, min_p)
         if self.engine.exact:
             # TIM: zero-mismatch limit: score the sampled tokens with the trainer's own fp32 forward (same kernels,
             # shapes and weights as Trainer.logprobs), so logp_infer == logp_old bitwise.
+            score = sequence_logprobs if rollout.kept_ids is None else support_logprobs
             with torch.no_grad():
-                logp, logp_topk, _ = sequence_logprobs(self.model, rollout, temperature, rollout.topk_ids)
+                logp, logp_topk = score(self.model, rollout, temperature, rollout.topk_ids)[:2]
             rollout.logp_infer = torch.where(rollout.mask, logp, torch.zeros_like(logp))
             rollout.logp_topk_infer = logp_topk
         return rollout
@@ -1513,6 +1664,8 @@ class TorchSampler:
 
 
 _VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# vLLM 0.32 raises a temperature in (0, 0.01) to 0.01 (SamplingParams, _MAX_TEMP) and treats < 1e-5 as greedy.
+VLLM_MIN_TEMPERATURE = 0.01
 
 
 def _vllm_environment() -> int:
@@ -1576,8 +1729,13 @@ class VLLMSampler:
         reload_vllm_weights(self.llm, state_dict.items())
 
     def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5, temperature: float = 1.0,
-               topk: int = 0, generator: torch.Generator | None = None) -> Rollout:
-        """n samples per prompt (consecutive rows) with vLLM's log-probs of each token and of its top-K ids."""
+               topk: int = 0, generator: torch.Generator | None = None, top_p: float = 1.0, top_k: int = 0,
+               min_p: float = 0.0) -> Rollout:
+        """n samples per prompt (consecutive rows) with vLLM's log-probs of each token and of its top-K ids.
+
+        With truncation the kept support is the finite entries of the processed log-probs when topk = 0 (all V
+        requested); otherwise kept_ids is None and the loop rebuilds it (kept_support).
+        """
         from vllm import SamplingParams
 
         K = self.vocab_size if topk <= 0 else min(topk, self.vocab_size)
@@ -1585,9 +1743,14 @@ class VLLMSampler:
         # would give every prompt's i-th sample the same random stream (and duplicate prompts identical groups).
         seeds = (torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist() if generator is not None
                  else [None] * len(prompts))
-        params = [SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0 if temperature > 0 else 1,
-                                 max_tokens=max_new_tokens, logprobs=K, seed=seed, skip_special_tokens=False,
-                                 stop_token_ids=[self.tokenizer.eos_id])
+        _check_truncation(top_p, top_k, min_p)
+        if 0 < temperature < VLLM_MIN_TEMPERATURE:
+            raise ValueError(f"temperature {temperature} < {VLLM_MIN_TEMPERATURE}: vLLM would sample at "
+                             f"{VLLM_MIN_TEMPERATURE} while the trainer divides by {temperature}, so every ratio "
+                             "would compare two different distributions")
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k if temperature > 0 else 1,
+                                 min_p=min_p, max_tokens=max_new_tokens, logprobs=K, seed=seed,
+                                 skip_special_tokens=False, stop_token_ids=[self.tokenizer.eos_id])
                   for seed in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         rows = []
@@ -1609,9 +1772,14 @@ class VLLMSampler:
                 top_ids[i, t, : len(ranked)] = torch.tensor([k for k, _ in ranked])
                 top_logp[i, t, : len(ranked)] = torch.tensor([v.logprob for _, v in ranked])
         prompt_ids, prompt_mask = _left_pad([p for p in prompts for _ in range(n)], self.tokenizer.pad_id)
+        truncated = temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0)
+        kept = None
+        if truncated and K == self.vocab_size:  # TIM: processed log-probs are -inf exactly off the kept support
+            finite = torch.zeros(B, T, self.vocab_size).scatter_add_(-1, top_ids, torch.isfinite(top_logp).float())
+            kept = support_ids((finite > 0) & mask[..., None])  # (B, T, S)
         return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, mask=mask,
                        logp_infer=logp, topk_ids=top_ids, logp_topk_infer=top_logp,
-                       texts=[self.tokenizer.decode(row.tolist()) for row in response_ids])
+                       texts=[self.tokenizer.decode(row.tolist()) for row in response_ids], kept_ids=kept)
 
     def greedy_accuracy(self, problems, max_new_tokens: int = 6) -> float:
         """Held-out greedy exact match of vLLM's copy of the weights."""
@@ -1704,22 +1872,31 @@ class Trainer:
         self.served = {n: p.detach().clone() for n, p in self.model.named_parameters()}  # fp32 values served
         self._served_leaves: dict[str, torch.Tensor] | None = None
 
+    def _params(self) -> dict | None:
+        """None (the master), or under loss_on_served fresh leaves holding the served copy."""
+        if not self.loss_on_served:
+            return None
+        self._served_leaves = {n: v.clone().requires_grad_(True) for n, v in self.served.items()}
+        return self._served_leaves
+
     def logprobs(self, rollout: Rollout, topk_ids: torch.Tensor | None = None, temperature: float = 1.0):
         """(logp, logp_topk, hidden) under the current weights, with gradient. Fair Cast's loss_on_served runs the
         forward on the served (rounded) copy and routes its gradient to the fp32 master (straight-through)."""
-        params = None
-        if self.loss_on_served:  # TIM: the loss sees exactly what the sampler samples with
-            self._served_leaves = {n: v.clone().requires_grad_(True) for n, v in self.served.items()}
-            params = self._served_leaves
-        return sequence_logprobs(self.model, rollout, temperature, topk_ids, params=params)
+        return sequence_logprobs(self.model, rollout, temperature, topk_ids, params=self._params())  # TIM
+
+    def support_logprobs(self, rollout: Rollout, topk_ids: torch.Tensor | None = None, temperature: float = 1.0):
+        """logprobs renormalised on rollout.kept_ids, plus log S: (logp~, logp_topk~, hidden, log S)."""
+        return support_logprobs(self.model, rollout, temperature, topk_ids, params=self._params())
 
     @torch.no_grad()
     def behaviour_logprobs(self, rollout: Rollout, temperature: float = 1.0):
-        """(logp_old, logp_master_old or None): the trainer engine on the served weights / on the master at export."""
-        logp_old = sequence_logprobs(self.behaviour, rollout, temperature)[0]
+        """(logp_old, logp_master_old or None): the trainer engine on the served weights / on the master at export.
+        Renormalised on rollout.kept_ids when the sampler truncated."""
+        score = sequence_logprobs if rollout.kept_ids is None else support_logprobs
+        logp_old = score(self.behaviour, rollout, temperature)[0]
         if self.master_at_export is None:
             return logp_old, None
-        return logp_old, sequence_logprobs(self.master_at_export, rollout, temperature)[0]
+        return logp_old, score(self.master_at_export, rollout, temperature)[0]
 
     def grad_leaves(self) -> list[torch.Tensor]:
         """The tensors the last forward ran on: the served leaves under loss_on_served, else the master."""
@@ -1928,6 +2105,23 @@ def make_sampler(cfg: RLConfig, model, tokenizer):
     raise ValueError(f"sampler must be torch or vllm, got {cfg.sampler!r}")
 
 
+def _truncates(cfg: RLConfig) -> bool:
+    return cfg.temperature > 0 and (cfg.top_p < 1 or cfg.top_k > 0 or cfg.min_p > 0)
+
+
+def _support_record(cfg: RLConfig, trainer: Trainer, ro: Rollout) -> dict:
+    """Rebuild the kept support from the trainer engine on the served weights; use it where the sampler gave none.
+
+    Logs support_differs (share of positions where the sampler's own support differs from the rebuilt one).
+    """
+    rebuilt = kept_support(trainer.behaviour, ro, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p)  # (B, T, S)
+    if ro.kept_ids is None:
+        ro.kept_ids = rebuilt
+        return {"support_rebuilt": True}
+    return {"support_rebuilt": False,
+            "support_differs": support_differs(ro.kept_ids, rebuilt, ro.mask, trainer.model.config.vocab_size)}
+
+
 def resolve_device(device: str) -> torch.device:
     """auto -> cuda when torch sees a GPU, else cpu; cuda without a GPU is a clear error (naming --device)."""
     if device not in ("auto", "cpu", "cuda"):
@@ -1942,6 +2136,10 @@ def _check_run_config(cfg: RLConfig) -> None:
     resolve_device(cfg.device)
     if cfg.task not in TASKS:
         raise ValueError(f"task must be one of {tuple(TASKS)}, got {cfg.task!r}")
+    _check_truncation(cfg.top_p, cfg.top_k, cfg.min_p)
+    if not cfg.renormalize and cfg.correction in ("dlc", "calibrated"):
+        raise ValueError(f"renormalize=False applies to the current trainer log-probs only; {cfg.correction} also "
+                         "reads logp_old, which stays renormalised: run it with renormalize=True")
     if cfg.correction not in CORRECTIONS:
         raise ValueError(f"correction must be one of {CORRECTIONS}, got {cfg.correction!r}")
     if cfg.baseline not in ("group", "none"):
@@ -1959,9 +2157,10 @@ def _check_run_config(cfg: RLConfig) -> None:
 STEP_PHASES = ("sample", "recompute", "loss", "optimizer", "export", "sync")  # sec_<phase> in metrics.jsonl
 
 
-def _step_record(step, rewards, updates: list[dict], synced, vuf, staleness, logp, ro: Rollout, ledger, drift,
+def _step_record(step, rewards, updates: list[dict], synced, vuf, staleness, logp, ro: Rollout, ledger, extra,
                  vocab_size, sec: dict) -> dict:
-    """One metrics.jsonl line: reward, mismatch metrics, ledger, what the arm zeroed, entropy, seconds per phase.
+    """One metrics.jsonl line: reward, mismatch metrics, ledger, what the arm zeroed, entropy, seconds per phase,
+    and `extra` (drift split, kept mass).
 
     `updates` holds loss, grad_norm and the effective per-token weights of each optimizer step on the batch; the
     mismatch metrics and the ledger are of the first (logp before any update on this batch).
@@ -1972,7 +2171,7 @@ def _step_record(step, rewards, updates: list[dict], synced, vuf, staleness, log
         values = [u[key] for u in updates if math.isfinite(u[key])]
         record[key] = sum(values) / len(values) if values else None
     record |= {f"mm_{k}": v for k, v in mismatch_metrics(logp.detach(), ro.logp_infer, ro.mask).items()}
-    record |= {f"ledger_{k}": v for k, v in ledger.items()} | drift
+    record |= {f"ledger_{k}": v for k, v in ledger.items()} | extra
     record["peak_rss_mb"] = peak_rss_mb()
     if ro.logp_topk_infer.shape[-1] == vocab_size:  # the full distribution was recorded: its entropy
         ent = -(ro.logp_topk_infer.exp() * ro.logp_topk_infer.nan_to_num(neginf=0.0)).sum(-1)
@@ -2041,41 +2240,53 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
 
     # 1) sample
     prompts, answers = _encode_problems(rs.tokenizer, rs.train_set[step * cfg.prompts : (step + 1) * cfg.prompts])
-    ro = sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, cfg.topk, gen)
+    ro = sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, cfg.topk, gen, cfg.top_p,
+                        cfg.top_k, cfg.min_p)
     device = next(trainer.model.parameters()).device
     ro = ro.to(device)
     lap("sample")
     # 2) verify
     rewards = torch.tensor([verify(text, answers[i // cfg.group]) for i, text in enumerate(ro.texts)], device=device)
+    extra = _support_record(cfg, trainer, ro) if _truncates(cfg) else {}  # may fill ro.kept_ids
     # 3) recompute the behaviour log-probs: the trainer engine on the weights the sampler holds, and on the master
     logp_old, logp_master_old = trainer.behaviour_logprobs(ro, cfg.temperature)
     lap("recompute")
     # 4) + 5) correct and step, updates_per_batch times on the same batch
-    updates, logp_prox, drift = [], None, {}
+    updates, logp_prox, log_s = [], None, None
     for _ in range(cfg.updates_per_batch):
-        logp, logp_topk, hidden = trainer.logprobs(ro, ro.topk_ids, cfg.temperature)
+        if ro.kept_ids is None:
+            logp, logp_topk, hidden = trainer.logprobs(ro, ro.topk_ids, cfg.temperature)
+        else:  # TIM: the trainer's log-probs renormalised on the sampler's kept support
+            logp, logp_topk, hidden, log_s = trainer.support_logprobs(ro, ro.topk_ids, cfg.temperature)
         lap("recompute")
         first = logp_prox is None
         if first:  # TIM: the proximal policy: the trainer before the first update on this batch
+            logp_ledger, log_s_ledger = logp.detach(), log_s
+            if log_s is not None:
+                extra["kept_mass"] = float(masked_mean(log_s.detach().exp(), ro.mask))
+        if log_s is not None and not cfg.renormalize:  # TIM: full-vocabulary log-probs: the ratio is biased by S
+            logp, logp_topk = logp + log_s, logp_topk + log_s[..., None]
+        if first:
             logp_prox = logp.detach()
         adv, critic_loss = _advantages(cfg, rewards, logp, hidden, ro, rs.value_head)
         loss = policy_loss(cfg, logp, logp_topk, logp_prox, logp_old, ro, adv)
         w_eff = effective_token_weights(loss, logp, adv, ro.mask)  # what the arm did to each token
         if first and cfg.diagnose_drift:
-            drift = drift_signal_norms(trainer.grad_leaves(), logp, logp_topk, ro, adv)
+            extra |= drift_signal_norms(trainer.grad_leaves(), logp, logp_topk, ro, adv)
         lap("loss")
         grad_norm = trainer.step(loss + critic_loss)
         updates.append({"loss": loss.item(), "grad_norm": grad_norm} | _zeroed_shares(w_eff, adv))
         lap("optimizer")
     # 6) export + sync every sync_every steps (policy lag), or when DLC's lag trigger fires
     rs.since_sync += 1
-    ledger = mismatch_ledger(logp_prox, logp_old, ro.logp_infer, ro.mask, logp_master_old)
+    ledger = mismatch_ledger(logp_ledger, logp_old, ro.logp_infer, ro.mask, logp_master_old, log_s_ledger)
     resync = rs.since_sync >= cfg.sync_every
     if not resync and cfg.correction == "dlc" and (cfg.dlc_max_lag > 0 or cfg.dlc_max_staleness > 0):
         # TIM: DLC watches the lag the next batch would be sampled with: the updated trainer vs the sampler's weights
         # (on this batch's tokens), measured from the master at export when it was rounded, so rounding is no lag
         with torch.no_grad():
-            logp_next = sequence_logprobs(trainer.model, ro, cfg.temperature)[0]
+            score = sequence_logprobs if ro.kept_ids is None else support_logprobs
+            logp_next = score(trainer.model, ro, cfg.temperature)[0]
         lag_anchor = logp_old if logp_master_old is None else logp_master_old
         resync = dlc_should_resync(logp_next, lag_anchor, ro.mask, rs.since_sync, cfg.dlc_max_staleness,
                                    cfg.dlc_max_lag)
@@ -2086,7 +2297,7 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
         sampler.load_weights(state)  # TIM: the trainer's weights (and its drift) enter the sampler
         rs.since_sync = 0
     lap("sync")
-    return _step_record(step, rewards, updates, resync, vuf, rs.since_sync, logp_prox, ro, ledger, drift,
+    return _step_record(step, rewards, updates, resync, vuf, rs.since_sync, logp_prox, ro, ledger, extra,
                         trainer.model.config.vocab_size, sec)
 
 
@@ -2447,8 +2658,8 @@ def rl_preset(seeds: list[int], out: Path, title: str, base: RLConfig, arms: lis
 class PresetConfig:
     """`compare --preset NAME`: claims of the papers, each with a verdict computed over paired seeds."""
 
-    preset: str = _arg("", "precision | cis | fp8-clip | fair-cast | staleness | dlc | drift | real-lm | real-lm-rl | "
-                           "all (every one but real-lm-rl, a 20-minute measurement on a real model)")
+    preset: str = _arg("", "precision | cis | fp8-clip | fair-cast | staleness | dlc | drift | truncation | real-lm | "
+                           "real-lm-rl | all (every one but real-lm-rl, a 20-minute measurement on a real model)")
     seeds: str = _arg("0,1,2,3,4", "comma-separated seeds (>= 5 for a verdict worth quoting)")
     smoke: bool = _arg(False, "seconds-sized version of every run (CI): checks the outputs, not the claim")
     model: str = _arg("runs/base", "the tiny model (built if missing)")
@@ -2729,10 +2940,77 @@ def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     return []  # a measurement, no claim
 
 
+TRUNCATIONS = (("none", {}), ("top_p 0.95", {"top_p": 0.95}), ("top_p 0.9", {"top_p": 0.9}),
+               ("top_p 0.8", {"top_p": 0.8}), ("top_k 20", {"top_k": 20}), ("top_k 5", {"top_k": 5}),
+               ("min_p 0.1", {"min_p": 0.1}))
+PRESET_TOP_P = 0.8  # the truncation preset's RL runs: mean kept mass ~0.93 on the tiny model (lower where it hesitates)
+
+
+def truncation_rows(model, engine: str, sampler, prompts: list[list[int]], n: int, n_new: int, topk: int = 0,
+                    seed: int = 0) -> list[dict]:
+    """Kept mass S and the ratio's truncation bias for one sampler engine, the fp32 `model` as trainer, per setting.
+
+    `ratio p/q~` uses the trainer's full-vocabulary log-probs (what TRL 1.16 computes), `|log p~/q~|` the ones
+    renormalised on the kept support: the sampler's own when it returned it, else rebuilt from the trainer's logits.
+    """
+    rows = []
+    for label, trunc in TRUNCATIONS:
+        ro = sampler.sample(prompts, n, n_new, 1.0, topk, torch.Generator().manual_seed(seed), **trunc)
+        m, q = ro.mask, ro.logp_infer
+        row = {"engine": engine, "sampling": label, "tokens": int(m.sum()), "support differs": "-"}
+        with torch.no_grad():
+            logp = sequence_logprobs(model, ro)[0]
+            log_s, logp_renorm, source = torch.zeros_like(logp), logp, "-"
+            if trunc:
+                rebuilt = kept_support(model, ro, 1.0, trunc.get("top_p", 1.0), trunc.get("top_k", 0),
+                                       trunc.get("min_p", 0.0))
+                if ro.kept_ids is not None:
+                    row["support differs"] = support_differs(ro.kept_ids, rebuilt, m, model.config.vocab_size)
+                source, ro.kept_ids = ("sampler", ro.kept_ids) if ro.kept_ids is not None else ("rebuilt", rebuilt)
+                logp_renorm, _, _, log_s = support_logprobs(model, ro)
+        rows.append(row | {"support": source, "S mean": float(log_s[m].exp().mean()),
+                           "S min": float(log_s[m].exp().min()), "ratio p/q~ mean": float((logp - q)[m].exp().mean()),
+                           "|log p/q~|": float((logp - q)[m].abs().mean()),
+                           "|log p~/q~|": float((logp_renorm - q)[m].abs().mean())})
+    return rows
+
+
+def preset_truncation(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
+    """Sampling transforms (top-p / top-k / min-p; TRL #6789). Table: kept mass S and the ratio's bias per setting
+    and engine. Claims (bf16 sampler, top_p = PRESET_TOP_P, TIS cap 2): (1) the full-vocabulary ratio's mean log is
+    below the renormalised one's (steps mean of mm_mean_log_ratio; direction: below); (2) TIS on the renormalised
+    ratio trains better than TIS on the full-vocabulary ratio and (3) than no correction (trainer pc, mean over
+    evaluations; direction: above)."""
+    model_dir = ensure_base_model(pc.model) if pc.model == "runs/base" else Path(pc.model)
+    model, tokenizer = load_model(model_dir).eval(), load_tokenizer(model_dir)
+    problems = make_arithmetic_task(16 if pc.smoke else 64, **_task_kwargs(model_dir), split="eval")
+    prompts, _ = _encode_problems(tokenizer, problems)
+    engines = [("torch fp32", TorchSampler(model, EngineSpec(), tokenizer)),
+               ("torch bf16", TorchSampler(model, EngineSpec(dtype="bf16"), tokenizer))]
+    if vllm_available() and not pc.smoke:
+        engines += [(f"vLLM {d}", VLLMSampler(model_dir, dtype=d, tokenizer=tokenizer)) for d in ("fp32", "bf16")]
+    table = [row for label, sampler in engines for row in truncation_rows(model, label, sampler, prompts, 4, 5)]
+    engines.clear()  # release the vLLM engines before the RL runs
+    p = PRESET_TOP_P
+    arms = [(f"none (bf16, top_p {p})", {"correction": "none"}),
+            (f"tis, full vocabulary (bf16, top_p {p})", {"correction": "tis", "renormalize": False}),
+            (f"tis, renormalised (bf16, top_p {p})", {"correction": "tis"})]
+    arms = [(label, change | {"dtype": "bf16"}) for label, change in arms]
+    none, full, renorm = (label for label, _ in arms)
+    claims = [Claim("the full-vocabulary ratio carries the kept mass (mean log ratio lower)", full, renorm,
+                    "mm_mean_log_ratio", "steps", direction=-1),
+              Claim("TIS on the renormalised ratio beats TIS on the full-vocabulary ratio", renorm, full),
+              Claim("TIS on the renormalised ratio beats no correction", renorm, none)]
+    return rl_preset(seeds, out, f"truncation: top_p {p} sampling, bf16 sampler", _preset_base(pc, top_p=p), arms,
+                     claims, {"kept mass": ("kept_mass", "steps"), "mean log ratio": ("mm_mean_log_ratio", "steps")},
+                     sections=[(f"Kept mass S and ratio bias, tiny model, {len(prompts)} prompts x 4 samples x 5 "
+                                "tokens, temperature 1, fp32 trainer:", table)])
+
+
 # real-lm-rl's size: 10 steps x 4 prompts x 4 samples x <= 48 tokens take ~16 min at one CPU thread (README); 20 x 8 x
 # 4 x 96 would take ~4x that. --smoke: seconds of compute after the model load (~2 min with two vLLM start-ups)
-REAL_LM_RL = dict(steps=10, prompts=4, group=4, max_new_tokens=48, eval_n=16)
-REAL_LM_RL_SMOKE = dict(steps=2, prompts=2, group=2, max_new_tokens=8, eval_n=2)
+REAL_LM_RL = {"steps": 10, "prompts": 4, "group": 4, "max_new_tokens": 48, "eval_n": 16}
+REAL_LM_RL_SMOKE = {"steps": 2, "prompts": 2, "group": 2, "max_new_tokens": 8, "eval_n": 2}
 
 
 def _per_step_rows(runs: dict[str, list[list[dict]]], keys: dict[str, str]) -> list[dict]:
@@ -2748,11 +3026,10 @@ def _cost_rows(runs: dict[str, list[list[dict]]]) -> list[dict]:
     rows = []
     for label, per_seed in runs.items():
         steps, evals = [r for r in per_seed[0] if "reward" in r], [r for r in per_seed[0] if "acc_trainer" in r]
-        mean = lambda key: sum(r[key] for r in steps) / len(steps)  # noqa: E731
-        rows.append({"arm": label} | {f"s {p}": mean(f"sec_{p}") for p in STEP_PHASES}
-                    | {"s / step": sum(mean(f"sec_{p}") for p in STEP_PHASES),
-                       "peak RSS MiB": max(r["peak_rss_mb"] for r in steps),
-                       "acc before": evals[0]["acc_trainer"], "acc after": evals[-1]["acc_trainer"]})
+        sec = {p: sum(r[f"sec_{p}"] for r in steps) / len(steps) for p in STEP_PHASES}
+        rows.append({"arm": label} | {f"s {p}": s for p, s in sec.items()} | {
+            "s / step": sum(sec.values()), "peak RSS MiB": max(r["peak_rss_mb"] for r in steps),
+            "acc before": evals[0]["acc_trainer"], "acc after": evals[-1]["acc_trainer"]})
     return rows
 
 
@@ -2788,7 +3065,7 @@ def preset_real_lm_rl(pc: PresetConfig, seeds: list[int], out: Path) -> list[dic
 
 PRESETS = {"precision": preset_precision, "cis": preset_cis, "fp8-clip": preset_fp8_clip,
            "fair-cast": preset_fair_cast, "staleness": preset_staleness, "dlc": preset_dlc, "drift": preset_drift,
-           "real-lm": preset_real_lm, "real-lm-rl": preset_real_lm_rl}
+           "real-lm": preset_real_lm, "truncation": preset_truncation, "real-lm-rl": preset_real_lm_rl}
 
 
 def run_preset(pc: PresetConfig) -> list[Path]:
@@ -2874,6 +3151,11 @@ def check_trl_args(args) -> None:
     if getattr(args, "loss_type", None) == "vespo":
         raise ValueError("loss_type='vespo' takes log(importance_sampling_ratio) and sums it over unmasked padding: "
                          "tim_rl's weights are 0 there (and where a mask drops a token); use another loss_type")
+    if getattr(args, "top_p", 1.0) < 1 or (getattr(args, "top_k", 0) or 0) > 0 or (getattr(args, "min_p", 0) or 0) > 0:
+        raise ValueError("top_p / top_k / min_p truncate sampling: vLLM returns log-probs renormalised over the kept "
+                         "tokens, TRL 1.16 computes the trainer's over the full vocabulary, so every weight would "
+                         "carry the kept mass S (TRL #6789), and vLLM 0.32 gives TRL no kept support to renormalise "
+                         "on; set top_p=1.0, top_k=0, min_p=None (or use tim_rl's loop: --top-p, renormalised)")
     if not getattr(args, "vllm_importance_sampling_correction", True):
         raise ValueError("vllm_importance_sampling_correction=False: TRL would compute the tim_rl weight and never "
                          "apply it; set it to True")
@@ -3290,6 +3572,11 @@ def _check_cli(args) -> None:
         found = "a directory without config.json" if Path(model).is_dir() else "no model directory there"
         raise UsageError(f"--model {model}: {found} (expected a Hugging Face causal-LM directory with config.json; "
                          "omit --model to use the embedded tiny model)")
+    if hasattr(args, "top_p"):
+        try:
+            _check_truncation(args.top_p, args.top_k, args.min_p)
+        except ValueError as e:
+            raise UsageError("--" + str(e).replace("_", "-", 1)) from None
     resume = getattr(args, "resume", "")
     for need in ("config.json", "checkpoint.safetensors") if resume else ():
         if not (Path(resume) / need).is_file():
