@@ -2139,9 +2139,10 @@ def _check_run_config(cfg: RLConfig) -> None:
     if cfg.task not in TASKS:
         raise ValueError(f"task must be one of {tuple(TASKS)}, got {cfg.task!r}")
     _check_truncation(cfg.top_p, cfg.top_k, cfg.min_p)
-    if not cfg.renormalize and cfg.correction in ("dlc", "calibrated"):
-        raise ValueError(f"renormalize=False applies to the current trainer log-probs only; {cfg.correction} also "
-                         "reads logp_old, which stays renormalised: run it with renormalize=True")
+    if _truncates(cfg) and not cfg.renormalize and cfg.correction in ("dlc", "calibrated", "sc", "sc_tis", "sc_mis",
+                                                                      "drift_only"):
+        raise ValueError(f"renormalize=False applies to the current trainer's sampled-token log-probs only; "
+                         f"{cfg.correction} also reads logp_old or the top-K log-probs: run it with renormalize=True")
     if cfg.correction not in CORRECTIONS:
         raise ValueError(f"correction must be one of {CORRECTIONS}, got {cfg.correction!r}")
     if cfg.baseline not in ("group", "none"):
