@@ -1647,6 +1647,24 @@ def test_left_padded_batch_gives_each_prompts_log_probs_alone(base_model_dir):
     assert (logp_leaky - logp_batch)[batch.mask].abs().max() > 100 * LOGP_PAD_TOL, "anti-vacuity: pads attended"
 
 
+def test_hf_copy_unties_the_head_and_keeps_the_logits(tmp_path):
+    """write_hf_copy of a tied model: a directory load_model reads, head written as its own tensor, same logits."""
+    from transformers import PreTrainedTokenizerFast
+
+    model = tr.build_tiny_model(seed=3).eval()
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    assert model.lm_head.weight is model.model.embed_tokens.weight, "anti-vacuity: the source is tied"
+    tr.CharTokenizer().save(tmp_path / "tok")
+    tr.write_hf_copy(model, PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "tok")), tmp_path / "copy")
+    copy = tr.load_model(tmp_path / "copy").eval()
+    assert not copy.config.tie_word_embeddings and copy.lm_head.weight is not copy.model.embed_tokens.weight
+    ids = torch.tensor([tr.CharTokenizer().encode("12+34=")])
+    with torch.no_grad():
+        assert torch.equal(copy(ids).logits, model(ids).logits)
+    assert tr.HFTokenizer(tmp_path / "copy").encode("1") == tr.CharTokenizer().encode("1")
+
+
 def test_kv_cache_sampler_records_the_tempered_distribution(base_model_dir):
     model = tr.load_model(base_model_dir).eval()
     sampler = tr.TorchSampler(model, tr.EngineSpec())

@@ -3010,7 +3010,7 @@ def preset_truncation(pc: PresetConfig, seeds: list[int], out: Path) -> list[dic
                                 "tokens, temperature 1, fp32 trainer:", table)])
 
 
-# real-lm-rl's size: 10 steps x 4 prompts x 4 samples x <= 48 tokens take ~16 min at one CPU thread (README); 20 x 8 x
+# real-lm-rl's size: 10 steps x 4 prompts x 4 samples x <= 48 tokens took 829 s at one CPU thread (README); 20 x 8 x
 # 4 x 96 would take ~4x that. --smoke: seconds of compute after the model load (~2 min with two vLLM start-ups)
 REAL_LM_RL = {"steps": 10, "prompts": 4, "group": 4, "max_new_tokens": 48, "eval_n": 16}
 REAL_LM_RL_SMOKE = {"steps": 2, "prompts": 2, "group": 2, "max_new_tokens": 8, "eval_n": 2}
