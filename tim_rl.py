@@ -3058,8 +3058,8 @@ def preset_real_lm_rl(pc: PresetConfig, seeds: list[int], out: Path) -> list[dic
     keys = {"reward": "reward", "mean abs Δlogp": "mm_abs_diff", "k3": "mm_k3", "numerics": "ledger_numerics_abs",
             "rounding": "ledger_rounding_abs"}
     _write_results(out, f"real-lm-rl: {model_dir.name}, {base.sampler} bf16 sampler, fp32 trainer (a measurement)", [
-        (f"Per step, seed {seeds[0]} ({base.prompts} prompts x {base.group} samples x <= {base.max_new_tokens} new "
-         f"tokens, lr {base.lr}; Δlogp = logp - logp_infer, numerics / rounding: ledger mean abs):",
+        ((f"Per step, seed {seeds[0]} ({base.prompts} prompts x {base.group} samples x <= {base.max_new_tokens} new "
+          f"tokens, lr {base.lr}; Δlogp = logp - logp_infer, numerics / rounding: ledger mean abs):"),
          _per_step_rows(runs, keys)),
         (f"Cost per step (mean seconds per phase), peak RSS, greedy accuracy on {base.eval_n} held-out problems:",
          _cost_rows(runs))], "A measurement on one machine, not a claim: no control, no verdict.")
