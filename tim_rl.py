@@ -2863,7 +2863,7 @@ def write_hf_copy(model, tokenizer, directory: str | Path) -> Path:
     """config.json + model.safetensors + tokenizer that load_model and vLLM read (save_pretrained refuses GGUF models).
 
     The output head is written as its own tensor and tie_word_embeddings set False: vLLM's CPU build keeps a
-    pre-packed copy of a tied head across in-place syncs (ENGINES.md), so a tied copy would sample with the old head.
+    pre-packed copy of a tied head across in-place syncs, so a tied copy would sample with the old head.
     """
     from safetensors.torch import save_file
 
@@ -2954,8 +2954,32 @@ def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
         rows += _real_lm_vllm_rows(model, tok, prompts, n_new, seeds)
     _write_results(out, "real-lm: SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)", [
         (f"{len(prompts)} prompts x 2 samples x {n_new} new tokens per seed, the fp32 torch forward as trainer:",
-         rows)], "")
+         rows),
+        (f"Sampling transforms (truncation_rows, seed 0, {len(prompts)} prompts x 2 samples x {n_new} tokens): the kept "
+         "support is the torch sampler's own; for vLLM it is rebuilt from the trainer's logits (kept_support):",
+         _real_lm_truncation_rows(model, tok, prompts, n_new))], "")
     return []  # a measurement, no claim
+
+
+def _real_lm_truncation_rows(model, tok, prompts: list[list[int]], n_new: int) -> list[dict]:
+    """truncation_rows of torch fp32 / bf16 and vLLM fp32 / bf16 samplers on a real LM, its fp32 copy as trainer.
+
+    vLLM is asked for one log-prob per token (all V = 49 152 would be as many Python objects per token), so its
+    kept support is rebuilt on the trainer side, as the RL loop does with vLLM 0.32 on a CPU.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_hf_copy(model, tok, tmp)
+        hf_tok = HFTokenizer(tmp)
+        rows = []
+        for label, engine in (("torch fp32", EngineSpec()), ("torch bf16", EngineSpec(dtype="bf16"))):
+            rows += truncation_rows(model, label, TorchSampler(model, engine, hf_tok), prompts, 2, n_new, topk=1)
+        for dtype in ("fp32", "bf16") if vllm_available() else ():
+            sampler = VLLMSampler(tmp, dtype=dtype, tokenizer=hf_tok, max_model_len=256)
+            rows += truncation_rows(model, f"vLLM {dtype}", sampler, prompts, 2, n_new, topk=1)
+            del sampler
+    return rows
 
 
 TRUNCATIONS = (("none", {}), ("top_p 0.95", {"top_p": 0.95}), ("top_p 0.9", {"top_p": 0.9}),
