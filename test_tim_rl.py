@@ -1712,6 +1712,22 @@ def test_truncated_run_renormalised_vs_full_vocabulary_and_the_ledger_adds_up(ba
         tr.run(tr.RLConfig(name="x", renormalize=False, **(common | {"correction": "dlc"})))
 
 
+def test_truncated_answer_probability_top_k_one_is_greedy_match_top_p_one_is_pc(base_model_dir):
+    """pct: the answer's probability under the truncated policy. top_k = 1 is greedy decoding, so it is 1 exactly
+    when greedy decoding produces the answer and 0 otherwise; its twin top_p = 1 is the untruncated pc."""
+    model, tok = tr.load_model(base_model_dir).eval(), tr.CharTokenizer()
+    problems = tr.make_arithmetic_task(64, split="eval")
+    pct = tr.answer_logprobs(model, tok, problems, truncation=(1.0, 1, 0.0)).exp()
+    assert set(pct.tolist()) <= {0.0, 1.0}
+    assert math.isclose(float(pct.mean()), tr.greedy_accuracy(model, tok, problems), abs_tol=1e-9)
+    full = tr.answer_logprobs(model, tok, problems, truncation=(1.0, 0, 0.0))
+    assert torch.allclose(full, tr.answer_logprobs(model, tok, problems), atol=1e-6)
+    truncated = tr.answer_logprobs(model, tok, problems, truncation=(0.8, 0, 0.0))
+    assert ((truncated >= full - 1e-6) | (truncated == -math.inf)).all(), \
+        "renormalising over a kept set can only raise a kept answer's probability (or zero it)"
+    assert (truncated > full + 1e-3).any()
+
+
 def test_trl_truncated_sampling_is_refused():
     from types import SimpleNamespace
 
