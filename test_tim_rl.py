@@ -376,14 +376,17 @@ def test_truncation_mask_follows_vllms_rules_on_a_hand_made_distribution():
         return tr.truncation_mask(logits, **kw).tolist()
 
     assert keep() == [True] * 4, "all off keeps everything"
-    assert keep(top_p=0.8) == [True, True, False, False], "0.05 + 0.15 <= 1 - 0.8: both dropped (inclusive)"
+    assert keep(top_p=0.79) == [True, True, False, False], "0.05 + 0.15 <= 1 - 0.79: both dropped"
     assert keep(top_p=0.81) == [True, True, True, False]
+    assert keep(top_p=0.8) == [True, True, True, False], "at the boundary, float32 as vLLM: 1 - 0.8f < 0.2f"
     assert keep(top_p=1e-6) == [True, False, False, False], "the most likely token always stays"
     assert keep(top_k=2) == [True, True, False, False]
     assert keep(min_p=0.2) == [True, True, True, False], "p >= 0.2 * 0.5"
     assert keep(min_p=0.2, top_k=1) == [True, False, False, False]
     ties = tr.truncation_mask(torch.tensor([1.0, 2.0, 2.0, 0.0]), top_k=1)
     assert ties.tolist() == [False, True, True, False], "top-k keeps ties at the k-th value, as vLLM does"
+    masked = torch.tensor([-math.inf, 0.5, -math.inf, 1.0])
+    assert tr.truncation_mask(masked, top_k=3).tolist() == [False, True, False, True], "-inf is never kept"
     for bad, kw in (("top_p", {"top_p": 0.0}), ("top_k", {"top_k": -1}), ("min_p", {"min_p": 1.0})):
         with pytest.raises(ValueError, match=bad):
             tr.truncation_mask(logits, **kw)
@@ -1734,9 +1737,11 @@ def test_trl_truncated_sampling_is_refused():
     ok = dict(use_vllm=True, loss_type="dapo", vllm_importance_sampling_correction=True, top_p=1.0, top_k=0,
               min_p=None)
     tr.check_trl_args(SimpleNamespace(**ok))
-    for change in ({"top_p": 0.9}, {"top_k": 50}, {"min_p": 0.05}):
+    for change in ({"top_p": 0.9}, {"top_k": 50}, {"min_p": 0.05}, {"generation_kwargs": {"top_p": 0.9}},
+                   {"generation_kwargs": '{"min_p": 0.1}'}):
         with pytest.raises(ValueError, match="kept mass"):
             tr.check_trl_args(SimpleNamespace(**(ok | change)))
+    tr.check_trl_args(SimpleNamespace(**(ok | {"generation_kwargs": {"max_tokens": 8}})))
 
 
 def test_teacher_forced_answer_probability(base_model_dir):
@@ -2022,12 +2027,18 @@ def test_truncation_mask_equals_vllms_own_functions():
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
     g = torch.Generator().manual_seed(0)
-    logits = 3 * torch.randn(64, 50, generator=g)
-    for top_p, top_k in ((0.9, 0), (1.0, 7), (0.8, 20), (0.5, 3)):
-        k = torch.full((64,), top_k) if top_k else None
-        p = torch.full((64,), top_p) if top_p < 1 else None
-        theirs = torch.isfinite(apply_top_k_top_p_pytorch(logits.clone(), k, p))
-        assert torch.equal(tr.truncation_mask(logits, top_p, top_k), theirs), (top_p, top_k)
+    smooth = 3 * torch.randn(64, 50, generator=g)
+    tied = torch.randint(-4, 5, (64, 50), generator=g).float()  # bf16-like: many exact ties
+    for logits in (smooth, tied):
+        for top_p, top_k, min_p in ((0.9, 0, 0.0), (1.0, 7, 0.0), (0.8, 20, 0.0), (0.5, 3, 0.0), (0.7, 10, 0.05)):
+            x = logits.clone()
+            if min_p:  # vLLM's MinPLogitsProcessor.apply, as written there
+                probs = torch.softmax(x, -1)
+                x = x.masked_fill(probs < probs.amax(-1, keepdim=True) * min_p, -math.inf)
+            k = torch.full((64,), top_k) if top_k else None
+            p = torch.full((64,), top_p) if top_p < 1 else None
+            theirs = torch.isfinite(apply_top_k_top_p_pytorch(x, k, p))
+            assert torch.equal(tr.truncation_mask(logits, top_p, top_k, min_p), theirs), (top_p, top_k, min_p)
 
 
 @needs_vllm

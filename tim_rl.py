@@ -325,28 +325,31 @@ def log1mexp(logp: torch.Tensor) -> torch.Tensor:
 def truncation_mask(logits: torch.Tensor, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> torch.Tensor:
     """Tokens kept after min_p, then top_k, then top_p, on logits already divided by the temperature. (..., V) bool.
 
-    vLLM 0.32's rules and order: min_p keeps p_v >= min_p * max p (MinPLogitsProcessor); top_k keeps logits >= the
-    k-th largest (ties kept); top_p sorts ascending and drops a token when the mass of it and every smaller one is
-    <= 1 - top_p, always keeping the largest (apply_top_k_top_p_pytorch). top_p = 1, top_k = 0, min_p = 0: all kept.
+    vLLM 0.32's PyTorch path, step for step (MinPLogitsProcessor, apply_top_k_top_p_pytorch): min_p keeps
+    p_v >= min_p * max p; the min_p-masked logits are sorted ascending once; top_k keeps those >= the k-th largest
+    (ties kept); top_p drops a token when the mass of it and every smaller one is <= 1 - top_p (in float32, as
+    vLLM), the largest always kept; ties fall on the side the same sort puts them. -inf logits are never kept.
+    vLLM's GPU Triton kernel keeps exactly k tokens at a top-k tie and searches the top-p cut approximately.
 
     needs: _check_tensor, _check_truncation
     """
     _check_tensor("logits", logits)
     _check_truncation(top_p, top_k, min_p)
     x = logits.float()
-    keep = torch.ones_like(x, dtype=torch.bool)
     if min_p > 0:
         probs = x.softmax(-1)
-        keep &= probs >= min_p * probs.amax(-1, keepdim=True)
-    if 0 < top_k < x.shape[-1]:
-        x = x.masked_fill(~keep, -math.inf)
-        keep &= x >= x.topk(top_k, dim=-1).values[..., -1:]
-    if top_p < 1:
-        x_sorted, order = x.masked_fill(~keep, -math.inf).sort(dim=-1)  # ascending
-        drop = x_sorted.softmax(-1).cumsum(-1) <= 1 - top_p  # (..., V), in sorted order
-        drop[..., -1] = False  # the most likely token always stays
-        keep &= ~torch.zeros_like(drop).scatter(-1, order, drop)
-    return keep
+        x = x.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), -math.inf)
+    if 0 < top_k < x.shape[-1] or top_p < 1:
+        x_sorted, order = x.sort(dim=-1)  # ascending, as vLLM sorts
+        if 0 < top_k < x.shape[-1]:
+            kth = x_sorted[..., x.shape[-1] - top_k : x.shape[-1] - top_k + 1]  # the k-th largest
+            x_sorted = x_sorted.masked_fill(x_sorted < kth, -math.inf)
+        if top_p < 1:
+            drop = x_sorted.softmax(-1).cumsum(-1) <= 1 - torch.tensor(top_p, dtype=torch.float32)
+            drop[..., -1] = False  # the most likely token always stays
+            x_sorted = x_sorted.masked_fill(drop, -math.inf)
+        x = torch.empty_like(x).scatter_(-1, order, x_sorted)
+    return torch.isfinite(x)
 
 
 def _check_truncation(top_p: float, top_k: int, min_p: float) -> None:
@@ -440,7 +443,8 @@ def mismatch_ledger(
     exported from) the master-vs-served part is split off: rounding = logp_master_old - logp_old and
     lag = logp - logp_master_old. With log_kept_mass (log S of the current trainer on the sampler's kept support,
     renormalize_on_support) the trainer log-probs are the renormalised ones, total = logp + log S - logp_infer
-    and truncation = log S. lag + rounding + numerics + truncation == total token by token. (B, T) -> dict.
+    and truncation = log S (under lag S is the current trainer's mass on the stale sampler's support, so it also
+    moves with the lag). lag + rounding + numerics + truncation == total token by token. (B, T) -> dict.
     Tokens where any input is non-finite are left out of every part.
 
     needs: _check_bt, _check_mask, _check_tensor
@@ -1567,11 +1571,12 @@ def greedy_accuracy(model, tokenizer: CharTokenizer, problems, max_new_tokens: i
     return correct / max(len(prompts), 1)
 
 
-def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tuple | None = None) -> torch.Tensor:
+def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tuple | None = None,
+                    temperature: float = 1.0) -> torch.Tensor:
     """log P(answer + <eos> | prompt) under `model`, teacher-forced (one full forward per batch). -> (N,) float32.
 
     exp() of it is `pc`, the probability of the exact correct answer: a far less noisy accuracy than greedy match.
-    truncation = (top_p, top_k, min_p): the probability under the truncated policy that such a sampler draws from
+    truncation = (top_p, top_k, min_p): the probability under the policy such a sampler draws from at `temperature`
     (renormalised over the kept tokens at each position; 0 when an answer token is not kept).
     """
     out = []
@@ -1589,7 +1594,7 @@ def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tu
             if truncation is None:
                 logp = sequence_logprobs(model, ro)[0]
             else:  # TIM: the truncated policy's probability of the answer
-                logits = _response_forward(model, ro)[0].float()  # (B, T, V)
+                logits = _response_forward(model, ro, temperature)[0].float()  # (B, T, V)
                 logits = logits.masked_fill(~truncation_mask(logits, *truncation), -math.inf)
                 logp = torch.log_softmax(logits, -1).gather(-1, ro.response_ids[..., None]).squeeze(-1)  # (B, T)
         out.append(torch.where(ro.mask, logp, torch.zeros_like(logp)).sum(1).cpu())
@@ -2217,6 +2222,7 @@ class _RunState:
     train_set: list
     eval_set: list
     truncation: tuple | None = None  # (top_p, top_k, min_p) when the sampler truncates
+    temperature: float = 1.0  # the sampler's (pct is the answer's probability under the policy it samples)
     since_sync: int = 0
     eval_tokens: int = 6  # greedy answer length at evaluation (the arithmetic answer; max_new_tokens for words)
 
@@ -2229,7 +2235,8 @@ def evaluate(step: int, rs: _RunState) -> dict:
               "pc_trainer": float(answer_logprobs(model, rs.tokenizer, problems).exp().mean()),
               "pc_sampler": float(rs.sampler.answer_logprobs(problems).exp().mean())}
     if rs.truncation is not None:  # what a truncated sampler would draw: the objective truncated RL optimises
-        pct = answer_logprobs(model, rs.tokenizer, problems, truncation=rs.truncation).exp().mean()
+        pct = answer_logprobs(model, rs.tokenizer, problems, truncation=rs.truncation,
+                              temperature=rs.temperature).exp().mean()
         record["pct_trainer"] = float(pct)
     return record
 
@@ -2333,6 +2340,7 @@ def _setup_run(cfg: RLConfig) -> _RunState:
     sampler.load_weights(state)
     return _RunState(trainer, sampler, tokenizer, gen, value_head, *task_problems(cfg, model_dir, tokenizer),
                      truncation=(cfg.top_p, cfg.top_k, cfg.min_p) if _truncates(cfg) else None,
+                     temperature=cfg.temperature,
                      eval_tokens=6 if cfg.task == "arithmetic" else cfg.max_new_tokens)
 
 
@@ -3197,7 +3205,10 @@ def check_trl_args(args) -> None:
     if getattr(args, "loss_type", None) == "vespo":
         raise ValueError("loss_type='vespo' takes log(importance_sampling_ratio) and sums it over unmasked padding: "
                          "tim_rl's weights are 0 there (and where a mask drops a token); use another loss_type")
-    if getattr(args, "top_p", 1.0) < 1 or (getattr(args, "top_k", 0) or 0) > 0 or (getattr(args, "min_p", 0) or 0) > 0:
+    extra = getattr(args, "generation_kwargs", None) or {}  # TRL merges these into vLLM's sampling settings last
+    extra = json.loads(extra) if isinstance(extra, str) else extra
+    top_p, top_k, min_p = (extra.get(k, getattr(args, k, None)) for k in ("top_p", "top_k", "min_p"))
+    if (top_p if top_p is not None else 1.0) < 1 or (top_k or 0) > 0 or (min_p or 0) > 0:
         raise ValueError("top_p / top_k / min_p truncate sampling: vLLM returns log-probs renormalised over the kept "
                          "tokens, TRL 1.16 computes the trainer's over the full vocabulary, so every weight would "
                          "carry the kept mass S (TRL #6789), and vLLM 0.32 gives TRL no kept support to renormalise "
