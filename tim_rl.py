@@ -2631,12 +2631,10 @@ def run_arms(base: RLConfig, arms: list[tuple[str, dict]], seeds: list[int], out
 def plot_arms(path: Path, runs: dict[str, list[list[dict]]], key: str = "pc_trainer", title: str = "",
               ylabel: str = "held-out probability of the exact answer (pc)") -> None:
     """Mean over seeds of `key` against the step, one line per arm."""
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: the caller's backend (a notebook's inline one) is left alone
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4))
+    fig = Figure(figsize=(7.5, 4))
+    ax = fig.subplots()
     for label, per_seed in runs.items():
         points = [[(r["step"], r[key]) for r in rs if r.get(key) is not None] for rs in per_seed]
         steps = [s for s, _ in points[0]]
@@ -2647,7 +2645,6 @@ def plot_arms(path: Path, runs: dict[str, list[list[dict]]], key: str = "pc_trai
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _write_results(out: Path, title: str, sections: list[tuple[str, list[dict]]], notes: str) -> None:
