@@ -1140,16 +1140,25 @@ CLI_MISTAKES = [  # (argv, words the one error line must contain); each fails be
 
 
 @pytest.mark.parametrize("argv,words", CLI_MISTAKES, ids=[" ".join(a) for a, _ in CLI_MISTAKES])
-def test_cli_mistake_is_one_error_line_with_status_2(argv, words):
+def test_cli_mistake_is_one_error_line_with_status_2(argv, words, capsys):
+    with pytest.raises(SystemExit) as exit_:  # in-process (a second of torch import saved per case); the process
+        tr.main(argv)  # itself is checked once below
+    out = capsys.readouterr()
+    lines = out.err.splitlines()
+    assert exit_.value.code == 2 and len(lines) == 1 and lines[0].startswith("tim_rl: error: "), out.err[-2000:]
+    assert "Traceback" not in out.err and out.out == ""
+    assert all(w in lines[0] for w in words), lines[0]
+
+
+def test_cli_mistake_from_a_fresh_process_is_one_line_with_status_2():
     import subprocess
     import sys
 
     here = os.path.dirname(os.path.abspath(tr.__file__))
-    out = subprocess.run([sys.executable, "tim_rl.py", *argv], cwd=here, capture_output=True, text=True, timeout=60)
-    lines = out.stderr.splitlines()
-    assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("tim_rl: error: "), out.stderr[-2000:]
-    assert "Traceback" not in out.stderr and out.stdout == ""
-    assert all(w in lines[0] for w in words), lines[0]
+    out = subprocess.run([sys.executable, "tim_rl.py", "train", "--top-p", "1.5"], cwd=here, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.splitlines() == ["tim_rl: error: --top-p must be in (0, 1], got 1.5"]
+    assert out.stdout == ""
 
 
 # =================================================================================================================
