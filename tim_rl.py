@@ -1594,9 +1594,9 @@ def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tu
             if truncation is None:
                 logp = sequence_logprobs(model, ro)[0]
             else:  # TIM: the truncated policy's probability of the answer
-                logits = _response_forward(model, ro, temperature)[0].float()  # (B, T, V)
+                logits = _response_forward(model, ro, temperature)[0]  # (B, T, V)
                 logits = logits.masked_fill(~truncation_mask(logits, *truncation), -math.inf)
-                logp = torch.log_softmax(logits, -1).gather(-1, ro.response_ids[..., None]).squeeze(-1)  # (B, T)
+                logp = token_logprobs(logits, ro.response_ids)  # (B, T), -inf where an answer token is dropped
         out.append(torch.where(ro.mask, logp, torch.zeros_like(logp)).sum(1).cpu())
     return torch.cat(out)
 
@@ -2221,22 +2221,21 @@ class _RunState:
     value_head: torch.nn.Module | None  # COPC's critic
     train_set: list
     eval_set: list
-    truncation: tuple | None = None  # (top_p, top_k, min_p) when the sampler truncates
-    temperature: float = 1.0  # the sampler's (pct is the answer's probability under the policy it samples)
     since_sync: int = 0
-    eval_tokens: int = 6  # greedy answer length at evaluation (the arithmetic answer; max_new_tokens for words)
 
 
-def evaluate(step: int, rs: _RunState) -> dict:
-    """Held-out greedy exact match (acc_) and probability of the exact answer (pc_), of trainer and sampler engine."""
+def evaluate(step: int, rs: _RunState, cfg: RLConfig) -> dict:
+    """Held-out greedy exact match (acc_) and probability of the exact answer (pc_), of trainer and sampler engine;
+    with truncated sampling also pct_trainer, that probability under the policy the sampler draws from."""
     model, problems = rs.trainer.model, rs.eval_set
-    record = {"step": step, "acc_trainer": greedy_accuracy(model, rs.tokenizer, problems, rs.eval_tokens),
-              "acc_sampler": rs.sampler.greedy_accuracy(problems, rs.eval_tokens),
+    tokens = 6 if cfg.task == "arithmetic" else cfg.max_new_tokens  # greedy answer length
+    record = {"step": step, "acc_trainer": greedy_accuracy(model, rs.tokenizer, problems, tokens),
+              "acc_sampler": rs.sampler.greedy_accuracy(problems, tokens),
               "pc_trainer": float(answer_logprobs(model, rs.tokenizer, problems).exp().mean()),
               "pc_sampler": float(rs.sampler.answer_logprobs(problems).exp().mean())}
-    if rs.truncation is not None:  # what a truncated sampler would draw: the objective truncated RL optimises
-        pct = answer_logprobs(model, rs.tokenizer, problems, truncation=rs.truncation,
-                              temperature=rs.temperature).exp().mean()
+    if _truncates(cfg):  # what a truncated sampler would draw: the objective truncated RL optimises
+        pct = answer_logprobs(model, rs.tokenizer, problems, truncation=(cfg.top_p, cfg.top_k, cfg.min_p),
+                              temperature=cfg.temperature).exp().mean()
         record["pct_trainer"] = float(pct)
     return record
 
@@ -2338,10 +2337,7 @@ def _setup_run(cfg: RLConfig) -> _RunState:
     gen = torch.Generator().manual_seed(cfg.seed)
     state, _ = trainer.export(cfg.export, generator=gen)  # the sampler starts from the served copy of the master
     sampler.load_weights(state)
-    return _RunState(trainer, sampler, tokenizer, gen, value_head, *task_problems(cfg, model_dir, tokenizer),
-                     truncation=(cfg.top_p, cfg.top_k, cfg.min_p) if _truncates(cfg) else None,
-                     temperature=cfg.temperature,
-                     eval_tokens=6 if cfg.task == "arithmetic" else cfg.max_new_tokens)
+    return _RunState(trainer, sampler, tokenizer, gen, value_head, *task_problems(cfg, model_dir, tokenizer))
 
 
 def task_problems(cfg: RLConfig, model_dir: Path, tokenizer) -> tuple[list, list]:
@@ -2410,12 +2406,12 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
         for step in tqdm(range(start, cfg.steps), desc=cfg.name, disable=not cfg.progress, mininterval=2,
                          initial=start, total=cfg.steps):
             if step % cfg.eval_every == 0:  # before the step's update: step 0 is the model RL starts from
-                write(evaluate(step, rs))
+                write(evaluate(step, rs, cfg))
             write(_rl_step(cfg, step, rs))
             every = cfg.checkpoint_every
             if step == cfg.steps - 1 or (every > 0 and (step + 1) % every == 0):
                 _save_run_checkpoint(out, rs, step + 1)
-        write(evaluate(cfg.steps, rs))  # after the last update
+        write(evaluate(cfg.steps, rs, cfg))  # after the last update
     return records
 
 
