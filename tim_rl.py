@@ -2249,6 +2249,14 @@ def _advantages(cfg: RLConfig, rewards, logp, hidden, ro: Rollout, value_head):
     return adv, 0.5 * masked_mean((values - targets).square(), ro.mask)
 
 
+def _current_logprobs(cfg: RLConfig, trainer: Trainer, ro: Rollout):
+    """(logp, logp_topk, hidden, log S or None) of the current trainer, with gradient; renormalised on the sampler's
+    kept support when it truncated."""
+    if ro.kept_ids is None:
+        return (*trainer.logprobs(ro, ro.topk_ids, cfg.temperature), None)
+    return trainer.support_logprobs(ro, ro.topk_ids, cfg.temperature)  # TIM: p~, not p
+
+
 def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
     """One step: sample -> verify -> recompute -> (correct -> optimizer) x updates -> export/sync. -> record."""
     trainer, sampler, gen = rs.trainer, rs.sampler, rs.gen
@@ -2273,12 +2281,9 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
     logp_old, logp_master_old = trainer.behaviour_logprobs(ro, cfg.temperature)
     lap("recompute")
     # 4) + 5) correct and step, updates_per_batch times on the same batch
-    updates, logp_prox, log_s = [], None, None
+    updates, logp_prox = [], None
     for _ in range(cfg.updates_per_batch):
-        if ro.kept_ids is None:
-            logp, logp_topk, hidden = trainer.logprobs(ro, ro.topk_ids, cfg.temperature)
-        else:  # TIM: the trainer's log-probs renormalised on the sampler's kept support
-            logp, logp_topk, hidden, log_s = trainer.support_logprobs(ro, ro.topk_ids, cfg.temperature)
+        logp, logp_topk, hidden, log_s = _current_logprobs(cfg, trainer, ro)
         lap("recompute")
         first = logp_prox is None
         if first:  # TIM: the proximal policy: the trainer before the first update on this batch
