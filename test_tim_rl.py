@@ -1009,16 +1009,15 @@ def test_calibrated_clip_bounds_match_reference_clip_share():
     assert share_fixed > share_ref + 0.05, "anti-vacuity: the fixed bound clips more negative tokens"
 
 
-def test_dlc_resync_fires_on_growing_lag_not_on_a_constant_engine_offset():
+def test_dlc_resync_fires_on_growing_lag():
+    """The trigger's own rule; that the loop never hands it the engine gap is test_dlc_lag_resync_in_a_run's."""
     g = torch.Generator().manual_seed(0)
     mask = torch.ones(4, 6, dtype=torch.bool)
     logp_old = -torch.rand(4, 6, generator=g)
-    logp_infer = logp_old - 0.5  # a large, constant engine offset: no resync can change it
     direction = torch.randn(4, 6, generator=g).sign()
     fired = [tr.dlc_should_resync(logp_old + 0.01 * k * direction, logp_old, mask, staleness=k, max_lag=0.045)
              for k in range(10)]  # the trainer drifts away from the behaviour weights by 0.01 per step
     assert fired == [False] * 5 + [True] * 5, fired
-    assert tr.mismatch_ledger(logp_old, logp_old, logp_infer, mask)["numerics_abs"] > 0.4, "the offset is there"
     assert not tr.dlc_should_resync(logp_old, logp_old, mask, staleness=100, max_lag=0.05), "no lag, no resync"
     assert tr.dlc_should_resync(logp_old, logp_old, mask, staleness=4, max_staleness=4, max_lag=0.0)
     assert not tr.dlc_should_resync(logp_old + 1.0, logp_old, mask, staleness=3, max_staleness=4, max_lag=0.0)
@@ -1205,6 +1204,8 @@ def _copy_calls():
         "truncation_mask": lambda f: f(logits.detach(), 0.8, 6, 0.05),
         "support_ids": lambda f: f(torch.rand(B, T, V, generator=torch.Generator().manual_seed(3)) < 0.3),
         "renormalize_on_support": lambda f: f(logp_grad, torch.cat([logp_grad[..., None], head], -1)),
+        "student_t_quantile": lambda f: f(0.975, 4),
+        "paired_ci": lambda f: f([0.1, 0.2, -0.05]),
     }
 
 
@@ -1279,7 +1280,7 @@ def test_every_public_math_function_is_copy_tested():
     first, last = (lines.index(f"# ---- {b} ----") + 1 for b in ("log-space helpers", "task and reward verifier"))
     public = {n for n, f in vars(tr).items() if inspect.isfunction(f) and f.__module__ == tr.__name__ and
               not n.startswith("_") and first <= inspect.getsourcelines(f)[1] <= last}
-    assert public == set(_copy_calls())
+    assert public <= set(_copy_calls()), "each is run from its source alone (the verdict's interval is, too)"
 
 # =================================================================================================================
 # verifier and task
@@ -1398,6 +1399,11 @@ def test_word_problem_pools_are_disjoint_and_answers_correct():
     pools = {split: {q for seed in range(3) for q, _ in tr.make_word_problems(400, seed, split)}
              for split in ("rl", "eval")}
     assert not pools["rl"] & pools["eval"] and min(map(len, pools.values())) > 300, "disjoint, and not by emptiness"
+    sums = {split: {_word_numbers(q)[0][-1:] + str(_word_numbers(q)[1:]) for seed in range(3)
+                    for q, _ in tr.make_word_problems(2000 if split == "rl" else 500, seed, split)}
+            for split in ("rl", "eval")}
+    assert not sums["rl"] & sums["eval"], "disjoint by (op, a, b), not only by wording"
+    assert len(tr.make_word_problems(tr.RLConfig().eval_n, 0, "eval")) == tr.RLConfig().eval_n, "pool >= eval_n"
     problems = tr.make_word_problems(300, seed=1) + tr.make_word_problems(300, 0, "eval")
     names = set()
     for question, answer in problems:
@@ -1594,13 +1600,19 @@ def test_updates_per_batch_clip_bites_from_the_second_update(base_model_dir, tmp
     assert one[0]["mm_k3"] == three[0]["mm_k3"], "the same first batch (paired), the same mismatch"
 
 
-def test_dlc_lag_resync_in_a_run(base_model_dir, tmp_path):
-    common = dict(model=str(base_model_dir), out_dir=str(tmp_path), lr=1e-3, correction="dlc", dtype="bf16",
-                  sync_every=10**6, **(SMOKE | {"steps": 6}))
-    never = [r for r in tr.run(tr.RLConfig(name="d0", **common)) if "reward" in r]
+def test_dlc_lag_resync_in_a_run(base_model_dir, tmp_path, monkeypatch):
+    """The trigger is armed in both runs: with a bf16 engine gap far above its threshold and no lag (lr 1e-12) it
+    must stay silent (it would fire if the loop handed it logp_infer), and with a growing lag (lr 1e-3) it fires."""
+    calls = []
+    trigger = tr.dlc_should_resync
+    monkeypatch.setattr(tr, "dlc_should_resync", lambda *a, **k: calls.append(1) or trigger(*a, **k))
+    common = dict(model=str(base_model_dir), out_dir=str(tmp_path), correction="dlc", dtype="bf16",
+                  sync_every=10**6, dlc_max_lag=1e-4, **(SMOKE | {"steps": 6}))
+    never = [r for r in tr.run(tr.RLConfig(name="d0", lr=1e-12, **common)) if "reward" in r]
+    assert len(calls) == 6, "the trigger was consulted at every step"
+    assert min(r["ledger_numerics_abs"] for r in never) > 1e-3, "the engine gap is 10x the threshold"
     assert not any(r["synced"] for r in never), "a constant bf16 engine gap alone never triggers a resync"
-    assert min(r["ledger_numerics_abs"] for r in never) > 1e-4
-    lagged = [r for r in tr.run(tr.RLConfig(name="d1", dlc_max_lag=1e-4, **common)) if "reward" in r]
+    lagged = [r for r in tr.run(tr.RLConfig(name="d1", lr=1e-3, **common)) if "reward" in r]
     assert any(r["synced"] for r in lagged), "the growing lag does"
 
 
@@ -1959,7 +1971,8 @@ def test_device_cpu_runs_and_cuda_without_a_gpu_is_a_clear_error(base_model_dir,
                       **SMOKE)
     recs = [r for r in tr.run(cfg) if "reward" in r]
     assert len(recs) == 3 and all(math.isfinite(r["loss"]) and r["peak_rss_mb"] > 0 for r in recs)
-    assert tr.resolve_device("cpu") == tr.resolve_device("auto") == torch.device("cpu") or torch.cuda.is_available()
+    assert tr.resolve_device("cpu") == torch.device("cpu")
+    assert tr.resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(ValueError, match="device must be"):
         tr.run(tr.RLConfig(model=str(base_model_dir), device="gpu", out_dir=str(tmp_path)))
     if not torch.cuda.is_available():
@@ -2197,11 +2210,70 @@ def test_publish_rewrites_only_its_blocks(tmp_path):
         tr._replace_block("<!-- verdicts -->\nno end\n", "verdicts", "x")
 
 
-def test_control_learned_needs_every_seed_and_the_ci():
-    def runs(gains):
-        return {tr.SYNCED_CONTROL: [[{"step": 0, "pc_trainer": 0.4}, {"step": 0, "reward": 0.5},
-                                     {"step": 1, "pc_trainer": 0.4 + g}] for g in gains]}
+def test_control_learned_needs_every_seed_the_ci_and_finite_gains():
+    def runs(gains, key="pc_trainer"):
+        return {tr.SYNCED_CONTROL: [[{"step": 0, key: 0.4}, {"step": 0, "reward": 0.5},
+                                     {"step": 1, key: 0.4 + g}] for g in gains]}
 
     assert tr.control_learned(runs([0.04, 0.05, 0.03, 0.06, 0.02]))[0]
     assert not tr.control_learned(runs([0.06, 0.005, 0.023, -0.002, 0.032]))[0], "one seed fell: invalid"
     assert not tr.control_learned(runs([-0.01, -0.02, 0.0, -0.03, 0.01]))[0]
+    assert not tr.control_learned(runs([0.04, 0.05, math.nan, 0.06, 0.02]))[0], "a diverged seed: invalid"
+    assert not tr.control_learned(runs([0.04, 0.05, 0.03, 0.06, 0.02], key="pct_trainer"))[0], "key never logged"
+    assert tr.control_learned(runs([0.04, 0.05, 0.03, 0.06, 0.02], key="pct_trainer"), "pct_trainer")[0]
+    assert not tr.control_learned(runs([0.04, 0.05, 0.03, 0.06, 0.02]), control="another control")[0]
+
+
+@pytest.mark.parametrize("direction", [1, -1])
+def test_verdict_follows_the_claimed_direction(direction):
+    above, below, across = [0.1, 0.12, 0.09, 0.11, 0.1], [-0.1, -0.12, -0.09, -0.11, -0.1], [0.1, -0.1, 0.05, -0.05, 0]
+    on_side, wrong_side = (above, below) if direction > 0 else (below, above)
+    assert tr.verdict_row("c", "m", on_side, direction)["verdict"] == "reproduced"
+    assert tr.verdict_row("c", "m", wrong_side, direction)["verdict"] == "contradicted"
+    assert tr.verdict_row("c", "m", across, direction)["verdict"] == "not resolved"
+    assert tr.verdict_row("c", "m", on_side, direction, valid=False)["verdict"] == "invalid testbed"
+    assert tr.verdict_row("c", "m", on_side[:4] + [math.nan], direction)["verdict"] == "not resolved"
+    assert tr.verdict_row("c", "m", on_side[:1], direction)["verdict"] == "not resolved", "one seed"
+
+
+def test_student_t_quantile_matches_tables():
+    table = {(0.975, 1): 12.7062, (0.975, 2): 4.3027, (0.975, 4): 2.7764, (0.975, 9): 2.2622, (0.975, 29): 2.0452,
+             (0.95, 4): 2.1318, (0.995, 4): 4.6041, (0.5, 3): 0.0}
+    for (q, df), x in table.items():
+        assert tr.student_t_quantile(q, df) == pytest.approx(x, abs=2e-4), (q, df)
+
+
+def _percentile_bootstrap(d: torch.Tensor, draws: int = 2000, level: float = 0.95) -> tuple[torch.Tensor, ...]:
+    """The interval round 2 published: percentile bootstrap of the mean, over the last dim of d (trials, n)."""
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, d.shape[-1], (d.shape[0], draws, d.shape[-1]), generator=g)
+    means = torch.gather(d[:, None, :].expand(-1, draws, -1), 2, idx).mean(-1)  # (trials, draws)
+    return means.quantile((1 - level) / 2, dim=1), means.quantile((1 + level) / 2, dim=1)
+
+
+NULL_TRIALS = 1000  # the false-resolution rate is then known to about +-0.7 % (binomial sd at 5 %)
+
+
+@pytest.mark.parametrize("shape", ["normal", "t3"])
+def test_paired_ci_resolves_at_most_6_percent_of_null_comparisons_at_5_seeds(shape):
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(NULL_TRIALS, 5, generator=g, dtype=torch.float64)
+    if shape == "t3":  # Student t with 3 degrees of freedom: z / sqrt(chi2_3 / 3)
+        z = z / (torch.randn(NULL_TRIALS, 5, 3, generator=g, dtype=torch.float64).pow(2).sum(-1) / 3).sqrt()
+    d = 0.01 * z  # true mean 0: every resolved interval is a false verdict
+    resolved = [not (low <= 0 <= high) for low, high in (tr.paired_ci(row.tolist()) for row in d)]
+    rate = sum(resolved) / NULL_TRIALS
+    assert rate <= 0.06, f"paired_ci resolved {rate:.1%} of null comparisons"
+    low, high = _percentile_bootstrap(d)
+    boot = float(((low > 0) | (high < 0)).double().mean())
+    assert boot > 0.10, f"twin: the percentile bootstrap over-resolves ({boot:.1%})"
+    if shape == "normal":  # and not by being useless: a true effect of 2 sd is found more often than not
+        assert sum(tr.paired_ci((row + 0.02).tolist())[0] > 0 for row in d) / NULL_TRIALS > 0.5
+
+
+def test_paired_ci_is_the_t_interval_and_says_nothing_without_data():
+    low, high = tr.paired_ci([1.0, 2.0, 3.0])
+    assert (low, high) == pytest.approx((2 - 4.3027 / math.sqrt(3), 2 + 4.3027 / math.sqrt(3)), abs=1e-3)
+    assert tr.paired_ci([1.0]) == (-math.inf, math.inf) and all(map(math.isnan, tr.paired_ci([1.0, math.inf])))
+    with pytest.raises(ValueError, match="level"):
+        tr.paired_ci([1.0, 2.0], level=95)
