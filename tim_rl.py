@@ -127,11 +127,11 @@ class RLConfig:
     exact: bool = _arg(False, "exact mode: sampler log-probs from the trainer's forward (ratio 1)")
     correction: str = _arg("none", "none|tis|mis|seq_tis|geo|cis|ppo|ppo_infer|dppo|sc|sc_tis|sc_mis|dlc|copc|"
                                    "calibrated (drift_only: the drift part alone, a positive control)")
-    steps: int = _arg(200, "optimizer steps")
+    steps: int = _arg(80, "optimizer steps")
     prompts: int = _arg(16, "prompts per step")
     group: int = _arg(8, "samples per prompt (G)")
     max_new_tokens: int = _arg(5, "response length cap")
-    temperature: float = _arg(1.0, "sampling temperature; sampler and trainer both divide the logits by it (vLLM "
+    temperature: float = _arg(1.0, "sampling temperature > 0; sampler and trainer both divide the logits by it (vLLM "
                                    "raises a value in (0, 0.01) to 0.01: the trainer would not, so they are refused)")
     top_p: float = _arg(1.0, "sampler nucleus truncation (vLLM's rule; 1 = off)")
     top_k: int = _arg(0, "sampler top-k truncation (0 = off; not the recorded --topk)")
@@ -141,7 +141,7 @@ class RLConfig:
     topk: int = _arg(0, "sampler top-K ids recorded for score centering; 0 = whole vocabulary")
     baseline: str = _arg("group", "advantage baseline: group (GRPO mean, no std) | none (raw reward)")
     optimizer: str = _arg("adamw", "adamw | sgd")
-    lr: float = _arg(3e-5, "learning rate (1e-4: Adam's first steps knock the tiny model back before it learns)")
+    lr: float = _arg(3e-5, "learning rate; a larger one such as 1e-4 knocks the tiny model back in Adam's first steps")
     sync_every: int = _arg(1, "copy trainer weights into the sampler every k steps (policy lag k - 1)")
     updates_per_batch: int = _arg(1, "optimizer steps per rollout batch, full batch each (verl ppo_epochs, TRL "
                                      "num_iterations); the proximal log-probs are taken before the first")
@@ -155,7 +155,7 @@ class RLConfig:
     dppo_delta: float = _arg(0.2, "DPPO trust region on |p - q|")
     dlc_max_staleness: int = _arg(0, "DLC: resync once this many steps passed without one (0 = off)")
     dlc_max_lag: float = _arg(0.0, "DLC: resync when the lag mean |logp - logp_old| exceeds this (0 = off)")
-    eval_every: int = _arg(25, "evaluate before step 0, every N steps and after the last (>= 5 points: N <= steps/4)")
+    eval_every: int = _arg(20, "evaluate before step 0, every N steps and after the last (N <= steps/4: >= 5 points)")
     eval_n: int = _arg(512, "distinct held-out problems per evaluation")
     diagnose_drift: bool = _arg(False, "log norms of the drift and signal parts of the gradient (extra backwards)")
     seed: int = _arg(0, "seed of sampling, data and noise")
@@ -2104,17 +2104,12 @@ def drift_signal_norms(params, logp, logp_topk, ro: Rollout, adv) -> dict[str, f
 
 
 def make_sampler(cfg: RLConfig, model, tokenizer):
-    """The sampler engine of the run: TorchSampler, or VLLMSampler (needs vLLM)."""
+    """The sampler engine of the run: TorchSampler, or VLLMSampler (needs vLLM; _check_run_config checked the flags)."""
     if cfg.sampler == "torch":
         engine = EngineSpec(dtype=cfg.dtype, quant=cfg.quant, noise=cfg.noise, noise_seed=cfg.seed + 1234,
                             exact=cfg.exact)
         return TorchSampler(model, engine, tokenizer)
-    if cfg.sampler == "vllm":
-        if cfg.quant != "none" or cfg.noise or cfg.exact:
-            raise ValueError("the vLLM sampler takes dtype only (no quant / noise / exact)")
-        return VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer,
-                           gpu_memory=cfg.vllm_gpu_memory)
-    raise ValueError(f"sampler must be torch or vllm, got {cfg.sampler!r}")
+    return VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer, gpu_memory=cfg.vllm_gpu_memory)
 
 
 def _truncates(cfg: RLConfig) -> bool:
@@ -2146,27 +2141,49 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def _has_chat_template(model_dir: str | Path) -> bool:
+    """Whether the tokenizer saved in model_dir has a chat template (read off its files; nothing is loaded)."""
+    d = Path(model_dir)
+    config = d / "tokenizer_config.json"
+    return (d / "chat_template.jinja").is_file() or (config.is_file() and "chat_template" in json.loads(
+        config.read_text()))
+
+
 def _check_run_config(cfg: RLConfig) -> None:
+    """Raise ValueError naming the flag(s) for a setting the run would reject later, or that would train nothing."""
+    _check_values(cfg)
     resolve_device(cfg.device)
-    if cfg.task not in TASKS:
-        raise ValueError(f"task must be one of {tuple(TASKS)}, got {cfg.task!r}")
-    _check_truncation(cfg.top_p, cfg.top_k, cfg.min_p)
-    if _truncates(cfg) and not cfg.renormalize and cfg.correction in ("dlc", "calibrated", "sc", "sc_tis", "sc_mis",
-                                                                      "drift_only"):
-        raise ValueError(f"renormalize=False applies to the current trainer's sampled-token log-probs only; "
-                         f"{cfg.correction} also reads logp_old or the top-K log-probs: run it with renormalize=True")
-    if cfg.correction not in CORRECTIONS:
-        raise ValueError(f"correction must be one of {CORRECTIONS}, got {cfg.correction!r}")
-    if cfg.baseline not in ("group", "none"):
-        raise ValueError(f"baseline must be group or none, got {cfg.baseline!r}")
-    if cfg.sync_every < 1:
-        raise ValueError(f"sync_every must be >= 1, got {cfg.sync_every}")
-    if cfg.loss_on_served and cfg.sync_every != 1:
-        raise ValueError("loss_on_served needs sync_every = 1 (the loss runs on the copy the sampler holds)")
-    if cfg.updates_per_batch < 1 or cfg.eval_every < 1:
-        raise ValueError(f"updates_per_batch and eval_every must be >= 1, got {cfg.updates_per_batch}, {cfg.eval_every}")
-    if cfg.loss_on_served and cfg.updates_per_batch != 1:
-        raise ValueError("loss_on_served needs updates_per_batch = 1 (the served copy changes only at a sync)")
+    try:
+        _check_truncation(cfg.top_p, cfg.top_k, cfg.min_p)
+    except ValueError as e:
+        raise ValueError("--" + str(e).replace("_", "-", 1)) from None
+    group_relative = cfg.baseline == "group" and cfg.correction != "copc"  # COPC's advantages come from its critic
+    vllm = cfg.sampler == "vllm"
+    mistakes = [
+        (_truncates(cfg) and not cfg.renormalize and cfg.correction in ("dlc", "calibrated", "sc", "sc_tis", "sc_mis",
+                                                                         "drift_only"),
+         f"--no-renormalize applies to the current trainer's sampled-token log-probs only; --correction "
+         f"{cfg.correction} also reads logp_old or the top-K log-probs: run it with --renormalize"),
+        (cfg.loss_on_served and (cfg.sync_every, cfg.updates_per_batch) != (1, 1), "--loss-on-served needs "
+         "--sync-every 1 and --updates-per-batch 1 (the loss runs on the copy the sampler holds, fixed until a sync)"),
+        (cfg.export != "rtn" and cfg.dtype != "bf16", f"--export {cfg.export} rounds the fp32 master to bf16: it "
+         f"needs --dtype bf16 (the sampler is {cfg.dtype}; rtn is the only export to fp32 / fp16)"),
+        (group_relative and cfg.group == 1, "--group 1 with --baseline group: each sample is its own group mean, so "
+         "every advantage is 0 and nothing trains (use --group >= 2, or --baseline none)"),
+        (group_relative and cfg.temperature == 0, "--temperature 0 samples greedily: a group's samples are identical, "
+         "so every advantage is 0 and nothing trains (use --temperature > 0, or --baseline none)"),
+        (vllm and not vllm_available(), "--sampler vllm: vLLM is not installed in this environment (README: Set-up "
+         "installs it in its own environment)"),
+        (vllm and (cfg.quant != "none" or cfg.noise or cfg.exact), "--sampler vllm takes --dtype only (no --quant, "
+         "--noise or --exact)"),
+        (vllm and 0 < cfg.temperature < 0.01, f"--sampler vllm with --temperature {cfg.temperature}: vLLM samples "
+         "at 0.01 while the trainer would score the requested value (use 0.01 or more)"),
+        (cfg.task == "words" and not _has_chat_template(cfg.model), f"--task words needs a chat model: --model "
+         f"{cfg.model} has no chat template (the embedded tiny model has none)"),
+    ]
+    for bad, message in mistakes:
+        if bad:
+            raise ValueError(message)
 
 
 STEP_PHASES = ("sample", "recompute", "loss", "optimizer", "export", "sync")  # sec_<phase> in metrics.jsonl
@@ -2257,9 +2274,8 @@ def _current_logprobs(cfg: RLConfig, trainer: Trainer, ro: Rollout):
     return trainer.support_logprobs(ro, ro.topk_ids, cfg.temperature)  # TIM: p~, not p
 
 
-def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
-    """One step: sample -> verify -> recompute -> (correct -> optimizer) x updates -> export/sync. -> record."""
-    trainer, sampler, gen = rs.trainer, rs.sampler, rs.gen
+def _phase_clock() -> tuple[dict, object]:
+    """(seconds per STEP_PHASES entry, lap): lap(phase) adds the time since the previous lap to that phase."""
     sec, clock = dict.fromkeys(STEP_PHASES, 0.0), [time.perf_counter()]
 
     def lap(phase: str) -> None:
@@ -2267,6 +2283,51 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
         sec[phase] += now - clock[0]
         clock[0] = now
 
+    return sec, lap
+
+
+def _update(cfg: RLConfig, rs: _RunState, ro: Rollout, rewards, logp_old, logp_prox, extra: dict, lap):
+    """One optimizer step on the batch: (its loss / grad_norm / zeroed shares, logp_prox, (logp, log S) before it).
+
+    logp_prox None: this is the batch's first update, whose log-probs become the proximal policy.
+    """
+    logp, logp_topk, hidden, log_s = _current_logprobs(cfg, rs.trainer, ro)
+    lap("recompute")
+    first, before = logp_prox is None, (logp.detach(), log_s)
+    if first and log_s is not None:
+        extra["kept_mass"] = float(masked_mean(log_s.detach().exp(), ro.mask))
+    if log_s is not None and not cfg.renormalize:  # TIM: full-vocabulary log-probs: the ratio is biased by S
+        logp, logp_topk = logp + log_s, logp_topk + log_s[..., None]
+    if first:  # TIM: the proximal policy: the trainer before the first update on this batch
+        logp_prox = logp.detach()
+    adv, critic_loss = _advantages(cfg, rewards, logp, hidden, ro, rs.value_head)
+    loss = policy_loss(cfg, logp, logp_topk, logp_prox, logp_old, ro, adv)
+    w_eff = effective_token_weights(loss, logp, adv, ro.mask)  # what the arm did to each token
+    if first and cfg.diagnose_drift:
+        extra |= drift_signal_norms(rs.trainer.grad_leaves(), logp, logp_topk, ro, adv)
+    lap("loss")
+    grad_norm = rs.trainer.step(loss + critic_loss)
+    lap("optimizer")
+    return {"loss": loss.item(), "grad_norm": grad_norm} | _zeroed_shares(w_eff, adv), logp_prox, before
+
+
+def _dlc_resync(cfg: RLConfig, rs: _RunState, ro: Rollout, logp_old, logp_master_old) -> bool:
+    """DLC's trigger: resync when the lag the next batch would be sampled with (or the staleness) is too large."""
+    if cfg.correction != "dlc" or (cfg.dlc_max_lag <= 0 and cfg.dlc_max_staleness <= 0):
+        return False
+    # TIM: the lag is the updated trainer vs the sampler's weights (on this batch's tokens), measured from the master
+    # at export when it was rounded, so rounding is no lag
+    with torch.no_grad():
+        score = sequence_logprobs if ro.kept_ids is None else support_logprobs
+        logp_next = score(rs.trainer.model, ro, cfg.temperature)[0]
+    lag_anchor = logp_old if logp_master_old is None else logp_master_old
+    return dlc_should_resync(logp_next, lag_anchor, ro.mask, rs.since_sync, cfg.dlc_max_staleness, cfg.dlc_max_lag)
+
+
+def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
+    """One step: sample -> verify -> recompute -> (correct -> optimizer) x updates -> export/sync -> record."""
+    trainer, sampler, gen = rs.trainer, rs.sampler, rs.gen
+    sec, lap = _phase_clock()
     # 1) sample
     prompts, answers = _encode_problems(rs.tokenizer, rs.train_set[step * cfg.prompts : (step + 1) * cfg.prompts])
     ro = sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, cfg.topk, gen, cfg.top_p,
@@ -2281,41 +2342,13 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
     logp_old, logp_master_old = trainer.behaviour_logprobs(ro, cfg.temperature)
     lap("recompute")
     # 4) + 5) correct and step, updates_per_batch times on the same batch
-    updates, logp_prox = [], None
-    for _ in range(cfg.updates_per_batch):
-        logp, logp_topk, hidden, log_s = _current_logprobs(cfg, trainer, ro)
-        lap("recompute")
-        first = logp_prox is None
-        if first:  # TIM: the proximal policy: the trainer before the first update on this batch
-            logp_ledger, log_s_ledger = logp.detach(), log_s
-            if log_s is not None:
-                extra["kept_mass"] = float(masked_mean(log_s.detach().exp(), ro.mask))
-        if log_s is not None and not cfg.renormalize:  # TIM: full-vocabulary log-probs: the ratio is biased by S
-            logp, logp_topk = logp + log_s, logp_topk + log_s[..., None]
-        if first:
-            logp_prox = logp.detach()
-        adv, critic_loss = _advantages(cfg, rewards, logp, hidden, ro, rs.value_head)
-        loss = policy_loss(cfg, logp, logp_topk, logp_prox, logp_old, ro, adv)
-        w_eff = effective_token_weights(loss, logp, adv, ro.mask)  # what the arm did to each token
-        if first and cfg.diagnose_drift:
-            extra |= drift_signal_norms(trainer.grad_leaves(), logp, logp_topk, ro, adv)
-        lap("loss")
-        grad_norm = trainer.step(loss + critic_loss)
-        updates.append({"loss": loss.item(), "grad_norm": grad_norm} | _zeroed_shares(w_eff, adv))
-        lap("optimizer")
+    update, logp_prox, (logp, log_s) = _update(cfg, rs, ro, rewards, logp_old, None, extra, lap)
+    updates = [update] + [_update(cfg, rs, ro, rewards, logp_old, logp_prox, extra, lap)[0]
+                          for _ in range(cfg.updates_per_batch - 1)]
     # 6) export + sync every sync_every steps (policy lag), or when DLC's lag trigger fires
     rs.since_sync += 1
-    ledger = mismatch_ledger(logp_ledger, logp_old, ro.logp_infer, ro.mask, logp_master_old, log_s_ledger)
-    resync = rs.since_sync >= cfg.sync_every
-    if not resync and cfg.correction == "dlc" and (cfg.dlc_max_lag > 0 or cfg.dlc_max_staleness > 0):
-        # TIM: DLC watches the lag the next batch would be sampled with: the updated trainer vs the sampler's weights
-        # (on this batch's tokens), measured from the master at export when it was rounded, so rounding is no lag
-        with torch.no_grad():
-            score = sequence_logprobs if ro.kept_ids is None else support_logprobs
-            logp_next = score(trainer.model, ro, cfg.temperature)[0]
-        lag_anchor = logp_old if logp_master_old is None else logp_master_old
-        resync = dlc_should_resync(logp_next, lag_anchor, ro.mask, rs.since_sync, cfg.dlc_max_staleness,
-                                   cfg.dlc_max_lag)
+    ledger = mismatch_ledger(logp, logp_old, ro.logp_infer, ro.mask, logp_master_old, log_s)
+    resync = rs.since_sync >= cfg.sync_every or _dlc_resync(cfg, rs, ro, logp_old, logp_master_old)
     vuf = None
     if resync:
         state, vuf = trainer.export(cfg.export, generator=gen)
@@ -3587,7 +3620,7 @@ def _add_fields(parser, cls) -> None:
                                 help=f.metadata.get("help"))
         else:
             typ = {"int": int, "float": float, "str": str}.get(f.type, type(f.default))
-            parser.add_argument(flag, type=typ, default=f.default, help=f.metadata.get("help") + " (%(default)s)")
+            parser.add_argument(flag, type=typ, default=f.default, help=f.metadata.get("help") + " (default: %(default)s)")
 
 
 class UsageError(ValueError):
@@ -3595,9 +3628,10 @@ class UsageError(ValueError):
 
 
 # Flags checked before anything is built (a user's mistake is one line, not a traceback): smallest value allowed,
-# and the allowed values. Keys are config field names; a subcommand checks the ones it has.
+# and the allowed values. Keys are config field names; a subcommand or config checks the ones it has.
 _CLI_MIN = {"steps": 1, "prompts": 1, "group": 1, "max_new_tokens": 1, "eval_every": 1, "eval_n": 1, "sync_every": 1,
-            "checkpoint_every": 0, "topk": 0, "batch": 1, "digits": 1, "repeats": 1}
+            "updates_per_batch": 1, "checkpoint_every": 0, "topk": 0, "temperature": 0, "batch": 1, "digits": 1,
+            "repeats": 1}
 _CLI_CHOICES = {"sampler": ("torch", "vllm"), "dtype": tuple(_DTYPES), "quant": ("none", "int8", "fp8"),
                 "correction": CORRECTIONS, "baseline": ("group", "none"), "optimizer": ("adamw", "sgd"),
                 "export": ("rtn", "sr", "ef"), "preset": ("", *PRESETS, "all"), "device": ("auto", "cpu", "cuda"),
@@ -3608,34 +3642,48 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _check_cli(args) -> None:
-    """Raise UsageError, naming the flag, for a value the run would reject later (or reject with a traceback)."""
+def _check_values(obj) -> None:
+    """Raise UsageError, naming the flag, for a value below its minimum or not among its choices (args or config)."""
     for name, low in _CLI_MIN.items():
-        if getattr(args, name, low) < low:
-            raise UsageError(f"{_flag(name)} must be >= {low}, got {getattr(args, name)}")
+        if getattr(obj, name, low) < low:
+            raise UsageError(f"{_flag(name)} must be >= {low}, got {getattr(obj, name)}")
     for name, choices in _CLI_CHOICES.items():
-        if getattr(args, name, choices[0]) not in choices:
+        if getattr(obj, name, choices[0]) not in choices:
             shown = " | ".join(c for c in choices if c)
-            raise UsageError(f"{_flag(name)} must be one of {shown}, got {getattr(args, name)!r}")
-    if getattr(args, "device", "auto") == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: torch.cuda.is_available() is False (no GPU, or a CPU build of torch)")
+            raise UsageError(f"{_flag(name)} must be one of {shown}, got {getattr(obj, name)!r}")
+
+
+def _from_args(cls, args):
+    """The config dataclass `cls` from the parsed flags of the same names."""
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def _check_cli(args) -> RLConfig | None:
+    """Raise ValueError, naming the flag(s), for a value or combination the run would reject later (or with a
+    traceback, or that would train nothing); returns the RL config train / compare will run."""
+    _check_values(args)
     for c in getattr(args, "corrections", "").split(","):
         if c and c not in CORRECTIONS:
             raise UsageError(f"--corrections: {c!r} is not one of {' | '.join(CORRECTIONS)}")
+    if not re.fullmatch(r"-?\d+(,-?\d+)*", getattr(args, "seeds", None) or "0"):
+        raise UsageError(f"--seeds must be comma-separated integers, got {args.seeds!r}")
     model = getattr(args, "model", "runs/base")
     if model != "runs/base" and not (Path(model) / "config.json").is_file():  # runs/base is built when missing
         found = "a directory without config.json" if Path(model).is_dir() else "no model directory there"
         raise UsageError(f"--model {model}: {found} (expected a Hugging Face causal-LM directory with config.json; "
                          "omit --model to use the embedded tiny model)")
-    if hasattr(args, "top_p"):
-        try:
-            _check_truncation(args.top_p, args.top_k, args.min_p)
-        except ValueError as e:
-            raise UsageError("--" + str(e).replace("_", "-", 1)) from None
     resume = getattr(args, "resume", "")
     for need in ("config.json", "checkpoint.safetensors") if resume else ():
         if not (Path(resume) / need).is_file():
             raise UsageError(f"--resume {resume}: no {need} there (expected a run directory written by train)")
+    if args.cmd not in ("train", "compare") or getattr(args, "preset", ""):
+        return None
+    cfg = _from_args(RLConfig, args)
+    if resume:
+        saved = json.loads((Path(resume) / "config.json").read_text())
+        cfg = RLConfig(**{f.name: saved[f.name] for f in fields(RLConfig) if f.name in saved})
+    _check_run_config(cfg)
+    return cfg
 
 
 def _parser():
@@ -3670,37 +3718,49 @@ def _parser():
     return parser
 
 
+def _eval_warning(cfg: RLConfig) -> str | None:
+    """One line when --eval-every gives fewer than 5 evaluations although --steps allows 5 (a coarse pc curve)."""
+    count = len(range(0, cfg.steps, cfg.eval_every)) + 1
+    if count < 5 <= cfg.steps + 1:
+        return (f"tim_rl: warning: --steps {cfg.steps} --eval-every {cfg.eval_every} gives {count} evaluations "
+                f"(--eval-every {max(cfg.steps // 4, 1)} gives 5 or more)")
+    return None
+
+
+def _train_summary(records: list[dict], out: Path) -> str:
+    """A few numbers of a finished run (first and last evaluation, last step) and the files it wrote."""
+    step, first, last = [r for r in records if "reward" in r][-1], records[0], records[-1]
+    evals = "  ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in ("acc_trainer", "pc_trainer", "pc_sampler"))
+    now = "  ".join(f"{k} {step[k]:.3g}" for k in ("reward", "mm_abs_diff", "grad_norm") if step[k] is not None)
+    files = ", ".join(str(out / f) for f in ("metrics.jsonl", "config.json", "checkpoint.safetensors"))
+    return f"evaluations (first -> last): {evals}\nstep {step['step']}: {now}\nwrote {files}"
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python tim_rl.py [pretrain|train|compare|engines|bench|demo] --help`; no subcommand runs the demo."""
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        _check_cli(args)
-    except UsageError as e:
+        cfg = _check_cli(args)
+    except ValueError as e:  # UsageError, or _check_run_config's
         parser.exit(2, f"tim_rl: error: {e}\n")
+    if cfg is not None and _eval_warning(cfg):
+        print(_eval_warning(cfg), file=sys.stderr)
     if args.cmd == "pretrain":
-        print(json.dumps(pretrain(PretrainConfig(**{f.name: getattr(args, f.name) for f in fields(PretrainConfig)}))))
-    elif args.cmd in ("train", "compare"):
-        cfg = RLConfig(**{f.name: getattr(args, f.name) for f in fields(RLConfig)})
-        if args.cmd == "train":
-            if args.resume:
-                saved = json.loads((Path(args.resume) / "config.json").read_text())
-                cfg = RLConfig(**{f.name: saved[f.name] for f in fields(RLConfig) if f.name in saved})
-            records = run(cfg, resume=bool(args.resume))
-            last = [r for r in records if "reward" in r][-1] | records[-1]  # the last RL step and the final evaluation
-            print(json.dumps({k: v for k, v in last.items() if not k.startswith("sec_")}, indent=1))
-        elif args.preset:
-            pc = PresetConfig(preset=args.preset, seeds=args.seeds or "0,1,2,3,4", smoke=args.smoke, model=cfg.model,
-                              publish=args.publish,
-                              out_dir=str(Path(cfg.out_dir) / "compare"))
-            for path in run_preset(pc):
-                print(path.read_text())
-        else:
-            rows = compare(cfg, args.corrections.split(","),
-                           [int(s) for s in (args.seeds or "0,1,2,3,4").split(",")], cfg.name)
-            print(_markdown_table(rows))
+        print(json.dumps(pretrain(_from_args(PretrainConfig, args))))
+    elif args.cmd == "train":
+        records = run(cfg, resume=bool(args.resume))
+        print(_train_summary(records, Path(cfg.out_dir) / cfg.name))
+    elif args.cmd == "compare" and args.preset:
+        pc = PresetConfig(preset=args.preset, seeds=args.seeds or "0,1,2,3,4", smoke=args.smoke, model=args.model,
+                          publish=args.publish, out_dir=str(Path(args.out_dir) / "compare"))
+        for path in run_preset(pc):
+            print(path.read_text())
+    elif args.cmd == "compare":
+        seeds = [int(s) for s in (args.seeds or "0,1,2,3,4").split(",")]
+        print(_markdown_table(compare(cfg, args.corrections.split(","), seeds, cfg.name)))
     elif args.cmd == "bench":
-        bench(BenchConfig(**{f.name: getattr(args, f.name) for f in fields(BenchConfig)}))
+        bench(_from_args(BenchConfig, args))
     elif args.cmd == "engines":
         print(_markdown_table(measure_engines(ensure_base_model(args.model) if args.model == "runs/base"
                                               else Path(args.model), default_engines())))
