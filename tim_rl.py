@@ -1872,13 +1872,11 @@ class Trainer:
         self.behaviour = copy.deepcopy(self.model).eval()
         # The unrounded master at the last export: splits export rounding off the ledger (bf16 / fp16 exports only).
         self.master_at_export = copy.deepcopy(self.model).eval() if export_dtype != "fp32" else None
-        params = list(self.model.parameters()) + list(extra_params)
-        if optimizer == "adamw":
-            self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-        elif optimizer == "sgd":
-            self.opt = torch.optim.SGD(params, lr=lr)
-        else:
+        if optimizer not in ("adamw", "sgd"):
             raise ValueError(f"optimizer must be adamw or sgd, got {optimizer!r}")
+        params = list(self.model.parameters()) + list(extra_params)
+        self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0) if optimizer == "adamw" else torch.optim.SGD(
+            params, lr=lr)
         self.export_dtype, self.loss_on_served = export_dtype, loss_on_served
         self.residual: dict[str, torch.Tensor] = {}  # error-feedback residuals, fp32
         self.served = {n: p.detach().clone() for n, p in self.model.named_parameters()}  # fp32 values served
@@ -1967,13 +1965,11 @@ class Trainer:
 def trainer_state(trainer: Trainer, extra: dict[str, torch.nn.Module] | None = None) -> tuple[dict, dict]:
     """(tensors, metadata) that restore a Trainer bit for bit: master, served copy, EF residuals, master at export,
     optimizer moments; plus any extra modules (the COPC value head). Names are prefixed by what they belong to."""
-    tensors = {f"model.{n}": p.detach() for n, p in trainer.model.named_parameters()}
+    modules = {"model": trainer.model, "master_at_export": trainer.master_at_export} | (extra or {})
+    tensors = {f"{m}.{n}": p.detach() for m, module in modules.items() if module is not None
+               for n, p in module.named_parameters()}
     tensors |= {f"served.{n}": v for n, v in trainer.served.items()}
     tensors |= {f"residual.{n}": v for n, v in trainer.residual.items()}
-    if trainer.master_at_export is not None:
-        tensors |= {f"master_at_export.{n}": p.detach() for n, p in trainer.master_at_export.named_parameters()}
-    for name, module in (extra or {}).items():
-        tensors |= {f"{name}.{n}": p.detach() for n, p in module.named_parameters()}
     opt = trainer.opt.state_dict()
     for index, slots in opt["state"].items():
         tensors |= {f"opt.{index}.{key}": torch.as_tensor(v) for key, v in slots.items()}
@@ -1983,26 +1979,29 @@ def trainer_state(trainer: Trainer, extra: dict[str, torch.nn.Module] | None = N
 @torch.no_grad()
 def load_trainer_state(trainer: Trainer, tensors: dict, meta: dict, extra: dict | None = None) -> None:
     """Inverse of trainer_state (the behaviour copy is rebuilt from the served weights)."""
-    trainer.model.load_state_dict({n[6:]: v for n, v in tensors.items() if n.startswith("model.")}, strict=False)
+    part = lambda name: {n[len(name) + 1:]: v for n, v in tensors.items() if n.startswith(name + ".")}  # noqa: E731
     device = next(trainer.model.parameters()).device
-    trainer.served = {n[7:]: v.to(device, copy=True) for n, v in tensors.items() if n.startswith("served.")}
-    trainer.residual = {n[9:]: v.to(device, copy=True) for n, v in tensors.items() if n.startswith("residual.")}
+    trainer.served = {n: v.to(device, copy=True) for n, v in part("served").items()}
+    trainer.residual = {n: v.to(device, copy=True) for n, v in part("residual").items()}
     trainer.behaviour.load_state_dict(trainer.served, strict=False)
-    if trainer.master_at_export is not None:
-        trainer.master_at_export.load_state_dict(
-            {n[17:]: v for n, v in tensors.items() if n.startswith("master_at_export.")}, strict=False)
-    for name, module in (extra or {}).items():
-        module.load_state_dict({n[len(name) + 1:]: v for n, v in tensors.items() if n.startswith(name + ".")})
+    modules = {"model": trainer.model, "master_at_export": trainer.master_at_export} | (extra or {})
+    for name, module in modules.items():
+        if module is not None:
+            module.load_state_dict(part(name), strict=False)  # buffers (rotary tables) are not saved
     state = {int(i): {key: tensors[f"opt.{i}.{key}"].clone() for key in keys} for i, keys in meta["opt_slots"].items()}
     trainer.opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
 def _write_atomic(path: Path, text: str) -> None:
     """Write text to a temporary file next to `path`, then rename it over `path` (all or nothing)."""
+    path.with_name(path.name + ".tmp").write_text(text)
+    _replace_with_tmp(path)
+
+
+def _replace_with_tmp(path: Path) -> None:
+    """fsync the finished temporary file `path`.tmp, then rename it over `path`."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
+    with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
@@ -2018,9 +2017,7 @@ def save_checkpoint(path: str | Path, tensors: dict[str, torch.Tensor], meta: di
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp), metadata={"json": json.dumps(meta)})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _replace_with_tmp(path)
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -2046,43 +2043,42 @@ def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout
     logp (grad) current trainer; logp_prox the trainer before this batch's first update; logp_old the trainer engine
     on the weights the sampler holds; ro.logp_infer the sampler. At the first update logp == logp_prox.
     """
-    m, q = ro.mask, ro.logp_infer
+    m, q, topk_q = ro.mask, ro.logp_infer, ro.logp_topk_infer
     # TIM: REINFORCE has no trust region, so its weight covers the whole gap p / q = lag x numerics: the weight
     # functions get the current log-prob (detached) as their trainer side. The decoupled-PPO arms weight the
     # behaviour gap p_prox / q and leave the update p / p_prox to the clip.
-    logp_now = logp.detach()
-    weighted = {
-        "none": None,
-        "tis": lambda: tis_weights(logp_now, q, m, cfg.tis_cap),
-        "mis": lambda: mis_weights(logp_now, q, m, cfg.mis_low, cfg.mis_high),
-        "seq_tis": lambda: seq_tis_weights(logp_now, q, m),
-        "geo": lambda: geo_mask_weights(logp_now, q, m),
-    }
-    if cfg.correction in weighted:
-        w = weighted[cfg.correction]() if weighted[cfg.correction] else None
-        return pg_loss(logp, adv, m, weights=w)
-    if cfg.correction in ("ppo", "cis", "copc"):  # TIM: decoupled PPO: behaviour gap in the weight, update clipped
-        w = {"ppo": lambda: tis_weights(logp_prox, q, m, cfg.tis_cap), "cis": lambda: cis_weights(logp_prox, q, m),
-             "copc": lambda: copc_mask(logp_prox, q, m)}[cfg.correction]()
-        return ppo_loss(logp, logp_prox, adv, m, weights=w, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
-    if cfg.correction == "ppo_infer":  # TIM: PPO with the sampler's log-probs as pi_old: the whole gap is clipped
-        return ppo_loss(logp, q, adv, m, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
-    if cfg.correction == "calibrated":  # TIM: ppo_infer with FP8-calibrated bounds [7]; the ratio p/q is the IS
-        ratio_low, ratio_ref = (logp_now - q).exp(), (logp_now - logp_old).exp()  # weight, so no TIS on top (rho^2)
+    logp_now, eps = logp.detach(), dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+    pg = functools.partial(pg_loss, logp, adv, m)  # (weights=None)
+    ppo = functools.partial(ppo_loss, logp, logp_prox, adv, m, **eps)  # (weights) TIM: decoupled PPO
+    sc = functools.partial(score_centering_loss, logp, logp_topk, q, topk_q, adv, m)  # (cap=None, band=None)
+
+    def calibrated():  # TIM: ppo_infer with FP8-calibrated bounds [7]; the ratio p/q is the IS weight, no TIS on top
+        ratio_low, ratio_ref = (logp_now - q).exp(), (logp_now - logp_old).exp()
         lo, hi = calibrated_clip_bounds(ratio_low, ratio_ref, adv, m, cfg.eps_low, cfg.eps_high)
         return ppo_loss(logp, q, adv, m, eps_low=1 - lo, eps_high=hi - 1)
-    if cfg.correction == "dppo":
-        return dppo_loss(logp, q, adv, m, delta=cfg.dppo_delta)
-    if cfg.correction in ("sc", "sc_tis", "sc_mis"):
-        cap = cfg.tis_cap if cfg.correction == "sc_tis" else None
-        band = (cfg.mis_low, cfg.mis_high) if cfg.correction == "sc_mis" else None
-        return score_centering_loss(logp, logp_topk, q, ro.logp_topk_infer, adv, m, cap=cap, band=band)
-    if cfg.correction == "drift_only":  # positive control [2]: REINFORCE minus its signal part = the drift alone
-        sc = score_centering_loss(logp, logp_topk, q, ro.logp_topk_infer, adv, m)
-        return pg_loss(logp, adv, m) - sc
-    if cfg.correction == "dlc":
-        return dlc_loss(logp, logp_old, q, adv, m, cfg.eps_low, cfg.eps_high, logp_prox=logp_prox, lag_cap=cfg.tis_cap)
-    raise ValueError(f"correction must be one of {CORRECTIONS}, got {cfg.correction!r}")
+
+    losses = {
+        "none": pg,
+        "tis": lambda: pg(tis_weights(logp_now, q, m, cfg.tis_cap)),
+        "mis": lambda: pg(mis_weights(logp_now, q, m, cfg.mis_low, cfg.mis_high)),
+        "seq_tis": lambda: pg(seq_tis_weights(logp_now, q, m)),
+        "geo": lambda: pg(geo_mask_weights(logp_now, q, m)),
+        "ppo": lambda: ppo(tis_weights(logp_prox, q, m, cfg.tis_cap)),
+        "cis": lambda: ppo(cis_weights(logp_prox, q, m)),
+        "copc": lambda: ppo(copc_mask(logp_prox, q, m)),
+        "ppo_infer": lambda: ppo_loss(logp, q, adv, m, **eps),  # TIM: sampler's log-probs as pi_old: all clipped
+        "calibrated": calibrated,
+        "dppo": lambda: dppo_loss(logp, q, adv, m, delta=cfg.dppo_delta),
+        "sc": sc,
+        "sc_tis": lambda: sc(cap=cfg.tis_cap),
+        "sc_mis": lambda: sc(band=(cfg.mis_low, cfg.mis_high)),
+        "drift_only": lambda: pg() - sc(),  # positive control [2]: REINFORCE minus its signal part = the drift alone
+        "dlc": lambda: dlc_loss(logp, logp_old, q, adv, m, cfg.eps_low, cfg.eps_high, logp_prox=logp_prox,
+                                lag_cap=cfg.tis_cap),
+    }
+    if cfg.correction not in losses:
+        raise ValueError(f"correction must be one of {CORRECTIONS}, got {cfg.correction!r}")
+    return losses[cfg.correction]()
 
 
 def drift_signal_norms(params, logp, logp_topk, ro: Rollout, adv) -> dict[str, float]:
@@ -2136,9 +2132,7 @@ def resolve_device(device: str) -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' (--device cuda) but torch.cuda.is_available() is False: no GPU or a CPU "
                          "build of torch; use --device cpu or auto")
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
 
 
 def _has_chat_template(model_dir: str | Path) -> bool:
@@ -2178,8 +2172,8 @@ def _check_run_config(cfg: RLConfig) -> None:
          "--noise or --exact)"),
         (vllm and 0 < cfg.temperature < 0.01, f"--sampler vllm with --temperature {cfg.temperature}: vLLM samples "
          "at 0.01 while the trainer would score the requested value (use 0.01 or more)"),
-        (cfg.task == "words" and not _has_chat_template(cfg.model), f"--task words needs a chat model: --model "
-         f"{cfg.model} has no chat template (the embedded tiny model has none)"),
+        (cfg.task == "words" and not _has_chat_template(cfg.model), f"--task words needs a chat model (--model DIR "
+         f"with a chat template): {cfg.model} has no chat template"),
     ]
     for bad, message in mistakes:
         if bad:
@@ -2389,8 +2383,7 @@ def task_problems(cfg: RLConfig, model_dir: Path, tokenizer) -> tuple[list, list
 
 
 def _save_run_checkpoint(out: Path, rs: _RunState, next_step: int) -> None:
-    extra = {"value_head": rs.value_head} if rs.value_head is not None else {}
-    tensors, meta = trainer_state(rs.trainer, extra)
+    tensors, meta = trainer_state(rs.trainer, {"value_head": rs.value_head})
     tensors |= {"rng.generator": rs.gen.get_state(), "rng.torch": torch.get_rng_state()}
     save_checkpoint(out / "checkpoint.safetensors", tensors, meta | {"next_step": next_step,
                                                                       "since_sync": rs.since_sync})
@@ -2399,8 +2392,7 @@ def _save_run_checkpoint(out: Path, rs: _RunState, next_step: int) -> None:
 def _resume_run(out: Path, rs: _RunState) -> tuple[int, list[dict]]:
     """Restore the checkpoint into rs; keep metrics.jsonl lines of the steps it covers (drop later or torn ones)."""
     tensors, meta = load_checkpoint(out / "checkpoint.safetensors")
-    extra = {"value_head": rs.value_head} if rs.value_head is not None else {}
-    load_trainer_state(rs.trainer, tensors, meta, extra)
+    load_trainer_state(rs.trainer, tensors, meta, {"value_head": rs.value_head})
     rs.sampler.load_weights(rs.trainer.served)  # the sampler holds the served copy of the last sync
     rs.gen.set_state(tensors["rng.generator"])
     torch.set_rng_state(tensors["rng.torch"])
@@ -3620,7 +3612,8 @@ def _add_fields(parser, cls) -> None:
                                 help=f.metadata.get("help"))
         else:
             typ = {"int": int, "float": float, "str": str}.get(f.type, type(f.default))
-            parser.add_argument(flag, type=typ, default=f.default, help=f.metadata.get("help") + " (default: %(default)s)")
+            help_text = f.metadata.get("help") + " (default: %(default)s)"
+            parser.add_argument(flag, type=typ, default=f.default, help=help_text)
 
 
 class UsageError(ValueError):
