@@ -1379,7 +1379,7 @@ def ensure_base_model(path: str | Path = "runs/base") -> Path:
     """Pre-train the embedded tiny model into `path` unless a model is already there."""
     path = Path(path)
     if not (path / "config.json").exists():
-        print(f"[tim_rl] no model at {path}: pre-training the embedded tiny model (about a minute)", file=sys.stderr)
+        print(f"[tim_rl] no model at {path}: pre-training the embedded tiny model (~20 s)", file=sys.stderr)
         pretrain(PretrainConfig(out=str(path)))
     return path
 
@@ -3684,7 +3684,8 @@ def _parser():
     import argparse
 
     parser = argparse.ArgumentParser(prog="tim_rl", description="RL under training-inference mismatch. "
-                                     "No subcommand: the default demo (pre-trains the tiny model if needed).")
+                                     "No subcommand: the default demo (~5 min; first pre-trains the tiny model if "
+                                     "needed, ~20 s).")
     sub = parser.add_subparsers(dest="cmd")
     _add_fields(sub.add_parser("pretrain", help="pre-train the embedded tiny model"), PretrainConfig)
     p_train = sub.add_parser("train", help="one RL run")
