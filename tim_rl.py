@@ -2320,14 +2320,12 @@ def _dlc_resync(cfg: RLConfig, rs: _RunState, ro: Rollout, logp_old, logp_master
 
 def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
     """One step: sample -> verify -> recompute -> (correct -> optimizer) x updates -> export/sync -> record."""
-    trainer, sampler, gen = rs.trainer, rs.sampler, rs.gen
-    sec, lap = _phase_clock()
+    trainer, sampler, gen, (sec, lap) = rs.trainer, rs.sampler, rs.gen, _phase_clock()
     # 1) sample
     prompts, answers = _encode_problems(rs.tokenizer, rs.train_set[step * cfg.prompts : (step + 1) * cfg.prompts])
-    ro = sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, cfg.topk, gen, cfg.top_p,
-                        cfg.top_k, cfg.min_p)
     device = next(trainer.model.parameters()).device
-    ro = ro.to(device)
+    ro = sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, cfg.topk, gen, cfg.top_p,
+                        cfg.top_k, cfg.min_p).to(device)
     lap("sample")
     # 2) verify
     rewards = torch.tensor([verify(text, answers[i // cfg.group]) for i, text in enumerate(ro.texts)], device=device)
@@ -2438,8 +2436,7 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
             if step % cfg.eval_every == 0:  # before the step's update: step 0 is the model RL starts from
                 write(evaluate(step, rs, cfg))
             write(_rl_step(cfg, step, rs))
-            every = cfg.checkpoint_every
-            if step == cfg.steps - 1 or (every > 0 and (step + 1) % every == 0):
+            if step == cfg.steps - 1 or (cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0):
                 _save_run_checkpoint(out, rs, step + 1)
         write(evaluate(cfg.steps, rs, cfg))  # after the last update
     return records
@@ -2469,9 +2466,8 @@ def measure_engines(model_dir: str | Path, engines: list[tuple[str, object]], n_
             with torch.no_grad():
                 logp = sequence_logprobs(trainer_model, ro)[0]  # TIM: the trainer's view of the same tokens
             m = mismatch_metrics(logp, ro.logp_infer, ro.mask)
-            rows.append({"engine": label, "seed": seed, "tokens": int(m["n_tokens"]), "k3": m["k3"],
-                         "abs_diff": m["abs_diff"], "max_abs_diff": m["max_abs_diff"], "ratio_min": m["ratio_min"],
-                         "ratio_max": m["ratio_max"]})
+            keys = ("k3", "abs_diff", "max_abs_diff", "ratio_min", "ratio_max")
+            rows.append({"engine": label, "seed": seed, "tokens": int(m["n_tokens"])} | {k: m[k] for k in keys})
         del sampler
     return rows
 
