@@ -1134,8 +1134,21 @@ CLI_MISTAKES = [  # (argv, words the one error line must contain); each fails be
     (["train", "--min-p", "-0.1"], ["--min-p must be in [0, 1)"]),
     (["train", "--device", "tpu"], ["--device must be one of auto | cpu | cuda"]),
     (["train", "--task", "poems"], ["--task must be one of arithmetic | words"]),
+    (["train", "--task", "words"], ["--task words needs a chat model", "no chat template"]),
+    (["train", "--export", "sr"], ["--export sr", "--dtype bf16", "fp32"]),
+    (["train", "--dtype", "fp16", "--export", "ef"], ["--export ef", "--dtype bf16", "fp16"]),
+    (["compare", "--preset", "staleness", "--seeds", "x"], ["--seeds must be comma-separated integers", "'x'"]),
+    (["demo", "--seeds", "0,,1"], ["--seeds must be comma-separated integers"]),
+    (["train", "--temperature", "0"], ["--temperature 0", "every advantage is 0", "--baseline none"]),
+    (["train", "--temperature", "-1"], ["--temperature must be >= 0"]),
+    (["train", "--group", "1"], ["--group 1 with --baseline group", "every advantage is 0"]),
+    (["compare", "--group", "1"], ["--group 1 with --baseline group"]),
+    (["train", "--loss-on-served", "--dtype", "bf16", "--sync-every", "2"], ["--loss-on-served", "--sync-every 1"]),
+    (["train", "--top-p", "0.9", "--no-renormalize", "--correction", "dlc"], ["--no-renormalize", "dlc"]),
+    (["train", "--updates-per-batch", "0"], ["--updates-per-batch must be >= 1"]),
 ] + ([(["train", "--device", "cuda"], ["--device cuda", "torch.cuda.is_available() is False"])]
-     if not torch.cuda.is_available() else [])
+     if not torch.cuda.is_available() else []) + ([(["train", "--sampler", "vllm"], ["--sampler vllm", "not installed"])]
+                                                  if not tr.vllm_available() else [])
 
 
 @pytest.mark.parametrize("argv,words", CLI_MISTAKES, ids=[" ".join(a) for a, _ in CLI_MISTAKES])
@@ -1147,6 +1160,16 @@ def test_cli_mistake_is_one_error_line_with_status_2(argv, words, capsys):
     assert exit_.value.code == 2 and len(lines) == 1 and lines[0].startswith("tim_rl: error: "), out.err[-2000:]
     assert "Traceback" not in out.err and out.out == ""
     assert all(w in lines[0] for w in words), lines[0]
+
+
+def test_degenerate_settings_pass_where_they_still_train_and_few_evaluations_warn_in_one_line():
+    """--group 1 / --temperature 0 are refused only with group-relative advantages; too few evaluations warn."""
+    for ok in (dict(group=1, baseline="none"), dict(temperature=0.0, baseline="none"), dict(group=1, correction="copc")):
+        tr._check_run_config(tr.RLConfig(**ok))
+    warning = tr._eval_warning(tr.RLConfig(steps=30, eval_every=25))
+    assert "--eval-every 25 gives 3 evaluations" in warning and "--eval-every 7" in warning and "\n" not in warning
+    assert tr._eval_warning(tr.RLConfig()) is None and tr._eval_warning(tr.RLConfig(steps=3, eval_every=2)) is None
+    assert len(range(0, 30, 7)) + 1 >= 5
 
 
 def test_cli_mistake_from_a_fresh_process_is_one_line_with_status_2():
@@ -1451,8 +1474,10 @@ def test_hf_tokenizer_stops_at_the_chat_templates_end_of_turn(base_model_dir, tm
 
 @pytest.fixture(scope="session")
 def base_model_dir(tmp_path_factory):
-    """The embedded tiny model; pre-trained here once (about a minute) unless TIM_RL_BASE points at one."""
-    given_dir = os.environ.get("TIM_RL_BASE")
+    """The embedded tiny model: $TIM_RL_BASE, else runs/base when the demo or `pretrain` wrote it, else pre-trained
+    here once (~20 s)."""
+    demo_dir = tr.Path(tr.__file__).resolve().parent / "runs" / "base"
+    given_dir = os.environ.get("TIM_RL_BASE") or (demo_dir if (demo_dir / "model.safetensors").is_file() else None)
     if given_dir:
         return tr.Path(given_dir)
     out = tmp_path_factory.mktemp("base")
@@ -1788,7 +1813,9 @@ def test_cli_help_and_train(base_model_dir, tmp_path):
                           "--prompts", "2", "--group", "2", "--eval-n", "8", "--out-dir", str(tmp_path),
                           "--no-progress"], cwd=here, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "acc_trainer" in out.stdout
+    lines = out.stdout.splitlines()  # a short summary that names the files written, not the last record as JSON
+    assert len(lines) == 3 and "acc_trainer" in lines[0] and "reward" in lines[1], out.stdout
+    assert lines[-1].startswith("wrote ") and str(tmp_path / "run" / "metrics.jsonl") in lines[-1]
 
 
 def test_every_compare_preset_runs_in_smoke_size(base_model_dir, tmp_path):

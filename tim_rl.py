@@ -127,11 +127,11 @@ class RLConfig:
     exact: bool = _arg(False, "exact mode: sampler log-probs from the trainer's forward (ratio 1)")
     correction: str = _arg("none", "none|tis|mis|seq_tis|geo|cis|ppo|ppo_infer|dppo|sc|sc_tis|sc_mis|dlc|copc|"
                                    "calibrated (drift_only: the drift part alone, a positive control)")
-    steps: int = _arg(200, "optimizer steps")
+    steps: int = _arg(80, "optimizer steps")
     prompts: int = _arg(16, "prompts per step")
     group: int = _arg(8, "samples per prompt (G)")
     max_new_tokens: int = _arg(5, "response length cap")
-    temperature: float = _arg(1.0, "sampling temperature; sampler and trainer both divide the logits by it (vLLM "
+    temperature: float = _arg(1.0, "sampling temperature > 0; sampler and trainer both divide the logits by it (vLLM "
                                    "raises a value in (0, 0.01) to 0.01: the trainer would not, so they are refused)")
     top_p: float = _arg(1.0, "sampler nucleus truncation (vLLM's rule; 1 = off)")
     top_k: int = _arg(0, "sampler top-k truncation (0 = off; not the recorded --topk)")
@@ -141,7 +141,7 @@ class RLConfig:
     topk: int = _arg(0, "sampler top-K ids recorded for score centering; 0 = whole vocabulary")
     baseline: str = _arg("group", "advantage baseline: group (GRPO mean, no std) | none (raw reward)")
     optimizer: str = _arg("adamw", "adamw | sgd")
-    lr: float = _arg(3e-5, "learning rate (1e-4: Adam's first steps knock the tiny model back before it learns)")
+    lr: float = _arg(3e-5, "learning rate; a larger one such as 1e-4 knocks the tiny model back in Adam's first steps")
     sync_every: int = _arg(1, "copy trainer weights into the sampler every k steps (policy lag k - 1)")
     updates_per_batch: int = _arg(1, "optimizer steps per rollout batch, full batch each (verl ppo_epochs, TRL "
                                      "num_iterations); the proximal log-probs are taken before the first")
@@ -155,8 +155,8 @@ class RLConfig:
     dppo_delta: float = _arg(0.2, "DPPO trust region on |p - q|")
     dlc_max_staleness: int = _arg(0, "DLC: resync once this many steps passed without one (0 = off)")
     dlc_max_lag: float = _arg(0.0, "DLC: resync when the lag, mean |logp now - logp at the last sync's master|, "
-                                       "exceeds this (0 = off)")
-    eval_every: int = _arg(25, "evaluate before step 0, every N steps and after the last (>= 5 points: N <= steps/4)")
+                                   "exceeds this (0 = off)")
+    eval_every: int = _arg(20, "evaluate before step 0, every N steps and after the last (N <= steps/4: >= 5 points)")
     eval_n: int = _arg(512, "distinct held-out problems per evaluation")
     diagnose_drift: bool = _arg(False, "log norms of the drift and signal parts of the gradient (extra backwards)")
     seed: int = _arg(0, "seed of sampling, data and noise")
@@ -1382,7 +1382,7 @@ def ensure_base_model(path: str | Path = "runs/base") -> Path:
     """Pre-train the embedded tiny model into `path` unless a model is already there."""
     path = Path(path)
     if not (path / "config.json").exists():
-        print(f"[tim_rl] no model at {path}: pre-training the embedded tiny model (about a minute)", file=sys.stderr)
+        print(f"[tim_rl] no model at {path}: pre-training the embedded tiny model (~20 s)", file=sys.stderr)
         pretrain(PretrainConfig(out=str(path)))
     return path
 
@@ -1875,13 +1875,11 @@ class Trainer:
         self.behaviour = copy.deepcopy(self.model).eval()
         # The unrounded master at the last export: splits export rounding off the ledger (bf16 / fp16 exports only).
         self.master_at_export = copy.deepcopy(self.model).eval() if export_dtype != "fp32" else None
-        params = list(self.model.parameters()) + list(extra_params)
-        if optimizer == "adamw":
-            self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-        elif optimizer == "sgd":
-            self.opt = torch.optim.SGD(params, lr=lr)
-        else:
+        if optimizer not in ("adamw", "sgd"):
             raise ValueError(f"optimizer must be adamw or sgd, got {optimizer!r}")
+        params = list(self.model.parameters()) + list(extra_params)
+        self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0) if optimizer == "adamw" else torch.optim.SGD(
+            params, lr=lr)
         self.export_dtype, self.loss_on_served = export_dtype, loss_on_served
         self.residual: dict[str, torch.Tensor] = {}  # error-feedback residuals, fp32
         self.served = {n: p.detach().clone() for n, p in self.model.named_parameters()}  # fp32 values served
@@ -1970,13 +1968,11 @@ class Trainer:
 def trainer_state(trainer: Trainer, extra: dict[str, torch.nn.Module] | None = None) -> tuple[dict, dict]:
     """(tensors, metadata) that restore a Trainer bit for bit: master, served copy, EF residuals, master at export,
     optimizer moments; plus any extra modules (the COPC value head). Names are prefixed by what they belong to."""
-    tensors = {f"model.{n}": p.detach() for n, p in trainer.model.named_parameters()}
+    modules = {"model": trainer.model, "master_at_export": trainer.master_at_export} | (extra or {})
+    tensors = {f"{m}.{n}": p.detach() for m, module in modules.items() if module is not None
+               for n, p in module.named_parameters()}
     tensors |= {f"served.{n}": v for n, v in trainer.served.items()}
     tensors |= {f"residual.{n}": v for n, v in trainer.residual.items()}
-    if trainer.master_at_export is not None:
-        tensors |= {f"master_at_export.{n}": p.detach() for n, p in trainer.master_at_export.named_parameters()}
-    for name, module in (extra or {}).items():
-        tensors |= {f"{name}.{n}": p.detach() for n, p in module.named_parameters()}
     opt = trainer.opt.state_dict()
     for index, slots in opt["state"].items():
         tensors |= {f"opt.{index}.{key}": torch.as_tensor(v) for key, v in slots.items()}
@@ -1986,26 +1982,29 @@ def trainer_state(trainer: Trainer, extra: dict[str, torch.nn.Module] | None = N
 @torch.no_grad()
 def load_trainer_state(trainer: Trainer, tensors: dict, meta: dict, extra: dict | None = None) -> None:
     """Inverse of trainer_state (the behaviour copy is rebuilt from the served weights)."""
-    trainer.model.load_state_dict({n[6:]: v for n, v in tensors.items() if n.startswith("model.")}, strict=False)
+    part = lambda name: {n[len(name) + 1:]: v for n, v in tensors.items() if n.startswith(name + ".")}  # noqa: E731
     device = next(trainer.model.parameters()).device
-    trainer.served = {n[7:]: v.to(device, copy=True) for n, v in tensors.items() if n.startswith("served.")}
-    trainer.residual = {n[9:]: v.to(device, copy=True) for n, v in tensors.items() if n.startswith("residual.")}
+    trainer.served = {n: v.to(device, copy=True) for n, v in part("served").items()}
+    trainer.residual = {n: v.to(device, copy=True) for n, v in part("residual").items()}
     trainer.behaviour.load_state_dict(trainer.served, strict=False)
-    if trainer.master_at_export is not None:
-        trainer.master_at_export.load_state_dict(
-            {n[17:]: v for n, v in tensors.items() if n.startswith("master_at_export.")}, strict=False)
-    for name, module in (extra or {}).items():
-        module.load_state_dict({n[len(name) + 1:]: v for n, v in tensors.items() if n.startswith(name + ".")})
+    modules = {"model": trainer.model, "master_at_export": trainer.master_at_export} | (extra or {})
+    for name, module in modules.items():
+        if module is not None:
+            module.load_state_dict(part(name), strict=False)  # buffers (rotary tables) are not saved
     state = {int(i): {key: tensors[f"opt.{i}.{key}"].clone() for key in keys} for i, keys in meta["opt_slots"].items()}
     trainer.opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
 def _write_atomic(path: Path, text: str) -> None:
     """Write text to a temporary file next to `path`, then rename it over `path` (all or nothing)."""
+    path.with_name(path.name + ".tmp").write_text(text)
+    _replace_with_tmp(path)
+
+
+def _replace_with_tmp(path: Path) -> None:
+    """fsync the finished temporary file `path`.tmp, then rename it over `path`."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
+    with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
@@ -2021,9 +2020,7 @@ def save_checkpoint(path: str | Path, tensors: dict[str, torch.Tensor], meta: di
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp), metadata={"json": json.dumps(meta)})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _replace_with_tmp(path)
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -2049,43 +2046,42 @@ def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout
     logp (grad) current trainer; logp_prox the trainer before this batch's first update; logp_old the trainer engine
     on the weights the sampler holds; ro.logp_infer the sampler. At the first update logp == logp_prox.
     """
-    m, q = ro.mask, ro.logp_infer
+    m, q, topk_q = ro.mask, ro.logp_infer, ro.logp_topk_infer
     # TIM: REINFORCE has no trust region, so its weight covers the whole gap p / q = lag x numerics: the weight
     # functions get the current log-prob (detached) as their trainer side. The decoupled-PPO arms weight the
     # behaviour gap p_prox / q and leave the update p / p_prox to the clip.
-    logp_now = logp.detach()
-    weighted = {
-        "none": None,
-        "tis": lambda: tis_weights(logp_now, q, m, cfg.tis_cap),
-        "mis": lambda: mis_weights(logp_now, q, m, cfg.mis_low, cfg.mis_high),
-        "seq_tis": lambda: seq_tis_weights(logp_now, q, m),
-        "geo": lambda: geo_mask_weights(logp_now, q, m),
-    }
-    if cfg.correction in weighted:
-        w = weighted[cfg.correction]() if weighted[cfg.correction] else None
-        return pg_loss(logp, adv, m, weights=w)
-    if cfg.correction in ("ppo", "cis", "copc"):  # TIM: decoupled PPO: behaviour gap in the weight, update clipped
-        w = {"ppo": lambda: tis_weights(logp_prox, q, m, cfg.tis_cap), "cis": lambda: cis_weights(logp_prox, q, m),
-             "copc": lambda: copc_mask(logp_prox, q, m)}[cfg.correction]()
-        return ppo_loss(logp, logp_prox, adv, m, weights=w, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
-    if cfg.correction == "ppo_infer":  # TIM: PPO with the sampler's log-probs as pi_old: the whole gap is clipped
-        return ppo_loss(logp, q, adv, m, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
-    if cfg.correction == "calibrated":  # TIM: ppo_infer with FP8-calibrated bounds [7]; the ratio p/q is the IS
-        ratio_low, ratio_ref = (logp_now - q).exp(), (logp_now - logp_old).exp()  # weight, so no TIS on top (rho^2)
+    logp_now, eps = logp.detach(), dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+    pg = functools.partial(pg_loss, logp, adv, m)  # (weights=None)
+    ppo = functools.partial(ppo_loss, logp, logp_prox, adv, m, **eps)  # (weights) TIM: decoupled PPO
+    sc = functools.partial(score_centering_loss, logp, logp_topk, q, topk_q, adv, m)  # (cap=None, band=None)
+
+    def calibrated():  # TIM: ppo_infer with FP8-calibrated bounds [7]; the ratio p/q is the IS weight, no TIS on top
+        ratio_low, ratio_ref = (logp_now - q).exp(), (logp_now - logp_old).exp()
         lo, hi = calibrated_clip_bounds(ratio_low, ratio_ref, adv, m, cfg.eps_low, cfg.eps_high)
         return ppo_loss(logp, q, adv, m, eps_low=1 - lo, eps_high=hi - 1)
-    if cfg.correction == "dppo":
-        return dppo_loss(logp, q, adv, m, delta=cfg.dppo_delta)
-    if cfg.correction in ("sc", "sc_tis", "sc_mis"):
-        cap = cfg.tis_cap if cfg.correction == "sc_tis" else None
-        band = (cfg.mis_low, cfg.mis_high) if cfg.correction == "sc_mis" else None
-        return score_centering_loss(logp, logp_topk, q, ro.logp_topk_infer, adv, m, cap=cap, band=band)
-    if cfg.correction == "drift_only":  # positive control [2]: REINFORCE minus its signal part = the drift alone
-        sc = score_centering_loss(logp, logp_topk, q, ro.logp_topk_infer, adv, m)
-        return pg_loss(logp, adv, m) - sc
-    if cfg.correction == "dlc":
-        return dlc_loss(logp, logp_old, q, adv, m, cfg.eps_low, cfg.eps_high, logp_prox=logp_prox, lag_cap=cfg.tis_cap)
-    raise ValueError(f"correction must be one of {CORRECTIONS}, got {cfg.correction!r}")
+
+    losses = {
+        "none": pg,
+        "tis": lambda: pg(tis_weights(logp_now, q, m, cfg.tis_cap)),
+        "mis": lambda: pg(mis_weights(logp_now, q, m, cfg.mis_low, cfg.mis_high)),
+        "seq_tis": lambda: pg(seq_tis_weights(logp_now, q, m)),
+        "geo": lambda: pg(geo_mask_weights(logp_now, q, m)),
+        "ppo": lambda: ppo(tis_weights(logp_prox, q, m, cfg.tis_cap)),
+        "cis": lambda: ppo(cis_weights(logp_prox, q, m)),
+        "copc": lambda: ppo(copc_mask(logp_prox, q, m)),
+        "ppo_infer": lambda: ppo_loss(logp, q, adv, m, **eps),  # TIM: sampler's log-probs as pi_old: all clipped
+        "calibrated": calibrated,
+        "dppo": lambda: dppo_loss(logp, q, adv, m, delta=cfg.dppo_delta),
+        "sc": sc,
+        "sc_tis": lambda: sc(cap=cfg.tis_cap),
+        "sc_mis": lambda: sc(band=(cfg.mis_low, cfg.mis_high)),
+        "drift_only": lambda: pg() - sc(),  # positive control [2]: REINFORCE minus its signal part = the drift alone
+        "dlc": lambda: dlc_loss(logp, logp_old, q, adv, m, cfg.eps_low, cfg.eps_high, logp_prox=logp_prox,
+                                lag_cap=cfg.tis_cap),
+    }
+    if cfg.correction not in losses:
+        raise ValueError(f"correction must be one of {CORRECTIONS}, got {cfg.correction!r}")
+    return losses[cfg.correction]()
 
 
 def drift_signal_norms(params, logp, logp_topk, ro: Rollout, adv) -> dict[str, float]:
@@ -2107,17 +2103,12 @@ def drift_signal_norms(params, logp, logp_topk, ro: Rollout, adv) -> dict[str, f
 
 
 def make_sampler(cfg: RLConfig, model, tokenizer):
-    """The sampler engine of the run: TorchSampler, or VLLMSampler (needs vLLM)."""
+    """The sampler engine of the run: TorchSampler, or VLLMSampler (needs vLLM; _check_run_config checked the flags)."""
     if cfg.sampler == "torch":
         engine = EngineSpec(dtype=cfg.dtype, quant=cfg.quant, noise=cfg.noise, noise_seed=cfg.seed + 1234,
                             exact=cfg.exact)
         return TorchSampler(model, engine, tokenizer)
-    if cfg.sampler == "vllm":
-        if cfg.quant != "none" or cfg.noise or cfg.exact:
-            raise ValueError("the vLLM sampler takes dtype only (no quant / noise / exact)")
-        return VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer,
-                           gpu_memory=cfg.vllm_gpu_memory)
-    raise ValueError(f"sampler must be torch or vllm, got {cfg.sampler!r}")
+    return VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer, gpu_memory=cfg.vllm_gpu_memory)
 
 
 def _truncates(cfg: RLConfig) -> bool:
@@ -2144,32 +2135,52 @@ def resolve_device(device: str) -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' (--device cuda) but torch.cuda.is_available() is False: no GPU or a CPU "
                          "build of torch; use --device cpu or auto")
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+
+
+def _has_chat_template(model_dir: str | Path) -> bool:
+    """Whether the tokenizer saved in model_dir has a chat template (read off its files; nothing is loaded)."""
+    d = Path(model_dir)
+    config = d / "tokenizer_config.json"
+    return (d / "chat_template.jinja").is_file() or (config.is_file() and "chat_template" in json.loads(
+        config.read_text()))
 
 
 def _check_run_config(cfg: RLConfig) -> None:
+    """Raise ValueError naming the flag(s) for a setting the run would reject later, or that would train nothing."""
+    _check_values(cfg)
     resolve_device(cfg.device)
-    if cfg.task not in TASKS:
-        raise ValueError(f"task must be one of {tuple(TASKS)}, got {cfg.task!r}")
-    _check_truncation(cfg.top_p, cfg.top_k, cfg.min_p)
-    if _truncates(cfg) and not cfg.renormalize and cfg.correction in ("dlc", "calibrated", "sc", "sc_tis", "sc_mis",
-                                                                      "drift_only"):
-        raise ValueError(f"renormalize=False applies to the current trainer's sampled-token log-probs only; "
-                         f"{cfg.correction} also reads logp_old or the top-K log-probs: run it with renormalize=True")
-    if cfg.correction not in CORRECTIONS:
-        raise ValueError(f"correction must be one of {CORRECTIONS}, got {cfg.correction!r}")
-    if cfg.baseline not in ("group", "none"):
-        raise ValueError(f"baseline must be group or none, got {cfg.baseline!r}")
-    if cfg.sync_every < 1:
-        raise ValueError(f"sync_every must be >= 1, got {cfg.sync_every}")
-    if cfg.loss_on_served and cfg.sync_every != 1:
-        raise ValueError("loss_on_served needs sync_every = 1 (the loss runs on the copy the sampler holds)")
-    if cfg.updates_per_batch < 1 or cfg.eval_every < 1:
-        raise ValueError(f"updates_per_batch and eval_every must be >= 1, got {cfg.updates_per_batch}, {cfg.eval_every}")
-    if cfg.loss_on_served and cfg.updates_per_batch != 1:
-        raise ValueError("loss_on_served needs updates_per_batch = 1 (the served copy changes only at a sync)")
+    try:
+        _check_truncation(cfg.top_p, cfg.top_k, cfg.min_p)
+    except ValueError as e:
+        raise ValueError("--" + str(e).replace("_", "-", 1)) from None
+    group_relative = cfg.baseline == "group" and cfg.correction != "copc"  # COPC's advantages come from its critic
+    vllm = cfg.sampler == "vllm"
+    mistakes = [
+        (_truncates(cfg) and not cfg.renormalize and cfg.correction in ("dlc", "calibrated", "sc", "sc_tis", "sc_mis",
+                                                                         "drift_only"),
+         f"--no-renormalize applies to the current trainer's sampled-token log-probs only; --correction "
+         f"{cfg.correction} also reads logp_old or the top-K log-probs: run it with --renormalize"),
+        (cfg.loss_on_served and (cfg.sync_every, cfg.updates_per_batch) != (1, 1), "--loss-on-served needs "
+         "--sync-every 1 and --updates-per-batch 1 (the loss runs on the copy the sampler holds, fixed until a sync)"),
+        (cfg.export != "rtn" and cfg.dtype != "bf16", f"--export {cfg.export} rounds the fp32 master to bf16: it "
+         f"needs --dtype bf16 (the sampler is {cfg.dtype}; rtn is the only export to fp32 / fp16)"),
+        (group_relative and cfg.group == 1, "--group 1 with --baseline group: each sample is its own group mean, so "
+         "every advantage is 0 and nothing trains (use --group >= 2, or --baseline none)"),
+        (group_relative and cfg.temperature == 0, "--temperature 0 samples greedily: a group's samples are identical, "
+         "so every advantage is 0 and nothing trains (use --temperature > 0, or --baseline none)"),
+        (vllm and not vllm_available(), "--sampler vllm: vLLM is not installed in this environment (README: Set-up "
+         "installs it in its own environment)"),
+        (vllm and (cfg.quant != "none" or cfg.noise or cfg.exact), "--sampler vllm takes --dtype only (no --quant, "
+         "--noise or --exact)"),
+        (vllm and 0 < cfg.temperature < 0.01, f"--sampler vllm with --temperature {cfg.temperature}: vLLM samples "
+         "at 0.01 while the trainer would score the requested value (use 0.01 or more)"),
+        (cfg.task == "words" and not _has_chat_template(cfg.model), f"--task words needs a chat model (--model DIR "
+         f"with a chat template): {cfg.model} has no chat template"),
+    ]
+    for bad, message in mistakes:
+        if bad:
+            raise ValueError(message)
 
 
 STEP_PHASES = ("sample", "recompute", "loss", "optimizer", "export", "sync")  # sec_<phase> in metrics.jsonl
@@ -2260,9 +2271,8 @@ def _current_logprobs(cfg: RLConfig, trainer: Trainer, ro: Rollout):
     return trainer.support_logprobs(ro, ro.topk_ids, cfg.temperature)  # TIM: p~, not p
 
 
-def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
-    """One step: sample -> verify -> recompute -> (correct -> optimizer) x updates -> export/sync. -> record."""
-    trainer, sampler, gen = rs.trainer, rs.sampler, rs.gen
+def _phase_clock() -> tuple[dict, object]:
+    """(seconds per STEP_PHASES entry, lap): lap(phase) adds the time since the previous lap to that phase."""
     sec, clock = dict.fromkeys(STEP_PHASES, 0.0), [time.perf_counter()]
 
     def lap(phase: str) -> None:
@@ -2270,12 +2280,55 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
         sec[phase] += now - clock[0]
         clock[0] = now
 
+    return sec, lap
+
+
+def _update(cfg: RLConfig, rs: _RunState, ro: Rollout, rewards, logp_old, logp_prox, extra: dict, lap):
+    """One optimizer step on the batch: (its loss / grad_norm / zeroed shares, logp_prox, (logp, log S) before it).
+
+    logp_prox None: this is the batch's first update, whose log-probs become the proximal policy.
+    """
+    logp, logp_topk, hidden, log_s = _current_logprobs(cfg, rs.trainer, ro)
+    lap("recompute")
+    first, before = logp_prox is None, (logp.detach(), log_s)
+    if first and log_s is not None:
+        extra["kept_mass"] = float(masked_mean(log_s.detach().exp(), ro.mask))
+    if log_s is not None and not cfg.renormalize:  # TIM: full-vocabulary log-probs: the ratio is biased by S
+        logp, logp_topk = logp + log_s, logp_topk + log_s[..., None]
+    if first:  # TIM: the proximal policy: the trainer before the first update on this batch
+        logp_prox = logp.detach()
+    adv, critic_loss = _advantages(cfg, rewards, logp, hidden, ro, rs.value_head)
+    loss = policy_loss(cfg, logp, logp_topk, logp_prox, logp_old, ro, adv)
+    w_eff = effective_token_weights(loss, logp, adv, ro.mask)  # what the arm did to each token
+    if first and cfg.diagnose_drift:
+        extra |= drift_signal_norms(rs.trainer.grad_leaves(), logp, logp_topk, ro, adv)
+    lap("loss")
+    grad_norm = rs.trainer.step(loss + critic_loss)
+    lap("optimizer")
+    return {"loss": loss.item(), "grad_norm": grad_norm} | _zeroed_shares(w_eff, adv), logp_prox, before
+
+
+def _dlc_resync(cfg: RLConfig, rs: _RunState, ro: Rollout, logp_old, logp_master_old) -> bool:
+    """DLC's trigger: resync when the lag the next batch would be sampled with (or the staleness) is too large."""
+    if cfg.correction != "dlc" or (cfg.dlc_max_lag <= 0 and cfg.dlc_max_staleness <= 0):
+        return False
+    # TIM: the lag is the updated trainer vs the sampler's weights (on this batch's tokens), measured from the master
+    # at export when it was rounded, so rounding is no lag
+    with torch.no_grad():
+        score = sequence_logprobs if ro.kept_ids is None else support_logprobs
+        logp_next = score(rs.trainer.model, ro, cfg.temperature)[0]
+    lag_anchor = logp_old if logp_master_old is None else logp_master_old
+    return dlc_should_resync(logp_next, lag_anchor, ro.mask, rs.since_sync, cfg.dlc_max_staleness, cfg.dlc_max_lag)
+
+
+def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
+    """One step: sample -> verify -> recompute -> (correct -> optimizer) x updates -> export/sync -> record."""
+    trainer, sampler, gen, (sec, lap) = rs.trainer, rs.sampler, rs.gen, _phase_clock()
     # 1) sample
     prompts, answers = _encode_problems(rs.tokenizer, rs.train_set[step * cfg.prompts : (step + 1) * cfg.prompts])
-    ro = sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, cfg.topk, gen, cfg.top_p,
-                        cfg.top_k, cfg.min_p)
     device = next(trainer.model.parameters()).device
-    ro = ro.to(device)
+    ro = sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, cfg.topk, gen, cfg.top_p,
+                        cfg.top_k, cfg.min_p).to(device)
     lap("sample")
     # 2) verify
     rewards = torch.tensor([verify(text, answers[i // cfg.group]) for i, text in enumerate(ro.texts)], device=device)
@@ -2284,41 +2337,13 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
     logp_old, logp_master_old = trainer.behaviour_logprobs(ro, cfg.temperature)
     lap("recompute")
     # 4) + 5) correct and step, updates_per_batch times on the same batch
-    updates, logp_prox = [], None
-    for _ in range(cfg.updates_per_batch):
-        logp, logp_topk, hidden, log_s = _current_logprobs(cfg, trainer, ro)
-        lap("recompute")
-        first = logp_prox is None
-        if first:  # TIM: the proximal policy: the trainer before the first update on this batch
-            logp_ledger, log_s_ledger = logp.detach(), log_s
-            if log_s is not None:
-                extra["kept_mass"] = float(masked_mean(log_s.detach().exp(), ro.mask))
-        if log_s is not None and not cfg.renormalize:  # TIM: full-vocabulary log-probs: the ratio is biased by S
-            logp, logp_topk = logp + log_s, logp_topk + log_s[..., None]
-        if first:
-            logp_prox = logp.detach()
-        adv, critic_loss = _advantages(cfg, rewards, logp, hidden, ro, rs.value_head)
-        loss = policy_loss(cfg, logp, logp_topk, logp_prox, logp_old, ro, adv)
-        w_eff = effective_token_weights(loss, logp, adv, ro.mask)  # what the arm did to each token
-        if first and cfg.diagnose_drift:
-            extra |= drift_signal_norms(trainer.grad_leaves(), logp, logp_topk, ro, adv)
-        lap("loss")
-        grad_norm = trainer.step(loss + critic_loss)
-        updates.append({"loss": loss.item(), "grad_norm": grad_norm} | _zeroed_shares(w_eff, adv))
-        lap("optimizer")
+    update, logp_prox, (logp, log_s) = _update(cfg, rs, ro, rewards, logp_old, None, extra, lap)
+    updates = [update] + [_update(cfg, rs, ro, rewards, logp_old, logp_prox, extra, lap)[0]
+                          for _ in range(cfg.updates_per_batch - 1)]
     # 6) export + sync every sync_every steps (policy lag), or when DLC's lag trigger fires
     rs.since_sync += 1
-    ledger = mismatch_ledger(logp_ledger, logp_old, ro.logp_infer, ro.mask, logp_master_old, log_s_ledger)
-    resync = rs.since_sync >= cfg.sync_every
-    if not resync and cfg.correction == "dlc" and (cfg.dlc_max_lag > 0 or cfg.dlc_max_staleness > 0):
-        # TIM: DLC watches the lag the next batch would be sampled with: the updated trainer vs the sampler's weights
-        # (on this batch's tokens), measured from the master at export when it was rounded, so rounding is no lag
-        with torch.no_grad():
-            score = sequence_logprobs if ro.kept_ids is None else support_logprobs
-            logp_next = score(trainer.model, ro, cfg.temperature)[0]
-        lag_anchor = logp_old if logp_master_old is None else logp_master_old
-        resync = dlc_should_resync(logp_next, lag_anchor, ro.mask, rs.since_sync, cfg.dlc_max_staleness,
-                                   cfg.dlc_max_lag)
+    ledger = mismatch_ledger(logp, logp_old, ro.logp_infer, ro.mask, logp_master_old, log_s)
+    resync = rs.since_sync >= cfg.sync_every or _dlc_resync(cfg, rs, ro, logp_old, logp_master_old)
     vuf = None
     if resync:
         state, vuf = trainer.export(cfg.export, generator=gen)
@@ -2359,8 +2384,7 @@ def task_problems(cfg: RLConfig, model_dir: Path, tokenizer) -> tuple[list, list
 
 
 def _save_run_checkpoint(out: Path, rs: _RunState, next_step: int) -> None:
-    extra = {"value_head": rs.value_head} if rs.value_head is not None else {}
-    tensors, meta = trainer_state(rs.trainer, extra)
+    tensors, meta = trainer_state(rs.trainer, {"value_head": rs.value_head})
     tensors |= {"rng.generator": rs.gen.get_state(), "rng.torch": torch.get_rng_state()}
     save_checkpoint(out / "checkpoint.safetensors", tensors, meta | {"next_step": next_step,
                                                                       "since_sync": rs.since_sync})
@@ -2369,8 +2393,7 @@ def _save_run_checkpoint(out: Path, rs: _RunState, next_step: int) -> None:
 def _resume_run(out: Path, rs: _RunState) -> tuple[int, list[dict]]:
     """Restore the checkpoint into rs; keep metrics.jsonl lines of the steps it covers (drop later or torn ones)."""
     tensors, meta = load_checkpoint(out / "checkpoint.safetensors")
-    extra = {"value_head": rs.value_head} if rs.value_head is not None else {}
-    load_trainer_state(rs.trainer, tensors, meta, extra)
+    load_trainer_state(rs.trainer, tensors, meta, {"value_head": rs.value_head})
     rs.sampler.load_weights(rs.trainer.served)  # the sampler holds the served copy of the last sync
     rs.gen.set_state(tensors["rng.generator"])
     torch.set_rng_state(tensors["rng.torch"])
@@ -2416,8 +2439,7 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
             if step % cfg.eval_every == 0:  # before the step's update: step 0 is the model RL starts from
                 write(evaluate(step, rs, cfg))
             write(_rl_step(cfg, step, rs))
-            every = cfg.checkpoint_every
-            if step == cfg.steps - 1 or (every > 0 and (step + 1) % every == 0):
+            if step == cfg.steps - 1 or (cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0):
                 _save_run_checkpoint(out, rs, step + 1)
         write(evaluate(cfg.steps, rs, cfg))  # after the last update
     return records
@@ -2447,9 +2469,8 @@ def measure_engines(model_dir: str | Path, engines: list[tuple[str, object]], n_
             with torch.no_grad():
                 logp = sequence_logprobs(trainer_model, ro)[0]  # TIM: the trainer's view of the same tokens
             m = mismatch_metrics(logp, ro.logp_infer, ro.mask)
-            rows.append({"engine": label, "seed": seed, "tokens": int(m["n_tokens"]), "k3": m["k3"],
-                         "abs_diff": m["abs_diff"], "max_abs_diff": m["max_abs_diff"], "ratio_min": m["ratio_min"],
-                         "ratio_max": m["ratio_max"]})
+            keys = ("k3", "abs_diff", "max_abs_diff", "ratio_min", "ratio_max")
+            rows.append({"engine": label, "seed": seed, "tokens": int(m["n_tokens"])} | {k: m[k] for k in keys})
         del sampler
     return rows
 
@@ -3662,7 +3683,8 @@ def _add_fields(parser, cls) -> None:
                                 help=f.metadata.get("help"))
         else:
             typ = {"int": int, "float": float, "str": str}.get(f.type, type(f.default))
-            parser.add_argument(flag, type=typ, default=f.default, help=f.metadata.get("help") + " (%(default)s)")
+            help_text = f.metadata.get("help") + " (default: %(default)s)"
+            parser.add_argument(flag, type=typ, default=f.default, help=help_text)
 
 
 class UsageError(ValueError):
@@ -3670,9 +3692,10 @@ class UsageError(ValueError):
 
 
 # Flags checked before anything is built (a user's mistake is one line, not a traceback): smallest value allowed,
-# and the allowed values. Keys are config field names; a subcommand checks the ones it has.
+# and the allowed values. Keys are config field names; a subcommand or config checks the ones it has.
 _CLI_MIN = {"steps": 1, "prompts": 1, "group": 1, "max_new_tokens": 1, "eval_every": 1, "eval_n": 1, "sync_every": 1,
-            "checkpoint_every": 0, "topk": 0, "batch": 1, "digits": 1, "repeats": 1}
+            "updates_per_batch": 1, "checkpoint_every": 0, "topk": 0, "temperature": 0, "batch": 1, "digits": 1,
+            "repeats": 1}
 _CLI_CHOICES = {"sampler": ("torch", "vllm"), "dtype": tuple(_DTYPES), "quant": ("none", "int8", "fp8"),
                 "correction": CORRECTIONS, "baseline": ("group", "none"), "optimizer": ("adamw", "sgd"),
                 "export": ("rtn", "sr", "ef"), "preset": ("", *PRESETS, "all"), "device": ("auto", "cpu", "cuda"),
@@ -3683,34 +3706,48 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _check_cli(args) -> None:
-    """Raise UsageError, naming the flag, for a value the run would reject later (or reject with a traceback)."""
+def _check_values(obj) -> None:
+    """Raise UsageError, naming the flag, for a value below its minimum or not among its choices (args or config)."""
     for name, low in _CLI_MIN.items():
-        if getattr(args, name, low) < low:
-            raise UsageError(f"{_flag(name)} must be >= {low}, got {getattr(args, name)}")
+        if getattr(obj, name, low) < low:
+            raise UsageError(f"{_flag(name)} must be >= {low}, got {getattr(obj, name)}")
     for name, choices in _CLI_CHOICES.items():
-        if getattr(args, name, choices[0]) not in choices:
+        if getattr(obj, name, choices[0]) not in choices:
             shown = " | ".join(c for c in choices if c)
-            raise UsageError(f"{_flag(name)} must be one of {shown}, got {getattr(args, name)!r}")
-    if getattr(args, "device", "auto") == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: torch.cuda.is_available() is False (no GPU, or a CPU build of torch)")
+            raise UsageError(f"{_flag(name)} must be one of {shown}, got {getattr(obj, name)!r}")
+
+
+def _from_args(cls, args):
+    """The config dataclass `cls` from the parsed flags of the same names."""
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def _check_cli(args) -> RLConfig | None:
+    """Raise ValueError, naming the flag(s), for a value or combination the run would reject later (or with a
+    traceback, or that would train nothing); returns the RL config train / compare will run."""
+    _check_values(args)
     for c in getattr(args, "corrections", "").split(","):
         if c and c not in CORRECTIONS:
             raise UsageError(f"--corrections: {c!r} is not one of {' | '.join(CORRECTIONS)}")
+    if not re.fullmatch(r"-?\d+(,-?\d+)*", getattr(args, "seeds", None) or "0"):
+        raise UsageError(f"--seeds must be comma-separated integers, got {args.seeds!r}")
     model = getattr(args, "model", "runs/base")
     if model != "runs/base" and not (Path(model) / "config.json").is_file():  # runs/base is built when missing
         found = "a directory without config.json" if Path(model).is_dir() else "no model directory there"
         raise UsageError(f"--model {model}: {found} (expected a Hugging Face causal-LM directory with config.json; "
                          "omit --model to use the embedded tiny model)")
-    if hasattr(args, "top_p"):
-        try:
-            _check_truncation(args.top_p, args.top_k, args.min_p)
-        except ValueError as e:
-            raise UsageError("--" + str(e).replace("_", "-", 1)) from None
     resume = getattr(args, "resume", "")
     for need in ("config.json", "checkpoint.safetensors") if resume else ():
         if not (Path(resume) / need).is_file():
             raise UsageError(f"--resume {resume}: no {need} there (expected a run directory written by train)")
+    if args.cmd not in ("train", "compare") or getattr(args, "preset", ""):
+        return None
+    cfg = _from_args(RLConfig, args)
+    if resume:
+        saved = json.loads((Path(resume) / "config.json").read_text())
+        cfg = RLConfig(**{f.name: saved[f.name] for f in fields(RLConfig) if f.name in saved})
+    _check_run_config(cfg)
+    return cfg
 
 
 def _parser():
@@ -3718,7 +3755,8 @@ def _parser():
     import argparse
 
     parser = argparse.ArgumentParser(prog="tim_rl", description="RL under training-inference mismatch. "
-                                     "No subcommand: the default demo (pre-trains the tiny model if needed).")
+                                     "No subcommand: the default demo (~5 min; first pre-trains the tiny model if "
+                                     "needed, ~20 s).")
     sub = parser.add_subparsers(dest="cmd")
     _add_fields(sub.add_parser("pretrain", help="pre-train the embedded tiny model"), PretrainConfig)
     p_train = sub.add_parser("train", help="one RL run")
@@ -3745,37 +3783,49 @@ def _parser():
     return parser
 
 
+def _eval_warning(cfg: RLConfig) -> str | None:
+    """One line when --eval-every gives fewer than 5 evaluations although --steps allows 5 (a coarse pc curve)."""
+    count = len(range(0, cfg.steps, cfg.eval_every)) + 1
+    if count < 5 <= cfg.steps + 1:
+        return (f"tim_rl: warning: --steps {cfg.steps} --eval-every {cfg.eval_every} gives {count} evaluations "
+                f"(--eval-every {max(cfg.steps // 4, 1)} gives 5 or more)")
+    return None
+
+
+def _train_summary(records: list[dict], out: Path) -> str:
+    """A few numbers of a finished run (first and last evaluation, last step) and the files it wrote."""
+    step, first, last = [r for r in records if "reward" in r][-1], records[0], records[-1]
+    evals = "  ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in ("acc_trainer", "pc_trainer", "pc_sampler"))
+    now = "  ".join(f"{k} {step[k]:.3g}" for k in ("reward", "mm_abs_diff", "grad_norm") if step[k] is not None)
+    files = ", ".join(str(out / f) for f in ("metrics.jsonl", "config.json", "checkpoint.safetensors"))
+    return f"evaluations (first -> last): {evals}\nstep {step['step']}: {now}\nwrote {files}"
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python tim_rl.py [pretrain|train|compare|engines|bench|demo] --help`; no subcommand runs the demo."""
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        _check_cli(args)
-    except UsageError as e:
+        cfg = _check_cli(args)
+    except ValueError as e:  # UsageError, or _check_run_config's
         parser.exit(2, f"tim_rl: error: {e}\n")
+    if cfg is not None and _eval_warning(cfg):
+        print(_eval_warning(cfg), file=sys.stderr)
     if args.cmd == "pretrain":
-        print(json.dumps(pretrain(PretrainConfig(**{f.name: getattr(args, f.name) for f in fields(PretrainConfig)}))))
-    elif args.cmd in ("train", "compare"):
-        cfg = RLConfig(**{f.name: getattr(args, f.name) for f in fields(RLConfig)})
-        if args.cmd == "train":
-            if args.resume:
-                saved = json.loads((Path(args.resume) / "config.json").read_text())
-                cfg = RLConfig(**{f.name: saved[f.name] for f in fields(RLConfig) if f.name in saved})
-            records = run(cfg, resume=bool(args.resume))
-            last = [r for r in records if "reward" in r][-1] | records[-1]  # the last RL step and the final evaluation
-            print(json.dumps({k: v for k, v in last.items() if not k.startswith("sec_")}, indent=1))
-        elif args.preset:
-            pc = PresetConfig(preset=args.preset, seeds=args.seeds or "0,1,2,3,4", smoke=args.smoke, model=cfg.model,
-                              publish=args.publish,
-                              out_dir=str(Path(cfg.out_dir) / "compare"))
-            for path in run_preset(pc):
-                print(path.read_text())
-        else:
-            rows = compare(cfg, args.corrections.split(","),
-                           [int(s) for s in (args.seeds or "0,1,2,3,4").split(",")], cfg.name)
-            print(_markdown_table(rows))
+        print(json.dumps(pretrain(_from_args(PretrainConfig, args))))
+    elif args.cmd == "train":
+        records = run(cfg, resume=bool(args.resume))
+        print(_train_summary(records, Path(cfg.out_dir) / cfg.name))
+    elif args.cmd == "compare" and args.preset:
+        pc = PresetConfig(preset=args.preset, seeds=args.seeds or "0,1,2,3,4", smoke=args.smoke, model=args.model,
+                          publish=args.publish, out_dir=str(Path(args.out_dir) / "compare"))
+        for path in run_preset(pc):
+            print(path.read_text())
+    elif args.cmd == "compare":
+        seeds = [int(s) for s in (args.seeds or "0,1,2,3,4").split(",")]
+        print(_markdown_table(compare(cfg, args.corrections.split(","), seeds, cfg.name)))
     elif args.cmd == "bench":
-        bench(BenchConfig(**{f.name: getattr(args, f.name) for f in fields(BenchConfig)}))
+        bench(_from_args(BenchConfig, args))
     elif args.cmd == "engines":
         print(_markdown_table(measure_engines(ensure_base_model(args.model) if args.model == "runs/base"
                                               else Path(args.model), default_engines())))
