@@ -3130,7 +3130,11 @@ DLC_PILOT = ("Pilot (written before this run): round 2's run of this preset (sam
              "lag-triggered arm on 0.28 ± 0.014 of its 80 steps, 22.4 syncs per seed, against 5 for k = 16. The fixed "
              "schedule with the closest sync count is k = 4 (20 syncs; k = 3 would give 27), so the resync claim is "
              "judged against dlc (k=4); the comparison with k = 16 is kept as a labelled 'more syncs' row.")
-FP8_CLIP_PILOT = "PENDING"
+FP8_CLIP_CONTROL = ("synced control (k=1, ppo)", {"correction": "ppo"})  # chosen by FP8_CLIP_PILOT
+FP8_CLIP_PILOT = ("Pilot (rule written before it ran, runs/pilots/fp8clip_pilot.py): round 2's control, REINFORCE "
+                  "with 2 updates per batch, fell on one seed. Candidates: A = decoupled PPO (fp32 sampler synced every "
+                  "step, lr 3e-5), then B = REINFORCE at lr 1.5e-5; take the first whose pc final - start > 0 on each "
+                  "of seeds 10-14 (disjoint from the preset's). A: +0.044, +0.062, +0.038, +0.066, +0.040 -> A.")
 TRUNCATION_REVISED = ("metric and control key pc_trainer -> pct_trainer after run 1, whose control's pc fell on one "
                       "seed while its pct rose on all")
 RL_PRESETS = {
