@@ -2237,6 +2237,28 @@ def test_publish_rewrites_only_its_blocks(tmp_path):
         tr._replace_block("<!-- verdicts -->\nno end\n", "verdicts", "x")
 
 
+def test_finished_runs_are_read_back_only_with_the_same_config(tmp_path):
+    import dataclasses
+    import json
+
+    cfg = tr.RLConfig(steps=2, out_dir=str(tmp_path), name="arm0_s0")
+    records = [{"step": 0, "pc_trainer": 0.4}, {"step": 0, "reward": 0.5}, {"step": 1, "reward": 0.6},
+               {"step": 2, "pc_trainer": 0.5}]
+    out = tmp_path / "arm0_s0"
+    out.mkdir()
+    saved = dataclasses.asdict(cfg)
+    del saved["task"]  # a field added after the run, at its default
+    (out / "config.json").write_text(json.dumps(saved))
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert tr._finished_run(cfg) == records
+    assert tr._finished_run(dataclasses.replace(cfg, lr=1e-4)) is None, "another config: run again"
+    assert tr._finished_run(dataclasses.replace(cfg, task="words")) is None, "a new field off its default"
+    assert tr._finished_run(dataclasses.replace(cfg, steps=3)) is None, "not finished at these steps"
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:-1]))
+    assert tr._finished_run(cfg) is None, "interrupted before its last evaluation"
+    assert tr.run_seconds(tmp_path) >= 0
+
+
 def test_control_learned_needs_every_seed_the_ci_and_finite_gains():
     def runs(gains, key="pc_trainer"):
         return {tr.SYNCED_CONTROL: [[{"step": 0, key: 0.4}, {"step": 0, "reward": 0.5},

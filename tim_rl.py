@@ -3124,17 +3124,17 @@ def _arms(label: str, corrections: tuple, **change) -> tuple:
     return tuple((f"{c}{label}", {"correction": c} | change) for c in corrections)
 
 
-FP8_CLIP_CONTROL = ("synced control (k=1, ppo)", {"correction": "ppo"})
 DLC_EQUAL_BUDGET_K = 4  # the fixed schedule with about the lag trigger's sync count (DLC_PILOT)
 DLC_PILOT = ("Pilot (written before this run): round 2's run of this preset (same seeds and settings) synced the "
              "lag-triggered arm on 0.28 ± 0.014 of its 80 steps, 22.4 syncs per seed, against 5 for k = 16. The fixed "
              "schedule with the closest sync count is k = 4 (20 syncs; k = 3 would give 27), so the resync claim is "
              "judged against dlc (k=4); the comparison with k = 16 is kept as a labelled 'more syncs' row.")
 FP8_CLIP_CONTROL = ("synced control (k=1, ppo)", {"correction": "ppo"})  # chosen by FP8_CLIP_PILOT
-FP8_CLIP_PILOT = ("Pilot (rule written before it ran, runs/pilots/fp8clip_pilot.py): round 2's control, REINFORCE "
+FP8_CLIP_PILOT = ("Pilot (rule written before it ran): round 2's control, REINFORCE "
                   "with 2 updates per batch, fell on one seed. Candidates: A = decoupled PPO (fp32 sampler synced every "
                   "step, lr 3e-5), then B = REINFORCE at lr 1.5e-5; take the first whose pc final - start > 0 on each "
-                  "of seeds 10-14 (disjoint from the preset's). A: +0.044, +0.062, +0.038, +0.066, +0.040 -> A.")
+                  "of seeds 10-14 (disjoint from the preset's). A: +0.044, +0.062, +0.038, +0.066, +0.040 -> A (its control "
+                  "line under `compare --preset fp8-clip --seeds 10,11,12,13,14`).")
 TRUNCATION_REVISED = ("metric and control key pc_trainer -> pct_trainer after run 1, whose control's pc fell on one "
                       "seed while its pct rose on all")
 RL_PRESETS = {
