@@ -79,6 +79,9 @@ BF16_DROPPED_BITS = 16
 # token_logprobs works on row chunks of at most this many fp32 bytes (4 MiB: ~32 rows at V = 32 000, ~6 at
 # V = 151 936), so its transient memory is a few chunks, not a fraction of the (B, T, V) logits.
 CHUNK_BYTES = 4 << 20
+# On a GPU token_logprobs runs one compiled pass per chunk of at most this many logits (2^28: 1 GiB of fp32, ~1 770
+# rows at V = 151 936): large enough to read at memory speed, small enough that a bf16 backward's fp32 chunk is not.
+FUSED_CHUNK_ELEMENTS = 1 << 28
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -190,18 +193,26 @@ def _check_mask(mask) -> None:
         raise ValueError(f"mask is empty (shape {tuple(mask.shape)}): need B >= 1 and T >= 1")
 
 
+def _check_device(name: str, x, ref_name: str, ref) -> None:
+    """x (a tensor or a generator; None passes) must be on ref's device: mixing devices is a ValueError naming both."""
+    if x is not None and (x.device.type, x.device.index or 0) != (ref.device.type, ref.device.index or 0):
+        raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}: put both on one device")
+
+
 def _check_bt(mask, **tensors) -> None:
-    """Check the mask and that every named tensor is float with the mask's (B, T) shape."""
+    """Check the mask and that every named tensor is float with the mask's (B, T) shape, on the mask's device."""
     _check_mask(mask)
     for name, x in tensors.items():
         _check_tensor(name, x)
         if x.shape != mask.shape:
             raise ValueError(f"{name} must have shape (B, T) = {tuple(mask.shape)} like mask, got {tuple(x.shape)}")
+        _check_device(name, x, "mask", mask)
 
 
 def _check_adv(adv, mask) -> torch.Tensor:
     """Advantages may be (B, T), (B, 1) or (B,); returned as a detached (B, T) float tensor, non-finite -> 0."""
     _check_tensor("adv", adv)
+    _check_device("adv", adv, "mask", mask)
     B, T = mask.shape
     if adv.shape == (B,):
         adv = adv[:, None]
@@ -248,19 +259,56 @@ def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int):
     return out, lse
 
 
+def _logprobs_pass(logits: torch.Tensor, ids: torch.Tensor):
+    """(logits[ids] - logsumexp(logits), logsumexp(logits)) in float32, one read of the logits. (n, V), (n, K)."""
+    x = logits.float()
+    lse = torch.logsumexp(x, -1, keepdim=True)  # (n, 1)
+    return x.gather(-1, ids) - lse, lse
+
+
+def _logprobs_grad_pass(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, g: torch.Tensor):
+    """sum_k g_k (onehot(ids_k) - softmax(logits)) in the logits' dtype: the backward in one pass. -> (n, V)."""
+    dense = torch.exp(logits.float() - lse) * -g.sum(-1, keepdim=True)  # (n, V) float32
+    return dense.scatter_add(-1, ids, g).to(logits.dtype)
+
+
+_LOGPROBS_COMPILED = None  # torch.compile of (_logprobs_pass, _logprobs_grad_pass), built on the first fused call
+
+
+def _fused_passes():
+    global _LOGPROBS_COMPILED
+    if _LOGPROBS_COMPILED is None:
+        _LOGPROBS_COMPILED = tuple(torch.compile(f, dynamic=True) for f in (_logprobs_pass, _logprobs_grad_pass))
+    return _LOGPROBS_COMPILED
+
+
+def _fused_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int):
+    """_chunked_logprobs with each chunk in one compiled pass (no (n, V) transient): (N, K), (N, 1) float32."""
+    parts = [_fused_passes()[0](logits[i : i + chunk_rows], ids[i : i + chunk_rows])
+             for i in range(0, logits.shape[0], chunk_rows)]
+    return torch.cat([out for out, _ in parts]), torch.cat([lse for _, lse in parts])
+
+
+def _gpu_compiles(device: torch.device) -> bool:
+    """True on a CUDA device where torch.compile has its GPU backend (Triton)."""
+    import importlib.util
+
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
 class _TokenLogprobs(torch.autograd.Function):
     """log softmax(logits)[ids] by row chunks, with a hand-written backward that writes the gradient in place.
 
     Forward keeps (logits, ids, lse): no (N, V) tensor is saved. Backward fills one (N, V) gradient chunk by chunk:
     d/dz_v = 1[v in ids] g - softmax(z)_v sum_k g_k. Autograd's own logsumexp + gather backward would allocate
-    several full-size temporaries instead.
+    several full-size temporaries instead. fused: both directions by compiled passes (_fused_logprobs).
     """
 
     @staticmethod
-    def forward(ctx, logits, ids, chunk_rows):  # logits (N, V), ids (N, K) -> (N, K) float32
-        out, lse = _chunked_logprobs(logits, ids, chunk_rows)
+    def forward(ctx, logits, ids, chunk_rows, fused):  # logits (N, V), ids (N, K) -> (N, K) float32
+        out, lse = (_fused_logprobs if fused else _chunked_logprobs)(logits, ids, chunk_rows)
         ctx.save_for_backward(logits, ids, lse)
-        ctx.chunk_rows = chunk_rows
+        ctx.chunk_rows, ctx.fused = chunk_rows, fused
         return out
 
     @staticmethod
@@ -271,25 +319,33 @@ class _TokenLogprobs(torch.autograd.Function):
             rows = slice(start, start + ctx.chunk_rows)
             g = grad_out[rows].float()  # (n, K)
             fp32 = logits.dtype == torch.float32  # then work in the gradient's own rows: no temporary at all
-            probs = torch.sub(logits[rows], lse[rows], out=grad[rows]) if fp32 else logits[rows].float() - lse[rows]
-            probs.exp_().mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, ids[rows], g)  # (n, V)
-            if not fp32:
+            if ctx.fused:
+                grad[rows] = _fused_passes()[1](logits[rows], ids[rows], lse[rows], g)
+            else:
+                probs = torch.sub(logits[rows], lse[rows], out=grad[rows]) if fp32 else logits[rows].float() - lse[rows]
+                probs.exp_().mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, ids[rows], g)  # (n, V)
+            if not (fp32 or ctx.fused):
                 grad[rows] = probs
-        return grad, None, None
+        return grad, None, None, None
 
 
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | None = None,
+                   fused: bool | None = None) -> torch.Tensor:
     """log softmax(logits)[ids] in float32, over row chunks. (..., V), (...) -> (...).
 
     `ids` may also carry a trailing K axis, (..., K) -> (..., K), for the sampler's top-k ids (one logsumexp serves
     all K). Never materialises a second full-size float32 copy of the logits: each chunk of rows is upcast and
     reduced on its own (default: as many rows as fit in CHUNK_BYTES of float32), and the backward writes the logits'
-    gradient chunk by chunk. Differentiable w.r.t. logits.
+    gradient chunk by chunk. Differentiable w.r.t. logits. fused (default: on CUDA when torch.compile has Triton)
+    runs each chunk of FUSED_CHUNK_ELEMENTS as one torch.compile'd pass, gather - logsumexp forward and
+    g (onehot - softmax) backward, so the logits are read once; without a compiler it falls back to the chunked path.
 
-    needs: _TokenLogprobs, _check_tensor, _chunked_logprobs, CHUNK_BYTES
+    needs: _TokenLogprobs, _check_tensor, _check_device, _chunked_logprobs, _fused_logprobs, _fused_passes,
+    _logprobs_pass, _logprobs_grad_pass, _gpu_compiles, CHUNK_BYTES, FUSED_CHUNK_ELEMENTS, _LOGPROBS_COMPILED
     """
     _check_tensor("logits", logits)
     _check_tensor("ids", ids, floating=False)
+    _check_device("ids", ids, "logits", logits)
     lead = logits.shape[:-1]
     if ids.shape != lead and (ids.dim() != logits.dim() or ids.shape[:-1] != lead):
         raise ValueError(f"ids must have shape {tuple(lead)} or {tuple(lead)} + (K,), got {tuple(ids.shape)}")
@@ -299,11 +355,12 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | No
     if N == 0:
         return flat_logits.new_zeros(ids.shape, dtype=torch.float32)
     flat_ids = ids.reshape(N, -1)  # (N, 1) or (N, K)
+    fused = _gpu_compiles(logits.device) if fused is None else fused
     if chunk_rows is None:
-        chunk_rows = max(1, CHUNK_BYTES // (4 * V))
+        chunk_rows = max(1, FUSED_CHUNK_ELEMENTS // V if fused else CHUNK_BYTES // (4 * V))
     if not (torch.is_grad_enabled() and logits.requires_grad):  # no graph to record
-        return _chunked_logprobs(flat_logits, flat_ids, chunk_rows)[0].reshape(ids.shape)
-    return _TokenLogprobs.apply(flat_logits, flat_ids, chunk_rows).reshape(ids.shape)
+        return (_fused_logprobs if fused else _chunked_logprobs)(flat_logits, flat_ids, chunk_rows)[0].view(ids.shape)
+    return _TokenLogprobs.apply(flat_logits, flat_ids, chunk_rows, fused).reshape(ids.shape)
 
 
 def log1mexp(logp: torch.Tensor) -> torch.Tensor:
@@ -514,7 +571,9 @@ def stochastic_round_bf16(
     """
     _check_fp32("x", x)
     if noise is None:
-        noise = torch.randint(0, 1 << BF16_DROPPED_BITS, x.shape, dtype=torch.int32, generator=generator).to(x.device)
+        _check_device("generator", generator, "x", x)
+        noise = torch.randint(0, 1 << BF16_DROPPED_BITS, x.shape, dtype=torch.int32, generator=generator,
+                              device=x.device)
     else:
         _check_tensor("noise", noise, floating=False)
         if noise.dtype != torch.int32 or noise.shape != x.shape:
@@ -530,12 +589,13 @@ def stochastic_round_bf16(
 def hash_noise16(shape: tuple[int, ...], seed: torch.Tensor) -> torch.Tensor:
     """Counter-based uniform noise in [0, 2^16): 32-bit integer hash of (element index, seed). int32, `shape`.
 
-    Deterministic given the seed (no generator state), so a compiler can fuse it with the rounding into one pass.
-    The hash is lowbias32 (C. Wellons' hash-prospector); int32 products wrap, shifts are made logical by masking.
+    Deterministic given the seed (no generator state), so a compiler can fuse it with the rounding into one pass; on
+    the seed's device. The hash is lowbias32 (C. Wellons' hash-prospector) of index * 0x9E3779B1 + seed; int32
+    products wrap, shifts are made logical by masking.
 
     needs: nothing
     """
-    h = torch.arange(math.prod(shape), dtype=torch.int32).reshape(shape) * -1640531535 + seed  # x 0x9E3779B1
+    h = torch.arange(math.prod(shape), dtype=torch.int32, device=seed.device).reshape(shape) * -1640531535 + seed
     h = h ^ ((h >> 16) & 0xFFFF)
     h = h * 0x7FEB352D
     h = h ^ ((h >> 15) & 0x1FFFF)
@@ -564,7 +624,7 @@ def stochastic_round_bf16_fused(x: torch.Tensor, seed: int, compile: bool = True
     """
     global _SR_COMPILED
     _check_fp32("x", x)
-    seed_t = torch.tensor(seed & 0x7FFFFFFF, dtype=torch.int32)
+    seed_t = torch.tensor(seed & 0x7FFFFFFF, dtype=torch.int32, device=x.device)
     flat = x.contiguous().reshape(-1)  # one compiled kernel for every parameter shape
     if not compile:
         return _sr_hashed(flat, seed_t).reshape(x.shape)
@@ -586,6 +646,7 @@ def error_feedback_round_bf16(x: torch.Tensor, residual: torch.Tensor) -> tuple[
     _check_fp32("residual", residual)
     if residual.shape != x.shape:
         raise ValueError(f"residual must have shape {tuple(x.shape)} like x, got {tuple(residual.shape)}")
+    _check_device("residual", residual, "x", x)
     target = x + residual
     served = target.to(torch.bfloat16)
     new_residual = target.sub_(served)  # exact (Sterbenz): served is within half a cell of target; in place
@@ -1415,14 +1476,27 @@ def _pad_stack(rows: list[torch.Tensor], value: int) -> torch.Tensor:
     return torch.stack([torch.nn.functional.pad(r, (0, S - r.shape[-1]), value=value) for r in rows], 1)
 
 
-def _left_pad(prompts: list[list[int]], pad_id: int = PAD_ID) -> tuple[torch.Tensor, torch.Tensor]:
+def _left_pad(prompts: list[list[int]], pad_id: int = PAD_ID, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
     P = max(map(len, prompts))
-    ids = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompts])  # (B, P)
+    ids = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompts], device=device)  # (B, P)
     return ids, ids.new_tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts]).bool()
 
 
 def _positions(attention: torch.Tensor) -> torch.Tensor:
     return (attention.long().cumsum(1) - 1).clamp(min=0)
+
+
+def _draw_seed(generator: torch.Generator | None) -> int:
+    """One draw in [0, 2^31 - 1) from `generator` (None: torch's default CPU generator), e.g. to seed a GPU one."""
+    return int(torch.randint(0, 2**31 - 1, (), generator=generator, device=generator.device if generator else "cpu"))
+
+
+def _device_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator | None:
+    """`generator` on its own device type (or None); elsewhere a generator on `device` seeded by one draw from it:
+    sampling on a GPU stays reproducible for a seed with one host draw per call, not a host copy per token."""
+    if generator is None or generator.device.type == torch.device(device).type:
+        return generator
+    return torch.Generator(device).manual_seed(_draw_seed(generator))
 
 
 @torch.no_grad()
@@ -1443,15 +1517,14 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     if pad_id is None:
         pad_id = eos_id if model.config.pad_token_id is None else model.config.pad_token_id
     device = next(model.parameters()).device
-    prompt_ids, prompt_mask = (t.to(device) for t in _left_pad(prompts, pad_id))
+    generator = _device_generator(generator, device)  # TIM: on a GPU the sampling noise differs from the CPU's
+    prompt_ids, prompt_mask = _left_pad(prompts, pad_id, device)
     B = prompt_ids.shape[0]
     attention = prompt_mask.long()
-    cache = DynamicCache()
     out = model(input_ids=prompt_ids, attention_mask=attention, position_ids=_positions(attention),
-                past_key_values=cache, use_cache=True)
+                past_key_values=DynamicCache(), use_cache=True)
     logits = out.logits[:, -1]  # (B, V)
-    V = logits.shape[-1]
-    K = V if topk <= 0 else min(topk, V)
+    K = logits.shape[-1] if topk <= 0 else min(topk, logits.shape[-1])
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     truncate = temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0)
     ids, masks, logps, top_ids, top_logps, kept = [], [], [], [], [], []
@@ -1462,8 +1535,8 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
             scaled = scaled.masked_fill(~keep, -math.inf)
             kept.append(support_ids(keep))  # (B, S_t)
         logprobs = torch.log_softmax(scaled, -1)  # (B, V)
-        if temperature > 0:
-            token = torch.multinomial(logprobs.exp().cpu(), 1, generator=generator).squeeze(1).to(device)  # (B,)
+        if temperature > 0:  # on the logits' device: no host copy per token
+            token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)  # (B,)
         else:
             token = logprobs.argmax(-1)
         token = torch.where(finished, torch.full_like(token, pad_id), token)
@@ -1646,7 +1719,8 @@ class TorchSampler:
             if self.engine.quant != "none":
                 w.copy_(fake_quantize(w.float(), self.engine.quant))
             if self.engine.noise:
-                w.add_(self.engine.noise * torch.randn(w.shape, generator=noise_gen).to(w.device) * w)
+                # the same noise on every device: drawn on the CPU once per load (not per step or token)
+                w.add_(self.engine.noise * torch.randn(w.shape, generator=noise_gen, device="cpu").to(w.device) * w)
         self.model.to(_DTYPES[self.engine.dtype])
 
     def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5, temperature: float = 1.0,
@@ -1932,32 +2006,37 @@ class Trainer:
         """Round the fp32 master to the sampler's dtype (rtn | sr | ef). Returns (state dict, visible update fraction).
 
         Also moves the behaviour copy to the served weights, so that logp_old is the trainer engine on exactly what
-        the sampler now holds.
+        the sampler now holds. On a GPU with torch.compile SR and EF run fused (SR's noise: hash_noise16 seeded by one
+        draw from `generator` per tensor); on the CPU the reference functions with `generator` itself.
         """
         if mode not in ("rtn", "sr", "ef"):
             raise ValueError(f"mode must be rtn | sr | ef, got {mode!r}")
         if mode != "rtn" and self.export_dtype != "bf16":
             raise ValueError(f"export mode {mode!r} rounds to bf16, but the sampler dtype is {self.export_dtype}")
         state, dot, norm2 = {}, 0.0, 0.0
+        fast = _gpu_compiles(next(self.model.parameters()).device)
         for name, p in self.model.named_parameters():
             master = p.detach()
             if self.export_dtype == "fp32":
                 served = master.clone()
-            elif mode == "sr":  # TIM: Fair Cast, unbiased rounding
+            elif mode == "sr" and fast:  # TIM: Fair Cast, unbiased rounding; fused, one host draw per tensor
+                served = stochastic_round_bf16_fused(master, _draw_seed(generator))
+            elif mode == "sr":
                 served = stochastic_round_bf16(master, generator=generator)
             elif mode == "ef":  # TIM: Fair Cast, error feedback
-                served, self.residual[name] = error_feedback_round_bf16(
+                served, self.residual[name] = (error_feedback_round_bf16_fused if fast else error_feedback_round_bf16)(
                     master, self.residual.get(name, torch.zeros_like(master)))
             else:  # TIM: round-to-nearest swallows updates below half a cell
                 served = master.to(_DTYPES[self.export_dtype])
             before = self.master_at_export.get_parameter(name) if self.master_at_export is not None else None
             if before is not None:
                 d_master = master.double() - before.double()
-                dot += float((d_master * (served.double() - self.served[name].double())).sum())
-                norm2 += float(d_master.square().sum())
+                dot = dot + (d_master * (served.double() - self.served[name].double())).sum()  # on the device: no
+                norm2 = norm2 + d_master.square().sum()  # host round trip per tensor
             state[name] = served
             self.served[name] = served.float()
         self.behaviour.load_state_dict(self.served, strict=False)
+        dot, norm2 = float(dot), float(norm2)
         if self.master_at_export is not None:
             self.master_at_export.load_state_dict({n: p.detach() for n, p in self.model.named_parameters()},
                                                   strict=False)
@@ -2708,8 +2787,8 @@ def export_visibility(weights: torch.Tensor, lr: float, steps: int, seed: int = 
     mean: its curve "EF mean" compares the mean of all exports so far with the mean master). -> {mode: [fraction]}.
     """
     w0 = weights.detach().float().reshape(-1).to(torch.bfloat16).float()  # on the bf16 grid
-    direction = torch.randn(w0.shape, generator=torch.Generator().manual_seed(seed)).sign()
-    gen = torch.Generator().manual_seed(seed + 1)
+    direction = torch.randn(w0.shape, generator=torch.Generator(w0.device).manual_seed(seed), device=w0.device).sign()
+    gen = torch.Generator(w0.device).manual_seed(seed + 1)  # on the weights' device, like every draw here
     residual, ef_sum = torch.zeros_like(w0), torch.zeros_like(w0)
     curves: dict[str, list[float]] = {"RTN": [], "SR": [], "EF": [], "EF mean": []}
     for n in range(1, steps + 1):
