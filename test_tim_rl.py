@@ -810,6 +810,28 @@ def test_token_logprobs_with_and_without_gradient_are_bitwise_equal():
     assert torch.equal(plain, tr.token_logprobs(logits.clone().requires_grad_(True), ids).detach())
 
 
+def test_token_logprobs_compiled_pass_matches_log_softmax_and_its_gradient():
+    """The GPU path (one torch.compile'd pass per chunk, forward and backward) forced on the CPU on small inputs:
+    the values and gradient of log_softmax + gather, grad and no-grad bitwise equal, over several chunks."""
+    g = torch.Generator().manual_seed(0)
+    logits, ids = torch.randn(6, 5, 96, generator=g) * 8, torch.randint(0, 96, (6, 5, 3), generator=g)
+    upstream = torch.randn(6, 5, 3, generator=g)
+    for dtype, atol in ((torch.float32, FP32_ATOL), (torch.bfloat16, 1e-2)):  # bf16: one bf16 rounding of the grad
+        leaf = logits.to(dtype).requires_grad_(True)
+        with torch.no_grad():
+            plain = tr.token_logprobs(leaf, ids, chunk_rows=7, fused=True)
+        ours = tr.token_logprobs(leaf, ids, chunk_rows=7, fused=True)
+        ref = torch.log_softmax(leaf.float(), -1).gather(-1, ids)
+        assert torch.equal(plain, ours.detach()) and torch.allclose(ours, ref, atol=FP32_ATOL)
+        (grad,) = torch.autograd.grad((ours * upstream).sum(), leaf)
+        (ref_grad,) = torch.autograd.grad((ref * upstream).sum(), leaf)
+        assert grad.dtype == dtype and torch.allclose(grad.float(), ref_grad.float(), atol=atol)
+    assert tr._LOGPROBS_COMPILED is not None, "anti-vacuity: the compiled passes ran"
+    x = logits[0].clone().requires_grad_(True)  # anti-vacuity: the same check sees a backward with a wrong lse
+    (ref0,) = torch.autograd.grad((torch.log_softmax(x, -1).gather(-1, ids[0]) * upstream[0]).sum(), x)
+    assert not torch.allclose(tr._logprobs_grad_pass(logits[0], ids[0], torch.zeros(5, 1), upstream[0]), ref0, atol=1e-3)
+
+
 def test_token_logprobs_bf16_logits_and_gradient():
     logits = torch.randn(3, 5, 64).to(torch.bfloat16).requires_grad_(True)
     ids = torch.randint(0, 64, (3, 5))
@@ -2101,6 +2123,34 @@ def test_cuda_torch_sampler_fp32_matches_trainer_after_sync_bf16_differs(base_mo
         gap = float((logp - ro.logp_infer)[ro.mask].abs().max() if dtype == "fp32"
                     else (logp - ro.logp_infer)[ro.mask].abs().mean())
         assert low <= gap < high, (dtype, gap)
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_cuda_fast_paths_equal_their_references(base_model_dir):
+    """On a GPU: fused token_logprobs (grad and no-grad bitwise equal, values and gradient of log_softmax + gather),
+    SR export = the reference with hash noise seeded by one draw per tensor, and seeded sampling reproducible."""
+    g = torch.Generator("cuda").manual_seed(0)
+    logits = (torch.randn(64, 1000, generator=g, device="cuda") * 8).requires_grad_(True)
+    ids = torch.randint(0, 1000, (64, 2), generator=g, device="cuda")
+    with torch.no_grad():
+        plain = tr.token_logprobs(logits, ids)
+    ours, ref = tr.token_logprobs(logits, ids), torch.log_softmax(logits, -1).gather(-1, ids)
+    assert tr._LOGPROBS_COMPILED is not None and torch.equal(plain, ours.detach())
+    assert torch.allclose(ours, ref, atol=FP32_ATOL)
+    grads = [torch.autograd.grad(out.sum(), logits)[0] for out in (ours, ref)]
+    assert torch.allclose(*grads, atol=1e-5)
+    trainer = tr.Trainer(tr.load_model(base_model_dir).cuda(), export_dtype="bf16")
+    state, _ = trainer.export("sr", generator=torch.Generator().manual_seed(3))
+    seeds = torch.Generator().manual_seed(3)
+    for name, p in trainer.model.named_parameters():
+        seed = torch.tensor(tr._draw_seed(seeds) & 0x7FFFFFFF, dtype=torch.int32, device="cuda")
+        noise = tr.hash_noise16(tuple(p.reshape(-1).shape), seed).reshape(p.shape)
+        assert torch.equal(state[name].view(torch.int16), tr.stochastic_round_bf16(p.detach(), noise=noise).view(
+            torch.int16)), name
+    sampler = tr.TorchSampler(trainer.model)
+    a, b = (sampler.sample([[1, 20, 21]] * 8, 2, 6, generator=torch.Generator().manual_seed(5)) for _ in range(2))
+    assert a.response_ids.is_cuda and torch.equal(a.response_ids, b.response_ids)
 
 
 @needs_cuda

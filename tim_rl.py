@@ -458,7 +458,7 @@ def mismatch_metrics(logp_train: torch.Tensor, logp_infer: torch.Tensor, mask: t
     Schulman's estimators), chi2 = mean(r^2) - 1, ess = (sum r)^2 / (N sum r^2) in (0, 1], abs_diff = mean |log r|.
     Non-finite log-probs inside the mask are left out and counted in frac_nonfinite. Computed in float64.
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_train=logp_train, logp_infer=logp_infer)
     log_ratio, ok = _finite_log_ratio(logp_train.detach(), logp_infer.detach(), mask)
@@ -504,7 +504,7 @@ def mismatch_ledger(
     moves with the lag). lag + rounding + numerics + truncation == total token by token. (B, T) -> dict.
     Tokens where any input is non-finite are left out of every part.
 
-    needs: _check_bt, _check_mask, _check_tensor
+    needs: _check_bt, _check_device, _check_mask, _check_tensor
     """
     _check_bt(mask, logp=logp, logp_old=logp_old, logp_infer=logp_infer)
     anchor = logp_old if logp_master_old is None else logp_master_old
@@ -567,7 +567,7 @@ def stochastic_round_bf16(
     so E[SR(x)] = x exactly for every finite x whose neighbours are finite. `noise` (int32, shaped like x, values in
     [0, 2^16)) replaces the random draw so that tests can enumerate all 65 536 draws. inf/nan pass through.
 
-    needs: _check_fp32, _check_tensor, BF16_DROPPED_BITS
+    needs: _check_fp32, _check_device, _check_tensor, BF16_DROPPED_BITS
     """
     _check_fp32("x", x)
     if noise is None:
@@ -640,7 +640,7 @@ def error_feedback_round_bf16(x: torch.Tensor, residual: torch.Tensor) -> tuple[
     values never leaves the running sum of masters by more than half a bf16 cell. Deterministic. A non-finite
     master is served as-is and its residual reset to 0.
 
-    needs: _check_fp32, _check_tensor
+    needs: _check_fp32, _check_device, _check_tensor
     """
     _check_fp32("x", x)
     _check_fp32("residual", residual)
@@ -742,7 +742,7 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool 
 def copc_residual_weights(logp: torch.Tensor, logp_infer: torch.Tensor, mask: torch.Tensor, eps: float = 0.2):
     """c_t = clip(p / q, 1 - eps, 1 + eps), detached; 1 where non-finite, 0 outside the mask. COPC [5]. (B, T).
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp, logp_infer=logp_infer)
     log_ratio, ok = _finite_log_ratio(logp.detach(), logp_infer.detach(), mask)
@@ -767,7 +767,8 @@ def copc_advantages(
     GAE(gamma, lambda). `rewards` is (B,) (paid at the last response token) or (B, T). The state after the last
     masked token is terminal (value 0). Returns detached (advantages, value_targets), 0 outside the mask.
 
-    needs: _check_bt, _check_mask, _check_tensor, copc_residual_weights, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, copc_residual_weights, _finite_log_ratio,
+    LOG_RATIO_CLAMP
     """
     _check_bt(mask, values=values, logp=logp, logp_infer=logp_infer)
     _check_tensor("rewards", rewards)
@@ -801,7 +802,7 @@ def copc_advantages(
 def tis_weights(logp_old: torch.Tensor, logp_infer: torch.Tensor, mask: torch.Tensor, cap: float = 2.0):
     """w = min(rho, C). Token-level truncated IS, Yao et al. 2025 [1]. Non-finite log-ratio -> 0. (B, T).
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
@@ -812,7 +813,7 @@ def tis_weights(logp_old: torch.Tensor, logp_infer: torch.Tensor, mask: torch.Te
 def mis_weights(logp_old, logp_infer, mask, low: float = 0.5, high: float = 5.0):
     """w = rho * 1[low <= rho <= high]. Masked IS / IcePop [11]; band of [2] by default. Non-finite -> 0. (B, T).
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
@@ -834,7 +835,7 @@ def seq_tis_weights(logp_old, logp_infer, mask, cap: float = 5.0):
 
     Beware: the product shrinks long sequences towards 0 (TRL #5814); geo_mask_weights does not. (B, T).
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
     """
     seq_log_rho, seq_ok = _sequence_log_ratio(logp_old, logp_infer, mask)  # (B, 1) each
     w = seq_log_rho.exp().clamp(max=cap).expand(mask.shape)  # (B, T)
@@ -848,7 +849,7 @@ def seq_mask_weights(logp_old, logp_infer, mask, low: float = 0.0, high: float =
     [None (no lower bound), 3.0], edges kept). Non-finite -> 0 for the sequence (TRL counts a NaN token as ratio 1).
     The product shrinks long sequences like seq_tis_weights does. (B, T).
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
     """
     seq_log_rho, seq_ok = _sequence_log_ratio(logp_old, logp_infer, mask)
     seq_rho = seq_log_rho.exp()  # (B, 1)
@@ -861,7 +862,7 @@ def geo_mask_weights(logp_old, logp_infer, mask, low: float = 0.99, high: float 
 
     Length-neutral replacement for the sequence product (TRL #5814, NeMo-RL #2269). Non-finite -> 0. (B, T).
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
@@ -877,7 +878,7 @@ def cis_weights(logp_old, logp_infer, mask, lam: float = 2.3, kappa: float = 5e-
     From rho = p + (1 - p) e^eps with eps = logit p - logit q, truncating eps gives a cap that tightens with
     confidence. Upper side only. Non-finite log-ratio -> 1 (left uncorrected, as the official code does). (B, T).
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
@@ -893,7 +894,7 @@ def dlc_weights(logp_old, logp_infer, mask, clamp: float = 1.0):
     Reconstructed from the abstract of Li, Zhou & Lan ("centres numerical errors"): the persistent part of the engine
     discrepancy (its batch mean) is removed, the rest is a bounded weight in [e^-c, e^c]. Non-finite -> 0. (B, T).
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, masked_mean, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, masked_mean, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     d, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
@@ -905,7 +906,7 @@ def dlc_weights(logp_old, logp_infer, mask, clamp: float = 1.0):
 def copc_mask(logp_old, logp_infer, mask, low: float = 0.5, high: float = 2.0):
     """m = 1[low <= rho <= high]: COPC's token-level ratio mask [5] (policy side; reconstructed). Non-finite -> 0.
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
@@ -928,7 +929,7 @@ def calibrated_clip_bounds(
     equals P(1 + eps_high) / N(1 - eps_low) on the reference, with P(H) = sum_{A>0, r<=H} A r and
     N(L) = sum_{A<0, r>=L} |A| r. Falls back to (1 - eps_low, 1 + eps_high) when a side has no tokens. (B, T).
 
-    needs: _check_adv, _check_bt, _check_mask, _check_tensor
+    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor
     """
     _check_bt(mask, ratio_lowprec=ratio_lowprec, ratio_ref=ratio_ref)
     A = _check_adv(adv, mask)
@@ -983,7 +984,8 @@ def pg_loss(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, weights: 
 
     A non-finite logp inside the mask drops that token (no gradient, no NaN).
 
-    needs: _check_adv, _check_bt, _check_mask, _check_tensor, _finite_or_zero, masked_mean, _weights_or_ones
+    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, _finite_or_zero, masked_mean,
+    _weights_or_ones
     """
     _check_bt(mask, logp=logp)
     A, w = _check_adv(adv, mask), _weights_or_ones(weights, mask)
@@ -1000,7 +1002,8 @@ def ppo_loss(logp, logp_prox, adv, mask, weights=None, eps_low: float = 0.2, eps
     from the second update on (RLConfig.updates_per_batch). Anchoring at the sampler instead (p_prox := q) gives the
     plain "sampler log-probs as pi_old" PPO. Clip-higher 0.28 as in DAPO. A non-finite log-ratio drops the token.
 
-    needs: _check_adv, _check_bt, _check_mask, _check_tensor, masked_mean, _weights_or_ones, LOG_RATIO_CLAMP
+    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, masked_mean, _weights_or_ones,
+    LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp, logp_prox=logp_prox)
     A, w = _check_adv(adv, mask), _weights_or_ones(weights, mask)
@@ -1030,8 +1033,8 @@ def score_centering_loss(
     alpha = rho_tail f(1 / rho_tail), coef_v = q_v f(p_v / q_v) - alpha p_v (all detached). Exact when K = V.
     logp, logp_infer, adv (B, T); logp_topk (grad) and logp_topk_infer (B, T, K). -> scalar.
 
-    needs: _check_adv, _check_bt, _check_mask, _check_tensor, _finite_log_ratio, _finite_or_zero, masked_mean,
-    LOG_RATIO_CLAMP, TAIL_FLOOR
+    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, _finite_or_zero,
+    masked_mean, LOG_RATIO_CLAMP, TAIL_FLOOR
     """
     _check_bt(mask, logp=logp, logp_infer=logp_infer)
     for name, t in (("logp_topk", logp_topk), ("logp_topk_infer", logp_topk_infer)):
@@ -1074,8 +1077,8 @@ def dlc_loss(logp, logp_old, logp_infer, adv, mask, eps_low: float = 0.2, eps_hi
     is bounded on its own, so lag cannot use up the budget meant for numerics. logp_prox defaults to logp (one update
     per batch). (B, T) -> scalar.
 
-    needs: _check_adv, _check_bt, _check_mask, _check_tensor, dlc_weights, _finite_log_ratio, masked_mean, ppo_loss,
-    tis_weights, _weights_or_ones, LOG_RATIO_CLAMP
+    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, dlc_weights, _finite_log_ratio,
+    masked_mean, ppo_loss, tis_weights, _weights_or_ones, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp)
     logp_prox = logp.detach() if logp_prox is None else logp_prox
@@ -1091,7 +1094,7 @@ def dppo_loss(logp, logp_infer, adv, mask, delta: float = 0.2):
     only updates that push further out are masked. Otherwise the gradient is the IS-weighted policy gradient
     r A grad log p. Non-finite log-ratio -> token dropped. (B, T) -> scalar.
 
-    needs: _check_adv, _check_bt, _check_mask, _check_tensor, masked_mean, LOG_RATIO_CLAMP
+    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, masked_mean, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp, logp_infer=logp_infer)
     A = _check_adv(adv, mask)
@@ -1110,7 +1113,7 @@ def effective_token_weights(loss: torch.Tensor, logp: torch.Tensor, adv, mask: t
     1 for plain REINFORCE, rho for IS, 0 where a clip or mask drops the token; nan where A_t = 0 (undefined). N is
     the number of masked tokens (losses are token means). Differentiates only back to logp, not into the model.
 
-    needs: _check_adv, _check_bt, _check_mask, _check_tensor
+    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor
     """
     _check_bt(mask, logp=logp)
     A = _check_adv(adv, mask)
@@ -1129,7 +1132,7 @@ def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness: int =
     can change it, and it is deliberately not an input. logp (detached), logp_old (B, T). An unmeasurable
     (non-finite) lag resyncs.
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, masked_mean, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, masked_mean, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp, logp_old=logp_old)
     if max_staleness <= 0 and max_lag <= 0:
