@@ -242,16 +242,30 @@ def _finite_log_ratio(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Te
     return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), ok
 
 
-def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int):
+_COMPILED = {}  # function -> torch.compile(function, dynamic=True), built on first use (seconds; needs a compiler)
+
+
+def _compiled(fn):
+    """torch.compile(fn, dynamic=True), one per function: a kernel for every shape, compiled on the first call."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn]
+
+
+def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int, fused: bool = False):
     """(log softmax(logits)[ids], logsumexp(logits)) by row chunks: (N, V), (N, K) -> (N, K), (N, 1) float32.
 
     One code path for every caller, with and without a gradient, so that the trainer's log-probs are bitwise the
-    same whichever way they are computed (exact mode and a lag of exactly 0 rely on it).
+    same whichever way they are computed (exact mode and a lag of exactly 0 rely on it). fused: each chunk in one
+    compiled pass (_logprobs_pass), no (n, V) transient.
     """
     out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
     lse = torch.empty(logits.shape[0], 1, dtype=torch.float32, device=logits.device)
     for start in range(0, logits.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
+        if fused:
+            out[rows], lse[rows] = _compiled(_logprobs_pass)(logits[rows], ids[rows])
+            continue
         chunk = logits[rows].float()  # (n, V), a copy only when logits are not fp32
         log_probs = torch.log_softmax(chunk, dim=-1)  # (n, V) transient: log_softmax's fused kernel
         out[rows] = log_probs.gather(-1, ids[rows])
@@ -261,32 +275,14 @@ def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int):
 
 def _logprobs_pass(logits: torch.Tensor, ids: torch.Tensor):
     """(logits[ids] - logsumexp(logits), logsumexp(logits)) in float32, one read of the logits. (n, V), (n, K)."""
-    x = logits.float()
-    lse = torch.logsumexp(x, -1, keepdim=True)  # (n, 1)
-    return x.gather(-1, ids) - lse, lse
+    lse = torch.logsumexp(logits.float(), -1, keepdim=True)  # (n, 1)
+    return logits.gather(-1, ids).float() - lse, lse
 
 
 def _logprobs_grad_pass(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, g: torch.Tensor):
     """sum_k g_k (onehot(ids_k) - softmax(logits)) in the logits' dtype: the backward in one pass. -> (n, V)."""
     dense = torch.exp(logits.float() - lse) * -g.sum(-1, keepdim=True)  # (n, V) float32
     return dense.scatter_add(-1, ids, g).to(logits.dtype)
-
-
-_LOGPROBS_COMPILED = None  # torch.compile of (_logprobs_pass, _logprobs_grad_pass), built on the first fused call
-
-
-def _fused_passes():
-    global _LOGPROBS_COMPILED
-    if _LOGPROBS_COMPILED is None:
-        _LOGPROBS_COMPILED = tuple(torch.compile(f, dynamic=True) for f in (_logprobs_pass, _logprobs_grad_pass))
-    return _LOGPROBS_COMPILED
-
-
-def _fused_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int):
-    """_chunked_logprobs with each chunk in one compiled pass (no (n, V) transient): (N, K), (N, 1) float32."""
-    parts = [_fused_passes()[0](logits[i : i + chunk_rows], ids[i : i + chunk_rows])
-             for i in range(0, logits.shape[0], chunk_rows)]
-    return torch.cat([out for out, _ in parts]), torch.cat([lse for _, lse in parts])
 
 
 def _gpu_compiles(device: torch.device) -> bool:
@@ -301,12 +297,12 @@ class _TokenLogprobs(torch.autograd.Function):
 
     Forward keeps (logits, ids, lse): no (N, V) tensor is saved. Backward fills one (N, V) gradient chunk by chunk:
     d/dz_v = 1[v in ids] g - softmax(z)_v sum_k g_k. Autograd's own logsumexp + gather backward would allocate
-    several full-size temporaries instead. fused: both directions by compiled passes (_fused_logprobs).
+    several full-size temporaries instead. fused: both directions by compiled passes.
     """
 
     @staticmethod
     def forward(ctx, logits, ids, chunk_rows, fused):  # logits (N, V), ids (N, K) -> (N, K) float32
-        out, lse = (_fused_logprobs if fused else _chunked_logprobs)(logits, ids, chunk_rows)
+        out, lse = _chunked_logprobs(logits, ids, chunk_rows, fused)
         ctx.save_for_backward(logits, ids, lse)
         ctx.chunk_rows, ctx.fused = chunk_rows, fused
         return out
@@ -318,13 +314,13 @@ class _TokenLogprobs(torch.autograd.Function):
         for start in range(0, logits.shape[0], ctx.chunk_rows):
             rows = slice(start, start + ctx.chunk_rows)
             g = grad_out[rows].float()  # (n, K)
+            if ctx.fused:  # one compiled pass
+                grad[rows] = _compiled(_logprobs_grad_pass)(logits[rows], ids[rows], lse[rows], g)
+                continue
             fp32 = logits.dtype == torch.float32  # then work in the gradient's own rows: no temporary at all
-            if ctx.fused:
-                grad[rows] = _fused_passes()[1](logits[rows], ids[rows], lse[rows], g)
-            else:
-                probs = torch.sub(logits[rows], lse[rows], out=grad[rows]) if fp32 else logits[rows].float() - lse[rows]
-                probs.exp_().mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, ids[rows], g)  # (n, V)
-            if not (fp32 or ctx.fused):
+            probs = torch.sub(logits[rows], lse[rows], out=grad[rows]) if fp32 else logits[rows].float() - lse[rows]
+            probs.exp_().mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, ids[rows], g)  # (n, V)
+            if not fp32:
                 grad[rows] = probs
         return grad, None, None, None
 
@@ -340,8 +336,8 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | No
     runs each chunk of FUSED_CHUNK_ELEMENTS as one torch.compile'd pass, gather - logsumexp forward and
     g (onehot - softmax) backward, so the logits are read once; without a compiler it falls back to the chunked path.
 
-    needs: _TokenLogprobs, _check_tensor, _check_device, _chunked_logprobs, _fused_logprobs, _fused_passes,
-    _logprobs_pass, _logprobs_grad_pass, _gpu_compiles, CHUNK_BYTES, FUSED_CHUNK_ELEMENTS, _LOGPROBS_COMPILED
+    needs: _TokenLogprobs, _check_tensor, _check_device, _chunked_logprobs, _compiled, _logprobs_pass,
+    _logprobs_grad_pass, _gpu_compiles, CHUNK_BYTES, FUSED_CHUNK_ELEMENTS, _COMPILED
     """
     _check_tensor("logits", logits)
     _check_tensor("ids", ids, floating=False)
@@ -359,7 +355,7 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | No
     if chunk_rows is None:
         chunk_rows = max(1, FUSED_CHUNK_ELEMENTS // V if fused else CHUNK_BYTES // (4 * V))
     if not (torch.is_grad_enabled() and logits.requires_grad):  # no graph to record
-        return (_fused_logprobs if fused else _chunked_logprobs)(flat_logits, flat_ids, chunk_rows)[0].view(ids.shape)
+        return _chunked_logprobs(flat_logits, flat_ids, chunk_rows, fused)[0].reshape(ids.shape)
     return _TokenLogprobs.apply(flat_logits, flat_ids, chunk_rows, fused).reshape(ids.shape)
 
 
@@ -609,9 +605,6 @@ def _sr_hashed(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), bits.view(torch.float32).to(torch.bfloat16), x.to(torch.bfloat16))
 
 
-_SR_COMPILED = None  # torch.compile(_sr_hashed), built on first use (a few seconds, needs a C++ compiler on CPU)
-
-
 def stochastic_round_bf16_fused(x: torch.Tensor, seed: int, compile: bool = True) -> torch.Tensor:
     """stochastic_round_bf16 with hash_noise16(seed) as its noise, fused by torch.compile into one pass. Same shape.
 
@@ -620,17 +613,12 @@ def stochastic_round_bf16_fused(x: torch.Tensor, seed: int, compile: bool = True
     noise with torch's generator in a separate pass; this runs at close to the speed of x.to(torch.bfloat16).
     compile=False runs the same code eagerly (slow; for machines without a compiler).
 
-    needs: _check_fp32, _check_tensor, hash_noise16, _sr_hashed, BF16_DROPPED_BITS, _SR_COMPILED
+    needs: _check_fp32, _check_tensor, hash_noise16, _sr_hashed, _compiled, BF16_DROPPED_BITS, _COMPILED
     """
-    global _SR_COMPILED
     _check_fp32("x", x)
     seed_t = torch.tensor(seed & 0x7FFFFFFF, dtype=torch.int32, device=x.device)
     flat = x.contiguous().reshape(-1)  # one compiled kernel for every parameter shape
-    if not compile:
-        return _sr_hashed(flat, seed_t).reshape(x.shape)
-    if _SR_COMPILED is None:
-        _SR_COMPILED = torch.compile(_sr_hashed, dynamic=True)
-    return _SR_COMPILED(flat, seed_t).reshape(x.shape)
+    return (_compiled(_sr_hashed) if compile else _sr_hashed)(flat, seed_t).reshape(x.shape)
 
 
 def error_feedback_round_bf16(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -671,26 +659,20 @@ def _ef_one_pass(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor,
     return torch.where(bad, x, served).to(torch.bfloat16), new_residual
 
 
-_EF_COMPILED = None  # torch.compile(_ef_one_pass), built on first use, like _SR_COMPILED
-
-
 def error_feedback_round_bf16_fused(x: torch.Tensor, residual: torch.Tensor, compile: bool = True):
     """error_feedback_round_bf16 as one pass fused by torch.compile, bitwise equal to it. (served bf16, e' fp32).
 
     The reference walks memory four times (add, cast, subtract, NaN check); this reads x and e once and writes
     served and e' once. compile=False runs the same code eagerly (slow; for machines without a compiler).
 
-    needs: _check_fp32, _check_tensor, _ef_one_pass, BF16_DROPPED_BITS, _EF_COMPILED
+    needs: _check_fp32, _check_tensor, _ef_one_pass, _compiled, BF16_DROPPED_BITS, _COMPILED
     """
-    global _EF_COMPILED
     _check_fp32("x", x)
     _check_fp32("residual", residual)
     if residual.shape != x.shape:
         raise ValueError(f"residual must have shape {tuple(x.shape)} like x, got {tuple(residual.shape)}")
-    if compile and _EF_COMPILED is None:
-        _EF_COMPILED = torch.compile(_ef_one_pass, dynamic=True)
     flat_x, flat_e = x.contiguous().reshape(-1), residual.contiguous().reshape(-1)  # one kernel for every shape
-    served, new_residual = (_EF_COMPILED if compile else _ef_one_pass)(flat_x, flat_e)
+    served, new_residual = (_compiled(_ef_one_pass) if compile else _ef_one_pass)(flat_x, flat_e)
     return served.reshape(x.shape), new_residual.reshape(x.shape)
 
 
@@ -1497,9 +1479,8 @@ def _draw_seed(generator: torch.Generator | None) -> int:
 def _device_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator | None:
     """`generator` on its own device type (or None); elsewhere a generator on `device` seeded by one draw from it:
     sampling on a GPU stays reproducible for a seed with one host draw per call, not a host copy per token."""
-    if generator is None or generator.device.type == torch.device(device).type:
-        return generator
-    return torch.Generator(device).manual_seed(_draw_seed(generator))
+    same = generator is None or generator.device.type == torch.device(device).type
+    return generator if same else torch.Generator(device).manual_seed(_draw_seed(generator))
 
 
 @torch.no_grad()
@@ -2022,10 +2003,9 @@ class Trainer:
             master = p.detach()
             if self.export_dtype == "fp32":
                 served = master.clone()
-            elif mode == "sr" and fast:  # TIM: Fair Cast, unbiased rounding; fused, one host draw per tensor
-                served = stochastic_round_bf16_fused(master, _draw_seed(generator))
-            elif mode == "sr":
-                served = stochastic_round_bf16(master, generator=generator)
+            elif mode == "sr":  # TIM: Fair Cast, unbiased rounding (on a GPU fused: one host draw per tensor)
+                served = (stochastic_round_bf16_fused(master, _draw_seed(generator)) if fast else
+                          stochastic_round_bf16(master, generator=generator))
             elif mode == "ef":  # TIM: Fair Cast, error feedback
                 served, self.residual[name] = (error_feedback_round_bf16_fused if fast else error_feedback_round_bf16)(
                     master, self.residual.get(name, torch.zeros_like(master)))
@@ -3351,7 +3331,8 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
 # ---------------------------------------------------------------------------------------------------------------
 # ---- benchmarks ----
 # Every number is a ratio against a baseline timed in the same process, on the same inputs, right next to it
-# (median of `repeats` after a warm-up), so a busy machine slows both sides alike. Nothing here is asserted.
+# (median of `repeats` after a warm-up), so a busy machine slows both sides alike. Nothing here is asserted. Rows are
+# data: a list of (what, fn, goal) whose first entry is the baseline of the others.
 
 
 @dataclass
@@ -3362,17 +3343,27 @@ class BenchConfig:
     repeats: int = _arg(5, "timed repeats per measurement (the median is reported)")
     out: str = _arg("runs/bench", "writes bench.md there")
     model: str = _arg("runs/base", "model for the sampler and RL-step rows")
+    device: str = _arg("auto", "export, log-prob, sampler and RL-step rows on: auto (cuda when available) | cpu | cuda")
 
 
 def _median_seconds(fn, repeats: int = 5, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
+    """Median wall time of fn() after `warmup` calls; a GPU is synchronised around each call."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = []
-    for _ in range(repeats):
+    for _ in range(warmup + repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    return sorted(times[warmup:])[repeats // 2]
+
+
+def _ratio_rows(cases: list[tuple], repeats: int, label: str = "") -> list[dict]:
+    """One row per (what, fn, goal) of cases[1:]: its median time over that of cases[0], the baseline."""
+    base = _median_seconds(cases[0][1], repeats)
+    return [{"what": what + label, "baseline": cases[0][0], "ratio": _median_seconds(fn, repeats) / base, "goal": goal}
+            for what, fn, goal in cases[1:]]
 
 
 _PEAK_RSS_SCRIPT = """
@@ -3382,7 +3373,7 @@ torch.set_num_threads({threads})
 logits = torch.ones(rows, V)  # (N, V) fp32, every page touched
 ids = torch.zeros(rows, dtype=torch.long)
 status = lambda key: int(re.search(key + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
-call = ((lambda x, i: tim_rl.token_logprobs(x, i)) if which == "tim_rl" else
+call = ((lambda x, i: tim_rl.token_logprobs(x, i)) if which == "token_logprobs" else
         (lambda x, i: torch.log_softmax(x.float(), -1).gather(-1, i[:, None]).squeeze(-1)))
 call(logits[:2], ids[:2])  # warm-up: the first call pages in library code, which is not the call's memory
 open("/proc/self/clear_refs", "w").write("5")  # Linux: reset the peak (VmHWM) to the current RSS
@@ -3393,7 +3384,7 @@ print(status("VmHWM") - before)
 
 
 def _peak_extra_bytes(rows: int, V: int, which: str, repeats: int = 3) -> int:
-    """Peak resident memory added by one log-prob call on (rows, V) fp32 logits: median over fresh subprocesses
+    """Peak resident memory added by one log-prob call on (rows, V) fp32 CPU logits: median over fresh subprocesses
     (the allocator's arenas make a single reading jitter by ~10-20 MB)."""
     import subprocess
 
@@ -3404,60 +3395,56 @@ def _peak_extra_bytes(rows: int, V: int, which: str, repeats: int = 3) -> int:
     return sorted(readings)[repeats // 2]
 
 
-def bench_export(n: int, repeats: int) -> list[dict]:
+def _cuda_peak_extra_bytes(fn) -> int:
+    """GPU memory fn() allocates at its peak beyond what was allocated before it (torch.cuda.max_memory_allocated)."""
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def bench_export(n: int, repeats: int, device: torch.device) -> list[dict]:
     """SR and EF on n fp32 values vs round-to-nearest (x.to(bf16)) and a plain clone (the bandwidth floor)."""
-    x = torch.randn(n)
-    residual = torch.zeros_like(x)
-    gen = torch.Generator().manual_seed(0)
-    rtn = _median_seconds(lambda: x.to(torch.bfloat16), repeats)
-    clone = _median_seconds(lambda: x.clone(), repeats)
-    sr = _median_seconds(lambda: stochastic_round_bf16(x, generator=gen), repeats)
-    fused = _median_seconds(lambda: stochastic_round_bf16_fused(x, seed=int(torch.randint(0, 2**31 - 1, (1,)))),
-                            repeats)
-    ef = _median_seconds(lambda: error_feedback_round_bf16(x, residual), repeats)
-    ef_fused = _median_seconds(lambda: error_feedback_round_bf16_fused(x, residual), repeats)
-    size = f"{n / 2**20:.0f}M fp32"
-    return [{"what": f"clone ({size})", "baseline": "RTN", "ratio": clone / rtn, "goal": "(floor)"},
-            {"what": f"stochastic_round_bf16_fused ({size})", "baseline": "RTN", "ratio": fused / rtn, "goal": "<= 1.5"},
-            {"what": f"stochastic_round_bf16, torch RNG ({size})", "baseline": "RTN", "ratio": sr / rtn,
-             "goal": "(reference)"},
-            {"what": f"error_feedback_round_bf16_fused ({size})", "baseline": "RTN", "ratio": ef_fused / rtn,
-             "goal": "<= 2.5"},
-            {"what": f"error_feedback_round_bf16 ({size})", "baseline": "RTN", "ratio": ef / rtn, "goal": "(reference)"}]
+    x = torch.randn(n, device=device)
+    residual, gen = torch.zeros_like(x), torch.Generator(device).manual_seed(0)
+    return _ratio_rows([
+        ("RTN", lambda: x.to(torch.bfloat16), ""), ("clone", lambda: x.clone(), "(floor)"),
+        ("stochastic_round_bf16_fused", lambda: stochastic_round_bf16_fused(x, _draw_seed(None)), "<= 1.5"),
+        ("stochastic_round_bf16, torch RNG", lambda: stochastic_round_bf16(x, generator=gen), "(reference)"),
+        ("error_feedback_round_bf16_fused", lambda: error_feedback_round_bf16_fused(x, residual), "<= 2.5"),
+        ("error_feedback_round_bf16", lambda: error_feedback_round_bf16(x, residual), "(reference)"),
+    ], repeats, f" ({n / 2**20:.0f}M fp32, {device.type})")
 
 
-def bench_token_logprobs(rows: int, V: int, repeats: int, with_backward: bool = False) -> list[dict]:
-    """token_logprobs vs log_softmax + gather: time, same values, peak extra memory (subprocess RSS), and with
-    with_backward the time of values + gradient."""
-    logits = torch.randn(rows, V)
-    ids = torch.randint(0, V, (rows,))
-    ref = torch.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1)
-    ours = token_logprobs(logits, ids)
-    if not torch.allclose(ours, ref, atol=1e-5, rtol=0):
-        raise RuntimeError(f"token_logprobs differs from log_softmax + gather: {float((ours - ref).abs().max())}")
-    t_ref = _median_seconds(lambda: torch.log_softmax(logits, -1).gather(-1, ids[:, None]), repeats)
-    t_ours = _median_seconds(lambda: token_logprobs(logits, ids), repeats)
-    rows_out = []
+def _selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """TRL's selective_log_softmax (trl/trainer/utils.py), a baseline: loops over B to bound memory. (B, T, V) -> (B, T)."""
+    if logits.dtype == torch.float32:  # gather - logsumexp, one batch row at a time
+        lse = torch.stack([torch.logsumexp(row, -1) for row in logits])  # (B, T)
+        return logits.gather(-1, index[..., None]).squeeze(-1) - lse
+    return torch.stack([torch.log_softmax(r, -1).gather(-1, i[:, None]).squeeze(-1) for r, i in zip(logits, index)])
+
+
+def bench_token_logprobs(rows: int, V: int, repeats: int, device: torch.device, dtype=torch.float32,
+                         with_backward: bool = False) -> list[dict]:
+    """token_logprobs and TRL's selective_log_softmax (B = 8) vs log_softmax + gather: time, peak extra memory over
+    the logits (GPU: max_memory_allocated; CPU: fresh-process RSS, fp32 only), and time of values + gradient."""
+    logits, ids = torch.randn(rows, V, device=device).to(dtype), torch.randint(0, V, (rows,), device=device)
+    calls = [("log_softmax+gather", lambda x: torch.log_softmax(x.float(), -1).gather(-1, ids[:, None]).squeeze(-1)),
+             ("token_logprobs", lambda x: token_logprobs(x, ids)),
+             ("TRL selective_log_softmax", lambda x: _selective_log_softmax(x.view(8, -1, V), ids.view(8, -1)))]
+    if not torch.allclose(calls[1][1](logits), calls[0][1](logits), atol=1e-5, rtol=0):
+        raise RuntimeError("token_logprobs differs from log_softmax + gather")
+    label = f" (N={rows}, V={V}, {str(dtype)[6:]}, {device.type})"
+    out = _ratio_rows([(what, lambda f=f: f(logits), "<= 1.2") for what, f in calls], repeats, label)
+    peaks = ({what: _cuda_peak_extra_bytes(lambda f=f: f(logits)) for what, f in calls} if device.type == "cuda" else
+             {what: _peak_extra_bytes(rows, V, what) for what, _ in calls[:2]})
+    out += [{"what": f"{what}{label} peak extra memory", "baseline": "the logits tensor", "ratio": peak /
+             (logits.numel() * logits.element_size()), "goal": "<= 0.05" if what == "token_logprobs" else "report"}
+            for what, peak in peaks.items()]
     if with_backward:  # the trainer's path: values and their gradient w.r.t. the logits
-        logits.requires_grad_(True)
-
-        def backward(fn):
-            def once():
-                fn().sum().backward()
-                logits.grad = None
-            return once
-
-        t_ref_bw = _median_seconds(backward(lambda: torch.log_softmax(logits, -1).gather(-1, ids[:, None])), repeats)
-        t_ours_bw = _median_seconds(backward(lambda: token_logprobs(logits, ids)), repeats)
-        rows_out.append({"what": f"token_logprobs + backward (N={rows}, V={V})", "baseline":
-                         "log_softmax+gather + backward", "ratio": t_ours_bw / t_ref_bw, "goal": "<= 1.2"})
-    del logits
-    logits_bytes = rows * V * 4
-    mem_ours, mem_ref = _peak_extra_bytes(rows, V, "tim_rl"), _peak_extra_bytes(rows, V, "ref")
-    label = f"token_logprobs (N={rows}, V={V})"
-    return [{"what": label + " time", "baseline": "log_softmax+gather", "ratio": t_ours / t_ref, "goal": "<= 1.2"},
-            {"what": label + " peak extra memory", "baseline": "the fp32 logits tensor",
-             "ratio": mem_ours / logits_bytes, "goal": f"<= 0.05 (log_softmax: {mem_ref / logits_bytes:.2f})"}] + rows_out
+        backward = lambda f: lambda: torch.autograd.grad(f(logits.requires_grad_()).sum(), logits)  # noqa: E731
+        out += _ratio_rows([(what + " + backward", backward(f), "<= 1.2") for what, f in calls], repeats, label)
+    return out
 
 
 def bench_corrections(B: int, T: int, V: int, K: int, repeats: int) -> list[dict]:
@@ -3470,60 +3457,45 @@ def bench_corrections(B: int, T: int, V: int, K: int, repeats: int) -> list[dict
     logits = torch.randn(B, T, V, generator=g).requires_grad_(True)  # (B, T, V) the trainer's, fp32
     ids = torch.randint(0, V, (B, T), generator=g)
     topk = torch.cat([ids[..., None], torch.randint(0, V, (B, T, K - 1), generator=g)], -1)  # (B, T, K)
-    mask = torch.ones(B, T, dtype=torch.bool)
-    mask[:, T * 3 // 4 :] = False
-    with torch.no_grad():
-        lp_all = token_logprobs(logits, topk)  # (B, T, K)
+    mask = torch.arange(T).expand(B, T) < T * 3 // 4  # (B, T): the last quarter is padding
+    lp_all = token_logprobs(logits.detach(), topk)  # (B, T, K)
     logp_old = lp_all[..., 0]
     logp_infer = logp_old + 0.05 * torch.randn(B, T, generator=g)
     logp_topk_infer = lp_all + 0.05 * torch.randn(B, T, K, generator=g)
     adv = torch.randn(B, 1, generator=g)
 
-    def step(loss_fn, need_topk=False):
-        def run_once():
-            if need_topk:  # one logsumexp serves the sampled id and the K head ids
-                lp = token_logprobs(logits, topk)  # (B, T, K); column 0 is the sampled id
-                loss = loss_fn(lp[..., 0], lp)
-            else:
-                loss = loss_fn(token_logprobs(logits, ids), None)
-            loss.backward()
-            logits.grad = None
-        return run_once
+    def step(loss_fn, index=ids):  # index = topk: one logsumexp serves the sampled id (column 0) and the K head ids
+        return lambda: torch.autograd.grad(loss_fn(token_logprobs(logits, index)), logits)
 
     arms = {
-        "tis": lambda lp, _: pg_loss(lp, adv, mask, tis_weights(lp.detach(), logp_infer, mask)),
-        "mis": lambda lp, _: pg_loss(lp, adv, mask, mis_weights(lp.detach(), logp_infer, mask)),
-        "seq_tis": lambda lp, _: pg_loss(lp, adv, mask, seq_tis_weights(lp.detach(), logp_infer, mask)),
-        "geo": lambda lp, _: pg_loss(lp, adv, mask, geo_mask_weights(lp.detach(), logp_infer, mask)),
-        "cis": lambda lp, _: ppo_loss(lp, logp_old, adv, mask, cis_weights(logp_old, logp_infer, mask)),
-        "dlc": lambda lp, _: dlc_loss(lp, logp_old, logp_infer, adv, mask),
-        "ppo": lambda lp, _: ppo_loss(lp, logp_old, adv, mask),
-        "dppo": lambda lp, _: dppo_loss(lp, logp_infer, adv, mask),
+        "pg_loss": lambda lp: pg_loss(lp, adv, mask),
+        "tis": lambda lp: pg_loss(lp, adv, mask, tis_weights(lp.detach(), logp_infer, mask)),
+        "mis": lambda lp: pg_loss(lp, adv, mask, mis_weights(lp.detach(), logp_infer, mask)),
+        "seq_tis": lambda lp: pg_loss(lp, adv, mask, seq_tis_weights(lp.detach(), logp_infer, mask)),
+        "geo": lambda lp: pg_loss(lp, adv, mask, geo_mask_weights(lp.detach(), logp_infer, mask)),
+        "cis": lambda lp: ppo_loss(lp, logp_old, adv, mask, cis_weights(logp_old, logp_infer, mask)),
+        "dlc": lambda lp: dlc_loss(lp, logp_old, logp_infer, adv, mask),
+        "ppo": lambda lp: ppo_loss(lp, logp_old, adv, mask),
+        "dppo": lambda lp: dppo_loss(lp, logp_infer, adv, mask),
     }
-    base = _median_seconds(step(lambda lp, _: pg_loss(lp, adv, mask)), repeats)
-    rows = [{"what": f"{name} loss+backward (B={B}, T={T}, V={V})", "baseline": "pg_loss+backward",
-             "ratio": _median_seconds(step(fn), repeats) / base, "goal": "<= 1.2"} for name, fn in arms.items()]
-    sc = lambda lp, lp_topk: score_centering_loss(lp, lp_topk, logp_infer, logp_topk_infer, adv, mask)  # noqa: E731
-    rows.append({"what": f"sc loss+backward (K={K})", "baseline": "pg_loss+backward",
-                 "ratio": _median_seconds(step(sc, need_topk=True), repeats) / base, "goal": "<= 1.5"})
-    return rows
+    sc = lambda lp: score_centering_loss(lp[..., 0], lp, logp_infer, logp_topk_infer, adv, mask)  # noqa: E731
+    return _ratio_rows([(f"{name}+backward" if name == "pg_loss" else f"{name} loss+backward", step(fn), "<= 1.2")
+                        for name, fn in arms.items()] + [(f"sc (K={K}) loss+backward", step(sc, topk), "<= 1.5")],
+                       repeats, f" (B={B}, T={T}, V={V})")
 
 
-def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int) -> list[dict]:
-    """Generated tokens/s of TorchSampler vs HF generate (same model, fp32, batch, max length), and of vLLM."""
+def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, device: torch.device) -> list[dict]:
+    """Generated tokens/s of TorchSampler vs HF generate (same model, fp32, batch, max length, device), and vLLM's."""
     tokenizer = load_tokenizer(model_dir)
-    model = load_model(model_dir).eval()
+    model = load_model(model_dir).to(device).eval()
     problems = make_arithmetic_task(prompts_n, **_task_kwargs(model_dir), split="eval")
     prompts, _ = _encode_problems(tokenizer, problems)
     gen = torch.Generator().manual_seed(0)
 
-    def ours(sampler):
-        def once():
-            return int(sampler.sample(prompts, group, 5, 1.0, 0, gen).mask.sum())
-        return once
+    ours = lambda sampler: lambda: int(sampler.sample(prompts, group, 5, 1.0, 0, gen).mask.sum())  # noqa: E731
 
     def hf():
-        ids, attention = _left_pad([p for p in prompts for _ in range(group)])
+        ids, attention = _left_pad([p for p in prompts for _ in range(group)], device=device)
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=attention.long(), do_sample=True, max_new_tokens=5,
                                  temperature=1.0, top_k=0, top_p=1.0, pad_token_id=PAD_ID, eos_token_id=EOS_ID)
@@ -3538,7 +3510,7 @@ def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int) ->
 
     torch_tps = tokens_per_second(ours(TorchSampler(model, EngineSpec(), tokenizer)))
     hf_tps = tokens_per_second(hf)
-    rows = [{"what": f"TorchSampler tokens/s ({prompts_n}x{group} seqs, fp32; {torch_tps:.0f} tok/s)",
+    rows = [{"what": f"TorchSampler tokens/s ({prompts_n}x{group} seqs, fp32, {device.type}; {torch_tps:.0f} tok/s)",
              "baseline": f"HF generate ({hf_tps:.0f} tok/s)", "ratio": torch_tps / hf_tps, "goal": ">= 1.0"}]
     if vllm_available():
         vllm_tps = tokens_per_second(ours(VLLMSampler(model_dir, dtype="fp32", seed=0, tokenizer=tokenizer)))
@@ -3547,17 +3519,16 @@ def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int) ->
     return rows
 
 
-def bench_rl_step(model_dir: Path, steps: int, out_dir: str) -> list[dict]:
-    """Shares of one RL step (demo settings: lag 32, SC + TIS over the whole vocabulary) per phase."""
+def bench_rl_step(model_dir: Path, steps: int, out_dir: str, device: torch.device) -> list[dict]:
+    """Shares of one RL step (demo settings: lag 8, SC + TIS over the whole vocabulary) per phase."""
     cfg = RLConfig(name="bench_step", model=str(model_dir), steps=steps, sync_every=8, correction="sc_tis",
-                   eval_every=10**9, out_dir=out_dir, progress=False)
+                   eval_every=10**9, out_dir=out_dir, progress=False, device=device.type)
     recs = [r for r in run(cfg) if "reward" in r][1:]  # RL steps (evaluations aside); the first warms up
     totals = {phase: sum(r[f"sec_{phase}"] for r in recs) for phase in STEP_PHASES}
     whole = sum(totals.values())
-    rows = [{"what": f"RL step: {phase}" + (" (advantages + correction weights + loss)" if phase == "loss" else ""),
+    return [{"what": f"RL step ({device.type}): {phase}" + (" (advantages + weights + loss)" if phase == "loss" else ""),
              "baseline": f"whole step ({whole / len(recs) * 1e3:.1f} ms)", "ratio": totals[phase] / whole,
              "goal": "< 0.05" if phase == "loss" else "report"} for phase in STEP_PHASES]
-    return rows
 
 
 def bench_trl_step(model_dir: Path, steps: int, out_dir: str) -> list[dict]:
@@ -3578,8 +3549,7 @@ def bench_trl_step(model_dir: Path, steps: int, out_dir: str) -> list[dict]:
     ours = sorted(sum(r[f"sec_{p}"] for p in STEP_PHASES) for r in recs)[len(recs) // 2]
 
     class StepTimer(transformers.TrainerCallback):
-        def __init__(self):
-            self.seconds, self.t0 = [], 0.0
+        seconds, t0 = [], 0.0  # one instance
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.t0 = time.perf_counter()
@@ -3611,11 +3581,8 @@ def bench_verifier(repeats: int) -> list[dict]:
               "decimals": "1." * (n // 2), "open braces": "{" * n, "nested boxed": "\\boxed{" * (n // 7),
               "many ####": "#### 1 " * (n // 7), "minus signs": "-" * n + "1", "unicode digits": "٣" * n,
               "mixed": ("\\boxed{1,2/3.4} #### -5e9 " * (n // 26)), "1 MB": "9" * 10**6}
-    worst, worst_name = 0.0, ""
-    for name, text in corpus.items():
-        seconds = _median_seconds(lambda: verify(text, "47"), repeats)
-        if seconds > worst:
-            worst, worst_name = seconds, name
+    worst, worst_name = max((_median_seconds(lambda t=text: verify(t, "47"), repeats), name)
+                            for name, text in corpus.items())
     return [{"what": f"verify worst case over {len(corpus)} adversarial texts ({worst_name})", "baseline": "10 ms",
              "ratio": worst / 0.010, "goal": "< 1"}]
 
@@ -3626,30 +3593,28 @@ def bench(cfg: BenchConfig) -> list[dict]:
 
     torch.set_num_threads(os.cpu_count() or 1)
     model_dir = ensure_base_model(cfg.model) if cfg.model == "runs/base" else Path(cfg.model)
-    q = cfg.quick
-    print(f"[bench] torch {torch.__version__}, {torch.get_num_threads()} threads, quick={q}", file=sys.stderr)
-    sections = [
-        lambda: bench_export(2**20 if q else 16 * 2**20, cfg.repeats),
-        lambda: bench_token_logprobs(512 if q else 4096, 32_000, cfg.repeats, with_backward=True),
-        lambda: [] if q else bench_token_logprobs(4096, 151_936, 3),
+    q, device = cfg.quick, resolve_device(cfg.device)
+    gpu = device.type == "cuda"
+    print(f"[bench] torch {torch.__version__}, {torch.get_num_threads()} threads, {device}, quick={q}", file=sys.stderr)
+    # token_logprobs at Llama's and Qwen's V; on a GPU N = 8 192 with fp32 and bf16 logits, all with a backward
+    n_lp, dtypes = 512 if q else 8192 if gpu else 4096, (torch.float32, torch.bfloat16) if gpu else (torch.float32,)
+    sections = [lambda: bench_export(2**20 if q else (256 if gpu else 16) * 2**20, cfg.repeats, device)] + [
+        lambda V=V, dt=dt: bench_token_logprobs(n_lp, V, cfg.repeats, device, dt, with_backward=gpu or V == 32_000)
+        for V in ((32_000,) if q else (32_000, 151_936)) for dt in dtypes] + [
         lambda: bench_corrections(2 if q else 4, 128 if q else 512, 8_000 if q else 32_000, 128, cfg.repeats),
-        lambda: bench_samplers(model_dir, 4 if q else 16, 8, cfg.repeats),
-        lambda: bench_rl_step(model_dir, 6 if q else 40, cfg.out),
+        lambda: bench_samplers(model_dir, 4 if q else 16, 8, cfg.repeats, device),
+        lambda: bench_rl_step(model_dir, 6 if q else 40, cfg.out, device),
         lambda: bench_trl_step(model_dir, 4 if q else 12, cfg.out),
         lambda: bench_verifier(cfg.repeats),
     ]
-    rows, t0 = [], time.perf_counter()
-    for section in tqdm(sections, desc="bench", mininterval=0):
-        rows += section()
-    seconds = time.perf_counter() - t0
-    for r in rows:
-        r["ratio"] = float(r["ratio"])
+    t0 = time.perf_counter()
+    rows = [row for section in tqdm(sections, desc="bench", mininterval=0) for row in section()]
     table = _markdown_table(rows)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    header = (f"`python tim_rl.py bench{' --quick' if q else ''}`: torch {torch.__version__}, "
-              f"{torch.get_num_threads()} threads, median of {cfg.repeats} after a warm-up, {seconds:.0f} s.\n\n")
-    (out / "bench.md").write_text(header + table + "\n")
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    header = (f"`python tim_rl.py bench{' --quick' if q else ''} --device {device.type}`: torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads, median of {cfg.repeats} after a warm-up, "
+              f"{time.perf_counter() - t0:.0f} s.\n\n")
+    (Path(cfg.out) / "bench.md").write_text(header + table + "\n")
     print(table)
     return rows
 
