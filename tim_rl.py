@@ -561,7 +561,8 @@ def stochastic_round_bf16(
 
     Fair Cast [4] (reconstructed): rounds away from zero with probability equal to x's position in its bf16 cell,
     so E[SR(x)] = x exactly for every finite x whose neighbours are finite. `noise` (int32, shaped like x, values in
-    [0, 2^16)) replaces the random draw so that tests can enumerate all 65 536 draws. inf/nan pass through.
+    [0, 2^16)) replaces the random draw so that tests can enumerate all 65 536 draws. inf/nan pass through. The
+    noise is drawn on x's device, with `generator` (if given) on that device too.
 
     needs: _check_fp32, _check_device, _check_tensor, BF16_DROPPED_BITS
     """
@@ -1990,8 +1991,8 @@ class Trainer:
         """Round the fp32 master to the sampler's dtype (rtn | sr | ef). Returns (state dict, visible update fraction).
 
         Also moves the behaviour copy to the served weights, so that logp_old is the trainer engine on exactly what
-        the sampler now holds. On a GPU with torch.compile SR and EF run fused (SR's noise: hash_noise16 seeded by one
-        draw from `generator` per tensor); on the CPU the reference functions with `generator` itself.
+        the sampler now holds. On the CPU: the reference roundings with `generator` itself. On a GPU: SR's noise is
+        hash_noise16 seeded by one draw from `generator` per tensor, SR and EF fused where torch.compile has Triton.
         """
         if mode not in ("rtn", "sr", "ef"):
             raise ValueError(f"mode must be rtn | sr | ef, got {mode!r}")
@@ -2003,9 +2004,9 @@ class Trainer:
             master = p.detach()
             if self.export_dtype == "fp32":
                 served = master.clone()
-            elif mode == "sr":  # TIM: Fair Cast, unbiased rounding (on a GPU fused: one host draw per tensor)
-                served = (stochastic_round_bf16_fused(master, _draw_seed(generator)) if fast else
-                          stochastic_round_bf16(master, generator=generator))
+            elif mode == "sr":  # TIM: Fair Cast, unbiased rounding (off the CPU hash noise: one host draw per tensor)
+                served = (stochastic_round_bf16(master, generator=generator) if master.device.type == "cpu" else
+                          stochastic_round_bf16_fused(master, _draw_seed(generator), compile=fast))
             elif mode == "ef":  # TIM: Fair Cast, error feedback
                 served, self.residual[name] = (error_feedback_round_bf16_fused if fast else error_feedback_round_bf16)(
                     master, self.residual.get(name, torch.zeros_like(master)))
