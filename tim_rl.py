@@ -2020,11 +2020,10 @@ class Trainer:
             state[name] = served
             self.served[name] = served.float()
         self.behaviour.load_state_dict(self.served, strict=False)
-        dot, norm2 = float(dot), float(norm2)
         if self.master_at_export is not None:
             self.master_at_export.load_state_dict({n: p.detach() for n, p in self.model.named_parameters()},
                                                   strict=False)
-        return state, (dot / norm2 if norm2 > 0 else (1.0 if self.export_dtype == "fp32" else 0.0))
+        return state, (float(dot / norm2) if norm2 > 0 else (1.0 if self.export_dtype == "fp32" else 0.0))
 
 
 def trainer_state(trainer: Trainer, extra: dict[str, torch.nn.Module] | None = None) -> tuple[dict, dict]:
@@ -3371,8 +3370,7 @@ _PEAK_RSS_SCRIPT = """
 import re, sys, torch, tim_rl
 rows, V, which = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 torch.set_num_threads({threads})
-logits = torch.ones(rows, V)  # (N, V) fp32, every page touched
-ids = torch.zeros(rows, dtype=torch.long)
+logits, ids = torch.ones(rows, V), torch.zeros(rows, dtype=torch.long)  # (N, V) fp32, every page touched
 status = lambda key: int(re.search(key + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
 call = ((lambda x, i: tim_rl.token_logprobs(x, i)) if which == "token_logprobs" else
         (lambda x, i: torch.log_softmax(x.float(), -1).gather(-1, i[:, None]).squeeze(-1)))
@@ -3489,8 +3487,7 @@ def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, de
     """Generated tokens/s of TorchSampler vs HF generate (same model, fp32, batch, max length, device), and vLLM's."""
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir).to(device).eval()
-    problems = make_arithmetic_task(prompts_n, **_task_kwargs(model_dir), split="eval")
-    prompts, _ = _encode_problems(tokenizer, problems)
+    prompts, _ = _encode_problems(tokenizer, make_arithmetic_task(prompts_n, **_task_kwargs(model_dir), split="eval"))
     gen = torch.Generator().manual_seed(0)
 
     ours = lambda sampler: lambda: int(sampler.sample(prompts, group, 5, 1.0, 0, gen).mask.sum())  # noqa: E731
@@ -3544,9 +3541,8 @@ def bench_trl_step(model_dir: Path, steps: int, out_dir: str) -> list[dict]:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    recs = run(RLConfig(name="bench_tim_rl_step", model=str(model_dir), steps=steps, prompts=16, group=8, lr=1e-4,
-                        max_new_tokens=5, eval_every=10**9, out_dir=out_dir, progress=False))
-    recs = [r for r in recs if "reward" in r][1:]  # RL steps (evaluations aside); the first warms up
+    recs = [r for r in run(RLConfig(name="bench_tim_rl_step", model=str(model_dir), steps=steps, prompts=16, group=8,
+            lr=1e-4, max_new_tokens=5, eval_every=10**9, out_dir=out_dir, progress=False)) if "reward" in r][1:]
     ours = sorted(sum(r[f"sec_{p}"] for p in STEP_PHASES) for r in recs)[len(recs) // 2]
 
     class StepTimer(transformers.TrainerCallback):
