@@ -810,6 +810,28 @@ def test_token_logprobs_with_and_without_gradient_are_bitwise_equal():
     assert torch.equal(plain, tr.token_logprobs(logits.clone().requires_grad_(True), ids).detach())
 
 
+def test_token_logprobs_compiled_pass_matches_log_softmax_and_its_gradient():
+    """The GPU path (one torch.compile'd pass per chunk, forward and backward) forced on the CPU on small inputs:
+    the values and gradient of log_softmax + gather, grad and no-grad bitwise equal, over several chunks."""
+    g = torch.Generator().manual_seed(0)
+    logits, ids = torch.randn(6, 5, 96, generator=g) * 8, torch.randint(0, 96, (6, 5, 3), generator=g)
+    upstream = torch.randn(6, 5, 3, generator=g)
+    for dtype, atol in ((torch.float32, FP32_ATOL), (torch.bfloat16, 1e-2)):  # bf16: one bf16 rounding of the grad
+        leaf = logits.to(dtype).requires_grad_(True)
+        with torch.no_grad():
+            plain = tr.token_logprobs(leaf, ids, chunk_rows=7, fused=True)
+        ours = tr.token_logprobs(leaf, ids, chunk_rows=7, fused=True)
+        ref = torch.log_softmax(leaf.float(), -1).gather(-1, ids)
+        assert torch.equal(plain, ours.detach()) and torch.allclose(ours, ref, atol=FP32_ATOL)
+        (grad,) = torch.autograd.grad((ours * upstream).sum(), leaf)
+        (ref_grad,) = torch.autograd.grad((ref * upstream).sum(), leaf)
+        assert grad.dtype == dtype and torch.allclose(grad.float(), ref_grad.float(), atol=atol)
+    assert tr._logprobs_pass in tr._COMPILED, "anti-vacuity: the compiled passes ran"
+    x = logits[0].clone().requires_grad_(True)  # anti-vacuity: the same check sees a backward with a wrong lse
+    (ref0,) = torch.autograd.grad((torch.log_softmax(x, -1).gather(-1, ids[0]) * upstream[0]).sum(), x)
+    assert not torch.allclose(tr._logprobs_grad_pass(logits[0], ids[0], torch.zeros(5, 1), upstream[0]), ref0, atol=1e-3)
+
+
 def test_token_logprobs_bf16_logits_and_gradient():
     logits = torch.randn(3, 5, 64).to(torch.bfloat16).requires_grad_(True)
     ids = torch.randint(0, 64, (3, 5))
@@ -1304,6 +1326,114 @@ def test_every_public_math_function_is_copy_tested():
     public = {n for n, f in vars(tr).items() if inspect.isfunction(f) and f.__module__ == tr.__name__ and
               not n.startswith("_") and first <= inspect.getsourcelines(f)[1] <= last}
     assert public <= set(_copy_calls()), "each is run from its source alone (the verdict's interval is, too)"
+
+# =================================================================================================================
+# device-following: every tensor a function builds lives on its inputs' device (caught on a CPU-only machine)
+
+_FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.rand, torch.randn, torch.randint,
+              torch.randperm, torch.tensor, torch.as_tensor, torch.linspace, torch.logspace, torch.eye,
+              torch.empty_strided, torch.normal}
+
+
+class HostFactoryWatch(torch.overrides.TorchFunctionMode):
+    """Records each non-scalar tensor a torch factory builds without an explicit device=, and each .cpu() copy, called
+    from `files`: on a GPU such a tensor lands on the CPU (a crash when mixed with the inputs, or a host copy)."""
+
+    def __init__(self, files=(tr.__file__,)):
+        super().__init__()
+        self.files, self.found = set(files), []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        import sys
+
+        out = func(*args, **(kwargs or {}))
+        built = func in _FACTORIES and "device" not in (kwargs or {}) and isinstance(out, torch.Tensor) and out.dim()
+        if built or func is torch.Tensor.cpu:  # a tensor built on the host, or one copied there
+            frame = sys._getframe(1)
+            while frame is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
+                frame = frame.f_back  # the first caller outside torch itself
+            if frame is not None and frame.f_code.co_filename in self.files:
+                self.found.append(f"{func.__name__} in {frame.f_code.co_name} (line {frame.f_lineno})")
+        return out
+
+
+def _old_hash_noise16(shape, seed):  # planted: the index built on the CPU whatever the seed's device
+    h = torch.arange(math.prod(shape), dtype=torch.int32).reshape(shape) * -1640531535 + seed
+    return (h ^ ((h >> 16) & 0xFFFF)) & 0xFFFF
+
+
+def _old_stochastic_round_bf16(x, generator=None):  # planted: noise drawn on the CPU, then copied
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, generator=generator).to(x.device)
+    return ((x.view(torch.int32) + noise) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+
+
+def test_the_factory_watch_catches_host_built_tensors():
+    """Anti-vacuity for the device-following tests below: yesterday's hash index and CPU-drawn SR noise are caught,
+    today's functions on the same inputs are not."""
+    seed, x = torch.tensor(7, dtype=torch.int32), torch.randn(64)
+    for old in (lambda: _old_hash_noise16((4, 5), seed), lambda: _old_stochastic_round_bf16(x, torch.Generator())):
+        with HostFactoryWatch(files=(__file__,)) as watch:
+            old()
+        assert watch.found and watch.found[0].startswith(("arange", "randint")), watch.found
+    with HostFactoryWatch() as watch:
+        tr.hash_noise16((4, 5), seed), tr.stochastic_round_bf16(x, generator=torch.Generator())
+    assert watch.found == []
+
+
+@pytest.mark.parametrize("name", sorted(_copy_calls()))
+def test_public_math_builds_its_tensors_on_the_inputs_device(name):
+    call = _copy_calls()[name]  # inputs are built before the watch starts
+    with HostFactoryWatch() as watch:
+        call(getattr(tr, name))
+    assert watch.found == [], f"{name} builds tensors on the default device: {watch.found}"
+
+
+def _tiny_rollout_parts():
+    model = tr.build_tiny_model(seed=2)
+    model.config.eos_token_id = 2
+    return model, [[1, 20, 21], [1, 22]]
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"top_p": 0.9, "topk": 4}, {"temperature": 0.0, "topk": 1}])
+def test_sampler_builds_its_tensors_on_the_model_device(kwargs):
+    model, prompts = _tiny_rollout_parts()
+    sampler = tr.TorchSampler(model, tr.EngineSpec(noise=0.01))
+    with HostFactoryWatch() as watch:
+        ro = sampler.sample(prompts, 2, 6, generator=torch.Generator().manual_seed(0), **kwargs)
+        sampler.load_weights({k: v.detach() for k, v in model.state_dict().items()})
+    assert watch.found == [] and ro.mask.any()
+
+
+@pytest.mark.parametrize("export_dtype, mode", [("fp32", "rtn"), ("bf16", "rtn"), ("bf16", "sr"), ("bf16", "ef")])
+def test_export_and_loss_build_their_tensors_on_the_model_device(export_dtype, mode):
+    model, prompts = _tiny_rollout_parts()
+    trainer = tr.Trainer(model, export_dtype=export_dtype)
+    ro = tr.TorchSampler(model).sample(prompts, 2, 6, generator=torch.Generator().manual_seed(0), topk=4)
+    with HostFactoryWatch() as watch:
+        logp, logp_topk, _ = trainer.logprobs(ro, ro.topk_ids)
+        logp_old = trainer.behaviour_logprobs(ro)[0]
+        adv = tr.grpo_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0], device=logp.device), 2)
+        loss = tr.score_centering_loss(logp, logp_topk, ro.logp_infer, ro.logp_topk_infer, adv, ro.mask, cap=2.0)
+        trainer.step(loss + tr.ppo_loss(logp, logp_old, adv, ro.mask, tr.tis_weights(logp_old, ro.logp_infer, ro.mask)))
+        tr.mismatch_metrics(logp.detach(), ro.logp_infer, ro.mask)
+        trainer.export(mode, generator=torch.Generator().manual_seed(1))
+    assert watch.found == []
+
+
+def test_arguments_on_two_devices_are_a_value_error_naming_both():
+    """Checked on a CPU-only machine with "meta" tensors (shape and device, no data) against CPU ones."""
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    a, meta = torch.zeros(2, 3), torch.zeros(2, 3, device="meta")
+    logits, ids = torch.zeros(2, 3, 5, device="meta"), torch.zeros(2, 3, dtype=torch.long)
+    calls = [lambda: tr.tis_weights(meta, a, mask), lambda: tr.pg_loss(a, meta[:, :1], mask),
+             lambda: tr.token_logprobs(logits, ids), lambda: tr.error_feedback_round_bf16(a, meta),
+             lambda: tr.stochastic_round_bf16(meta, generator=torch.Generator())]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"(on meta.*on cpu|on cpu.*on meta)"):
+            call()
+    # anti-vacuity: the same calls with every argument on one device pass the check
+    tr.tis_weights(a, a, mask), tr.pg_loss(a, a[:, :1], mask), tr.error_feedback_round_bf16(a, a)
+    tr.token_logprobs(torch.zeros(2, 3, 5), ids), tr.stochastic_round_bf16(a, generator=torch.Generator())
 
 # =================================================================================================================
 # verifier and task
@@ -2033,6 +2163,34 @@ def test_cuda_torch_sampler_fp32_matches_trainer_after_sync_bf16_differs(base_mo
         gap = float((logp - ro.logp_infer)[ro.mask].abs().max() if dtype == "fp32"
                     else (logp - ro.logp_infer)[ro.mask].abs().mean())
         assert low <= gap < high, (dtype, gap)
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_cuda_fast_paths_equal_their_references(base_model_dir):
+    """On a GPU: fused token_logprobs (grad and no-grad bitwise equal, values and gradient of log_softmax + gather),
+    SR export = the reference with hash noise seeded by one draw per tensor, and seeded sampling reproducible."""
+    g = torch.Generator("cuda").manual_seed(0)
+    logits = (torch.randn(64, 1000, generator=g, device="cuda") * 8).requires_grad_(True)
+    ids = torch.randint(0, 1000, (64, 2), generator=g, device="cuda")
+    with torch.no_grad():
+        plain = tr.token_logprobs(logits, ids)
+    ours, ref = tr.token_logprobs(logits, ids), torch.log_softmax(logits, -1).gather(-1, ids)
+    assert tr._logprobs_pass in tr._COMPILED and torch.equal(plain, ours.detach())
+    assert torch.allclose(ours, ref, atol=FP32_ATOL)
+    grads = [torch.autograd.grad(out.sum(), logits)[0] for out in (ours, ref)]
+    assert torch.allclose(*grads, atol=1e-5)
+    trainer = tr.Trainer(tr.load_model(base_model_dir).cuda(), export_dtype="bf16")
+    state, _ = trainer.export("sr", generator=torch.Generator().manual_seed(3))
+    seeds = torch.Generator().manual_seed(3)
+    for name, p in trainer.model.named_parameters():
+        seed = torch.tensor(tr._draw_seed(seeds) & 0x7FFFFFFF, dtype=torch.int32, device="cuda")
+        noise = tr.hash_noise16(tuple(p.reshape(-1).shape), seed).reshape(p.shape)
+        assert torch.equal(state[name].view(torch.int16), tr.stochastic_round_bf16(p.detach(), noise=noise).view(
+            torch.int16)), name
+    sampler = tr.TorchSampler(trainer.model)
+    a, b = (sampler.sample([[1, 20, 21]] * 8, 2, 6, generator=torch.Generator().manual_seed(5)) for _ in range(2))
+    assert a.response_ids.is_cuda and torch.equal(a.response_ids, b.response_ids)
 
 
 @needs_cuda

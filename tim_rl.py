@@ -79,6 +79,9 @@ BF16_DROPPED_BITS = 16
 # token_logprobs works on row chunks of at most this many fp32 bytes (4 MiB: ~32 rows at V = 32 000, ~6 at
 # V = 151 936), so its transient memory is a few chunks, not a fraction of the (B, T, V) logits.
 CHUNK_BYTES = 4 << 20
+# On a GPU token_logprobs runs one compiled pass per chunk of at most this many logits (2^28: 1 GiB of fp32, ~1 770
+# rows at V = 151 936): large enough to read at memory speed, small enough that a bf16 backward's fp32 chunk is not.
+FUSED_CHUNK_ELEMENTS = 1 << 28
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -191,18 +194,26 @@ def _check_mask(mask) -> None:
         raise ValueError(f"mask is empty (shape {tuple(mask.shape)}): need B >= 1 and T >= 1")
 
 
+def _check_device(name: str, x, ref_name: str, ref) -> None:
+    """x (a tensor or a generator; None passes) must be on ref's device: mixing devices is a ValueError naming both."""
+    if x is not None and (x.device.type, x.device.index or 0) != (ref.device.type, ref.device.index or 0):
+        raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}: put both on one device")
+
+
 def _check_bt(mask, **tensors) -> None:
-    """Check the mask and that every named tensor is float with the mask's (B, T) shape."""
+    """Check the mask and that every named tensor is float with the mask's (B, T) shape, on the mask's device."""
     _check_mask(mask)
     for name, x in tensors.items():
         _check_tensor(name, x)
         if x.shape != mask.shape:
             raise ValueError(f"{name} must have shape (B, T) = {tuple(mask.shape)} like mask, got {tuple(x.shape)}")
+        _check_device(name, x, "mask", mask)
 
 
 def _check_adv(adv, mask) -> torch.Tensor:
     """Advantages may be (B, T), (B, 1) or (B,); returned as a detached (B, T) float tensor, non-finite -> 0."""
     _check_tensor("adv", adv)
+    _check_device("adv", adv, "mask", mask)
     B, T = mask.shape
     if adv.shape == (B,):
         adv = adv[:, None]
@@ -232,16 +243,30 @@ def _finite_log_ratio(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Te
     return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), ok
 
 
-def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int):
+_COMPILED = {}  # function -> torch.compile(function, dynamic=True), built on first use (seconds; needs a compiler)
+
+
+def _compiled(fn):
+    """torch.compile(fn, dynamic=True), one per function: a kernel for every shape, compiled on the first call."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn]
+
+
+def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int, fused: bool = False):
     """(log softmax(logits)[ids], logsumexp(logits)) by row chunks: (N, V), (N, K) -> (N, K), (N, 1) float32.
 
     One code path for every caller, with and without a gradient, so that the trainer's log-probs are bitwise the
-    same whichever way they are computed (exact mode and a lag of exactly 0 rely on it).
+    same whichever way they are computed (exact mode and a lag of exactly 0 rely on it). fused: each chunk in one
+    compiled pass (_logprobs_pass), no (n, V) transient.
     """
     out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
     lse = torch.empty(logits.shape[0], 1, dtype=torch.float32, device=logits.device)
     for start in range(0, logits.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
+        if fused:
+            out[rows], lse[rows] = _compiled(_logprobs_pass)(logits[rows], ids[rows])
+            continue
         chunk = logits[rows].float()  # (n, V), a copy only when logits are not fp32
         log_probs = torch.log_softmax(chunk, dim=-1)  # (n, V) transient: log_softmax's fused kernel
         out[rows] = log_probs.gather(-1, ids[rows])
@@ -249,19 +274,38 @@ def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int):
     return out, lse
 
 
+def _logprobs_pass(logits: torch.Tensor, ids: torch.Tensor):
+    """(logits[ids] - logsumexp(logits), logsumexp(logits)) in float32, one read of the logits. (n, V), (n, K)."""
+    lse = torch.logsumexp(logits.float(), -1, keepdim=True)  # (n, 1)
+    return logits.gather(-1, ids).float() - lse, lse
+
+
+def _logprobs_grad_pass(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, g: torch.Tensor):
+    """sum_k g_k (onehot(ids_k) - softmax(logits)) in the logits' dtype: the backward in one pass. -> (n, V)."""
+    dense = torch.exp(logits.float() - lse) * -g.sum(-1, keepdim=True)  # (n, V) float32
+    return dense.scatter_add(-1, ids, g).to(logits.dtype)
+
+
+def _gpu_compiles(device: torch.device) -> bool:
+    """True on a CUDA device where torch.compile has its GPU backend (Triton)."""
+    import importlib.util
+
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
 class _TokenLogprobs(torch.autograd.Function):
     """log softmax(logits)[ids] by row chunks, with a hand-written backward that writes the gradient in place.
 
     Forward keeps (logits, ids, lse): no (N, V) tensor is saved. Backward fills one (N, V) gradient chunk by chunk:
     d/dz_v = 1[v in ids] g - softmax(z)_v sum_k g_k. Autograd's own logsumexp + gather backward would allocate
-    several full-size temporaries instead.
+    several full-size temporaries instead. fused: both directions by compiled passes.
     """
 
     @staticmethod
-    def forward(ctx, logits, ids, chunk_rows):  # logits (N, V), ids (N, K) -> (N, K) float32
-        out, lse = _chunked_logprobs(logits, ids, chunk_rows)
+    def forward(ctx, logits, ids, chunk_rows, fused):  # logits (N, V), ids (N, K) -> (N, K) float32
+        out, lse = _chunked_logprobs(logits, ids, chunk_rows, fused)
         ctx.save_for_backward(logits, ids, lse)
-        ctx.chunk_rows = chunk_rows
+        ctx.chunk_rows, ctx.fused = chunk_rows, fused
         return out
 
     @staticmethod
@@ -271,26 +315,34 @@ class _TokenLogprobs(torch.autograd.Function):
         for start in range(0, logits.shape[0], ctx.chunk_rows):
             rows = slice(start, start + ctx.chunk_rows)
             g = grad_out[rows].float()  # (n, K)
+            if ctx.fused:  # one compiled pass
+                grad[rows] = _compiled(_logprobs_grad_pass)(logits[rows], ids[rows], lse[rows], g)
+                continue
             fp32 = logits.dtype == torch.float32  # then work in the gradient's own rows: no temporary at all
             probs = torch.sub(logits[rows], lse[rows], out=grad[rows]) if fp32 else logits[rows].float() - lse[rows]
             probs.exp_().mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, ids[rows], g)  # (n, V)
             if not fp32:
                 grad[rows] = probs
-        return grad, None, None
+        return grad, None, None, None
 
 
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | None = None,
+                   fused: bool | None = None) -> torch.Tensor:
     """log softmax(logits)[ids] in float32, over row chunks. (..., V), (...) -> (...).
 
     `ids` may also carry a trailing K axis, (..., K) -> (..., K), for the sampler's top-k ids (one logsumexp serves
     all K). Never materialises a second full-size float32 copy of the logits: each chunk of rows is upcast and
     reduced on its own (default: as many rows as fit in CHUNK_BYTES of float32), and the backward writes the logits'
-    gradient chunk by chunk. Differentiable w.r.t. logits.
+    gradient chunk by chunk. Differentiable w.r.t. logits. fused (default: on CUDA when torch.compile has Triton)
+    runs each chunk of FUSED_CHUNK_ELEMENTS as one torch.compile'd pass, gather - logsumexp forward and
+    g (onehot - softmax) backward, so the logits are read once; without a compiler it falls back to the chunked path.
 
-    needs: _TokenLogprobs, _check_tensor, _chunked_logprobs, CHUNK_BYTES
+    needs: _TokenLogprobs, _check_tensor, _check_device, _chunked_logprobs, _compiled, _logprobs_pass,
+    _logprobs_grad_pass, _gpu_compiles, CHUNK_BYTES, FUSED_CHUNK_ELEMENTS, _COMPILED
     """
     _check_tensor("logits", logits)
     _check_tensor("ids", ids, floating=False)
+    _check_device("ids", ids, "logits", logits)
     lead = logits.shape[:-1]
     if ids.shape != lead and (ids.dim() != logits.dim() or ids.shape[:-1] != lead):
         raise ValueError(f"ids must have shape {tuple(lead)} or {tuple(lead)} + (K,), got {tuple(ids.shape)}")
@@ -300,11 +352,12 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | No
     if N == 0:
         return flat_logits.new_zeros(ids.shape, dtype=torch.float32)
     flat_ids = ids.reshape(N, -1)  # (N, 1) or (N, K)
+    fused = _gpu_compiles(logits.device) if fused is None else fused
     if chunk_rows is None:
-        chunk_rows = max(1, CHUNK_BYTES // (4 * V))
+        chunk_rows = max(1, FUSED_CHUNK_ELEMENTS // V if fused else CHUNK_BYTES // (4 * V))
     if not (torch.is_grad_enabled() and logits.requires_grad):  # no graph to record
-        return _chunked_logprobs(flat_logits, flat_ids, chunk_rows)[0].reshape(ids.shape)
-    return _TokenLogprobs.apply(flat_logits, flat_ids, chunk_rows).reshape(ids.shape)
+        return _chunked_logprobs(flat_logits, flat_ids, chunk_rows, fused)[0].reshape(ids.shape)
+    return _TokenLogprobs.apply(flat_logits, flat_ids, chunk_rows, fused).reshape(ids.shape)
 
 
 def log1mexp(logp: torch.Tensor) -> torch.Tensor:
@@ -402,7 +455,7 @@ def mismatch_metrics(logp_train: torch.Tensor, logp_infer: torch.Tensor, mask: t
     Schulman's estimators), chi2 = mean(r^2) - 1, ess = (sum r)^2 / (N sum r^2) in (0, 1], abs_diff = mean |log r|.
     Non-finite log-probs inside the mask are left out and counted in frac_nonfinite. Computed in float64.
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_train=logp_train, logp_infer=logp_infer)
     log_ratio, ok = _finite_log_ratio(logp_train.detach(), logp_infer.detach(), mask)
@@ -448,7 +501,7 @@ def mismatch_ledger(
     moves with the lag). lag + rounding + numerics + truncation == total token by token. (B, T) -> dict.
     Tokens where any input is non-finite are left out of every part.
 
-    needs: _check_bt, _check_mask, _check_tensor
+    needs: _check_bt, _check_device, _check_mask, _check_tensor
     """
     _check_bt(mask, logp=logp, logp_old=logp_old, logp_infer=logp_infer)
     anchor = logp_old if logp_master_old is None else logp_master_old
@@ -509,13 +562,16 @@ def stochastic_round_bf16(
 
     Fair Cast [4] (reconstructed): rounds away from zero with probability equal to x's position in its bf16 cell,
     so E[SR(x)] = x exactly for every finite x whose neighbours are finite. `noise` (int32, shaped like x, values in
-    [0, 2^16)) replaces the random draw so that tests can enumerate all 65 536 draws. inf/nan pass through.
+    [0, 2^16)) replaces the random draw so that tests can enumerate all 65 536 draws. inf/nan pass through. The
+    noise is drawn on x's device, with `generator` (if given) on that device too.
 
-    needs: _check_fp32, _check_tensor, BF16_DROPPED_BITS
+    needs: _check_fp32, _check_device, _check_tensor, BF16_DROPPED_BITS
     """
     _check_fp32("x", x)
     if noise is None:
-        noise = torch.randint(0, 1 << BF16_DROPPED_BITS, x.shape, dtype=torch.int32, generator=generator).to(x.device)
+        _check_device("generator", generator, "x", x)
+        noise = torch.randint(0, 1 << BF16_DROPPED_BITS, x.shape, dtype=torch.int32, generator=generator,
+                              device=x.device)
     else:
         _check_tensor("noise", noise, floating=False)
         if noise.dtype != torch.int32 or noise.shape != x.shape:
@@ -531,12 +587,13 @@ def stochastic_round_bf16(
 def hash_noise16(shape: tuple[int, ...], seed: torch.Tensor) -> torch.Tensor:
     """Counter-based uniform noise in [0, 2^16): 32-bit integer hash of (element index, seed). int32, `shape`.
 
-    Deterministic given the seed (no generator state), so a compiler can fuse it with the rounding into one pass.
-    The hash is lowbias32 (C. Wellons' hash-prospector); int32 products wrap, shifts are made logical by masking.
+    Deterministic given the seed (no generator state), so a compiler can fuse it with the rounding into one pass; on
+    the seed's device. The hash is lowbias32 (C. Wellons' hash-prospector) of index * 0x9E3779B1 + seed; int32
+    products wrap, shifts are made logical by masking.
 
     needs: nothing
     """
-    h = torch.arange(math.prod(shape), dtype=torch.int32).reshape(shape) * -1640531535 + seed  # x 0x9E3779B1
+    h = torch.arange(math.prod(shape), dtype=torch.int32, device=seed.device).reshape(shape) * -1640531535 + seed
     h = h ^ ((h >> 16) & 0xFFFF)
     h = h * 0x7FEB352D
     h = h ^ ((h >> 15) & 0x1FFFF)
@@ -550,9 +607,6 @@ def _sr_hashed(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), bits.view(torch.float32).to(torch.bfloat16), x.to(torch.bfloat16))
 
 
-_SR_COMPILED = None  # torch.compile(_sr_hashed), built on first use (a few seconds, needs a C++ compiler on CPU)
-
-
 def stochastic_round_bf16_fused(x: torch.Tensor, seed: int, compile: bool = True) -> torch.Tensor:
     """stochastic_round_bf16 with hash_noise16(seed) as its noise, fused by torch.compile into one pass. Same shape.
 
@@ -561,17 +615,12 @@ def stochastic_round_bf16_fused(x: torch.Tensor, seed: int, compile: bool = True
     noise with torch's generator in a separate pass; this runs at close to the speed of x.to(torch.bfloat16).
     compile=False runs the same code eagerly (slow; for machines without a compiler).
 
-    needs: _check_fp32, _check_tensor, hash_noise16, _sr_hashed, BF16_DROPPED_BITS, _SR_COMPILED
+    needs: _check_fp32, _check_tensor, hash_noise16, _sr_hashed, _compiled, BF16_DROPPED_BITS, _COMPILED
     """
-    global _SR_COMPILED
     _check_fp32("x", x)
-    seed_t = torch.tensor(seed & 0x7FFFFFFF, dtype=torch.int32)
+    seed_t = torch.tensor(seed & 0x7FFFFFFF, dtype=torch.int32, device=x.device)
     flat = x.contiguous().reshape(-1)  # one compiled kernel for every parameter shape
-    if not compile:
-        return _sr_hashed(flat, seed_t).reshape(x.shape)
-    if _SR_COMPILED is None:
-        _SR_COMPILED = torch.compile(_sr_hashed, dynamic=True)
-    return _SR_COMPILED(flat, seed_t).reshape(x.shape)
+    return (_compiled(_sr_hashed) if compile else _sr_hashed)(flat, seed_t).reshape(x.shape)
 
 
 def error_feedback_round_bf16(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -581,12 +630,13 @@ def error_feedback_round_bf16(x: torch.Tensor, residual: torch.Tensor) -> tuple[
     values never leaves the running sum of masters by more than half a bf16 cell. Deterministic. A non-finite
     master is served as-is and its residual reset to 0.
 
-    needs: _check_fp32, _check_tensor
+    needs: _check_fp32, _check_device, _check_tensor
     """
     _check_fp32("x", x)
     _check_fp32("residual", residual)
     if residual.shape != x.shape:
         raise ValueError(f"residual must have shape {tuple(x.shape)} like x, got {tuple(residual.shape)}")
+    _check_device("residual", residual, "x", x)
     target = x + residual
     served = target.to(torch.bfloat16)
     new_residual = target.sub_(served)  # exact (Sterbenz): served is within half a cell of target; in place
@@ -611,26 +661,20 @@ def _ef_one_pass(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor,
     return torch.where(bad, x, served).to(torch.bfloat16), new_residual
 
 
-_EF_COMPILED = None  # torch.compile(_ef_one_pass), built on first use, like _SR_COMPILED
-
-
 def error_feedback_round_bf16_fused(x: torch.Tensor, residual: torch.Tensor, compile: bool = True):
     """error_feedback_round_bf16 as one pass fused by torch.compile, bitwise equal to it. (served bf16, e' fp32).
 
     The reference walks memory four times (add, cast, subtract, NaN check); this reads x and e once and writes
     served and e' once. compile=False runs the same code eagerly (slow; for machines without a compiler).
 
-    needs: _check_fp32, _check_tensor, _ef_one_pass, BF16_DROPPED_BITS, _EF_COMPILED
+    needs: _check_fp32, _check_tensor, _ef_one_pass, _compiled, BF16_DROPPED_BITS, _COMPILED
     """
-    global _EF_COMPILED
     _check_fp32("x", x)
     _check_fp32("residual", residual)
     if residual.shape != x.shape:
         raise ValueError(f"residual must have shape {tuple(x.shape)} like x, got {tuple(residual.shape)}")
-    if compile and _EF_COMPILED is None:
-        _EF_COMPILED = torch.compile(_ef_one_pass, dynamic=True)
     flat_x, flat_e = x.contiguous().reshape(-1), residual.contiguous().reshape(-1)  # one kernel for every shape
-    served, new_residual = (_EF_COMPILED if compile else _ef_one_pass)(flat_x, flat_e)
+    served, new_residual = (_compiled(_ef_one_pass) if compile else _ef_one_pass)(flat_x, flat_e)
     return served.reshape(x.shape), new_residual.reshape(x.shape)
 
 
@@ -682,7 +726,7 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool 
 def copc_residual_weights(logp: torch.Tensor, logp_infer: torch.Tensor, mask: torch.Tensor, eps: float = 0.2):
     """c_t = clip(p / q, 1 - eps, 1 + eps), detached; 1 where non-finite, 0 outside the mask. COPC [5]. (B, T).
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp, logp_infer=logp_infer)
     log_ratio, ok = _finite_log_ratio(logp.detach(), logp_infer.detach(), mask)
@@ -707,7 +751,8 @@ def copc_advantages(
     GAE(gamma, lambda). `rewards` is (B,) (paid at the last response token) or (B, T). The state after the last
     masked token is terminal (value 0). Returns detached (advantages, value_targets), 0 outside the mask.
 
-    needs: _check_bt, _check_mask, _check_tensor, copc_residual_weights, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, copc_residual_weights, _finite_log_ratio,
+    LOG_RATIO_CLAMP
     """
     _check_bt(mask, values=values, logp=logp, logp_infer=logp_infer)
     _check_tensor("rewards", rewards)
@@ -741,7 +786,7 @@ def copc_advantages(
 def tis_weights(logp_old: torch.Tensor, logp_infer: torch.Tensor, mask: torch.Tensor, cap: float = 2.0):
     """w = min(rho, C). Token-level truncated IS, Yao et al. 2025 [1]. Non-finite log-ratio -> 0. (B, T).
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
@@ -752,7 +797,7 @@ def tis_weights(logp_old: torch.Tensor, logp_infer: torch.Tensor, mask: torch.Te
 def mis_weights(logp_old, logp_infer, mask, low: float = 0.5, high: float = 5.0):
     """w = rho * 1[low <= rho <= high]. Masked IS / IcePop [11]; band of [2] by default. Non-finite -> 0. (B, T).
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
@@ -774,7 +819,7 @@ def seq_tis_weights(logp_old, logp_infer, mask, cap: float = 5.0):
 
     Beware: the product shrinks long sequences towards 0 (TRL #5814); geo_mask_weights does not. (B, T).
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
     """
     seq_log_rho, seq_ok = _sequence_log_ratio(logp_old, logp_infer, mask)  # (B, 1) each
     w = seq_log_rho.exp().clamp(max=cap).expand(mask.shape)  # (B, T)
@@ -788,7 +833,7 @@ def seq_mask_weights(logp_old, logp_infer, mask, low: float = 0.0, high: float =
     [None (no lower bound), 3.0], edges kept). Non-finite -> 0 for the sequence (TRL counts a NaN token as ratio 1).
     The product shrinks long sequences like seq_tis_weights does. (B, T).
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
     """
     seq_log_rho, seq_ok = _sequence_log_ratio(logp_old, logp_infer, mask)
     seq_rho = seq_log_rho.exp()  # (B, 1)
@@ -801,7 +846,7 @@ def geo_mask_weights(logp_old, logp_infer, mask, low: float = 0.99, high: float 
 
     Length-neutral replacement for the sequence product (TRL #5814, NeMo-RL #2269). Non-finite -> 0. (B, T).
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
@@ -817,7 +862,7 @@ def cis_weights(logp_old, logp_infer, mask, lam: float = 2.3, kappa: float = 5e-
     From rho = p + (1 - p) e^eps with eps = logit p - logit q, truncating eps gives a cap that tightens with
     confidence. Upper side only. Non-finite log-ratio -> 1 (left uncorrected, as the official code does). (B, T).
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
@@ -833,7 +878,7 @@ def dlc_weights(logp_old, logp_infer, mask, clamp: float = 1.0):
     Reconstructed from the abstract of Li, Zhou & Lan ("centres numerical errors"): the persistent part of the engine
     discrepancy (its batch mean) is removed, the rest is a bounded weight in [e^-c, e^c]. Non-finite -> 0. (B, T).
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, masked_mean, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, masked_mean, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     d, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
@@ -845,7 +890,7 @@ def dlc_weights(logp_old, logp_infer, mask, clamp: float = 1.0):
 def copc_mask(logp_old, logp_infer, mask, low: float = 0.5, high: float = 2.0):
     """m = 1[low <= rho <= high]: COPC's token-level ratio mask [5] (policy side; reconstructed). Non-finite -> 0.
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
     log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
@@ -868,7 +913,7 @@ def calibrated_clip_bounds(
     equals P(1 + eps_high) / N(1 - eps_low) on the reference, with P(H) = sum_{A>0, r<=H} A r and
     N(L) = sum_{A<0, r>=L} |A| r. Falls back to (1 - eps_low, 1 + eps_high) when a side has no tokens. (B, T).
 
-    needs: _check_adv, _check_bt, _check_mask, _check_tensor
+    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor
     """
     _check_bt(mask, ratio_lowprec=ratio_lowprec, ratio_ref=ratio_ref)
     A = _check_adv(adv, mask)
@@ -923,7 +968,8 @@ def pg_loss(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, weights: 
 
     A non-finite logp inside the mask drops that token (no gradient, no NaN).
 
-    needs: _check_adv, _check_bt, _check_mask, _check_tensor, _finite_or_zero, masked_mean, _weights_or_ones
+    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, _finite_or_zero, masked_mean,
+    _weights_or_ones
     """
     _check_bt(mask, logp=logp)
     A, w = _check_adv(adv, mask), _weights_or_ones(weights, mask)
@@ -940,7 +986,8 @@ def ppo_loss(logp, logp_prox, adv, mask, weights=None, eps_low: float = 0.2, eps
     from the second update on (RLConfig.updates_per_batch). Anchoring at the sampler instead (p_prox := q) gives the
     plain "sampler log-probs as pi_old" PPO. Clip-higher 0.28 as in DAPO. A non-finite log-ratio drops the token.
 
-    needs: _check_adv, _check_bt, _check_mask, _check_tensor, masked_mean, _weights_or_ones, LOG_RATIO_CLAMP
+    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, masked_mean, _weights_or_ones,
+    LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp, logp_prox=logp_prox)
     A, w = _check_adv(adv, mask), _weights_or_ones(weights, mask)
@@ -970,8 +1017,8 @@ def score_centering_loss(
     alpha = rho_tail f(1 / rho_tail), coef_v = q_v f(p_v / q_v) - alpha p_v (all detached). Exact when K = V.
     logp, logp_infer, adv (B, T); logp_topk (grad) and logp_topk_infer (B, T, K). -> scalar.
 
-    needs: _check_adv, _check_bt, _check_mask, _check_tensor, _finite_log_ratio, _finite_or_zero, masked_mean,
-    LOG_RATIO_CLAMP, TAIL_FLOOR
+    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, _finite_or_zero,
+    masked_mean, LOG_RATIO_CLAMP, TAIL_FLOOR
     """
     _check_bt(mask, logp=logp, logp_infer=logp_infer)
     for name, t in (("logp_topk", logp_topk), ("logp_topk_infer", logp_topk_infer)):
@@ -1014,8 +1061,8 @@ def dlc_loss(logp, logp_old, logp_infer, adv, mask, eps_low: float = 0.2, eps_hi
     is bounded on its own, so lag cannot use up the budget meant for numerics. logp_prox defaults to logp (one update
     per batch). (B, T) -> scalar.
 
-    needs: _check_adv, _check_bt, _check_mask, _check_tensor, dlc_weights, _finite_log_ratio, masked_mean, ppo_loss,
-    tis_weights, _weights_or_ones, LOG_RATIO_CLAMP
+    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, dlc_weights, _finite_log_ratio,
+    masked_mean, ppo_loss, tis_weights, _weights_or_ones, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp)
     logp_prox = logp.detach() if logp_prox is None else logp_prox
@@ -1031,7 +1078,7 @@ def dppo_loss(logp, logp_infer, adv, mask, delta: float = 0.2):
     only updates that push further out are masked. Otherwise the gradient is the IS-weighted policy gradient
     r A grad log p. Non-finite log-ratio -> token dropped. (B, T) -> scalar.
 
-    needs: _check_adv, _check_bt, _check_mask, _check_tensor, masked_mean, LOG_RATIO_CLAMP
+    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, masked_mean, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp, logp_infer=logp_infer)
     A = _check_adv(adv, mask)
@@ -1050,7 +1097,7 @@ def effective_token_weights(loss: torch.Tensor, logp: torch.Tensor, adv, mask: t
     1 for plain REINFORCE, rho for IS, 0 where a clip or mask drops the token; nan where A_t = 0 (undefined). N is
     the number of masked tokens (losses are token means). Differentiates only back to logp, not into the model.
 
-    needs: _check_adv, _check_bt, _check_mask, _check_tensor
+    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor
     """
     _check_bt(mask, logp=logp)
     A = _check_adv(adv, mask)
@@ -1070,7 +1117,7 @@ def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness: int =
     on the weights of the last sync (the loop passes the fp32 master at that export, logp_master_old, so export
     rounding is not counted as lag); both (B, T). An unmeasurable (non-finite) lag resyncs.
 
-    needs: _check_bt, _check_mask, _check_tensor, _finite_log_ratio, masked_mean, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, masked_mean, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp, logp_old=logp_old)
     if max_staleness <= 0 and max_lag <= 0:
@@ -1418,14 +1465,26 @@ def _pad_stack(rows: list[torch.Tensor], value: int) -> torch.Tensor:
     return torch.stack([torch.nn.functional.pad(r, (0, S - r.shape[-1]), value=value) for r in rows], 1)
 
 
-def _left_pad(prompts: list[list[int]], pad_id: int = PAD_ID) -> tuple[torch.Tensor, torch.Tensor]:
+def _left_pad(prompts: list[list[int]], pad_id: int = PAD_ID, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
     P = max(map(len, prompts))
-    ids = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompts])  # (B, P)
+    ids = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompts], device=device)  # (B, P)
     return ids, ids.new_tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts]).bool()
 
 
 def _positions(attention: torch.Tensor) -> torch.Tensor:
     return (attention.long().cumsum(1) - 1).clamp(min=0)
+
+
+def _draw_seed(generator: torch.Generator | None) -> int:
+    """One draw in [0, 2^31 - 1) from `generator` (None: torch's default CPU generator), e.g. to seed a GPU one."""
+    return int(torch.randint(0, 2**31 - 1, (), generator=generator, device=generator.device if generator else "cpu"))
+
+
+def _device_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator | None:
+    """`generator` on its own device type (or None); elsewhere a generator on `device` seeded by one draw from it:
+    sampling on a GPU stays reproducible for a seed with one host draw per call, not a host copy per token."""
+    same = generator is None or generator.device.type == torch.device(device).type
+    return generator if same else torch.Generator(device).manual_seed(_draw_seed(generator))
 
 
 @torch.no_grad()
@@ -1446,15 +1505,14 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     if pad_id is None:
         pad_id = eos_id if model.config.pad_token_id is None else model.config.pad_token_id
     device = next(model.parameters()).device
-    prompt_ids, prompt_mask = (t.to(device) for t in _left_pad(prompts, pad_id))
+    generator = _device_generator(generator, device)  # TIM: on a GPU the sampling noise differs from the CPU's
+    prompt_ids, prompt_mask = _left_pad(prompts, pad_id, device)
     B = prompt_ids.shape[0]
     attention = prompt_mask.long()
-    cache = DynamicCache()
     out = model(input_ids=prompt_ids, attention_mask=attention, position_ids=_positions(attention),
-                past_key_values=cache, use_cache=True)
+                past_key_values=DynamicCache(), use_cache=True)
     logits = out.logits[:, -1]  # (B, V)
-    V = logits.shape[-1]
-    K = V if topk <= 0 else min(topk, V)
+    K = logits.shape[-1] if topk <= 0 else min(topk, logits.shape[-1])
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     truncate = temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0)
     ids, masks, logps, top_ids, top_logps, kept = [], [], [], [], [], []
@@ -1465,8 +1523,8 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
             scaled = scaled.masked_fill(~keep, -math.inf)
             kept.append(support_ids(keep))  # (B, S_t)
         logprobs = torch.log_softmax(scaled, -1)  # (B, V)
-        if temperature > 0:
-            token = torch.multinomial(logprobs.exp().cpu(), 1, generator=generator).squeeze(1).to(device)  # (B,)
+        if temperature > 0:  # on the logits' device: no host copy per token
+            token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)  # (B,)
         else:
             token = logprobs.argmax(-1)
         token = torch.where(finished, torch.full_like(token, pad_id), token)
@@ -1649,7 +1707,8 @@ class TorchSampler:
             if self.engine.quant != "none":
                 w.copy_(fake_quantize(w.float(), self.engine.quant))
             if self.engine.noise:
-                w.add_(self.engine.noise * torch.randn(w.shape, generator=noise_gen).to(w.device) * w)
+                # the same noise on every device: drawn on the CPU once per load (not per step or token)
+                w.add_(self.engine.noise * torch.randn(w.shape, generator=noise_gen, device="cpu").to(w.device) * w)
         self.model.to(_DTYPES[self.engine.dtype])
 
     def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5, temperature: float = 1.0,
@@ -1933,36 +1992,39 @@ class Trainer:
         """Round the fp32 master to the sampler's dtype (rtn | sr | ef). Returns (state dict, visible update fraction).
 
         Also moves the behaviour copy to the served weights, so that logp_old is the trainer engine on exactly what
-        the sampler now holds.
+        the sampler now holds. On the CPU: the reference roundings with `generator` itself. On a GPU: SR's noise is
+        hash_noise16 seeded by one draw from `generator` per tensor, SR and EF fused where torch.compile has Triton.
         """
         if mode not in ("rtn", "sr", "ef"):
             raise ValueError(f"mode must be rtn | sr | ef, got {mode!r}")
         if mode != "rtn" and self.export_dtype != "bf16":
             raise ValueError(f"export mode {mode!r} rounds to bf16, but the sampler dtype is {self.export_dtype}")
         state, dot, norm2 = {}, 0.0, 0.0
+        fast = _gpu_compiles(next(self.model.parameters()).device)
         for name, p in self.model.named_parameters():
             master = p.detach()
             if self.export_dtype == "fp32":
                 served = master.clone()
-            elif mode == "sr":  # TIM: Fair Cast, unbiased rounding
-                served = stochastic_round_bf16(master, generator=generator)
+            elif mode == "sr":  # TIM: Fair Cast, unbiased rounding (off the CPU hash noise: one host draw per tensor)
+                served = (stochastic_round_bf16(master, generator=generator) if master.device.type == "cpu" else
+                          stochastic_round_bf16_fused(master, _draw_seed(generator), compile=fast))
             elif mode == "ef":  # TIM: Fair Cast, error feedback
-                served, self.residual[name] = error_feedback_round_bf16(
+                served, self.residual[name] = (error_feedback_round_bf16_fused if fast else error_feedback_round_bf16)(
                     master, self.residual.get(name, torch.zeros_like(master)))
             else:  # TIM: round-to-nearest swallows updates below half a cell
                 served = master.to(_DTYPES[self.export_dtype])
             before = self.master_at_export.get_parameter(name) if self.master_at_export is not None else None
             if before is not None:
                 d_master = master.double() - before.double()
-                dot += float((d_master * (served.double() - self.served[name].double())).sum())
-                norm2 += float(d_master.square().sum())
+                dot = dot + (d_master * (served.double() - self.served[name].double())).sum()  # on the device: no
+                norm2 = norm2 + d_master.square().sum()  # host round trip per tensor
             state[name] = served
             self.served[name] = served.float()
         self.behaviour.load_state_dict(self.served, strict=False)
         if self.master_at_export is not None:
             self.master_at_export.load_state_dict({n: p.detach() for n, p in self.model.named_parameters()},
                                                   strict=False)
-        return state, (dot / norm2 if norm2 > 0 else (1.0 if self.export_dtype == "fp32" else 0.0))
+        return state, (float(dot / norm2) if norm2 > 0 else (1.0 if self.export_dtype == "fp32" else 0.0))
 
 
 def trainer_state(trainer: Trainer, extra: dict[str, torch.nn.Module] | None = None) -> tuple[dict, dict]:
@@ -2816,8 +2878,8 @@ def export_visibility(weights: torch.Tensor, lr: float, steps: int, seed: int = 
     mean: its curve "EF mean" compares the mean of all exports so far with the mean master). -> {mode: [fraction]}.
     """
     w0 = weights.detach().float().reshape(-1).to(torch.bfloat16).float()  # on the bf16 grid
-    direction = torch.randn(w0.shape, generator=torch.Generator().manual_seed(seed)).sign()
-    gen = torch.Generator().manual_seed(seed + 1)
+    direction = torch.randn(w0.shape, generator=torch.Generator(w0.device).manual_seed(seed), device=w0.device).sign()
+    gen = torch.Generator(w0.device).manual_seed(seed + 1)  # on the weights' device, like every draw here
     residual, ef_sum = torch.zeros_like(w0), torch.zeros_like(w0)
     curves: dict[str, list[float]] = {"RTN": [], "SR": [], "EF": [], "EF mean": []}
     for n in range(1, steps + 1):
@@ -3369,7 +3431,8 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
 # ---------------------------------------------------------------------------------------------------------------
 # ---- benchmarks ----
 # Every number is a ratio against a baseline timed in the same process, on the same inputs, right next to it
-# (median of `repeats` after a warm-up), so a busy machine slows both sides alike. Nothing here is asserted.
+# (median of `repeats` after a warm-up), so a busy machine slows both sides alike. Nothing here is asserted. Rows are
+# data: a list of (what, fn, goal) whose first entry is the baseline of the others.
 
 
 @dataclass
@@ -3380,27 +3443,36 @@ class BenchConfig:
     repeats: int = _arg(5, "timed repeats per measurement (the median is reported)")
     out: str = _arg("runs/bench", "writes bench.md there")
     model: str = _arg("runs/base", "model for the sampler and RL-step rows")
+    device: str = _arg("auto", "export, log-prob, sampler and RL-step rows on: auto (cuda when available) | cpu | cuda")
 
 
 def _median_seconds(fn, repeats: int = 5, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
+    """Median wall time of fn() after `warmup` calls; a GPU is synchronised around each call."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = []
-    for _ in range(repeats):
+    for _ in range(warmup + repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    return sorted(times[warmup:])[repeats // 2]
+
+
+def _ratio_rows(cases: list[tuple], repeats: int, label: str = "") -> list[dict]:
+    """One row per (what, fn, goal) of cases[1:]: its median time over that of cases[0], the baseline."""
+    base = _median_seconds(cases[0][1], repeats)
+    return [{"what": what + label, "baseline": cases[0][0], "ratio": _median_seconds(fn, repeats) / base, "goal": goal}
+            for what, fn, goal in cases[1:]]
 
 
 _PEAK_RSS_SCRIPT = """
 import re, sys, torch, tim_rl
 rows, V, which = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 torch.set_num_threads({threads})
-logits = torch.ones(rows, V)  # (N, V) fp32, every page touched
-ids = torch.zeros(rows, dtype=torch.long)
+logits, ids = torch.ones(rows, V), torch.zeros(rows, dtype=torch.long)  # (N, V) fp32, every page touched
 status = lambda key: int(re.search(key + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
-call = ((lambda x, i: tim_rl.token_logprobs(x, i)) if which == "tim_rl" else
+call = ((lambda x, i: tim_rl.token_logprobs(x, i)) if which == "token_logprobs" else
         (lambda x, i: torch.log_softmax(x.float(), -1).gather(-1, i[:, None]).squeeze(-1)))
 call(logits[:2], ids[:2])  # warm-up: the first call pages in library code, which is not the call's memory
 open("/proc/self/clear_refs", "w").write("5")  # Linux: reset the peak (VmHWM) to the current RSS
@@ -3411,7 +3483,7 @@ print(status("VmHWM") - before)
 
 
 def _peak_extra_bytes(rows: int, V: int, which: str, repeats: int = 3) -> int:
-    """Peak resident memory added by one log-prob call on (rows, V) fp32 logits: median over fresh subprocesses
+    """Peak resident memory added by one log-prob call on (rows, V) fp32 CPU logits: median over fresh subprocesses
     (the allocator's arenas make a single reading jitter by ~10-20 MB)."""
     import subprocess
 
@@ -3422,60 +3494,56 @@ def _peak_extra_bytes(rows: int, V: int, which: str, repeats: int = 3) -> int:
     return sorted(readings)[repeats // 2]
 
 
-def bench_export(n: int, repeats: int) -> list[dict]:
+def _cuda_peak_extra_bytes(fn) -> int:
+    """GPU memory fn() allocates at its peak beyond what was allocated before it (torch.cuda.max_memory_allocated)."""
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def bench_export(n: int, repeats: int, device: torch.device) -> list[dict]:
     """SR and EF on n fp32 values vs round-to-nearest (x.to(bf16)) and a plain clone (the bandwidth floor)."""
-    x = torch.randn(n)
-    residual = torch.zeros_like(x)
-    gen = torch.Generator().manual_seed(0)
-    rtn = _median_seconds(lambda: x.to(torch.bfloat16), repeats)
-    clone = _median_seconds(lambda: x.clone(), repeats)
-    sr = _median_seconds(lambda: stochastic_round_bf16(x, generator=gen), repeats)
-    fused = _median_seconds(lambda: stochastic_round_bf16_fused(x, seed=int(torch.randint(0, 2**31 - 1, (1,)))),
-                            repeats)
-    ef = _median_seconds(lambda: error_feedback_round_bf16(x, residual), repeats)
-    ef_fused = _median_seconds(lambda: error_feedback_round_bf16_fused(x, residual), repeats)
-    size = f"{n / 2**20:.0f}M fp32"
-    return [{"what": f"clone ({size})", "baseline": "RTN", "ratio": clone / rtn, "goal": "(floor)"},
-            {"what": f"stochastic_round_bf16_fused ({size})", "baseline": "RTN", "ratio": fused / rtn, "goal": "<= 1.5"},
-            {"what": f"stochastic_round_bf16, torch RNG ({size})", "baseline": "RTN", "ratio": sr / rtn,
-             "goal": "(reference)"},
-            {"what": f"error_feedback_round_bf16_fused ({size})", "baseline": "RTN", "ratio": ef_fused / rtn,
-             "goal": "<= 2.5"},
-            {"what": f"error_feedback_round_bf16 ({size})", "baseline": "RTN", "ratio": ef / rtn, "goal": "(reference)"}]
+    x = torch.randn(n, device=device)
+    residual, gen = torch.zeros_like(x), torch.Generator(device).manual_seed(0)
+    return _ratio_rows([
+        ("RTN", lambda: x.to(torch.bfloat16), ""), ("clone", lambda: x.clone(), "(floor)"),
+        ("stochastic_round_bf16_fused", lambda: stochastic_round_bf16_fused(x, _draw_seed(None)), "<= 1.5"),
+        ("stochastic_round_bf16, torch RNG", lambda: stochastic_round_bf16(x, generator=gen), "(reference)"),
+        ("error_feedback_round_bf16_fused", lambda: error_feedback_round_bf16_fused(x, residual), "<= 2.5"),
+        ("error_feedback_round_bf16", lambda: error_feedback_round_bf16(x, residual), "(reference)"),
+    ], repeats, f" ({n / 2**20:.0f}M fp32, {device.type})")
 
 
-def bench_token_logprobs(rows: int, V: int, repeats: int, with_backward: bool = False) -> list[dict]:
-    """token_logprobs vs log_softmax + gather: time, same values, peak extra memory (subprocess RSS), and with
-    with_backward the time of values + gradient."""
-    logits = torch.randn(rows, V)
-    ids = torch.randint(0, V, (rows,))
-    ref = torch.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1)
-    ours = token_logprobs(logits, ids)
-    if not torch.allclose(ours, ref, atol=1e-5, rtol=0):
-        raise RuntimeError(f"token_logprobs differs from log_softmax + gather: {float((ours - ref).abs().max())}")
-    t_ref = _median_seconds(lambda: torch.log_softmax(logits, -1).gather(-1, ids[:, None]), repeats)
-    t_ours = _median_seconds(lambda: token_logprobs(logits, ids), repeats)
-    rows_out = []
+def _selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """TRL's selective_log_softmax (trl/trainer/utils.py), a baseline: loops over B to bound memory. (B, T, V) -> (B, T)."""
+    if logits.dtype == torch.float32:  # gather - logsumexp, one batch row at a time
+        lse = torch.stack([torch.logsumexp(row, -1) for row in logits])  # (B, T)
+        return logits.gather(-1, index[..., None]).squeeze(-1) - lse
+    return torch.stack([torch.log_softmax(r, -1).gather(-1, i[:, None]).squeeze(-1) for r, i in zip(logits, index)])
+
+
+def bench_token_logprobs(rows: int, V: int, repeats: int, device: torch.device, dtype=torch.float32,
+                         with_backward: bool = False) -> list[dict]:
+    """token_logprobs and TRL's selective_log_softmax (B = 8) vs log_softmax + gather: time, peak extra memory over
+    the logits (GPU: max_memory_allocated; CPU: fresh-process RSS, fp32 only), and time of values + gradient."""
+    logits, ids = torch.randn(rows, V, device=device).to(dtype), torch.randint(0, V, (rows,), device=device)
+    calls = [("log_softmax+gather", lambda x: torch.log_softmax(x.float(), -1).gather(-1, ids[:, None]).squeeze(-1)),
+             ("token_logprobs", lambda x: token_logprobs(x, ids)),
+             ("TRL selective_log_softmax", lambda x: _selective_log_softmax(x.view(8, -1, V), ids.view(8, -1)))]
+    if not torch.allclose(calls[1][1](logits), calls[0][1](logits), atol=1e-5, rtol=0):
+        raise RuntimeError("token_logprobs differs from log_softmax + gather")
+    label = f" (N={rows}, V={V}, {str(dtype)[6:]}, {device.type})"
+    out = _ratio_rows([(what, lambda f=f: f(logits), "<= 1.2") for what, f in calls], repeats, label)
+    peaks = ({what: _cuda_peak_extra_bytes(lambda f=f: f(logits)) for what, f in calls} if device.type == "cuda" else
+             {what: _peak_extra_bytes(rows, V, what) for what, _ in calls[:2]})
+    out += [{"what": f"{what}{label} peak extra memory", "baseline": "the logits tensor", "ratio": peak /
+             (logits.numel() * logits.element_size()), "goal": "<= 0.05" if what == "token_logprobs" else "report"}
+            for what, peak in peaks.items()]
     if with_backward:  # the trainer's path: values and their gradient w.r.t. the logits
-        logits.requires_grad_(True)
-
-        def backward(fn):
-            def once():
-                fn().sum().backward()
-                logits.grad = None
-            return once
-
-        t_ref_bw = _median_seconds(backward(lambda: torch.log_softmax(logits, -1).gather(-1, ids[:, None])), repeats)
-        t_ours_bw = _median_seconds(backward(lambda: token_logprobs(logits, ids)), repeats)
-        rows_out.append({"what": f"token_logprobs + backward (N={rows}, V={V})", "baseline":
-                         "log_softmax+gather + backward", "ratio": t_ours_bw / t_ref_bw, "goal": "<= 1.2"})
-    del logits
-    logits_bytes = rows * V * 4
-    mem_ours, mem_ref = _peak_extra_bytes(rows, V, "tim_rl"), _peak_extra_bytes(rows, V, "ref")
-    label = f"token_logprobs (N={rows}, V={V})"
-    return [{"what": label + " time", "baseline": "log_softmax+gather", "ratio": t_ours / t_ref, "goal": "<= 1.2"},
-            {"what": label + " peak extra memory", "baseline": "the fp32 logits tensor",
-             "ratio": mem_ours / logits_bytes, "goal": f"<= 0.05 (log_softmax: {mem_ref / logits_bytes:.2f})"}] + rows_out
+        backward = lambda f: lambda: torch.autograd.grad(f(logits.requires_grad_()).sum(), logits)  # noqa: E731
+        out += _ratio_rows([(what + " + backward", backward(f), "<= 1.2") for what, f in calls], repeats, label)
+    return out
 
 
 def bench_corrections(B: int, T: int, V: int, K: int, repeats: int) -> list[dict]:
@@ -3488,60 +3556,44 @@ def bench_corrections(B: int, T: int, V: int, K: int, repeats: int) -> list[dict
     logits = torch.randn(B, T, V, generator=g).requires_grad_(True)  # (B, T, V) the trainer's, fp32
     ids = torch.randint(0, V, (B, T), generator=g)
     topk = torch.cat([ids[..., None], torch.randint(0, V, (B, T, K - 1), generator=g)], -1)  # (B, T, K)
-    mask = torch.ones(B, T, dtype=torch.bool)
-    mask[:, T * 3 // 4 :] = False
-    with torch.no_grad():
-        lp_all = token_logprobs(logits, topk)  # (B, T, K)
+    mask = torch.arange(T).expand(B, T) < T * 3 // 4  # (B, T): the last quarter is padding
+    lp_all = token_logprobs(logits.detach(), topk)  # (B, T, K)
     logp_old = lp_all[..., 0]
     logp_infer = logp_old + 0.05 * torch.randn(B, T, generator=g)
     logp_topk_infer = lp_all + 0.05 * torch.randn(B, T, K, generator=g)
     adv = torch.randn(B, 1, generator=g)
 
-    def step(loss_fn, need_topk=False):
-        def run_once():
-            if need_topk:  # one logsumexp serves the sampled id and the K head ids
-                lp = token_logprobs(logits, topk)  # (B, T, K); column 0 is the sampled id
-                loss = loss_fn(lp[..., 0], lp)
-            else:
-                loss = loss_fn(token_logprobs(logits, ids), None)
-            loss.backward()
-            logits.grad = None
-        return run_once
+    def step(loss_fn, index=ids):  # index = topk: one logsumexp serves the sampled id (column 0) and the K head ids
+        return lambda: torch.autograd.grad(loss_fn(token_logprobs(logits, index)), logits)
 
     arms = {
-        "tis": lambda lp, _: pg_loss(lp, adv, mask, tis_weights(lp.detach(), logp_infer, mask)),
-        "mis": lambda lp, _: pg_loss(lp, adv, mask, mis_weights(lp.detach(), logp_infer, mask)),
-        "seq_tis": lambda lp, _: pg_loss(lp, adv, mask, seq_tis_weights(lp.detach(), logp_infer, mask)),
-        "geo": lambda lp, _: pg_loss(lp, adv, mask, geo_mask_weights(lp.detach(), logp_infer, mask)),
-        "cis": lambda lp, _: ppo_loss(lp, logp_old, adv, mask, cis_weights(logp_old, logp_infer, mask)),
-        "dlc": lambda lp, _: dlc_loss(lp, logp_old, logp_infer, adv, mask),
-        "ppo": lambda lp, _: ppo_loss(lp, logp_old, adv, mask),
-        "dppo": lambda lp, _: dppo_loss(lp, logp_infer, adv, mask),
+        "pg_loss": lambda lp: pg_loss(lp, adv, mask),
+        "tis": lambda lp: pg_loss(lp, adv, mask, tis_weights(lp.detach(), logp_infer, mask)),
+        "mis": lambda lp: pg_loss(lp, adv, mask, mis_weights(lp.detach(), logp_infer, mask)),
+        "seq_tis": lambda lp: pg_loss(lp, adv, mask, seq_tis_weights(lp.detach(), logp_infer, mask)),
+        "geo": lambda lp: pg_loss(lp, adv, mask, geo_mask_weights(lp.detach(), logp_infer, mask)),
+        "cis": lambda lp: ppo_loss(lp, logp_old, adv, mask, cis_weights(logp_old, logp_infer, mask)),
+        "dlc": lambda lp: dlc_loss(lp, logp_old, logp_infer, adv, mask),
+        "ppo": lambda lp: ppo_loss(lp, logp_old, adv, mask),
+        "dppo": lambda lp: dppo_loss(lp, logp_infer, adv, mask),
     }
-    base = _median_seconds(step(lambda lp, _: pg_loss(lp, adv, mask)), repeats)
-    rows = [{"what": f"{name} loss+backward (B={B}, T={T}, V={V})", "baseline": "pg_loss+backward",
-             "ratio": _median_seconds(step(fn), repeats) / base, "goal": "<= 1.2"} for name, fn in arms.items()]
-    sc = lambda lp, lp_topk: score_centering_loss(lp, lp_topk, logp_infer, logp_topk_infer, adv, mask)  # noqa: E731
-    rows.append({"what": f"sc loss+backward (K={K})", "baseline": "pg_loss+backward",
-                 "ratio": _median_seconds(step(sc, need_topk=True), repeats) / base, "goal": "<= 1.5"})
-    return rows
+    sc = lambda lp: score_centering_loss(lp[..., 0], lp, logp_infer, logp_topk_infer, adv, mask)  # noqa: E731
+    return _ratio_rows([(f"{name}+backward" if name == "pg_loss" else f"{name} loss+backward", step(fn), "<= 1.2")
+                        for name, fn in arms.items()] + [(f"sc (K={K}) loss+backward", step(sc, topk), "<= 1.5")],
+                       repeats, f" (B={B}, T={T}, V={V})")
 
 
-def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int) -> list[dict]:
-    """Generated tokens/s of TorchSampler vs HF generate (same model, fp32, batch, max length), and of vLLM."""
+def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, device: torch.device) -> list[dict]:
+    """Generated tokens/s of TorchSampler vs HF generate (same model, fp32, batch, max length, device), and vLLM's."""
     tokenizer = load_tokenizer(model_dir)
-    model = load_model(model_dir).eval()
-    problems = make_arithmetic_task(prompts_n, **_task_kwargs(model_dir), split="eval")
-    prompts, _ = _encode_problems(tokenizer, problems)
+    model = load_model(model_dir).to(device).eval()
+    prompts, _ = _encode_problems(tokenizer, make_arithmetic_task(prompts_n, **_task_kwargs(model_dir), split="eval"))
     gen = torch.Generator().manual_seed(0)
 
-    def ours(sampler):
-        def once():
-            return int(sampler.sample(prompts, group, 5, 1.0, 0, gen).mask.sum())
-        return once
+    ours = lambda sampler: lambda: int(sampler.sample(prompts, group, 5, 1.0, 0, gen).mask.sum())  # noqa: E731
 
     def hf():
-        ids, attention = _left_pad([p for p in prompts for _ in range(group)])
+        ids, attention = _left_pad([p for p in prompts for _ in range(group)], device=device)
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=attention.long(), do_sample=True, max_new_tokens=5,
                                  temperature=1.0, top_k=0, top_p=1.0, pad_token_id=PAD_ID, eos_token_id=EOS_ID)
@@ -3556,7 +3608,7 @@ def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int) ->
 
     torch_tps = tokens_per_second(ours(TorchSampler(model, EngineSpec(), tokenizer)))
     hf_tps = tokens_per_second(hf)
-    rows = [{"what": f"TorchSampler tokens/s ({prompts_n}x{group} seqs, fp32; {torch_tps:.0f} tok/s)",
+    rows = [{"what": f"TorchSampler tokens/s ({prompts_n}x{group} seqs, fp32, {device.type}; {torch_tps:.0f} tok/s)",
              "baseline": f"HF generate ({hf_tps:.0f} tok/s)", "ratio": torch_tps / hf_tps, "goal": ">= 1.0"}]
     if vllm_available():
         vllm_tps = tokens_per_second(ours(VLLMSampler(model_dir, dtype="fp32", seed=0, tokenizer=tokenizer)))
@@ -3565,17 +3617,16 @@ def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int) ->
     return rows
 
 
-def bench_rl_step(model_dir: Path, steps: int, out_dir: str) -> list[dict]:
-    """Shares of one RL step (demo settings: lag 32, SC + TIS over the whole vocabulary) per phase."""
+def bench_rl_step(model_dir: Path, steps: int, out_dir: str, device: torch.device) -> list[dict]:
+    """Shares of one RL step (demo settings: lag 8, SC + TIS over the whole vocabulary) per phase."""
     cfg = RLConfig(name="bench_step", model=str(model_dir), steps=steps, sync_every=8, correction="sc_tis",
-                   eval_every=10**9, out_dir=out_dir, progress=False)
+                   eval_every=10**9, out_dir=out_dir, progress=False, device=device.type)
     recs = [r for r in run(cfg) if "reward" in r][1:]  # RL steps (evaluations aside); the first warms up
     totals = {phase: sum(r[f"sec_{phase}"] for r in recs) for phase in STEP_PHASES}
     whole = sum(totals.values())
-    rows = [{"what": f"RL step: {phase}" + (" (advantages + correction weights + loss)" if phase == "loss" else ""),
+    return [{"what": f"RL step ({device.type}): {phase}" + (" (advantages + weights + loss)" if phase == "loss" else ""),
              "baseline": f"whole step ({whole / len(recs) * 1e3:.1f} ms)", "ratio": totals[phase] / whole,
              "goal": "< 0.05" if phase == "loss" else "report"} for phase in STEP_PHASES]
-    return rows
 
 
 def bench_trl_step(model_dir: Path, steps: int, out_dir: str) -> list[dict]:
@@ -3590,14 +3641,12 @@ def bench_trl_step(model_dir: Path, steps: int, out_dir: str) -> list[dict]:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    recs = run(RLConfig(name="bench_tim_rl_step", model=str(model_dir), steps=steps, prompts=16, group=8, lr=1e-4,
-                        max_new_tokens=5, eval_every=10**9, out_dir=out_dir, progress=False))
-    recs = [r for r in recs if "reward" in r][1:]  # RL steps (evaluations aside); the first warms up
+    recs = [r for r in run(RLConfig(name="bench_tim_rl_step", model=str(model_dir), steps=steps, prompts=16, group=8,
+            lr=1e-4, max_new_tokens=5, eval_every=10**9, out_dir=out_dir, progress=False)) if "reward" in r][1:]
     ours = sorted(sum(r[f"sec_{p}"] for p in STEP_PHASES) for r in recs)[len(recs) // 2]
 
     class StepTimer(transformers.TrainerCallback):
-        def __init__(self):
-            self.seconds, self.t0 = [], 0.0
+        seconds, t0 = [], 0.0  # one instance
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.t0 = time.perf_counter()
@@ -3629,11 +3678,8 @@ def bench_verifier(repeats: int) -> list[dict]:
               "decimals": "1." * (n // 2), "open braces": "{" * n, "nested boxed": "\\boxed{" * (n // 7),
               "many ####": "#### 1 " * (n // 7), "minus signs": "-" * n + "1", "unicode digits": "٣" * n,
               "mixed": ("\\boxed{1,2/3.4} #### -5e9 " * (n // 26)), "1 MB": "9" * 10**6}
-    worst, worst_name = 0.0, ""
-    for name, text in corpus.items():
-        seconds = _median_seconds(lambda: verify(text, "47"), repeats)
-        if seconds > worst:
-            worst, worst_name = seconds, name
+    worst, worst_name = max((_median_seconds(lambda t=text: verify(t, "47"), repeats), name)
+                            for name, text in corpus.items())
     return [{"what": f"verify worst case over {len(corpus)} adversarial texts ({worst_name})", "baseline": "10 ms",
              "ratio": worst / 0.010, "goal": "< 1"}]
 
@@ -3644,30 +3690,28 @@ def bench(cfg: BenchConfig) -> list[dict]:
 
     torch.set_num_threads(os.cpu_count() or 1)
     model_dir = ensure_base_model(cfg.model) if cfg.model == "runs/base" else Path(cfg.model)
-    q = cfg.quick
-    print(f"[bench] torch {torch.__version__}, {torch.get_num_threads()} threads, quick={q}", file=sys.stderr)
-    sections = [
-        lambda: bench_export(2**20 if q else 16 * 2**20, cfg.repeats),
-        lambda: bench_token_logprobs(512 if q else 4096, 32_000, cfg.repeats, with_backward=True),
-        lambda: [] if q else bench_token_logprobs(4096, 151_936, 3),
+    q, device = cfg.quick, resolve_device(cfg.device)
+    gpu = device.type == "cuda"
+    print(f"[bench] torch {torch.__version__}, {torch.get_num_threads()} threads, {device}, quick={q}", file=sys.stderr)
+    # token_logprobs at Llama's and Qwen's V; on a GPU N = 8 192 with fp32 and bf16 logits, all with a backward
+    n_lp, dtypes = 512 if q else 8192 if gpu else 4096, (torch.float32, torch.bfloat16) if gpu else (torch.float32,)
+    sections = [lambda: bench_export(2**20 if q else (256 if gpu else 16) * 2**20, cfg.repeats, device)] + [
+        lambda V=V, dt=dt: bench_token_logprobs(n_lp, V, cfg.repeats, device, dt, with_backward=gpu or V == 32_000)
+        for V in ((32_000,) if q else (32_000, 151_936)) for dt in dtypes] + [
         lambda: bench_corrections(2 if q else 4, 128 if q else 512, 8_000 if q else 32_000, 128, cfg.repeats),
-        lambda: bench_samplers(model_dir, 4 if q else 16, 8, cfg.repeats),
-        lambda: bench_rl_step(model_dir, 6 if q else 40, cfg.out),
+        lambda: bench_samplers(model_dir, 4 if q else 16, 8, cfg.repeats, device),
+        lambda: bench_rl_step(model_dir, 6 if q else 40, cfg.out, device),
         lambda: bench_trl_step(model_dir, 4 if q else 12, cfg.out),
         lambda: bench_verifier(cfg.repeats),
     ]
-    rows, t0 = [], time.perf_counter()
-    for section in tqdm(sections, desc="bench", mininterval=0):
-        rows += section()
-    seconds = time.perf_counter() - t0
-    for r in rows:
-        r["ratio"] = float(r["ratio"])
+    t0 = time.perf_counter()
+    rows = [row for section in tqdm(sections, desc="bench", mininterval=0) for row in section()]
     table = _markdown_table(rows)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    header = (f"`python tim_rl.py bench{' --quick' if q else ''}`: torch {torch.__version__}, "
-              f"{torch.get_num_threads()} threads, median of {cfg.repeats} after a warm-up, {seconds:.0f} s.\n\n")
-    (out / "bench.md").write_text(header + table + "\n")
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    header = (f"`python tim_rl.py bench{' --quick' if q else ''} --device {device.type}`: torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads, median of {cfg.repeats} after a warm-up, "
+              f"{time.perf_counter() - t0:.0f} s.\n\n")
+    (Path(cfg.out) / "bench.md").write_text(header + table + "\n")
     print(table)
     return rows
 
