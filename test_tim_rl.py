@@ -1932,6 +1932,13 @@ def test_teacher_forced_answer_probability(base_model_dir):
     assert torch.allclose(sampler.answer_logprobs(problems), right, atol=1e-5)
 
 
+@pytest.mark.parametrize("command", ["pretrain", "train", "compare", "bench"])
+def test_every_subcommand_prints_its_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        tr.main([command, "--help"])
+    assert exit_.value.code == 0 and "(default:" in capsys.readouterr().out
+
+
 def test_cli_help_and_train(base_model_dir, tmp_path):
     import subprocess
     import sys

@@ -3731,7 +3731,7 @@ def _add_fields(parser, cls) -> None:
                                 help=f.metadata.get("help"))
         else:
             typ = {"int": int, "float": float, "str": str}.get(f.type, type(f.default))
-            help_text = f.metadata.get("help") + " (default: %(default)s)"
+            help_text = f.metadata.get("help").replace("%", "%%") + " (default: %(default)s)"  # argparse formats %
             parser.add_argument(flag, type=typ, default=f.default, help=help_text)
 
 
