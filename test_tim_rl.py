@@ -1970,7 +1970,7 @@ def test_every_compare_preset_runs_in_smoke_size(base_model_dir, tmp_path):
         plot = path.with_name("plot.png")
         if plot.exists():
             assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (tmp_path / "staleness" / "plot.png").exists() and (tmp_path / "drift" / "plot.png").exists()
+    assert (tmp_path / "smoke" / "staleness" / "plot.png").exists() and (tmp_path / "smoke" / "drift" / "plot.png").exists()
     with pytest.raises(ValueError, match="preset must be one of"):
         tr.run_preset(tr.PresetConfig(preset="nope", smoke=True))
 
@@ -2422,9 +2422,23 @@ def test_finished_runs_are_read_back_only_with_the_same_config(tmp_path):
     assert tr._finished_run(dataclasses.replace(cfg, lr=1e-4)) is None, "another config: run again"
     assert tr._finished_run(dataclasses.replace(cfg, task="words")) is None, "a new field off its default"
     assert tr._finished_run(dataclasses.replace(cfg, steps=3)) is None, "not finished at these steps"
+    assert tr._run_seconds(out) >= 0
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:-1]))
     assert tr._finished_run(cfg) is None, "interrupted before its last evaluation"
-    assert tr.run_seconds(tmp_path) >= 0
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:-1] + [records[0]]))
+    assert tr._finished_run(cfg) is None, "its last line an evaluation, but not the final one"
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (out / "config.json").write_text(json.dumps(saved | {"removed_field": 1}))
+    assert tr._finished_run(cfg) is None, "a field this code does not know"
+    (out / "config.json").write_text(json.dumps(saved))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"x")
+    assert tr._finished_run(dataclasses.replace(cfg, model=str(model))) is None, "another model path"
+    (out / "config.json").write_text(json.dumps(saved | {"model": str(model)}))
+    assert tr._finished_run(dataclasses.replace(cfg, model=str(model))) == records, "the same model, older"
+    os.utime(out / "config.json", (1, 1))  # the run started long before this model was written
+    assert tr._finished_run(dataclasses.replace(cfg, model=str(model))) is None, "the model changed since the run"
 
 
 def test_control_learned_needs_every_seed_the_ci_and_finite_gains():
@@ -2438,6 +2452,8 @@ def test_control_learned_needs_every_seed_the_ci_and_finite_gains():
     assert not tr.control_learned(runs([0.04, 0.05, math.nan, 0.06, 0.02]))[0], "a diverged seed: invalid"
     assert not tr.control_learned(runs([0.04, 0.05, 0.03, 0.06, 0.02], key="pct_trainer"))[0], "key never logged"
     assert tr.control_learned(runs([0.04, 0.05, 0.03, 0.06, 0.02], key="pct_trainer"), "pct_trainer")[0]
+    assert not tr.control_learned(runs([0.001, 0.1, 0.001, 0.001, 0.001]))[0], "all up, but the interval spans 0"
+    assert not tr.control_learned(runs([0.1, 0.1, 0.1, 0.1, -0.001]))[0], "interval above 0, but one seed fell"
     assert not tr.control_learned(runs([0.04, 0.05, 0.03, 0.06, 0.02]), control="another control")[0]
 
 

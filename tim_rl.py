@@ -2488,8 +2488,8 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
         if not (out / "checkpoint.safetensors").exists():
             raise FileNotFoundError(f"resume: no checkpoint.safetensors in {out}")
         start, records = _resume_run(out, rs)
-    _write_atomic(out / "config.json", json.dumps(asdict(cfg), indent=1))
     _write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))  # steps covered, once
+    _write_atomic(out / "config.json", json.dumps(asdict(cfg), indent=1))  # after: never beside older metrics
     with open(out / "metrics.jsonl", "a") as log:
         def write(record: dict) -> None:
             records.append(record)
@@ -2645,8 +2645,9 @@ def student_t_quantile(q: float, df: int, n: int = 4096) -> float:
 def paired_ci(diffs: list[float], level: float = 0.95) -> tuple[float, float]:
     """(low, high) = mean(d) -+ t_{(1+level)/2, n-1} sd(d) / sqrt(n): Student-t interval of paired differences d.
 
-    Exact coverage for normal d at every n >= 2, close to it for heavy tails (tested at n = 5: <= 6 % of null
-    comparisons resolved; a percentile bootstrap resolves ~14 %). One seed: (-inf, inf); a non-finite d (a diverged
+    Exact coverage for normal d at every n >= 2, close to it for symmetric heavy tails (tested at n = 5: <= 6 % of
+    null comparisons resolved; a percentile bootstrap resolves ~14 %); for strongly skewed d (one seed far out) it
+    misses on one side in ~17 % of trials at n = 5: more seeds, not another interval. One seed: (-inf, inf); a non-finite d (a diverged
     run, a missing metric): (nan, nan). Either way nothing is resolved.
 
     needs: student_t_quantile
@@ -2749,37 +2750,42 @@ def _mean_sd(values: list[float], fmt: str = "{:.3f}") -> str:
 
 
 def _finished_run(cfg: RLConfig) -> list[dict] | None:
-    """The records of out_dir/name when a finished run with this very config is there (fields added since at their
-    defaults), else None: `compare` re-runs only what is missing or changed."""
-    out = Path(cfg.out_dir) / cfg.name
+    """The records of out_dir/name when a finished run with this very config, started after the model's weights
+    were written, is there (fields added since at their defaults), else None: `compare` re-runs only what is missing
+    or changed. A change to the code is not seen: delete the run directories after one."""
+    out, weights = Path(cfg.out_dir) / cfg.name, Path(cfg.model) / "model.safetensors"
     try:
         saved = json.loads((out / "config.json").read_text())
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        newer_model = weights.exists() and weights.stat().st_mtime > (out / "config.json").stat().st_mtime
     except (OSError, ValueError):
         return None
     defaults = {f.name: f.default for f in fields(RLConfig)}
     same = all(saved.get(k, defaults[k]) == v for k, v in asdict(cfg).items()) and set(saved) <= set(defaults)
     done = bool(records) and "reward" not in records[-1] and records[-1].get("step") == cfg.steps
-    return records if same and done else None
+    return records if same and done and not newer_model else None
 
 
-def run_seconds(out: Path) -> float:
-    """Wall seconds of the finished runs under `out` (config.json is written at the start, metrics.jsonl last)."""
-    return sum(max((d / "metrics.jsonl").stat().st_mtime - (d / "config.json").stat().st_mtime, 0.0)
-               for d in out.glob("*") if (d / "metrics.jsonl").exists() and (d / "config.json").exists())
+def _run_seconds(out: Path) -> float:
+    """Wall seconds of the run in `out` (config.json is written at its start, metrics.jsonl at its end)."""
+    return max((out / "metrics.jsonl").stat().st_mtime - (out / "config.json").stat().st_mtime, 0.0)
 
 
 def run_arms(base: RLConfig, arms: list[tuple[str, dict]], seeds: list[int], out: Path) -> dict[str, list[list[dict]]]:
-    """Every arm (label, RLConfig overrides) for every seed, into out/arm<i>_s<seed> (a finished run with the same
-    config is read back, not re-run). -> {label: [records per seed]}."""
+    """Every arm (label, RLConfig overrides) for every seed, into out/arm<i>_s<seed>; a finished run with the same
+    config is read back, not re-run (its seconds go to out/reused_seconds). -> {label: [records per seed]}."""
     from tqdm.auto import tqdm
 
     runs: dict[str, list[list[dict]]] = {}
+    reused = 0.0
     jobs = [(i, label, change, seed) for i, (label, change) in enumerate(arms) for seed in seeds]
     for i, label, change, seed in tqdm(jobs, desc=out.name, mininterval=5):
         cfg = RLConfig(**(asdict(base) | change | {"seed": seed, "out_dir": str(out), "name": f"arm{i}_s{seed}"}))
-        runs.setdefault(label, []).append(_finished_run(cfg) or run(cfg))
+        records = _finished_run(cfg)
+        reused += _run_seconds(out / cfg.name) if records is not None else 0.0
+        runs.setdefault(label, []).append(records or run(cfg))
         gc.collect()  # free this arm's engines (a vLLM engine holds its KV cache) before the next arm builds its own
+    (out / "reused_seconds").write_text(f"{reused:.1f}\n")
     return runs
 
 
@@ -3256,10 +3262,12 @@ def run_preset(pc: PresetConfig) -> list[Path]:
     seeds = [int(s) for s in pc.seeds.split(",")][: 1 if pc.smoke else None]
     written = []
     for name in names:
-        out = Path(pc.out_dir) / name
+        out = Path(pc.out_dir) / ("smoke" if pc.smoke else "") / name  # smoke runs never replace full-size ones
         out.mkdir(parents=True, exist_ok=True)
-        t0, reused = time.perf_counter(), run_seconds(out)
+        (out / "reused_seconds").unlink(missing_ok=True)
+        t0 = time.perf_counter()
         verdicts = PRESETS[name](pc, seeds, out)
+        reused = float((out / "reused_seconds").read_text()) if (out / "reused_seconds").exists() else 0.0
         seconds = time.perf_counter() - t0 + reused  # runs read back from an earlier invocation count their own time
         print(f"[{name}] {[v['verdict'] for v in verdicts]} ({seconds:.0f} s) -> {out / 'results.md'}", file=sys.stderr)
         command = f"python tim_rl.py compare --preset {name} --seeds {','.join(map(str, seeds))}"
