@@ -1427,7 +1427,13 @@ def test_arguments_on_two_devices_are_a_value_error_naming_both():
     logits, ids = torch.zeros(2, 3, 5, device="meta"), torch.zeros(2, 3, dtype=torch.long)
     calls = [lambda: tr.tis_weights(meta, a, mask), lambda: tr.pg_loss(a, meta[:, :1], mask),
              lambda: tr.token_logprobs(logits, ids), lambda: tr.error_feedback_round_bf16(a, meta),
-             lambda: tr.stochastic_round_bf16(meta, generator=torch.Generator())]
+             lambda: tr.stochastic_round_bf16(meta, generator=torch.Generator()),
+             lambda: tr.stochastic_round_bf16(a, noise=torch.zeros(2, 3, dtype=torch.int32, device="meta")),
+             lambda: tr.score_centering_loss(a, meta[..., None], a, a[..., None], a[:, :1], mask),
+             lambda: tr.score_centering_loss(a, a[..., None], a, meta[..., None], a[:, :1], mask),
+             lambda: tr.copc_advantages(a, meta[:, 0], a, a, mask), lambda: tr.visible_update_fraction(a, a, meta, a),
+             lambda: tr.renormalize_on_support(a, meta[..., None]), lambda: tr.log_odds_displacement(a, meta),
+             lambda: tr.error_feedback_round_bf16_fused(a, meta, compile=False)]
     for call in calls:
         with pytest.raises(ValueError, match=r"(on meta.*on cpu|on cpu.*on meta)"):
             call()

@@ -264,8 +264,9 @@ def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int, 
     lse = torch.empty(logits.shape[0], 1, dtype=torch.float32, device=logits.device)
     for start in range(0, logits.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
-        if fused:
-            out[rows], lse[rows] = _compiled(_logprobs_pass)(logits[rows], ids[rows])
+        if fused:  # detached under no_grad: grad and no-grad callers meet one compiled version (dynamo guards on both)
+            with torch.no_grad():
+                out[rows], lse[rows] = _compiled(_logprobs_pass)(logits[rows].detach(), ids[rows])
             continue
         chunk = logits[rows].float()  # (n, V), a copy only when logits are not fp32
         log_probs = torch.log_softmax(chunk, dim=-1)  # (n, V) transient: log_softmax's fused kernel
@@ -287,10 +288,21 @@ def _logprobs_grad_pass(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tens
 
 
 def _gpu_compiles(device: torch.device) -> bool:
-    """True on a CUDA device where torch.compile has its GPU backend (Triton)."""
+    """True on a CUDA device where torch.compile works: Triton present and a probe pass compiles and runs (once per
+    device; the answer is kept in _COMPILED)."""
     import importlib.util
+    import sys
 
-    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return False
+    if ("probe", str(device)) not in _COMPILED:
+        try:
+            torch.compile(lambda t: t.exp().sum(-1))(torch.ones(2, 8, device=device))
+            _COMPILED["probe", str(device)] = True
+        except Exception as e:  # any compiler failure (no C compiler, no Python headers...): the eager paths instead
+            print(f"[tim_rl] torch.compile failed on {device} ({type(e).__name__}): eager fallbacks", file=sys.stderr)
+            _COMPILED["probe", str(device)] = False
+    return _COMPILED["probe", str(device)]
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -335,7 +347,8 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | No
     reduced on its own (default: as many rows as fit in CHUNK_BYTES of float32), and the backward writes the logits'
     gradient chunk by chunk. Differentiable w.r.t. logits. fused (default: on CUDA when torch.compile has Triton)
     runs each chunk of FUSED_CHUNK_ELEMENTS as one torch.compile'd pass, gather - logsumexp forward and
-    g (onehot - softmax) backward, so the logits are read once; without a compiler it falls back to the chunked path.
+    g (onehot - softmax) backward, so the logits are read once; without a working compiler (_gpu_compiles) it falls back to the
+    chunked path. On CUDA, repeated ids make the gradient's scatter_add order-dependent (atomics): bitwise reproducible on CPU only.
 
     needs: _TokenLogprobs, _check_tensor, _check_device, _chunked_logprobs, _compiled, _logprobs_pass,
     _logprobs_grad_pass, _gpu_compiles, CHUNK_BYTES, FUSED_CHUNK_ELEMENTS, _COMPILED
@@ -434,10 +447,11 @@ def renormalize_on_support(logp: torch.Tensor, logp_kept: torch.Tensor) -> tuple
     bias (TRL PR #7269, NeMo-RL PR #2053). Gradient flows through both terms: it is the truncated policy's score.
     The support must contain the sampled token. logp (B, T); logp_kept (B, T, S) with -inf on padding.
 
-    needs: _check_tensor
+    needs: _check_tensor, _check_device
     """
     _check_tensor("logp", logp)
     _check_tensor("logp_kept", logp_kept)
+    _check_device("logp_kept", logp_kept, "logp", logp)
     if logp_kept.dim() != logp.dim() + 1 or logp_kept.shape[:-1] != logp.shape:
         raise ValueError(f"logp_kept must have shape {tuple(logp.shape)} + (S,), got {tuple(logp_kept.shape)}")
     log_s = torch.logsumexp(logp_kept, dim=-1).clamp(max=0.0)  # (B, T); all -inf (no support) gives -inf
@@ -527,10 +541,11 @@ def mismatch_ledger(
 def log_odds_displacement(logp_train: torch.Tensor, logp_infer: torch.Tensor) -> torch.Tensor:
     """eps = logit p - logit q, so that p / q = p + (1 - p) e^eps (Yu et al. [6], the CIS identity). Same shape.
 
-    needs: _check_tensor, log1mexp
+    needs: _check_tensor, _check_device, log1mexp
     """
     _check_tensor("logp_train", logp_train)
     _check_tensor("logp_infer", logp_infer)
+    _check_device("logp_infer", logp_infer, "logp_train", logp_train)
     return (logp_train - log1mexp(logp_train)) - (logp_infer - log1mexp(logp_infer))
 
 
@@ -574,6 +589,7 @@ def stochastic_round_bf16(
                               device=x.device)
     else:
         _check_tensor("noise", noise, floating=False)
+        _check_device("noise", noise, "x", x)
         if noise.dtype != torch.int32 or noise.shape != x.shape:
             raise ValueError(f"noise must be int32 with shape {tuple(x.shape)}, got {noise.dtype} {tuple(noise.shape)}")
         if noise.numel() and (int(noise.min()) < 0 or int(noise.max()) >= 1 << BF16_DROPPED_BITS):
@@ -667,10 +683,11 @@ def error_feedback_round_bf16_fused(x: torch.Tensor, residual: torch.Tensor, com
     The reference walks memory four times (add, cast, subtract, NaN check); this reads x and e once and writes
     served and e' once. compile=False runs the same code eagerly (slow; for machines without a compiler).
 
-    needs: _check_fp32, _check_tensor, _ef_one_pass, _compiled, BF16_DROPPED_BITS, _COMPILED
+    needs: _check_fp32, _check_tensor, _check_device, _ef_one_pass, _compiled, BF16_DROPPED_BITS, _COMPILED
     """
     _check_fp32("x", x)
     _check_fp32("residual", residual)
+    _check_device("residual", residual, "x", x)
     if residual.shape != x.shape:
         raise ValueError(f"residual must have shape {tuple(x.shape)} like x, got {tuple(residual.shape)}")
     flat_x, flat_e = x.contiguous().reshape(-1), residual.contiguous().reshape(-1)  # one kernel for every shape
@@ -685,11 +702,12 @@ def visible_update_fraction(
 
     1 for a lossless export, ~0 when round-to-nearest swallows the update; 0 when the master did not move.
 
-    needs: _check_tensor
+    needs: _check_tensor, _check_device
     """
     for name, t in (("master_before", master_before), ("master_after", master_after),
                     ("served_before", served_before), ("served_after", served_after)):
         _check_tensor(name, t)
+        _check_device(name, t, "master_before", master_before)
         if t.shape != master_before.shape:
             raise ValueError(f"{name} must have shape {tuple(master_before.shape)}, got {tuple(t.shape)}")
     d_master = master_after.double() - master_before.double()
@@ -756,6 +774,7 @@ def copc_advantages(
     """
     _check_bt(mask, values=values, logp=logp, logp_infer=logp_infer)
     _check_tensor("rewards", rewards)
+    _check_device("rewards", rewards, "values", values)
     B, T = mask.shape
     if rewards.shape == (B,):
         last = (mask.cumsum(dim=1) == mask.sum(dim=1, keepdim=True)) & mask  # (B, T) last generated token
@@ -1023,6 +1042,7 @@ def score_centering_loss(
     _check_bt(mask, logp=logp, logp_infer=logp_infer)
     for name, t in (("logp_topk", logp_topk), ("logp_topk_infer", logp_topk_infer)):
         _check_tensor(name, t)
+        _check_device(name, t, "logp", logp)
         if t.dim() != 3 or t.shape[:2] != mask.shape or t.shape != logp_topk.shape:
             raise ValueError(f"{name} must have shape (B, T, K) with (B, T) = {tuple(mask.shape)}, got {tuple(t.shape)}")
     if cap is not None and band is not None:
