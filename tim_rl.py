@@ -347,8 +347,9 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | No
     reduced on its own (default: as many rows as fit in CHUNK_BYTES of float32), and the backward writes the logits'
     gradient chunk by chunk. Differentiable w.r.t. logits. fused (default: on CUDA when torch.compile has Triton)
     runs each chunk of FUSED_CHUNK_ELEMENTS as one torch.compile'd pass, gather - logsumexp forward and
-    g (onehot - softmax) backward, so the logits are read once; without a working compiler (_gpu_compiles) it falls back to the
-    chunked path. On CUDA, repeated ids make the gradient's scatter_add order-dependent (atomics): bitwise reproducible on CPU only.
+    g (onehot - softmax) backward, so the logits are read once; without a working compiler
+    (_gpu_compiles) it falls back to the chunked path. On CUDA, repeated ids make the gradient's scatter_add
+    order-dependent (atomics): bitwise reproducible on CPU only.
 
     needs: _TokenLogprobs, _check_tensor, _check_device, _chunked_logprobs, _compiled, _logprobs_pass,
     _logprobs_grad_pass, _gpu_compiles, CHUNK_BYTES, FUSED_CHUNK_ELEMENTS, _COMPILED
