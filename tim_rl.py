@@ -1794,9 +1794,10 @@ class VLLMSampler:
     """The same interface over vllm.LLM (vLLM's CPU build here, `vllm` on a GPU); weights synced in place.
 
     Log-probs come from SamplingParams(logprobs=K) with logprobs_mode="processed_logprobs", i.e. of the
-    distribution actually sampled from (temperature, then top-p / top-k / min-p when set: -inf off the kept set). Prompts go in as token ids, so
-    no tokenizer can disagree. In-place sync: collective_rpc("reload_weights", weights_iterator=...) then
-    reset_prefix_cache(); the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) is required for
+    distribution actually sampled from (temperature, then top-p / top-k / min-p when set: -inf off the kept set).
+    Prompts go in as token ids, so no tokenizer can disagree. In-place sync:
+    collective_rpc("reload_weights", weights_iterator=...) then reset_prefix_cache(); the in-process engine
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0) is required for
     passing tensors.
     """
 
@@ -2668,8 +2669,8 @@ def paired_ci(diffs: list[float], level: float = 0.95) -> tuple[float, float]:
 
     Exact coverage for normal d at every n >= 2, close to it for symmetric heavy tails (tested at n = 5: <= 6 % of
     null comparisons resolved; a percentile bootstrap resolves ~14 %); for strongly skewed d (one seed far out) it
-    misses on one side in ~17 % of trials at n = 5: more seeds, not another interval. One seed: (-inf, inf); a non-finite d (a diverged
-    run, a missing metric): (nan, nan). Either way nothing is resolved.
+    misses on one side in ~17 % of trials at n = 5: more seeds, not another interval. One seed: (-inf, inf); a
+    non-finite d (a diverged run, a missing metric): (nan, nan). Either way nothing is resolved.
 
     needs: student_t_quantile
     """
@@ -2839,7 +2840,7 @@ def _write_results(out: Path, title: str, sections: list[tuple[str, list[dict]]]
 
 @dataclass(frozen=True)
 class RLPreset:
-    """A training preset as data: settings every arm shares, the synced control, arms and claims fixed before the run."""
+    """A training preset as data: shared settings, the synced control, arms and claims fixed before the run."""
 
     title: str
     arms: tuple  # ((label, RLConfig overrides), ...)
@@ -2853,7 +2854,7 @@ class RLPreset:
 
 
 def rl_preset(p: RLPreset, pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
-    """Run the control plus p.arms on paired seeds; write the measurement, the claims' verdicts, the arm table, a plot."""
+    """Run the control and p.arms on paired seeds; write the measurement, the verdicts, the arm table and a plot."""
     sections = [p.measure(pc, seeds)] if p.measure else []
     control, control_change = p.control
     unknown = [n for c in p.claims for n in (c.arm, c.reference) if n not in {control} | {a for a, _ in p.arms}]
@@ -2869,7 +2870,8 @@ def rl_preset(p: RLPreset, pc: PresetConfig, seeds: list[int], out: Path) -> lis
         (f"Claims, stated before the first run{revised}; verdicts computed from the paired seeds:", verdicts),
         (f"Arms ({base.steps} steps, {base.prompts} prompts x {base.group} samples, lr {base.lr}, eval on "
          f"{base.eval_n} held-out problems every {base.eval_every} steps; Δ = arm - reference, paired by seed, 95% "
-         f"Student-t interval):", arm_table(runs, control, p.extra))], "\n\n".join(filter(None, [p.notes, learned_note])))
+         f"Student-t interval):", arm_table(runs, control, p.extra))],
+        "\n\n".join(filter(None, [p.notes, learned_note])))
     return verdicts
 
 
@@ -3184,13 +3186,14 @@ DLC_PILOT = ("Pilot (written before this run): round 2's run of this preset (sam
              "schedule with the closest sync count is k = 4 (20 syncs; k = 3 would give 27), so the resync claim is "
              "judged against dlc (k=4); the comparison with k = 16 is kept as a labelled 'more syncs' row.")
 FP8_CLIP_CONTROL = ("synced control (k=1, ppo)", {"correction": "ppo"})  # chosen by FP8_CLIP_PILOT
-FP8_CLIP_PILOT = ("Pilot (rule written before it ran): round 2's control, REINFORCE "
-                  "with 2 updates per batch, fell on one seed. Candidates: A = decoupled PPO (fp32 sampler synced every "
+FP8_CLIP_PILOT = ("Pilot (rule written before it ran): round 2's control, REINFORCE with 2 updates per batch, "
+                  "fell on one seed. Candidates: A = decoupled PPO (fp32 sampler synced every "
                   "step, lr 3e-5), then B = REINFORCE at lr 1.5e-5; take the first whose pc final - start > 0 on each "
-                  "of seeds 10-14 (disjoint from the preset's). A: +0.044, +0.062, +0.038, +0.066, +0.040 -> A (its control "
-                  "line under `compare --preset fp8-clip --seeds 10,11,12,13,14`).")
+                  "of seeds 10-14 (disjoint from the preset's). A: +0.044, +0.062, +0.038, +0.066, +0.040 -> A "
+                  "(its control line under `compare --preset fp8-clip --seeds 10,11,12,13,14`).")
 TRUNCATION_REVISED = ("metric and control key pc_trainer -> pct_trainer after run 1, whose control's pc fell on one "
                       "seed while its pct rose on all")
+LAG_LABEL, TOP_P_LABEL = f"(k={PRESET_LAG})", f"(bf16, top_p {PRESET_TOP_P})"  # arm-label suffixes
 RL_PRESETS = {
     # CIS [6]: under an fp8 sampler, CIS's confidence-aware cap trains better than token TIS
     "cis": RLPreset(
@@ -3208,39 +3211,40 @@ RL_PRESETS = {
          Claim("calibrated bounds zero fewer A<0 tokens than the default ones (fp8)", "calibrated (fp8)",
                "ppo_infer (fp8)", "frac_zeroed_neg_adv", "steps", -1),
          Claim("calibrated bounds train better than the default ones (fp8)", "calibrated (fp8)", "ppo_infer (fp8)")),
-        base={"updates_per_batch": 2}, control=FP8_CLIP_CONTROL, extra={"A<0 zeroed": ("frac_zeroed_neg_adv", "steps")},
-        notes=FP8_CLIP_PILOT),
+        base={"updates_per_batch": 2}, control=FP8_CLIP_CONTROL, notes=FP8_CLIP_PILOT,
+        extra={"A<0 zeroed": ("frac_zeroed_neg_adv", "steps")}),
     # Fair Cast [4] (reconstruction): bf16 sampler, lr 1e-5: SR export + loss on the served copy beats RTN export
     "fair-cast": RLPreset(
         "fair-cast: bf16 export rounding",
-        (("bf16, RTN export", {"dtype": "bf16", "export": "rtn"}), ("bf16, EF export", {"dtype": "bf16", "export": "ef"}),
+        (("bf16, RTN export", {"dtype": "bf16", "export": "rtn"}),
+         ("bf16, EF export", {"dtype": "bf16", "export": "ef"}),
          ("bf16, SR export + loss on served", {"dtype": "bf16", "export": "sr", "loss_on_served": True})),
         (Claim("SR export + loss on served trains better than RTN (bf16 sampler, lr 1e-5)",
                "bf16, SR export + loss on served", "bf16, RTN export"),),
         base={"lr": 1e-5}, extra={"visible": ("visible_update_fraction", "steps")}, measure=_fair_cast_visibility),
-    # policy lag: sampler synced every PRESET_LAG steps; TIS, SC + TIS, DPPO and decoupled PPO (2 updates) each repair it
+    # policy lag: the sampler synced every PRESET_LAG steps; TIS, SC + TIS, DPPO, decoupled PPO (2 updates) repair it
     "staleness": RLPreset(
         f"staleness: sampler synced every {PRESET_LAG} steps",
-        _arms(f" (k={PRESET_LAG})", ("none", "tis", "sc_tis", "dppo"), sync_every=PRESET_LAG)
-        + ((f"ppo x2 (k={PRESET_LAG})", {"correction": "ppo", "sync_every": PRESET_LAG, "updates_per_batch": 2}),),
-        (Claim(f"lag k={PRESET_LAG} hurts uncorrected REINFORCE", f"none (k={PRESET_LAG})", SYNCED_CONTROL, direction=-1),)
-        + tuple(Claim(f"{c} beats no correction at lag k={PRESET_LAG}", f"{c} (k={PRESET_LAG})", f"none (k={PRESET_LAG})")
+        _arms(f" {LAG_LABEL}", ("none", "tis", "sc_tis", "dppo"), sync_every=PRESET_LAG)
+        + ((f"ppo x2 {LAG_LABEL}", {"correction": "ppo", "sync_every": PRESET_LAG, "updates_per_batch": 2}),),
+        (Claim(f"lag k={PRESET_LAG} hurts uncorrected REINFORCE", f"none {LAG_LABEL}", SYNCED_CONTROL, direction=-1),)
+        + tuple(Claim(f"{c} beats no correction at lag k={PRESET_LAG}", f"{c} {LAG_LABEL}", f"none {LAG_LABEL}")
                 for c in ("tis", "sc_tis", "dppo"))
-        + (Claim(f"decoupled PPO (2 updates/batch) beats no correction at lag k={PRESET_LAG}", f"ppo x2 (k={PRESET_LAG})",
-                 f"none (k={PRESET_LAG})"),),
+        + (Claim(f"decoupled PPO (2 updates/batch) beats no correction at lag k={PRESET_LAG}", f"ppo x2 {LAG_LABEL}",
+                 f"none {LAG_LABEL}"),),
         extra={"mean abs lag": ("ledger_lag_abs", "steps")}),
     # DLC [3] (reconstruction), bf16 sampler: numerics and lag bounded apart beat one TIS weight on p/q; the lag
-    # trigger beats a fixed schedule with the same number of syncs
+    # trigger beats a fixed schedule with about the same number of syncs
     "dlc": RLPreset(
         "dlc: engine numerics and policy lag together (bf16 sampler)",
-        _arms(f" (k={PRESET_LAG})", ("tis", "ppo", "dlc"), sync_every=PRESET_LAG)
+        _arms(f" {LAG_LABEL}", ("tis", "ppo", "dlc"), sync_every=PRESET_LAG)
         + ((f"dlc (k={DLC_EQUAL_BUDGET_K})", {"correction": "dlc", "sync_every": DLC_EQUAL_BUDGET_K}),
            ("dlc + lag resync", {"correction": "dlc", "sync_every": 10**6, "dlc_max_lag": DLC_MAX_LAG})),
-        (Claim("dlc beats one TIS weight on p/q", f"dlc (k={PRESET_LAG})", f"tis (k={PRESET_LAG})"),
+        (Claim("dlc beats one TIS weight on p/q", f"dlc {LAG_LABEL}", f"tis {LAG_LABEL}"),
          Claim(f"dlc + lag-triggered resync beats dlc on a fixed schedule with about as many syncs "
                f"(k={DLC_EQUAL_BUDGET_K})", "dlc + lag resync", f"dlc (k={DLC_EQUAL_BUDGET_K})"),
          Claim(f"more syncs, not like for like: dlc + lag resync beats dlc at k={PRESET_LAG}", "dlc + lag resync",
-               f"dlc (k={PRESET_LAG})")),
+               f"dlc {LAG_LABEL}")),
         base={"dtype": "bf16"}, extra={"syncs": ("synced", "total"), "mean abs lag": ("ledger_lag_abs", "steps")},
         notes=DLC_PILOT),
     # Score centering [2]: relative sampler weight noise s = 0.1, raw-reward advantages, synced every step
@@ -3252,18 +3256,18 @@ RL_PRESETS = {
          Claim("the drift part alone trails no correction (positive control)", "drift_only, s=0.1", "none, s=0.1",
                direction=-1)),
         base={"diagnose_drift": True}, extra={"pg drift/signal": ("pg_drift_over_signal", "steps")}),
-    # Sampling transforms (top-p; TRL #6789): bf16 sampler at top_p PRESET_TOP_P, TIS cap 2. That the full-vocabulary ratio
-    # carries the kept mass S is an identity, tested (test_truncation_bias_is_exactly_the_kept_mass...), not claimed
+    # Sampling transforms (top-p; TRL #6789): bf16 sampler at top_p PRESET_TOP_P, TIS cap 2. That the full-vocabulary
+    # ratio carries the kept mass S is an identity, tested (test_truncation_bias_is_exactly_the_kept_mass...)
     "truncation": RLPreset(
         f"truncation: top_p {PRESET_TOP_P} sampling, bf16 sampler",
-        ((f"none (bf16, top_p {PRESET_TOP_P})", {"correction": "none", "dtype": "bf16"}),
-         (f"tis, full vocabulary (bf16, top_p {PRESET_TOP_P})", {"correction": "tis", "renormalize": False, "dtype": "bf16"}),
-         (f"tis, renormalised (bf16, top_p {PRESET_TOP_P})", {"correction": "tis", "dtype": "bf16"})),
+        ((f"none {TOP_P_LABEL}", {"correction": "none", "dtype": "bf16"}),
+         (f"tis, full vocabulary {TOP_P_LABEL}", {"correction": "tis", "renormalize": False, "dtype": "bf16"}),
+         (f"tis, renormalised {TOP_P_LABEL}", {"correction": "tis", "dtype": "bf16"})),
         (Claim("TIS on the renormalised ratio beats TIS on the full-vocabulary ratio",
-               f"tis, renormalised (bf16, top_p {PRESET_TOP_P})", f"tis, full vocabulary (bf16, top_p {PRESET_TOP_P})",
-               "pct_trainer", revised=TRUNCATION_REVISED),
-         Claim("TIS on the renormalised ratio beats no correction", f"tis, renormalised (bf16, top_p {PRESET_TOP_P})",
-               f"none (bf16, top_p {PRESET_TOP_P})", "pct_trainer", revised=TRUNCATION_REVISED)),
+               f"tis, renormalised {TOP_P_LABEL}", f"tis, full vocabulary {TOP_P_LABEL}", "pct_trainer",
+               revised=TRUNCATION_REVISED),
+         Claim("TIS on the renormalised ratio beats no correction", f"tis, renormalised {TOP_P_LABEL}",
+               f"none {TOP_P_LABEL}", "pct_trainer", revised=TRUNCATION_REVISED)),
         base={"top_p": PRESET_TOP_P}, control_key="pct_trainer", measure=_truncation_table,
         extra={"pct final": ("pct_trainer", "final"), "pct auc": ("pct_trainer", "auc"),
                "kept mass": ("kept_mass", "steps"), "mean log ratio": ("mm_mean_log_ratio", "steps")}),
