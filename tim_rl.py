@@ -3191,8 +3191,7 @@ FP8_CLIP_PILOT = ("Pilot (rule written before it ran): round 2's control, REINFO
                   "step, lr 3e-5), then B = REINFORCE at lr 1.5e-5; take the first whose pc final - start > 0 on each "
                   "of seeds 10-14 (disjoint from the preset's). A: +0.044, +0.062, +0.038, +0.066, +0.040 -> A "
                   "(its control line under `compare --preset fp8-clip --seeds 10,11,12,13,14`).")
-TRUNCATION_REVISED = ("metric and control key pc_trainer -> pct_trainer after run 1, whose control's pc fell on one "
-                      "seed while its pct rose on all")
+TRUNCATION_REVISED = "metric pc -> pct after run 1, whose control's pc fell on one seed"
 LAG_LABEL, TOP_P_LABEL = f"(k={PRESET_LAG})", f"(bf16, top_p {PRESET_TOP_P})"  # arm-label suffixes
 RL_PRESETS = {
     # CIS [6]: under an fp8 sampler, CIS's confidence-aware cap trains better than token TIS
