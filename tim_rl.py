@@ -244,6 +244,7 @@ def _finite_log_ratio(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Te
 
 
 _COMPILED = {}  # function -> torch.compile(function, dynamic=True), built on first use (seconds; needs a compiler)
+_COMPILE_WORKS = {}  # str(device) -> whether torch.compile compiled and ran a probe pass there
 
 
 def _compiled(fn):
@@ -289,20 +290,20 @@ def _logprobs_grad_pass(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tens
 
 def _gpu_compiles(device: torch.device) -> bool:
     """True on a CUDA device where torch.compile works: Triton present and a probe pass compiles and runs (once per
-    device; the answer is kept in _COMPILED)."""
+    device; the answer is kept in _COMPILE_WORKS)."""
     import importlib.util
     import sys
 
     if device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return False
-    if ("probe", str(device)) not in _COMPILED:
+    if str(device) not in _COMPILE_WORKS:
         try:
             torch.compile(lambda t: t.exp().sum(-1))(torch.ones(2, 8, device=device))
-            _COMPILED["probe", str(device)] = True
+            _COMPILE_WORKS[str(device)] = True
         except Exception as e:  # any compiler failure (no C compiler, no Python headers...): the eager paths instead
             print(f"[tim_rl] torch.compile failed on {device} ({type(e).__name__}): eager fallbacks", file=sys.stderr)
-            _COMPILED["probe", str(device)] = False
-    return _COMPILED["probe", str(device)]
+            _COMPILE_WORKS[str(device)] = False
+    return _COMPILE_WORKS[str(device)]
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -352,7 +353,7 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | No
     order-dependent (atomics): bitwise reproducible on CPU only.
 
     needs: _TokenLogprobs, _check_tensor, _check_device, _chunked_logprobs, _compiled, _logprobs_pass,
-    _logprobs_grad_pass, _gpu_compiles, CHUNK_BYTES, FUSED_CHUNK_ELEMENTS, _COMPILED
+    _logprobs_grad_pass, _gpu_compiles, CHUNK_BYTES, FUSED_CHUNK_ELEMENTS, _COMPILED, _COMPILE_WORKS
     """
     _check_tensor("logits", logits)
     _check_tensor("ids", ids, floating=False)
@@ -1959,8 +1960,8 @@ class Trainer:
         if optimizer not in ("adamw", "sgd"):
             raise ValueError(f"optimizer must be adamw or sgd, got {optimizer!r}")
         params = list(self.model.parameters()) + list(extra_params)
-        self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0) if optimizer == "adamw" else torch.optim.SGD(
-            params, lr=lr)
+        self.opt = (torch.optim.AdamW(params, lr=lr, weight_decay=0.0) if optimizer == "adamw"
+                    else torch.optim.SGD(params, lr=lr))
         self.export_dtype, self.loss_on_served = export_dtype, loss_on_served
         self.residual: dict[str, torch.Tensor] = {}  # error-feedback residuals, fp32
         self.served = {n: p.detach().clone() for n, p in self.model.named_parameters()}  # fp32 values served
@@ -2755,7 +2756,7 @@ def arm_table(runs: dict[str, list[list[dict]]], reference: str, extra: dict | N
             row[f"pc {summary}"] = _mean_sd(mine)
             deltas = [m - seed_value(rs, "pc_trainer", summary) for m, rs in zip(mine, runs[reference])]
             low, high = paired_ci(deltas)
-            ci = f"[{low:+.3f}, {high:+.3f}]" if math.isfinite(low) or math.isnan(low) else "(1 seed: no CI)"
+            ci = "(1 seed: no CI)" if len(deltas) < 2 else f"[{low:+.3f}, {high:+.3f}]"
             row[f"Δ {summary} vs ref"] = "(reference)" if label == reference else f"{_mean(deltas):+.3f} {ci}"
         row["acc final"] = _mean_sd([seed_value(rs, "acc_trainer", "final") for rs in per_seed])
         for column, (key, summary) in (extra or {}).items():
@@ -3545,8 +3546,10 @@ def bench_token_logprobs(rows: int, V: int, repeats: int, device: torch.device, 
              (logits.numel() * logits.element_size()), "goal": "<= 0.05" if what == "token_logprobs" else "report"}
             for what, peak in peaks.items()]
     if with_backward:  # the trainer's path: values and their gradient w.r.t. the logits
-        backward = lambda f: lambda: torch.autograd.grad(f(logits.requires_grad_()).sum(), logits)  # noqa: E731
-        out += _ratio_rows([(what + " + backward", backward(f), "<= 1.2") for what, f in calls], repeats, label)
+        def with_grad(f):
+            return lambda: torch.autograd.grad(f(logits.requires_grad_()).sum(), logits)
+
+        out += _ratio_rows([(what + " + backward", with_grad(f), "<= 1.2") for what, f in calls], repeats, label)
     return out
 
 
@@ -3594,7 +3597,8 @@ def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, de
     prompts, _ = _encode_problems(tokenizer, make_arithmetic_task(prompts_n, **_task_kwargs(model_dir), split="eval"))
     gen = torch.Generator().manual_seed(0)
 
-    ours = lambda sampler: lambda: int(sampler.sample(prompts, group, 5, 1.0, 0, gen).mask.sum())  # noqa: E731
+    def ours(sampler):  # tokens generated by one sample() call
+        return lambda: int(sampler.sample(prompts, group, 5, 1.0, 0, gen).mask.sum())
 
     def hf():
         ids, attention = _left_pad([p for p in prompts for _ in range(group)], device=device)
@@ -3650,7 +3654,8 @@ def bench_trl_step(model_dir: Path, steps: int, out_dir: str) -> list[dict]:
     ours = sorted(sum(r[f"sec_{p}"] for p in STEP_PHASES) for r in recs)[len(recs) // 2]
 
     class StepTimer(transformers.TrainerCallback):
-        seconds, t0 = [], 0.0  # one instance
+        def __init__(self):
+            self.seconds, self.t0 = [], 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.t0 = time.perf_counter()
