@@ -113,7 +113,7 @@ class PretrainConfig:
     batch: int = _arg(64, "problems per step")
     lr: float = _arg(1e-3, "AdamW learning rate (cosine to 10%)")
     digits: int = _arg(2, "operand digits")
-    ops: str = _arg("+", "operators drawn from")
+    ops: str = _arg("+", "operators drawn from: + - * and s (swap: 'a s b=' -> 'ba', 2 x digits answer tokens)")
     seed: int = _arg(0, "seed of init and data")
 
 
@@ -1186,6 +1186,9 @@ def _eval_pool_size(digits: int, ops: str) -> int:
     return sum(_split_of(a, b, op) == "eval" for op in set(ops) for a in range(lo, hi + 1) for b in range(lo, hi + 1))
 
 
+OPS = "+-*s"  # s: swap, "ab s cd=" -> "cdab": a long answer (2 x digits tokens) whose every token is a copy
+
+
 def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+", split: str = "pretrain"):
     """n (prompt, answer) pairs "ab+cd=" -> "e" with operands of exactly `digits` digits, from one pool of three.
 
@@ -1197,8 +1200,8 @@ def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+",
         raise ValueError(f"n must be a non-negative int, got {n!r}")
     if not isinstance(digits, int) or not 1 <= digits <= 9:
         raise ValueError(f"digits must be an int in [1, 9], got {digits!r}")
-    if not ops or set(ops) - set("+-*"):
-        raise ValueError(f"ops must be a non-empty string over '+-*', got {ops!r}")
+    if not ops or set(ops) - set(OPS):
+        raise ValueError(f"ops must be a non-empty string over {OPS!r}, got {ops!r}")
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     rng = random.Random(f"{seed}-{split}-{digits}-{ops}")
@@ -1212,7 +1215,7 @@ def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+",
         if _split_of(a, b, op) != split or (split == "eval" and (a, b, op) in seen):
             continue
         seen.add((a, b, op))
-        answer = a + b if op == "+" else a - b if op == "-" else a * b
+        answer = a + b if op == "+" else a - b if op == "-" else a * b if op == "*" else f"{b}{a}"
         out.append((f"{a}{op}{b}=", str(answer)))
     return out
 
@@ -1436,7 +1439,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
         opt.step()
         sched.step()
     model.eval()
-    acc = greedy_accuracy(model, tokenizer, make_arithmetic_task(512, cfg.digits, 0, cfg.ops, split="eval"))
+    acc = greedy_accuracy(model, tokenizer, make_arithmetic_task(512, cfg.digits, 0, cfg.ops, split="eval"),
+                          max(6, 2 * cfg.digits + 1))  # the longest answer (a product, a swap) and <eos>
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
@@ -1447,12 +1451,12 @@ def pretrain(cfg: PretrainConfig) -> dict:
     return info
 
 
-def ensure_base_model(path: str | Path = "runs/base") -> Path:
-    """Pre-train the embedded tiny model into `path` unless a model is already there."""
+def ensure_base_model(path: str | Path = "runs/base", **change) -> Path:
+    """Pre-train the embedded tiny model (PretrainConfig with `change`) into `path` unless a model is there."""
     path = Path(path)
     if not (path / "config.json").exists():
         print(f"[tim_rl] no model at {path}: pre-training the embedded tiny model (~20 s)", file=sys.stderr)
-        pretrain(PretrainConfig(out=str(path)))
+        pretrain(PretrainConfig(out=str(path), **change))
     return path
 
 
@@ -2327,7 +2331,7 @@ def evaluate(step: int, rs: _RunState, cfg: RLConfig) -> dict:
     """Held-out greedy exact match (acc_) and probability of the exact answer (pc_), of trainer and sampler engine;
     with truncated sampling also pct_trainer, that probability under the policy the sampler draws from."""
     model, problems = rs.trainer.model, rs.eval_set
-    tokens = 6 if cfg.task == "arithmetic" else cfg.max_new_tokens  # greedy answer length
+    tokens = max(6, cfg.max_new_tokens) if cfg.task == "arithmetic" else cfg.max_new_tokens  # greedy answer length
     record = {"step": step, "acc_trainer": greedy_accuracy(model, rs.tokenizer, problems, tokens),
               "acc_sampler": rs.sampler.greedy_accuracy(problems, tokens),
               "pc_trainer": float(answer_logprobs(model, rs.tokenizer, problems).exp().mean()),
@@ -2735,12 +2739,17 @@ def verdict_row(text: str, metric: str, deltas: list[float], direction: int, val
             "seeds": len(deltas), "verdict": verdict(low, high, direction) if valid else "invalid testbed"}
 
 
+def paired_deltas(runs: dict[str, list[list[dict]]], arm: str, reference: str, metric: str = "pc_trainer",
+                  summary: str = "auc") -> list[float]:
+    """arm - reference per seed (same prompts, same first sampler draw) of seed_value(metric, summary)."""
+    if len(runs[arm]) != len(runs[reference]):
+        raise ValueError(f"{arm!r} and {reference!r} ran on different seeds")
+    return [seed_value(a, metric, summary) - seed_value(r, metric, summary) for a, r in zip(runs[arm], runs[reference])]
+
+
 def judge(runs: dict[str, list[list[dict]]], claim: Claim, learned: bool) -> dict:
     """verdict_row of a Claim: Δ = arm - reference, paired by seed (same prompts, same first sampler draw)."""
-    if len(runs[claim.arm]) != len(runs[claim.reference]):
-        raise ValueError(f"claim {claim.text!r}: arm and reference ran on different seeds")
-    deltas = [seed_value(a, claim.metric, claim.summary) - seed_value(r, claim.metric, claim.summary)
-              for a, r in zip(runs[claim.arm], runs[claim.reference])]
+    deltas = paired_deltas(runs, claim.arm, claim.reference, claim.metric, claim.summary)
     text = claim.text + (f" (revised after a run: {claim.revised})" if claim.revised else "")
     return verdict_row(text, f"{claim.metric} ({claim.summary})", deltas, claim.direction, learned)
 
@@ -2852,6 +2861,8 @@ class RLPreset:
     control_key: str = "pc_trainer"  # the testbed is valid when the control raised this (control_learned)
     measure: object = None  # (pc, seeds) -> (caption, rows): a measurement written above the RL results
     notes: str = ""  # settings chosen by a pilot: which, how, written before the run
+    pretrain: tuple = ()  # (suffix, PretrainConfig overrides): the preset's own base model, <--model>-<suffix>
+    report: object = None  # (runs, control, learned, plot path) -> (sections, rows): statements instead of claims
 
 
 def rl_preset(p: RLPreset, pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
@@ -2862,13 +2873,20 @@ def rl_preset(p: RLPreset, pc: PresetConfig, seeds: list[int], out: Path) -> lis
     if unknown:
         raise ValueError(f"claims name arms that are not run: {unknown}")
     base = _preset_base(pc, **p.base)
+    if p.pretrain:  # --smoke: a few pre-training steps, into a directory of its own
+        suffix, change = p.pretrain
+        base.model = str(ensure_base_model(f"{pc.model}-{suffix}{'-smoke' * pc.smoke}",
+                                           **change | ({"steps": 5} if pc.smoke else {})))
     runs = run_arms(base, [(control, CONTROL | control_change)] + list(p.arms), seeds, out)
     learned, learned_note = control_learned(runs, p.control_key, control)
-    verdicts = [judge(runs, claim, learned) for claim in p.claims]
-    plot_arms(out / "plot.png", runs, title=p.title)
-    revised = "; a claim changed after a run says how in its row" if any(c.revised for c in p.claims) else ""
-    _write_results(out, p.title, sections + [
-        (f"Claims, stated before the first run{revised}; verdicts computed from the paired seeds:", verdicts),
+    if p.report:  # a map over settings: statements computed by its rules
+        more, verdicts = p.report(runs, control, learned, out / "plot.png")
+    else:
+        verdicts = [judge(runs, claim, learned) for claim in p.claims]
+        plot_arms(out / "plot.png", runs, title=p.title)
+        revised = "; a claim changed after a run says how in its row" if any(c.revised for c in p.claims) else ""
+        more = [(f"Claims, stated before the first run{revised}; verdicts computed from the paired seeds:", verdicts)]
+    _write_results(out, p.title, sections + more + [
         (f"Arms ({base.steps} steps, {base.prompts} prompts x {base.group} samples, lr {base.lr}, eval on "
          f"{base.eval_n} held-out problems every {base.eval_every} steps; Δ = arm - reference, paired by seed, 95% "
          f"Student-t interval):", arm_table(runs, control, p.extra))],
@@ -2880,7 +2898,8 @@ def rl_preset(p: RLPreset, pc: PresetConfig, seeds: list[int], out: Path) -> lis
 class PresetConfig:
     """`compare --preset NAME`: claims of the papers, each with a verdict computed over paired seeds."""
 
-    preset: str = _arg("", "precision | cis | fp8-clip | fair-cast | staleness | dlc | drift | truncation | real-lm | "
+    preset: str = _arg("", "precision | cis | fp8-clip | fair-cast | staleness | dlc | drift | truncation | dose | "
+                           "dose-long | real-lm | "
                            "real-lm-rl | all (every one but real-lm-rl, a 20-minute measurement on a real model)")
     seeds: str = _arg("0,1,2,3,4", "comma-separated seeds (>= 5 for a verdict worth quoting)")
     smoke: bool = _arg(False, "seconds-sized version of every run (CI): checks the outputs, not the claim")
@@ -3181,6 +3200,107 @@ def _arms(label: str, corrections: tuple, **change) -> tuple:
     return tuple((f"{c}{label}", {"correction": c} | change) for c in corrections)
 
 
+DOSE_RULES = (
+    "Rules, written before the run. Every arm runs on the same 5 seeds; x is a setting's measured mismatch: the mean "
+    "over seeds of the none arm's per-step mean |logp - logp_infer|. Δ = pc auc difference, paired by seed, 95% "
+    "Student-t interval (paired_ci). (a) The smallest x at which none trails the synced control (interval below 0). "
+    "(b) Per correction, the settings where it beats none (interval above 0) and where it still trails the control "
+    "(interval below 0). (c) Whether a correction trails none at a setting where none is harmless (none vs control "
+    "not resolved). Every statement is 'invalid testbed' when the control did not learn.")
+
+
+def dose_arms(levels: tuple, corrections: tuple, full: tuple = (), engines: tuple = ()) -> tuple:
+    """One arm per (setting, correction), labelled 'c @ setting': none at every noise level s and engine, the
+    corrections at the levels in `full` (all levels when full is empty)."""
+    points = [(f"s={s:g}", {"noise": s}, not full or s in full) for s in levels]
+    points += [(label, change, False) for label, change in engines]
+    return tuple((f"{c} @ {label}", {"correction": c} | change) for label, change, every in points
+                 for c in ("none",) + corrections * every)
+
+
+def _ci(runs: dict, arm: str, reference: str) -> tuple[float, float, float]:
+    """(mean, low, high) of pc auc, arm - reference, paired by seed."""
+    deltas = paired_deltas(runs, arm, reference)
+    return (_mean(deltas), *paired_ci(deltas))
+
+
+def dose_map(runs: dict[str, list[list[dict]]], control: str, learned: bool, plot: Path) -> tuple[list, list[dict]]:
+    """Statements (a)-(c) of DOSE_RULES, the per-setting table, and the figure (Δ pc auc vs measured x, log x)."""
+    settings = list(dict.fromkeys(label.split(" @ ")[1] for label in runs if " @ " in label))
+    x = {s: _mean([seed_value(rs, "mm_abs_diff", "steps") for rs in runs[f"none @ {s}"]]) for s in settings}
+    settings.sort(key=x.get)
+    arms = list(dict.fromkeys(label.split(" @ ")[0] for label in runs if " @ " in label))
+    cell = {(a, s): (_ci(runs, f"{a} @ {s}", control), _ci(runs, f"{a} @ {s}", f"none @ {s}"))
+            for a in arms for s in settings if f"{a} @ {s}" in runs}
+    fmt = lambda m, lo, hi: f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]"  # noqa: E731
+    table = [{"setting": s, "mismatch x": f"{x[s]:.3g}", "arm": a, "Δ vs control": fmt(*cell[a, s][0]),
+              "Δ vs none": fmt(*cell[a, s][1]) if a != "none" else "-"} for s in settings for a in arms if (a, s) in cell]
+    where = lambda ss: ", ".join(f"{s} (x {x[s]:.2g})" for s in ss) or "nowhere"  # noqa: E731
+    harmed = [s for s in settings if cell["none", s][0][2] < 0]
+    harmless = [s for s in settings if cell["none", s][0][1] <= 0 <= cell["none", s][0][2]]
+    first = cell["none", harmed[0]][0] if harmed else (math.nan,) * 3
+    rows = [{"claim": "(a) smallest measured mismatch at which none trails the synced control",
+             "verdict": where(harmed[:1]) if harmed else f"not in the grid (x up to {max(x.values()):.2g})",
+             "Δ": f"{first[0]:+.3g}", "95% CI": f"[{first[1]:+.3g}, {first[2]:+.3g}]"}]
+    for a in arms[1:]:
+        ran = [s for s in settings if (a, s) in cell]
+        top = cell[a, ran[-1]][1]
+        rows.append({"claim": f"(b) {a}: beats none at; still trails the control at",
+                     "verdict": f"{where([s for s in ran if cell[a, s][1][1] > 0])}; "
+                                f"{where([s for s in ran if cell[a, s][0][2] < 0])}",
+                     "Δ": f"{top[0]:+.3g} vs none at {ran[-1]}", "95% CI": f"[{top[1]:+.3g}, {top[2]:+.3g}]"})
+    hurt = [f"{a} at {s}" for a in arms[1:] for s in harmless if (a, s) in cell and cell[a, s][1][2] < 0]
+    rows.append({"claim": "(c) a correction trails none where none is harmless", "Δ": "-", "95% CI": "-",
+                 "verdict": ("yes: " + ", ".join(hurt)) if hurt else f"no (harmless: {where(harmless)})"})
+    rows = [r | {"metric": "pc_trainer (auc)", "seeds": len(runs[control])} | ({} if learned else {
+        "verdict": "invalid testbed"}) for r in rows]
+    _plot_dose(plot, cell, x, settings, arms)
+    return [("Statements by the rules below, computed from the paired seeds:", rows),
+            ("Per setting and arm, sorted by measured mismatch x (mean |Δlogp| of none); Δ pc auc:", table)], rows
+
+
+def _plot_dose(path: Path, cell: dict, x: dict, settings: list, arms: list) -> None:
+    """Δ pc auc vs control against measured mismatch: a line and 95% band per arm over the noise levels, engines as
+    labelled points (none)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.5, 4.5))
+    ax = fig.subplots()
+    for a in arms:
+        ss = [s for s in settings if (a, s) in cell and s.startswith("s=")]
+        m, lo, hi = zip(*[cell[a, s][0] for s in ss])
+        line = ax.plot([x[s] for s in ss], m, marker="o", ms=3, label=a, lw=2 if a == "none" else 1)[0]
+        ax.fill_between([x[s] for s in ss], lo, hi, color=line.get_color(), alpha=0.25 if a == "none" else 0.08)
+    for s in settings:
+        if not s.startswith("s="):
+            m, lo, hi = cell["none", s][0]
+            ax.errorbar([x[s]], [m], yerr=[[m - lo], [hi - m]], fmt="k^", ms=5)
+            ax.annotate(s, (x[s], m), textcoords="offset points", xytext=(3, 5), fontsize=7)
+    ax.axhline(0, color="gray", lw=0.8)
+    ax.set(xscale="log", xlabel="measured mismatch x: mean |logp - logp_infer| per token (none arm)",
+           ylabel="Δ pc auc vs synced fp32 control", title="dose-response: relative weight noise s (lines), engines (▲)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+DOSE_NOISE = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)  # relative sampler weight noise s (DOSE_PILOT)
+DOSE_FULL = (0.05, 0.2, 0.8)  # where every correction runs: harmless, just harmful, strongly harmful (45-min budget)
+DOSE_ENGINES = (("bf16", {"dtype": "bf16"}), ("fp16", {"dtype": "fp16"}), ("int8", {"quant": "int8"}),
+                ("fp8", {"quant": "fp8"}))  # the real engines, as points
+DOSE_CORRECTIONS = ("tis", "mis", "cis", "sc_tis", "dlc", "dppo", "seq_tis", "geo")
+DOSE_PILOT = ("Pilot (before this run; none arm, seeds 0-1, the settings of this preset): Δ pc auc vs the control "
+              "-0.043 / -0.027 at s=0.2 (x 0.19), -0.068 / -0.053 at s=0.4, -0.086 / -0.070 at s=0.8, -0.19 / -0.14 at "
+              "s=1.6; the real engines' x is 0.004-0.025 (precision preset). So the grid runs from s=0.05 (below every "
+              "harm seen) to s=1.6 (none collapses), and every correction runs at s=0.05, 0.2 and 0.8 (all nine at "
+              "every level would take ~2 h here).")
+DOSE_LONG_NOISE = (0.1, 0.2)  # bracket the short task's pilot threshold: does it move with answer length?
+DOSE_LONG_PILOT = ("Pilot (before this run): the swap task's base model (150 pre-training steps, 16 s) answers every "
+                   "held-out problem greedily but puts only pc 0.245 on the exact 12 digits (100 steps: pc 0.001; 300 "
+                   "steps: pc 0.81), so pc has room; the synced control, seed 0: pc 0.245 -> 0.313 in 80 steps. "
+                   "Reversing the digits instead did not pre-train in a minute (greedy 0 after 600 steps).")
+
+
 DLC_EQUAL_BUDGET_K = 4  # the fixed schedule with about the lag trigger's sync count (DLC_PILOT)
 DLC_PILOT = ("Pilot (written before this run): round 2's run of this preset (same seeds and settings) synced the "
              "lag-triggered arm on 0.28 ± 0.014 of its 80 steps, 22.4 syncs per seed, against 5 for k = 16. The fixed "
@@ -3271,6 +3391,17 @@ RL_PRESETS = {
         base={"top_p": PRESET_TOP_P}, control_key="pct_trainer", measure=_truncation_table,
         extra={"pct final": ("pct_trainer", "final"), "pct auc": ("pct_trainer", "auc"),
                "kept mass": ("kept_mass", "steps"), "mean log ratio": ("mm_mean_log_ratio", "steps")}),
+    # Where engine mismatch starts to matter: none at every setting, every correction at three (DOSE_PILOT)
+    "dose": RLPreset(
+        "dose: Δ pc against measured mismatch, every correction",
+        dose_arms(DOSE_NOISE, DOSE_CORRECTIONS, DOSE_FULL, DOSE_ENGINES), (), report=dose_map,
+        extra={"mismatch x": ("mm_abs_diff", "steps")}, notes=DOSE_PILOT + "\n\n" + DOSE_RULES),
+    # The same map on 12-token answers (swap two 6-digit numbers): do sequence-level ratios move the threshold?
+    "dose-long": RLPreset(
+        "dose-long: 12-token answers (swap two 6-digit numbers)",
+        dose_arms(DOSE_LONG_NOISE, ("tis", "seq_tis", "geo")), (), base={"max_new_tokens": 13}, report=dose_map,
+        pretrain=("swap", {"digits": 6, "ops": "s", "steps": 150}), extra={"mismatch x": ("mm_abs_diff", "steps")},
+        notes=DOSE_LONG_PILOT + "\n\n" + DOSE_RULES),
 }
 
 
