@@ -2516,3 +2516,71 @@ def test_paired_ci_is_the_t_interval_and_says_nothing_without_data():
     assert tr.paired_ci([1.0]) == (-math.inf, math.inf) and all(map(math.isnan, tr.paired_ci([1.0, math.inf])))
     with pytest.raises(ValueError, match="level"):
         tr.paired_ci([1.0, 2.0], level=95)
+
+
+# =================================================================================================================
+# dose-response map (issue 22): arms as a grid, statements (a)-(c) computed by DOSE_RULES
+
+
+def test_dose_arms_run_none_everywhere_and_every_correction_where_asked():
+    arms = dict(tr.dose_arms((0.05, 0.2), ("tis", "geo"), full=(0.2,), engines=(("fp8", {"quant": "fp8"}),)))
+    assert list(arms) == ["none @ s=0.05", "none @ s=0.2", "tis @ s=0.2", "geo @ s=0.2", "none @ fp8"]
+    assert arms["geo @ s=0.2"] == {"correction": "geo", "noise": 0.2}
+    assert arms["none @ fp8"] == {"correction": "none", "quant": "fp8"}
+    assert len(tr.dose_arms((0.1, 0.2), ("tis",))) == 4, "no `full`: every correction at every level"
+    preset = tr.RL_PRESETS["dose"]
+    labels = [label for label, _ in preset.arms]
+    assert len(labels) == len(set(labels)) and all(tr.RLConfig(**change) for _, change in preset.arms)
+    ran = {label.split(" @ ")[0] for label in labels}
+    assert ran == {"none"} | set(tr.DOSE_CORRECTIONS) and set(tr.DOSE_CORRECTIONS) <= set(tr.CORRECTIONS)
+
+
+def _dose_runs(effects: dict[str, tuple[float, float]], control_gain: float = 0.05, seeds: int = 5):
+    """Synthetic runs: label -> (pc auc shift vs the control, mismatch x); seed s adds 0.002 * (s - 2) of noise."""
+    def records(shift, x, seed, gain):
+        pc = 0.4 + shift + 0.002 * (seed - 2)
+        return [{"step": 0, "pc_trainer": pc}, {"step": 0, "reward": 0.5, "mm_abs_diff": x},
+                {"step": 1, "pc_trainer": pc + gain}]
+    runs = {tr.SYNCED_CONTROL: [records(0.0, 0.0, s, control_gain + 0.001 * s) for s in range(seeds)]}
+    for label, (shift, x) in effects.items():
+        runs[label] = [records(shift, x, s, control_gain + 0.001 * s) for s in range(seeds)]
+    return runs
+
+
+DOSE_EFFECTS = {"none @ s=0.05": (0.0, 0.04), "tis @ s=0.05": (-0.02, 0.04),  # tis hurts where none is harmless
+                "none @ s=0.2": (-0.05, 0.2), "tis @ s=0.2": (-0.01, 0.2),  # none harmed; tis repairs part of it
+                "none @ s=0.8": (-0.1, 0.9), "tis @ s=0.8": (-0.1, 0.9),  # too far: tis no better than none
+                "none @ fp8": (0.0, 0.03)}
+
+
+def test_dose_map_computes_each_statement_by_its_rule(tmp_path):
+    runs = _dose_runs(DOSE_EFFECTS)
+    sections, rows = tr.dose_map(runs, tr.SYNCED_CONTROL, True, tmp_path / "dose.png")
+    (a, b, c) = rows
+    assert a["verdict"].startswith("s=0.2 (x 0.2)") and a["Δ"] == "-0.05", a
+    beats, trails = b["verdict"].split("; ")
+    assert b["claim"].startswith("(b) tis") and beats == "s=0.2 (x 0.2)", b
+    assert trails == "s=0.05 (x 0.04), s=0.2 (x 0.2), s=0.8 (x 0.9)", b
+    assert c["verdict"] == "yes: tis at s=0.05", c
+    table = sections[1][1]
+    assert [r["setting"] for r in table][:2] == ["fp8", "s=0.05"], "sorted by measured mismatch, not by label"
+    assert (tmp_path / "dose.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_dose_map_says_when_nothing_is_harmed_and_refuses_an_invalid_testbed(tmp_path):
+    harmless = {k: (0.0 if k.startswith("none") else v[0], v[1]) for k, v in DOSE_EFFECTS.items()}
+    rows = tr.dose_map(_dose_runs(harmless), tr.SYNCED_CONTROL, True, tmp_path / "p.png")[1]
+    assert rows[0]["verdict"] == "not in the grid (x up to 0.9)", rows[0]
+    assert rows[1]["verdict"].startswith("nowhere; "), "tis never beats a harmless none"
+    rows = tr.dose_map(_dose_runs(DOSE_EFFECTS), tr.SYNCED_CONTROL, False, tmp_path / "p.png")[1]
+    assert {r["verdict"] for r in rows} == {"invalid testbed"}
+
+
+def test_swap_task_has_long_answers_disjoint_pools_and_a_verifiable_answer():
+    pools = {split: {p for seed in range(3) for p, _ in tr.make_arithmetic_task(300, 6, seed, "s", split)}
+             for split in tr.SPLITS}
+    assert not pools["pretrain"] & pools["rl"] and not pools["rl"] & pools["eval"] and not pools["pretrain"] & pools["eval"]
+    for p, a in tr.make_arithmetic_task(50, 6, 0, "s", "rl"):
+        left, right = p[:-1].split("s")
+        assert a == right + left and len(a) == 12 and tr.verify(a, a) == 1.0
+        assert tr.verify(left + right, a) == 0.0, "the unswapped digits are wrong"

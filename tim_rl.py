@@ -3445,6 +3445,11 @@ def _replace_block(text: str, name: str, body: str) -> str:
     return text[: start.end()] + f"\n{body}\n" + text[end.start() :]
 
 
+def published_rows(results: str) -> list[dict]:
+    """Every verdict row published into a RESULTS.md text (each preset's row comment), with its preset."""
+    return [row for found in re.findall(r"^<!-- rows (.*) -->$", results, re.M) for row in json.loads(found)]
+
+
 def publish(name: str, results: str, verdicts: list[dict], command: str, seconds: float, root: Path = Path("."),
             plot: Path | None = None):
     """Copy a preset's results.md (and its plot, to figures/<name>.png) into RESULTS.md and rebuild README's verdict
@@ -3458,12 +3463,12 @@ def publish(name: str, results: str, verdicts: list[dict], command: str, seconds
     if plot is not None and plot.exists():
         (root / "figures").mkdir(exist_ok=True)
         (root / "figures" / f"{name}.png").write_bytes(plot.read_bytes())
-        figure = f"\n\n![{name}: trainer pc per arm, mean over seeds](figures/{name}.png)"
+        figure = f"\n\n![{name}: the preset's plot, mean over seeds](figures/{name}.png)"
     body = (f"<!-- rows {json.dumps(rows)} -->\n## {name}\n\n`{command}` ({seconds / 60:.0f} min on this machine)\n\n"
             + results.split("\n", 1)[1].lstrip("\n").replace("\n# ", "\n### ").rstrip("\n") + figure)
     text = _replace_block(text, f"preset:{name}", body)
     _write_atomic(path, text)
-    table = [row for found in re.findall(r"^<!-- rows (.*) -->$", text, re.M) for row in json.loads(found)]
+    table = published_rows(text)
     columns = ("preset", "claim", "verdict", "Δ", "95% CI", "command")
     if table:
         _write_atomic(readme, _replace_block(readme_text, "verdicts", _markdown_table(
