@@ -3595,47 +3595,15 @@ def _median_seconds(fn, repeats: int = 5, warmup: int = 1) -> float:
     return sorted(times[warmup:])[repeats // 2]
 
 
+def _row(what: str, baseline: str, ratio: float, goal: str) -> dict:
+    """One row of the bench table."""
+    return {"what": what, "baseline": baseline, "ratio": ratio, "goal": goal}
+
+
 def _ratio_rows(cases: list[tuple], repeats: int, label: str = "") -> list[dict]:
     """One row per (what, fn, goal) of cases[1:]: its median time over that of cases[0], the baseline."""
     base = _median_seconds(cases[0][1], repeats)
-    return [{"what": what + label, "baseline": cases[0][0], "ratio": _median_seconds(fn, repeats) / base, "goal": goal}
-            for what, fn, goal in cases[1:]]
-
-
-_PEAK_RSS_SCRIPT = """
-import re, sys, torch, tim_rl
-rows, V, which = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-torch.set_num_threads({threads})
-logits, ids = torch.ones(rows, V), torch.zeros(rows, dtype=torch.long)  # (N, V) fp32, every page touched
-status = lambda key: int(re.search(key + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
-call = ((lambda x, i: tim_rl.token_logprobs(x, i)) if which == "token_logprobs" else
-        (lambda x, i: torch.log_softmax(x.float(), -1).gather(-1, i[:, None]).squeeze(-1)))
-call(logits[:2], ids[:2])  # warm-up: the first call pages in library code, which is not the call's memory
-open("/proc/self/clear_refs", "w").write("5")  # Linux: reset the peak (VmHWM) to the current RSS
-before = status("VmRSS")
-out = call(logits, ids)
-print(status("VmHWM") - before)
-"""
-
-
-def _peak_extra_bytes(rows: int, V: int, which: str, repeats: int = 3) -> int:
-    """Peak resident memory added by one log-prob call on (rows, V) fp32 CPU logits: median over fresh subprocesses
-    (the allocator's arenas make a single reading jitter by ~10-20 MB)."""
-    import subprocess
-
-    script = _PEAK_RSS_SCRIPT.format(threads=torch.get_num_threads())
-    readings = [int(subprocess.run([sys.executable, "-c", script, str(rows), str(V), which], capture_output=True,
-                                   text=True, check=True, cwd=Path(__file__).parent).stdout.strip().splitlines()[-1])
-                for _ in range(repeats)]
-    return sorted(readings)[repeats // 2]
-
-
-def _cuda_peak_extra_bytes(fn) -> int:
-    """GPU memory fn() allocates at its peak beyond what was allocated before it (torch.cuda.max_memory_allocated)."""
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn()
-    return torch.cuda.max_memory_allocated() - before
+    return [_row(what + label, cases[0][0], _median_seconds(fn, repeats) / base, goal) for what, fn, goal in cases[1:]]
 
 
 def bench_export(n: int, repeats: int, device: torch.device) -> list[dict]:
@@ -3659,26 +3627,66 @@ def _selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.T
     return torch.stack([torch.log_softmax(r, -1).gather(-1, i[:, None]).squeeze(-1) for r, i in zip(logits, index)])
 
 
+# The log-prob calls bench_token_logprobs compares, baseline first: (N, V) logits, (N,) ids -> (N,) log-probs
+_LOGPROB_CALLS = {
+    "log_softmax+gather": lambda x, ids: torch.log_softmax(x.float(), -1).gather(-1, ids[:, None]).squeeze(-1),
+    "token_logprobs": lambda x, ids: token_logprobs(x, ids),
+    "TRL selective_log_softmax": lambda x, ids: _selective_log_softmax(x.view(8, -1, x.shape[-1]), ids.view(8, -1)),
+}
+
+
+def _peak_rss_child(rows: int, V: int, which: str) -> int:
+    """Resident memory one _LOGPROB_CALLS[which] call on (rows, V) fp32 logits adds at its peak (Linux; run by
+    _peak_extra_bytes in a fresh process)."""
+    def status(key: str) -> int:
+        return int(re.search(key + r":\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+    logits, ids = torch.ones(rows, V), torch.zeros(rows, dtype=torch.long)  # (N, V) fp32, every page touched
+    _LOGPROB_CALLS[which](logits[:2], ids[:2])  # warm-up: the first call pages in library code, not the call's memory
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
+    before = status("VmRSS")
+    _LOGPROB_CALLS[which](logits, ids)
+    return status("VmHWM") - before
+
+
+def _peak_extra_bytes(which: str, logits: torch.Tensor, ids: torch.Tensor, repeats: int = 3) -> int:
+    """Memory one _LOGPROB_CALLS[which] call allocates at its peak beyond what was allocated before it.
+
+    GPU: torch.cuda.max_memory_allocated. CPU (fp32 logits): _peak_rss_child's resident memory, median over fresh
+    subprocesses (the allocator's arenas make a single reading jitter by ~10-20 MB).
+    """
+    if logits.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        _LOGPROB_CALLS[which](logits, ids)
+        return torch.cuda.max_memory_allocated() - before
+    import subprocess
+
+    code = (f"import torch, tim_rl; torch.set_num_threads({torch.get_num_threads()}); "
+            f"print(tim_rl._peak_rss_child({logits.shape[0]}, {logits.shape[1]}, {which!r}))")
+    readings = [int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                   cwd=Path(__file__).parent).stdout.split()[-1]) for _ in range(repeats)]
+    return sorted(readings)[repeats // 2]
+
+
 def bench_token_logprobs(rows: int, V: int, repeats: int, device: torch.device, dtype=torch.float32,
                          with_backward: bool = False) -> list[dict]:
     """token_logprobs and TRL's selective_log_softmax (B = 8) vs log_softmax + gather: time, peak extra memory over
     the logits (GPU: max_memory_allocated; CPU: fresh-process RSS, fp32 only), and time of values + gradient."""
     logits, ids = torch.randn(rows, V, device=device).to(dtype), torch.randint(0, V, (rows,), device=device)
-    calls = [("log_softmax+gather", lambda x: torch.log_softmax(x.float(), -1).gather(-1, ids[:, None]).squeeze(-1)),
-             ("token_logprobs", lambda x: token_logprobs(x, ids)),
-             ("TRL selective_log_softmax", lambda x: _selective_log_softmax(x.view(8, -1, V), ids.view(8, -1)))]
-    if not torch.allclose(calls[1][1](logits), calls[0][1](logits), atol=1e-5, rtol=0):
+    calls = _LOGPROB_CALLS.items()
+    if not torch.allclose(token_logprobs(logits, ids), _LOGPROB_CALLS["log_softmax+gather"](logits, ids), atol=1e-5,
+                          rtol=0):
         raise RuntimeError("token_logprobs differs from log_softmax + gather")
     label = f" (N={rows}, V={V}, {str(dtype)[6:]}, {device.type})"
-    out = _ratio_rows([(what, lambda f=f: f(logits), "<= 1.2") for what, f in calls], repeats, label)
-    peaks = ({what: _cuda_peak_extra_bytes(lambda f=f: f(logits)) for what, f in calls} if device.type == "cuda" else
-             {what: _peak_extra_bytes(rows, V, what) for what, _ in calls[:2]})
-    out += [{"what": f"{what}{label} peak extra memory", "baseline": "the logits tensor", "ratio": peak /
-             (logits.numel() * logits.element_size()), "goal": "<= 0.05" if what == "token_logprobs" else "report"}
-            for what, peak in peaks.items()]
+    out = _ratio_rows([(what, lambda f=f: f(logits, ids), "<= 1.2") for what, f in calls], repeats, label)
+    peaked = list(_LOGPROB_CALLS)[: 3 if device.type == "cuda" else 2]  # CPU: the two fresh-process readings
+    out += [_row(f"{what}{label} peak extra memory", "the logits tensor", _peak_extra_bytes(what, logits, ids) /
+                 (logits.numel() * logits.element_size()), "<= 0.05" if what == "token_logprobs" else "report")
+            for what in peaked]
     if with_backward:  # the trainer's path: values and their gradient w.r.t. the logits
         def with_grad(f):
-            return lambda: torch.autograd.grad(f(logits.requires_grad_()).sum(), logits)
+            return lambda: torch.autograd.grad(f(logits.requires_grad_(), ids).sum(), logits)
 
         out += _ratio_rows([(what + " + backward", with_grad(f), "<= 1.2") for what, f in calls], repeats, label)
     return out
@@ -3704,12 +3712,12 @@ def bench_corrections(B: int, T: int, V: int, K: int, repeats: int) -> list[dict
     def step(loss_fn, index=ids):  # index = topk: one logsumexp serves the sampled id (column 0) and the K head ids
         return lambda: torch.autograd.grad(loss_fn(token_logprobs(logits, index)), logits)
 
+    def weighted(weights):  # pg_loss weighted by a correction of the current log-probs (detached) vs the sampler's
+        return lambda lp: pg_loss(lp, adv, mask, weights(lp.detach(), logp_infer, mask))
+
     arms = {
-        "pg_loss": lambda lp: pg_loss(lp, adv, mask),
-        "tis": lambda lp: pg_loss(lp, adv, mask, tis_weights(lp.detach(), logp_infer, mask)),
-        "mis": lambda lp: pg_loss(lp, adv, mask, mis_weights(lp.detach(), logp_infer, mask)),
-        "seq_tis": lambda lp: pg_loss(lp, adv, mask, seq_tis_weights(lp.detach(), logp_infer, mask)),
-        "geo": lambda lp: pg_loss(lp, adv, mask, geo_mask_weights(lp.detach(), logp_infer, mask)),
+        "pg_loss": lambda lp: pg_loss(lp, adv, mask), "tis": weighted(tis_weights), "mis": weighted(mis_weights),
+        "seq_tis": weighted(seq_tis_weights), "geo": weighted(geo_mask_weights),
         "cis": lambda lp: ppo_loss(lp, logp_old, adv, mask, cis_weights(logp_old, logp_infer, mask)),
         "dlc": lambda lp: dlc_loss(lp, logp_old, logp_infer, adv, mask),
         "ppo": lambda lp: ppo_loss(lp, logp_old, adv, mask),
@@ -3736,9 +3744,8 @@ def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, de
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=attention.long(), do_sample=True, max_new_tokens=5,
                                  temperature=1.0, top_k=0, top_p=1.0, pad_token_id=PAD_ID, eos_token_id=EOS_ID)
-        new = out[:, ids.shape[1]:]  # (B, <= 5)
-        ended = (new == EOS_ID).long().cumsum(1)
-        return int(((ended == 0) | ((ended == 1) & (new == EOS_ID))).sum())  # tokens up to and including <eos>
+        eos = (out[:, ids.shape[1]:] == EOS_ID).long()  # (B, <= 5) the new tokens
+        return int((eos.cumsum(1) - eos == 0).sum())  # tokens up to and including the first <eos>
 
     def tokens_per_second(fn):
         counts = []
@@ -3747,12 +3754,11 @@ def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, de
 
     torch_tps = tokens_per_second(ours(TorchSampler(model, EngineSpec(), tokenizer)))
     hf_tps = tokens_per_second(hf)
-    rows = [{"what": f"TorchSampler tokens/s ({prompts_n}x{group} seqs, fp32, {device.type}; {torch_tps:.0f} tok/s)",
-             "baseline": f"HF generate ({hf_tps:.0f} tok/s)", "ratio": torch_tps / hf_tps, "goal": ">= 1.0"}]
+    rows = [_row(f"TorchSampler tokens/s ({prompts_n}x{group} seqs, fp32, {device.type}; {torch_tps:.0f} tok/s)",
+                 f"HF generate ({hf_tps:.0f} tok/s)", torch_tps / hf_tps, ">= 1.0")]
     if vllm_available():
         vllm_tps = tokens_per_second(ours(VLLMSampler(model_dir, dtype="fp32", seed=0, tokenizer=tokenizer)))
-        rows.append({"what": f"VLLMSampler tokens/s ({vllm_tps:.0f} tok/s)", "baseline": "TorchSampler",
-                     "ratio": vllm_tps / torch_tps, "goal": "report"})
+        rows.append(_row(f"VLLMSampler tokens/s ({vllm_tps:.0f} tok/s)", "TorchSampler", vllm_tps / torch_tps, "report"))
     return rows
 
 
@@ -3763,9 +3769,9 @@ def bench_rl_step(model_dir: Path, steps: int, out_dir: str, device: torch.devic
     recs = [r for r in run(cfg) if "reward" in r][1:]  # RL steps (evaluations aside); the first warms up
     totals = {phase: sum(r[f"sec_{phase}"] for r in recs) for phase in STEP_PHASES}
     whole = sum(totals.values())
-    return [{"what": f"RL step ({device.type}): {phase}" + (" (advantages + weights + loss)" if phase == "loss" else ""),
-             "baseline": f"whole step ({whole / len(recs) * 1e3:.1f} ms)", "ratio": totals[phase] / whole,
-             "goal": "< 0.05" if phase == "loss" else "report"} for phase in STEP_PHASES]
+    return [_row(f"RL step ({device.type}): {phase}" + (" (advantages + weights + loss)" if phase == "loss" else ""),
+                 f"whole step ({whole / len(recs) * 1e3:.1f} ms)", totals[phase] / whole,
+                 "< 0.05" if phase == "loss" else "report") for phase in STEP_PHASES]
 
 
 def bench_trl_step(model_dir: Path, steps: int, out_dir: str) -> list[dict]:
@@ -3774,8 +3780,8 @@ def bench_trl_step(model_dir: Path, steps: int, out_dir: str) -> list[dict]:
     import importlib.util
 
     if importlib.util.find_spec("trl") is None:
-        return [{"what": "tim_rl RL step vs TRL GRPOTrainer step", "baseline": "TRL (not installed: extra `trl`)",
-                 "ratio": float("nan"), "goal": "report"}]
+        return [_row("tim_rl RL step vs TRL GRPOTrainer step", "TRL (not installed: extra `trl`)", float("nan"),
+                     "report")]
     import transformers
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -3806,9 +3812,8 @@ def bench_trl_step(model_dir: Path, steps: int, out_dir: str) -> list[dict]:
                         disable_tqdm=True, seed=0))
     trainer.train()
     theirs = sorted(timer.seconds[1:])[(len(timer.seconds) - 1) // 2]
-    return [{"what": f"tim_rl RL step ({ours * 1e3:.0f} ms; 16x8, 5 tokens, torch sampler)",
-             "baseline": f"TRL GRPOTrainer step ({theirs * 1e3:.0f} ms; HF generate)", "ratio": ours / theirs,
-             "goal": "report"}]
+    return [_row(f"tim_rl RL step ({ours * 1e3:.0f} ms; 16x8, 5 tokens, torch sampler)",
+                 f"TRL GRPOTrainer step ({theirs * 1e3:.0f} ms; HF generate)", ours / theirs, "report")]
 
 
 def bench_verifier(repeats: int) -> list[dict]:
@@ -3820,8 +3825,7 @@ def bench_verifier(repeats: int) -> list[dict]:
               "mixed": ("\\boxed{1,2/3.4} #### -5e9 " * (n // 26)), "1 MB": "9" * 10**6}
     worst, worst_name = max((_median_seconds(lambda t=text: verify(t, "47"), repeats), name)
                             for name, text in corpus.items())
-    return [{"what": f"verify worst case over {len(corpus)} adversarial texts ({worst_name})", "baseline": "10 ms",
-             "ratio": worst / 0.010, "goal": "< 1"}]
+    return [_row(f"verify worst case over {len(corpus)} adversarial texts ({worst_name})", "10 ms", worst / 0.010, "< 1")]
 
 
 def bench(cfg: BenchConfig) -> list[dict]:
