@@ -1298,18 +1298,14 @@ def extract_answer(text: str) -> str | None:
     if hashes >= 0:
         match = _CANDIDATE.search(text, hashes + 4)
         return match.group(0) if match else None
-    last = None
-    for last in _CANDIDATE.finditer(text):
-        pass
-    return last.group(0) if last else None
+    numbers = _CANDIDATE.findall(text)  # every match is a whole candidate: the pattern has no capturing group
+    return numbers[-1] if numbers else None
 
 
 def _parse_number(s: str) -> Fraction | None:
     """'1,234' '-47' '+3' '2.50' '3/4' -> Fraction; anything else -> None. Never evaluates code."""
     s = s.strip().rstrip(".")
-    if len(s) > MAX_NUMBER_CHARS or not _NUMBER.fullmatch(s):
-        return None
-    if "," in s and not _THOUSANDS.fullmatch(s):
+    if len(s) > MAX_NUMBER_CHARS or not _NUMBER.fullmatch(s) or ("," in s and not _THOUSANDS.fullmatch(s)):
         return None  # commas only as thousands separators
     try:
         return Fraction(s.replace(",", ""))
@@ -1426,13 +1422,10 @@ def pretrain(cfg: PretrainConfig) -> dict:
     t0 = time.time()
     for step in tqdm(range(cfg.steps), desc="pretrain", mininterval=2):
         batch = problems[step * cfg.batch : (step + 1) * cfg.batch]
-        seqs = [tokenizer.encode(p) + tokenizer.encode(a, bos=False) + [EOS_ID] for p, a in batch]
-        L = max(map(len, seqs))
-        ids = torch.tensor([s + [PAD_ID] * (L - len(s)) for s in seqs])  # (B, L) right-padded
-        labels = ids.clone()
-        for i, (p, _) in enumerate(batch):
-            labels[i, : len(p) + 1] = -100  # learn the answer only
-        labels[ids == PAD_ID] = -100
+        seqs = [(tokenizer.encode(p), tokenizer.encode(a, bos=False) + [EOS_ID]) for p, a in batch]
+        L = max(len(p) + len(a) for p, a in seqs)
+        ids = torch.tensor([p + a + [PAD_ID] * (L - len(p) - len(a)) for p, a in seqs])  # (B, L) right-padded
+        labels = torch.tensor([[-100] * len(p) + a + [-100] * (L - len(p) - len(a)) for p, a in seqs])  # the answer only
         loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -3490,8 +3483,8 @@ def trl_weights(correction: str, old_per_token_logps: torch.Tensor, sampling_per
     """
     if correction not in TRL_CORRECTIONS:
         raise ValueError(f"correction must be one of {sorted(TRL_CORRECTIONS)} to ride through TRL, got {correction!r}")
-    mask = completion_mask.bool()
-    return TRL_CORRECTIONS[correction](old_per_token_logps.detach().float(), sampling_per_token_logps.float(), mask)
+    return TRL_CORRECTIONS[correction](old_per_token_logps.detach().float(), sampling_per_token_logps.float(),
+                                       completion_mask.bool())
 
 
 def check_trl_args(args) -> None:
@@ -3525,6 +3518,8 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
     - On vLLM's CPU build a colocated vLLM is synced with reload_vllm_weights (TRL's per-parameter sync breaks
       there); on a GPU TRL's own sync is kept. loss_type="vespo" and a disabled correction are refused.
     """
+    import unittest.mock
+
     import trl.generation.vllm_generation as trl_vllm
     from trl import GRPOTrainer
 
@@ -3545,16 +3540,13 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
                 self._metrics[mode][f"tim_rl/{key}"].append(value)
             return out
 
+    if vllm_dtype is not None and vllm_dtype not in _VLLM_DTYPES:
+        raise ValueError(f"vllm_dtype must be one of {sorted(_VLLM_DTYPES)}, got {vllm_dtype!r}")
     threads = _vllm_environment()
-    original_llm = getattr(trl_vllm, "LLM", None)
-    if vllm_dtype is not None:
-        if vllm_dtype not in _VLLM_DTYPES:
-            raise ValueError(f"vllm_dtype must be one of {sorted(_VLLM_DTYPES)}, got {vllm_dtype!r}")
-        trl_vllm.LLM = functools.partial(original_llm, dtype=_VLLM_DTYPES[vllm_dtype])
-    try:
+    llm = getattr(trl_vllm, "LLM", None)  # vLLM's class as TRL imported it; with vllm_dtype, pinned for this call
+    llm = llm if vllm_dtype is None else functools.partial(llm, dtype=_VLLM_DTYPES[vllm_dtype])
+    with unittest.mock.patch.object(trl_vllm, "LLM", llm, create=True):
         trainer = TimRLGRPOTrainer(**trainer_kwargs)
-    finally:
-        trl_vllm.LLM = original_llm
     torch.set_num_threads(threads)
     generation = getattr(trainer, "vllm_generation", None)
     if trainer.use_vllm and generation is not None and generation.mode == "colocate" and _vllm_on_cpu():
@@ -3864,19 +3856,19 @@ def bench(cfg: BenchConfig) -> list[dict]:
 # ---- CLI ----
 
 
-def _add_fields(parser, cls) -> None:
-    """One --flag per dataclass field, its help text from the field's metadata."""
+def _add_fields(parser, cls):
+    """One --flag per dataclass field, its help text from the field's metadata. Returns the parser."""
     import argparse
 
     for f in fields(cls):
-        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help")
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=f.metadata.get("help"))
+            kind = {"action": argparse.BooleanOptionalAction}
         else:
-            typ = {"int": int, "float": float, "str": str}.get(f.type, type(f.default))
-            help_text = f.metadata.get("help").replace("%", "%%") + " (default: %(default)s)"  # argparse formats %
-            parser.add_argument(flag, type=typ, default=f.default, help=help_text)
+            kind = {"type": {"int": int, "float": float, "str": str}.get(f.type, type(f.default))}
+            help_text = help_text.replace("%", "%%") + " (default: %(default)s)"  # argparse formats %
+        parser.add_argument(_flag(f.name), default=f.default, help=help_text, **kind)
+    return parser
 
 
 class UsageError(ValueError):
@@ -3951,12 +3943,11 @@ def _parser():
                                      "needed, ~20 s).")
     sub = parser.add_subparsers(dest="cmd")
     _add_fields(sub.add_parser("pretrain", help="pre-train the embedded tiny model"), PretrainConfig)
-    p_train = sub.add_parser("train", help="one RL run")
-    _add_fields(p_train, RLConfig)
+    p_train = _add_fields(sub.add_parser("train", help="one RL run"), RLConfig)
     p_train.add_argument("--resume", metavar="RUN_DIR", default="",
                          help="continue runs/<name> from its checkpoint, with its config.json (other flags ignored)")
-    p_cmp = sub.add_parser("compare", help="several corrections side by side (plus a synced control)")
-    _add_fields(p_cmp, RLConfig)
+    p_cmp = _add_fields(sub.add_parser("compare", help="several corrections side by side (plus a synced control)"),
+                        RLConfig)
     p_cmp.add_argument("--corrections", default="none,tis,sc,sc_tis", help="comma-separated corrections")
     p_cmp.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2,3,4: paired, >= 5 for "
                        "a verdict)")
@@ -4003,27 +3994,25 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"tim_rl: error: {e}\n")
     if cfg is not None and _eval_warning(cfg):
         print(_eval_warning(cfg), file=sys.stderr)
+    seeds = getattr(args, "seeds", None) or "0,1,2,3,4"  # compare's and demo's
     if args.cmd == "pretrain":
         print(json.dumps(pretrain(_from_args(PretrainConfig, args))))
     elif args.cmd == "train":
-        records = run(cfg, resume=bool(args.resume))
-        print(_train_summary(records, Path(cfg.out_dir) / cfg.name))
+        print(_train_summary(run(cfg, resume=bool(args.resume)), Path(cfg.out_dir) / cfg.name))
     elif args.cmd == "compare" and args.preset:
-        pc = PresetConfig(preset=args.preset, seeds=args.seeds or "0,1,2,3,4", smoke=args.smoke, model=args.model,
-                          publish=args.publish, out_dir=str(Path(args.out_dir) / "compare"))
+        pc = PresetConfig(preset=args.preset, seeds=seeds, smoke=args.smoke, model=args.model, publish=args.publish,
+                          out_dir=str(Path(args.out_dir) / "compare"))
         for path in run_preset(pc):
             print(path.read_text())
     elif args.cmd == "compare":
-        seeds = [int(s) for s in (args.seeds or "0,1,2,3,4").split(",")]
-        print(_markdown_table(compare(cfg, args.corrections.split(","), seeds, cfg.name)))
+        print(_markdown_table(compare(cfg, args.corrections.split(","), [int(s) for s in seeds.split(",")], cfg.name)))
     elif args.cmd == "bench":
         bench(_from_args(BenchConfig, args))
     elif args.cmd == "engines":
-        print(_markdown_table(measure_engines(ensure_base_model(args.model) if args.model == "runs/base"
-                                              else Path(args.model), default_engines())))
+        model_dir = ensure_base_model(args.model) if args.model == "runs/base" else Path(args.model)
+        print(_markdown_table(measure_engines(model_dir, default_engines())))
     else:
-        steps = getattr(args, "steps", 80)
-        demo(steps=steps, seeds=tuple(int(s) for s in getattr(args, "seeds", "0,1,2,3,4").split(",")))
+        demo(steps=getattr(args, "steps", 80), seeds=tuple(int(s) for s in seeds.split(",")))
 
 
 if __name__ == "__main__":
