@@ -1343,8 +1343,7 @@ class CharTokenizer:
     """One id per printable ASCII character, plus <pad> <bos> <eos> <unk>; vocab padded to `vocab_size`."""
 
     def __init__(self, vocab_size: int = 128):
-        chars = [chr(c) for c in range(32, 127)]
-        self.tokens = list(SPECIAL_TOKENS) + chars
+        self.tokens = [*SPECIAL_TOKENS, *(chr(c) for c in range(32, 127))]
         self.tokens += [f"<unused{i}>" for i in range(vocab_size - len(self.tokens))]
         self.index = {t: i for i, t in enumerate(self.tokens)}
         self.vocab_size, self.eos_id, self.pad_id, self.bos_id = len(self.tokens), EOS_ID, PAD_ID, BOS_ID
@@ -1356,11 +1355,10 @@ class CharTokenizer:
     def decode(self, ids) -> str:
         """Text up to the first <eos>; special tokens dropped."""
         out = []
-        for i in ids:
-            if int(i) == EOS_ID:
+        for i in map(int, ids):
+            if i == EOS_ID:
                 break
-            tok = self.tokens[int(i)] if 0 <= int(i) < len(self.tokens) else "<unk>"
-            out.append(tok if len(tok) == 1 else "")
+            out.append(self.tokens[i] if 0 <= i < len(self.tokens) and len(self.tokens[i]) == 1 else "")
         return "".join(out)
 
     def save(self, directory: str | Path) -> None:
