@@ -1298,18 +1298,14 @@ def extract_answer(text: str) -> str | None:
     if hashes >= 0:
         match = _CANDIDATE.search(text, hashes + 4)
         return match.group(0) if match else None
-    last = None
-    for last in _CANDIDATE.finditer(text):
-        pass
-    return last.group(0) if last else None
+    numbers = _CANDIDATE.findall(text)  # every match is a whole candidate: the pattern has no capturing group
+    return numbers[-1] if numbers else None
 
 
 def _parse_number(s: str) -> Fraction | None:
     """'1,234' '-47' '+3' '2.50' '3/4' -> Fraction; anything else -> None. Never evaluates code."""
     s = s.strip().rstrip(".")
-    if len(s) > MAX_NUMBER_CHARS or not _NUMBER.fullmatch(s):
-        return None
-    if "," in s and not _THOUSANDS.fullmatch(s):
+    if len(s) > MAX_NUMBER_CHARS or not _NUMBER.fullmatch(s) or ("," in s and not _THOUSANDS.fullmatch(s)):
         return None  # commas only as thousands separators
     try:
         return Fraction(s.replace(",", ""))
@@ -1347,8 +1343,7 @@ class CharTokenizer:
     """One id per printable ASCII character, plus <pad> <bos> <eos> <unk>; vocab padded to `vocab_size`."""
 
     def __init__(self, vocab_size: int = 128):
-        chars = [chr(c) for c in range(32, 127)]
-        self.tokens = list(SPECIAL_TOKENS) + chars
+        self.tokens = [*SPECIAL_TOKENS, *(chr(c) for c in range(32, 127))]
         self.tokens += [f"<unused{i}>" for i in range(vocab_size - len(self.tokens))]
         self.index = {t: i for i, t in enumerate(self.tokens)}
         self.vocab_size, self.eos_id, self.pad_id, self.bos_id = len(self.tokens), EOS_ID, PAD_ID, BOS_ID
@@ -1360,11 +1355,10 @@ class CharTokenizer:
     def decode(self, ids) -> str:
         """Text up to the first <eos>; special tokens dropped."""
         out = []
-        for i in ids:
-            if int(i) == EOS_ID:
+        for i in map(int, ids):
+            if i == EOS_ID:
                 break
-            tok = self.tokens[int(i)] if 0 <= int(i) < len(self.tokens) else "<unk>"
-            out.append(tok if len(tok) == 1 else "")
+            out.append(self.tokens[i] if 0 <= i < len(self.tokens) and len(self.tokens[i]) == 1 else "")
         return "".join(out)
 
     def save(self, directory: str | Path) -> None:
@@ -1426,13 +1420,10 @@ def pretrain(cfg: PretrainConfig) -> dict:
     t0 = time.time()
     for step in tqdm(range(cfg.steps), desc="pretrain", mininterval=2):
         batch = problems[step * cfg.batch : (step + 1) * cfg.batch]
-        seqs = [tokenizer.encode(p) + tokenizer.encode(a, bos=False) + [EOS_ID] for p, a in batch]
-        L = max(map(len, seqs))
-        ids = torch.tensor([s + [PAD_ID] * (L - len(s)) for s in seqs])  # (B, L) right-padded
-        labels = ids.clone()
-        for i, (p, _) in enumerate(batch):
-            labels[i, : len(p) + 1] = -100  # learn the answer only
-        labels[ids == PAD_ID] = -100
+        seqs = [(tokenizer.encode(p), tokenizer.encode(a, bos=False) + [EOS_ID]) for p, a in batch]
+        L = max(len(p) + len(a) for p, a in seqs)
+        ids = torch.tensor([p + a + [PAD_ID] * (L - len(p) - len(a)) for p, a in seqs])  # (B, L) right-padded
+        labels = torch.tensor([[-100] * len(p) + a + [-100] * (L - len(p) - len(a)) for p, a in seqs])  # the answer only
         loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -3495,8 +3486,8 @@ def trl_weights(correction: str, old_per_token_logps: torch.Tensor, sampling_per
     """
     if correction not in TRL_CORRECTIONS:
         raise ValueError(f"correction must be one of {sorted(TRL_CORRECTIONS)} to ride through TRL, got {correction!r}")
-    mask = completion_mask.bool()
-    return TRL_CORRECTIONS[correction](old_per_token_logps.detach().float(), sampling_per_token_logps.float(), mask)
+    return TRL_CORRECTIONS[correction](old_per_token_logps.detach().float(), sampling_per_token_logps.float(),
+                                       completion_mask.bool())
 
 
 def check_trl_args(args) -> None:
@@ -3530,6 +3521,8 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
     - On vLLM's CPU build a colocated vLLM is synced with reload_vllm_weights (TRL's per-parameter sync breaks
       there); on a GPU TRL's own sync is kept. loss_type="vespo" and a disabled correction are refused.
     """
+    import unittest.mock
+
     import trl.generation.vllm_generation as trl_vllm
     from trl import GRPOTrainer
 
@@ -3550,16 +3543,13 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
                 self._metrics[mode][f"tim_rl/{key}"].append(value)
             return out
 
+    if vllm_dtype is not None and vllm_dtype not in _VLLM_DTYPES:
+        raise ValueError(f"vllm_dtype must be one of {sorted(_VLLM_DTYPES)}, got {vllm_dtype!r}")
     threads = _vllm_environment()
-    original_llm = getattr(trl_vllm, "LLM", None)
-    if vllm_dtype is not None:
-        if vllm_dtype not in _VLLM_DTYPES:
-            raise ValueError(f"vllm_dtype must be one of {sorted(_VLLM_DTYPES)}, got {vllm_dtype!r}")
-        trl_vllm.LLM = functools.partial(original_llm, dtype=_VLLM_DTYPES[vllm_dtype])
-    try:
+    llm = getattr(trl_vllm, "LLM", None)  # vLLM's class as TRL imported it; with vllm_dtype, pinned for this call
+    llm = llm if vllm_dtype is None else functools.partial(llm, dtype=_VLLM_DTYPES[vllm_dtype])
+    with unittest.mock.patch.object(trl_vllm, "LLM", llm, create=True):
         trainer = TimRLGRPOTrainer(**trainer_kwargs)
-    finally:
-        trl_vllm.LLM = original_llm
     torch.set_num_threads(threads)
     generation = getattr(trainer, "vllm_generation", None)
     if trainer.use_vllm and generation is not None and generation.mode == "colocate" and _vllm_on_cpu():
@@ -3600,47 +3590,15 @@ def _median_seconds(fn, repeats: int = 5, warmup: int = 1) -> float:
     return sorted(times[warmup:])[repeats // 2]
 
 
+def _row(what: str, baseline: str, ratio: float, goal: str) -> dict:
+    """One row of the bench table."""
+    return {"what": what, "baseline": baseline, "ratio": ratio, "goal": goal}
+
+
 def _ratio_rows(cases: list[tuple], repeats: int, label: str = "") -> list[dict]:
     """One row per (what, fn, goal) of cases[1:]: its median time over that of cases[0], the baseline."""
     base = _median_seconds(cases[0][1], repeats)
-    return [{"what": what + label, "baseline": cases[0][0], "ratio": _median_seconds(fn, repeats) / base, "goal": goal}
-            for what, fn, goal in cases[1:]]
-
-
-_PEAK_RSS_SCRIPT = """
-import re, sys, torch, tim_rl
-rows, V, which = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-torch.set_num_threads({threads})
-logits, ids = torch.ones(rows, V), torch.zeros(rows, dtype=torch.long)  # (N, V) fp32, every page touched
-status = lambda key: int(re.search(key + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
-call = ((lambda x, i: tim_rl.token_logprobs(x, i)) if which == "token_logprobs" else
-        (lambda x, i: torch.log_softmax(x.float(), -1).gather(-1, i[:, None]).squeeze(-1)))
-call(logits[:2], ids[:2])  # warm-up: the first call pages in library code, which is not the call's memory
-open("/proc/self/clear_refs", "w").write("5")  # Linux: reset the peak (VmHWM) to the current RSS
-before = status("VmRSS")
-out = call(logits, ids)
-print(status("VmHWM") - before)
-"""
-
-
-def _peak_extra_bytes(rows: int, V: int, which: str, repeats: int = 3) -> int:
-    """Peak resident memory added by one log-prob call on (rows, V) fp32 CPU logits: median over fresh subprocesses
-    (the allocator's arenas make a single reading jitter by ~10-20 MB)."""
-    import subprocess
-
-    script = _PEAK_RSS_SCRIPT.format(threads=torch.get_num_threads())
-    readings = [int(subprocess.run([sys.executable, "-c", script, str(rows), str(V), which], capture_output=True,
-                                   text=True, check=True, cwd=Path(__file__).parent).stdout.strip().splitlines()[-1])
-                for _ in range(repeats)]
-    return sorted(readings)[repeats // 2]
-
-
-def _cuda_peak_extra_bytes(fn) -> int:
-    """GPU memory fn() allocates at its peak beyond what was allocated before it (torch.cuda.max_memory_allocated)."""
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn()
-    return torch.cuda.max_memory_allocated() - before
+    return [_row(what + label, cases[0][0], _median_seconds(fn, repeats) / base, goal) for what, fn, goal in cases[1:]]
 
 
 def bench_export(n: int, repeats: int, device: torch.device) -> list[dict]:
@@ -3664,26 +3622,66 @@ def _selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.T
     return torch.stack([torch.log_softmax(r, -1).gather(-1, i[:, None]).squeeze(-1) for r, i in zip(logits, index)])
 
 
+# The log-prob calls bench_token_logprobs compares, baseline first: (N, V) logits, (N,) ids -> (N,) log-probs
+_LOGPROB_CALLS = {
+    "log_softmax+gather": lambda x, ids: torch.log_softmax(x.float(), -1).gather(-1, ids[:, None]).squeeze(-1),
+    "token_logprobs": lambda x, ids: token_logprobs(x, ids),
+    "TRL selective_log_softmax": lambda x, ids: _selective_log_softmax(x.view(8, -1, x.shape[-1]), ids.view(8, -1)),
+}
+
+
+def _peak_rss_child(rows: int, V: int, which: str) -> int:
+    """Resident memory one _LOGPROB_CALLS[which] call on (rows, V) fp32 logits adds at its peak (Linux; run by
+    _peak_extra_bytes in a fresh process)."""
+    def status(key: str) -> int:
+        return int(re.search(key + r":\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+    logits, ids = torch.ones(rows, V), torch.zeros(rows, dtype=torch.long)  # (N, V) fp32, every page touched
+    _LOGPROB_CALLS[which](logits[:2], ids[:2])  # warm-up: the first call pages in library code, not the call's memory
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
+    before = status("VmRSS")
+    _LOGPROB_CALLS[which](logits, ids)
+    return status("VmHWM") - before
+
+
+def _peak_extra_bytes(which: str, logits: torch.Tensor, ids: torch.Tensor, repeats: int = 3) -> int:
+    """Memory one _LOGPROB_CALLS[which] call allocates at its peak beyond what was allocated before it.
+
+    GPU: torch.cuda.max_memory_allocated. CPU (fp32 logits): _peak_rss_child's resident memory, median over fresh
+    subprocesses (the allocator's arenas make a single reading jitter by ~10-20 MB).
+    """
+    if logits.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        _LOGPROB_CALLS[which](logits, ids)
+        return torch.cuda.max_memory_allocated() - before
+    import subprocess
+
+    code = (f"import torch, tim_rl; torch.set_num_threads({torch.get_num_threads()}); "
+            f"print(tim_rl._peak_rss_child({logits.shape[0]}, {logits.shape[1]}, {which!r}))")
+    readings = [int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                   cwd=Path(__file__).parent).stdout.split()[-1]) for _ in range(repeats)]
+    return sorted(readings)[repeats // 2]
+
+
 def bench_token_logprobs(rows: int, V: int, repeats: int, device: torch.device, dtype=torch.float32,
                          with_backward: bool = False) -> list[dict]:
     """token_logprobs and TRL's selective_log_softmax (B = 8) vs log_softmax + gather: time, peak extra memory over
     the logits (GPU: max_memory_allocated; CPU: fresh-process RSS, fp32 only), and time of values + gradient."""
     logits, ids = torch.randn(rows, V, device=device).to(dtype), torch.randint(0, V, (rows,), device=device)
-    calls = [("log_softmax+gather", lambda x: torch.log_softmax(x.float(), -1).gather(-1, ids[:, None]).squeeze(-1)),
-             ("token_logprobs", lambda x: token_logprobs(x, ids)),
-             ("TRL selective_log_softmax", lambda x: _selective_log_softmax(x.view(8, -1, V), ids.view(8, -1)))]
-    if not torch.allclose(calls[1][1](logits), calls[0][1](logits), atol=1e-5, rtol=0):
+    calls = _LOGPROB_CALLS.items()
+    if not torch.allclose(token_logprobs(logits, ids), _LOGPROB_CALLS["log_softmax+gather"](logits, ids), atol=1e-5,
+                          rtol=0):
         raise RuntimeError("token_logprobs differs from log_softmax + gather")
     label = f" (N={rows}, V={V}, {str(dtype)[6:]}, {device.type})"
-    out = _ratio_rows([(what, lambda f=f: f(logits), "<= 1.2") for what, f in calls], repeats, label)
-    peaks = ({what: _cuda_peak_extra_bytes(lambda f=f: f(logits)) for what, f in calls} if device.type == "cuda" else
-             {what: _peak_extra_bytes(rows, V, what) for what, _ in calls[:2]})
-    out += [{"what": f"{what}{label} peak extra memory", "baseline": "the logits tensor", "ratio": peak /
-             (logits.numel() * logits.element_size()), "goal": "<= 0.05" if what == "token_logprobs" else "report"}
-            for what, peak in peaks.items()]
+    out = _ratio_rows([(what, lambda f=f: f(logits, ids), "<= 1.2") for what, f in calls], repeats, label)
+    peaked = list(_LOGPROB_CALLS)[: 3 if device.type == "cuda" else 2]  # CPU: the two fresh-process readings
+    out += [_row(f"{what}{label} peak extra memory", "the logits tensor", _peak_extra_bytes(what, logits, ids) /
+                 (logits.numel() * logits.element_size()), "<= 0.05" if what == "token_logprobs" else "report")
+            for what in peaked]
     if with_backward:  # the trainer's path: values and their gradient w.r.t. the logits
         def with_grad(f):
-            return lambda: torch.autograd.grad(f(logits.requires_grad_()).sum(), logits)
+            return lambda: torch.autograd.grad(f(logits.requires_grad_(), ids).sum(), logits)
 
         out += _ratio_rows([(what + " + backward", with_grad(f), "<= 1.2") for what, f in calls], repeats, label)
     return out
@@ -3709,12 +3707,12 @@ def bench_corrections(B: int, T: int, V: int, K: int, repeats: int) -> list[dict
     def step(loss_fn, index=ids):  # index = topk: one logsumexp serves the sampled id (column 0) and the K head ids
         return lambda: torch.autograd.grad(loss_fn(token_logprobs(logits, index)), logits)
 
+    def weighted(weights):  # pg_loss weighted by a correction of the current log-probs (detached) vs the sampler's
+        return lambda lp: pg_loss(lp, adv, mask, weights(lp.detach(), logp_infer, mask))
+
     arms = {
-        "pg_loss": lambda lp: pg_loss(lp, adv, mask),
-        "tis": lambda lp: pg_loss(lp, adv, mask, tis_weights(lp.detach(), logp_infer, mask)),
-        "mis": lambda lp: pg_loss(lp, adv, mask, mis_weights(lp.detach(), logp_infer, mask)),
-        "seq_tis": lambda lp: pg_loss(lp, adv, mask, seq_tis_weights(lp.detach(), logp_infer, mask)),
-        "geo": lambda lp: pg_loss(lp, adv, mask, geo_mask_weights(lp.detach(), logp_infer, mask)),
+        "pg_loss": lambda lp: pg_loss(lp, adv, mask), "tis": weighted(tis_weights), "mis": weighted(mis_weights),
+        "seq_tis": weighted(seq_tis_weights), "geo": weighted(geo_mask_weights),
         "cis": lambda lp: ppo_loss(lp, logp_old, adv, mask, cis_weights(logp_old, logp_infer, mask)),
         "dlc": lambda lp: dlc_loss(lp, logp_old, logp_infer, adv, mask),
         "ppo": lambda lp: ppo_loss(lp, logp_old, adv, mask),
@@ -3741,9 +3739,8 @@ def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, de
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=attention.long(), do_sample=True, max_new_tokens=5,
                                  temperature=1.0, top_k=0, top_p=1.0, pad_token_id=PAD_ID, eos_token_id=EOS_ID)
-        new = out[:, ids.shape[1]:]  # (B, <= 5)
-        ended = (new == EOS_ID).long().cumsum(1)
-        return int(((ended == 0) | ((ended == 1) & (new == EOS_ID))).sum())  # tokens up to and including <eos>
+        eos = (out[:, ids.shape[1]:] == EOS_ID).long()  # (B, <= 5) the new tokens
+        return int((eos.cumsum(1) - eos == 0).sum())  # tokens up to and including the first <eos>
 
     def tokens_per_second(fn):
         counts = []
@@ -3752,12 +3749,11 @@ def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, de
 
     torch_tps = tokens_per_second(ours(TorchSampler(model, EngineSpec(), tokenizer)))
     hf_tps = tokens_per_second(hf)
-    rows = [{"what": f"TorchSampler tokens/s ({prompts_n}x{group} seqs, fp32, {device.type}; {torch_tps:.0f} tok/s)",
-             "baseline": f"HF generate ({hf_tps:.0f} tok/s)", "ratio": torch_tps / hf_tps, "goal": ">= 1.0"}]
+    rows = [_row(f"TorchSampler tokens/s ({prompts_n}x{group} seqs, fp32, {device.type}; {torch_tps:.0f} tok/s)",
+                 f"HF generate ({hf_tps:.0f} tok/s)", torch_tps / hf_tps, ">= 1.0")]
     if vllm_available():
         vllm_tps = tokens_per_second(ours(VLLMSampler(model_dir, dtype="fp32", seed=0, tokenizer=tokenizer)))
-        rows.append({"what": f"VLLMSampler tokens/s ({vllm_tps:.0f} tok/s)", "baseline": "TorchSampler",
-                     "ratio": vllm_tps / torch_tps, "goal": "report"})
+        rows.append(_row(f"VLLMSampler tokens/s ({vllm_tps:.0f} tok/s)", "TorchSampler", vllm_tps / torch_tps, "report"))
     return rows
 
 
@@ -3768,9 +3764,9 @@ def bench_rl_step(model_dir: Path, steps: int, out_dir: str, device: torch.devic
     recs = [r for r in run(cfg) if "reward" in r][1:]  # RL steps (evaluations aside); the first warms up
     totals = {phase: sum(r[f"sec_{phase}"] for r in recs) for phase in STEP_PHASES}
     whole = sum(totals.values())
-    return [{"what": f"RL step ({device.type}): {phase}" + (" (advantages + weights + loss)" if phase == "loss" else ""),
-             "baseline": f"whole step ({whole / len(recs) * 1e3:.1f} ms)", "ratio": totals[phase] / whole,
-             "goal": "< 0.05" if phase == "loss" else "report"} for phase in STEP_PHASES]
+    return [_row(f"RL step ({device.type}): {phase}" + (" (advantages + weights + loss)" if phase == "loss" else ""),
+                 f"whole step ({whole / len(recs) * 1e3:.1f} ms)", totals[phase] / whole,
+                 "< 0.05" if phase == "loss" else "report") for phase in STEP_PHASES]
 
 
 def bench_trl_step(model_dir: Path, steps: int, out_dir: str) -> list[dict]:
@@ -3779,8 +3775,8 @@ def bench_trl_step(model_dir: Path, steps: int, out_dir: str) -> list[dict]:
     import importlib.util
 
     if importlib.util.find_spec("trl") is None:
-        return [{"what": "tim_rl RL step vs TRL GRPOTrainer step", "baseline": "TRL (not installed: extra `trl`)",
-                 "ratio": float("nan"), "goal": "report"}]
+        return [_row("tim_rl RL step vs TRL GRPOTrainer step", "TRL (not installed: extra `trl`)", float("nan"),
+                     "report")]
     import transformers
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -3811,9 +3807,8 @@ def bench_trl_step(model_dir: Path, steps: int, out_dir: str) -> list[dict]:
                         disable_tqdm=True, seed=0))
     trainer.train()
     theirs = sorted(timer.seconds[1:])[(len(timer.seconds) - 1) // 2]
-    return [{"what": f"tim_rl RL step ({ours * 1e3:.0f} ms; 16x8, 5 tokens, torch sampler)",
-             "baseline": f"TRL GRPOTrainer step ({theirs * 1e3:.0f} ms; HF generate)", "ratio": ours / theirs,
-             "goal": "report"}]
+    return [_row(f"tim_rl RL step ({ours * 1e3:.0f} ms; 16x8, 5 tokens, torch sampler)",
+                 f"TRL GRPOTrainer step ({theirs * 1e3:.0f} ms; HF generate)", ours / theirs, "report")]
 
 
 def bench_verifier(repeats: int) -> list[dict]:
@@ -3825,8 +3820,7 @@ def bench_verifier(repeats: int) -> list[dict]:
               "mixed": ("\\boxed{1,2/3.4} #### -5e9 " * (n // 26)), "1 MB": "9" * 10**6}
     worst, worst_name = max((_median_seconds(lambda t=text: verify(t, "47"), repeats), name)
                             for name, text in corpus.items())
-    return [{"what": f"verify worst case over {len(corpus)} adversarial texts ({worst_name})", "baseline": "10 ms",
-             "ratio": worst / 0.010, "goal": "< 1"}]
+    return [_row(f"verify worst case over {len(corpus)} adversarial texts ({worst_name})", "10 ms", worst / 0.010, "< 1")]
 
 
 def bench(cfg: BenchConfig) -> list[dict]:
@@ -3865,19 +3859,19 @@ def bench(cfg: BenchConfig) -> list[dict]:
 # ---- CLI ----
 
 
-def _add_fields(parser, cls) -> None:
-    """One --flag per dataclass field, its help text from the field's metadata."""
+def _add_fields(parser, cls):
+    """One --flag per dataclass field, its help text from the field's metadata. Returns the parser."""
     import argparse
 
     for f in fields(cls):
-        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help")
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=f.metadata.get("help"))
+            kind = {"action": argparse.BooleanOptionalAction}
         else:
-            typ = {"int": int, "float": float, "str": str}.get(f.type, type(f.default))
-            help_text = f.metadata.get("help").replace("%", "%%") + " (default: %(default)s)"  # argparse formats %
-            parser.add_argument(flag, type=typ, default=f.default, help=help_text)
+            kind = {"type": {"int": int, "float": float, "str": str}.get(f.type, type(f.default))}
+            help_text = help_text.replace("%", "%%") + " (default: %(default)s)"  # argparse formats %
+        parser.add_argument(_flag(f.name), default=f.default, help=help_text, **kind)
+    return parser
 
 
 class UsageError(ValueError):
@@ -3952,12 +3946,11 @@ def _parser():
                                      "needed, ~20 s).")
     sub = parser.add_subparsers(dest="cmd")
     _add_fields(sub.add_parser("pretrain", help="pre-train the embedded tiny model"), PretrainConfig)
-    p_train = sub.add_parser("train", help="one RL run")
-    _add_fields(p_train, RLConfig)
+    p_train = _add_fields(sub.add_parser("train", help="one RL run"), RLConfig)
     p_train.add_argument("--resume", metavar="RUN_DIR", default="",
                          help="continue runs/<name> from its checkpoint, with its config.json (other flags ignored)")
-    p_cmp = sub.add_parser("compare", help="several corrections side by side (plus a synced control)")
-    _add_fields(p_cmp, RLConfig)
+    p_cmp = _add_fields(sub.add_parser("compare", help="several corrections side by side (plus a synced control)"),
+                        RLConfig)
     p_cmp.add_argument("--corrections", default="none,tis,sc,sc_tis", help="comma-separated corrections")
     p_cmp.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2,3,4: paired, >= 5 for "
                        "a verdict)")
@@ -4004,27 +3997,25 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"tim_rl: error: {e}\n")
     if cfg is not None and _eval_warning(cfg):
         print(_eval_warning(cfg), file=sys.stderr)
+    seeds = getattr(args, "seeds", None) or "0,1,2,3,4"  # compare's and demo's
     if args.cmd == "pretrain":
         print(json.dumps(pretrain(_from_args(PretrainConfig, args))))
     elif args.cmd == "train":
-        records = run(cfg, resume=bool(args.resume))
-        print(_train_summary(records, Path(cfg.out_dir) / cfg.name))
+        print(_train_summary(run(cfg, resume=bool(args.resume)), Path(cfg.out_dir) / cfg.name))
     elif args.cmd == "compare" and args.preset:
-        pc = PresetConfig(preset=args.preset, seeds=args.seeds or "0,1,2,3,4", smoke=args.smoke, model=args.model,
-                          publish=args.publish, out_dir=str(Path(args.out_dir) / "compare"))
+        pc = PresetConfig(preset=args.preset, seeds=seeds, smoke=args.smoke, model=args.model, publish=args.publish,
+                          out_dir=str(Path(args.out_dir) / "compare"))
         for path in run_preset(pc):
             print(path.read_text())
     elif args.cmd == "compare":
-        seeds = [int(s) for s in (args.seeds or "0,1,2,3,4").split(",")]
-        print(_markdown_table(compare(cfg, args.corrections.split(","), seeds, cfg.name)))
+        print(_markdown_table(compare(cfg, args.corrections.split(","), [int(s) for s in seeds.split(",")], cfg.name)))
     elif args.cmd == "bench":
         bench(_from_args(BenchConfig, args))
     elif args.cmd == "engines":
-        print(_markdown_table(measure_engines(ensure_base_model(args.model) if args.model == "runs/base"
-                                              else Path(args.model), default_engines())))
+        model_dir = ensure_base_model(args.model) if args.model == "runs/base" else Path(args.model)
+        print(_markdown_table(measure_engines(model_dir, default_engines())))
     else:
-        steps = getattr(args, "steps", 80)
-        demo(steps=steps, seeds=tuple(int(s) for s in getattr(args, "seeds", "0,1,2,3,4").split(",")))
+        demo(steps=getattr(args, "steps", 80), seeds=tuple(int(s) for s in seeds.split(",")))
 
 
 if __name__ == "__main__":
