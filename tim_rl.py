@@ -1506,13 +1506,6 @@ def _draw_seed(generator: torch.Generator | None) -> int:
     return int(torch.randint(0, 2**31 - 1, (), generator=generator, device=generator.device if generator else "cpu"))
 
 
-def _device_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator | None:
-    """`generator` on its own device type (or None); elsewhere a generator on `device` seeded by one draw from it:
-    sampling on a GPU stays reproducible for a seed with one host draw per call, not a host copy per token."""
-    same = generator is None or generator.device.type == torch.device(device).type
-    return generator if same else torch.Generator(device).manual_seed(_draw_seed(generator))
-
-
 @torch.no_grad()
 def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, topk: int = 0,
            generator: torch.Generator | None = None, decode_text=None, eos_id: int | None = None,
@@ -1531,18 +1524,19 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     if pad_id is None:
         pad_id = eos_id if model.config.pad_token_id is None else model.config.pad_token_id
     device = next(model.parameters()).device
-    generator = _device_generator(generator, device)  # TIM: on a GPU the sampling noise differs from the CPU's
+    if generator is not None and generator.device.type != device.type:  # TIM: on a GPU the noise differs from the
+        # CPU's: a generator on `device` seeded by one host draw per call (not a host copy per token)
+        generator = torch.Generator(device).manual_seed(_draw_seed(generator))
     prompt_ids, prompt_mask = _left_pad(prompts, pad_id, device)
-    B = prompt_ids.shape[0]
-    attention = prompt_mask.long()
-    out = model(input_ids=prompt_ids, attention_mask=attention, position_ids=_positions(attention),
-                past_key_values=DynamicCache(), use_cache=True)
-    logits = out.logits[:, -1]  # (B, V)
-    K = logits.shape[-1] if topk <= 0 else min(topk, logits.shape[-1])
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    inputs, attention, cache = prompt_ids, prompt_mask.long(), DynamicCache()  # the prompt, then one token at a time
+    finished = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=device)  # (B,)
     truncate = temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0)
-    ids, masks, logps, top_ids, top_logps, kept = [], [], [], [], [], []
+    ids, masks, logps, tops, kept = [], [], [], [], []
     for _ in range(max_new_tokens):
+        positions = _positions(attention)[:, -inputs.shape[1] :]
+        out = model(input_ids=inputs, attention_mask=attention, position_ids=positions, past_key_values=cache,
+                    use_cache=True)
+        cache, logits = out.past_key_values, out.logits[:, -1]  # (B, V)
         scaled = logits.float() / (temperature if temperature > 0 else 1.0)  # (B, V)
         if truncate:  # TIM: the sampled distribution is renormalised over the kept tokens
             keep = truncation_mask(scaled, top_p, top_k, min_p)  # (B, V)
@@ -1557,23 +1551,18 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
         masks.append(~finished)
         ids.append(token)
         logps.append(logprobs.gather(-1, token[:, None]).squeeze(1))
-        top = logprobs.topk(K, dim=-1)  # (B, K)
-        top_ids.append(top.indices)
-        top_logps.append(top.values)
+        tops.append(logprobs.topk(min(topk, logits.shape[-1]) if topk > 0 else logits.shape[-1], dim=-1))  # (B, K)
         finished = finished | (token == eos_id)
         if finished.all():
             break
-        attention = torch.cat([attention, attention.new_ones(B, 1)], 1)
-        out = model(input_ids=token[:, None], attention_mask=attention,
-                    position_ids=_positions(attention)[:, -1:], past_key_values=out.past_key_values, use_cache=True)
-        logits = out.logits[:, -1]
+        inputs, attention = token[:, None], torch.cat([attention, attention.new_ones(attention.shape[0], 1)], 1)
     response_ids = torch.stack(ids, 1)  # (B, T)
     decode_text = decode_text or (lambda row: " ".join(map(str, row)))
     return Rollout(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, mask=torch.stack(masks, 1),
-        logp_infer=torch.stack(logps, 1), topk_ids=torch.stack(top_ids, 1), logp_topk_infer=torch.stack(top_logps, 1),
-        texts=[decode_text(row.tolist()) for row in response_ids], kept_ids=_pad_stack(kept, -1) if kept else None,
-    )
+        logp_infer=torch.stack(logps, 1), topk_ids=torch.stack([t.indices for t in tops], 1),
+        logp_topk_infer=torch.stack([t.values for t in tops], 1), kept_ids=_pad_stack(kept, -1) if kept else None,
+        texts=[decode_text(row.tolist()) for row in response_ids])
 
 
 def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_ids: torch.Tensor | None = None,
@@ -1658,6 +1647,7 @@ def greedy_accuracy(model, tokenizer: CharTokenizer, problems, max_new_tokens: i
     return correct / max(len(prompts), 1)
 
 
+@torch.no_grad()
 def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tuple | None = None,
                     temperature: float = 1.0) -> torch.Tensor:
     """log P(answer + <eos> | prompt) under `model`, teacher-forced (one full forward per batch). -> (N,) float32.
@@ -1666,25 +1656,21 @@ def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tu
     truncation = (top_p, top_k, min_p): the probability under the policy such a sampler draws from at `temperature`
     (renormalised over the kept tokens at each position; 0 when an answer token is not kept).
     """
-    out = []
+    device, out = next(model.parameters()).device, []
     for i in range(0, len(problems), batch):
         chunk = problems[i : i + batch]
-        prompt_ids, prompt_mask = _left_pad([tokenizer.encode(p) for p, _ in chunk], tokenizer.pad_id)
+        prompt_ids, prompt_mask = _left_pad([tokenizer.encode(p) for p, _ in chunk], tokenizer.pad_id, device)
         answers = [tokenizer.encode(a, bos=False) + [tokenizer.eos_id] for _, a in chunk]
         T = max(map(len, answers))
-        response_ids = torch.tensor([a + [tokenizer.pad_id] * (T - len(a)) for a in answers])  # (B, T)
-        mask = torch.tensor([[1] * len(a) + [0] * (T - len(a)) for a in answers]).bool()
-        ro = Rollout(prompt_ids, prompt_mask, response_ids, mask, torch.zeros(mask.shape),
-                     torch.zeros(*mask.shape, 0, dtype=torch.long), torch.zeros(*mask.shape, 0), [])
-        ro = ro.to(next(model.parameters()).device)
-        with torch.no_grad():
-            if truncation is None:
-                logp = sequence_logprobs(model, ro)[0]
-            else:  # TIM: the truncated policy's probability of the answer
-                logits = _response_forward(model, ro, temperature)[0]  # (B, T, V)
-                logits = logits.masked_fill(~truncation_mask(logits, *truncation), -math.inf)
-                logp = token_logprobs(logits, ro.response_ids)  # (B, T), -inf where an answer token is dropped
-        out.append(torch.where(ro.mask, logp, torch.zeros_like(logp)).sum(1).cpu())
+        response_ids = torch.tensor([a + [tokenizer.pad_id] * (T - len(a)) for a in answers], device=device)  # (B, T)
+        mask = torch.tensor([[1] * len(a) + [0] * (T - len(a)) for a in answers], device=device).bool()
+        unused = torch.zeros(0, device=device)  # the sampler's fields: no sampler here
+        ro = Rollout(prompt_ids, prompt_mask, response_ids, mask, unused, unused, unused, [])
+        logits = _response_forward(model, ro, 1.0 if truncation is None else temperature)[0]  # (B, T, V)
+        if truncation is not None:  # TIM: the truncated policy's probability of the answer
+            logits = logits.masked_fill(~truncation_mask(logits, *truncation), -math.inf)
+        logp = token_logprobs(logits, response_ids)  # (B, T), -inf where an answer token is dropped
+        out.append(torch.where(mask, logp, torch.zeros_like(logp)).sum(1).cpu())
     return torch.cat(out)
 
 
@@ -1854,28 +1840,21 @@ class VLLMSampler:
                                  skip_special_tokens=False, stop_token_ids=[self.tokenizer.eos_id])
                   for seed in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        rows = []
-        for out in outputs:
-            for comp in out.outputs:  # n completions of one prompt, in order
-                rows.append(comp)
-        T = max(len(c.token_ids) for c in rows)
-        B = len(rows)
-        response_ids = torch.full((B, T), self.tokenizer.pad_id, dtype=torch.long)
-        mask = torch.zeros(B, T, dtype=torch.bool)
-        logp = torch.zeros(B, T)
-        top_ids = torch.zeros(B, T, K, dtype=torch.long)
+        rows = [comp for out in outputs for comp in out.outputs]  # n completions of each prompt, in order
+        B, T = len(rows), max(len(c.token_ids) for c in rows)
+        response_ids, logp = torch.full((B, T), self.tokenizer.pad_id, dtype=torch.long), torch.zeros(B, T)
+        mask, top_ids = torch.zeros(B, T, dtype=torch.bool), torch.zeros(B, T, K, dtype=torch.long)
         top_logp = torch.full((B, T, K), -math.inf)
         for i, comp in enumerate(rows):
             for t, (tok, lp) in enumerate(zip(comp.token_ids, comp.logprobs)):
-                response_ids[i, t], mask[i, t] = tok, True
-                logp[i, t] = lp[tok].logprob
                 ranked = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:K]
+                response_ids[i, t], mask[i, t], logp[i, t] = tok, True, lp[tok].logprob
                 top_ids[i, t, : len(ranked)] = torch.tensor([k for k, _ in ranked])
                 top_logp[i, t, : len(ranked)] = torch.tensor([v.logprob for _, v in ranked])
         prompt_ids, prompt_mask = _left_pad([p for p in prompts for _ in range(n)], self.tokenizer.pad_id)
-        truncated = temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0)
         kept = None
-        if truncated and K == self.vocab_size:  # TIM: processed log-probs are -inf exactly off the kept support
+        if temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0) and K == self.vocab_size:  # TIM: processed
+            # log-probs are -inf exactly off the kept support
             finite = torch.zeros(B, T, self.vocab_size).scatter_add_(-1, top_ids, torch.isfinite(top_logp).float())
             kept = support_ids((finite > 0) & mask[..., None])  # (B, T, S)
         return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, mask=mask,
