@@ -1952,9 +1952,8 @@ class Trainer:
 
     def _params(self) -> dict | None:
         """None (the master), or under loss_on_served fresh leaves holding the served copy."""
-        if not self.loss_on_served:
-            return None
-        self._served_leaves = {n: v.clone().requires_grad_(True) for n, v in self.served.items()}
+        self._served_leaves = ({n: v.clone().requires_grad_(True) for n, v in self.served.items()}
+                               if self.loss_on_served else None)
         return self._served_leaves
 
     def logprobs(self, rollout: Rollout, topk_ids: torch.Tensor | None = None, temperature: float = 1.0):
@@ -2028,8 +2027,7 @@ class Trainer:
             self.served[name] = served.float()
         self.behaviour.load_state_dict(self.served, strict=False)
         if self.master_at_export is not None:
-            self.master_at_export.load_state_dict({n: p.detach() for n, p in self.model.named_parameters()},
-                                                  strict=False)
+            self.master_at_export.load_state_dict(dict(self.model.named_parameters()), strict=False)
         return state, (float(dot / norm2) if norm2 > 0 else (1.0 if self.export_dtype == "fp32" else 0.0))
 
 
@@ -2039,11 +2037,9 @@ def trainer_state(trainer: Trainer, extra: dict[str, torch.nn.Module] | None = N
     modules = {"model": trainer.model, "master_at_export": trainer.master_at_export} | (extra or {})
     tensors = {f"{m}.{n}": p.detach() for m, module in modules.items() if module is not None
                for n, p in module.named_parameters()}
-    tensors |= {f"served.{n}": v for n, v in trainer.served.items()}
-    tensors |= {f"residual.{n}": v for n, v in trainer.residual.items()}
+    tensors |= {f"{part}.{n}": v for part in ("served", "residual") for n, v in getattr(trainer, part).items()}
     opt = trainer.opt.state_dict()
-    for index, slots in opt["state"].items():
-        tensors |= {f"opt.{index}.{key}": torch.as_tensor(v) for key, v in slots.items()}
+    tensors |= {f"opt.{i}.{key}": torch.as_tensor(v) for i, slots in opt["state"].items() for key, v in slots.items()}
     return tensors, {"param_groups": opt["param_groups"], "opt_slots": {i: list(v) for i, v in opt["state"].items()}}
 
 
@@ -2063,15 +2059,11 @@ def load_trainer_state(trainer: Trainer, tensors: dict, meta: dict, extra: dict 
     trainer.opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write text to a temporary file next to `path`, then rename it over `path` (all or nothing)."""
-    path.with_name(path.name + ".tmp").write_text(text)
-    _replace_with_tmp(path)
-
-
-def _replace_with_tmp(path: Path) -> None:
-    """fsync the finished temporary file `path`.tmp, then rename it over `path`."""
+def _write_atomic(path: Path, text: str, write=None) -> None:
+    """Write text (or call write(temporary path)) to a temporary file next to `path`, fsync it, then rename it over
+    `path` (all or nothing)."""
     tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text) if write is None else write(tmp)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -2085,10 +2077,8 @@ def save_checkpoint(path: str | Path, tensors: dict[str, torch.Tensor], meta: di
     """
     from safetensors.torch import save_file
 
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp), metadata={"json": json.dumps(meta)})
-    _replace_with_tmp(path)
+    tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
+    _write_atomic(Path(path), "", lambda tmp: save_file(tensors, str(tmp), metadata={"json": json.dumps(meta)}))
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -2097,8 +2087,7 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     from safetensors.torch import load_file
 
     with safe_open(str(path), framework="pt") as f:
-        meta = json.loads(f.metadata()["json"])
-    return load_file(str(path)), meta
+        return load_file(str(path)), json.loads(f.metadata()["json"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -2172,11 +2161,11 @@ def drift_signal_norms(params, logp, logp_topk, ro: Rollout, adv) -> dict[str, f
 
 def make_sampler(cfg: RLConfig, model, tokenizer):
     """The sampler engine of the run: TorchSampler, or VLLMSampler (needs vLLM; _check_run_config checked the flags)."""
-    if cfg.sampler == "torch":
-        engine = EngineSpec(dtype=cfg.dtype, quant=cfg.quant, noise=cfg.noise, noise_seed=cfg.seed + 1234,
-                            exact=cfg.exact)
-        return TorchSampler(model, engine, tokenizer)
-    return VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer, gpu_memory=cfg.vllm_gpu_memory)
+    if cfg.sampler == "vllm":
+        return VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer,
+                           gpu_memory=cfg.vllm_gpu_memory)
+    engine = EngineSpec(dtype=cfg.dtype, quant=cfg.quant, noise=cfg.noise, noise_seed=cfg.seed + 1234, exact=cfg.exact)
+    return TorchSampler(model, engine, tokenizer)
 
 
 def _truncates(cfg: RLConfig) -> bool:
@@ -2316,9 +2305,8 @@ def evaluate(step: int, rs: _RunState, cfg: RLConfig) -> dict:
               "pc_trainer": float(answer_logprobs(model, rs.tokenizer, problems).exp().mean()),
               "pc_sampler": float(rs.sampler.answer_logprobs(problems).exp().mean())}
     if _truncates(cfg):  # what a truncated sampler would draw: the objective truncated RL optimises
-        pct = answer_logprobs(model, rs.tokenizer, problems, truncation=(cfg.top_p, cfg.top_k, cfg.min_p),
-                              temperature=cfg.temperature).exp().mean()
-        record["pct_trainer"] = float(pct)
+        record["pct_trainer"] = float(answer_logprobs(model, rs.tokenizer, problems, temperature=cfg.temperature,
+                                                      truncation=(cfg.top_p, cfg.top_k, cfg.min_p)).exp().mean())
     return record
 
 
@@ -2363,8 +2351,7 @@ def _update(cfg: RLConfig, rs: _RunState, ro: Rollout, rewards, logp_old, logp_p
         extra["kept_mass"] = float(masked_mean(log_s.detach().exp(), ro.mask))
     if log_s is not None and not cfg.renormalize:  # TIM: full-vocabulary log-probs: the ratio is biased by S
         logp, logp_topk = logp + log_s, logp_topk + log_s[..., None]
-    if first:  # TIM: the proximal policy: the trainer before the first update on this batch
-        logp_prox = logp.detach()
+    logp_prox = logp.detach() if first else logp_prox  # TIM: the proximal policy: the trainer before the first update
     adv, critic_loss = _advantages(cfg, rewards, logp, hidden, ro, rs.value_head)
     loss = policy_loss(cfg, logp, logp_topk, logp_prox, logp_old, ro, adv)
     w_eff = effective_token_weights(loss, logp, adv, ro.mask)  # what the arm did to each token
@@ -2460,6 +2447,8 @@ def _save_run_checkpoint(out: Path, rs: _RunState, next_step: int) -> None:
 
 def _resume_run(out: Path, rs: _RunState) -> tuple[int, list[dict]]:
     """Restore the checkpoint into rs; keep metrics.jsonl lines of the steps it covers (drop later or torn ones)."""
+    if not (out / "checkpoint.safetensors").exists():
+        raise FileNotFoundError(f"resume: no checkpoint.safetensors in {out}")
     tensors, meta = load_checkpoint(out / "checkpoint.safetensors")
     load_trainer_state(rs.trainer, tensors, meta, {"value_head": rs.value_head})
     rs.sampler.load_weights(rs.trainer.served)  # the sampler holds the served copy of the last sync
@@ -2489,11 +2478,7 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
     rs = _setup_run(cfg)
     out = Path(cfg.out_dir) / cfg.name
     out.mkdir(parents=True, exist_ok=True)
-    start, records = 0, []
-    if resume:
-        if not (out / "checkpoint.safetensors").exists():
-            raise FileNotFoundError(f"resume: no checkpoint.safetensors in {out}")
-        start, records = _resume_run(out, rs)
+    start, records = _resume_run(out, rs) if resume else (0, [])
     _write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))  # steps covered, once
     _write_atomic(out / "config.json", json.dumps(asdict(cfg), indent=1))  # after: never beside older metrics
     with open(out / "metrics.jsonl", "a") as log:
