@@ -2148,13 +2148,11 @@ def drift_signal_norms(params, logp, logp_topk, ro: Rollout, adv) -> dict[str, f
     leaves the forward ran on (the served copy under loss_on_served).
     """
     params = [p for p in params if p.requires_grad]
-    g_total = torch.autograd.grad(pg_loss(logp, adv, ro.mask), params, retain_graph=True, allow_unused=True)
-    sc = score_centering_loss(logp, logp_topk, ro.logp_infer, ro.logp_topk_infer, adv, ro.mask)
-    g_signal = torch.autograd.grad(sc, params, retain_graph=True, allow_unused=True)
-    zero = logp.new_zeros(())
-    drift = math.sqrt(sum(float(((a if a is not None else zero) - (b if b is not None else zero)).square().sum())
-                          for a, b in zip(g_total, g_signal)))
-    signal = math.sqrt(sum(float(b.square().sum()) for b in g_signal if b is not None))
+    grad = functools.partial(torch.autograd.grad, inputs=params, retain_graph=True, materialize_grads=True)
+    g_total = grad(pg_loss(logp, adv, ro.mask))  # unused leaves get zeros
+    g_signal = grad(score_centering_loss(logp, logp_topk, ro.logp_infer, ro.logp_topk_infer, adv, ro.mask))
+    drift = math.sqrt(sum(float((a - b).square().sum()) for a, b in zip(g_total, g_signal)))
+    signal = math.sqrt(sum(float(b.square().sum()) for b in g_signal))
     return {"pg_drift_grad_norm": drift, "pg_signal_grad_norm": signal,
             "pg_drift_over_signal": drift / max(signal, 1e-12)}
 
@@ -2241,28 +2239,6 @@ def _check_run_config(cfg: RLConfig) -> None:
 
 
 STEP_PHASES = ("sample", "recompute", "loss", "optimizer", "export", "sync")  # sec_<phase> in metrics.jsonl
-
-
-def _step_record(step, rewards, updates: list[dict], synced, vuf, staleness, logp, ro: Rollout, ledger, extra,
-                 vocab_size, sec: dict) -> dict:
-    """One metrics.jsonl line: reward, mismatch metrics, ledger, what the arm zeroed, entropy, seconds per phase,
-    and `extra` (drift split, kept mass).
-
-    `updates` holds loss, grad_norm and the effective per-token weights of each optimizer step on the batch; the
-    mismatch metrics and the ledger are of the first (logp before any update on this batch).
-    """
-    record = {"step": step, "reward": float(rewards.mean()), "synced": synced, "visible_update_fraction": vuf,
-              "staleness": staleness}
-    for key in ("loss", "grad_norm", "frac_zeroed", "frac_zeroed_neg_adv"):  # mean over the updates (nan: no token)
-        values = [u[key] for u in updates if math.isfinite(u[key])]
-        record[key] = sum(values) / len(values) if values else None
-    record |= {f"mm_{k}": v for k, v in mismatch_metrics(logp.detach(), ro.logp_infer, ro.mask).items()}
-    record |= {f"ledger_{k}": v for k, v in ledger.items()} | extra
-    record["peak_rss_mb"] = peak_rss_mb()
-    if ro.logp_topk_infer.shape[-1] == vocab_size:  # the full distribution was recorded: its entropy
-        ent = -(ro.logp_topk_infer.exp() * ro.logp_topk_infer.nan_to_num(neginf=0.0)).sum(-1)
-        record["entropy"] = float(masked_mean(ent, ro.mask))
-    return record | {f"sec_{phase}": sec[phase] for phase in STEP_PHASES}
 
 
 def peak_rss_mb() -> float:
@@ -2377,7 +2353,12 @@ def _dlc_resync(cfg: RLConfig, rs: _RunState, ro: Rollout, logp_old, logp_master
 
 
 def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
-    """One step: sample -> verify -> recompute -> (correct -> optimizer) x updates -> export/sync -> record."""
+    """One step: sample -> verify -> recompute -> (correct -> optimizer) x updates -> export/sync -> record.
+
+    The record (one metrics.jsonl line): reward, what the arm zeroed, loss and grad_norm (means over the updates on
+    the batch), mismatch metrics and ledger (of the first: logp before any update on this batch), `extra` (drift
+    split, kept mass), entropy, seconds per phase.
+    """
     trainer, sampler, gen, (sec, lap) = rs.trainer, rs.sampler, rs.gen, _phase_clock()
     # 1) sample
     prompts, answers = _encode_problems(rs.tokenizer, rs.train_set[step * cfg.prompts : (step + 1) * cfg.prompts])
@@ -2406,8 +2387,18 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
         sampler.load_weights(state)  # TIM: the trainer's weights (and its drift) enter the sampler
         rs.since_sync = 0
     lap("sync")
-    return _step_record(step, rewards, updates, resync, vuf, rs.since_sync, logp_prox, ro, ledger, extra,
-                        trainer.model.config.vocab_size, sec)
+    # 7) record
+    record = {"step": step, "reward": float(rewards.mean()), "synced": resync, "visible_update_fraction": vuf,
+              "staleness": rs.since_sync}
+    for key in ("loss", "grad_norm", "frac_zeroed", "frac_zeroed_neg_adv"):  # mean over the updates (nan: no token)
+        values = [u[key] for u in updates if math.isfinite(u[key])]
+        record[key] = sum(values) / len(values) if values else None
+    record |= {f"mm_{k}": v for k, v in mismatch_metrics(logp_prox, ro.logp_infer, ro.mask).items()}
+    record |= {f"ledger_{k}": v for k, v in ledger.items()} | extra | {"peak_rss_mb": peak_rss_mb()}
+    if ro.logp_topk_infer.shape[-1] == trainer.model.config.vocab_size:  # the full distribution: its entropy
+        ent = -(ro.logp_topk_infer.exp() * ro.logp_topk_infer.nan_to_num(neginf=0.0)).sum(-1)
+        record["entropy"] = float(masked_mean(ent, ro.mask))
+    return record | {f"sec_{phase}": sec[phase] for phase in STEP_PHASES}
 
 
 def _setup_run(cfg: RLConfig) -> _RunState:
@@ -2423,8 +2414,7 @@ def _setup_run(cfg: RLConfig) -> _RunState:
                       extra_params=value_head.parameters() if value_head is not None else ())
     sampler = make_sampler(cfg, trainer.model, tokenizer)
     gen = torch.Generator().manual_seed(cfg.seed)
-    state, _ = trainer.export(cfg.export, generator=gen)  # the sampler starts from the served copy of the master
-    sampler.load_weights(state)
+    sampler.load_weights(trainer.export(cfg.export, generator=gen)[0])  # it starts from the master's served copy
     return _RunState(trainer, sampler, tokenizer, gen, value_head, *task_problems(cfg, model_dir, tokenizer))
 
 
@@ -2441,8 +2431,8 @@ def task_problems(cfg: RLConfig, model_dir: Path, tokenizer) -> tuple[list, list
 def _save_run_checkpoint(out: Path, rs: _RunState, next_step: int) -> None:
     tensors, meta = trainer_state(rs.trainer, {"value_head": rs.value_head})
     tensors |= {"rng.generator": rs.gen.get_state(), "rng.torch": torch.get_rng_state()}
-    save_checkpoint(out / "checkpoint.safetensors", tensors, meta | {"next_step": next_step,
-                                                                      "since_sync": rs.since_sync})
+    meta |= {"next_step": next_step, "since_sync": rs.since_sync}
+    save_checkpoint(out / "checkpoint.safetensors", tensors, meta)
 
 
 def _resume_run(out: Path, rs: _RunState) -> tuple[int, list[dict]]:
