@@ -1481,8 +1481,7 @@ class Rollout:
 
     def to(self, device) -> Rollout:
         """The same rollout with every tensor on `device` (vLLM returns CPU tensors; the trainer may be on a GPU)."""
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return Rollout(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+        return Rollout(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()})
 
 
 def _pad_stack(rows: list[torch.Tensor], value: int) -> torch.Tensor:
@@ -1543,10 +1542,8 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
             scaled = scaled.masked_fill(~keep, -math.inf)
             kept.append(support_ids(keep))  # (B, S_t)
         logprobs = torch.log_softmax(scaled, -1)  # (B, V)
-        if temperature > 0:  # on the logits' device: no host copy per token
-            token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)  # (B,)
-        else:
-            token = logprobs.argmax(-1)
+        token = (torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1) if temperature > 0
+                 else logprobs.argmax(-1))  # (B,), on the logits' device: no host copy per token
         token = torch.where(finished, torch.full_like(token, pad_id), token)
         masks.append(~finished)
         ids.append(token)
@@ -1712,10 +1709,8 @@ class TorchSampler:
         # TIM: everything below is where this engine's numbers start to differ from the trainer's
         self.model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
         noise_gen = torch.Generator().manual_seed(self.engine.noise_seed)
-        for name, module in self.model.named_modules():
-            if not isinstance(module, torch.nn.Linear) or name.endswith("lm_head"):
-                continue
-            w = module.weight
+        for w in [m.weight for n, m in self.model.named_modules() if isinstance(m, torch.nn.Linear)
+                  and not n.endswith("lm_head")]:
             if self.engine.quant != "none":
                 w.copy_(fake_quantize(w.float(), self.engine.quant))
             if self.engine.noise:
@@ -1799,17 +1794,14 @@ class VLLMSampler:
 
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        self.dtype, self.seed = dtype, seed
-        self.tokenizer = tokenizer or load_tokenizer(model_dir)
+        self.dtype, self.seed, self.tokenizer = dtype, seed, tokenizer or load_tokenizer(model_dir)
         # colocated with the trainer on one GPU: vLLM takes this share of its memory (the CPU build has its own knob)
         on_gpu = {} if _vllm_on_cpu() else {"gpu_memory_utilization": gpu_memory}
-        self.llm = LLM(model=str(model_dir), dtype=_VLLM_DTYPES[dtype],
-                       enforce_eager=True, block_size=32, seed=seed, max_model_len=max_model_len,
-                       max_num_seqs=max_num_seqs, max_num_batched_tokens=4096, logprobs_mode="processed_logprobs",
-                       max_logprobs=-1, **on_gpu)
+        self.llm = LLM(model=str(model_dir), dtype=_VLLM_DTYPES[dtype], enforce_eager=True, block_size=32, seed=seed,
+                       max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,
+                       logprobs_mode="processed_logprobs", max_logprobs=-1, **on_gpu)
         torch.set_num_threads(threads)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
-        self._calls = 0
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """In-place sync of exported weights (vLLM casts them to its dtype)."""
@@ -1857,9 +1849,8 @@ class VLLMSampler:
             # log-probs are -inf exactly off the kept support
             finite = torch.zeros(B, T, self.vocab_size).scatter_add_(-1, top_ids, torch.isfinite(top_logp).float())
             kept = support_ids((finite > 0) & mask[..., None])  # (B, T, S)
-        return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, mask=mask,
-                       logp_infer=logp, topk_ids=top_ids, logp_topk_infer=top_logp,
-                       texts=[self.tokenizer.decode(row.tolist()) for row in response_ids], kept_ids=kept)
+        texts = [self.tokenizer.decode(row.tolist()) for row in response_ids]
+        return Rollout(prompt_ids, prompt_mask, response_ids, mask, logp, top_ids, top_logp, texts, kept_ids=kept)
 
     def greedy_accuracy(self, problems, max_new_tokens: int = 6) -> float:
         """Held-out greedy exact match of vLLM's copy of the weights."""
@@ -1907,15 +1898,11 @@ class HFTokenizer:
         return self.tok.decode(ids[: ids.index(self.eos_id)] if self.eos_id in ids else ids, skip_special_tokens=True)
 
 
-def _task_info(model_dir: Path) -> dict:
-    """What the embedded model was pre-trained on (digits, ops), from its pretrain.json; {} for other models."""
-    path = Path(model_dir) / "pretrain.json"
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
 def _task_kwargs(model_dir: Path) -> dict:
-    """make_arithmetic_task's digits and ops for the model in model_dir (2-digit addition for other models)."""
-    info = _task_info(model_dir)
+    """make_arithmetic_task's digits and ops the embedded model was pre-trained on (its pretrain.json), 2-digit
+    addition for other models."""
+    path = Path(model_dir) / "pretrain.json"
+    info = json.loads(path.read_text()) if path.exists() else {}
     return {"digits": info.get("digits", 2), "ops": info.get("ops", "+")}
 
 
@@ -2018,9 +2005,8 @@ class Trainer:
                     master, self.residual.get(name, torch.zeros_like(master)))
             else:  # TIM: round-to-nearest swallows updates below half a cell
                 served = master.to(_DTYPES[self.export_dtype])
-            before = self.master_at_export.get_parameter(name) if self.master_at_export is not None else None
-            if before is not None:
-                d_master = master.double() - before.double()
+            if self.master_at_export is not None:  # the visible update fraction's <d served, d master> / |d master|^2
+                d_master = master.double() - self.master_at_export.get_parameter(name).double()
                 dot = dot + (d_master * (served.double() - self.served[name].double())).sum()  # on the device: no
                 norm2 = norm2 + d_master.square().sum()  # host round trip per tensor
             state[name] = served
@@ -2133,8 +2119,7 @@ def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout
         "sc_tis": lambda: sc(cap=cfg.tis_cap),
         "sc_mis": lambda: sc(band=(cfg.mis_low, cfg.mis_high)),
         "drift_only": lambda: pg() - sc(),  # positive control [2]: REINFORCE minus its signal part = the drift alone
-        "dlc": lambda: dlc_loss(logp, logp_old, q, adv, m, cfg.eps_low, cfg.eps_high, logp_prox=logp_prox,
-                                lag_cap=cfg.tis_cap),
+        "dlc": lambda: dlc_loss(logp, logp_old, q, adv, m, **eps, logp_prox=logp_prox, lag_cap=cfg.tis_cap),
     }
     if cfg.correction not in losses:
         raise ValueError(f"correction must be one of {CORRECTIONS}, got {cfg.correction!r}")
@@ -2339,15 +2324,15 @@ def _update(cfg: RLConfig, rs: _RunState, ro: Rollout, rewards, logp_old, logp_p
     return {"loss": loss.item(), "grad_norm": grad_norm} | _zeroed_shares(w_eff, adv), logp_prox, before
 
 
+@torch.no_grad()
 def _dlc_resync(cfg: RLConfig, rs: _RunState, ro: Rollout, logp_old, logp_master_old) -> bool:
     """DLC's trigger: resync when the lag the next batch would be sampled with (or the staleness) is too large."""
     if cfg.correction != "dlc" or (cfg.dlc_max_lag <= 0 and cfg.dlc_max_staleness <= 0):
         return False
     # TIM: the lag is the updated trainer vs the sampler's weights (on this batch's tokens), measured from the master
     # at export when it was rounded, so rounding is no lag
-    with torch.no_grad():
-        score = sequence_logprobs if ro.kept_ids is None else support_logprobs
-        logp_next = score(rs.trainer.model, ro, cfg.temperature)[0]
+    score = sequence_logprobs if ro.kept_ids is None else support_logprobs
+    logp_next = score(rs.trainer.model, ro, cfg.temperature)[0]
     lag_anchor = logp_old if logp_master_old is None else logp_master_old
     return dlc_should_resync(logp_next, lag_anchor, ro.mask, rs.since_sync, cfg.dlc_max_staleness, cfg.dlc_max_lag)
 
@@ -2497,16 +2482,11 @@ def measure_engines(model_dir: str | Path, engines: list[tuple[str, object]], n_
     n completions of the same n_prompts held-out prompts per seed (prompts and sampling seeded by the seed), or of
     `prompts` (token ids) when given. One row per (engine, seed), in that order.
     """
-    model_dir = Path(model_dir)
-    tokenizer = load_tokenizer(model_dir)
-    trainer_model = load_model(model_dir).eval()
-    rows = []
-    for label, spec in engines:
-        if isinstance(spec, EngineSpec):
-            sampler = TorchSampler(trainer_model, spec, tokenizer)
-        else:  # one vLLM engine per process at a time: build it once for all seeds
-            sampler = VLLMSampler(model_dir, dtype=spec.split("-")[1], seed=seeds[0], tokenizer=tokenizer,
-                                  max_model_len=max_model_len)
+    model_dir, rows = Path(model_dir), []
+    tokenizer, trainer_model = load_tokenizer(model_dir), load_model(model_dir).eval()
+    for label, spec in engines:  # each built once for all seeds (vLLM: one engine per process at a time)
+        sampler = (TorchSampler(trainer_model, spec, tokenizer) if isinstance(spec, EngineSpec) else VLLMSampler(
+            model_dir, dtype=spec.split("-")[1], seed=seeds[0], tokenizer=tokenizer, max_model_len=max_model_len))
         for seed in seeds:
             problems = make_arithmetic_task(n_prompts, seed=seed, split="eval", **_task_kwargs(model_dir))
             ids = prompts if prompts is not None else _encode_problems(tokenizer, problems)[0]
@@ -2532,9 +2512,7 @@ def default_engines() -> list[tuple[str, object]]:
     engines = [("torch fp32 (KV cache)", EngineSpec()), ("torch fp32 exact", EngineSpec(exact=True)),
                ("torch fp16", EngineSpec(dtype="fp16")), ("torch bf16", EngineSpec(dtype="bf16")),
                ("torch int8 weights", EngineSpec(quant="int8")), ("torch fp8-e4m3 weights", EngineSpec(quant="fp8"))]
-    if vllm_available():
-        engines += [("vLLM fp32", "vllm-fp32"), ("vLLM bf16", "vllm-bf16")]
-    return engines
+    return engines + ([("vLLM fp32", "vllm-fp32"), ("vLLM bf16", "vllm-bf16")] if vllm_available() else [])
 
 
 def _markdown_table(rows: list[dict], floats: str = "{:.3g}") -> str:
