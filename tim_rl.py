@@ -1571,11 +1571,10 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_id
     """
     logits, hidden = _response_forward(model, rollout, temperature, params)  # (B, T, V), (B, T, H)
     if topk_ids is None:
-        logp, logp_topk = token_logprobs(logits, rollout.response_ids), None
-    else:  # one pass over the logits for the sampled id and the K head ids
-        both = token_logprobs(logits, torch.cat([rollout.response_ids[..., None], topk_ids], -1))  # (B, T, 1 + K)
-        logp, logp_topk = both[..., 0], both[..., 1:]
-    return logp, logp_topk, hidden
+        return token_logprobs(logits, rollout.response_ids), None, hidden
+    # one pass over the logits for the sampled id and the K head ids
+    both = token_logprobs(logits, torch.cat([rollout.response_ids[..., None], topk_ids], -1))  # (B, T, 1 + K)
+    return both[..., 0], both[..., 1:], hidden
 
 
 def _response_forward(model, rollout: Rollout, temperature: float = 1.0, params: dict | None = None):
@@ -2009,8 +2008,7 @@ class Trainer:
                 d_master = master.double() - self.master_at_export.get_parameter(name).double()
                 dot = dot + (d_master * (served.double() - self.served[name].double())).sum()  # on the device: no
                 norm2 = norm2 + d_master.square().sum()  # host round trip per tensor
-            state[name] = served
-            self.served[name] = served.float()
+            state[name], self.served[name] = served, served.float()
         self.behaviour.load_state_dict(self.served, strict=False)
         if self.master_at_export is not None:
             self.master_at_export.load_state_dict(dict(self.model.named_parameters()), strict=False)
