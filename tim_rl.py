@@ -1523,8 +1523,9 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     if pad_id is None:
         pad_id = eos_id if model.config.pad_token_id is None else model.config.pad_token_id
     device = next(model.parameters()).device
-    if generator is not None and generator.device.type != device.type:  # TIM: on a GPU the noise differs from the
-        # CPU's: a generator on `device` seeded by one host draw per call (not a host copy per token)
+    # TIM: on a GPU the sampling noise differs from the CPU's: a generator on `device`, seeded by one host draw per
+    # call (not a host copy per token), keeps sampling reproducible for a seed
+    if generator is not None and generator.device.type != device.type:
         generator = torch.Generator(device).manual_seed(_draw_seed(generator))
     prompt_ids, prompt_mask = _left_pad(prompts, pad_id, device)
     inputs, attention, cache = prompt_ids, prompt_mask.long(), DynamicCache()  # the prompt, then one token at a time
@@ -1843,9 +1844,8 @@ class VLLMSampler:
                 top_ids[i, t, : len(ranked)] = torch.tensor([k for k, _ in ranked])
                 top_logp[i, t, : len(ranked)] = torch.tensor([v.logprob for _, v in ranked])
         prompt_ids, prompt_mask = _left_pad([p for p in prompts for _ in range(n)], self.tokenizer.pad_id)
-        kept = None
-        if temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0) and K == self.vocab_size:  # TIM: processed
-            # log-probs are -inf exactly off the kept support
+        kept = None  # TIM: processed log-probs are -inf exactly off the kept support
+        if temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0) and K == self.vocab_size:
             finite = torch.zeros(B, T, self.vocab_size).scatter_add_(-1, top_ids, torch.isfinite(top_logp).float())
             kept = support_ids((finite > 0) & mask[..., None])  # (B, T, S)
         texts = [self.tokenizer.decode(row.tolist()) for row in response_ids]
