@@ -1472,8 +1472,7 @@ class Rollout:
 
     def to(self, device) -> Rollout:
         """The same rollout with every tensor on `device` (vLLM returns CPU tensors; the trainer may be on a GPU)."""
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return Rollout(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+        return Rollout(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()})
 
 
 def _pad_stack(rows: list[torch.Tensor], value: int) -> torch.Tensor:
@@ -1497,13 +1496,6 @@ def _draw_seed(generator: torch.Generator | None) -> int:
     return int(torch.randint(0, 2**31 - 1, (), generator=generator, device=generator.device if generator else "cpu"))
 
 
-def _device_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator | None:
-    """`generator` on its own device type (or None); elsewhere a generator on `device` seeded by one draw from it:
-    sampling on a GPU stays reproducible for a seed with one host draw per call, not a host copy per token."""
-    same = generator is None or generator.device.type == torch.device(device).type
-    return generator if same else torch.Generator(device).manual_seed(_draw_seed(generator))
-
-
 @torch.no_grad()
 def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, topk: int = 0,
            generator: torch.Generator | None = None, decode_text=None, eos_id: int | None = None,
@@ -1522,49 +1514,44 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     if pad_id is None:
         pad_id = eos_id if model.config.pad_token_id is None else model.config.pad_token_id
     device = next(model.parameters()).device
-    generator = _device_generator(generator, device)  # TIM: on a GPU the sampling noise differs from the CPU's
+    # TIM: on a GPU the sampling noise differs from the CPU's: a generator on `device`, seeded by one host draw per
+    # call (not a host copy per token), keeps sampling reproducible for a seed
+    if generator is not None and generator.device.type != device.type:
+        generator = torch.Generator(device).manual_seed(_draw_seed(generator))
     prompt_ids, prompt_mask = _left_pad(prompts, pad_id, device)
-    B = prompt_ids.shape[0]
-    attention = prompt_mask.long()
-    out = model(input_ids=prompt_ids, attention_mask=attention, position_ids=_positions(attention),
-                past_key_values=DynamicCache(), use_cache=True)
-    logits = out.logits[:, -1]  # (B, V)
-    K = logits.shape[-1] if topk <= 0 else min(topk, logits.shape[-1])
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    inputs, attention, cache = prompt_ids, prompt_mask.long(), DynamicCache()  # the prompt, then one token at a time
+    finished = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=device)  # (B,)
     truncate = temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0)
-    ids, masks, logps, top_ids, top_logps, kept = [], [], [], [], [], []
+    ids, masks, logps, tops, kept = [], [], [], [], []
     for _ in range(max_new_tokens):
+        positions = _positions(attention)[:, -inputs.shape[1] :]
+        out = model(input_ids=inputs, attention_mask=attention, position_ids=positions, past_key_values=cache,
+                    use_cache=True)
+        cache, logits = out.past_key_values, out.logits[:, -1]  # (B, V)
         scaled = logits.float() / (temperature if temperature > 0 else 1.0)  # (B, V)
         if truncate:  # TIM: the sampled distribution is renormalised over the kept tokens
             keep = truncation_mask(scaled, top_p, top_k, min_p)  # (B, V)
             scaled = scaled.masked_fill(~keep, -math.inf)
             kept.append(support_ids(keep))  # (B, S_t)
         logprobs = torch.log_softmax(scaled, -1)  # (B, V)
-        if temperature > 0:  # on the logits' device: no host copy per token
-            token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)  # (B,)
-        else:
-            token = logprobs.argmax(-1)
+        token = (torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1) if temperature > 0
+                 else logprobs.argmax(-1))  # (B,), on the logits' device: no host copy per token
         token = torch.where(finished, torch.full_like(token, pad_id), token)
         masks.append(~finished)
         ids.append(token)
         logps.append(logprobs.gather(-1, token[:, None]).squeeze(1))
-        top = logprobs.topk(K, dim=-1)  # (B, K)
-        top_ids.append(top.indices)
-        top_logps.append(top.values)
+        tops.append(logprobs.topk(min(topk, logits.shape[-1]) if topk > 0 else logits.shape[-1], dim=-1))  # (B, K)
         finished = finished | (token == eos_id)
         if finished.all():
             break
-        attention = torch.cat([attention, attention.new_ones(B, 1)], 1)
-        out = model(input_ids=token[:, None], attention_mask=attention,
-                    position_ids=_positions(attention)[:, -1:], past_key_values=out.past_key_values, use_cache=True)
-        logits = out.logits[:, -1]
+        inputs, attention = token[:, None], torch.cat([attention, attention.new_ones(attention.shape[0], 1)], 1)
     response_ids = torch.stack(ids, 1)  # (B, T)
     decode_text = decode_text or (lambda row: " ".join(map(str, row)))
     return Rollout(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, mask=torch.stack(masks, 1),
-        logp_infer=torch.stack(logps, 1), topk_ids=torch.stack(top_ids, 1), logp_topk_infer=torch.stack(top_logps, 1),
-        texts=[decode_text(row.tolist()) for row in response_ids], kept_ids=_pad_stack(kept, -1) if kept else None,
-    )
+        logp_infer=torch.stack(logps, 1), topk_ids=torch.stack([t.indices for t in tops], 1),
+        logp_topk_infer=torch.stack([t.values for t in tops], 1), kept_ids=_pad_stack(kept, -1) if kept else None,
+        texts=[decode_text(row.tolist()) for row in response_ids])
 
 
 def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_ids: torch.Tensor | None = None,
@@ -1576,11 +1563,10 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_id
     """
     logits, hidden = _response_forward(model, rollout, temperature, params)  # (B, T, V), (B, T, H)
     if topk_ids is None:
-        logp, logp_topk = token_logprobs(logits, rollout.response_ids), None
-    else:  # one pass over the logits for the sampled id and the K head ids
-        both = token_logprobs(logits, torch.cat([rollout.response_ids[..., None], topk_ids], -1))  # (B, T, 1 + K)
-        logp, logp_topk = both[..., 0], both[..., 1:]
-    return logp, logp_topk, hidden
+        return token_logprobs(logits, rollout.response_ids), None, hidden
+    # one pass over the logits for the sampled id and the K head ids
+    both = token_logprobs(logits, torch.cat([rollout.response_ids[..., None], topk_ids], -1))  # (B, T, 1 + K)
+    return both[..., 0], both[..., 1:], hidden
 
 
 def _response_forward(model, rollout: Rollout, temperature: float = 1.0, params: dict | None = None):
@@ -1649,6 +1635,7 @@ def greedy_accuracy(model, tokenizer: CharTokenizer, problems, max_new_tokens: i
     return correct / max(len(prompts), 1)
 
 
+@torch.no_grad()
 def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tuple | None = None,
                     temperature: float = 1.0) -> torch.Tensor:
     """log P(answer + <eos> | prompt) under `model`, teacher-forced (one full forward per batch). -> (N,) float32.
@@ -1657,25 +1644,21 @@ def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tu
     truncation = (top_p, top_k, min_p): the probability under the policy such a sampler draws from at `temperature`
     (renormalised over the kept tokens at each position; 0 when an answer token is not kept).
     """
-    out = []
+    device, out = next(model.parameters()).device, []
     for i in range(0, len(problems), batch):
         chunk = problems[i : i + batch]
-        prompt_ids, prompt_mask = _left_pad([tokenizer.encode(p) for p, _ in chunk], tokenizer.pad_id)
+        prompt_ids, prompt_mask = _left_pad([tokenizer.encode(p) for p, _ in chunk], tokenizer.pad_id, device)
         answers = [tokenizer.encode(a, bos=False) + [tokenizer.eos_id] for _, a in chunk]
         T = max(map(len, answers))
-        response_ids = torch.tensor([a + [tokenizer.pad_id] * (T - len(a)) for a in answers])  # (B, T)
-        mask = torch.tensor([[1] * len(a) + [0] * (T - len(a)) for a in answers]).bool()
-        ro = Rollout(prompt_ids, prompt_mask, response_ids, mask, torch.zeros(mask.shape),
-                     torch.zeros(*mask.shape, 0, dtype=torch.long), torch.zeros(*mask.shape, 0), [])
-        ro = ro.to(next(model.parameters()).device)
-        with torch.no_grad():
-            if truncation is None:
-                logp = sequence_logprobs(model, ro)[0]
-            else:  # TIM: the truncated policy's probability of the answer
-                logits = _response_forward(model, ro, temperature)[0]  # (B, T, V)
-                logits = logits.masked_fill(~truncation_mask(logits, *truncation), -math.inf)
-                logp = token_logprobs(logits, ro.response_ids)  # (B, T), -inf where an answer token is dropped
-        out.append(torch.where(ro.mask, logp, torch.zeros_like(logp)).sum(1).cpu())
+        response_ids = torch.tensor([a + [tokenizer.pad_id] * (T - len(a)) for a in answers], device=device)  # (B, T)
+        mask = torch.tensor([[1] * len(a) + [0] * (T - len(a)) for a in answers], device=device).bool()
+        unused = torch.zeros(0, device=device)  # the sampler's fields: no sampler here
+        ro = Rollout(prompt_ids, prompt_mask, response_ids, mask, unused, unused, unused, [])
+        logits = _response_forward(model, ro, 1.0 if truncation is None else temperature)[0]  # (B, T, V)
+        if truncation is not None:  # TIM: the truncated policy's probability of the answer
+            logits = logits.masked_fill(~truncation_mask(logits, *truncation), -math.inf)
+        logp = token_logprobs(logits, response_ids)  # (B, T), -inf where an answer token is dropped
+        out.append(torch.where(mask, logp, torch.zeros_like(logp)).sum(1).cpu())
     return torch.cat(out)
 
 
@@ -1717,10 +1700,8 @@ class TorchSampler:
         # TIM: everything below is where this engine's numbers start to differ from the trainer's
         self.model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
         noise_gen = torch.Generator().manual_seed(self.engine.noise_seed)
-        for name, module in self.model.named_modules():
-            if not isinstance(module, torch.nn.Linear) or name.endswith("lm_head"):
-                continue
-            w = module.weight
+        for w in [m.weight for n, m in self.model.named_modules() if isinstance(m, torch.nn.Linear)
+                  and not n.endswith("lm_head")]:
             if self.engine.quant != "none":
                 w.copy_(fake_quantize(w.float(), self.engine.quant))
             if self.engine.noise:
@@ -1804,17 +1785,14 @@ class VLLMSampler:
 
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        self.dtype, self.seed = dtype, seed
-        self.tokenizer = tokenizer or load_tokenizer(model_dir)
+        self.dtype, self.seed, self.tokenizer = dtype, seed, tokenizer or load_tokenizer(model_dir)
         # colocated with the trainer on one GPU: vLLM takes this share of its memory (the CPU build has its own knob)
         on_gpu = {} if _vllm_on_cpu() else {"gpu_memory_utilization": gpu_memory}
-        self.llm = LLM(model=str(model_dir), dtype=_VLLM_DTYPES[dtype],
-                       enforce_eager=True, block_size=32, seed=seed, max_model_len=max_model_len,
-                       max_num_seqs=max_num_seqs, max_num_batched_tokens=4096, logprobs_mode="processed_logprobs",
-                       max_logprobs=-1, **on_gpu)
+        self.llm = LLM(model=str(model_dir), dtype=_VLLM_DTYPES[dtype], enforce_eager=True, block_size=32, seed=seed,
+                       max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,
+                       logprobs_mode="processed_logprobs", max_logprobs=-1, **on_gpu)
         torch.set_num_threads(threads)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
-        self._calls = 0
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """In-place sync of exported weights (vLLM casts them to its dtype)."""
@@ -1845,33 +1823,24 @@ class VLLMSampler:
                                  skip_special_tokens=False, stop_token_ids=[self.tokenizer.eos_id])
                   for seed in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        rows = []
-        for out in outputs:
-            for comp in out.outputs:  # n completions of one prompt, in order
-                rows.append(comp)
-        T = max(len(c.token_ids) for c in rows)
-        B = len(rows)
-        response_ids = torch.full((B, T), self.tokenizer.pad_id, dtype=torch.long)
-        mask = torch.zeros(B, T, dtype=torch.bool)
-        logp = torch.zeros(B, T)
-        top_ids = torch.zeros(B, T, K, dtype=torch.long)
+        rows = [comp for out in outputs for comp in out.outputs]  # n completions of each prompt, in order
+        B, T = len(rows), max(len(c.token_ids) for c in rows)
+        response_ids, logp = torch.full((B, T), self.tokenizer.pad_id, dtype=torch.long), torch.zeros(B, T)
+        mask, top_ids = torch.zeros(B, T, dtype=torch.bool), torch.zeros(B, T, K, dtype=torch.long)
         top_logp = torch.full((B, T, K), -math.inf)
         for i, comp in enumerate(rows):
             for t, (tok, lp) in enumerate(zip(comp.token_ids, comp.logprobs)):
-                response_ids[i, t], mask[i, t] = tok, True
-                logp[i, t] = lp[tok].logprob
                 ranked = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:K]
+                response_ids[i, t], mask[i, t], logp[i, t] = tok, True, lp[tok].logprob
                 top_ids[i, t, : len(ranked)] = torch.tensor([k for k, _ in ranked])
                 top_logp[i, t, : len(ranked)] = torch.tensor([v.logprob for _, v in ranked])
         prompt_ids, prompt_mask = _left_pad([p for p in prompts for _ in range(n)], self.tokenizer.pad_id)
-        truncated = temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0)
-        kept = None
-        if truncated and K == self.vocab_size:  # TIM: processed log-probs are -inf exactly off the kept support
+        kept = None  # TIM: processed log-probs are -inf exactly off the kept support
+        if temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0) and K == self.vocab_size:
             finite = torch.zeros(B, T, self.vocab_size).scatter_add_(-1, top_ids, torch.isfinite(top_logp).float())
             kept = support_ids((finite > 0) & mask[..., None])  # (B, T, S)
-        return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, mask=mask,
-                       logp_infer=logp, topk_ids=top_ids, logp_topk_infer=top_logp,
-                       texts=[self.tokenizer.decode(row.tolist()) for row in response_ids], kept_ids=kept)
+        texts = [self.tokenizer.decode(row.tolist()) for row in response_ids]
+        return Rollout(prompt_ids, prompt_mask, response_ids, mask, logp, top_ids, top_logp, texts, kept_ids=kept)
 
     def greedy_accuracy(self, problems, max_new_tokens: int = 6) -> float:
         """Held-out greedy exact match of vLLM's copy of the weights."""
@@ -1919,15 +1888,11 @@ class HFTokenizer:
         return self.tok.decode(ids[: ids.index(self.eos_id)] if self.eos_id in ids else ids, skip_special_tokens=True)
 
 
-def _task_info(model_dir: Path) -> dict:
-    """What the embedded model was pre-trained on (digits, ops), from its pretrain.json; {} for other models."""
-    path = Path(model_dir) / "pretrain.json"
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
 def _task_kwargs(model_dir: Path) -> dict:
-    """make_arithmetic_task's digits and ops for the model in model_dir (2-digit addition for other models)."""
-    info = _task_info(model_dir)
+    """make_arithmetic_task's digits and ops the embedded model was pre-trained on (its pretrain.json), 2-digit
+    addition for other models."""
+    path = Path(model_dir) / "pretrain.json"
+    info = json.loads(path.read_text()) if path.exists() else {}
     return {"digits": info.get("digits", 2), "ops": info.get("ops", "+")}
 
 
@@ -1964,9 +1929,8 @@ class Trainer:
 
     def _params(self) -> dict | None:
         """None (the master), or under loss_on_served fresh leaves holding the served copy."""
-        if not self.loss_on_served:
-            return None
-        self._served_leaves = {n: v.clone().requires_grad_(True) for n, v in self.served.items()}
+        self._served_leaves = ({n: v.clone().requires_grad_(True) for n, v in self.served.items()}
+                               if self.loss_on_served else None)
         return self._served_leaves
 
     def logprobs(self, rollout: Rollout, topk_ids: torch.Tensor | None = None, temperature: float = 1.0):
@@ -2031,17 +1995,14 @@ class Trainer:
                     master, self.residual.get(name, torch.zeros_like(master)))
             else:  # TIM: round-to-nearest swallows updates below half a cell
                 served = master.to(_DTYPES[self.export_dtype])
-            before = self.master_at_export.get_parameter(name) if self.master_at_export is not None else None
-            if before is not None:
-                d_master = master.double() - before.double()
+            if self.master_at_export is not None:  # the visible update fraction's <d served, d master> / |d master|^2
+                d_master = master.double() - self.master_at_export.get_parameter(name).double()
                 dot = dot + (d_master * (served.double() - self.served[name].double())).sum()  # on the device: no
                 norm2 = norm2 + d_master.square().sum()  # host round trip per tensor
-            state[name] = served
-            self.served[name] = served.float()
+            state[name], self.served[name] = served, served.float()
         self.behaviour.load_state_dict(self.served, strict=False)
         if self.master_at_export is not None:
-            self.master_at_export.load_state_dict({n: p.detach() for n, p in self.model.named_parameters()},
-                                                  strict=False)
+            self.master_at_export.load_state_dict(dict(self.model.named_parameters()), strict=False)
         return state, (float(dot / norm2) if norm2 > 0 else (1.0 if self.export_dtype == "fp32" else 0.0))
 
 
@@ -2051,11 +2012,9 @@ def trainer_state(trainer: Trainer, extra: dict[str, torch.nn.Module] | None = N
     modules = {"model": trainer.model, "master_at_export": trainer.master_at_export} | (extra or {})
     tensors = {f"{m}.{n}": p.detach() for m, module in modules.items() if module is not None
                for n, p in module.named_parameters()}
-    tensors |= {f"served.{n}": v for n, v in trainer.served.items()}
-    tensors |= {f"residual.{n}": v for n, v in trainer.residual.items()}
+    tensors |= {f"{part}.{n}": v for part in ("served", "residual") for n, v in getattr(trainer, part).items()}
     opt = trainer.opt.state_dict()
-    for index, slots in opt["state"].items():
-        tensors |= {f"opt.{index}.{key}": torch.as_tensor(v) for key, v in slots.items()}
+    tensors |= {f"opt.{i}.{key}": torch.as_tensor(v) for i, slots in opt["state"].items() for key, v in slots.items()}
     return tensors, {"param_groups": opt["param_groups"], "opt_slots": {i: list(v) for i, v in opt["state"].items()}}
 
 
@@ -2075,15 +2034,11 @@ def load_trainer_state(trainer: Trainer, tensors: dict, meta: dict, extra: dict 
     trainer.opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write text to a temporary file next to `path`, then rename it over `path` (all or nothing)."""
-    path.with_name(path.name + ".tmp").write_text(text)
-    _replace_with_tmp(path)
-
-
-def _replace_with_tmp(path: Path) -> None:
-    """fsync the finished temporary file `path`.tmp, then rename it over `path`."""
+def _write_atomic(path: Path, text: str, write=None) -> None:
+    """Write text (or call write(temporary path)) to a temporary file next to `path`, fsync it, then rename it over
+    `path` (all or nothing)."""
     tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text) if write is None else write(tmp)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -2097,10 +2052,8 @@ def save_checkpoint(path: str | Path, tensors: dict[str, torch.Tensor], meta: di
     """
     from safetensors.torch import save_file
 
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp), metadata={"json": json.dumps(meta)})
-    _replace_with_tmp(path)
+    tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
+    _write_atomic(Path(path), "", lambda tmp: save_file(tensors, str(tmp), metadata={"json": json.dumps(meta)}))
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -2109,8 +2062,7 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     from safetensors.torch import load_file
 
     with safe_open(str(path), framework="pt") as f:
-        meta = json.loads(f.metadata()["json"])
-    return load_file(str(path)), meta
+        return load_file(str(path)), json.loads(f.metadata()["json"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -2156,8 +2108,7 @@ def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout
         "sc_tis": lambda: sc(cap=cfg.tis_cap),
         "sc_mis": lambda: sc(band=(cfg.mis_low, cfg.mis_high)),
         "drift_only": lambda: pg() - sc(),  # positive control [2]: REINFORCE minus its signal part = the drift alone
-        "dlc": lambda: dlc_loss(logp, logp_old, q, adv, m, cfg.eps_low, cfg.eps_high, logp_prox=logp_prox,
-                                lag_cap=cfg.tis_cap),
+        "dlc": lambda: dlc_loss(logp, logp_old, q, adv, m, **eps, logp_prox=logp_prox, lag_cap=cfg.tis_cap),
     }
     if cfg.correction not in losses:
         raise ValueError(f"correction must be one of {CORRECTIONS}, got {cfg.correction!r}")
@@ -2171,24 +2122,22 @@ def drift_signal_norms(params, logp, logp_topk, ro: Rollout, adv) -> dict[str, f
     leaves the forward ran on (the served copy under loss_on_served).
     """
     params = [p for p in params if p.requires_grad]
-    g_total = torch.autograd.grad(pg_loss(logp, adv, ro.mask), params, retain_graph=True, allow_unused=True)
-    sc = score_centering_loss(logp, logp_topk, ro.logp_infer, ro.logp_topk_infer, adv, ro.mask)
-    g_signal = torch.autograd.grad(sc, params, retain_graph=True, allow_unused=True)
-    zero = logp.new_zeros(())
-    drift = math.sqrt(sum(float(((a if a is not None else zero) - (b if b is not None else zero)).square().sum())
-                          for a, b in zip(g_total, g_signal)))
-    signal = math.sqrt(sum(float(b.square().sum()) for b in g_signal if b is not None))
+    grad = functools.partial(torch.autograd.grad, inputs=params, retain_graph=True, materialize_grads=True)
+    g_total = grad(pg_loss(logp, adv, ro.mask))  # unused leaves get zeros
+    g_signal = grad(score_centering_loss(logp, logp_topk, ro.logp_infer, ro.logp_topk_infer, adv, ro.mask))
+    drift = math.sqrt(sum(float((a - b).square().sum()) for a, b in zip(g_total, g_signal)))
+    signal = math.sqrt(sum(float(b.square().sum()) for b in g_signal))
     return {"pg_drift_grad_norm": drift, "pg_signal_grad_norm": signal,
             "pg_drift_over_signal": drift / max(signal, 1e-12)}
 
 
 def make_sampler(cfg: RLConfig, model, tokenizer):
     """The sampler engine of the run: TorchSampler, or VLLMSampler (needs vLLM; _check_run_config checked the flags)."""
-    if cfg.sampler == "torch":
-        engine = EngineSpec(dtype=cfg.dtype, quant=cfg.quant, noise=cfg.noise, noise_seed=cfg.seed + 1234,
-                            exact=cfg.exact)
-        return TorchSampler(model, engine, tokenizer)
-    return VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer, gpu_memory=cfg.vllm_gpu_memory)
+    if cfg.sampler == "vllm":
+        return VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer,
+                           gpu_memory=cfg.vllm_gpu_memory)
+    engine = EngineSpec(dtype=cfg.dtype, quant=cfg.quant, noise=cfg.noise, noise_seed=cfg.seed + 1234, exact=cfg.exact)
+    return TorchSampler(model, engine, tokenizer)
 
 
 def _truncates(cfg: RLConfig) -> bool:
@@ -2266,28 +2215,6 @@ def _check_run_config(cfg: RLConfig) -> None:
 STEP_PHASES = ("sample", "recompute", "loss", "optimizer", "export", "sync")  # sec_<phase> in metrics.jsonl
 
 
-def _step_record(step, rewards, updates: list[dict], synced, vuf, staleness, logp, ro: Rollout, ledger, extra,
-                 vocab_size, sec: dict) -> dict:
-    """One metrics.jsonl line: reward, mismatch metrics, ledger, what the arm zeroed, entropy, seconds per phase,
-    and `extra` (drift split, kept mass).
-
-    `updates` holds loss, grad_norm and the effective per-token weights of each optimizer step on the batch; the
-    mismatch metrics and the ledger are of the first (logp before any update on this batch).
-    """
-    record = {"step": step, "reward": float(rewards.mean()), "synced": synced, "visible_update_fraction": vuf,
-              "staleness": staleness}
-    for key in ("loss", "grad_norm", "frac_zeroed", "frac_zeroed_neg_adv"):  # mean over the updates (nan: no token)
-        values = [u[key] for u in updates if math.isfinite(u[key])]
-        record[key] = sum(values) / len(values) if values else None
-    record |= {f"mm_{k}": v for k, v in mismatch_metrics(logp.detach(), ro.logp_infer, ro.mask).items()}
-    record |= {f"ledger_{k}": v for k, v in ledger.items()} | extra
-    record["peak_rss_mb"] = peak_rss_mb()
-    if ro.logp_topk_infer.shape[-1] == vocab_size:  # the full distribution was recorded: its entropy
-        ent = -(ro.logp_topk_infer.exp() * ro.logp_topk_infer.nan_to_num(neginf=0.0)).sum(-1)
-        record["entropy"] = float(masked_mean(ent, ro.mask))
-    return record | {f"sec_{phase}": sec[phase] for phase in STEP_PHASES}
-
-
 def peak_rss_mb() -> float:
     """Peak resident memory of this process so far, MiB (getrusage: Linux reports KiB)."""
     import resource  # Unix only
@@ -2328,9 +2255,8 @@ def evaluate(step: int, rs: _RunState, cfg: RLConfig) -> dict:
               "pc_trainer": float(answer_logprobs(model, rs.tokenizer, problems).exp().mean()),
               "pc_sampler": float(rs.sampler.answer_logprobs(problems).exp().mean())}
     if _truncates(cfg):  # what a truncated sampler would draw: the objective truncated RL optimises
-        pct = answer_logprobs(model, rs.tokenizer, problems, truncation=(cfg.top_p, cfg.top_k, cfg.min_p),
-                              temperature=cfg.temperature).exp().mean()
-        record["pct_trainer"] = float(pct)
+        record["pct_trainer"] = float(answer_logprobs(model, rs.tokenizer, problems, temperature=cfg.temperature,
+                                                      truncation=(cfg.top_p, cfg.top_k, cfg.min_p)).exp().mean())
     return record
 
 
@@ -2375,8 +2301,7 @@ def _update(cfg: RLConfig, rs: _RunState, ro: Rollout, rewards, logp_old, logp_p
         extra["kept_mass"] = float(masked_mean(log_s.detach().exp(), ro.mask))
     if log_s is not None and not cfg.renormalize:  # TIM: full-vocabulary log-probs: the ratio is biased by S
         logp, logp_topk = logp + log_s, logp_topk + log_s[..., None]
-    if first:  # TIM: the proximal policy: the trainer before the first update on this batch
-        logp_prox = logp.detach()
+    logp_prox = logp.detach() if first else logp_prox  # TIM: the proximal policy: the trainer before the first update
     adv, critic_loss = _advantages(cfg, rewards, logp, hidden, ro, rs.value_head)
     loss = policy_loss(cfg, logp, logp_topk, logp_prox, logp_old, ro, adv)
     w_eff = effective_token_weights(loss, logp, adv, ro.mask)  # what the arm did to each token
@@ -2388,21 +2313,26 @@ def _update(cfg: RLConfig, rs: _RunState, ro: Rollout, rewards, logp_old, logp_p
     return {"loss": loss.item(), "grad_norm": grad_norm} | _zeroed_shares(w_eff, adv), logp_prox, before
 
 
+@torch.no_grad()
 def _dlc_resync(cfg: RLConfig, rs: _RunState, ro: Rollout, logp_old, logp_master_old) -> bool:
     """DLC's trigger: resync when the lag the next batch would be sampled with (or the staleness) is too large."""
     if cfg.correction != "dlc" or (cfg.dlc_max_lag <= 0 and cfg.dlc_max_staleness <= 0):
         return False
     # TIM: the lag is the updated trainer vs the sampler's weights (on this batch's tokens), measured from the master
     # at export when it was rounded, so rounding is no lag
-    with torch.no_grad():
-        score = sequence_logprobs if ro.kept_ids is None else support_logprobs
-        logp_next = score(rs.trainer.model, ro, cfg.temperature)[0]
+    score = sequence_logprobs if ro.kept_ids is None else support_logprobs
+    logp_next = score(rs.trainer.model, ro, cfg.temperature)[0]
     lag_anchor = logp_old if logp_master_old is None else logp_master_old
     return dlc_should_resync(logp_next, lag_anchor, ro.mask, rs.since_sync, cfg.dlc_max_staleness, cfg.dlc_max_lag)
 
 
 def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
-    """One step: sample -> verify -> recompute -> (correct -> optimizer) x updates -> export/sync -> record."""
+    """One step: sample -> verify -> recompute -> (correct -> optimizer) x updates -> export/sync -> record.
+
+    The record (one metrics.jsonl line): reward, what the arm zeroed, loss and grad_norm (means over the updates on
+    the batch), mismatch metrics and ledger (of the first: logp before any update on this batch), `extra` (drift
+    split, kept mass), entropy, seconds per phase.
+    """
     trainer, sampler, gen, (sec, lap) = rs.trainer, rs.sampler, rs.gen, _phase_clock()
     # 1) sample
     prompts, answers = _encode_problems(rs.tokenizer, rs.train_set[step * cfg.prompts : (step + 1) * cfg.prompts])
@@ -2431,8 +2361,18 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
         sampler.load_weights(state)  # TIM: the trainer's weights (and its drift) enter the sampler
         rs.since_sync = 0
     lap("sync")
-    return _step_record(step, rewards, updates, resync, vuf, rs.since_sync, logp_prox, ro, ledger, extra,
-                        trainer.model.config.vocab_size, sec)
+    # 7) record
+    record = {"step": step, "reward": float(rewards.mean()), "synced": resync, "visible_update_fraction": vuf,
+              "staleness": rs.since_sync}
+    for key in ("loss", "grad_norm", "frac_zeroed", "frac_zeroed_neg_adv"):  # mean over the updates (nan: no token)
+        values = [u[key] for u in updates if math.isfinite(u[key])]
+        record[key] = sum(values) / len(values) if values else None
+    record |= {f"mm_{k}": v for k, v in mismatch_metrics(logp_prox, ro.logp_infer, ro.mask).items()}
+    record |= {f"ledger_{k}": v for k, v in ledger.items()} | extra | {"peak_rss_mb": peak_rss_mb()}
+    if ro.logp_topk_infer.shape[-1] == trainer.model.config.vocab_size:  # the full distribution: its entropy
+        ent = -(ro.logp_topk_infer.exp() * ro.logp_topk_infer.nan_to_num(neginf=0.0)).sum(-1)
+        record["entropy"] = float(masked_mean(ent, ro.mask))
+    return record | {f"sec_{phase}": sec[phase] for phase in STEP_PHASES}
 
 
 def _setup_run(cfg: RLConfig) -> _RunState:
@@ -2448,8 +2388,7 @@ def _setup_run(cfg: RLConfig) -> _RunState:
                       extra_params=value_head.parameters() if value_head is not None else ())
     sampler = make_sampler(cfg, trainer.model, tokenizer)
     gen = torch.Generator().manual_seed(cfg.seed)
-    state, _ = trainer.export(cfg.export, generator=gen)  # the sampler starts from the served copy of the master
-    sampler.load_weights(state)
+    sampler.load_weights(trainer.export(cfg.export, generator=gen)[0])  # it starts from the master's served copy
     return _RunState(trainer, sampler, tokenizer, gen, value_head, *task_problems(cfg, model_dir, tokenizer))
 
 
@@ -2466,12 +2405,14 @@ def task_problems(cfg: RLConfig, model_dir: Path, tokenizer) -> tuple[list, list
 def _save_run_checkpoint(out: Path, rs: _RunState, next_step: int) -> None:
     tensors, meta = trainer_state(rs.trainer, {"value_head": rs.value_head})
     tensors |= {"rng.generator": rs.gen.get_state(), "rng.torch": torch.get_rng_state()}
-    save_checkpoint(out / "checkpoint.safetensors", tensors, meta | {"next_step": next_step,
-                                                                      "since_sync": rs.since_sync})
+    meta |= {"next_step": next_step, "since_sync": rs.since_sync}
+    save_checkpoint(out / "checkpoint.safetensors", tensors, meta)
 
 
 def _resume_run(out: Path, rs: _RunState) -> tuple[int, list[dict]]:
     """Restore the checkpoint into rs; keep metrics.jsonl lines of the steps it covers (drop later or torn ones)."""
+    if not (out / "checkpoint.safetensors").exists():
+        raise FileNotFoundError(f"resume: no checkpoint.safetensors in {out}")
     tensors, meta = load_checkpoint(out / "checkpoint.safetensors")
     load_trainer_state(rs.trainer, tensors, meta, {"value_head": rs.value_head})
     rs.sampler.load_weights(rs.trainer.served)  # the sampler holds the served copy of the last sync
@@ -2501,11 +2442,7 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
     rs = _setup_run(cfg)
     out = Path(cfg.out_dir) / cfg.name
     out.mkdir(parents=True, exist_ok=True)
-    start, records = 0, []
-    if resume:
-        if not (out / "checkpoint.safetensors").exists():
-            raise FileNotFoundError(f"resume: no checkpoint.safetensors in {out}")
-        start, records = _resume_run(out, rs)
+    start, records = _resume_run(out, rs) if resume else (0, [])
     _write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))  # steps covered, once
     _write_atomic(out / "config.json", json.dumps(asdict(cfg), indent=1))  # after: never beside older metrics
     with open(out / "metrics.jsonl", "a") as log:
@@ -2534,16 +2471,11 @@ def measure_engines(model_dir: str | Path, engines: list[tuple[str, object]], n_
     n completions of the same n_prompts held-out prompts per seed (prompts and sampling seeded by the seed), or of
     `prompts` (token ids) when given. One row per (engine, seed), in that order.
     """
-    model_dir = Path(model_dir)
-    tokenizer = load_tokenizer(model_dir)
-    trainer_model = load_model(model_dir).eval()
-    rows = []
-    for label, spec in engines:
-        if isinstance(spec, EngineSpec):
-            sampler = TorchSampler(trainer_model, spec, tokenizer)
-        else:  # one vLLM engine per process at a time: build it once for all seeds
-            sampler = VLLMSampler(model_dir, dtype=spec.split("-")[1], seed=seeds[0], tokenizer=tokenizer,
-                                  max_model_len=max_model_len)
+    model_dir, rows = Path(model_dir), []
+    tokenizer, trainer_model = load_tokenizer(model_dir), load_model(model_dir).eval()
+    for label, spec in engines:  # each built once for all seeds (vLLM: one engine per process at a time)
+        sampler = (TorchSampler(trainer_model, spec, tokenizer) if isinstance(spec, EngineSpec) else VLLMSampler(
+            model_dir, dtype=spec.split("-")[1], seed=seeds[0], tokenizer=tokenizer, max_model_len=max_model_len))
         for seed in seeds:
             problems = make_arithmetic_task(n_prompts, seed=seed, split="eval", **_task_kwargs(model_dir))
             ids = prompts if prompts is not None else _encode_problems(tokenizer, problems)[0]
@@ -2569,9 +2501,7 @@ def default_engines() -> list[tuple[str, object]]:
     engines = [("torch fp32 (KV cache)", EngineSpec()), ("torch fp32 exact", EngineSpec(exact=True)),
                ("torch fp16", EngineSpec(dtype="fp16")), ("torch bf16", EngineSpec(dtype="bf16")),
                ("torch int8 weights", EngineSpec(quant="int8")), ("torch fp8-e4m3 weights", EngineSpec(quant="fp8"))]
-    if vllm_available():
-        engines += [("vLLM fp32", "vllm-fp32"), ("vLLM bf16", "vllm-bf16")]
-    return engines
+    return engines + ([("vLLM fp32", "vllm-fp32"), ("vLLM bf16", "vllm-bf16")] if vllm_available() else [])
 
 
 def _markdown_table(rows: list[dict], floats: str = "{:.3g}") -> str:
