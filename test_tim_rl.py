@@ -2562,6 +2562,7 @@ def test_dose_map_computes_each_statement_by_its_rule(tmp_path):
     assert b["claim"].startswith("(b) tis") and beats == "s=0.2 (x 0.2)", b
     assert trails == "s=0.05 (x 0.04), s=0.2 (x 0.2), s=0.8 (x 0.9)", b
     assert c["verdict"] == "yes: tis at s=0.05", c
+    assert a["claim"].startswith("(a)") and "not measured" not in a["verdict"]
     table = sections[1][1]
     assert [r["setting"] for r in table][:2] == ["fp8", "s=0.05"], "sorted by measured mismatch, not by label"
     assert (tmp_path / "dose.png").read_bytes()[:4] == b"\x89PNG"
@@ -2570,7 +2571,7 @@ def test_dose_map_computes_each_statement_by_its_rule(tmp_path):
 def test_dose_map_says_when_nothing_is_harmed_and_refuses_an_invalid_testbed(tmp_path):
     harmless = {k: (0.0 if k.startswith("none") else v[0], v[1]) for k, v in DOSE_EFFECTS.items()}
     rows = tr.dose_map(_dose_runs(harmless), tr.SYNCED_CONTROL, True, tmp_path / "p.png")[1]
-    assert rows[0]["verdict"] == "not in the grid (x up to 0.9)", rows[0]
+    assert rows[0]["verdict"] == "not in the grid (measured x up to 0.9)", rows[0]
     assert rows[1]["verdict"].startswith("nowhere; "), "tis never beats a harmless none"
     rows = tr.dose_map(_dose_runs(DOSE_EFFECTS), tr.SYNCED_CONTROL, False, tmp_path / "p.png")[1]
     assert {r["verdict"] for r in rows} == {"invalid testbed"}
@@ -2584,3 +2585,33 @@ def test_swap_task_has_long_answers_disjoint_pools_and_a_verifiable_answer():
         left, right = p[:-1].split("s")
         assert a == right + left and len(a) == 12 and tr.verify(a, a) == 1.0
         assert tr.verify(left + right, a) == 0.0, "the unswapped digits are wrong"
+
+
+def test_dose_map_names_diverged_settings_instead_of_calling_them_harmless(tmp_path):
+    runs = _dose_runs(DOSE_EFFECTS | {"none @ s=0.1": (-0.05, 0.1)})
+    runs["none @ s=0.1"][4][-1]["pc_trainer"] = math.nan  # one diverged seed where none is in fact harmed
+    rows = tr.dose_map(runs, tr.SYNCED_CONTROL, True, tmp_path / "p.png")[1]
+    assert rows[0]["verdict"] == "s=0.2 (x 0.2); not measured at s=0.1", "the smallest *measured* x, the lost named"
+    runs = _dose_runs({"none @ s=0.05": (0.0, 0.04), "none @ bf16": (0.0, 0.01), "tis @ s=0.05": (0.0, 0.04)})
+    runs["tis @ s=0.05"][0][-1]["pc_trainer"] = math.nan
+    assert tr.dose_map(runs, tr.SYNCED_CONTROL, True, tmp_path / "p.png")[1][-1]["verdict"].startswith("no (tested at")
+    only_none = _dose_runs({"none @ s=0.05": (0.0, 0.04), "none @ bf16": (0.0, 0.01)})
+    assert tr.dose_map(only_none, tr.SYNCED_CONTROL, True, tmp_path / "p.png")[1][-1]["verdict"] == "not tested"
+    runs = _dose_runs(DOSE_EFFECTS)
+    runs[tr.SYNCED_CONTROL][4][-1]["pc_trainer"] = math.nan  # a diverged control: invalid, and no crash on the plot
+    learned = tr.control_learned(runs)[0]
+    rows = tr.dose_map(runs, tr.SYNCED_CONTROL, learned, tmp_path / "p.png")[1]
+    assert not learned and {r["verdict"] for r in rows} == {"invalid testbed"}
+    assert (tmp_path / "p.png").exists()
+
+
+def test_a_response_cap_shorter_than_the_models_answers_is_refused(tmp_path):
+    model = tmp_path / "swap"
+    model.mkdir()
+    (model / "pretrain.json").write_text(tr.json.dumps({"digits": 6, "ops": "s"}))
+    with pytest.raises(ValueError, match="--max-new-tokens 5 cannot hold this model's answers .*up to 13 tokens"):
+        tr._check_run_config(tr.RLConfig(model=str(model)))
+    tr._check_run_config(tr.RLConfig(model=str(model), max_new_tokens=13))  # the twin: enough room
+    tr._check_run_config(tr.RLConfig())  # the default 2-digit model: answers of <= 3 digits and <eos> fit in 5
+    with pytest.raises(ValueError, match="digits >= 2"):
+        tr.make_arithmetic_task(3, digits=1, ops="s")

@@ -1204,6 +1204,8 @@ def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+",
         raise ValueError(f"ops must be a non-empty string over {OPS!r}, got {ops!r}")
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if "s" in ops and digits < 2:
+        raise ValueError("ops 's' needs digits >= 2 (a 1-digit b can be 0, and verify reads '09' as 9)")
     rng = random.Random(f"{seed}-{split}-{digits}-{ops}")
     lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
     if split == "eval" and n > _eval_pool_size(digits, ops):
@@ -2185,7 +2187,11 @@ def _check_run_config(cfg: RLConfig) -> None:
         raise ValueError("--" + str(e).replace("_", "-", 1)) from None
     group_relative = cfg.baseline == "group" and cfg.correction != "copc"  # COPC's advantages come from its critic
     vllm = cfg.sampler == "vllm"
+    task = _task_kwargs(cfg.model)  # its longest answer and <eos>: a product or a swap has 2 x digits, else digits + 1
+    longest = 1 + max(2 * task["digits"] if op in "*s" else task["digits"] + 1 for op in task["ops"])
     mistakes = [
+        (cfg.task == "arithmetic" and cfg.max_new_tokens < longest, f"--max-new-tokens {cfg.max_new_tokens} cannot "
+         f"hold this model's answers ({task['digits']}-digit {task['ops']!r}: up to {longest} tokens with <eos>)"),
         (_truncates(cfg) and not cfg.renormalize and cfg.correction in ("dlc", "calibrated", "sc", "sc_tis", "sc_mis",
                                                                          "drift_only"),
          f"--no-renormalize applies to the current trainer's sampled-token log-probs only; --correction "
@@ -2790,13 +2796,14 @@ def rl_preset(p: RLPreset, pc: PresetConfig, seeds: list[int], out: Path) -> lis
     """Run the control and p.arms on paired seeds; write the measurement, the verdicts, the arm table and a plot."""
     sections = [p.measure(pc, seeds)] if p.measure else []
     control, control_change = p.control
-    unknown = [n for c in p.claims for n in (c.arm, c.reference) if n not in {control} | {a for a, _ in p.arms}]
-    if unknown:
-        raise ValueError(f"claims name arms that are not run: {unknown}")
+    labels = [control] + [a for a, _ in p.arms]
+    unknown = [n for c in p.claims for n in (c.arm, c.reference) if n not in labels]
+    if unknown or len(set(labels)) < len(labels):
+        raise ValueError(f"claims name arms that are not run ({unknown}), or two arms share a label ({labels})")
     base = _preset_base(pc, **p.base)
     if p.pretrain:  # --smoke: a few pre-training steps, into a directory of its own
         suffix, change = p.pretrain
-        base.model = str(ensure_base_model(f"{pc.model}-{suffix}{'-smoke' * pc.smoke}",
+        base.model = str(ensure_base_model(f"{Path(pc.model)}-{suffix}{'-smoke' * pc.smoke}",
                                            **change | ({"steps": 5} if pc.smoke else {})))
     runs = run_arms(base, [(control, CONTROL | control_change)] + list(p.arms), seeds, out)
     learned, learned_note = control_learned(runs, p.control_key, control)
@@ -3122,7 +3129,7 @@ def _arms(label: str, corrections: tuple, **change) -> tuple:
 
 
 DOSE_RULES = (
-    "Rules, written before the run. Every arm runs on the same 5 seeds; x is a setting's measured mismatch: the mean "
+    "Rules, written before the run. Every arm runs on the same seeds; x is a setting's measured mismatch: the mean "
     "over seeds of the none arm's per-step mean |logp - logp_infer|. Δ = pc auc difference, paired by seed, 95% "
     "Student-t interval (paired_ci). (a) The smallest x at which none trails the synced control (interval below 0). "
     "(b) Per correction, the settings where it beats none (interval above 0) and where it still trails the control "
@@ -3145,62 +3152,81 @@ def _ci(runs: dict, arm: str, reference: str) -> tuple[float, float, float]:
     return (_mean(deltas), *paired_ci(deltas))
 
 
+def _fmt_ci(mean: float, low: float, high: float) -> str:
+    return f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]"
+
+
 def dose_map(runs: dict[str, list[list[dict]]], control: str, learned: bool, plot: Path) -> tuple[list, list[dict]]:
-    """Statements (a)-(c) of DOSE_RULES, the per-setting table, and the figure (Δ pc auc vs measured x, log x)."""
-    settings = list(dict.fromkeys(label.split(" @ ")[1] for label in runs if " @ " in label))
+    """Statements (a)-(c) of DOSE_RULES, the per-setting table, and the figure (Δ pc auc vs measured x, log x).
+
+    A setting whose none arm has a non-finite interval (a diverged seed) or x is 'not measured': named in (a), and
+    left out of every statement's lists rather than counted as harmless.
+    """
+    split = {label: label.partition(" @ ")[::2] for label in runs if " @ " in label}  # label -> (arm, setting)
+    settings = list(dict.fromkeys(s for _, s in split.values()))
     x = {s: _mean([seed_value(rs, "mm_abs_diff", "steps") for rs in runs[f"none @ {s}"]]) for s in settings}
-    settings.sort(key=x.get)
-    arms = list(dict.fromkeys(label.split(" @ ")[0] for label in runs if " @ " in label))
-    cell = {(a, s): (_ci(runs, f"{a} @ {s}", control), _ci(runs, f"{a} @ {s}", f"none @ {s}"))
-            for a in arms for s in settings if f"{a} @ {s}" in runs}
-    fmt = lambda m, lo, hi: f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]"  # noqa: E731
-    table = [{"setting": s, "mismatch x": f"{x[s]:.3g}", "arm": a, "Δ vs control": fmt(*cell[a, s][0]),
-              "Δ vs none": fmt(*cell[a, s][1]) if a != "none" else "-"} for s in settings for a in arms if (a, s) in cell]
-    where = lambda ss: ", ".join(f"{s} (x {x[s]:.2g})" for s in ss) or "nowhere"  # noqa: E731
-    harmed = [s for s in settings if cell["none", s][0][2] < 0]
-    harmless = [s for s in settings if cell["none", s][0][1] <= 0 <= cell["none", s][0][2]]
+    cell = {(a, s): (_ci(runs, label, control), _ci(runs, label, f"none @ {s}")) for label, (a, s) in split.items()}
+    measured = sorted((s for s in settings if all(map(math.isfinite, (x[s], *cell["none", s][0])))), key=x.get)
+    lost = [s for s in settings if s not in measured]
+    corrections = [a for a in dict.fromkeys(a for a, _ in split.values()) if a != "none"]
+
+    def named(ss: list[str]) -> str:
+        return ", ".join(f"{s} (x {x[s]:.2g})" for s in ss) or "nowhere"
+
+    harmed = [s for s in measured if cell["none", s][0][2] < 0]
     first = cell["none", harmed[0]][0] if harmed else (math.nan,) * 3
+    not_measured = f"; not measured at {', '.join(lost)}" if lost else ""
     rows = [{"claim": "(a) smallest measured mismatch at which none trails the synced control",
-             "verdict": where(harmed[:1]) if harmed else f"not in the grid (x up to {max(x.values()):.2g})",
+             "verdict": (named(harmed[:1]) if harmed else f"not in the grid (measured x up to "
+                        f"{max([x[s] for s in measured], default=math.nan):.2g})") + not_measured,
              "Δ": f"{first[0]:+.3g}", "95% CI": f"[{first[1]:+.3g}, {first[2]:+.3g}]"}]
-    for a in arms[1:]:
-        ran = [s for s in settings if (a, s) in cell]
-        top = cell[a, ran[-1]][1]
-        rows.append({"claim": f"(b) {a}: beats none at; still trails the control at",
-                     "verdict": f"{where([s for s in ran if cell[a, s][1][1] > 0])}; "
-                                f"{where([s for s in ran if cell[a, s][0][2] < 0])}",
-                     "Δ": f"{top[0]:+.3g} vs none at {ran[-1]}", "95% CI": f"[{top[1]:+.3g}, {top[2]:+.3g}]"})
-    hurt = [f"{a} at {s}" for a in arms[1:] for s in harmless if (a, s) in cell and cell[a, s][1][2] < 0]
-    rows.append({"claim": "(c) a correction trails none where none is harmless", "Δ": "-", "95% CI": "-",
-                 "verdict": ("yes: " + ", ".join(hurt)) if hurt else f"no (harmless: {where(harmless)})"})
+    for a in corrections:
+        ran = [s for s in measured if (a, s) in cell]
+        top = cell[a, ran[-1]][1] if ran else (math.nan,) * 3
+        rows.append({"claim": f"(b) {a}: beats none at; still trails the control at (Δ, CI: vs none, largest x)",
+                     "verdict": f"{named([s for s in ran if cell[a, s][1][1] > 0])}; "
+                                f"{named([s for s in ran if cell[a, s][0][2] < 0])}",
+                     "Δ": f"{top[0]:+.3g}", "95% CI": f"[{top[1]:+.3g}, {top[2]:+.3g}]"})
+    tested = [s for s in measured if cell["none", s][0][1] <= 0 <= cell["none", s][0][2]
+              and any((a, s) in cell for a in corrections)]  # none unresolved vs the control, a correction ran
+    hurt = [f"{a} at {s}" for a in corrections for s in tested if (a, s) in cell and cell[a, s][1][2] < 0]
+    rows.append({"claim": "(c) a correction trails none where none is harmless (vs control unresolved)", "Δ": "-",
+                 "95% CI": "-", "verdict": ("yes: " + ", ".join(hurt)) if hurt else (
+                     f"no (tested at {named(tested)})" if tested else "not tested")})
     rows = [r | {"metric": "pc_trainer (auc)", "seeds": len(runs[control])} | ({} if learned else {
         "verdict": "invalid testbed"}) for r in rows]
-    _plot_dose(plot, cell, x, settings, arms)
+    table = [{"setting": s, "mismatch x": f"{x[s]:.3g}", "arm": a, "Δ vs control": _fmt_ci(*cell[a, s][0]),
+              "Δ vs none": _fmt_ci(*cell[a, s][1]) if a != "none" else "-"}
+             for s in measured + lost for a in ["none"] + corrections if (a, s) in cell]
+    _plot_dose(plot, cell, x, measured, ["none"] + corrections)
     return [("Statements by the rules below, computed from the paired seeds:", rows),
             ("Per setting and arm, sorted by measured mismatch x (mean |Δlogp| of none); Δ pc auc:", table)], rows
 
 
 def _plot_dose(path: Path, cell: dict, x: dict, settings: list, arms: list) -> None:
     """Δ pc auc vs control against measured mismatch: a line and 95% band per arm over the noise levels, engines as
-    labelled points (none)."""
+    labelled points (none). Settings with a non-finite value are not drawn."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7.5, 4.5))
     ax = fig.subplots()
     for a in arms:
         ss = [s for s in settings if (a, s) in cell and s.startswith("s=")]
-        m, lo, hi = zip(*[cell[a, s][0] for s in ss])
-        line = ax.plot([x[s] for s in ss], m, marker="o", ms=3, label=a, lw=2 if a == "none" else 1)[0]
-        ax.fill_between([x[s] for s in ss], lo, hi, color=line.get_color(), alpha=0.25 if a == "none" else 0.08)
+        if ss:
+            m, lo, hi = zip(*[cell[a, s][0] for s in ss])
+            line = ax.plot([x[s] for s in ss], m, marker="o", ms=3, label=a, lw=2 if a == "none" else 1)[0]
+            ax.fill_between([x[s] for s in ss], lo, hi, color=line.get_color(), alpha=0.25 if a == "none" else 0.08)
     for s in settings:
         if not s.startswith("s="):
             m, lo, hi = cell["none", s][0]
             ax.errorbar([x[s]], [m], yerr=[[m - lo], [hi - m]], fmt="k^", ms=5)
             ax.annotate(s, (x[s], m), textcoords="offset points", xytext=(3, 5), fontsize=7)
     ax.axhline(0, color="gray", lw=0.8)
-    ax.set(xscale="log", xlabel="measured mismatch x: mean |logp - logp_infer| per token (none arm)",
-           ylabel="Δ pc auc vs synced fp32 control", title="dose-response: relative weight noise s (lines), engines (▲)")
-    ax.legend(fontsize=7, ncol=2)
+    ax.set(xscale="log" if settings else "linear", ylabel="Δ pc auc vs synced fp32 control",
+           xlabel="measured mismatch x: mean |logp - logp_infer| per token (none arm)",
+           title="dose-response: relative weight noise s (lines), engines (▲)")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
