@@ -3241,11 +3241,16 @@ DOSE_PILOT = ("Pilot (before this run; none arm, seeds 0-1, the settings of this
               "s=1.6; the real engines' x is 0.004-0.025 (precision preset). So the grid runs from s=0.05 (below every "
               "harm seen) to s=1.6 (none collapses), and every correction runs at s=0.05, 0.2 and 0.8 (all nine at "
               "every level would take ~2 h here).")
-DOSE_LONG_NOISE = (0.1, 0.2)  # bracket the short task's pilot threshold: does it move with answer length?
+DOSE_EXTRA = {"mismatch x": ("mm_abs_diff", "steps"), "zeroed": ("frac_zeroed", "steps")}  # arm-table columns
+DOSE_LONG_NOISE = (0.1, 0.2, 0.4, 0.6)  # 0.1, 0.2 before the first run; 0.4, 0.6 added after it (DOSE_LONG_PILOT)
 DOSE_LONG_PILOT = ("Pilot (before this run): the swap task's base model (150 pre-training steps, 16 s) answers every "
                    "held-out problem greedily but puts only pc 0.245 on the exact 12 digits (100 steps: pc 0.001; 300 "
                    "steps: pc 0.81), so pc has room; the synced control, seed 0: pc 0.245 -> 0.313 in 80 steps. "
-                   "Reversing the digits instead did not pre-train in a minute (greedy 0 after 600 steps).")
+                   "Reversing the digits instead did not pre-train in a minute (greedy 0 after 600 steps). Levels "
+                   "revised after run 1: s = 0.1 and 0.2 (chosen to bracket the short task's threshold in s) gave x "
+                   "0.004 and 0.01 on this confident model, far below that threshold in x; s = 0.4 and 0.6 were added "
+                   "by a sampling pilot on 64 RL prompts x 8 (x 0.05 and 0.21, sampled reward 0.17 and 0.07; s = 0.8: "
+                   "reward 0, nothing left to learn from). The rules did not change.")
 
 
 DLC_EQUAL_BUDGET_K = 4  # the fixed schedule with about the lag trigger's sync count (DLC_PILOT)
@@ -3342,12 +3347,12 @@ RL_PRESETS = {
     "dose": RLPreset(
         "dose: Δ pc against measured mismatch, every correction",
         dose_arms(DOSE_NOISE, DOSE_CORRECTIONS, DOSE_FULL, DOSE_ENGINES), (), report=dose_map,
-        extra={"mismatch x": ("mm_abs_diff", "steps")}, notes=DOSE_PILOT + "\n\n" + DOSE_RULES),
+        extra=DOSE_EXTRA, notes=DOSE_PILOT + "\n\n" + DOSE_RULES),
     # The same map on 12-token answers (swap two 6-digit numbers): do sequence-level ratios move the threshold?
     "dose-long": RLPreset(
         "dose-long: 12-token answers (swap two 6-digit numbers)",
         dose_arms(DOSE_LONG_NOISE, ("tis", "seq_tis", "geo")), (), base={"max_new_tokens": 13}, report=dose_map,
-        pretrain=("swap", {"digits": 6, "ops": "s", "steps": 150}), extra={"mismatch x": ("mm_abs_diff", "steps")},
+        pretrain=("swap", {"digits": 6, "ops": "s", "steps": 150}), extra=DOSE_EXTRA,
         notes=DOSE_LONG_PILOT + "\n\n" + DOSE_RULES),
 }
 
@@ -3411,7 +3416,8 @@ def publish(name: str, results: str, verdicts: list[dict], command: str, seconds
         (root / "figures").mkdir(exist_ok=True)
         (root / "figures" / f"{name}.png").write_bytes(plot.read_bytes())
         figure = f"\n\n![{name}: the preset's plot, mean over seeds](figures/{name}.png)"
-    body = (f"<!-- rows {json.dumps(rows)} -->\n## {name}\n\n`{command}` ({seconds / 60:.0f} min on this machine)\n\n"
+    minutes = f"{seconds / 60:.0f} min on this machine: its runs' own time, summed"
+    body = (f"<!-- rows {json.dumps(rows)} -->\n## {name}\n\n`{command}` ({minutes})\n\n"
             + results.split("\n", 1)[1].lstrip("\n").replace("\n# ", "\n### ").rstrip("\n") + figure)
     text = _replace_block(text, f"preset:{name}", body)
     _write_atomic(path, text)
