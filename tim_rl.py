@@ -2829,7 +2829,7 @@ class PresetConfig:
     preset: str = _arg("", "precision | cis | fp8-clip | fair-cast | staleness | dlc | drift | truncation | dose | "
                            "dose-long | real-lm | "
                            "real-lm-rl | all (every one but real-lm-rl, a 20-minute measurement on a real model; dose and "
-                           "dose-long alone take ~40 and ~25 min on 2 cores)")
+                           "dose-long alone take ~40 min each on 2 cores)")
     seeds: str = _arg("0,1,2,3,4", "comma-separated seeds (>= 5 for a verdict worth quoting)")
     smoke: bool = _arg(False, "seconds-sized version of every run (CI): checks the outputs, not the claim")
     model: str = _arg("runs/base", "the tiny model (built if missing)")
