@@ -3225,7 +3225,8 @@ def _plot_dose(path: Path, cell: dict, x: dict, settings: list, arms: list) -> N
     ax.axhline(0, color="gray", lw=0.8)
     ax.set(xscale="log" if settings else "linear", ylabel="Δ pc auc vs synced fp32 control",
            xlabel="measured mismatch x: mean |logp - logp_infer| per token (none arm)",
-           title="dose-response: relative weight noise s (lines), engines (▲)")
+           title="dose-response: relative weight noise s (lines)"
+                 + (", engines (▲)" if any(not s.startswith("s=") for s in settings) else ""))
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
