@@ -3733,48 +3733,6 @@ def bench_rl_step(model_dir: Path, steps: int, out_dir: str, device: torch.devic
                  "< 0.05" if phase == "loss" else "report") for phase in STEP_PHASES]
 
 
-def bench_trl_step(model_dir: Path, steps: int, out_dir: str) -> list[dict]:
-    """tim_rl's RL step vs TRL's GRPOTrainer step: same model, 16 prompts x 8 samples, <= 5 new tokens, torch/HF
-    generation on both sides, AdamW 1e-4, no KL term; median seconds per step after the first."""
-    import importlib.util
-
-    if importlib.util.find_spec("trl") is None:
-        return [_row("tim_rl RL step vs TRL GRPOTrainer step", "TRL (not installed: extra `trl`)", float("nan"),
-                     "report")]
-    import transformers
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
-
-    recs = [r for r in run(RLConfig(name="bench_tim_rl_step", model=str(model_dir), steps=steps, prompts=16, group=8,
-            lr=1e-4, max_new_tokens=5, eval_every=10**9, out_dir=out_dir, progress=False)) if "reward" in r][1:]
-    ours = sorted(sum(r[f"sec_{p}"] for p in STEP_PHASES) for r in recs)[len(recs) // 2]
-
-    class StepTimer(transformers.TrainerCallback):
-        def __init__(self):
-            self.seconds, self.t0 = [], 0.0
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.seconds.append(time.perf_counter() - self.t0)
-
-    problems = make_arithmetic_task(16 * steps, **_task_kwargs(model_dir), split="rl")
-    timer = StepTimer()
-    trainer = GRPOTrainer(
-        model=load_model(model_dir), processing_class=transformers.AutoTokenizer.from_pretrained(str(model_dir)),
-        reward_funcs=lambda completions, answer, **kw: [verify(c, a) for c, a in zip(completions, answer)],
-        train_dataset=Dataset.from_list([{"prompt": p, "answer": a} for p, a in problems]), callbacks=[timer],
-        args=GRPOConfig(output_dir=str(Path(out_dir) / "bench_trl"), num_generations=8, per_device_train_batch_size=128,
-                        max_completion_length=5, max_steps=steps, learning_rate=1e-4, beta=0.0, temperature=1.0,
-                        use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=10**9,
-                        disable_tqdm=True, seed=0))
-    trainer.train()
-    theirs = sorted(timer.seconds[1:])[(len(timer.seconds) - 1) // 2]
-    return [_row(f"tim_rl RL step ({ours * 1e3:.0f} ms; 16x8, 5 tokens, torch sampler)",
-                 f"TRL GRPOTrainer step ({theirs * 1e3:.0f} ms; HF generate)", ours / theirs, "report")]
-
-
 def bench_verifier(repeats: int) -> list[dict]:
     """Worst per-call time of verify() over adversarial 10 kB texts (and one of 1 MB), in milliseconds."""
     n = 10_000
@@ -3804,7 +3762,6 @@ def bench(cfg: BenchConfig) -> list[dict]:
         lambda: bench_corrections(2 if q else 4, 128 if q else 512, 8_000 if q else 32_000, 128, cfg.repeats),
         lambda: bench_samplers(model_dir, 4 if q else 16, 8, cfg.repeats, device),
         lambda: bench_rl_step(model_dir, 6 if q else 40, cfg.out, device),
-        lambda: bench_trl_step(model_dir, 4 if q else 12, cfg.out),
         lambda: bench_verifier(cfg.repeats),
     ]
     t0 = time.perf_counter()
@@ -3923,8 +3880,6 @@ def _parser():
     p_cmp.add_argument("--smoke", action="store_true", help="with --preset: seconds-sized runs (CI)")
     p_cmp.add_argument("--publish", action="store_true",
                        help="with --preset: rewrite its section of RESULTS.md and its rows of README's verdict table")
-    p_eng = sub.add_parser("engines", help="measured mismatch of each sampler engine vs the fp32 trainer")
-    p_eng.add_argument("--model", default="runs/base")
     _add_fields(sub.add_parser("bench", help="speed and memory ratios against baselines timed side by side"),
                 BenchConfig)
     p_demo = sub.add_parser("demo", help="the default demo")
@@ -3952,7 +3907,7 @@ def _train_summary(records: list[dict], out: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python tim_rl.py [pretrain|train|compare|engines|bench|demo] --help`; no subcommand runs the demo."""
+    """`python tim_rl.py [pretrain|train|compare|bench|demo] --help`; no subcommand runs the demo."""
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -3975,9 +3930,6 @@ def main(argv: list[str] | None = None) -> None:
         print(_markdown_table(compare(cfg, args.corrections.split(","), [int(s) for s in seeds.split(",")], cfg.name)))
     elif args.cmd == "bench":
         bench(_from_args(BenchConfig, args))
-    elif args.cmd == "engines":
-        model_dir = ensure_base_model(args.model) if args.model == "runs/base" else Path(args.model)
-        print(_markdown_table(measure_engines(model_dir, default_engines())))
     else:
         demo(steps=getattr(args, "steps", 80), seeds=tuple(int(s) for s in seeds.split(",")))
 
