@@ -1720,9 +1720,8 @@ class TorchSampler:
             # TIM: zero-mismatch limit: score the sampled tokens with the trainer's own fp32 forward (same kernels,
             # shapes and weights as Trainer.logprobs), so logp_infer == logp_old bitwise.
             with torch.no_grad():
-                logp, logp_topk = support_logprobs(self.model, rollout, temperature, rollout.topk_ids)[:2]
+                logp, rollout.logp_topk_infer = support_logprobs(self.model, rollout, temperature, rollout.topk_ids)[:2]
             rollout.logp_infer = torch.where(rollout.mask, logp, torch.zeros_like(logp))
-            rollout.logp_topk_infer = logp_topk
         return rollout
 
     def greedy_accuracy(self, problems, max_new_tokens: int = 6) -> float:
