@@ -1167,6 +1167,12 @@ _THOUSANDS = re.compile(r"[-+]?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?(?:/[0-9]+)?
 SPLITS = ("pretrain", "rl", "eval")
 
 
+def _check_choice(name: str, value, choices) -> None:
+    """A ValueError naming the argument unless `value` is one of `choices`."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
 def _split_of(a: int, b: int, op: str) -> str:
     """Each problem belongs to exactly one pool, by a hash of its text, whatever the seed: 20% eval, 20% rl.
 
@@ -1202,8 +1208,7 @@ def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+",
         raise ValueError(f"digits must be an int in [1, 9], got {digits!r}")
     if not ops or set(ops) - set(OPS):
         raise ValueError(f"ops must be a non-empty string over {OPS!r}, got {ops!r}")
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    _check_choice("split", split, SPLITS)
     if "s" in ops and digits < 2:
         raise ValueError("ops 's' needs digits >= 2 (a 1-digit b can be 0, and verify reads '09' as 9)")
     rng = random.Random(f"{seed}-{split}-{digits}-{ops}")
@@ -1248,8 +1253,7 @@ def make_word_problems(n: int, seed: int = 0, split: str = "rl", max_operand: in
         raise ValueError(f"n must be a non-negative int, got {n!r}")
     if not isinstance(max_operand, int) or max_operand < 1:
         raise ValueError(f"max_operand must be an int >= 1, got {max_operand!r}")
-    if split not in ("rl", "eval"):
-        raise ValueError(f"split must be rl or eval, got {split!r}")
+    _check_choice("split", split, ("rl", "eval"))
     pool = [(name, a, b) for name, (_, op) in WORD_TEMPLATES.items() for a in range(max_operand + 1)
             for b in range(max_operand + 1 if op == "+" else a + 1)
             if (_split_of(a, b, op) == "eval") == (split == "eval")]
@@ -1326,11 +1330,11 @@ def verify(text: str, answer: str) -> float:
     Rejected (reward 0): scientific notation (4.7e1), misplaced commas (12,34), unicode digits (٤٧, full-width),
     numbers longer than MAX_NUMBER_CHARS, a/0, and a non-str text or answer. "4 7" reads as its last number, 7.
     """
-    extracted = extract_answer(text) if isinstance(text, str) else None
+    extracted = extract_answer(text)  # None for a non-str text
     if extracted is None or not isinstance(answer, str):
         return 0.0
-    got, want = _parse_number(extracted), _parse_number(answer)
-    return 1.0 if got is not None and want is not None and got == want else 0.0
+    want = _parse_number(answer)
+    return float(want is not None and _parse_number(extracted) == want)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1356,12 +1360,9 @@ class CharTokenizer:
 
     def decode(self, ids) -> str:
         """Text up to the first <eos>; special tokens dropped."""
-        out = []
-        for i in map(int, ids):
-            if i == EOS_ID:
-                break
-            out.append(self.tokens[i] if 0 <= i < len(self.tokens) and len(self.tokens[i]) == 1 else "")
-        return "".join(out)
+        ids = [int(i) for i in ids]
+        ids = ids[: ids.index(EOS_ID)] if EOS_ID in ids else ids
+        return "".join(self.tokens[i] if 0 <= i < len(self.tokens) and len(self.tokens[i]) == 1 else "" for i in ids)
 
     def save(self, directory: str | Path) -> None:
         """Write an HF fast tokenizer equivalent to this one, so transformers and vLLM load the directory offline."""
@@ -1386,12 +1387,11 @@ def build_tiny_model(vocab_size: int = 128, hidden: int = 128, layers: int = 4, 
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
-        max_position_embeddings=max_positions, tie_word_embeddings=False, rms_norm_eps=1e-5,
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype="float32",
-    )
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                         head_dim=hidden // heads, max_position_embeddings=max_positions, tie_word_embeddings=False,
+                         rms_norm_eps=1e-5, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+                         torch_dtype="float32")
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).float()
 
@@ -1435,8 +1435,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
     acc = greedy_accuracy(model, tokenizer, make_arithmetic_task(512, cfg.digits, 0, cfg.ops, split="eval"),
                           max(6, 2 * cfg.digits + 1))  # the longest answer (a product, a swap) and <eos>
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
+    model.save_pretrained(str(out), safe_serialization=True)  # creates the directory
     tokenizer.save(out)
     info = {"greedy_accuracy_eval": acc, "seconds": time.time() - t0, "steps": cfg.steps, "digits": cfg.digits,
             "ops": cfg.ops, "params": sum(p.numel() for p in model.parameters())}
@@ -1526,9 +1525,8 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     truncate = temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0)
     ids, masks, logps, tops, kept = [], [], [], [], []
     for _ in range(max_new_tokens):
-        positions = _positions(attention)[:, -inputs.shape[1] :]
-        out = model(input_ids=inputs, attention_mask=attention, position_ids=positions, past_key_values=cache,
-                    use_cache=True)
+        out = model(input_ids=inputs, past_key_values=cache, use_cache=True, attention_mask=attention,
+                    position_ids=_positions(attention)[:, -inputs.shape[1] :])
         cache, logits = out.past_key_values, out.logits[:, -1]  # (B, V)
         scaled = logits.float() / (temperature if temperature > 0 else 1.0)  # (B, V)
         if truncate:  # TIM: the sampled distribution is renormalised over the kept tokens
@@ -1591,7 +1589,10 @@ def support_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_ids
 
     Returns (log p~ (B, T), log p~ of the top-K ids (B, T, K) or None, hidden, log S (B, T)). Top-K ids off the
     support (-inf in the sampler's processed logp_topk_infer) get -inf: the truncated policy puts no mass there.
+    Without a kept support (kept_ids None: the sampler kept every token) it is sequence_logprobs, log S None.
     """
+    if rollout.kept_ids is None:
+        return (*sequence_logprobs(model, rollout, temperature, topk_ids, params), None)
     kept = rollout.kept_ids  # (B, T, S), -1 pads
     K = 0 if topk_ids is None else topk_ids.shape[-1]
     ids = kept.clamp(min=0) if topk_ids is None else torch.cat([topk_ids, kept.clamp(min=0)], -1)  # (B, T, K + S)
@@ -1629,12 +1630,11 @@ def support_differs(kept_a: torch.Tensor, kept_b: torch.Tensor, mask: torch.Tens
 def greedy_accuracy(model, tokenizer: CharTokenizer, problems, max_new_tokens: int = 6, batch: int = 256) -> float:
     """Held-out exact-match accuracy of greedy decoding with `model` (any engine's copy)."""
     prompts, answers = _encode_problems(tokenizer, problems)
-    correct = 0.0
+    texts = []
     for i in range(0, len(prompts), batch):
-        ro = decode(model, prompts[i : i + batch], max_new_tokens, temperature=0.0, topk=1,
-                    decode_text=tokenizer.decode, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
-        correct += sum(verify(t, a) for t, a in zip(ro.texts, answers[i : i + batch]))
-    return correct / max(len(prompts), 1)
+        texts += decode(model, prompts[i : i + batch], max_new_tokens, temperature=0.0, topk=1,
+                        decode_text=tokenizer.decode, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id).texts
+    return sum(map(verify, texts, answers)) / max(len(prompts), 1)
 
 
 @torch.no_grad()
@@ -1685,10 +1685,8 @@ class TorchSampler:
 
     def __init__(self, model_dir_or_model, engine: EngineSpec | None = None, tokenizer: CharTokenizer | None = None):
         self.engine = engine or EngineSpec()
-        if self.engine.dtype not in _DTYPES:
-            raise ValueError(f"engine.dtype must be one of {sorted(_DTYPES)}, got {self.engine.dtype!r}")
-        if self.engine.quant not in ("none", "int8", "fp8"):
-            raise ValueError(f"engine.quant must be none | int8 | fp8, got {self.engine.quant!r}")
+        _check_choice("engine.dtype", self.engine.dtype, sorted(_DTYPES))
+        _check_choice("engine.quant", self.engine.quant, ("none", "int8", "fp8"))
         if self.engine.exact and (self.engine.dtype != "fp32" or self.engine.quant != "none" or self.engine.noise):
             raise ValueError("engine.exact needs dtype fp32 without quantisation or noise")
         source = load_model(model_dir_or_model) if isinstance(model_dir_or_model, (str, Path)) else model_dir_or_model
@@ -1721,11 +1719,9 @@ class TorchSampler:
         if self.engine.exact:
             # TIM: zero-mismatch limit: score the sampled tokens with the trainer's own fp32 forward (same kernels,
             # shapes and weights as Trainer.logprobs), so logp_infer == logp_old bitwise.
-            score = sequence_logprobs if rollout.kept_ids is None else support_logprobs
             with torch.no_grad():
-                logp, logp_topk = score(self.model, rollout, temperature, rollout.topk_ids)[:2]
+                logp, rollout.logp_topk_infer = support_logprobs(self.model, rollout, temperature, rollout.topk_ids)[:2]
             rollout.logp_infer = torch.where(rollout.mask, logp, torch.zeros_like(logp))
-            rollout.logp_topk_infer = logp_topk
         return rollout
 
     def greedy_accuracy(self, problems, max_new_tokens: int = 6) -> float:
@@ -1776,8 +1772,7 @@ class VLLMSampler:
     distribution actually sampled from (temperature, then top-p / top-k / min-p when set: -inf off the kept set).
     Prompts go in as token ids, so no tokenizer can disagree. In-place sync:
     collective_rpc("reload_weights", weights_iterator=...) then reset_prefix_cache(); the in-process engine
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0) is required for
-    passing tensors.
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0) is required for passing tensors.
     """
 
     def __init__(self, model_dir: str | Path, dtype: str = "fp32", seed: int = 0, tokenizer=None,
@@ -1785,8 +1780,7 @@ class VLLMSampler:
         threads = _vllm_environment()
         from vllm import LLM  # heavy (~4 s): imported only when a vLLM sampler is built
 
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        _check_choice("dtype", dtype, sorted(_DTYPES))
         self.dtype, self.seed, self.tokenizer = dtype, seed, tokenizer or load_tokenizer(model_dir)
         # colocated with the trainer on one GPU: vLLM takes this share of its memory (the CPU build has its own knob)
         on_gpu = {} if _vllm_on_cpu() else {"gpu_memory_utilization": gpu_memory}
@@ -1847,8 +1841,8 @@ class VLLMSampler:
     def greedy_accuracy(self, problems, max_new_tokens: int = 6) -> float:
         """Held-out greedy exact match of vLLM's copy of the weights."""
         prompts, answers = _encode_problems(self.tokenizer, problems)
-        ro = self.sample(prompts, 1, max_new_tokens, temperature=0.0, topk=1)
-        return sum(verify(t, a) for t, a in zip(ro.texts, answers)) / max(len(prompts), 1)
+        texts = self.sample(prompts, 1, max_new_tokens, temperature=0.0, topk=1).texts
+        return sum(map(verify, texts, answers)) / max(len(prompts), 1)
 
     def answer_logprobs(self, problems) -> torch.Tensor:
         """log P(answer + <eos> | prompt) from vLLM's prompt log-probs (teacher-forced). (N,)."""
@@ -1912,15 +1906,13 @@ class Trainer:
 
     def __init__(self, model, lr: float = 1e-4, optimizer: str = "adamw", export_dtype: str = "fp32",
                  loss_on_served: bool = False, extra_params=()):
-        if export_dtype not in _DTYPES:
-            raise ValueError(f"export_dtype must be one of {sorted(_DTYPES)}, got {export_dtype!r}")
+        _check_choice("export_dtype", export_dtype, sorted(_DTYPES))
+        _check_choice("optimizer", optimizer, ("adamw", "sgd"))
         self.model = model.float().train()
         # The trainer engine on the weights the sampler holds: logp_old comes from here (kept when the sampler lags).
         self.behaviour = copy.deepcopy(self.model).eval()
         # The unrounded master at the last export: splits export rounding off the ledger (bf16 / fp16 exports only).
         self.master_at_export = copy.deepcopy(self.model).eval() if export_dtype != "fp32" else None
-        if optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"optimizer must be adamw or sgd, got {optimizer!r}")
         params = list(self.model.parameters()) + list(extra_params)
         self.opt = (torch.optim.AdamW(params, lr=lr, weight_decay=0.0) if optimizer == "adamw"
                     else torch.optim.SGD(params, lr=lr))
@@ -1941,18 +1933,15 @@ class Trainer:
         return sequence_logprobs(self.model, rollout, temperature, topk_ids, params=self._params())  # TIM
 
     def support_logprobs(self, rollout: Rollout, topk_ids: torch.Tensor | None = None, temperature: float = 1.0):
-        """logprobs renormalised on rollout.kept_ids, plus log S: (logp~, logp_topk~, hidden, log S)."""
+        """logprobs renormalised on rollout.kept_ids, plus log S: (logp~, logp_topk~, hidden, log S or None)."""
         return support_logprobs(self.model, rollout, temperature, topk_ids, params=self._params())
 
     @torch.no_grad()
     def behaviour_logprobs(self, rollout: Rollout, temperature: float = 1.0):
         """(logp_old, logp_master_old or None): the trainer engine on the served weights / on the master at export.
         Renormalised on rollout.kept_ids when the sampler truncated."""
-        score = sequence_logprobs if rollout.kept_ids is None else support_logprobs
-        logp_old = score(self.behaviour, rollout, temperature)[0]
-        if self.master_at_export is None:
-            return logp_old, None
-        return logp_old, score(self.master_at_export, rollout, temperature)[0]
+        return tuple(None if m is None else support_logprobs(m, rollout, temperature)[0]
+                     for m in (self.behaviour, self.master_at_export))
 
     def grad_leaves(self) -> list[torch.Tensor]:
         """The tensors the last forward ran on: the served leaves under loss_on_served, else the master."""
@@ -1979,8 +1968,7 @@ class Trainer:
         the sampler now holds. On the CPU: the reference roundings with `generator` itself. On a GPU: SR's noise is
         hash_noise16 seeded by one draw from `generator` per tensor, SR and EF fused where torch.compile has Triton.
         """
-        if mode not in ("rtn", "sr", "ef"):
-            raise ValueError(f"mode must be rtn | sr | ef, got {mode!r}")
+        _check_choice("mode", mode, ("rtn", "sr", "ef"))
         if mode != "rtn" and self.export_dtype != "bf16":
             raise ValueError(f"export mode {mode!r} rounds to bf16, but the sampler dtype is {self.export_dtype}")
         state, dot, norm2 = {}, 0.0, 0.0
@@ -2061,10 +2049,9 @@ def save_checkpoint(path: str | Path, tensors: dict[str, torch.Tensor], meta: di
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, meta) from save_checkpoint's file. safetensors only: loading never executes code."""
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
     with safe_open(str(path), framework="pt") as f:
-        return load_file(str(path)), json.loads(f.metadata()["json"])
+        return {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["json"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
