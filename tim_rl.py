@@ -2120,15 +2120,6 @@ def drift_signal_norms(params, logp, logp_topk, ro: Rollout, adv) -> dict[str, f
             "pg_drift_over_signal": drift / max(signal, 1e-12)}
 
 
-def make_sampler(cfg: RLConfig, model, tokenizer):
-    """The sampler engine of the run: TorchSampler, or VLLMSampler (needs vLLM; _check_run_config checked the flags)."""
-    if cfg.sampler == "vllm":
-        return VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer,
-                           gpu_memory=cfg.vllm_gpu_memory)
-    engine = EngineSpec(dtype=cfg.dtype, quant=cfg.quant, noise=cfg.noise, noise_seed=cfg.seed + 1234, exact=cfg.exact)
-    return TorchSampler(model, engine, tokenizer)
-
-
 def _truncates(cfg: RLConfig) -> bool:
     return cfg.temperature > 0 and (cfg.top_p < 1 or cfg.top_k > 0 or cfg.min_p > 0)
 
@@ -2272,12 +2263,11 @@ def _current_logprobs(cfg: RLConfig, trainer: Trainer, ro: Rollout):
 
 def _phase_clock() -> tuple[dict, object]:
     """(seconds per STEP_PHASES entry, lap): lap(phase) adds the time since the previous lap to that phase."""
-    sec, clock = dict.fromkeys(STEP_PHASES, 0.0), [time.perf_counter()]
+    sec, laps = dict.fromkeys(STEP_PHASES, 0.0), [time.perf_counter()]
 
     def lap(phase: str) -> None:
-        now = time.perf_counter()
-        sec[phase] += now - clock[0]
-        clock[0] = now
+        laps.append(time.perf_counter())
+        sec[phase] += laps[-1] - laps[-2]
 
     return sec, lap
 
@@ -2379,7 +2369,9 @@ def _setup_run(cfg: RLConfig) -> _RunState:
     value_head = torch.nn.Linear(model.config.hidden_size, 1).to(device) if cfg.correction == "copc" else None
     trainer = Trainer(model, cfg.lr, cfg.optimizer, export_dtype=cfg.dtype, loss_on_served=cfg.loss_on_served,
                       extra_params=value_head.parameters() if value_head is not None else ())
-    sampler = make_sampler(cfg, trainer.model, tokenizer)
+    engine = EngineSpec(dtype=cfg.dtype, quant=cfg.quant, noise=cfg.noise, noise_seed=cfg.seed + 1234, exact=cfg.exact)
+    sampler = TorchSampler(trainer.model, engine, tokenizer) if cfg.sampler != "vllm" else VLLMSampler(
+        cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer, gpu_memory=cfg.vllm_gpu_memory)  # --dtype only
     gen = torch.Generator().manual_seed(cfg.seed)
     sampler.load_weights(trainer.export(cfg.export, generator=gen)[0])  # it starts from the master's served copy
     return _RunState(trainer, sampler, tokenizer, gen, value_head, *task_problems(cfg, model_dir, tokenizer))
@@ -2499,10 +2491,8 @@ def default_engines() -> list[tuple[str, object]]:
 
 def _markdown_table(rows: list[dict], floats: str = "{:.3g}") -> str:
     cell = lambda v: (floats.format(v) if isinstance(v, float) else str(v)).replace("|", "\\|")  # noqa: E731
-    keys = list(rows[0])
-    lines = ["| " + " | ".join(cell(k) for k in keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(cell(v) for v in r.values()) + " |" for r in rows]
-    return "\n".join(lines)
+    header = ["| " + " | ".join(cell(k) for k in rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    return "\n".join(header + ["| " + " | ".join(cell(v) for v in r.values()) + " |" for r in rows])
 
 
 def compare(base: RLConfig, corrections: list[str], seeds: list[int], name: str) -> list[dict]:
@@ -3595,14 +3585,12 @@ def bench_corrections(B: int, T: int, V: int, K: int, repeats: int) -> list[dict
     def weighted(weights):  # pg_loss weighted by a correction of the current log-probs (detached) vs the sampler's
         return lambda lp: pg_loss(lp, adv, mask, weights(lp.detach(), logp_infer, mask))
 
-    arms = {
-        "pg_loss": lambda lp: pg_loss(lp, adv, mask), "tis": weighted(tis_weights), "mis": weighted(mis_weights),
-        "seq_tis": weighted(seq_tis_weights), "geo": weighted(geo_mask_weights),
-        "cis": lambda lp: ppo_loss(lp, logp_old, adv, mask, cis_weights(logp_old, logp_infer, mask)),
-        "dlc": lambda lp: dlc_loss(lp, logp_old, logp_infer, adv, mask),
-        "ppo": lambda lp: ppo_loss(lp, logp_old, adv, mask),
-        "dppo": lambda lp: dppo_loss(lp, logp_infer, adv, mask),
-    }
+    arms = {"pg_loss": lambda lp: pg_loss(lp, adv, mask), "tis": weighted(tis_weights), "mis": weighted(mis_weights),
+            "seq_tis": weighted(seq_tis_weights), "geo": weighted(geo_mask_weights),
+            "cis": lambda lp: ppo_loss(lp, logp_old, adv, mask, cis_weights(logp_old, logp_infer, mask)),
+            "dlc": lambda lp: dlc_loss(lp, logp_old, logp_infer, adv, mask),
+            "ppo": lambda lp: ppo_loss(lp, logp_old, adv, mask),
+            "dppo": lambda lp: dppo_loss(lp, logp_infer, adv, mask)}
     sc = lambda lp: score_centering_loss(lp[..., 0], lp, logp_infer, logp_topk_infer, adv, mask)  # noqa: E731
     return _ratio_rows([(f"{name}+backward" if name == "pg_loss" else f"{name} loss+backward", step(fn), "<= 1.2")
                         for name, fn in arms.items()] + [(f"sc (K={K}) loss+backward", step(sc, topk), "<= 1.5")],
@@ -3611,19 +3599,17 @@ def bench_corrections(B: int, T: int, V: int, K: int, repeats: int) -> list[dict
 
 def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, device: torch.device) -> list[dict]:
     """Generated tokens/s of TorchSampler vs HF generate (same model, fp32, batch, max length, device), and vLLM's."""
-    tokenizer = load_tokenizer(model_dir)
-    model = load_model(model_dir).to(device).eval()
+    tokenizer, model = load_tokenizer(model_dir), load_model(model_dir).to(device).eval()
     prompts, _ = _encode_problems(tokenizer, make_arithmetic_task(prompts_n, **_task_kwargs(model_dir), split="eval"))
     gen = torch.Generator().manual_seed(0)
 
     def ours(sampler):  # tokens generated by one sample() call
         return lambda: int(sampler.sample(prompts, group, 5, 1.0, 0, gen).mask.sum())
 
-    def hf():
+    def hf():  # generate runs under torch.no_grad
         ids, attention = _left_pad([p for p in prompts for _ in range(group)], device=device)
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=attention.long(), do_sample=True, max_new_tokens=5,
-                                 temperature=1.0, top_k=0, top_p=1.0, pad_token_id=PAD_ID, eos_token_id=EOS_ID)
+        out = model.generate(input_ids=ids, attention_mask=attention.long(), do_sample=True, max_new_tokens=5,
+                             temperature=1.0, top_k=0, top_p=1.0, pad_token_id=PAD_ID, eos_token_id=EOS_ID)
         eos = (out[:, ids.shape[1]:] == EOS_ID).long()  # (B, <= 5) the new tokens
         return int((eos.cumsum(1) - eos == 0).sum())  # tokens up to and including the first <eos>
 
@@ -3771,10 +3757,8 @@ def _check_cli(args) -> RLConfig | None:
             raise UsageError(f"--resume {resume}: no {need} there (expected a run directory written by train)")
     if args.cmd not in ("train", "compare") or getattr(args, "preset", ""):
         return None
-    cfg = _from_args(RLConfig, args)
-    if resume:
-        saved = json.loads((Path(resume) / "config.json").read_text())
-        cfg = RLConfig(**{f.name: saved[f.name] for f in fields(RLConfig) if f.name in saved})
+    saved = json.loads((Path(resume) / "config.json").read_text()) if resume else vars(args)  # resume: its config
+    cfg = RLConfig(**{f.name: saved[f.name] for f in fields(RLConfig) if f.name in saved})
     _check_run_config(cfg)
     return cfg
 
@@ -3783,9 +3767,8 @@ def _parser():
     """The argparse parser of every subcommand, flags built from the config dataclasses."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="tim_rl", description="RL under training-inference mismatch. "
-                                     "No subcommand: the default demo (~5 min; first pre-trains the tiny model if "
-                                     "needed, ~20 s).")
+    parser = argparse.ArgumentParser(prog="tim_rl", description="RL under training-inference mismatch. No subcommand: "
+                                     "the default demo (~5 min; first pre-trains the tiny model if needed, ~20 s).")
     sub = parser.add_subparsers(dest="cmd")
     _add_fields(sub.add_parser("pretrain", help="pre-train the embedded tiny model"), PretrainConfig)
     p_train = _add_fields(sub.add_parser("train", help="one RL run"), RLConfig)
@@ -3794,8 +3777,7 @@ def _parser():
     p_cmp = _add_fields(sub.add_parser("compare", help="several corrections side by side (plus a synced control)"),
                         RLConfig)
     p_cmp.add_argument("--corrections", default="none,tis,sc,sc_tis", help="comma-separated corrections")
-    p_cmp.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2,3,4: paired, >= 5 for "
-                       "a verdict)")
+    p_cmp.add_argument("--seeds", help="comma-separated seeds (default 0,1,2,3,4: paired, >= 5 for a verdict)")
     p_cmp.add_argument("--preset", default="", help=f"one claim per preset: {' | '.join(PRESETS)} | all "
                        "(writes runs/compare/<preset>/; the RL flags above are ignored)")
     p_cmp.add_argument("--smoke", action="store_true", help="with --preset: seconds-sized runs (CI)")
@@ -3815,7 +3797,6 @@ def _eval_warning(cfg: RLConfig) -> str | None:
     if count < 5 <= cfg.steps + 1:
         return (f"tim_rl: warning: --steps {cfg.steps} --eval-every {cfg.eval_every} gives {count} evaluations "
                 f"(--eval-every {max(cfg.steps // 4, 1)} gives 5 or more)")
-    return None
 
 
 def _train_summary(records: list[dict], out: Path) -> str:
