@@ -1184,6 +1184,18 @@ def test_cli_mistake_is_one_error_line_with_status_2(argv, words, capsys):
     assert all(w in lines[0] for w in words), lines[0]
 
 
+def test_a_run_directory_that_is_the_model_directory_is_refused(tmp_path, capsys):
+    """`train --model runs/m --name m` would write the run's config.json over the model's: refused in one line."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_:
+        tr.main(["train", "--model", str(model), "--out-dir", str(tmp_path), "--name", "m"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "run directory is the --model directory" in err and len(err.splitlines()) == 1
+    tr._check_run_config(tr.RLConfig(model=str(model), out_dir=str(tmp_path), name="m-rl"))  # another name passes
+
+
 def test_degenerate_settings_pass_where_they_still_train_and_few_evaluations_warn_in_one_line():
     """--group 1 / --temperature 0 are refused only with group-relative advantages; too few evaluations warn."""
     for ok in (dict(group=1, baseline="none"), dict(temperature=0.0, baseline="none"), dict(group=1, correction="copc")):

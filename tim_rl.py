@@ -2188,6 +2188,8 @@ def _check_run_config(cfg: RLConfig) -> None:
          "--noise or --exact)"),
         (vllm and 0 < cfg.temperature < 0.01, f"--sampler vllm with --temperature {cfg.temperature}: vLLM samples "
          "at 0.01 while the trainer would score the requested value (use 0.01 or more)"),
+        (Path(cfg.out_dir, cfg.name).resolve() == Path(cfg.model).resolve(), f"--out-dir {cfg.out_dir} --name "
+         f"{cfg.name}: that run directory is the --model directory, whose config.json the run would overwrite"),
         (cfg.task == "words" and not _has_chat_template(cfg.model), f"--task words needs a chat model (--model DIR "
          f"with a chat template): {cfg.model} has no chat template"),
     ]
@@ -2253,14 +2255,6 @@ def _advantages(cfg: RLConfig, rewards, logp, hidden, ro: Rollout, value_head):
     return adv, 0.5 * masked_mean((values - targets).square(), ro.mask)
 
 
-def _current_logprobs(cfg: RLConfig, trainer: Trainer, ro: Rollout):
-    """(logp, logp_topk, hidden, log S or None) of the current trainer, with gradient; renormalised on the sampler's
-    kept support when it truncated."""
-    if ro.kept_ids is None:
-        return (*trainer.logprobs(ro, ro.topk_ids, cfg.temperature), None)
-    return trainer.support_logprobs(ro, ro.topk_ids, cfg.temperature)  # TIM: p~, not p
-
-
 def _phase_clock() -> tuple[dict, object]:
     """(seconds per STEP_PHASES entry, lap): lap(phase) adds the time since the previous lap to that phase."""
     sec, laps = dict.fromkeys(STEP_PHASES, 0.0), [time.perf_counter()]
@@ -2277,7 +2271,8 @@ def _update(cfg: RLConfig, rs: _RunState, ro: Rollout, rewards, logp_old, logp_p
 
     logp_prox None: this is the batch's first update, whose log-probs become the proximal policy.
     """
-    logp, logp_topk, hidden, log_s = _current_logprobs(cfg, rs.trainer, ro)
+    # TIM: with truncation the current trainer's log-probs are renormalised on the sampler's kept support: p~, not p
+    logp, logp_topk, hidden, log_s = rs.trainer.support_logprobs(ro, ro.topk_ids, cfg.temperature)
     lap("recompute")
     first, before = logp_prox is None, (logp.detach(), log_s)
     if first and log_s is not None:
@@ -2303,8 +2298,7 @@ def _dlc_resync(cfg: RLConfig, rs: _RunState, ro: Rollout, logp_old, logp_master
         return False
     # TIM: the lag is the updated trainer vs the sampler's weights (on this batch's tokens), measured from the master
     # at export when it was rounded, so rounding is no lag
-    score = sequence_logprobs if ro.kept_ids is None else support_logprobs
-    logp_next = score(rs.trainer.model, ro, cfg.temperature)[0]
+    logp_next = support_logprobs(rs.trainer.model, ro, cfg.temperature)[0]
     lag_anchor = logp_old if logp_master_old is None else logp_master_old
     return dlc_should_resync(logp_next, lag_anchor, ro.mask, rs.since_sync, cfg.dlc_max_staleness, cfg.dlc_max_lag)
 
