@@ -1435,7 +1435,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
     acc = greedy_accuracy(model, tokenizer, make_arithmetic_task(512, cfg.digits, 0, cfg.ops, split="eval"),
                           max(6, 2 * cfg.digits + 1))  # the longest answer (a product, a swap) and <eos>
     out = Path(cfg.out)
-    model.save_pretrained(str(out), safe_serialization=True)  # creates the directory
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save(out)
     info = {"greedy_accuracy_eval": acc, "seconds": time.time() - t0, "steps": cfg.steps, "digits": cfg.digits,
             "ops": cfg.ops, "params": sum(p.numel() for p in model.parameters())}
@@ -2189,7 +2190,7 @@ def _check_run_config(cfg: RLConfig) -> None:
         (vllm and 0 < cfg.temperature < 0.01, f"--sampler vllm with --temperature {cfg.temperature}: vLLM samples "
          "at 0.01 while the trainer would score the requested value (use 0.01 or more)"),
         (Path(cfg.out_dir, cfg.name).resolve() == Path(cfg.model).resolve(), f"--out-dir {cfg.out_dir} --name "
-         f"{cfg.name}: that run directory is the --model directory, whose config.json the run would overwrite"),
+         f"{cfg.name}: that run directory is the --model directory (a run writes its own config.json there)"),
         (cfg.task == "words" and not _has_chat_template(cfg.model), f"--task words needs a chat model (--model DIR "
          f"with a chat template): {cfg.model} has no chat template"),
     ]
