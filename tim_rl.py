@@ -184,6 +184,12 @@ def _check_tensor(name: str, x, *, floating: bool = True) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
 
 
+def _check_choice(name: str, value, choices) -> None:
+    """A ValueError naming the argument unless `value` is one of `choices`."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
 def _check_mask(mask) -> None:
     _check_tensor("mask", mask, floating=False)
     if mask.dtype != torch.bool:
@@ -1167,12 +1173,6 @@ _THOUSANDS = re.compile(r"[-+]?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?(?:/[0-9]+)?
 SPLITS = ("pretrain", "rl", "eval")
 
 
-def _check_choice(name: str, value, choices) -> None:
-    """A ValueError naming the argument unless `value` is one of `choices`."""
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-
-
 def _split_of(a: int, b: int, op: str) -> str:
     """Each problem belongs to exactly one pool, by a hash of its text, whatever the seed: 20% eval, 20% rl.
 
@@ -1451,6 +1451,11 @@ def ensure_base_model(path: str | Path = "runs/base", **change) -> Path:
         print(f"[tim_rl] no model at {path}: pre-training the embedded tiny model (~20 s)", file=sys.stderr)
         pretrain(PretrainConfig(out=str(path), **change))
     return path
+
+
+def _model_dir(model: str) -> Path:
+    """The model directory a run or preset uses: the default runs/base is pre-trained when missing, others must exist."""
+    return ensure_base_model(model) if model == "runs/base" else Path(model)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1941,8 +1946,10 @@ class Trainer:
     def behaviour_logprobs(self, rollout: Rollout, temperature: float = 1.0):
         """(logp_old, logp_master_old or None): the trainer engine on the served weights / on the master at export.
         Renormalised on rollout.kept_ids when the sampler truncated."""
-        return tuple(None if m is None else support_logprobs(m, rollout, temperature)[0]
-                     for m in (self.behaviour, self.master_at_export))
+        logp_old = support_logprobs(self.behaviour, rollout, temperature)[0]
+        if self.master_at_export is None:
+            return logp_old, None
+        return logp_old, support_logprobs(self.master_at_export, rollout, temperature)[0]
 
     def grad_leaves(self) -> list[torch.Tensor]:
         """The tensors the last forward ran on: the served leaves under loss_on_served, else the master."""
@@ -2357,16 +2364,19 @@ def _setup_run(cfg: RLConfig) -> _RunState:
     """Model, trainer, sampler (holding the first served copy), data; all seeded from cfg.seed."""
     _check_run_config(cfg)
     torch.manual_seed(cfg.seed)
-    model_dir = ensure_base_model(cfg.model) if cfg.model == "runs/base" else Path(cfg.model)
+    model_dir = _model_dir(cfg.model)
     tokenizer = load_tokenizer(model_dir)
     device = resolve_device(cfg.device)
     model = load_model(model_dir, trust_remote_code=cfg.trust_remote_code).to(device)
     value_head = torch.nn.Linear(model.config.hidden_size, 1).to(device) if cfg.correction == "copc" else None
     trainer = Trainer(model, cfg.lr, cfg.optimizer, export_dtype=cfg.dtype, loss_on_served=cfg.loss_on_served,
                       extra_params=value_head.parameters() if value_head is not None else ())
-    engine = EngineSpec(dtype=cfg.dtype, quant=cfg.quant, noise=cfg.noise, noise_seed=cfg.seed + 1234, exact=cfg.exact)
-    sampler = TorchSampler(trainer.model, engine, tokenizer) if cfg.sampler != "vllm" else VLLMSampler(
-        cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer, gpu_memory=cfg.vllm_gpu_memory)  # --dtype only
+    if cfg.sampler == "vllm":  # --dtype only (_check_run_config refused --quant, --noise and --exact)
+        sampler = VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer,
+                              gpu_memory=cfg.vllm_gpu_memory)
+    else:
+        sampler = TorchSampler(trainer.model, EngineSpec(dtype=cfg.dtype, quant=cfg.quant, noise=cfg.noise,
+                                                         noise_seed=cfg.seed + 1234, exact=cfg.exact), tokenizer)
     gen = torch.Generator().manual_seed(cfg.seed)
     sampler.load_weights(trainer.export(cfg.export, generator=gen)[0])  # it starts from the master's served copy
     return _RunState(trainer, sampler, tokenizer, gen, value_head, *task_problems(cfg, model_dir, tokenizer))
@@ -2660,9 +2670,8 @@ def arm_table(runs: dict[str, list[list[dict]]], reference: str, extra: dict | N
         row = {"arm": label, "seeds": len(per_seed), "pc start": _mean_sd([seed_value(rs[:1], "pc_trainer", "final")
                                                                             for rs in per_seed])}
         for summary in ("final", "auc"):
-            mine = [seed_value(rs, "pc_trainer", summary) for rs in per_seed]
-            row[f"pc {summary}"] = _mean_sd(mine)
-            deltas = [m - seed_value(rs, "pc_trainer", summary) for m, rs in zip(mine, runs[reference])]
+            row[f"pc {summary}"] = _mean_sd([seed_value(rs, "pc_trainer", summary) for rs in per_seed])
+            deltas = paired_deltas(runs, label, reference, "pc_trainer", summary)
             low, high = paired_ci(deltas)
             ci = "(1 seed: no CI)" if len(deltas) < 2 else f"[{low:+.3f}, {high:+.3f}]"
             row[f"Δ {summary} vs ref"] = "(reference)" if label == reference else f"{_mean(deltas):+.3f} {ci}"
@@ -2815,10 +2824,6 @@ def _preset_base(pc: PresetConfig, **change) -> RLConfig:
     return RLConfig(**base)
 
 
-def _preset_model(pc: PresetConfig) -> Path:
-    return ensure_base_model(pc.model) if pc.model == "runs/base" else Path(pc.model)
-
-
 def export_visibility(weights: torch.Tensor, lr: float, steps: int, seed: int = 0) -> dict[str, list[float]]:
     """Visible update fraction after each of `steps` constant-sign moves of size lr from bf16-grid masters.
 
@@ -2870,7 +2875,7 @@ def truncation_table(model_dir: Path, prompts: list[list[int]], n: int, n_new: i
 def preset_precision(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     """FP16 paper [9]. Claim: an fp16 sampler's mean |Δlogp| against the fp32 trainer is at least 3x smaller than a
     bf16 sampler's (the paper reports about an order of magnitude; 3 = the 3 extra mantissa bits' 8x, halved)."""
-    model_dir = _preset_model(pc)
+    model_dir = _model_dir(pc.model)
     engines = [e for e in default_engines() if e[0] != "torch fp32 exact"]
     measured = measure_engines(model_dir, engines, n_prompts=16 if pc.smoke else 128, seeds=tuple(seeds))
     by_engine, rows = engine_table(measured, engines)
@@ -2988,7 +2993,7 @@ def truncation_rows(model, engine: str, sampler, prompts: list[list[int]], n: in
 
 def _cis_gap_by_confidence(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dict]]:
     """Spread of the fp8 engine gap (log-odds and log-prob) by the trainer's confidence p, seed 0."""
-    model_dir = _preset_model(pc)
+    model_dir = _model_dir(pc.model)
     model, tokenizer = load_model(model_dir).eval(), load_tokenizer(model_dir)
     prompts, _ = _encode_problems(tokenizer, make_arithmetic_task(16 if pc.smoke else 128, **_task_kwargs(model_dir),
                                                                   split="eval"))
@@ -3008,7 +3013,7 @@ def _cis_gap_by_confidence(pc: PresetConfig, seeds: list[int]) -> tuple[str, lis
 
 def _fair_cast_visibility(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dict]]:
     """Visible update fraction of RTN / SR / EF exports on the model's own Linear weights (export_visibility)."""
-    model = load_model(_preset_model(pc))
+    model = load_model(_model_dir(pc.model))
     weights = torch.cat([p.detach().reshape(-1) for n, p in model.named_parameters() if n.endswith("proj.weight")])
     steps, marks = (10, (1, 10)) if pc.smoke else (150, (1, 10, 50, 150))
     rows = []
@@ -3023,7 +3028,7 @@ def _fair_cast_visibility(pc: PresetConfig, seeds: list[int]) -> tuple[str, list
 
 def _truncation_table(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dict]]:
     """truncation_table of the tiny model (vLLM's engines too when installed, outside --smoke)."""
-    model_dir = _preset_model(pc)
+    model_dir = _model_dir(pc.model)
     prompts, _ = _encode_problems(load_tokenizer(model_dir), make_arithmetic_task(
         16 if pc.smoke else 64, **_task_kwargs(model_dir), split="eval"))
     return (f"Kept mass S and ratio bias, tiny model, {len(prompts)} prompts x 4 samples x 5 tokens, temperature 1, "
@@ -3652,7 +3657,7 @@ def bench(cfg: BenchConfig) -> list[dict]:
     from tqdm.auto import tqdm
 
     torch.set_num_threads(os.cpu_count() or 1)
-    model_dir = ensure_base_model(cfg.model) if cfg.model == "runs/base" else Path(cfg.model)
+    model_dir = _model_dir(cfg.model)
     q, device = cfg.quick, resolve_device(cfg.device)
     gpu = device.type == "cuda"
     print(f"[bench] torch {torch.__version__}, {torch.get_num_threads()} threads, {device}, quick={q}", file=sys.stderr)
