@@ -1696,24 +1696,36 @@ class TorchSampler:
         if self.engine.exact and (self.engine.dtype != "fp32" or self.engine.quant != "none" or self.engine.noise):
             raise ValueError("engine.exact needs dtype fp32 without quantisation or noise")
         source = load_model(model_dir_or_model) if isinstance(model_dir_or_model, (str, Path)) else model_dir_or_model
-        self.model = copy.deepcopy(source).eval()
+        self.model = copy.deepcopy(source).eval().to(_DTYPES[self.engine.dtype])  # in the engine dtype from the start
         self.tokenizer = tokenizer or CharTokenizer(self.model.config.vocab_size)
         self.load_weights({k: v.detach() for k, v in source.state_dict().items()})
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy exported weights in, then apply the engine's numerics: dtype, quantisation, noise (same draw)."""
+        """Copy exported weights in, applying the engine's numerics to each tensor in fp32 and rounding it once to the
+        engine dtype: quantisation, then noise (the same draw every load). Loading one master twice gives one engine.
+
+        Which weights: every nn.Linear weight but the lm_head (attention and MLP projections).
+        """
         # TIM: everything below is where this engine's numbers start to differ from the trainer's
-        self.model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
         noise_gen = torch.Generator().manual_seed(self.engine.noise_seed)
-        for w in [m.weight for n, m in self.model.named_modules() if isinstance(m, torch.nn.Linear)
-                  and not n.endswith("lm_head")]:
-            if self.engine.quant != "none":
-                w.copy_(fake_quantize(w.float(), self.engine.quant))
-            if self.engine.noise:
+        perturbed = {f"{n}.weight" for n, m in self.model.named_modules()
+                     if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")}
+        params = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        missing = sorted(set(params) - set(state_dict) - {n for n, _ in self.model.named_buffers()})
+        if missing or set(state_dict) - set(params):
+            raise ValueError(f"state_dict: missing {missing}, unexpected {sorted(set(state_dict) - set(params))}")
+        for name, target in params.items():  # named_modules order: the noise draws come in one fixed order
+            if name not in state_dict:
+                continue
+            w = state_dict[name].detach().to(device=target.device, dtype=torch.float32)  # (a copy: never the master)
+            if name in perturbed and self.engine.quant != "none":
+                w = fake_quantize(w, self.engine.quant)
+            if name in perturbed and self.engine.noise:
                 # the same noise on every device: drawn on the CPU once per load (not per step or token)
-                w.add_(self.engine.noise * torch.randn(w.shape, generator=noise_gen, device="cpu").to(w.device) * w)
-        self.model.to(_DTYPES[self.engine.dtype])
+                noise = torch.randn(w.shape, generator=noise_gen, device="cpu").to(w.device)
+                w = w + self.engine.noise * noise * w
+            target.copy_(w)  # TIM: the one rounding to the engine dtype (fp32 -> bf16 / fp16, round to nearest)
 
     def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5, temperature: float = 1.0,
                topk: int = 0, generator: torch.Generator | None = None, top_p: float = 1.0, top_k: int = 0,
