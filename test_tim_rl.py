@@ -2486,6 +2486,50 @@ def test_finished_runs_are_read_back_only_with_the_same_config(tmp_path):
     assert tr._finished_run(dataclasses.replace(cfg, model=str(model))) is None, "the model changed since the run"
 
 
+def test_fingerprint_is_the_codes_numerics_not_the_thread_count(monkeypatch):
+    """The digest: the same on any caller thread count; a numerical change of one correction changes it."""
+    runs, steps = (dict(correction="tis", dtype="bf16", sync_every=2),), 40
+    threads = torch.get_num_threads()
+    one = tr._fingerprint_digest(runs, pretrain_steps=steps)
+    torch.set_num_threads(2)
+    try:
+        two = tr._fingerprint_digest(runs, pretrain_steps=steps)
+    finally:
+        torch.set_num_threads(threads)
+    assert one == two and torch.get_num_threads() == threads
+    token_logprobs = tr.token_logprobs
+    planted = lambda *a, **k: token_logprobs(*a, **k) * (1 + 2**-20)  # noqa: E731  (a last-bits change)
+    monkeypatch.setattr(tr, "token_logprobs", planted)
+    assert tr._fingerprint_digest(runs, pretrain_steps=steps) != one
+
+
+def test_publish_refuses_runs_of_other_numerics_unless_accepted(tmp_path, monkeypatch):
+    """run_arms stamps every run with the fingerprint that ran it; a read-back run of another one is refused."""
+    import json
+
+    monkeypatch.setattr(tr, "numerics_fingerprint", lambda cache=None: "new")
+    def fake_run(cfg):
+        (tmp_path / cfg.name).mkdir(exist_ok=True)
+        for written in ("config.json", "metrics.jsonl"):
+            (tmp_path / cfg.name / written).write_text("{}")
+        return [{"step": 0, "reward": 0.0}, {"step": cfg.steps, "pc_trainer": 0.1}]
+
+    monkeypatch.setattr(tr, "run", fake_run)
+    monkeypatch.setattr(tr, "_finished_run", lambda cfg: None)
+    base = tr.RLConfig(steps=1)
+    tr.run_arms(base, [("a", {}), ("b", {})], [0, 1], tmp_path)
+    assert (tmp_path / "arm1_s0" / "fingerprint").read_text().strip() == "new"
+    assert "4 runs read: 4 of numerics fingerprint new" == tr._numerics_note(tmp_path / "numerics.json", False)
+    (tmp_path / "arm0_s1" / "fingerprint").write_text("old\n")  # a run of older code, read back
+    monkeypatch.setattr(tr, "_finished_run", lambda cfg: [{"step": 0, "reward": 0.0}])
+    tr.run_arms(base, [("a", {}), ("b", {})], [0, 1], tmp_path)
+    assert json.loads((tmp_path / "numerics.json").read_text())["read"] == {"new": 3, "old": 1}
+    with pytest.raises(ValueError, match="1 of the runs read back were run by code of other numerics"):
+        tr._numerics_note(tmp_path / "numerics.json", False)
+    note = tr._numerics_note(tmp_path / "numerics.json", True)
+    assert note.startswith("4 runs read: 3 of numerics fingerprint new, 1 of numerics fingerprint old; accepted")
+
+
 def test_control_learned_needs_every_seed_the_ci_and_finite_gains():
     def runs(gains, key="pc_trainer"):
         return {tr.SYNCED_CONTROL: [[{"step": 0, key: 0.4}, {"step": 0, "reward": 0.5},

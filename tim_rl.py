@@ -2701,10 +2701,72 @@ def _mean_sd(values: list[float], fmt: str = "{:.3f}") -> str:
     return f"{fmt.format(float(v.mean()))} ± {fmt.format(sd)}"
 
 
+# The numerical identity of the code: short RL runs over every numerics path, run single-threaded on a model
+# pre-trained in the same process, hashed. A comment or a pure move keeps the digest; a numerical change breaks it.
+FINGERPRINT_PRETRAIN = dict(steps=200, batch=64, lr=2e-3)  # held-out greedy ~0.08: most steps get a reward
+FINGERPRINT_RUNS = (
+    dict(dtype="bf16", export="sr", correction="tis", sync_every=2),
+    dict(dtype="bf16", export="ef", correction="sc_tis", topk=8, diagnose_drift=True),
+    dict(dtype="bf16", loss_on_served=True, correction="mis"),
+    dict(quant="fp8", noise=0.1, correction="copc", top_p=0.9),
+    dict(dtype="fp16", top_k=8, correction="dlc", dlc_max_lag=0.01, sync_every=4),
+    dict(exact=True, correction="ppo", updates_per_batch=2),
+    dict(dtype="bf16", quant="int8", noise=0.2, correction="cis", sync_every=1),
+    dict(noise=0.3, correction="none"),
+)
+FINGERPRINT_SKIP = ("sec_", "peak_rss_mb")  # record keys that measure the machine, not the numbers
+
+
+def _fingerprint_digest(runs: tuple = FINGERPRINT_RUNS, pretrain_steps: int | None = None) -> str:
+    """sha256 (16 hex digits) of a tiny pre-training and of short RL runs over `runs`, in this process. Pins one
+    thread (the caller's count is restored) so that the digest is the code's, not the thread count's."""
+    import tempfile
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            steps = FINGERPRINT_PRETRAIN["steps"] if pretrain_steps is None else pretrain_steps
+            base = pretrain(PretrainConfig(out=f"{tmp}/base", **FINGERPRINT_PRETRAIN | {"steps": steps}))
+            records = [{k: v for k, v in base.items() if k != "seconds"}]
+            for i, change in enumerate(runs):
+                cfg = RLConfig(**dict(model=f"{tmp}/base", name=f"f{i}", out_dir=tmp, steps=4, prompts=8, group=4,
+                                      eval_every=1, eval_n=16, progress=False, checkpoint_every=0, device="cpu")
+                               | change)
+                records += [{k: v for k, v in r.items() if not k.startswith(FINGERPRINT_SKIP)} for r in run(cfg)]
+    finally:
+        torch.set_num_threads(threads)
+    return hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def numerics_fingerprint(cache: Path | None = None) -> str:
+    """The numerical identity of this tim_rl.py (_fingerprint_digest, in a child process on one thread), cached in
+    `cache` (default ~/.cache/tim_rl/fingerprints.json) by a hash of the source, torch and transformers versions: a
+    comment edit recomputes it and gets the same digest."""
+    import subprocess
+
+    import transformers
+
+    source = Path(__file__).read_bytes() + f"{torch.__version__} {transformers.__version__}".encode()
+    key = hashlib.sha256(source).hexdigest()[:16]
+    cache = cache or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tim_rl" / "fingerprints.json"
+    known = json.loads(cache.read_text()) if cache.is_file() else {}
+    if key not in known:
+        env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        child = subprocess.run([sys.executable, "-c", "import tim_rl; print(tim_rl._fingerprint_digest())"],
+                               cwd=Path(__file__).parent, env=env, capture_output=True, text=True, check=True)
+        known[key] = child.stdout.split()[-1]
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(cache, json.dumps(known, indent=1))
+    return known[key]
+
+
 def _finished_run(cfg: RLConfig) -> list[dict] | None:
     """The records of out_dir/name when a finished run with this very config, started after the model's weights
     were written, is there (fields added since at their defaults), else None: `compare` re-runs only what is missing
-    or changed. A change to the code is not seen: delete the run directories after one."""
+    or changed. A change to the code is not seen here: run_arms stamps each run with the numerics fingerprint of the
+    code that ran it, and compare --publish refuses runs of another fingerprint (--accept-numerics publishes them,
+    saying so)."""
     out, weights = Path(cfg.out_dir) / cfg.name, Path(cfg.model) / "model.safetensors"
     try:
         saved = json.loads((out / "config.json").read_text())
@@ -2725,19 +2787,30 @@ def _run_seconds(out: Path) -> float:
 
 def run_arms(base: RLConfig, arms: list[tuple[str, dict]], seeds: list[int], out: Path) -> dict[str, list[list[dict]]]:
     """Every arm (label, RLConfig overrides) for every seed, into out/arm<i>_s<seed>; a finished run with the same
-    config is read back, not re-run (its seconds go to out/reused_seconds). -> {label: [records per seed]}."""
+    config is read back, not re-run (its seconds go to out/reused_seconds). Each run directory records the numerics
+    fingerprint of the code that ran it (file `fingerprint`); out/numerics.json counts what was read, by fingerprint.
+    -> {label: [records per seed]}."""
     from tqdm.auto import tqdm
 
+    current = numerics_fingerprint()
     runs: dict[str, list[list[dict]]] = {}
-    reused = 0.0
+    reused, read = 0.0, {}
     jobs = [(i, label, change, seed) for i, (label, change) in enumerate(arms) for seed in seeds]
     for i, label, change, seed in tqdm(jobs, desc=out.name, mininterval=5):
         cfg = RLConfig(**(asdict(base) | change | {"seed": seed, "out_dir": str(out), "name": f"arm{i}_s{seed}"}))
+        stamp = out / cfg.name / "fingerprint"
         records = _finished_run(cfg)
-        reused += _run_seconds(out / cfg.name) if records is not None else 0.0
-        runs.setdefault(label, []).append(records or run(cfg))
+        if records is None:
+            records = run(cfg)
+            stamp.write_text(current + "\n")
+        else:
+            reused += _run_seconds(out / cfg.name)
+        digest = stamp.read_text().strip() if stamp.is_file() else "unknown"
+        read[digest] = read.get(digest, 0) + 1
+        runs.setdefault(label, []).append(records)
         gc.collect()  # free this arm's engines (a vLLM engine holds its KV cache) before the next arm builds its own
     (out / "reused_seconds").write_text(f"{reused:.1f}\n")
+    (out / "numerics.json").write_text(json.dumps({"current": current, "read": read}))
     return runs
 
 
@@ -2825,6 +2898,8 @@ class PresetConfig:
     model: str = _arg("runs/base", "the tiny model (built if missing)")
     out_dir: str = _arg("runs/compare", "writes <out_dir>/<preset>/results.md and plot.png (CLI: <--out-dir>/compare)")
     publish: bool = _arg(False, "also rewrite the preset's section of RESULTS.md and its rows of README's verdicts")
+    accept_numerics: bool = _arg(False, "publish runs read back from code of other numerics (another fingerprint); "
+                                        "RESULTS.md says how many")
 
 
 def _preset_base(pc: PresetConfig, **change) -> RLConfig:
@@ -3298,6 +3373,7 @@ def run_preset(pc: PresetConfig) -> list[Path]:
         out = Path(pc.out_dir) / ("smoke" if pc.smoke else "") / name  # smoke runs never replace full-size ones
         out.mkdir(parents=True, exist_ok=True)
         (out / "reused_seconds").unlink(missing_ok=True)
+        (out / "numerics.json").unlink(missing_ok=True)
         t0 = time.perf_counter()
         verdicts = PRESETS[name](pc, seeds, out)
         reused = float((out / "reused_seconds").read_text()) if (out / "reused_seconds").exists() else 0.0
@@ -3305,10 +3381,29 @@ def run_preset(pc: PresetConfig) -> list[Path]:
         print(f"[{name}] {[v['verdict'] for v in verdicts]} ({seconds:.0f} s) -> {out / 'results.md'}", file=sys.stderr)
         command = f"python tim_rl.py compare --preset {name} --seeds {','.join(map(str, seeds))}"
         (out / "verdicts.json").write_text(json.dumps({"verdicts": verdicts, "command": command, "seconds": seconds}))
+        numerics = _numerics_note(out / "numerics.json", pc.accept_numerics and pc.publish)
         if pc.publish and not pc.smoke:
-            publish(name, (out / "results.md").read_text(), verdicts, command, seconds, plot=out / "plot.png")
+            publish(name, (out / "results.md").read_text(), verdicts, command, seconds, plot=out / "plot.png",
+                    numerics=numerics)
         written.append(out / "results.md")
     return written
+
+
+def _numerics_note(path: Path, accept: bool) -> str:
+    """'N runs of numerics fingerprint F (...)' for RESULTS.md, from run_arms' count. Runs recorded by code of other
+    numerics (or by code that recorded none) raise ValueError unless `accept` (compare --accept-numerics)."""
+    if not path.is_file():
+        return "no RL runs"
+    counts = json.loads(path.read_text())
+    current, read = counts["current"], counts["read"]
+    other = {digest: n for digest, n in read.items() if digest != current}
+    if other and not accept:
+        raise ValueError(f"{sum(other.values())} of the runs read back were run by code of other numerics "
+                         f"({other}; this code is {current}): delete them to re-run, or publish them anyway with "
+                         f"--accept-numerics (RESULTS.md then says so)")
+    parts = [f"{n} of numerics fingerprint {digest}" for digest, n in sorted(read.items(), key=lambda kv: -kv[1])]
+    accepted = f"; accepted with --accept-numerics, this code is {current}" if other else ""
+    return f"{sum(read.values())} runs read: " + ", ".join(parts) + accepted
 
 
 def _replace_block(text: str, name: str, body: str) -> str:
@@ -3328,7 +3423,7 @@ def published_rows(results: str) -> list[dict]:
 
 
 def publish(name: str, results: str, verdicts: list[dict], command: str, seconds: float, root: Path = Path("."),
-            plot: Path | None = None):
+            plot: Path | None = None, numerics: str = ""):
     """Copy a preset's results.md (and its plot, to figures/<name>.png) into RESULTS.md and rebuild README's verdict
     table from every preset there."""
     path, readme = root / "RESULTS.md", root / "README.md"
@@ -3341,7 +3436,7 @@ def publish(name: str, results: str, verdicts: list[dict], command: str, seconds
         (root / "figures").mkdir(exist_ok=True)
         (root / "figures" / f"{name}.png").write_bytes(plot.read_bytes())
         figure = f"\n\n![{name}: the preset's plot, mean over seeds](figures/{name}.png)"
-    minutes = f"{seconds / 60:.0f} min on this machine: its runs' own time, summed"
+    minutes = f"{seconds / 60:.0f} min on this machine: its runs' own time, summed" + (f"; {numerics}" if numerics else "")
     body = (f"<!-- rows {json.dumps(rows)} -->\n## {name}\n\n`{command}` ({minutes})\n\n"
             + results.split("\n", 1)[1].lstrip("\n").replace("\n# ", "\n### ").rstrip("\n") + figure)
     text = _replace_block(text, f"preset:{name}", body)
@@ -3795,6 +3890,8 @@ def _parser():
     p_cmp.add_argument("--smoke", action="store_true", help="with --preset: seconds-sized runs (CI)")
     p_cmp.add_argument("--publish", action="store_true",
                        help="with --preset: rewrite its section of RESULTS.md and its rows of README's verdict table")
+    p_cmp.add_argument("--accept-numerics", action="store_true",
+                       help="with --publish: publish runs read back from code of other numerics (RESULTS.md says so)")
     _add_fields(sub.add_parser("bench", help="speed and memory ratios against baselines timed side by side"),
                 BenchConfig)
     p_demo = sub.add_parser("demo", help="the default demo")
@@ -3837,7 +3934,7 @@ def main(argv: list[str] | None = None) -> None:
         print(_train_summary(run(cfg, resume=bool(args.resume)), Path(cfg.out_dir) / cfg.name))
     elif args.cmd == "compare" and args.preset:
         pc = PresetConfig(preset=args.preset, seeds=seeds, smoke=args.smoke, model=args.model, publish=args.publish,
-                          out_dir=str(Path(args.out_dir) / "compare"))
+                          accept_numerics=args.accept_numerics, out_dir=str(Path(args.out_dir) / "compare"))
         for path in run_preset(pc):
             print(path.read_text())
     elif args.cmd == "compare":
