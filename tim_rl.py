@@ -53,6 +53,7 @@ References
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import gc
 import hashlib
@@ -66,6 +67,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from fractions import Fraction
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -141,7 +143,8 @@ class RLConfig:
     min_p: float = _arg(0.0, "sampler min-p truncation: keep p >= min_p * max p (0 = off)")
     renormalize: bool = _arg(True, "with truncation, renormalise the trainer's log-probs on the sampler's kept support "
                                    "(off: full-vocabulary log-probs, every ratio biased by the kept mass S)")
-    topk: int = _arg(0, "sampler top-K ids recorded for score centering; 0 = whole vocabulary")
+    topk: int = _arg(0, "sampler top-K ids recorded for score centering (0 = whole vocabulary); recorded only for "
+                        "the arms that read them (sc, sc_tis, sc_mis, drift_only, --diagnose-drift)")
     baseline: str = _arg("group", "advantage baseline: group (GRPO mean, no std) | none (raw reward)")
     optimizer: str = _arg("adamw", "adamw | sgd")
     lr: float = _arg(3e-5, "learning rate; a larger one such as 1e-4 knocks the tiny model back in Adam's first steps")
@@ -436,14 +439,15 @@ def _check_truncation(top_p: float, top_k: int, min_p: float) -> None:
         raise ValueError(f"min_p must be in [0, 1), got {min_p}")
 
 
-def support_ids(keep: torch.Tensor) -> torch.Tensor:
+def support_ids(keep: torch.Tensor, size: int | None = None) -> torch.Tensor:
     """The kept ids of a (..., V) bool mask, padded with -1 to the largest kept count S. (..., V) -> (..., S) long.
 
     Costs 8 S bytes per position instead of V for the mask: far less whenever truncation bites (S << V / 8).
+    size: S when the caller knows it (decode reads it in its one host sync per token); else counted here.
 
     needs: nothing
     """
-    S = max(int(keep.sum(-1).max()), 1) if keep.numel() else 1
+    S = size if size is not None else (max(int(keep.sum(-1).max()), 1) if keep.numel() else 1)
     order = torch.sort(keep.to(torch.uint8), dim=-1, descending=True, stable=True).indices[..., :S]  # kept first
     return torch.where(keep.gather(-1, order), order, torch.full_like(order, -1))
 
@@ -1476,10 +1480,16 @@ class Rollout:
     texts: list[str]  # decoded responses
     kept_ids: torch.Tensor | None = None  # (B, T, S) long, -1 padded: the sampler's kept support (None: untruncated,
     # or the engine cannot return it: the loop then rebuilds it from the trainer's logits, kept_support)
+    entropy: torch.Tensor | None = None  # (B, T) float32, entropy of the sampled distribution (None: not recorded)
 
     def to(self, device) -> Rollout:
         """The same rollout with every tensor on `device` (vLLM returns CPU tensors; the trainer may be on a GPU)."""
         return Rollout(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()})
+
+
+def _entropy(logprobs: torch.Tensor) -> torch.Tensor:
+    """-sum_v p_v log p_v over the last axis, 0 * -inf read as 0 (truncated tokens). (..., V) -> (...)."""
+    return -(logprobs.exp() * logprobs.nan_to_num(neginf=0.0)).sum(-1)
 
 
 def _pad_stack(rows: list[torch.Tensor], value: int) -> torch.Tensor:
@@ -1504,15 +1514,17 @@ def _draw_seed(generator: torch.Generator | None) -> int:
 
 
 @torch.no_grad()
-def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, topk: int = 0,
+def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, topk: int | None = 0,
            generator: torch.Generator | None = None, decode_text=None, eos_id: int | None = None,
            pad_id: int | None = None, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Rollout:
     """KV-cache sampling from softmax(logits / temperature) truncated by min_p, top_k, top_p (greedy at 0).
 
     The recorded log-probs are those of the distribution actually sampled from (temperature applied, renormalised
     over the kept tokens, -inf elsewhere), computed in float32 from the engine's logits, as vLLM's processed
-    log-probs are; with truncation the kept support is recorded too (Rollout.kept_ids). topk = 0: all V.
+    log-probs are; with truncation the kept support is recorded too (Rollout.kept_ids), and the entropy of every
+    sampled distribution. topk: the K most probable ids recorded per token (0 = all V; None = none, K = 0).
     A sequence stops at eos_id (default: the model config's; the mask includes it); pad_id fills prompts and ends.
+    One host sync per token: the stop test (and, with truncation, the kept count) in one transfer.
     """
     from transformers import DynamicCache
 
@@ -1529,16 +1541,15 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     inputs, attention, cache = prompt_ids, prompt_mask.long(), DynamicCache()  # the prompt, then one token at a time
     finished = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=device)  # (B,)
     truncate = temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0)
-    ids, masks, logps, tops, kept = [], [], [], [], []
+    ids, masks, logps, entropies, tops, kept = [], [], [], [], [], []
     for _ in range(max_new_tokens):
         out = model(input_ids=inputs, past_key_values=cache, use_cache=True, attention_mask=attention,
-                    position_ids=_positions(attention)[:, -inputs.shape[1] :])
+                    position_ids=_positions(attention)[:, -inputs.shape[1] :], logits_to_keep=1)  # the last position
         cache, logits = out.past_key_values, out.logits[:, -1]  # (B, V)
         scaled = logits.float() / (temperature if temperature > 0 else 1.0)  # (B, V)
         if truncate:  # TIM: the sampled distribution is renormalised over the kept tokens
             keep = truncation_mask(scaled, top_p, top_k, min_p)  # (B, V)
             scaled = scaled.masked_fill(~keep, -math.inf)
-            kept.append(support_ids(keep))  # (B, S_t)
         logprobs = torch.log_softmax(scaled, -1)  # (B, V)
         token = (torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1) if temperature > 0
                  else logprobs.argmax(-1))  # (B,), on the logits' device: no host copy per token
@@ -1546,18 +1557,29 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
         masks.append(~finished)
         ids.append(token)
         logps.append(logprobs.gather(-1, token[:, None]).squeeze(1))
-        tops.append(logprobs.topk(min(topk, logits.shape[-1]) if topk > 0 else logits.shape[-1], dim=-1))  # (B, K)
+        entropies.append(_entropy(logprobs))  # (B,): the sampler has the whole distribution now, nobody stores it
+        if topk is not None:
+            tops.append(logprobs.topk(min(topk, logits.shape[-1]) if topk > 0 else logits.shape[-1], dim=-1))
         finished = finished | (token == eos_id)
-        if finished.all():
+        # the token's one host sync: stop when every row finished; the kept count S sizes this token's support
+        counts = [finished.all().long()] + ([keep.sum(-1).max()] if truncate else [])
+        done, *kept_count = torch.stack(counts).tolist()
+        if truncate:
+            kept.append(support_ids(keep, size=max(kept_count[0], 1)))  # (B, S_t)
+        if done:
             break
         inputs, attention = token[:, None], torch.cat([attention, attention.new_ones(attention.shape[0], 1)], 1)
     response_ids = torch.stack(ids, 1)  # (B, T)
+    B, T = response_ids.shape
     decode_text = decode_text or (lambda row: " ".join(map(str, row)))
+    no_topk = torch.zeros(B, T, 0, device=device)
     return Rollout(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, mask=torch.stack(masks, 1),
-        logp_infer=torch.stack(logps, 1), topk_ids=torch.stack([t.indices for t in tops], 1),
-        logp_topk_infer=torch.stack([t.values for t in tops], 1), kept_ids=_pad_stack(kept, -1) if kept else None,
-        texts=[decode_text(row.tolist()) for row in response_ids])
+        logp_infer=torch.stack(logps, 1),
+        topk_ids=torch.stack([t.indices for t in tops], 1) if tops else no_topk.long(),  # (B, T, K)
+        logp_topk_infer=torch.stack([t.values for t in tops], 1) if tops else no_topk,
+        kept_ids=_pad_stack(kept, -1) if kept else None, entropy=torch.stack(entropies, 1),
+        texts=[decode_text(row) for row in response_ids.tolist()])
 
 
 def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_ids: torch.Tensor | None = None,
@@ -1576,60 +1598,97 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_id
 
 
 def _response_forward(model, rollout: Rollout, temperature: float = 1.0, params: dict | None = None):
-    """One full forward over prompt + response: (logits / temperature, last hidden) at the response positions."""
+    """One full forward over prompt + response: (logits / temperature, last hidden) at the response positions.
+
+    The head runs on the T response positions only (logits_to_keep): no (B, P + T, V) logits for the prompt.
+    """
     input_ids = torch.cat([rollout.prompt_ids, rollout.response_ids], 1)  # (B, P + T)
     attention = torch.cat([rollout.prompt_mask, torch.ones_like(rollout.mask)], 1).long()
-    kwargs = dict(input_ids=input_ids, attention_mask=attention, position_ids=_positions(attention),
-                  output_hidden_states=True)
-    out = model(**kwargs) if params is None else torch.func.functional_call(model, params, args=(), kwargs=kwargs)
     P, T = rollout.prompt_ids.shape[1], rollout.response_ids.shape[1]
-    logits = out.logits[:, P - 1 : P + T - 1]  # (B, T, V): position t predicts response token t
+    keep = torch.arange(P - 1, P + T - 1, device=input_ids.device)  # position t predicts response token t
+    kwargs = dict(input_ids=input_ids, attention_mask=attention, position_ids=_positions(attention),
+                  output_hidden_states=True, logits_to_keep=keep)
+    out = model(**kwargs) if params is None else torch.func.functional_call(model, params, args=(), kwargs=kwargs)
+    logits = out.logits  # (B, T, V)
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     return logits, out.hidden_states[-1][:, P - 1 : P + T - 1]
 
 
-def support_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_ids: torch.Tensor | None = None,
-                     params: dict | None = None):
-    """sequence_logprobs renormalised on the sampler's kept support rollout.kept_ids (renormalize_on_support).
+def logprobs_on_support(logits: torch.Tensor, rollout: Rollout, topk_ids: torch.Tensor | None = None):
+    """(log p~ (B, T), log p~ of the top-K ids (B, T, K) or None, log S (B, T) or None) from response logits
+    (B, T, V), renormalised on rollout.kept_ids (renormalize_on_support); without a kept support, plain log-probs.
 
-    Returns (log p~ (B, T), log p~ of the top-K ids (B, T, K) or None, hidden, log S (B, T)). Top-K ids off the
-    support (-inf in the sampler's processed logp_topk_infer) get -inf: the truncated policy puts no mass there.
-    Without a kept support (kept_ids None: the sampler kept every token) it is sequence_logprobs, log S None.
+    Top-K ids off the support (-inf in the sampler's processed logp_topk_infer) get -inf: the truncated policy puts
+    no mass there. One token_logprobs pass serves the sampled token, the K ids and the S kept ids.
     """
-    if rollout.kept_ids is None:
-        return (*sequence_logprobs(model, rollout, temperature, topk_ids, params), None)
     kept = rollout.kept_ids  # (B, T, S), -1 pads
     K = 0 if topk_ids is None else topk_ids.shape[-1]
-    ids = kept.clamp(min=0) if topk_ids is None else torch.cat([topk_ids, kept.clamp(min=0)], -1)  # (B, T, K + S)
-    logp, both, hidden = sequence_logprobs(model, rollout, temperature, ids, params)
-    logp, log_s = renormalize_on_support(logp, both[..., K:].masked_fill(kept < 0, -math.inf))
+    ids = [rollout.response_ids[..., None]] + ([] if topk_ids is None else [topk_ids])
+    ids += [] if kept is None else [kept.clamp(min=0)]
+    both = token_logprobs(logits, torch.cat(ids, -1))  # (B, T, 1 + K + S)
+    logp, logp_topk = both[..., 0], (None if topk_ids is None else both[..., 1 : 1 + K])
+    if kept is None:
+        return logp, logp_topk, None
+    logp, log_s = renormalize_on_support(logp, both[..., 1 + K :].masked_fill(kept < 0, -math.inf))
     if topk_ids is None:
-        return logp, None, hidden, log_s
+        return logp, None, log_s
     on_support = torch.isfinite(rollout.logp_topk_infer)
-    return logp, torch.where(on_support, both[..., :K] - log_s[..., None], -math.inf), hidden, log_s
+    return logp, torch.where(on_support, logp_topk - log_s[..., None], -math.inf), log_s
+
+
+def support_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_ids: torch.Tensor | None = None,
+                     params: dict | None = None):
+    """sequence_logprobs renormalised on the sampler's kept support rollout.kept_ids (logprobs_on_support).
+
+    Returns (log p~ (B, T), log p~ of the top-K ids (B, T, K) or None, hidden, log S (B, T) or None). Without a
+    kept support (kept_ids None: the sampler kept every token) it is sequence_logprobs, log S None.
+    """
+    logits, hidden = _response_forward(model, rollout, temperature, params)  # (B, T, V), (B, T, H)
+    logp, logp_topk, log_s = logprobs_on_support(logits, rollout, topk_ids)
+    return logp, logp_topk, hidden, log_s
 
 
 @torch.no_grad()
+def kept_support_from_logits(logits: torch.Tensor, response_ids: torch.Tensor, top_p: float, top_k: int,
+                             min_p: float) -> torch.Tensor:
+    """The kept support of (B, T, V) logits by the sampler's rule, plus the sampled token: (B, T, S) ids, -1 pads.
+
+    By row chunks of CHUNK_BYTES: truncation_mask's sort transients are a few chunks, never (B, T, V) masks.
+    """
+    B, T, V = logits.shape
+    flat, ids = logits.reshape(-1, V), response_ids.reshape(-1, 1)  # (N, V), (N, 1)
+    rows = max(1, CHUNK_BYTES // (4 * V))
+    parts = []
+    for start in range(0, flat.shape[0], rows):
+        keep = truncation_mask(flat[start : start + rows].float(), top_p, top_k, min_p)  # (n, V) bool
+        keep.scatter_(-1, ids[start : start + rows], True)  # TIM: the token was sampled, so it was kept
+        parts.append(support_ids(keep))  # (n, S_chunk)
+    S = max(p.shape[-1] for p in parts)
+    padded = [torch.nn.functional.pad(p, (0, S - p.shape[-1]), value=-1) for p in parts]
+    return torch.cat(padded).reshape(B, T, S)
+
+
 def kept_support(model, rollout: Rollout, temperature: float, top_p: float, top_k: int, min_p: float):
     """The kept support rebuilt from `model`'s own logits with the sampler's rule, plus the sampled token. (B, T, S).
 
     For engines that cannot return theirs (vLLM 0.32's return_sampling_mask needs the GPU model runner V2): engine
     numerics can move a token across the top-p boundary, so it may differ from the sampler's (support_differs).
     """
-    logits = _response_forward(model, rollout, temperature)[0]  # (B, T, V)
-    keep = truncation_mask(logits, top_p, top_k, min_p)
-    keep.scatter_(-1, rollout.response_ids[..., None], True)  # TIM: the token was sampled, so it was kept
-    return support_ids(keep)
+    with torch.no_grad():
+        logits = _response_forward(model, rollout, temperature)[0]  # (B, T, V)
+    return kept_support_from_logits(logits, rollout.response_ids, top_p, top_k, min_p)
 
 
-def support_differs(kept_a: torch.Tensor, kept_b: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> float:
-    """Share of masked positions whose two kept supports ((B, T, S) ids, -1 pads) are not the same set."""
-    def as_mask(kept):  # (B, T, V + 1) bool, column 0 collects the pads
-        blank = torch.zeros(*kept.shape[:2], vocab_size + 1, dtype=torch.bool, device=kept.device)
-        return blank.scatter_(-1, kept + 1, True)[..., 1:]
+def support_differs(kept_a: torch.Tensor, kept_b: torch.Tensor, mask: torch.Tensor) -> float:
+    """Share of masked positions whose two kept supports ((B, T, S) ids, -1 pads) are not the same set.
 
-    differs = (as_mask(kept_a) != as_mask(kept_b)).any(-1)  # (B, T)
+    Compares the sorted id lists (padded to one S): (B, T, S) work, no (B, T, V) mask.
+    """
+    S = max(kept_a.shape[-1], kept_b.shape[-1])
+    a = torch.nn.functional.pad(kept_a, (0, S - kept_a.shape[-1]), value=-1).sort(-1).values  # (B, T, S)
+    b = torch.nn.functional.pad(kept_b, (0, S - kept_b.shape[-1]), value=-1).sort(-1).values
+    differs = (a != b).any(-1)  # (B, T)
     return float(differs[mask].float().mean()) if mask.any() else 0.0
 
 
@@ -1818,11 +1877,12 @@ class VLLMSampler:
         """n samples per prompt (consecutive rows) with vLLM's log-probs of each token and of its top-K ids.
 
         With truncation the kept support is the finite entries of the processed log-probs when topk = 0 (all V
-        requested); otherwise kept_ids is None and the loop rebuilds it (kept_support).
+        requested); otherwise kept_ids is None and the loop rebuilds it (kept_support). topk None: only the sampled
+        token's log-prob (K = 0).
         """
         from vllm import SamplingParams
 
-        K = self.vocab_size if topk <= 0 else min(topk, self.vocab_size)
+        K = 0 if topk is None else (self.vocab_size if topk <= 0 else min(topk, self.vocab_size))
         # One seed per prompt: vLLM seeds completion i of a request with seed + i, so one seed for the whole batch
         # would give every prompt's i-th sample the same random stream (and duplicate prompts identical groups).
         seeds = (torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist() if generator is not None
@@ -1853,8 +1913,10 @@ class VLLMSampler:
         if temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0) and K == self.vocab_size:
             finite = torch.zeros(B, T, self.vocab_size).scatter_add_(-1, top_ids, torch.isfinite(top_logp).float())
             kept = support_ids((finite > 0) & mask[..., None])  # (B, T, S)
+        entropy = _entropy(top_logp) if K == self.vocab_size else None  # the whole distribution came back
         texts = [self.tokenizer.decode(row.tolist()) for row in response_ids]
-        return Rollout(prompt_ids, prompt_mask, response_ids, mask, logp, top_ids, top_logp, texts, kept_ids=kept)
+        return Rollout(prompt_ids, prompt_mask, response_ids, mask, logp, top_ids, top_logp, texts, kept_ids=kept,
+                       entropy=entropy)
 
     def greedy_accuracy(self, problems, max_new_tokens: int = 6) -> float:
         """Held-out greedy exact match of vLLM's copy of the weights."""
@@ -1919,6 +1981,31 @@ def load_tokenizer(directory: str | Path):
 # ---- trainer ----
 
 
+class Behaviour(NamedTuple):
+    """Trainer.behaviour_logprobs' result: (B, T) log-probs of the trainer engine on the served weights and on the
+    unrounded master at export (None for an fp32 export), and the kept support rebuilt from them (None)."""
+
+    logp_old: torch.Tensor
+    logp_master_old: torch.Tensor | None
+    rebuilt: torch.Tensor | None
+
+
+EXPORT_STAT_ELEMENTS = 1 << 22  # the visible update fraction's fp64 sums run on slices of 4M elements (32 MiB)
+
+
+def _dot_and_norm2(master, master_before, served, served_before) -> tuple[torch.Tensor, torch.Tensor]:
+    """(<d served, d master>, |d master|^2) in fp64, over flat slices: no fp64 copy of a whole tensor. -> 0-d, 0-d."""
+    dot = torch.zeros((), dtype=torch.float64, device=master.device)
+    norm2 = torch.zeros((), dtype=torch.float64, device=master.device)
+    flat = [t.detach().reshape(-1) for t in (master, master_before, served, served_before)]
+    for start in range(0, flat[0].numel(), EXPORT_STAT_ELEMENTS):
+        m, m0, s, s0 = (t[start : start + EXPORT_STAT_ELEMENTS].double() for t in flat)
+        d_master = m - m0
+        dot += (d_master * (s - s0)).sum()
+        norm2 += d_master.square().sum()
+    return dot, norm2
+
+
 class Trainer:
     """fp32 master weights + optimizer; recomputes log-probs; exports the served copy the sampler will hold."""
 
@@ -1926,9 +2013,11 @@ class Trainer:
                  loss_on_served: bool = False, extra_params=()):
         _check_choice("export_dtype", export_dtype, sorted(_DTYPES))
         _check_choice("optimizer", optimizer, ("adamw", "sgd"))
-        self.model = model.float().train()
+        # TIM: eval mode: dropout off, or every forward would differ from the last and show up as lag
+        self.model = model.float().eval()
         # The trainer engine on the weights the sampler holds: logp_old comes from here (kept when the sampler lags).
-        self.behaviour = copy.deepcopy(self.model).eval()
+        # Its parameters are also the served copy (fp32 values of what the sampler holds): no second copy.
+        self.behaviour = copy.deepcopy(self.model).eval().requires_grad_(False)
         # The unrounded master at the last export: splits export rounding off the ledger (bf16 / fp16 exports only).
         self.master_at_export = copy.deepcopy(self.model).eval() if export_dtype != "fp32" else None
         params = list(self.model.parameters()) + list(extra_params)
@@ -1936,8 +2025,12 @@ class Trainer:
                     else torch.optim.SGD(params, lr=lr))
         self.export_dtype, self.loss_on_served = export_dtype, loss_on_served
         self.residual: dict[str, torch.Tensor] = {}  # error-feedback residuals, fp32
-        self.served = {n: p.detach().clone() for n, p in self.model.named_parameters()}  # fp32 values served
         self._served_leaves: dict[str, torch.Tensor] | None = None
+
+    @property
+    def served(self) -> dict[str, torch.Tensor]:
+        """The fp32 values the sampler holds (the behaviour copy's parameters; name -> tensor, not a copy)."""
+        return dict(self.behaviour.named_parameters())
 
     def _params(self) -> dict | None:
         """None (the master), or under loss_on_served fresh leaves holding the served copy."""
@@ -1955,13 +2048,26 @@ class Trainer:
         return support_logprobs(self.model, rollout, temperature, topk_ids, params=self._params())
 
     @torch.no_grad()
-    def behaviour_logprobs(self, rollout: Rollout, temperature: float = 1.0):
-        """(logp_old, logp_master_old or None): the trainer engine on the served weights / on the master at export.
-        Renormalised on rollout.kept_ids when the sampler truncated."""
-        logp_old = support_logprobs(self.behaviour, rollout, temperature)[0]
-        if self.master_at_export is None:
-            return logp_old, None
-        return logp_old, support_logprobs(self.master_at_export, rollout, temperature)[0]
+    def behaviour_logprobs(self, rollout: Rollout, temperature: float = 1.0, truncation: tuple | None = None):
+        """Behaviour(logp_old, logp_master_old or None, rebuilt support or None): the trainer engine on the served
+        weights / on the master at export, renormalised on the kept support. One forward per model.
+
+        truncation = (top_p, top_k, min_p): the kept support is also rebuilt from the behaviour logits of that same
+        forward (kept_support_from_logits) and used where the sampler returned none (rollout.kept_ids None).
+        """
+        logits = _response_forward(self.behaviour, rollout, temperature)[0]  # (B, T, V)
+        rebuilt = None
+        if truncation is not None:
+            rebuilt = kept_support_from_logits(logits, rollout.response_ids, *truncation)  # (B, T, S)
+        if rollout.kept_ids is None and rebuilt is not None:
+            rollout = dataclasses.replace(rollout, kept_ids=rebuilt)
+        logp_old = logprobs_on_support(logits, rollout)[0]
+        del logits  # before the second model's forward
+        logp_master_old = None
+        if self.master_at_export is not None:
+            logits_master = _response_forward(self.master_at_export, rollout, temperature)[0]  # (B, T, V)
+            logp_master_old = logprobs_on_support(logits_master, rollout)[0]
+        return Behaviour(logp_old, logp_master_old, rebuilt)
 
     def grad_leaves(self) -> list[torch.Tensor]:
         """The tensors the last forward ran on: the served leaves under loss_on_served, else the master."""
@@ -1984,7 +2090,7 @@ class Trainer:
     def export(self, mode: str = "rtn", generator: torch.Generator | None = None) -> tuple[dict, float]:
         """Round the fp32 master to the sampler's dtype (rtn | sr | ef). Returns (state dict, visible update fraction).
 
-        Also moves the behaviour copy to the served weights, so that logp_old is the trainer engine on exactly what
+        Also moves the behaviour copy to the served weights (in place), so that logp_old is the trainer engine on what
         the sampler now holds. On the CPU: the reference roundings with `generator` itself. On a GPU: SR's noise is
         hash_noise16 seeded by one draw from `generator` per tensor, SR and EF fused where torch.compile has Triton.
         """
@@ -2005,12 +2111,12 @@ class Trainer:
                     master, self.residual.get(name, torch.zeros_like(master)))
             else:  # TIM: round-to-nearest swallows updates below half a cell
                 served = master.to(_DTYPES[self.export_dtype])
+            served_before = self.behaviour.get_parameter(name)
             if self.master_at_export is not None:  # the visible update fraction's <d served, d master> / |d master|^2
-                d_master = master.double() - self.master_at_export.get_parameter(name).double()
-                dot = dot + (d_master * (served.double() - self.served[name].double())).sum()  # on the device: no
-                norm2 = norm2 + d_master.square().sum()  # host round trip per tensor
-            state[name], self.served[name] = served, served.float()
-        self.behaviour.load_state_dict(self.served, strict=False)
+                moved = _dot_and_norm2(master, self.master_at_export.get_parameter(name), served, served_before)
+                dot, norm2 = dot + moved[0], norm2 + moved[1]  # on the device: no host round trip per tensor
+            served_before.copy_(served)  # TIM: the behaviour copy now holds exactly what the sampler will hold
+            state[name] = served
         if self.master_at_export is not None:
             self.master_at_export.load_state_dict(dict(self.model.named_parameters()), strict=False)
         return state, (float(dot / norm2) if norm2 > 0 else (1.0 if self.export_dtype == "fp32" else 0.0))
@@ -2033,9 +2139,8 @@ def load_trainer_state(trainer: Trainer, tensors: dict, meta: dict, extra: dict 
     """Inverse of trainer_state (the behaviour copy is rebuilt from the served weights)."""
     part = lambda name: {n[len(name) + 1:]: v for n, v in tensors.items() if n.startswith(name + ".")}  # noqa: E731
     device = next(trainer.model.parameters()).device
-    trainer.served = {n: v.to(device, copy=True) for n, v in part("served").items()}
     trainer.residual = {n: v.to(device, copy=True) for n, v in part("residual").items()}
-    trainer.behaviour.load_state_dict(trainer.served, strict=False)
+    trainer.behaviour.load_state_dict(part("served"), strict=False)  # the served copy is the behaviour's weights
     modules = {"model": trainer.model, "master_at_export": trainer.master_at_export} | (extra or {})
     for name, module in modules.items():
         if module is not None:
@@ -2144,17 +2249,20 @@ def _truncates(cfg: RLConfig) -> bool:
     return cfg.temperature > 0 and (cfg.top_p < 1 or cfg.top_k > 0 or cfg.min_p > 0)
 
 
-def _support_record(cfg: RLConfig, trainer: Trainer, ro: Rollout) -> dict:
-    """Rebuild the kept support from the trainer engine on the served weights; use it where the sampler gave none.
+TOPK_READERS = ("sc", "sc_tis", "sc_mis", "drift_only")  # the arms whose loss reads the top-K log-probs
 
-    Logs support_differs (share of positions where the sampler's own support differs from the rebuilt one).
+
+def recorded_topk(cfg: RLConfig) -> int | None:
+    """The top-K the sampler records: cfg.topk for the arms (and diagnostics) that read it, else None (K = 0).
+
+    At V = 151,936 all-V records would be 12 bytes x V per token; vLLM still returns all V under truncation on
+    the CPU, where its processed log-probs are the only way to read its kept support.
     """
-    rebuilt = kept_support(trainer.behaviour, ro, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p)  # (B, T, S)
-    if ro.kept_ids is None:
-        ro.kept_ids = rebuilt
-        return {"support_rebuilt": True}
-    return {"support_rebuilt": False,
-            "support_differs": support_differs(ro.kept_ids, rebuilt, ro.mask, trainer.model.config.vocab_size)}
+    if cfg.correction in TOPK_READERS or cfg.diagnose_drift:
+        return cfg.topk
+    if cfg.sampler == "vllm" and _truncates(cfg):
+        return 0
+    return None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -2292,13 +2400,15 @@ def _update(cfg: RLConfig, rs: _RunState, ro: Rollout, rewards, logp_old, logp_p
     logp_prox None: this is the batch's first update, whose log-probs become the proximal policy.
     """
     # TIM: with truncation the current trainer's log-probs are renormalised on the sampler's kept support: p~, not p
-    logp, logp_topk, hidden, log_s = rs.trainer.support_logprobs(ro, ro.topk_ids, cfg.temperature)
+    topk_ids = ro.topk_ids if ro.topk_ids.shape[-1] > 0 else None  # gathered only where the arm reads them
+    logp, logp_topk, hidden, log_s = rs.trainer.support_logprobs(ro, topk_ids, cfg.temperature)
     lap("recompute")
     first, before = logp_prox is None, (logp.detach(), log_s)
     if first and log_s is not None:
         extra["kept_mass"] = float(masked_mean(log_s.detach().exp(), ro.mask))
     if log_s is not None and not cfg.renormalize:  # TIM: full-vocabulary log-probs: the ratio is biased by S
-        logp, logp_topk = logp + log_s, logp_topk + log_s[..., None]
+        logp = logp + log_s
+        logp_topk = None if logp_topk is None else logp_topk + log_s[..., None]
     logp_prox = logp.detach() if first else logp_prox  # TIM: the proximal policy: the trainer before the first update
     adv, critic_loss = _advantages(cfg, rewards, logp, hidden, ro, rs.value_head)
     loss = policy_loss(cfg, logp, logp_topk, logp_prox, logp_old, ro, adv)
@@ -2334,14 +2444,22 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
     # 1) sample
     prompts, answers = _encode_problems(rs.tokenizer, rs.train_set[step * cfg.prompts : (step + 1) * cfg.prompts])
     device = next(trainer.model.parameters()).device
-    ro = sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, cfg.topk, gen, cfg.top_p,
+    ro = sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, recorded_topk(cfg), gen, cfg.top_p,
                         cfg.top_k, cfg.min_p).to(device)
     lap("sample")
     # 2) verify
     rewards = torch.tensor([verify(text, answers[i // cfg.group]) for i, text in enumerate(ro.texts)], device=device)
-    extra = _support_record(cfg, trainer, ro) if _truncates(cfg) else {}  # may fill ro.kept_ids
-    # 3) recompute the behaviour log-probs: the trainer engine on the weights the sampler holds, and on the master
-    logp_old, logp_master_old = trainer.behaviour_logprobs(ro, cfg.temperature)
+    # 3) recompute the behaviour log-probs: the trainer engine on the weights the sampler holds, and on the master;
+    # with truncation the same forward rebuilds the kept support, used where the sampler returned none
+    truncation = (cfg.top_p, cfg.top_k, cfg.min_p) if _truncates(cfg) else None
+    logp_old, logp_master_old, rebuilt = trainer.behaviour_logprobs(ro, cfg.temperature, truncation)
+    extra = {}
+    if truncation is not None:
+        extra["support_rebuilt"] = ro.kept_ids is None
+        if ro.kept_ids is None:
+            ro.kept_ids = rebuilt
+        else:  # share of positions where the sampler's own support differs from the rebuilt one
+            extra["support_differs"] = support_differs(ro.kept_ids, rebuilt, ro.mask)
     lap("recompute")
     # 4) + 5) correct and step, updates_per_batch times on the same batch
     update, logp_prox, (logp, log_s) = _update(cfg, rs, ro, rewards, logp_old, None, extra, lap)
@@ -2366,9 +2484,8 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
         record[key] = sum(values) / len(values) if values else None
     record |= {f"mm_{k}": v for k, v in mismatch_metrics(logp_prox, ro.logp_infer, ro.mask).items()}
     record |= {f"ledger_{k}": v for k, v in ledger.items()} | extra | {"peak_rss_mb": peak_rss_mb()}
-    if ro.logp_topk_infer.shape[-1] == trainer.model.config.vocab_size:  # the full distribution: its entropy
-        ent = -(ro.logp_topk_infer.exp() * ro.logp_topk_infer.nan_to_num(neginf=0.0)).sum(-1)
-        record["entropy"] = float(masked_mean(ent, ro.mask))
+    if ro.entropy is not None:  # recorded by the sampler, which had the whole distribution
+        record["entropy"] = float(masked_mean(ro.entropy, ro.mask))
     return record | {f"sec_{phase}": sec[phase] for phase in STEP_PHASES}
 
 
@@ -3068,7 +3185,7 @@ def truncation_rows(model, engine: str, sampler, prompts: list[list[int]], n: in
                 rebuilt = kept_support(model, ro, 1.0, trunc.get("top_p", 1.0), trunc.get("top_k", 0),
                                        trunc.get("min_p", 0.0))
                 if ro.kept_ids is not None:
-                    row["support differs"] = support_differs(ro.kept_ids, rebuilt, m, model.config.vocab_size)
+                    row["support differs"] = support_differs(ro.kept_ids, rebuilt, m)
                 source, ro.kept_ids = ("sampler", ro.kept_ids) if ro.kept_ids is not None else ("rebuilt", rebuilt)
                 logp_renorm, _, _, log_s = support_logprobs(model, ro)
         rows.append(row | {"support": source, "S mean": float(log_s[m].exp().mean()),
