@@ -843,6 +843,169 @@ def test_token_logprobs_bf16_logits_and_gradient():
     assert logits.grad is not None and torch.isfinite(logits.grad.float()).all()
 
 
+def _masked_logits(V: int, seed: int) -> torch.Tensor:
+    """Rows with -inf, finfo.min or -1e4 in every column in turn (column 0 included), a few masked columns at once,
+    and rows of one finite logit in each column: the vocabularies truncation and masking produce. (4 V + 3, V)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for fill in (-math.inf, torch.finfo(torch.float32).min, -1e4):
+        for col in range(V):
+            row = torch.randn(V, generator=g) * 4
+            row[col] = fill
+            rows.append(row)
+        several = torch.randn(V, generator=g) * 4
+        several[::2] = fill  # half the vocabulary, column 0 among them
+        rows.append(several)
+    for col in range(V):
+        row = torch.full((V,), -math.inf)
+        row[col] = 3.0
+        rows.append(row)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("K", [None, 3])
+def test_token_logprobs_gradient_is_exact_with_masked_logits_in_any_column(K):
+    """Eager path: finite gradients equal to autograd through log_softmax + gather (in float64) for -inf, finfo.min
+    and -1e4 logits in any column and rows of one finite logit. An id with a -inf logit has log-prob -inf and the
+    same finite gradient as autograd's; a nan upstream gradient spoils its own row only."""
+    V = 8
+    logits = _masked_logits(V, seed=0)
+    n = logits.shape[0]
+    g = torch.Generator().manual_seed(1)
+    ids_k = torch.randint(0, V, (n, K or 1), generator=g)  # (n, K)
+    ids_k[n - V:, 0] = torch.arange(V).roll(1)  # the one-finite rows: the id just left of the finite logit, -inf
+    ids = ids_k[:, 0] if K is None else ids_k
+    upstream = torch.randn(ids.shape, generator=g)
+    leaf = logits.clone().requires_grad_(True)
+    ours = tr.token_logprobs(leaf, ids, chunk_rows=5, fused=False)
+    (grad,) = torch.autograd.grad((ours * upstream).sum(), leaf)
+    leaf64 = logits.double().requires_grad_(True)
+    ref = torch.log_softmax(leaf64, -1).gather(-1, ids_k).view(ids.shape)
+    (ref_grad,) = torch.autograd.grad((ref * upstream.double()).sum(), leaf64)
+    assert torch.isneginf(ours).any(), "anti-vacuity: some ids have logit -inf"
+    assert torch.equal(torch.isneginf(ours), torch.isneginf(ref))
+    assert torch.allclose(ours.double(), ref, atol=FP32_ATOL)  # allclose counts -inf == -inf as close
+    assert torch.isfinite(grad).all() and torch.allclose(grad.double(), ref_grad, atol=FP32_ATOL, rtol=0)
+    with torch.no_grad():
+        assert torch.equal(tr.token_logprobs(logits, ids, chunk_rows=5, fused=False), ours.detach())
+    spoiled = upstream.clone()
+    spoiled[0] = math.nan
+    (grad_nan,) = torch.autograd.grad((tr.token_logprobs(leaf, ids, chunk_rows=5, fused=False) * spoiled).sum(), leaf)
+    assert torch.isnan(grad_nan[0]).all() and torch.equal(grad_nan[1:], grad[1:])
+    # anti-vacuity: the logsumexp read off column 0 (the old formula) is nan or far off on these rows
+    column0 = logits[:, :1] - torch.log_softmax(logits, -1)[:, :1]
+    assert not torch.allclose(column0.double(), torch.logsumexp(logits.double(), -1, keepdim=True), atol=1e-3)
+
+
+def test_token_logprobs_compiled_passes_meet_at_most_4_graphs_over_an_rl_runs_shapes(monkeypatch):
+    """The fused path's compiled passes, as an RL run calls them after _logprobs_probe: N varied (a tail chunk of
+    1 row, a lone row), K = 1 and 3, fp32 and bf16 logits, grad_out of .sum() (stride 0) and of a weighted loss.
+    dynamo's recompile limit is 8, past which it runs eagerly: at most 4 graphs each (one per dtype). Values and
+    gradients those of log_softmax + gather, masked logits included."""
+    import torch._dynamo
+    from torch._inductor.compile_fx import compile_fx
+
+    graphs = {"_logprobs_pass": 0, "_logprobs_grad_pass": 0}
+    real_compile = torch.compile
+
+    def counting_compile(fn, **kwargs):  # inductor, as torch.compile's default backend, counting its graphs
+        def backend(gm, example_inputs):
+            graphs[fn.__name__] += 1
+            return compile_fx(gm, example_inputs)
+
+        return real_compile(fn, backend=backend, **kwargs)
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(tr, "_COMPILED", {})
+    monkeypatch.setattr(torch, "compile", counting_compile)
+    tr._logprobs_probe(torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    V = 24
+    for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):  # bf16: one bf16 rounding of the grad
+        for N in (9, 6, 1):  # chunks of 4: tails of 1 and 2 rows, a lone row
+            for K in (None, 3):
+                logits = (torch.randn(N, V, generator=g) * 8).to(dtype)
+                logits[::2, 0] = -math.inf  # masked logits in column 0 on every other row
+                ids = torch.randint(1, V, (N,) if K is None else (N, K), generator=g)
+                leaf = logits.requires_grad_(True)
+                with torch.no_grad():
+                    plain = tr.token_logprobs(leaf, ids, chunk_rows=4, fused=True)
+                ours = tr.token_logprobs(leaf, ids, chunk_rows=4, fused=True)
+                ref = torch.log_softmax(leaf.float(), -1).gather(-1, ids if K else ids[:, None]).view(ids.shape)
+                assert torch.equal(plain, ours.detach()) and torch.allclose(ours, ref, atol=1e-5)
+                weights = torch.randn(ids.shape, generator=g)
+                for loss, ref_loss in ((ours.sum(), ref.sum()), ((ours * weights).sum(), (ref * weights).sum())):
+                    (grad,) = torch.autograd.grad(loss, leaf, retain_graph=True)
+                    (ref_grad,) = torch.autograd.grad(ref_loss, leaf, retain_graph=True)
+                    assert torch.allclose(grad.float(), ref_grad.float(), atol=atol)
+    torch._dynamo.reset()  # the counting backend's graphs go; later tests compile their own
+    assert 1 <= graphs["_logprobs_pass"] <= 4 and 1 <= graphs["_logprobs_grad_pass"] <= 4, graphs
+
+
+def test_compile_probes_run_the_passes_they_guard(monkeypatch):
+    """_gpu_compiles' probes compile and run what their callers will: token_logprobs' fused forward and backward,
+    Trainer.export's fused SR and EF (on the CPU here, eagerly)."""
+    ran = []
+
+    def recording_compiled(fn):
+        def run(*args):
+            ran.append(fn)
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(tr, "_compiled", recording_compiled)
+    tr._logprobs_probe(torch.device("cpu"))
+    assert ran == [tr._logprobs_pass, tr._logprobs_grad_pass]
+    ran.clear()
+    tr._export_probe(torch.device("cpu"))
+    assert ran == [tr._sr_hashed, tr._ef_one_pass]
+
+
+def test_gpu_compiles_probes_once_per_gpu_and_probe(monkeypatch, capsys):
+    """'cuda' is 'cuda:<current device>': one key, one probe run; another index or probe runs its own; a failing
+    probe means eager (reported once); off CUDA nothing is probed. No GPU needed: Triton and the device mocked."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+
+    def triton_found(name, *args):
+        return object() if name == "triton" else find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", triton_found)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(tr, "_COMPILE_WORKS", {})
+    probed = []
+
+    def probe(device):
+        probed.append(device)
+
+    def failing_probe(device):
+        raise RuntimeError("no compiler")
+
+    assert tr._gpu_compiles(torch.device("cuda"), probe) and tr._gpu_compiles(torch.device("cuda:0"), probe)
+    assert tr._gpu_compiles("cuda", probe)
+    assert probed == [torch.device("cuda", 0)]
+    assert tr._gpu_compiles(torch.device("cuda:1"), probe) and probed[1:] == [torch.device("cuda", 1)]
+    assert not tr._gpu_compiles(torch.device("cuda"), failing_probe) and "eager fallbacks" in capsys.readouterr().err
+    assert not tr._gpu_compiles(torch.device("cuda:0"), failing_probe) and capsys.readouterr().err == ""
+    assert tr._gpu_compiles(torch.device("cuda:0"), probe) and len(probed) == 2
+    assert not tr._gpu_compiles(torch.device("cpu"), probe) and len(probed) == 2
+
+
+def test_default_chunk_rows_are_device_sized():
+    """Eager chunks: CHUNK_BYTES of fp32 on the CPU (~6 rows at V = 151 936), GPU_CHUNK_BYTES (>= 64 MiB) on CUDA;
+    fused: FUSED_CHUNK_ELEMENTS logits; at least one row for any V."""
+    V = 151_936
+    cpu_rows = tr._default_chunk_rows(V, torch.device("cpu"), fused=False)
+    gpu_rows = tr._default_chunk_rows(V, torch.device("cuda"), fused=False)
+    assert cpu_rows == tr.CHUNK_BYTES // (4 * V) == 6
+    assert tr.GPU_CHUNK_BYTES >= 64 << 20 and gpu_rows == tr.GPU_CHUNK_BYTES // (4 * V)
+    assert (gpu_rows + 1) * 4 * V > 64 << 20  # within one row of 64 MiB or more
+    assert tr._default_chunk_rows(V, torch.device("cuda", 0), fused=True) == tr.FUSED_CHUNK_ELEMENTS // V
+    assert tr._default_chunk_rows(1 << 30, torch.device("cuda"), fused=False) == 1
+
+
 # =================================================================================================================
 # 11. non-finite inputs
 

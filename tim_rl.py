@@ -81,6 +81,9 @@ BF16_DROPPED_BITS = 16
 # token_logprobs works on row chunks of at most this many fp32 bytes (4 MiB: ~32 rows at V = 32 000, ~6 at
 # V = 151 936), so its transient memory is a few chunks, not a fraction of the (B, T, V) logits.
 CHUNK_BYTES = 4 << 20
+# The same on a GPU without the compiled pass (64 MiB: ~110 rows at V = 151 936): 6-row chunks would leave a GPU
+# waiting on kernel launches; 64 MiB of transients is nothing beside the (B, T, V) logits there.
+GPU_CHUNK_BYTES = 64 << 20
 # On a GPU token_logprobs runs one compiled pass per chunk of at most this many logits (2^28: 1 GiB of fp32, ~1 770
 # rows at V = 151 936): large enough to read at memory speed, small enough that a bf16 backward's fp32 chunk is not.
 FUSED_CHUNK_ELEMENTS = 1 << 28
@@ -253,7 +256,7 @@ def _finite_log_ratio(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Te
 
 
 _COMPILED = {}  # function -> torch.compile(function, dynamic=True), built on first use (seconds; needs a compiler)
-_COMPILE_WORKS = {}  # str(device) -> whether torch.compile compiled and ran a probe pass there
+_COMPILE_WORKS = {}  # (probe name, CUDA device index) -> whether torch.compile compiled and ran the probe's passes
 
 
 def _compiled(fn):
@@ -268,20 +271,22 @@ def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int, 
 
     One code path for every caller, with and without a gradient, so that the trainer's log-probs are bitwise the
     same whichever way they are computed (exact mode and a lag of exactly 0 rely on it). fused: each chunk in one
-    compiled pass (_logprobs_pass), no (n, V) transient.
+    compiled pass (_fused_logprobs), no (n, V) transient. The logsumexp is read off each row's largest logit m,
+    lse = z_m - log_softmax(z)_m, where log_softmax(z)_m = -log sum exp(z - z_m) lies in [-log V, 0]: exact to one
+    rounding whatever the other logits are (-inf and finfo.min included). Rows of only -inf give nan, as log_softmax.
     """
     out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
     lse = torch.empty(logits.shape[0], 1, dtype=torch.float32, device=logits.device)
     for start in range(0, logits.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
-        if fused:  # detached under no_grad: grad and no-grad callers meet one compiled version (dynamo guards on both)
-            with torch.no_grad():
-                out[rows], lse[rows] = _compiled(_logprobs_pass)(logits[rows].detach(), ids[rows])
+        if fused:
+            out[rows], lse[rows] = _fused_logprobs(logits[rows], ids[rows])
             continue
         chunk = logits[rows].float()  # (n, V), a copy only when logits are not fp32
         log_probs = torch.log_softmax(chunk, dim=-1)  # (n, V) transient: log_softmax's fused kernel
         out[rows] = log_probs.gather(-1, ids[rows])
-        lse[rows] = chunk[:, :1] - log_probs[:, :1]  # logsumexp, read off column 0
+        top = chunk.argmax(-1, keepdim=True)  # (n, 1): each row's largest logit
+        lse[rows] = chunk.gather(-1, top) - log_probs.gather(-1, top)  # logsumexp, read off the largest logit
     return out, lse
 
 
@@ -297,22 +302,77 @@ def _logprobs_grad_pass(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tens
     return dense.scatter_add(-1, ids, g).to(logits.dtype)
 
 
-def _gpu_compiles(device: torch.device) -> bool:
-    """True on a CUDA device where torch.compile works: Triton present and a probe pass compiles and runs (once per
-    device; the answer is kept in _COMPILE_WORKS)."""
+def _two_or_more(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """t with a size-1 `dim` repeated to size 2 (torch.compile specialises sizes 1: a graph of their own), else t."""
+    return t if t.shape[dim] > 1 else torch.cat([t, t], dim)
+
+
+def _fused_logprobs(logits: torch.Tensor, ids: torch.Tensor):
+    """_logprobs_pass compiled, its inputs alike for every chunk so that one graph per logits dtype serves a run:
+    detached, ids contiguous, 1 row or K = 1 repeated to 2 (the copies' results dropped). (n, V), (n, K)."""
+    n, K = ids.shape
+    rows = _two_or_more(logits.detach(), 0)  # (max(n, 2), V): a copy of one row only for a 1-row chunk
+    both = _two_or_more(_two_or_more(ids, 1), 0).contiguous()  # (max(n, 2), max(K, 2))
+    with torch.no_grad():  # grad and no-grad callers meet one compiled version (dynamo guards on both)
+        out, lse = _compiled(_logprobs_pass)(rows, both)
+    return out[:n, :K], lse[:n]
+
+
+def _fused_logprobs_grad(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, g: torch.Tensor):
+    """_logprobs_grad_pass compiled on inputs made alike as in _fused_logprobs; g (n, K) contiguous, its K = 1
+    padded with a -0.0 column (x + -0.0 = x bitwise: the padded id adds nothing). -> (n, V)."""
+    n, K = ids.shape
+    rows = _two_or_more(logits.detach(), 0)  # (max(n, 2), V)
+    both = _two_or_more(_two_or_more(ids, 1), 0).contiguous()  # (max(n, 2), max(K, 2))
+    g_2 = g.contiguous() if K > 1 else torch.cat([g, torch.full_like(g, -0.0)], 1)  # a .sum()'s g has stride 0
+    lse_2 = _two_or_more(lse, 0).clone()  # not a view: a view of the (N, 1) lse makes dynamo guard on N too
+    with torch.no_grad():
+        grad = _compiled(_logprobs_grad_pass)(rows, both, lse_2, _two_or_more(g_2, 0))
+    return grad[:n]
+
+
+def _logprobs_probe(device: torch.device) -> None:
+    """Compile and run the passes token_logprobs' fused path runs, forward and backward, on a tiny fp32 input: sizes
+    3 x 7 with K = 2 all differ, so the graph it compiles is the one every fp32 chunk meets."""
+    logits = torch.zeros(3, 7, device=device)
+    ids = torch.zeros(3, 2, dtype=torch.long, device=device)
+    _, lse = _fused_logprobs(logits, ids)
+    _fused_logprobs_grad(logits, ids, lse, torch.ones(3, 2, device=device))
+
+
+def _cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device: torch.device('cuda') is the current device, the same GPU as 'cuda:<current>'."""
+    device = torch.device(device)
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def _gpu_compiles(device: torch.device, probe) -> bool:
+    """True on a CUDA device where torch.compile works: Triton present and probe(device), which compiles and runs the
+    passes the caller would use, ran (once per probe and device index; the answer is kept in _COMPILE_WORKS)."""
     import importlib.util
     import sys
 
+    device = torch.device(device)
     if device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return False
-    if str(device) not in _COMPILE_WORKS:
+    key = (probe.__name__, _cuda_index(device))
+    if key not in _COMPILE_WORKS:
         try:
-            torch.compile(lambda t: t.exp().sum(-1))(torch.ones(2, 8, device=device))
-            _COMPILE_WORKS[str(device)] = True
+            probe(torch.device("cuda", key[1]))
+            _COMPILE_WORKS[key] = True
         except Exception as e:  # any compiler failure (no C compiler, no Python headers...): the eager paths instead
             print(f"[tim_rl] torch.compile failed on {device} ({type(e).__name__}): eager fallbacks", file=sys.stderr)
-            _COMPILE_WORKS[str(device)] = False
-    return _COMPILE_WORKS[str(device)]
+            _COMPILE_WORKS[key] = False
+    return _COMPILE_WORKS[key]
+
+
+def _default_chunk_rows(V: int, device: torch.device, fused: bool) -> int:
+    """Rows per chunk of token_logprobs: FUSED_CHUNK_ELEMENTS logits fused, else GPU_CHUNK_BYTES of fp32 on CUDA
+    and CHUNK_BYTES elsewhere. At least 1."""
+    if fused:
+        return max(1, FUSED_CHUNK_ELEMENTS // V)
+    budget = GPU_CHUNK_BYTES if torch.device(device).type == "cuda" else CHUNK_BYTES
+    return max(1, budget // (4 * V))
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -320,7 +380,9 @@ class _TokenLogprobs(torch.autograd.Function):
 
     Forward keeps (logits, ids, lse): no (N, V) tensor is saved. Backward fills one (N, V) gradient chunk by chunk:
     d/dz_v = 1[v in ids] g - softmax(z)_v sum_k g_k. Autograd's own logsumexp + gather backward would allocate
-    several full-size temporaries instead. fused: both directions by compiled passes.
+    several full-size temporaries instead. fused: both directions by compiled passes. An id whose logit is -inf
+    (log-prob -inf) gets this same finite gradient, as autograd through log_softmax + gather: softmax is 0 there. A
+    non-finite g (say -inf * 0 upstream) spoils its own row only.
     """
 
     @staticmethod
@@ -338,7 +400,7 @@ class _TokenLogprobs(torch.autograd.Function):
             rows = slice(start, start + ctx.chunk_rows)
             g = grad_out[rows].float()  # (n, K)
             if ctx.fused:  # one compiled pass
-                grad[rows] = _compiled(_logprobs_grad_pass)(logits[rows], ids[rows], lse[rows], g)
+                grad[rows] = _fused_logprobs_grad(logits[rows], ids[rows], lse[rows], g)
                 continue
             fp32 = logits.dtype == torch.float32  # then work in the gradient's own rows: no temporary at all
             probs = torch.sub(logits[rows], lse[rows], out=grad[rows]) if fp32 else logits[rows].float() - lse[rows]
@@ -354,15 +416,17 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | No
 
     `ids` may also carry a trailing K axis, (..., K) -> (..., K), for the sampler's top-k ids (one logsumexp serves
     all K). Never materialises a second full-size float32 copy of the logits: each chunk of rows is upcast and
-    reduced on its own (default: as many rows as fit in CHUNK_BYTES of float32), and the backward writes the logits'
-    gradient chunk by chunk. Differentiable w.r.t. logits. fused (default: on CUDA when torch.compile has Triton)
-    runs each chunk of FUSED_CHUNK_ELEMENTS as one torch.compile'd pass, gather - logsumexp forward and
-    g (onehot - softmax) backward, so the logits are read once; without a working compiler
-    (_gpu_compiles) it falls back to the chunked path. On CUDA, repeated ids make the gradient's scatter_add
-    order-dependent (atomics): bitwise reproducible on CPU only.
+    reduced on its own (default: as many rows as fit in CHUNK_BYTES of float32, GPU_CHUNK_BYTES on CUDA), and the
+    backward writes the logits' gradient chunk by chunk. Differentiable w.r.t. logits; finite gradients wherever a
+    row has one finite logit (-inf ids included). fused (default: on CUDA when torch.compile has Triton and
+    _logprobs_probe compiles and runs there) runs each chunk of FUSED_CHUNK_ELEMENTS as one torch.compile'd pass,
+    gather - logsumexp forward and g (onehot - softmax) backward, so the logits are read once; one graph per logits
+    dtype serves every chunk (_fused_logprobs). Otherwise the chunked path. On CUDA, repeated ids make the
+    gradient's scatter_add order-dependent (atomics): bitwise reproducible on CPU only.
 
     needs: _TokenLogprobs, _check_tensor, _check_device, _chunked_logprobs, _compiled, _logprobs_pass,
-    _logprobs_grad_pass, _gpu_compiles, CHUNK_BYTES, FUSED_CHUNK_ELEMENTS, _COMPILED, _COMPILE_WORKS
+    _logprobs_grad_pass, _two_or_more, _fused_logprobs, _fused_logprobs_grad, _logprobs_probe, _cuda_index,
+    _gpu_compiles, _default_chunk_rows, CHUNK_BYTES, GPU_CHUNK_BYTES, FUSED_CHUNK_ELEMENTS, _COMPILED, _COMPILE_WORKS
     """
     _check_tensor("logits", logits)
     _check_tensor("ids", ids, floating=False)
@@ -376,9 +440,9 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | No
     if N == 0:
         return flat_logits.new_zeros(ids.shape, dtype=torch.float32)
     flat_ids = ids.reshape(N, -1)  # (N, 1) or (N, K)
-    fused = _gpu_compiles(logits.device) if fused is None else fused
+    fused = _gpu_compiles(logits.device, _logprobs_probe) if fused is None else fused
     if chunk_rows is None:
-        chunk_rows = max(1, FUSED_CHUNK_ELEMENTS // V if fused else CHUNK_BYTES // (4 * V))
+        chunk_rows = _default_chunk_rows(V, logits.device, fused)
     if not (torch.is_grad_enabled() and logits.requires_grad):  # no graph to record
         return _chunked_logprobs(flat_logits, flat_ids, chunk_rows, fused)[0].reshape(ids.shape)
     return _TokenLogprobs.apply(flat_logits, flat_ids, chunk_rows, fused).reshape(ids.shape)
@@ -705,6 +769,13 @@ def error_feedback_round_bf16_fused(x: torch.Tensor, residual: torch.Tensor, com
     flat_x, flat_e = x.contiguous().reshape(-1), residual.contiguous().reshape(-1)  # one kernel for every shape
     served, new_residual = (_compiled(_ef_one_pass) if compile else _ef_one_pass)(flat_x, flat_e)
     return served.reshape(x.shape), new_residual.reshape(x.shape)
+
+
+def _export_probe(device: torch.device) -> None:
+    """Compile and run the passes of Trainer.export's fused SR and EF exports on a tiny fp32 input (_gpu_compiles)."""
+    x = torch.zeros(7, device=device)
+    stochastic_round_bf16_fused(x, seed=1)
+    error_feedback_round_bf16_fused(x, torch.zeros_like(x))
 
 
 def visible_update_fraction(
@@ -2098,7 +2169,7 @@ class Trainer:
         if mode != "rtn" and self.export_dtype != "bf16":
             raise ValueError(f"export mode {mode!r} rounds to bf16, but the sampler dtype is {self.export_dtype}")
         state, dot, norm2 = {}, 0.0, 0.0
-        fast = _gpu_compiles(next(self.model.parameters()).device)
+        fast = _gpu_compiles(next(self.model.parameters()).device, _export_probe)
         for name, p in self.model.named_parameters():
             master = p.detach()
             if self.export_dtype == "fp32":
