@@ -1426,6 +1426,9 @@ def _copy_calls():
         "renormalize_on_support": lambda f: f(logp_grad, torch.cat([logp_grad[..., None], head], -1)),
         "student_t_quantile": lambda f: f(0.975, 4),
         "paired_ci": lambda f: f([0.1, 0.2, -0.05]),
+        "student_t_cdf": lambda f: f(2.0, 4),
+        "paired_p": lambda f: f([0.1, 0.2, -0.05]),
+        "holm": lambda f: f({"a": 0.01, "b": 0.04, "c": math.nan}),
     }
 
 
@@ -2781,15 +2784,23 @@ def test_dose_arms_run_none_everywhere_and_every_correction_where_asked():
     assert ran == {"none"} | set(tr.DOSE_CORRECTIONS) and set(tr.DOSE_CORRECTIONS) <= set(tr.CORRECTIONS)
 
 
-def _dose_runs(effects: dict[str, tuple[float, float]], control_gain: float = 0.05, seeds: int = 5):
-    """Synthetic runs: label -> (pc auc shift vs the control, mismatch x); seed s adds 0.002 * (s - 2) of noise."""
-    def records(shift, x, seed, gain):
-        pc = 0.4 + shift + 0.002 * (seed - 2)
+def _dose_runs(effects: dict[str, tuple[float, float]], control_gain: float = 0.05, seeds: int = 5,
+               noise: float = 0.002):
+    """Synthetic runs: label -> (pc auc shift vs the control, mismatch x); seed s adds 0.002 * (s - 2), shared by
+    every arm, and each arm but the control its own noise * N(0, 1) per seed (seeded by its label), so every paired
+    Δ has a spread (the control's noise would shift every Δ vs it alike)."""
+    import random
+
+    def records(shift, x, seed, rng):
+        pc = 0.4 + shift + 0.002 * (seed - 2) + (noise * rng.gauss(0, 1) if rng else 0.0)
+        gain = control_gain + 0.001 * seed
         return [{"step": 0, "pc_trainer": pc}, {"step": 0, "reward": 0.5, "mm_abs_diff": x},
                 {"step": 1, "pc_trainer": pc + gain}]
-    runs = {tr.SYNCED_CONTROL: [records(0.0, 0.0, s, control_gain + 0.001 * s) for s in range(seeds)]}
-    for label, (shift, x) in effects.items():
-        runs[label] = [records(shift, x, s, control_gain + 0.001 * s) for s in range(seeds)]
+
+    runs = {}
+    for label, (shift, x) in ({tr.SYNCED_CONTROL: (0.0, 0.0)} | effects).items():
+        rng = random.Random(label) if label != tr.SYNCED_CONTROL else None
+        runs[label] = [records(shift, x, s, rng) for s in range(seeds)]
     return runs
 
 
@@ -2803,7 +2814,7 @@ def test_dose_map_computes_each_statement_by_its_rule(tmp_path):
     runs = _dose_runs(DOSE_EFFECTS)
     sections, rows = tr.dose_map(runs, tr.SYNCED_CONTROL, True, tmp_path / "dose.png")
     (a, b, c) = rows
-    assert a["verdict"].startswith("s=0.2 (x 0.2)") and a["Δ"] == "-0.05", a
+    assert a["verdict"].startswith("s=0.2 (x 0.2)") and float(a["Δ"]) == pytest.approx(-0.05, abs=0.005), a
     beats, trails = b["verdict"].split("; ")
     assert b["claim"].startswith("(b) tis") and beats == "s=0.2 (x 0.2)", b
     assert trails == "s=0.05 (x 0.04), s=0.2 (x 0.2), s=0.8 (x 0.9)", b
@@ -2839,8 +2850,10 @@ def test_dose_map_names_diverged_settings_instead_of_calling_them_harmless(tmp_p
     rows = tr.dose_map(runs, tr.SYNCED_CONTROL, True, tmp_path / "p.png")[1]
     assert rows[0]["verdict"] == "s=0.2 (x 0.2); not measured at s=0.1", "the smallest *measured* x, the lost named"
     runs = _dose_runs({"none @ s=0.05": (0.0, 0.04), "none @ bf16": (0.0, 0.01), "tis @ s=0.05": (0.0, 0.04)})
-    runs["tis @ s=0.05"][0][-1]["pc_trainer"] = math.nan
-    assert tr.dose_map(runs, tr.SYNCED_CONTROL, True, tmp_path / "p.png")[1][-1]["verdict"].startswith("no (tested at")
+    runs["tis @ s=0.05"][0][-1]["pc_trainer"] = math.nan  # the only correction diverged: (c) tested nothing
+    rows = tr.dose_map(runs, tr.SYNCED_CONTROL, True, tmp_path / "p.png")[1]
+    assert rows[1]["verdict"] == "nowhere; nowhere; not measured at s=0.05", rows[1]
+    assert rows[-1]["verdict"] == "not tested; not measured: tis at s=0.05", rows[-1]
     only_none = _dose_runs({"none @ s=0.05": (0.0, 0.04), "none @ bf16": (0.0, 0.01)})
     assert tr.dose_map(only_none, tr.SYNCED_CONTROL, True, tmp_path / "p.png")[1][-1]["verdict"] == "not tested"
     runs = _dose_runs(DOSE_EFFECTS)
@@ -2849,6 +2862,178 @@ def test_dose_map_names_diverged_settings_instead_of_calling_them_harmless(tmp_p
     rows = tr.dose_map(runs, tr.SYNCED_CONTROL, learned, tmp_path / "p.png")[1]
     assert not learned and {r["verdict"] for r in rows} == {"invalid testbed"}
     assert (tmp_path / "p.png").exists()
+
+
+def test_dose_map_names_a_diverged_correction_not_measured_in_every_statement_that_uses_it():
+    runs = _dose_runs({"none @ s=0.05": (0.0, 0.05), "tis @ s=0.05": (0.0, 0.05), "none @ s=0.1": (0.0, 0.1),
+                       "tis @ s=0.1": (0.0, 0.1), "none @ s=0.2": (0.0, 0.2), "tis @ s=0.2": (0.01, 0.2)})
+    runs["tis @ s=0.05"][2][-1]["pc_trainer"] = math.nan  # tis diverged where none is harmless
+    runs["none @ s=0.1"][3][-1]["pc_trainer"] = math.nan  # none diverged: tis there has no reference
+    a, b, c = tr.dose_map(runs, tr.SYNCED_CONTROL, True, None)[1]
+    assert a["verdict"] == "not in the grid (measured x up to 0.2); not measured at s=0.1", a
+    assert b["verdict"] == "s=0.2 (x 0.2); nowhere; not measured at s=0.05, s=0.1", b
+    assert c["verdict"] == "no (tested at s=0.2 (x 0.2)); not measured: tis at s=0.05, tis at s=0.1", c
+
+
+def test_dose_rows_share_one_key_order_and_tables_put_each_value_under_its_key(tmp_path):
+    rows = tr.dose_map(_dose_runs(DOSE_EFFECTS), tr.SYNCED_CONTROL, True, tmp_path / "p.png")[1]
+    assert all(list(r) == list(rows[0]) for r in rows), [list(r) for r in rows]
+    table = tr._markdown_table(rows).splitlines()
+    assert table[-1].startswith("| (c) a correction trails none") and "| yes: tis at s=0.05 | - | - |" in table[-1]
+    assert tr._markdown_table([{"a": 1, "b": "x"}, {"b": "y", "a": 2}, {"a": 3}]).splitlines()[2:] == [
+        "| 1 | x |", "| 2 | y |", "| 3 |  |"], "by the header's keys, whatever each row's order"
+
+
+def test_student_t_cdf_inverts_the_quantile_and_paired_p_is_the_test_paired_ci_inverts():
+    import random
+
+    assert tr.student_t_cdf(1.0, 1) == pytest.approx(0.75), "Cauchy: 1/2 + atan(x) / pi"
+    assert tr.student_t_cdf(-2.0, 2) == pytest.approx(0.5 - 1 / math.sqrt(6)), "df 2: 1/2 + x / (2 sqrt(2 + x^2))"
+    for df in (1, 2, 3, 4, 9, 29):
+        for q in (0.5, 0.9, 0.975, 0.995):
+            x = tr.student_t_quantile(q, df)
+            assert tr.student_t_cdf(x, df) == pytest.approx(q, abs=2e-5) and tr.student_t_cdf(-x, df) == pytest.approx(
+                1 - q, abs=2e-5), (q, df)
+    assert tr.student_t_cdf(math.inf, 4) == 1.0 and tr.student_t_cdf(-math.inf, 3) == pytest.approx(0, abs=1e-12)
+    rng = random.Random(0)
+    for _ in range(300):
+        d = [rng.gauss(0.3, 1) for _ in range(5)]
+        low, high = tr.paired_ci(d)
+        assert (high < 0) == (tr.paired_p(d) < 0.025) and (low > 0) == (1 - tr.paired_p(d) < 0.025), d
+    assert tr.paired_p([0.1] * 5) == 1.0 and tr.paired_p([-0.1] * 5) == 0.0 and tr.paired_p([0.0] * 5) == 0.5
+    assert tr.paired_p([-1.0]) == 0.5 and math.isnan(tr.paired_p([1.0, math.nan])), "one seed / diverged"
+
+
+def test_holm_steps_down_and_leaves_the_unmeasured_out():
+    assert tr.holm({"a": 0.01, "b": 0.04}) == {"a": 0.02, "b": 0.04}, "step-down: b at 0.04 * 1, not Bonferroni's 0.08"
+    assert tr.holm({"a": 0.01, "b": 0.04, "c": 0.03}) == pytest.approx({"a": 0.03, "b": 0.06, "c": 0.06})
+    adjusted = tr.holm({"a": 0.03, "b": math.nan, "c": 0.9})
+    assert adjusted["a"] == 0.06 and math.isnan(adjusted["b"]) and adjusted["c"] == 0.9, "m = 2: b is not a test"
+    assert tr.holm({}) == {} and tr.holm({"a": 0.7, "b": 0.6}) == {"a": 1.0, "b": 1.0}, "capped at 1"
+
+
+def _deltas_with_p(p: float, n: int = 5, sd: float = 0.01) -> list[float]:
+    """n paired differences whose paired_p (one-sided, mean < 0) is p, 0 < p <= 1/2: spread sd, mean -t sd / sqrt(n)
+    with t the 1 - p quantile of Student t(n - 1)."""
+    z = [i - (n - 1) / 2 for i in range(n)]
+    scale = sd / math.sqrt(sum(v * v for v in z) / (n - 1))
+    mean = -tr.student_t_quantile(1 - p, n - 1) * sd / math.sqrt(n)
+    return [mean + scale * v for v in z]
+
+
+def _value_runs(values: dict[str, list[float]]) -> dict:
+    """Runs whose pc auc per seed is values[label]; x of 'a @ s=v' is v. Two records per seed."""
+    return {label: [[{"pc_trainer": pc}, {"reward": 0.0, "mm_abs_diff": float(label.partition("@ s=")[2] or 0)}]
+                    for pc in per_seed] for label, per_seed in values.items()}
+
+
+@pytest.mark.parametrize("p, named", [(0.015, True), (0.02, False)])
+def test_dose_statements_name_a_setting_only_past_the_holm_boundary(p, named):
+    """Families of three tests, two of them null (p 1/2): Holm names p <= 0.05 / 3, so 0.015 and not 0.02, which an
+    interval on its own (0.025) or a test at 0.05 on its own would name. Each statement's side and reference too."""
+    control = [0.4 + 0.01 * i for i in range(5)]
+    null, shifted = _deltas_with_p(0.5), _deltas_with_p(p)
+
+    def plus(*parts):
+        return [sum(v) for v in zip(*parts)]
+
+    minus = [-d for d in shifted]
+    runs = _value_runs({tr.SYNCED_CONTROL: control,
+                        "none @ s=0.05": plus(control, null), "none @ s=0.1": plus(control, null, null),
+                        "none @ s=0.2": plus(control, shifted),  # (a): none trails the control with p
+                        "tis @ s=0.05": plus(control, null, null), "tis @ s=0.1": plus(control, null),
+                        "tis @ s=0.2": control,  # (b): tis beats none with p at s=0.2, equals the control
+                        "mis @ s=0.05": plus(control, shifted),  # (b): mis still trails the control with p
+                        "mis @ s=0.1": plus(control, null), "mis @ s=0.2": plus(control, shifted, minus)})
+    a, tis, mis, _ = tr.dose_map(runs, tr.SYNCED_CONTROL, True, None)[1]
+    assert tr.DOSE_ALPHA == 0.05 and "Holm-adjusted p is at most 0.05" in tr.DOSE_RULES, "the rule as published"
+    assert a["verdict"] == ("s=0.2 (x 0.2)" if named else "not in the grid (measured x up to 0.2)"), a
+    assert tis["verdict"].split("; ")[0] == ("s=0.2 (x 0.2)" if named else "nowhere"), tis
+    assert mis["verdict"].split("; ")[1] == ("s=0.05 (x 0.05)" if named else "nowhere"), mis
+    harmless = _value_runs({tr.SYNCED_CONTROL: control, "none @ s=0.05": plus(control, null),
+                            "none @ s=0.1": plus(control, null, null), "none @ s=0.2": plus(control, null, null, null),
+                            "tis @ s=0.05": plus(control, shifted, null),  # (c): tis trails none with p
+                            "tis @ s=0.1": plus(control, null, null, null), "tis @ s=0.2": control})
+    c = tr.dose_map(harmless, tr.SYNCED_CONTROL, True, None)[1][-1]
+    assert c["verdict"] == ("yes: tis at s=0.05" if named else
+                            "no (tested at s=0.05 (x 0.05), s=0.1 (x 0.1), s=0.2 (x 0.2))"), c
+
+
+def _simulated_dose_runs(arms: tuple, rng, effects: dict, sd: float = 0.01, seeds: int = 5) -> dict:
+    """A stated model of a dose grid's runs: pc auc of arm a on seed i is 0.4 + u_i + effects.get(a, 0) + sd e_ai,
+    u_i ~ N(0, 0.02^2) shared by every arm on seed i (paired seeds), e_ai ~ N(0, 1) per arm and seed; mismatch x = v
+    at noise level s=v, 0.001 k at the k-th engine. The control and each setting's none arm are shared by its
+    comparisons. Two records per seed: an evaluation and a step."""
+    labels = [tr.SYNCED_CONTROL] + [label for label, _ in arms]
+    settings = list(dict.fromkeys(label.partition(" @ ")[2] for label in labels[1:]))
+    engines = [s for s in settings if not s.startswith("s=")]
+    x = {s: float(s[2:]) if s.startswith("s=") else 0.001 * (1 + engines.index(s)) for s in settings}
+    u = [rng.gauss(0, 0.02) for _ in range(seeds)]
+    return {label: [[{"pc_trainer": 0.4 + u[i] + effects.get(label, 0.0) + rng.gauss(0, sd)},
+                     {"reward": 0.0, "mm_abs_diff": x.get(label.partition(" @ ")[2], 0.0)}] for i in range(seeds)]
+            for label in labels}
+
+
+def _unadjusted_dose_rules(runs: dict, control: str) -> tuple[bool, dict, bool]:
+    """The rules before Holm, each 95% interval on its own: (a) names a setting, per correction (b) it beats none
+    somewhere, (c) yes."""
+    def ci(arm, reference):
+        return tr.paired_ci(tr.paired_deltas(runs, arm, reference))
+
+    ran = [tuple(label.split(" @ ")) for label in runs if " @ " in label and not label.startswith("none @")]
+    settings = list(dict.fromkeys(label.split(" @ ")[1] for label in runs if label.startswith("none @")))
+    harmed = [s for s in settings if ci(f"none @ {s}", control)[1] < 0]
+    beats = {a: any(ci(f"{a} @ {s}", f"none @ {s}")[0] > 0 for b, s in ran if b == a) for a, _ in ran}
+    yes = any(ci(f"{a} @ {s}", f"none @ {s}")[1] < 0 for a, s in ran if s not in harmed)
+    return bool(harmed), beats, yes
+
+
+DOSE_REPLICATES = 2000  # Monte Carlo error of a 5% rate: 0.5%, so the 6% bound is 2 of it above the nominal 5%
+DOSE_POWER_REPLICATES = 4000  # (a)'s power on the dose grid is ~0.53 (12000 replicates): 0.8% error, > 3 of it
+
+
+@pytest.mark.parametrize("preset", ["dose", "dose-long"])
+def test_dose_rules_err_rarely_under_null_effects_and_find_a_2_sd_effect(preset, monkeypatch):
+    """Coverage of the dose rules on the preset's own grid, 5 seeds, per-arm noise sd (_simulated_dose_runs).
+    Null (every effect 0): each statement errs (names a threshold, a beats / still-trails setting, says yes) in <=
+    6% of replicates; the unadjusted rules do not. Power: none trails the control by 2 sd of a paired Δ at s=0.2 and
+    tis beats none there by as much; geo trails none by 3 sd at the lowest level (a family of up to 24 in (c))."""
+    import functools
+    import random
+
+    monkeypatch.setattr(tr, "student_t_quantile", functools.lru_cache(tr.student_t_quantile))  # speed: same values
+    arms, rng, sd = tr.RL_PRESETS[preset].arms, random.Random(0), 0.01
+    lowest = next(label.split(" @ ")[1] for label, _ in arms if label.startswith("geo @"))
+    says, unadjusted = {"a": 0, "beats": 0, "trails": 0, "c": 0}, {"a": 0, "beats": 0, "c": 0}
+    for _ in range(DOSE_REPLICATES):
+        runs = _simulated_dose_runs(arms, rng, {}, sd)
+        a, *b, c = tr.dose_map(runs, tr.SYNCED_CONTROL, True, None)[1]
+        says["a"] += not a["verdict"].startswith("not in the grid")
+        says["beats"] += sum(r["verdict"].split("; ")[0] != "nowhere" for r in b) / len(b)  # exchangeable rows
+        says["trails"] += sum(r["verdict"].split("; ")[1] != "nowhere" for r in b) / len(b)
+        says["c"] += c["verdict"].startswith("yes")
+        old_a, old_beats, old_c = _unadjusted_dose_rules(runs, tr.SYNCED_CONTROL)
+        unadjusted["a"] += old_a
+        unadjusted["beats"] += sum(old_beats.values()) / len(old_beats)
+        unadjusted["c"] += old_c
+    rates = {k: v / DOSE_REPLICATES for k, v in says.items()}
+    old = {k: v / DOSE_REPLICATES for k, v in unadjusted.items()}
+    print(preset, "null: Holm", rates, "unadjusted", old)
+    assert max(rates.values()) <= 0.06, rates
+    assert min(old["a"], old["beats"], old["c"]) > 0.06, ("the unadjusted rules err more often", old)
+    effect = 2 * sd * math.sqrt(2)  # a paired Δ has the noise of two arms
+    found = {"a": 0, "b": 0, "c": 0}
+    for _ in range(DOSE_POWER_REPLICATES):
+        runs = _simulated_dose_runs(arms, rng, {"none @ s=0.2": -effect, "tis @ s=0.2": 0.0,
+                                                f"geo @ {lowest}": -1.5 * effect}, sd)
+        rows = tr.dose_map(runs, tr.SYNCED_CONTROL, True, None)[1]
+        tis = next(r for r in rows if r["claim"].startswith("(b) tis:"))
+        found["a"] += rows[0]["verdict"].startswith("s=0.2 (")
+        found["b"] += "s=0.2 (" in tis["verdict"].split("; ")[0]
+        found["c"] += f"geo at {lowest}" in rows[-1]["verdict"]
+    power = {k: v / DOSE_POWER_REPLICATES for k, v in found.items()}
+    print(preset, "power", power)
+    assert min(power.values()) > 0.5, power
 
 
 def test_a_response_cap_shorter_than_the_models_answers_is_refused(tmp_path):

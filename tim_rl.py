@@ -2695,9 +2695,11 @@ def default_engines() -> list[tuple[str, object]]:
 
 
 def _markdown_table(rows: list[dict], floats: str = "{:.3g}") -> str:
+    """Rows as a markdown table: a column per key (in the order first seen), each row's values under their keys."""
     cell = lambda v: (floats.format(v) if isinstance(v, float) else str(v)).replace("|", "\\|")  # noqa: E731
-    header = ["| " + " | ".join(cell(k) for k in rows[0]) + " |", "|" + "---|" * len(rows[0])]
-    return "\n".join(header + ["| " + " | ".join(cell(v) for v in r.values()) + " |" for r in rows])
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    header = ["| " + " | ".join(cell(k) for k in keys) + " |", "|" + "---|" * len(keys)]
+    return "\n".join(header + ["| " + " | ".join(cell(r.get(k, "")) for k in keys) + " |" for r in rows])
 
 
 def compare(base: RLConfig, corrections: list[str], seeds: list[int], name: str) -> list[dict]:
@@ -2776,6 +2778,62 @@ def student_t_quantile(q: float, df: int, n: int = 4096) -> float:
             return math.sqrt(df) * math.tan((i - 1 + (q - 0.5 - mass) / cell) * h)
         mass, before = mass + cell, after
     return math.inf
+
+
+def student_t_cdf(x: float, df: int) -> float:
+    """P(T <= x), T ~ Student t(df), exactly: with T = sqrt(df) tan(a) (density c cos(a)^(df-1) in a, c as in
+    student_t_quantile), P(0 <= T <= x) = c I(atan(x / sqrt(df))), I(θ) = ∫_0^θ cos(a)^(df-1) da by the reduction
+    I_m = cos(θ)^(m-1) sin(θ) / m + (m-1)/m I_(m-2), from I_0 = θ or I_1 = sin(θ).
+
+    needs: nothing
+    """
+    if int(df) != df or df < 1:
+        raise ValueError(f"need an integer df >= 1, got df={df!r}")
+    if math.isnan(x):
+        return math.nan
+    theta = math.atan(x / math.sqrt(df))
+    sin, cos = math.sin(theta), math.cos(theta)
+    integral = theta if df % 2 == 1 else sin  # I_0 (df odd) or I_1 (df even)
+    for m in range(2 + (df + 1) % 2, df, 2):
+        integral = cos ** (m - 1) * sin / m + (m - 1) / m * integral
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(math.pi)
+    return min(max(0.5 + c * integral, 0.0), 1.0)
+
+
+def paired_p(diffs: list[float]) -> float:
+    """One-sided p-value of the paired Student-t test that mean(d) < 0: P(T_(n-1) <= mean / (sd / sqrt(n))); that of
+    mean(d) > 0 is 1 - p. The test paired_ci inverts: p < 0.025 exactly when its 95% interval lies below 0.
+
+    Zero spread: 0 or 1 by the sign of the mean (1/2 at 0); one seed: 1/2 (nothing resolved); a non-finite d: nan.
+
+    needs: student_t_cdf
+    """
+    d = [float(x) for x in diffs]
+    if not all(math.isfinite(x) for x in d):
+        return math.nan
+    n = len(d)
+    if n < 2:
+        return 0.5
+    mean = sum(d) / n
+    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n)
+    t = mean / se if se > 0 else math.copysign(math.inf, mean) if mean != 0 else 0.0
+    return student_t_cdf(t, n - 1)
+
+
+def holm(pvalues: dict) -> dict:
+    """Holm's step-down adjusted p-values of one family, {test: p} -> {test: adjusted p}: sorted ascending, the i-th
+    (from 1) of m is min(1, (m - i + 1) p), then the running maximum. Naming the tests with adjusted p <= alpha keeps
+    the chance of naming any true null <= alpha, under any dependence between the tests. A nan p (not measured) is
+    left out of the family and stays nan.
+
+    needs: nothing
+    """
+    order = sorted((test for test, p in pvalues.items() if not math.isnan(p)), key=pvalues.get)
+    adjusted, running = {test: math.nan for test in pvalues}, 0.0
+    for i, test in enumerate(order):
+        running = max(running, min(1.0, (len(order) - i) * pvalues[test]))
+        adjusted[test] = running
+    return adjusted
 
 
 def paired_ci(diffs: list[float], level: float = 0.95) -> tuple[float, float]:
@@ -3315,13 +3373,25 @@ def _arms(label: str, corrections: tuple, **change) -> tuple:
     return tuple((f"{c}{label}", {"correction": c} | change) for c in corrections)
 
 
+DOSE_ALPHA = 0.05  # family-wise error of each dose statement: Holm over its one-sided paired t tests (DOSE_RULES)
 DOSE_RULES = (
-    "Rules, written before the run. Every arm runs on the same seeds; x is a setting's measured mismatch: the mean "
-    "over seeds of the none arm's per-step mean |logp - logp_infer|. Δ = pc auc difference, paired by seed, 95% "
-    "Student-t interval (paired_ci). (a) The smallest x at which none trails the synced control (interval below 0). "
-    "(b) Per correction, the settings where it beats none (interval above 0) and where it still trails the control "
-    "(interval below 0). (c) Whether a correction trails none at a setting where none is harmless (none vs control "
-    "not resolved). Every statement is 'invalid testbed' when the control did not learn.")
+    "Rules, written before the first run; the family-wise control was added after it, when a simulation of null "
+    "effects at 5 seeds (test_dose_rules_err_rarely_under_null_effects_and_find_a_2_sd_effect) showed the first "
+    "rules, each interval on its own, naming a threshold in (a) in 15% of replicates (dose grid; 8% dose-long) and "
+    "answering yes in (c) in 36% (25%). Every arm runs on the same seeds; x is a setting's measured mismatch: the "
+    "mean over seeds of the none arm's per-step mean |logp - logp_infer|. Δ = pc auc difference, paired by seed. "
+    "Each comparison is a one-sided paired Student-t test (paired_p, the test paired_ci inverts), and the tests of "
+    "one statement form a family decided by Holm's step-down procedure (holm): a setting is named only where its "
+    "Holm-adjusted p is at most 0.05, so a statement names a setting without a true effect in at most 5% of runs. "
+    "The intervals shown are unadjusted 95% Student-t intervals (paired_ci); 'p (Holm)' is the adjusted p of the "
+    "row's Δ. A setting is 'not measured' where x or its none arm's interval is not finite (a diverged seed), and a "
+    "correction is 'not measured' at such a setting or where its own interval is not finite: named so in every "
+    "statement that would use it, never counted as harmless or as 'no', and left out of the families. (a) The "
+    "smallest x at which none trails the synced control; family: none vs control at every measured setting (noise "
+    "levels and engines). (b) Per correction, the settings where it beats none, and those where it still trails the "
+    "control; two families, each over the settings where that correction was measured. (c) Whether a correction "
+    "trails none at a setting where none is harmless (not named by (a)); family: every correction at every such "
+    "setting. Every statement is 'invalid testbed' when the control did not learn.")
 
 
 def dose_arms(levels: tuple, corrections: tuple, full: tuple = (), engines: tuple = ()) -> tuple:
@@ -3333,64 +3403,104 @@ def dose_arms(levels: tuple, corrections: tuple, full: tuple = (), engines: tupl
                  for c in ("none",) + corrections * every)
 
 
-def _ci(runs: dict, arm: str, reference: str) -> tuple[float, float, float]:
-    """(mean, low, high) of pc auc, arm - reference, paired by seed."""
+class Delta(NamedTuple):
+    """pc auc of an arm minus a reference, paired by seed: mean, unadjusted 95% Student-t interval, one-sided p."""
+
+    mean: float
+    low: float
+    high: float
+    p: float  # paired_p: the test that mean < 0 (the arm trails the reference); 1 - p tests mean > 0 (it beats it)
+
+
+def _ci(runs: dict, arm: str, reference: str) -> Delta:
+    """The Delta of pc auc, arm - reference, paired by seed."""
     deltas = paired_deltas(runs, arm, reference)
-    return (_mean(deltas), *paired_ci(deltas))
+    return Delta(_mean(deltas), *paired_ci(deltas), paired_p(deltas))
 
 
-def _fmt_ci(mean: float, low: float, high: float) -> str:
-    return f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]"
+def _finite(d: Delta) -> bool:
+    """Measured: mean and interval finite (a diverged seed makes them nan; one seed, an infinite interval)."""
+    return all(map(math.isfinite, (d.mean, d.low, d.high)))
 
 
-def dose_map(runs: dict[str, list[list[dict]]], control: str, learned: bool, plot: Path) -> tuple[list, list[dict]]:
-    """Statements (a)-(c) of DOSE_RULES, the per-setting table, and the figure (Δ pc auc vs measured x, log x).
+def _fmt_ci(d: Delta) -> str:
+    return f"{d.mean:+.3f} [{d.low:+.3f}, {d.high:+.3f}]"
 
-    A setting whose none arm has a non-finite interval (a diverged seed) or x is 'not measured': named in (a), and
-    left out of every statement's lists rather than counted as harmless.
+
+def _dose_row(claim: str, verdict: str, shown: Delta | None, p_holm: float, seeds: int) -> dict:
+    """One statement's row; every row has these keys in this order (a table's header is its first row's keys)."""
+    return {"claim": claim, "verdict": verdict, "Δ": f"{shown.mean:+.3g}" if shown else "-",
+            "95% CI": f"[{shown.low:+.3g}, {shown.high:+.3g}]" if shown else "-",
+            "p (Holm)": f"{p_holm:.2g}" if shown else "-", "metric": "pc_trainer (auc)", "seeds": seeds}
+
+
+def dose_map(runs: dict[str, list[list[dict]]], control: str, learned: bool,
+             plot: Path | None) -> tuple[list, list[dict]]:
+    """Statements (a)-(c) of DOSE_RULES, the per-setting table, and the figure (Δ pc auc vs measured x, log x; none
+    drawn when plot is None).
+
+    A setting whose none arm has a non-finite interval (a diverged seed) or x is 'not measured', and so is a
+    correction there or where its own interval is not finite: named in every statement that would use it, left out
+    of every family rather than counted as harmless.
     """
     split = {label: label.partition(" @ ")[::2] for label in runs if " @ " in label}  # label -> (arm, setting)
     settings = list(dict.fromkeys(s for _, s in split.values()))
     x = {s: _mean([seed_value(rs, "mm_abs_diff", "steps") for rs in runs[f"none @ {s}"]]) for s in settings}
-    cell = {(a, s): (_ci(runs, label, control), _ci(runs, label, f"none @ {s}")) for label, (a, s) in split.items()}
-    measured = sorted((s for s in settings if all(map(math.isfinite, (x[s], *cell["none", s][0])))), key=x.get)
+    vs_control = {(a, s): _ci(runs, label, control) for label, (a, s) in split.items()}
+    vs_none = {(a, s): _ci(runs, label, f"none @ {s}") for label, (a, s) in split.items() if a != "none"}
+    measured = sorted((s for s in settings if math.isfinite(x[s]) and _finite(vs_control["none", s])), key=x.get)
     lost = [s for s in settings if s not in measured]
     corrections = [a for a in dict.fromkeys(a for a, _ in split.values()) if a != "none"]
+    seeds = len(runs[control])
 
     def named(ss: list[str]) -> str:
         return ", ".join(f"{s} (x {x[s]:.2g})" for s in ss) or "nowhere"
 
-    harmed = [s for s in measured if cell["none", s][0][2] < 0]
-    first = cell["none", harmed[0]][0] if harmed else (math.nan,) * 3
+    def measured_at(a: str, ss: list[str]) -> list[str]:
+        """The settings of ss where correction a ran with both its intervals finite."""
+        return [s for s in ss if (a, s) in vs_none and _finite(vs_control[a, s]) and _finite(vs_none[a, s])]
+
+    trails = holm({s: vs_control["none", s].p for s in measured})  # (a)'s family
+    harmed = [s for s in measured if trails[s] <= DOSE_ALPHA]
+    first = vs_control["none", harmed[0]] if harmed else None
+    largest = max([x[s] for s in measured], default=math.nan)
     not_measured = f"; not measured at {', '.join(lost)}" if lost else ""
-    rows = [{"claim": "(a) smallest measured mismatch at which none trails the synced control",
-             "verdict": (named(harmed[:1]) if harmed else f"not in the grid (measured x up to "
-                        f"{max([x[s] for s in measured], default=math.nan):.2g})") + not_measured,
-             "Δ": f"{first[0]:+.3g}", "95% CI": f"[{first[1]:+.3g}, {first[2]:+.3g}]"}]
+    rows = [_dose_row("(a) smallest measured mismatch at which none trails the synced control",
+                      (named(harmed[:1]) if harmed else f"not in the grid (measured x up to {largest:.2g})")
+                      + not_measured, first, trails[harmed[0]] if harmed else math.nan, seeds)]
     for a in corrections:
-        ran = [s for s in measured if (a, s) in cell]
-        top = cell[a, ran[-1]][1] if ran else (math.nan,) * 3
-        rows.append({"claim": f"(b) {a}: beats none at; still trails the control at (Δ, CI: vs none, largest x)",
-                     "verdict": f"{named([s for s in ran if cell[a, s][1][1] > 0])}; "
-                                f"{named([s for s in ran if cell[a, s][0][2] < 0])}",
-                     "Δ": f"{top[0]:+.3g}", "95% CI": f"[{top[1]:+.3g}, {top[2]:+.3g}]"})
-    tested = [s for s in measured if cell["none", s][0][1] <= 0 <= cell["none", s][0][2]
-              and any((a, s) in cell for a in corrections)]  # none unresolved vs the control, a correction ran
-    hurt = [f"{a} at {s}" for a in corrections for s in tested if (a, s) in cell and cell[a, s][1][2] < 0]
-    rows.append({"claim": "(c) a correction trails none where none is harmless (vs control unresolved)", "Δ": "-",
-                 "95% CI": "-", "verdict": ("yes: " + ", ".join(hurt)) if hurt else (
-                     f"no (tested at {named(tested)})" if tested else "not tested")})
-    rows = [r | {"metric": "pc_trainer (auc)", "seeds": len(runs[control])} | ({} if learned else {
-        "verdict": "invalid testbed"}) for r in rows]
-    table = [{"setting": s, "mismatch x": f"{x[s]:.3g}", "arm": a, "Δ vs control": _fmt_ci(*cell[a, s][0]),
-              "Δ vs none": _fmt_ci(*cell[a, s][1]) if a != "none" else "-"}
-             for s in measured + lost for a in ["none"] + corrections if (a, s) in cell]
-    _plot_dose(plot, cell, x, measured, ["none"] + corrections)
+        ran = measured_at(a, measured)
+        missing = [s for s in settings if (a, s) in vs_none and s not in ran]
+        beats = holm({s: 1 - vs_none[a, s].p for s in ran})  # (b)'s two families of this correction
+        still = holm({s: vs_control[a, s].p for s in ran})
+        verdict = (f"{named([s for s in ran if beats[s] <= DOSE_ALPHA])}; "
+                   f"{named([s for s in ran if still[s] <= DOSE_ALPHA])}")
+        rows.append(_dose_row(f"(b) {a}: beats none at; still trails the control at (Δ, CI, p: vs none, largest x)",
+                              verdict + (f"; not measured at {', '.join(missing)}" if missing else ""),
+                              vs_none[a, ran[-1]] if ran else None, beats[ran[-1]] if ran else math.nan, seeds))
+    harmless = [s for s in measured if s not in harmed]  # none not shown to trail the control
+    costs = holm({(a, s): vs_none[a, s].p for a in corrections for s in measured_at(a, harmless)})  # (c)'s family
+    hurt = [f"{a} at {s}" for (a, s), p in costs.items() if p <= DOSE_ALPHA]
+    tested = [s for s in harmless if any((a, s) in costs for a in corrections)]
+    unknown = [f"{a} at {s}" for a in corrections for s in settings
+               if (a, s) in vs_none and s not in harmed and (a, s) not in costs]
+    verdict = ("yes: " + ", ".join(hurt)) if hurt else (f"no (tested at {named(tested)})" if tested else "not tested")
+    rows.append(_dose_row("(c) a correction trails none where none is harmless (not named by (a))",
+                          verdict + (f"; not measured: {', '.join(unknown)}" if unknown else ""), None, math.nan,
+                          seeds))
+    if not learned:
+        rows = [r | {"verdict": "invalid testbed"} for r in rows]
+    table = [{"setting": s, "mismatch x": f"{x[s]:.3g}", "arm": a, "Δ vs control": _fmt_ci(vs_control[a, s]),
+              "Δ vs none": _fmt_ci(vs_none[a, s]) if a != "none" else "-"}
+             for s in measured + lost for a in ["none"] + corrections if (a, s) in vs_control]
+    if plot is not None:
+        _plot_dose(plot, vs_control, x, measured, ["none"] + corrections)
     return [("Statements by the rules below, computed from the paired seeds:", rows),
-            ("Per setting and arm, sorted by measured mismatch x (mean |Δlogp| of none); Δ pc auc:", table)], rows
+            ("Per setting and arm, sorted by measured mismatch x (mean |Δlogp| of none); Δ pc auc, unadjusted 95% "
+             "interval:", table)], rows
 
 
-def _plot_dose(path: Path, cell: dict, x: dict, settings: list, arms: list) -> None:
+def _plot_dose(path: Path, vs_control: dict, x: dict, settings: list, arms: list) -> None:
     """Δ pc auc vs control against measured mismatch: a line and 95% band per arm over the noise levels, engines as
     labelled points (none). Settings with a non-finite value are not drawn."""
     from matplotlib.figure import Figure
@@ -3398,16 +3508,18 @@ def _plot_dose(path: Path, cell: dict, x: dict, settings: list, arms: list) -> N
     fig = Figure(figsize=(7.5, 4.5))
     ax = fig.subplots()
     for a in arms:
-        ss = [s for s in settings if (a, s) in cell and s.startswith("s=")]
+        ss = [s for s in settings if (a, s) in vs_control and s.startswith("s=")]
         if ss:
-            m, lo, hi = zip(*[cell[a, s][0] for s in ss])
-            line = ax.plot([x[s] for s in ss], m, marker="o", ms=3, label=a, lw=2 if a == "none" else 1)[0]
-            ax.fill_between([x[s] for s in ss], lo, hi, color=line.get_color(), alpha=0.25 if a == "none" else 0.08)
+            ds = [vs_control[a, s] for s in ss]
+            line = ax.plot([x[s] for s in ss], [d.mean for d in ds], marker="o", ms=3, label=a,
+                           lw=2 if a == "none" else 1)[0]
+            ax.fill_between([x[s] for s in ss], [d.low for d in ds], [d.high for d in ds], color=line.get_color(),
+                            alpha=0.25 if a == "none" else 0.08)
     for s in settings:
         if not s.startswith("s="):
-            m, lo, hi = cell["none", s][0]
-            ax.errorbar([x[s]], [m], yerr=[[m - lo], [hi - m]], fmt="k^", ms=5)
-            ax.annotate(s, (x[s], m), textcoords="offset points", xytext=(3, 5), fontsize=7)
+            d = vs_control["none", s]
+            ax.errorbar([x[s]], [d.mean], yerr=[[d.mean - d.low], [d.high - d.mean]], fmt="k^", ms=5)
+            ax.annotate(s, (x[s], d.mean), textcoords="offset points", xytext=(3, 5), fontsize=7)
     ax.axhline(0, color="gray", lw=0.8)
     ax.set(xscale="log" if settings else "linear", ylabel="Δ pc auc vs synced fp32 control",
            xlabel="measured mismatch x: mean |logp - logp_infer| per token (none arm)",
