@@ -4047,6 +4047,49 @@ def bench_rl_step(model_dir: Path, steps: int, out_dir: str, device: torch.devic
                  "< 0.05" if phase == "loss" else "report") for phase in STEP_PHASES]
 
 
+def _rl_step_peak_child(correction: str, topk: int, V: int, prompts: int, out_dir: str) -> dict:
+    """One RL step's peak memory above what the run already holds (Linux; run in a fresh process by
+    bench_rl_step_memory): a random tiny model whose head has V tokens, `prompts` x 8 samples, 5 tokens each."""
+    def status(key: str) -> int:
+        return int(re.search(key + r":\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+    directory = Path(out_dir) / f"tiny-v{V}"
+    if not (directory / "config.json").is_file():
+        build_tiny_model(vocab_size=V).save_pretrained(str(directory), safe_serialization=True)
+        CharTokenizer(V).save(directory)
+    cfg = RLConfig(name=f"peak-{correction}", model=str(directory), correction=correction, topk=topk,
+                   prompts=prompts, group=8, max_new_tokens=5, steps=2, eval_n=16, progress=False, device="cpu",
+                   out_dir=out_dir, checkpoint_every=0)
+    rs = _setup_run(cfg)
+    _rl_step(cfg, 0, rs)  # warm-up: the optimizer's moments and the allocator's pools are built here
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
+    before = status("VmRSS")
+    record = _rl_step(cfg, 1, rs)
+    B, T = prompts * 8, 5
+    return {"extra_bytes": status("VmHWM") - before, "logits_bytes": B * T * V * 4, "entropy": record.get("entropy")}
+
+
+def bench_rl_step_memory(quick: bool, out_dir: str) -> list[dict]:
+    """Peak memory of one RL step at Qwen's V = 151,936 (tis, and sc_tis at K = 32), B = 128, T = 5, over one batch's
+    fp32 response logits B T V 4 bytes, each in a fresh child process (quick: V = 32,000, B = 32)."""
+    import subprocess
+
+    V, prompts = (32_000, 4) if quick else (151_936, 16)
+    rows = []
+    for correction, topk in (("tis", 0), ("sc_tis", 32)):
+        code = (f"import json, tim_rl; print(json.dumps(tim_rl._rl_step_peak_child({correction!r}, {topk}, {V}, "
+                f"{prompts}, {str(out_dir)!r})))")
+        child = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True,
+                               text=True, check=True)
+        peak = json.loads(child.stdout.strip().splitlines()[-1])
+        label = f"K = {topk}" if correction.startswith("sc") else "no top-K recorded"
+        rows.append(_row(f"RL step peak memory ({correction}, {label}, V = {V:,}, B = {prompts * 8}, T = 5, cpu)",
+                         f"one batch's fp32 response logits ({peak['logits_bytes'] / 2**20:.0f} MiB)",
+                         peak["extra_bytes"] / peak["logits_bytes"], "<= 3"))
+    return rows
+
+
 def bench_verifier(repeats: int) -> list[dict]:
     """Worst per-call time of verify() over adversarial 10 kB texts (and one of 1 MB), in milliseconds."""
     n = 10_000
@@ -4076,6 +4119,7 @@ def bench(cfg: BenchConfig) -> list[dict]:
         lambda: bench_corrections(2 if q else 4, 128 if q else 512, 8_000 if q else 32_000, 128, cfg.repeats),
         lambda: bench_samplers(model_dir, 4 if q else 16, 8, cfg.repeats, device),
         lambda: bench_rl_step(model_dir, 6 if q else 40, cfg.out, device),
+        lambda: bench_rl_step_memory(q, cfg.out),
         lambda: bench_verifier(cfg.repeats),
     ]
     t0 = time.perf_counter()
