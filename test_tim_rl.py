@@ -1902,6 +1902,17 @@ def test_loading_the_same_master_twice_gives_bitwise_the_same_engine(dtype):
     assert all(v.dtype == master[k].dtype for k, v in master.items())  # the master itself was never rounded
 
 
+def test_a_tied_head_model_loads_into_a_sampler_from_its_own_state_dict():
+    """A model whose lm_head is its embedding (one tensor, two names in state_dict) builds a sampler and syncs."""
+    model = tr.build_tiny_model(vocab_size=32, hidden=32, layers=1, heads=2)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    sampler = tr.TorchSampler(model, tr.EngineSpec(dtype="bf16"))
+    sampler.load_weights(model.state_dict())
+    assert torch.equal(sampler.model.lm_head.weight, model.lm_head.weight.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="missing"):
+        sampler.load_weights({k: v for k, v in model.state_dict().items() if "q_proj" not in k})
+
+
 def test_fp16_mismatch_smaller_than_bf16(base_model_dir):
     """The FP16 paper's claim at this scale: 3 more mantissa bits, a much smaller gap."""
     gaps = {}

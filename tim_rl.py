@@ -1725,11 +1725,12 @@ def kept_support_from_logits(logits: torch.Tensor, response_ids: torch.Tensor, t
                              min_p: float) -> torch.Tensor:
     """The kept support of (B, T, V) logits by the sampler's rule, plus the sampled token: (B, T, S) ids, -1 pads.
 
-    By row chunks of CHUNK_BYTES: truncation_mask's sort transients are a few chunks, never (B, T, V) masks.
+    By row chunks of token_logprobs' size (CHUNK_BYTES; GPU_CHUNK_BYTES on CUDA): truncation_mask's sort transients
+    are a few chunks, never (B, T, V) masks. One host sync per chunk (its kept count), none per row.
     """
     B, T, V = logits.shape
     flat, ids = logits.reshape(-1, V), response_ids.reshape(-1, 1)  # (N, V), (N, 1)
-    rows = max(1, CHUNK_BYTES // (4 * V))
+    rows = _default_chunk_rows(V, logits.device, fused=False)
     parts = []
     for start in range(0, flat.shape[0], rows):
         keep = truncation_mask(flat[start : start + rows].float(), top_p, top_k, min_p)  # (n, V) bool
@@ -1841,8 +1842,10 @@ class TorchSampler:
         noise_gen = torch.Generator().manual_seed(self.engine.noise_seed)
         perturbed = {f"{n}.weight" for n, m in self.model.named_modules()
                      if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")}
-        params = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
-        missing = sorted(set(params) - set(state_dict) - {n for n, _ in self.model.named_buffers()})
+        # every name, a tied head's included, so a model's own state_dict loads (tied weights: one tensor, 2 names)
+        params = dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers())
+        required = {n for n, _ in self.model.named_parameters()}  # each tensor under one name suffices
+        missing = sorted(required - set(state_dict))
         if missing or set(state_dict) - set(params):
             raise ValueError(f"state_dict: missing {missing}, unexpected {sorted(set(state_dict) - set(params))}")
         for name, target in params.items():  # named_modules order: the noise draws come in one fixed order
@@ -2471,7 +2474,8 @@ def _update(cfg: RLConfig, rs: _RunState, ro: Rollout, rewards, logp_old, logp_p
     logp_prox None: this is the batch's first update, whose log-probs become the proximal policy.
     """
     # TIM: with truncation the current trainer's log-probs are renormalised on the sampler's kept support: p~, not p
-    topk_ids = ro.topk_ids if ro.topk_ids.shape[-1] > 0 else None  # gathered only where the arm reads them
+    reads_topk = cfg.correction in TOPK_READERS or cfg.diagnose_drift
+    topk_ids = ro.topk_ids if reads_topk and ro.topk_ids.shape[-1] > 0 else None  # gathered only where read
     logp, logp_topk, hidden, log_s = rs.trainer.support_logprobs(ro, topk_ids, cfg.temperature)
     lap("recompute")
     first, before = logp_prox is None, (logp.detach(), log_s)
