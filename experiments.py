@@ -42,8 +42,9 @@ def measure_engines(model_dir: str | Path, engines: list[tuple[str, object]], n_
     model_dir, rows = Path(model_dir), []
     tokenizer, trainer_model = tr.load_tokenizer(model_dir), tr.load_model(model_dir).eval()
     for label, spec in engines:  # each built once for all seeds (vLLM: one engine per process at a time)
-        sampler = (tr.TorchSampler(trainer_model, spec, tokenizer) if isinstance(spec, tr.EngineSpec) else tr.VLLMSampler(
-            model_dir, dtype=spec.split("-")[1], seed=seeds[0], tokenizer=tokenizer, max_model_len=max_model_len))
+        sampler = (tr.TorchSampler(trainer_model, spec, tokenizer) if isinstance(spec, tr.EngineSpec) else
+                   tr.VLLMSampler(model_dir, dtype=spec.split("-")[1], seed=seeds[0], tokenizer=tokenizer,
+                                  max_model_len=max_model_len))
         for seed in seeds:
             problems = tr.make_arithmetic_task(n_prompts, seed=seed, split="eval", **tr._task_kwargs(model_dir))
             ids = prompts if prompts is not None else tr._encode_problems(tokenizer, problems)[0]
@@ -61,7 +62,8 @@ def default_engines() -> list[tuple[str, object]]:
     """The engines the demo measures: torch fp32/exact/fp16/bf16/int8/fp8, and vLLM fp32/bf16 when installed."""
     engines = [("torch fp32 (KV cache)", tr.EngineSpec()), ("torch fp32 exact", tr.EngineSpec(exact=True)),
                ("torch fp16", tr.EngineSpec(dtype="fp16")), ("torch bf16", tr.EngineSpec(dtype="bf16")),
-               ("torch int8 weights", tr.EngineSpec(quant="int8")), ("torch fp8-e4m3 weights", tr.EngineSpec(quant="fp8"))]
+               ("torch int8 weights", tr.EngineSpec(quant="int8")),
+               ("torch fp8-e4m3 weights", tr.EngineSpec(quant="fp8"))]
     return engines + ([("vLLM fp32", "vllm-fp32"), ("vLLM bf16", "vllm-bf16")] if tr.vllm_available() else [])
 
 
@@ -346,20 +348,21 @@ def _fingerprint_digest(runs: tuple = FINGERPRINT_RUNS, pretrain_steps: int | No
 
 
 def numerics_fingerprint(cache: Path | None = None) -> str:
-    """The numerical identity of this tim_rl.py (_fingerprint_digest, in a child process on one thread), cached in
-    `cache` (default ~/.cache/tim_rl/fingerprints.json) by a hash of the source, torch and transformers versions: a
-    comment edit recomputes it and gets the same digest."""
+    """The numerical identity of tim_rl.py, the reference (_fingerprint_digest, in a child process on one thread),
+    cached in `cache` (default ~/.cache/tim_rl/fingerprints.json) by a hash of tim_rl.py's source, the fingerprint's
+    runs, torch and transformers versions: a comment edit recomputes it and gets the same digest."""
     import subprocess
 
     import transformers
 
-    source = Path(__file__).read_bytes() + f"{torch.__version__} {transformers.__version__}".encode()
+    runs = repr((FINGERPRINT_PRETRAIN, FINGERPRINT_RUNS, FINGERPRINT_SKIP))
+    source = Path(tr.__file__).read_bytes() + f"{runs} {torch.__version__} {transformers.__version__}".encode()
     key = hashlib.sha256(source).hexdigest()[:16]
     cache = cache or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tim_rl" / "fingerprints.json"
     known = json.loads(cache.read_text()) if cache.is_file() else {}
     if key not in known:
         env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        child = subprocess.run([sys.executable, "-c", "import tim_rl; print(tim_rl._fingerprint_digest())"],
+        child = subprocess.run([sys.executable, "-c", "import experiments; print(experiments._fingerprint_digest())"],
                                cwd=Path(__file__).parent, env=env, capture_output=True, text=True, check=True)
         known[key] = child.stdout.split()[-1]
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -391,7 +394,8 @@ def _run_seconds(out: Path) -> float:
     return max((out / "metrics.jsonl").stat().st_mtime - (out / "config.json").stat().st_mtime, 0.0)
 
 
-def run_arms(base: tr.RLConfig, arms: list[tuple[str, dict]], seeds: list[int], out: Path) -> dict[str, list[list[dict]]]:
+def run_arms(base: tr.RLConfig, arms: list[tuple[str, dict]], seeds: list[int],
+             out: Path) -> dict[str, list[list[dict]]]:
     """Every arm (label, RLConfig overrides) for every seed, into out/arm<i>_s<seed>; a finished run with the same
     config is read back, not re-run (its seconds go to out/reused_seconds). Each run directory records the numerics
     fingerprint of the code that ran it (file `fingerprint`); out/numerics.json counts what was read, by fingerprint.
@@ -502,7 +506,8 @@ class PresetConfig:
     seeds: str = tr._arg("0,1,2,3,4", "comma-separated seeds (>= 5 for a verdict worth quoting)")
     smoke: bool = tr._arg(False, "seconds-sized version of every run (CI): checks the outputs, not the claim")
     model: str = tr._arg("runs/base", "the tiny model (built if missing)")
-    out_dir: str = tr._arg("runs/compare", "writes <out_dir>/<preset>/results.md and plot.png (CLI: <--out-dir>/compare)")
+    out_dir: str = tr._arg("runs/compare",
+                           "writes <out_dir>/<preset>/results.md and plot.png (CLI: <--out-dir>/compare)")
     publish: bool = tr._arg(False, "also rewrite the preset's section of RESULTS.md and its rows of README's verdicts")
     accept_numerics: bool = tr._arg(False, "publish runs read back from code of other numerics (another fingerprint); "
                                         "RESULTS.md says how many")
@@ -533,7 +538,8 @@ def export_visibility(weights: torch.Tensor, lr: float, steps: int, seed: int = 
         master = w0 + n * lr * direction
         ef, residual = tr.error_feedback_round_bf16(master, residual)
         ef_sum += ef.float()
-        for mode, served in (("RTN", tr.round_nearest_bf16(master)), ("SR", tr.stochastic_round_bf16(master, generator=gen)),
+        for mode, served in (("RTN", tr.round_nearest_bf16(master)),
+                             ("SR", tr.stochastic_round_bf16(master, generator=gen)),
                              ("EF", ef)):
             curves[mode].append(tr.visible_update_fraction(w0, master, w0, served.float()))
         mean_master = w0 + (n + 1) / 2 * lr * direction
@@ -651,8 +657,8 @@ def _cis_gap_by_confidence(pc: PresetConfig, seeds: list[int]) -> tuple[str, lis
     """Spread of the fp8 engine gap (log-odds and log-prob) by the trainer's confidence p, seed 0."""
     model_dir = tr._model_dir(pc.model)
     model, tokenizer = tr.load_model(model_dir).eval(), tr.load_tokenizer(model_dir)
-    prompts, _ = tr._encode_problems(tokenizer, tr.make_arithmetic_task(16 if pc.smoke else 128, **tr._task_kwargs(model_dir),
-                                                                  split="eval"))
+    prompts, _ = tr._encode_problems(tokenizer, tr.make_arithmetic_task(16 if pc.smoke else 128, split="eval",
+                                                                        **tr._task_kwargs(model_dir)))
     ro = tr.TorchSampler(model, tr.EngineSpec(quant="fp8"), tokenizer).sample(prompts, 8, 5, 1.0, 0,
                                                                         torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -854,39 +860,17 @@ def _plot_dose(path: Path, vs_control: dict, x: dict, settings: list, arms: list
     fig.savefig(path, dpi=110)
 
 
-DOSE_NOISE = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)  # relative sampler weight noise s (DOSE_PILOT)
+DOSE_NOISE = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)  # relative sampler weight noise s (the dose preset's pilot)
 DOSE_FULL = (0.05, 0.2, 0.8)  # where every correction runs: harmless, just harmful, strongly harmful (45-min budget)
 DOSE_ENGINES = (("bf16", {"dtype": "bf16"}), ("fp16", {"dtype": "fp16"}), ("int8", {"quant": "int8"}),
                 ("fp8", {"quant": "fp8"}))  # the real engines, as points
 DOSE_CORRECTIONS = ("tis", "mis", "cis", "sc_tis", "dlc", "dppo", "seq_tis", "geo")
-DOSE_PILOT = ("Pilot (before this run; none arm, seeds 0-1, the settings of this preset): Δ pc auc vs the control "
-              "-0.043 / -0.027 at s=0.2 (x 0.19), -0.068 / -0.053 at s=0.4, -0.086 / -0.070 at s=0.8, -0.19 / -0.14 at "
-              "s=1.6; the real engines' x is 0.004-0.025 (precision preset). So the grid runs from s=0.05 (below every "
-              "harm seen) to s=1.6 (none collapses), and every correction runs at s=0.05, 0.2 and 0.8 (all nine at "
-              "every level would take ~2 h here).")
 DOSE_EXTRA = {"mismatch x": ("mm_abs_diff", "steps"), "zeroed": ("frac_zeroed", "steps")}  # arm-table columns
-DOSE_LONG_NOISE = (0.1, 0.2, 0.4, 0.6)  # 0.1, 0.2 before the first run; 0.4, 0.6 added after it (DOSE_LONG_PILOT)
-DOSE_LONG_PILOT = ("Pilot (before this run): the swap task's base model (150 pre-training steps, 16 s) answers every "
-                   "held-out problem greedily but puts only pc 0.245 on the exact 12 digits (100 steps: pc 0.001; 300 "
-                   "steps: pc 0.81), so pc has room; the synced control, seed 0: pc 0.245 -> 0.313 in 80 steps. "
-                   "Reversing the digits instead did not pre-train in a minute (greedy 0 after 600 steps). Levels "
-                   "revised after run 1: s = 0.1 and 0.2 (chosen to bracket the short task's threshold in s) gave x "
-                   "0.004 and 0.01 on this confident model, far below that threshold in x; s = 0.4 and 0.6 were added "
-                   "by a sampling pilot on 64 RL prompts x 8 (x 0.05 and 0.21, sampled reward 0.17 and 0.07; s = 0.8: "
-                   "reward 0, nothing left to learn from). The rules did not change.")
+DOSE_LONG_NOISE = (0.1, 0.2, 0.4, 0.6)  # 0.1, 0.2 before the first run; 0.4, 0.6 added after it (dose-long's pilot)
 
 
-DLC_EQUAL_BUDGET_K = 4  # the fixed schedule with about the lag trigger's sync count (DLC_PILOT)
-DLC_PILOT = ("Pilot (written before this run): round 2's run of this preset (same seeds and settings) synced the "
-             "lag-triggered arm on 0.28 ± 0.014 of its 80 steps, 22.4 syncs per seed, against 5 for k = 16. The fixed "
-             "schedule with the closest sync count is k = 4 (20 syncs; k = 3 would give 27), so the resync claim is "
-             "judged against dlc (k=4); the comparison with k = 16 is kept as a labelled 'more syncs' row.")
-FP8_CLIP_CONTROL = ("synced control (k=1, ppo)", {"correction": "ppo"})  # chosen by FP8_CLIP_PILOT
-FP8_CLIP_PILOT = ("Pilot (rule written before it ran): round 2's control, REINFORCE with 2 updates per batch, "
-                  "fell on one seed. Candidates: A = decoupled PPO (fp32 sampler synced every "
-                  "step, lr 3e-5), then B = REINFORCE at lr 1.5e-5; take the first whose pc final - start > 0 on each "
-                  "of seeds 10-14 (disjoint from the preset's). A: +0.044, +0.062, +0.038, +0.066, +0.040 -> A "
-                  "(its control line under `compare --preset fp8-clip --seeds 10,11,12,13,14`).")
+DLC_EQUAL_BUDGET_K = 4  # the fixed schedule with about the lag trigger's sync count (the dlc preset's pilot)
+FP8_CLIP_CONTROL = ("synced control (k=1, ppo)", {"correction": "ppo"})  # chosen by the fp8-clip preset's pilot
 TRUNCATION_REVISED = "metric pc -> pct after run 1, whose control's pc fell on one seed"
 LAG_LABEL, TOP_P_LABEL = f"(k={PRESET_LAG})", f"(bf16, top_p {PRESET_TOP_P})"  # arm-label suffixes
 RL_PRESETS = {
@@ -906,7 +890,12 @@ RL_PRESETS = {
          Claim("calibrated bounds zero fewer A<0 tokens than the default ones (fp8)", "calibrated (fp8)",
                "ppo_infer (fp8)", "frac_zeroed_neg_adv", "steps", -1),
          Claim("calibrated bounds train better than the default ones (fp8)", "calibrated (fp8)", "ppo_infer (fp8)")),
-        base={"updates_per_batch": 2}, control=FP8_CLIP_CONTROL, notes=FP8_CLIP_PILOT,
+        base={"updates_per_batch": 2}, control=FP8_CLIP_CONTROL,
+        notes=("Pilot (rule written before it ran): round 2's control, REINFORCE with 2 updates per batch, "
+               "fell on one seed. Candidates: A = decoupled PPO (fp32 sampler synced every step, lr 3e-5), then B = "
+               "REINFORCE at lr 1.5e-5; take the first whose pc final - start > 0 on each of seeds 10-14 (disjoint "
+               "from the preset's). A: +0.044, +0.062, +0.038, +0.066, +0.040 -> A (its control line under `compare "
+               "--preset fp8-clip --seeds 10,11,12,13,14`)."),
         extra={"A<0 zeroed": ("frac_zeroed_neg_adv", "steps")}),
     # Fair Cast [4] (reconstruction): bf16 sampler, lr 1e-5: SR export + loss on the served copy beats RTN export
     "fair-cast": RLPreset(
@@ -941,7 +930,11 @@ RL_PRESETS = {
          Claim(f"more syncs, not like for like: dlc + lag resync beats dlc at k={PRESET_LAG}", "dlc + lag resync",
                f"dlc {LAG_LABEL}")),
         base={"dtype": "bf16"}, extra={"syncs": ("synced", "total"), "mean abs lag": ("ledger_lag_abs", "steps")},
-        notes=DLC_PILOT),
+        notes=("Pilot (written before this run): round 2's run of this preset (same seeds and settings) synced "
+               "the lag-triggered arm on 0.28 ± 0.014 of its 80 steps, 22.4 syncs per seed, against 5 for k = 16. The "
+               "fixed schedule with the closest sync count is k = 4 (20 syncs; k = 3 would give 27), so the resync "
+               "claim is judged against dlc (k=4); the comparison with k = 16 is kept as a labelled 'more syncs' "
+               "row.")),
     # Score centering [2]: relative sampler weight noise s = 0.1, raw-reward advantages, synced every step
     "drift": RLPreset(
         "drift: score centering under a noisy sampler",
@@ -966,17 +959,29 @@ RL_PRESETS = {
         base={"top_p": PRESET_TOP_P}, control_key="pct_trainer", measure=_truncation_table,
         extra={"pct final": ("pct_trainer", "final"), "pct auc": ("pct_trainer", "auc"),
                "kept mass": ("kept_mass", "steps"), "mean log ratio": ("mm_mean_log_ratio", "steps")}),
-    # Where engine mismatch starts to matter: none at every setting, every correction at three (DOSE_PILOT)
+    # Where engine mismatch starts to matter: none at every setting, every correction at three (its pilot)
     "dose": RLPreset(
         "dose: Δ pc against measured mismatch, every correction",
         dose_arms(DOSE_NOISE, DOSE_CORRECTIONS, DOSE_FULL, DOSE_ENGINES), (), report=dose_map,
-        extra=DOSE_EXTRA, notes=DOSE_PILOT + "\n\n" + DOSE_RULES),
+        extra=DOSE_EXTRA,
+        notes=("Pilot (before this run; none arm, seeds 0-1, the settings of this preset): Δ pc auc vs the "
+               "control -0.043 / -0.027 at s=0.2 (x 0.19), -0.068 / -0.053 at s=0.4, -0.086 / -0.070 at s=0.8, -0.19 "
+               "/ -0.14 at s=1.6; the real engines' x is 0.004-0.025 (precision preset). So the grid runs from s=0.05 "
+               "(below every harm seen) to s=1.6 (none collapses), and every correction runs at s=0.05, 0.2 and 0.8 "
+               "(all nine at every level would take ~2 h here).") + "\n\n" + DOSE_RULES),
     # The same map on 12-token answers (swap two 6-digit numbers): do sequence-level ratios move the threshold?
     "dose-long": RLPreset(
         "dose-long: 12-token answers (swap two 6-digit numbers)",
         dose_arms(DOSE_LONG_NOISE, ("tis", "seq_tis", "geo")), (), base={"max_new_tokens": 13}, report=dose_map,
         pretrain=("swap", {"digits": 6, "ops": "s", "steps": 150}), extra=DOSE_EXTRA,
-        notes=DOSE_LONG_PILOT + "\n\n" + DOSE_RULES),
+        notes=("Pilot (before this run): the swap task's base model (150 pre-training steps, 16 s) answers "
+               "every held-out problem greedily but puts only pc 0.245 on the exact 12 digits (100 steps: pc 0.001; "
+               "300 steps: pc 0.81), so pc has room; the synced control, seed 0: pc 0.245 -> 0.313 in 80 steps. "
+               "Reversing the digits instead did not pre-train in a minute (greedy 0 after 600 steps). Levels revised "
+               "after run 1: s = 0.1 and 0.2 (chosen to bracket the short task's threshold in s) gave x 0.004 and "
+               "0.01 on this confident model, far below that threshold in x; s = 0.4 and 0.6 were added by a sampling "
+               "pilot on 64 RL prompts x 8 (x 0.05 and 0.21, sampled reward 0.17 and 0.07; s = 0.8: reward 0, nothing "
+               "left to learn from). The rules did not change.") + "\n\n" + DOSE_RULES),
 }
 
 
@@ -1002,7 +1007,7 @@ def run_preset(pc: PresetConfig) -> list[Path]:
         reused = float((out / "reused_seconds").read_text()) if (out / "reused_seconds").exists() else 0.0
         seconds = time.perf_counter() - t0 + reused  # runs read back from an earlier invocation count their own time
         print(f"[{name}] {[v['verdict'] for v in verdicts]} ({seconds:.0f} s) -> {out / 'results.md'}", file=sys.stderr)
-        command = f"python tim_rl.py compare --preset {name} --seeds {','.join(map(str, seeds))}"
+        command = f"python experiments.py compare --preset {name} --seeds {','.join(map(str, seeds))}"
         (out / "verdicts.json").write_text(json.dumps({"verdicts": verdicts, "command": command, "seconds": seconds}))
         numerics = _numerics_note(out / "numerics.json", pc.accept_numerics and pc.publish)
         if pc.publish and not pc.smoke:
@@ -1080,13 +1085,14 @@ def publish(name: str, results: str, verdicts: list[dict], command: str, seconds
 
 @dataclass
 class BenchConfig:
-    """Sizes of `python tim_rl.py bench` (--quick shrinks every size so the whole bench runs in under a minute)."""
+    """Sizes of `python experiments.py bench` (--quick shrinks every size so the whole bench runs in under a minute)."""
 
     quick: bool = tr._arg(False, "small sizes: a smoke run of every row (CI), not the numbers to quote")
     repeats: int = tr._arg(5, "timed repeats per measurement (the median is reported)")
     out: str = tr._arg("runs/bench", "writes bench.md there")
     model: str = tr._arg("runs/base", "model for the sampler and RL-step rows")
-    device: str = tr._arg("auto", "export, log-prob, sampler and RL-step rows on: auto (cuda when available) | cpu | cuda")
+    device: str = tr._arg("auto",
+                          "export, log-prob, sampler and RL-step rows on: auto (cuda when available) | cpu | cuda")
 
 
 def _median_seconds(fn, repeats: int = 5, warmup: int = 1) -> float:
@@ -1134,30 +1140,37 @@ def _selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.T
     return torch.stack([torch.log_softmax(r, -1).gather(-1, i[:, None]).squeeze(-1) for r, i in zip(logits, index)])
 
 
-# The log-prob calls bench_token_logprobs compares, baseline first: (N, V) logits, (N,) ids -> (N,) log-probs
-_LOGPROB_CALLS = {
-    "log_softmax+gather": lambda x, ids: torch.log_softmax(x.float(), -1).gather(-1, ids[:, None]).squeeze(-1),
-    "token_logprobs": lambda x, ids: tr.token_logprobs(x, ids),
-    "TRL selective_log_softmax": lambda x, ids: _selective_log_softmax(x.view(8, -1, x.shape[-1]), ids.view(8, -1)),
-}
+# The log-prob calls bench_token_logprobs compares, baseline first
+LOGPROB_CALLS = ("log_softmax+gather", "token_logprobs", "TRL selective_log_softmax")
+
+
+def _logprob_call(which: str, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The log-prob call LOGPROB_CALLS names `which`: (N, V) logits x, (N,) ids -> (N,) log-probs."""
+    if which == "log_softmax+gather":
+        return torch.log_softmax(x.float(), -1).gather(-1, ids[:, None]).squeeze(-1)
+    elif which == "token_logprobs":
+        return tr.token_logprobs(x, ids)
+    elif which == "TRL selective_log_softmax":
+        return _selective_log_softmax(x.view(8, -1, x.shape[-1]), ids.view(8, -1))
+    raise ValueError(f"which must be one of {LOGPROB_CALLS}, got {which!r}")
 
 
 def _peak_rss_child(rows: int, V: int, which: str) -> int:
-    """Resident memory one _LOGPROB_CALLS[which] call on (rows, V) fp32 logits adds at its peak (Linux; run by
+    """Resident memory one _logprob_call(which) call on (rows, V) fp32 logits adds at its peak (Linux; run by
     _peak_extra_bytes in a fresh process)."""
     def status(key: str) -> int:
         return int(re.search(key + r":\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
 
     logits, ids = torch.ones(rows, V), torch.zeros(rows, dtype=torch.long)  # (N, V) fp32, every page touched
-    _LOGPROB_CALLS[which](logits[:2], ids[:2])  # warm-up: the first call pages in library code, not the call's memory
+    _logprob_call(which, logits[:2], ids[:2])  # warm-up: the first call pages in library code, not the call's memory
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
     before = status("VmRSS")
-    _LOGPROB_CALLS[which](logits, ids)
+    _logprob_call(which, logits, ids)
     return status("VmHWM") - before
 
 
 def _peak_extra_bytes(which: str, logits: torch.Tensor, ids: torch.Tensor, repeats: int = 3) -> int:
-    """Memory one _LOGPROB_CALLS[which] call allocates at its peak beyond what was allocated before it.
+    """Memory one _logprob_call(which) call allocates at its peak beyond what was allocated before it.
 
     GPU: torch.cuda.max_memory_allocated. CPU (fp32 logits): _peak_rss_child's resident memory, median over fresh
     subprocesses (the allocator's arenas make a single reading jitter by ~10-20 MB).
@@ -1165,12 +1178,12 @@ def _peak_extra_bytes(which: str, logits: torch.Tensor, ids: torch.Tensor, repea
     if logits.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        _LOGPROB_CALLS[which](logits, ids)
+        _logprob_call(which, logits, ids)
         return torch.cuda.max_memory_allocated() - before
     import subprocess
 
-    code = (f"import torch, tim_rl; torch.set_num_threads({torch.get_num_threads()}); "
-            f"print(tim_rl._peak_rss_child({logits.shape[0]}, {logits.shape[1]}, {which!r}))")
+    code = (f"import torch, experiments; torch.set_num_threads({torch.get_num_threads()}); "
+            f"print(experiments._peak_rss_child({logits.shape[0]}, {logits.shape[1]}, {which!r}))")
     readings = [int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                    cwd=Path(__file__).parent).stdout.split()[-1]) for _ in range(repeats)]
     return sorted(readings)[repeats // 2]
@@ -1181,13 +1194,13 @@ def bench_token_logprobs(rows: int, V: int, repeats: int, device: torch.device, 
     """token_logprobs and TRL's selective_log_softmax (B = 8) vs log_softmax + gather: time, peak extra memory over
     the logits (GPU: max_memory_allocated; CPU: fresh-process RSS, fp32 only), and time of values + gradient."""
     logits, ids = torch.randn(rows, V, device=device).to(dtype), torch.randint(0, V, (rows,), device=device)
-    calls = _LOGPROB_CALLS.items()
-    if not torch.allclose(tr.token_logprobs(logits, ids), _LOGPROB_CALLS["log_softmax+gather"](logits, ids), atol=1e-5,
+    calls = [(what, functools.partial(_logprob_call, what)) for what in LOGPROB_CALLS]
+    if not torch.allclose(tr.token_logprobs(logits, ids), _logprob_call("log_softmax+gather", logits, ids), atol=1e-5,
                           rtol=0):
         raise RuntimeError("token_logprobs differs from log_softmax + gather")
     label = f" (N={rows}, V={V}, {str(dtype)[6:]}, {device.type})"
     out = _ratio_rows([(what, lambda f=f: f(logits, ids), "<= 1.2") for what, f in calls], repeats, label)
-    peaked = list(_LOGPROB_CALLS)[: 3 if device.type == "cuda" else 2]  # CPU: the two fresh-process readings
+    peaked = list(LOGPROB_CALLS)[: 3 if device.type == "cuda" else 2]  # CPU: the two fresh-process readings
     out += [_row(f"{what}{label} peak extra memory", "the logits tensor", _peak_extra_bytes(what, logits, ids) /
                  (logits.numel() * logits.element_size()), "<= 0.05" if what == "token_logprobs" else "report")
             for what in peaked]
@@ -1216,28 +1229,40 @@ def bench_corrections(B: int, T: int, V: int, K: int, repeats: int) -> list[dict
     logp_topk_infer = lp_all + 0.05 * torch.randn(B, T, K, generator=g)
     adv = torch.randn(B, 1, generator=g)
 
-    def step(loss_fn, index=ids):  # index = topk: one logsumexp serves the sampled id (column 0) and the K head ids
-        return lambda: torch.autograd.grad(loss_fn(tr.token_logprobs(logits, index)), logits)
+    weights = {"tis": tr.tis_weights, "mis": tr.mis_weights, "seq_tis": tr.seq_tis_weights,
+               "geo": tr.geo_mask_weights}  # pg_loss weighted by one of these (current log-probs, detached, vs q)
 
-    def weighted(weights):  # pg_loss weighted by a correction of the current log-probs (detached) vs the sampler's
-        return lambda lp: tr.pg_loss(lp, adv, mask, weights(lp.detach(), logp_infer, mask))
+    def loss(arm: str, lp: torch.Tensor) -> torch.Tensor:  # lp: (B, T); for sc (B, T, K), the sampled id first
+        if arm == "pg_loss":
+            return tr.pg_loss(lp, adv, mask)
+        elif arm in weights:
+            return tr.pg_loss(lp, adv, mask, weights[arm](lp.detach(), logp_infer, mask))
+        elif arm == "cis":
+            return tr.ppo_loss(lp, logp_old, adv, mask, tr.cis_weights(logp_old, logp_infer, mask))
+        elif arm == "dlc":
+            return tr.dlc_loss(lp, logp_old, logp_infer, adv, mask)
+        elif arm == "ppo":
+            return tr.ppo_loss(lp, logp_old, adv, mask)
+        elif arm == "dppo":
+            return tr.dppo_loss(lp, logp_infer, adv, mask)
+        elif arm == "sc":
+            return tr.score_centering_loss(lp[..., 0], lp, logp_infer, logp_topk_infer, adv, mask)
+        raise ValueError(f"unknown arm {arm!r}")
 
-    arms = {"pg_loss": lambda lp: tr.pg_loss(lp, adv, mask), "tis": weighted(tr.tis_weights), "mis": weighted(tr.mis_weights),
-            "seq_tis": weighted(tr.seq_tis_weights), "geo": weighted(tr.geo_mask_weights),
-            "cis": lambda lp: tr.ppo_loss(lp, logp_old, adv, mask, tr.cis_weights(logp_old, logp_infer, mask)),
-            "dlc": lambda lp: tr.dlc_loss(lp, logp_old, logp_infer, adv, mask),
-            "ppo": lambda lp: tr.ppo_loss(lp, logp_old, adv, mask),
-            "dppo": lambda lp: tr.dppo_loss(lp, logp_infer, adv, mask)}
-    sc = lambda lp: tr.score_centering_loss(lp[..., 0], lp, logp_infer, logp_topk_infer, adv, mask)  # noqa: E731
-    return _ratio_rows([(f"{name}+backward" if name == "pg_loss" else f"{name} loss+backward", step(fn), "<= 1.2")
-                        for name, fn in arms.items()] + [(f"sc (K={K}) loss+backward", step(sc, topk), "<= 1.5")],
+    def step(arm: str, index=ids):  # index = topk: one logsumexp serves the sampled id (column 0) and the K head ids
+        return lambda: torch.autograd.grad(loss(arm, tr.token_logprobs(logits, index)), logits)
+
+    arms = ("pg_loss", "tis", "mis", "seq_tis", "geo", "cis", "dlc", "ppo", "dppo")
+    return _ratio_rows([(f"{arm}+backward" if arm == "pg_loss" else f"{arm} loss+backward", step(arm), "<= 1.2")
+                        for arm in arms] + [(f"sc (K={K}) loss+backward", step("sc", topk), "<= 1.5")],
                        repeats, f" (B={B}, T={T}, V={V})")
 
 
 def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, device: torch.device) -> list[dict]:
     """Generated tokens/s of TorchSampler vs HF generate (same model, fp32, batch, max length, device), and vLLM's."""
     tokenizer, model = tr.load_tokenizer(model_dir), tr.load_model(model_dir).to(device).eval()
-    prompts, _ = tr._encode_problems(tokenizer, tr.make_arithmetic_task(prompts_n, **tr._task_kwargs(model_dir), split="eval"))
+    prompts, _ = tr._encode_problems(tokenizer, tr.make_arithmetic_task(prompts_n, split="eval",
+                                                                        **tr._task_kwargs(model_dir)))
     gen = torch.Generator().manual_seed(0)
 
     def ours(sampler):  # tokens generated by one sample() call
@@ -1308,8 +1333,8 @@ def bench_rl_step_memory(quick: bool, out_dir: str) -> list[dict]:
     V, prompts = (32_000, 4) if quick else (151_936, 16)
     rows = []
     for correction, topk in (("tis", 0), ("sc_tis", 32)):
-        code = (f"import json, tim_rl; print(json.dumps(tim_rl._rl_step_peak_child({correction!r}, {topk}, {V}, "
-                f"{prompts}, {str(out_dir)!r})))")
+        code = (f"import json, experiments; print(json.dumps(experiments._rl_step_peak_child({correction!r}, {topk}, "
+                f"{V}, {prompts}, {str(out_dir)!r})))")
         child = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True,
                                text=True, check=True)
         peak = json.loads(child.stdout.strip().splitlines()[-1])
@@ -1334,8 +1359,6 @@ def bench_verifier(repeats: int) -> list[dict]:
 
 def bench(cfg: BenchConfig) -> list[dict]:
     """Run every benchmark row, print the table, write <out>/bench.md. Returns the rows."""
-    from tqdm.auto import tqdm
-
     torch.set_num_threads(os.cpu_count() or 1)
     model_dir = tr._model_dir(cfg.model)
     q, device = cfg.quick, tr.resolve_device(cfg.device)
@@ -1343,21 +1366,27 @@ def bench(cfg: BenchConfig) -> list[dict]:
     print(f"[bench] torch {torch.__version__}, {torch.get_num_threads()} threads, {device}, quick={q}", file=sys.stderr)
     # token_logprobs at Llama's and Qwen's V; on a GPU N = 8 192 with fp32 and bf16 logits, all with a backward
     n_lp, dtypes = 512 if q else 8192 if gpu else 4096, (torch.float32, torch.bfloat16) if gpu else (torch.float32,)
-    sections = [lambda: bench_export(2**20 if q else (256 if gpu else 16) * 2**20, cfg.repeats, device)] + [
-        lambda V=V, dt=dt: bench_token_logprobs(n_lp, V, cfg.repeats, device, dt, with_backward=gpu or V == 32_000)
-        for V in ((32_000,) if q else (32_000, 151_936)) for dt in dtypes] + [
-        lambda: bench_corrections(2 if q else 4, 128 if q else 512, 8_000 if q else 32_000, 128, cfg.repeats),
-        lambda: bench_samplers(model_dir, 4 if q else 16, 8, cfg.repeats, device),
-        lambda: bench_rl_step(model_dir, 6 if q else 40, cfg.out, device),
-        lambda: bench_rl_step_memory(q, cfg.out),
-        lambda: bench_verifier(cfg.repeats),
-    ]
     t0 = time.perf_counter()
-    rows = [row for section in tqdm(sections, desc="bench", mininterval=0) for row in section()]
+
+    def done(what: str, rows: list[dict]) -> list[dict]:
+        print(f"[bench] {what} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+        return rows
+
+    rows = done("export", bench_export(2**20 if q else (256 if gpu else 16) * 2**20, cfg.repeats, device))
+    for V in (32_000,) if q else (32_000, 151_936):
+        for dt in dtypes:
+            rows += done(f"token_logprobs V={V} {dt}", bench_token_logprobs(n_lp, V, cfg.repeats, device, dt,
+                                                                              with_backward=gpu or V == 32_000))
+    rows += done("corrections", bench_corrections(2 if q else 4, 128 if q else 512, 8_000 if q else 32_000, 128,
+                                                  cfg.repeats))
+    rows += done("samplers", bench_samplers(model_dir, 4 if q else 16, 8, cfg.repeats, device))
+    rows += done("RL step", bench_rl_step(model_dir, 6 if q else 40, cfg.out, device))
+    rows += done("RL step memory", bench_rl_step_memory(q, cfg.out))
+    rows += done("verifier", bench_verifier(cfg.repeats))
     table = _markdown_table(rows)
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
-    header = (f"`python tim_rl.py bench{' --quick' if q else ''} --device {device.type}`: torch {torch.__version__}, "
-              f"{torch.get_num_threads()} threads, median of {cfg.repeats} after a warm-up, "
+    header = (f"`python experiments.py bench{' --quick' if q else ''} --device {device.type}`: "
+              f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {cfg.repeats} after a warm-up, "
               f"{time.perf_counter() - t0:.0f} s.\n\n")
     (Path(cfg.out) / "bench.md").write_text(header + table + "\n")
     print(table)
