@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import experiments as ex
 import tim_rl as tr
 
 settings.register_profile(
@@ -1305,6 +1306,10 @@ def test_math_imports_with_torch_alone():
 
     code = "import sys, tim_rl; bad = [m for m in ('transformers', 'vllm') if m in sys.modules]; assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.abspath(tr.__file__)))
+    code = "import sys, tim_rl; assert 'experiments' not in sys.modules, 'the reference imports the lab'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.abspath(tr.__file__)))
+    code = "import sys, experiments; bad = [m for m in ('transformers', 'vllm') if m in sys.modules]; assert not bad, bad"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.abspath(tr.__file__)))
 
 
 def test_every_markdown_file_named_is_in_the_repository():
@@ -1313,7 +1318,7 @@ def test_every_markdown_file_named_is_in_the_repository():
 
     here = os.path.dirname(os.path.realpath(tr.__file__))
     written = {"results.md", "bench.md"}
-    for name in ("tim_rl.py", "test_tim_rl.py", "README.md", ".ci/run", "tutorial.ipynb"):
+    for name in ("tim_rl.py", "experiments.py", "test_tim_rl.py", "README.md", ".ci/run", "tutorial.ipynb"):
         with open(os.path.join(here, name), encoding="utf-8") as f:
             for ref in re.findall(r"[\w./-]*\w\.md\b", f.read()):
                 path = os.path.realpath(os.path.join(here, ref))  # inside the repository: ../ does not count
@@ -1356,13 +1361,25 @@ CLI_MISTAKES = [  # (argv, words the one error line must contain); each fails be
 
 @pytest.mark.parametrize("argv,words", CLI_MISTAKES, ids=[" ".join(a) for a, _ in CLI_MISTAKES])
 def test_cli_mistake_is_one_error_line_with_status_2(argv, words, capsys):
+    module = ex if argv[0] in tr.MOVED else tr  # compare and bench are the lab's: python experiments.py compare
     with pytest.raises(SystemExit) as exit_:  # in-process (a second of torch import saved per case); the process
-        tr.main(argv)  # itself is checked once below
+        module.main(argv)  # itself is checked once below
     out = capsys.readouterr()
     lines = out.err.splitlines()
-    assert exit_.value.code == 2 and len(lines) == 1 and lines[0].startswith("tim_rl: error: "), out.err[-2000:]
+    prefix = f"{module.__name__}: error: "
+    assert exit_.value.code == 2 and len(lines) == 1 and lines[0].startswith(prefix), out.err[-2000:]
     assert "Traceback" not in out.err and out.out == ""
     assert all(w in lines[0] for w in words), lines[0]
+
+
+@pytest.mark.parametrize("command", tr.MOVED)
+def test_a_lab_subcommand_of_tim_rl_says_where_it_moved_in_one_line(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        tr.main([command, "--preset", "dose"])
+    out = capsys.readouterr()
+    assert exit_.value.code == 2 and out.out == ""
+    assert out.err.splitlines() == [f"tim_rl: error: {command} moved to experiments.py: "
+                                    f"python experiments.py {command} --help"]
 
 
 def test_a_run_directory_that_is_the_model_directory_is_refused(tmp_path, capsys):
@@ -1450,15 +1467,21 @@ def _copy_calls():
     }
 
 
+def _home(name: str):
+    """The module that defines `name`: tim_rl (the reference), else experiments (the lab's statistics)."""
+    return tr if hasattr(tr, name) else ex
+
+
 def _needs(name: str) -> list[str]:
-    """The names after `needs:`, the last thing in tr.<name>'s docstring ([] for `needs: nothing`)."""
-    _, found, tail = (getattr(tr, name).__doc__ or "").rpartition("needs:")
+    """The names after `needs:`, the last thing in <module>.<name>'s docstring ([] for `needs: nothing`)."""
+    _, found, tail = (getattr(_home(name), name).__doc__ or "").rpartition("needs:")
     assert found, f"{name}: the docstring does not end with a needs: line"
     return [] if tail.strip() == "nothing" else [n.strip() for n in tail.split(",")]
 
 
 def _module_names_used(obj) -> set[str]:
-    """Module-level names read or written by obj's code in tim_rl.py (nested code and class methods included), less
+    """Module-level names read or written by obj's code in tim_rl.py or experiments.py (nested code and class
+    methods included), less
     torch, math and builtins. A constant (or what torch.compile built from a function) uses none."""
     import builtins
     import dis
@@ -1466,7 +1489,7 @@ def _module_names_used(obj) -> set[str]:
 
     members = vars(obj).values() if inspect.isclass(obj) else [obj]
     todo = [getattr(m, "__func__", m).__code__ for m in members if inspect.isfunction(getattr(m, "__func__", m))]
-    todo = [code for code in todo if code.co_filename == tr.__file__]
+    todo = [code for code in todo if code.co_filename in (tr.__file__, ex.__file__)]
     names = set()
     while todo:
         code = todo.pop()
@@ -1480,10 +1503,10 @@ def _copy_source(name: str) -> str:
     import ast
     import inspect
 
-    module = inspect.getsource(tr)
+    module = inspect.getsource(_home(name))
     assigned = [n for n in ast.parse(module).body if isinstance(n, ast.Assign) and
                 any(isinstance(t, ast.Name) and t.id == name for t in n.targets)]
-    return ast.get_source_segment(module, assigned[0]) if assigned else inspect.getsource(getattr(tr, name))
+    return ast.get_source_segment(module, assigned[0]) if assigned else inspect.getsource(getattr(_home(name), name))
 
 
 def _plain(x):
@@ -1501,17 +1524,18 @@ def _plain(x):
 def test_function_runs_from_its_source_and_needs_alone(name):
     needs = _needs(name)
     for n in [name, *needs]:
-        missing = _module_names_used(getattr(tr, n)) - set(needs)
+        missing = _module_names_used(getattr(_home(n), n)) - set(needs)
         assert not missing, f"{name}: {n} uses {sorted(missing)}, not on the needs: line"
     used, todo = set(), [name]
     while todo:
-        todo += sorted(_module_names_used(getattr(tr, todo.pop())) - used)
+        n = todo.pop()
+        todo += sorted(_module_names_used(getattr(_home(n), n)) - used)
         used |= set(todo)
     assert not set(needs) - used, f"{name}: needs: lists {sorted(set(needs) - used)}, which it does not use"
     namespace = {"torch": torch, "math": math, "__builtins__": __builtins__}
     exec("\n\n".join(_copy_source(n) for n in [*needs, name]), namespace)
     call = _copy_calls()[name]
-    assert _plain(call(namespace[name])) == _plain(call(getattr(tr, name)))
+    assert _plain(call(namespace[name])) == _plain(call(getattr(_home(name), name)))
 
 
 def test_every_public_math_function_is_copy_tested():
@@ -1522,6 +1546,9 @@ def test_every_public_math_function_is_copy_tested():
     public = {n for n, f in vars(tr).items() if inspect.isfunction(f) and f.__module__ == tr.__name__ and
               not n.startswith("_") and first <= inspect.getsourcelines(f)[1] <= last}
     assert public <= set(_copy_calls()), "each is run from its source alone (the verdict's interval is, too)"
+    lab = {n for n, f in vars(ex).items() if inspect.isfunction(f) and f.__module__ == ex.__name__ and
+           "needs:" in (f.__doc__ or "")}  # the lab's statistics (paired_ci, holm, ...)
+    assert lab and lab <= set(_copy_calls()), "the lab's copy-ready statistics are run from their source alone too"
 
 # =================================================================================================================
 # device-following: every tensor a function builds lives on its inputs' device (caught on a CPU-only machine)
@@ -1535,7 +1562,7 @@ class HostFactoryWatch(torch.overrides.TorchFunctionMode):
     """Records each non-scalar tensor a torch factory builds without an explicit device=, and each .cpu() copy, called
     from `files`: on a GPU such a tensor lands on the CPU (a crash when mixed with the inputs, or a host copy)."""
 
-    def __init__(self, files=(tr.__file__,)):
+    def __init__(self, files=(tr.__file__, ex.__file__)):
         super().__init__()
         self.files, self.found = set(files), []
 
@@ -1580,7 +1607,7 @@ def test_the_factory_watch_catches_host_built_tensors():
 def test_public_math_builds_its_tensors_on_the_inputs_device(name):
     call = _copy_calls()[name]  # inputs are built before the watch starts
     with HostFactoryWatch() as watch:
-        call(getattr(tr, name))
+        call(getattr(_home(name), name))
     assert watch.found == [], f"{name} builds tensors on the default device: {watch.found}"
 
 
@@ -2288,10 +2315,10 @@ def test_teacher_forced_answer_probability(base_model_dir):
     assert torch.allclose(sampler.answer_logprobs(problems), right, atol=1e-5)
 
 
-@pytest.mark.parametrize("command", ["pretrain", "train", "compare", "bench"])
-def test_every_subcommand_prints_its_help(command, capsys):
+@pytest.mark.parametrize("module,command", [(tr, "pretrain"), (tr, "train"), (ex, "compare"), (ex, "bench")])
+def test_every_subcommand_prints_its_help(module, command, capsys):
     with pytest.raises(SystemExit) as exit_:
-        tr.main([command, "--help"])
+        module.main([command, "--help"])
     assert exit_.value.code == 0 and "(default:" in capsys.readouterr().out
 
 
@@ -2313,8 +2340,8 @@ def test_cli_help_and_train(base_model_dir, tmp_path):
 
 def test_every_compare_preset_runs_in_smoke_size(base_model_dir, tmp_path):
     """`compare --preset all --smoke`: every preset writes a results.md with a table (and its plot), in seconds."""
-    written = tr.run_preset(tr.PresetConfig(preset="all", smoke=True, model=str(base_model_dir), out_dir=str(tmp_path)))
-    assert [p.parent.name for p in written] == list(tr.PRESETS)
+    written = ex.run_preset(ex.PresetConfig(preset="all", smoke=True, model=str(base_model_dir), out_dir=str(tmp_path)))
+    assert [p.parent.name for p in written] == list(ex.PRESETS)
     for path in written:
         text = path.read_text()
         assert text.startswith("# "), path
@@ -2328,7 +2355,7 @@ def test_every_compare_preset_runs_in_smoke_size(base_model_dir, tmp_path):
             assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "smoke" / "staleness" / "plot.png").exists() and (tmp_path / "smoke" / "drift" / "plot.png").exists()
     with pytest.raises(ValueError, match="preset must be one of"):
-        tr.run_preset(tr.PresetConfig(preset="nope", smoke=True))
+        ex.run_preset(ex.PresetConfig(preset="nope", smoke=True))
 
 
 # =================================================================================================================
@@ -2746,10 +2773,10 @@ def test_publish_rewrites_only_its_blocks(tmp_path):
     (tmp_path / "README.md").write_text("# x\n\nsee `<!-- verdicts -->` in prose\n<!-- verdicts -->\nold\n"
                                         "<!-- /verdicts -->\n\ntail\n")
     row = {"claim": "a | b", "metric": "m", "Δ": "+1", "95% CI": "[+1, +2]", "seeds": 5, "verdict": "reproduced"}
-    tr.publish("staleness", "# t\n\nfirst\n", [row], "cmd", 60.0, tmp_path)
-    tr.publish("staleness", "# t\n\nsecond\n# sub\n", [row | {"verdict": "not resolved"}], "cmd", 60.0, tmp_path)
+    ex.publish("staleness", "# t\n\nfirst\n", [row], "cmd", 60.0, tmp_path)
+    ex.publish("staleness", "# t\n\nsecond\n# sub\n", [row | {"verdict": "not resolved"}], "cmd", 60.0, tmp_path)
     (tmp_path / "plot.png").write_bytes(b"\x89PNG fake")
-    tr.publish("real-lm", "# r\n\nmeasured\n", [], "cmd2", 60.0, tmp_path, plot=tmp_path / "plot.png")
+    ex.publish("real-lm", "# r\n\nmeasured\n", [], "cmd2", 60.0, tmp_path, plot=tmp_path / "plot.png")
     assert (tmp_path / "figures" / "real-lm.png").read_bytes() == b"\x89PNG fake"
     assert "](figures/real-lm.png)" in (tmp_path / "RESULTS.md").read_text()
     readme, results = (tmp_path / "README.md").read_text(), (tmp_path / "RESULTS.md").read_text()
@@ -2758,7 +2785,7 @@ def test_publish_rewrites_only_its_blocks(tmp_path):
     assert "first" not in results and "second" in results and "### sub" in results and "measured" in results
     assert results.count("<!-- preset:staleness -->") == 1
     with pytest.raises(ValueError, match="no closing"):
-        tr._replace_block("<!-- verdicts -->\nno end\n", "verdicts", "x")
+        ex._replace_block("<!-- verdicts -->\nno end\n", "verdicts", "x")
 
 
 def test_finished_runs_are_read_back_only_with_the_same_config(tmp_path):
@@ -2774,51 +2801,51 @@ def test_finished_runs_are_read_back_only_with_the_same_config(tmp_path):
     del saved["task"]  # a field added after the run, at its default
     (out / "config.json").write_text(json.dumps(saved))
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert tr._finished_run(cfg) == records
-    assert tr._finished_run(dataclasses.replace(cfg, lr=1e-4)) is None, "another config: run again"
-    assert tr._finished_run(dataclasses.replace(cfg, task="words")) is None, "a new field off its default"
-    assert tr._finished_run(dataclasses.replace(cfg, steps=3)) is None, "not finished at these steps"
-    assert tr._run_seconds(out) >= 0
+    assert ex._finished_run(cfg) == records
+    assert ex._finished_run(dataclasses.replace(cfg, lr=1e-4)) is None, "another config: run again"
+    assert ex._finished_run(dataclasses.replace(cfg, task="words")) is None, "a new field off its default"
+    assert ex._finished_run(dataclasses.replace(cfg, steps=3)) is None, "not finished at these steps"
+    assert ex._run_seconds(out) >= 0
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:-1]))
-    assert tr._finished_run(cfg) is None, "interrupted before its last evaluation"
+    assert ex._finished_run(cfg) is None, "interrupted before its last evaluation"
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:-1] + [records[0]]))
-    assert tr._finished_run(cfg) is None, "its last line an evaluation, but not the final one"
+    assert ex._finished_run(cfg) is None, "its last line an evaluation, but not the final one"
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (out / "config.json").write_text(json.dumps(saved | {"removed_field": 1}))
-    assert tr._finished_run(cfg) is None, "a field this code does not know"
+    assert ex._finished_run(cfg) is None, "a field this code does not know"
     (out / "config.json").write_text(json.dumps(saved))
     model = tmp_path / "model"
     model.mkdir()
     (model / "model.safetensors").write_bytes(b"x")
-    assert tr._finished_run(dataclasses.replace(cfg, model=str(model))) is None, "another model path"
+    assert ex._finished_run(dataclasses.replace(cfg, model=str(model))) is None, "another model path"
     (out / "config.json").write_text(json.dumps(saved | {"model": str(model)}))
-    assert tr._finished_run(dataclasses.replace(cfg, model=str(model))) == records, "the same model, older"
+    assert ex._finished_run(dataclasses.replace(cfg, model=str(model))) == records, "the same model, older"
     os.utime(out / "config.json", (1, 1))  # the run started long before this model was written
-    assert tr._finished_run(dataclasses.replace(cfg, model=str(model))) is None, "the model changed since the run"
+    assert ex._finished_run(dataclasses.replace(cfg, model=str(model))) is None, "the model changed since the run"
 
 
 def test_fingerprint_is_the_codes_numerics_not_the_thread_count(monkeypatch):
     """The digest: the same on any caller thread count; a numerical change of one correction changes it."""
     runs, steps = (dict(correction="tis", dtype="bf16", sync_every=2),), 40
     threads = torch.get_num_threads()
-    one = tr._fingerprint_digest(runs, pretrain_steps=steps)
+    one = ex._fingerprint_digest(runs, pretrain_steps=steps)
     torch.set_num_threads(2)
     try:
-        two = tr._fingerprint_digest(runs, pretrain_steps=steps)
+        two = ex._fingerprint_digest(runs, pretrain_steps=steps)
     finally:
         torch.set_num_threads(threads)
     assert one == two and torch.get_num_threads() == threads
     token_logprobs = tr.token_logprobs
     planted = lambda *a, **k: token_logprobs(*a, **k) * (1 + 2**-20)  # noqa: E731  (a last-bits change)
     monkeypatch.setattr(tr, "token_logprobs", planted)
-    assert tr._fingerprint_digest(runs, pretrain_steps=steps) != one
+    assert ex._fingerprint_digest(runs, pretrain_steps=steps) != one
 
 
 def test_publish_refuses_runs_of_other_numerics_unless_accepted(tmp_path, monkeypatch):
     """run_arms stamps every run with the fingerprint that ran it; a read-back run of another one is refused."""
     import json
 
-    monkeypatch.setattr(tr, "numerics_fingerprint", lambda cache=None: "new")
+    monkeypatch.setattr(ex, "numerics_fingerprint", lambda cache=None: "new")
     def fake_run(cfg):
         (tmp_path / cfg.name).mkdir(exist_ok=True)
         for written in ("config.json", "metrics.jsonl"):
@@ -2826,54 +2853,54 @@ def test_publish_refuses_runs_of_other_numerics_unless_accepted(tmp_path, monkey
         return [{"step": 0, "reward": 0.0}, {"step": cfg.steps, "pc_trainer": 0.1}]
 
     monkeypatch.setattr(tr, "run", fake_run)
-    monkeypatch.setattr(tr, "_finished_run", lambda cfg: None)
+    monkeypatch.setattr(ex, "_finished_run", lambda cfg: None)
     base = tr.RLConfig(steps=1)
-    tr.run_arms(base, [("a", {}), ("b", {})], [0, 1], tmp_path)
+    ex.run_arms(base, [("a", {}), ("b", {})], [0, 1], tmp_path)
     assert (tmp_path / "arm1_s0" / "fingerprint").read_text().strip() == "new"
-    assert "4 runs read: 4 of numerics fingerprint new" == tr._numerics_note(tmp_path / "numerics.json", False)
+    assert "4 runs read: 4 of numerics fingerprint new" == ex._numerics_note(tmp_path / "numerics.json", False)
     (tmp_path / "arm0_s1" / "fingerprint").write_text("old\n")  # a run of older code, read back
-    monkeypatch.setattr(tr, "_finished_run", lambda cfg: [{"step": 0, "reward": 0.0}])
-    tr.run_arms(base, [("a", {}), ("b", {})], [0, 1], tmp_path)
+    monkeypatch.setattr(ex, "_finished_run", lambda cfg: [{"step": 0, "reward": 0.0}])
+    ex.run_arms(base, [("a", {}), ("b", {})], [0, 1], tmp_path)
     assert json.loads((tmp_path / "numerics.json").read_text())["read"] == {"new": 3, "old": 1}
     with pytest.raises(ValueError, match="1 of the runs read back were run by code of other numerics"):
-        tr._numerics_note(tmp_path / "numerics.json", False)
-    note = tr._numerics_note(tmp_path / "numerics.json", True)
+        ex._numerics_note(tmp_path / "numerics.json", False)
+    note = ex._numerics_note(tmp_path / "numerics.json", True)
     assert note.startswith("4 runs read: 3 of numerics fingerprint new, 1 of numerics fingerprint old; accepted")
 
 
 def test_control_learned_needs_every_seed_the_ci_and_finite_gains():
     def runs(gains, key="pc_trainer"):
-        return {tr.SYNCED_CONTROL: [[{"step": 0, key: 0.4}, {"step": 0, "reward": 0.5},
+        return {ex.SYNCED_CONTROL: [[{"step": 0, key: 0.4}, {"step": 0, "reward": 0.5},
                                      {"step": 1, key: 0.4 + g}] for g in gains]}
 
-    assert tr.control_learned(runs([0.04, 0.05, 0.03, 0.06, 0.02]))[0]
-    assert not tr.control_learned(runs([0.06, 0.005, 0.023, -0.002, 0.032]))[0], "one seed fell: invalid"
-    assert not tr.control_learned(runs([-0.01, -0.02, 0.0, -0.03, 0.01]))[0]
-    assert not tr.control_learned(runs([0.04, 0.05, math.nan, 0.06, 0.02]))[0], "a diverged seed: invalid"
-    assert not tr.control_learned(runs([0.04, 0.05, 0.03, 0.06, 0.02], key="pct_trainer"))[0], "key never logged"
-    assert tr.control_learned(runs([0.04, 0.05, 0.03, 0.06, 0.02], key="pct_trainer"), "pct_trainer")[0]
-    assert not tr.control_learned(runs([0.001, 0.1, 0.001, 0.001, 0.001]))[0], "all up, but the interval spans 0"
-    assert not tr.control_learned(runs([0.1, 0.1, 0.1, 0.1, -0.001]))[0], "interval above 0, but one seed fell"
-    assert not tr.control_learned(runs([0.04, 0.05, 0.03, 0.06, 0.02]), control="another control")[0]
+    assert ex.control_learned(runs([0.04, 0.05, 0.03, 0.06, 0.02]))[0]
+    assert not ex.control_learned(runs([0.06, 0.005, 0.023, -0.002, 0.032]))[0], "one seed fell: invalid"
+    assert not ex.control_learned(runs([-0.01, -0.02, 0.0, -0.03, 0.01]))[0]
+    assert not ex.control_learned(runs([0.04, 0.05, math.nan, 0.06, 0.02]))[0], "a diverged seed: invalid"
+    assert not ex.control_learned(runs([0.04, 0.05, 0.03, 0.06, 0.02], key="pct_trainer"))[0], "key never logged"
+    assert ex.control_learned(runs([0.04, 0.05, 0.03, 0.06, 0.02], key="pct_trainer"), "pct_trainer")[0]
+    assert not ex.control_learned(runs([0.001, 0.1, 0.001, 0.001, 0.001]))[0], "all up, but the interval spans 0"
+    assert not ex.control_learned(runs([0.1, 0.1, 0.1, 0.1, -0.001]))[0], "interval above 0, but one seed fell"
+    assert not ex.control_learned(runs([0.04, 0.05, 0.03, 0.06, 0.02]), control="another control")[0]
 
 
 @pytest.mark.parametrize("direction", [1, -1])
 def test_verdict_follows_the_claimed_direction(direction):
     above, below, across = [0.1, 0.12, 0.09, 0.11, 0.1], [-0.1, -0.12, -0.09, -0.11, -0.1], [0.1, -0.1, 0.05, -0.05, 0]
     on_side, wrong_side = (above, below) if direction > 0 else (below, above)
-    assert tr.verdict_row("c", "m", on_side, direction)["verdict"] == "reproduced"
-    assert tr.verdict_row("c", "m", wrong_side, direction)["verdict"] == "contradicted"
-    assert tr.verdict_row("c", "m", across, direction)["verdict"] == "not resolved"
-    assert tr.verdict_row("c", "m", on_side, direction, valid=False)["verdict"] == "invalid testbed"
-    assert tr.verdict_row("c", "m", on_side[:4] + [math.nan], direction)["verdict"] == "not resolved"
-    assert tr.verdict_row("c", "m", on_side[:1], direction)["verdict"] == "not resolved", "one seed"
+    assert ex.verdict_row("c", "m", on_side, direction)["verdict"] == "reproduced"
+    assert ex.verdict_row("c", "m", wrong_side, direction)["verdict"] == "contradicted"
+    assert ex.verdict_row("c", "m", across, direction)["verdict"] == "not resolved"
+    assert ex.verdict_row("c", "m", on_side, direction, valid=False)["verdict"] == "invalid testbed"
+    assert ex.verdict_row("c", "m", on_side[:4] + [math.nan], direction)["verdict"] == "not resolved"
+    assert ex.verdict_row("c", "m", on_side[:1], direction)["verdict"] == "not resolved", "one seed"
 
 
 def test_student_t_quantile_matches_tables():
     table = {(0.975, 1): 12.7062, (0.975, 2): 4.3027, (0.975, 4): 2.7764, (0.975, 9): 2.2622, (0.975, 29): 2.0452,
              (0.95, 4): 2.1318, (0.995, 4): 4.6041, (0.5, 3): 0.0}
     for (q, df), x in table.items():
-        assert tr.student_t_quantile(q, df) == pytest.approx(x, abs=2e-4), (q, df)
+        assert ex.student_t_quantile(q, df) == pytest.approx(x, abs=2e-4), (q, df)
 
 
 def _percentile_bootstrap(d: torch.Tensor, draws: int = 2000, level: float = 0.95) -> tuple[torch.Tensor, ...]:
@@ -2894,22 +2921,22 @@ def test_paired_ci_resolves_at_most_6_percent_of_null_comparisons_at_5_seeds(sha
     if shape == "t3":  # Student t with 3 degrees of freedom: z / sqrt(chi2_3 / 3)
         z = z / (torch.randn(NULL_TRIALS, 5, 3, generator=g, dtype=torch.float64).pow(2).sum(-1) / 3).sqrt()
     d = 0.01 * z  # true mean 0: every resolved interval is a false verdict
-    resolved = [not (low <= 0 <= high) for low, high in (tr.paired_ci(row.tolist()) for row in d)]
+    resolved = [not (low <= 0 <= high) for low, high in (ex.paired_ci(row.tolist()) for row in d)]
     rate = sum(resolved) / NULL_TRIALS
     assert rate <= 0.06, f"paired_ci resolved {rate:.1%} of null comparisons"
     low, high = _percentile_bootstrap(d)
     boot = float(((low > 0) | (high < 0)).double().mean())
     assert boot > 0.10, f"twin: the percentile bootstrap over-resolves ({boot:.1%})"
     if shape == "normal":  # and not by being useless: a true effect of 2 sd is found more often than not
-        assert sum(tr.paired_ci((row + 0.02).tolist())[0] > 0 for row in d) / NULL_TRIALS > 0.5
+        assert sum(ex.paired_ci((row + 0.02).tolist())[0] > 0 for row in d) / NULL_TRIALS > 0.5
 
 
 def test_paired_ci_is_the_t_interval_and_says_nothing_without_data():
-    low, high = tr.paired_ci([1.0, 2.0, 3.0])
+    low, high = ex.paired_ci([1.0, 2.0, 3.0])
     assert (low, high) == pytest.approx((2 - 4.3027 / math.sqrt(3), 2 + 4.3027 / math.sqrt(3)), abs=1e-3)
-    assert tr.paired_ci([1.0]) == (-math.inf, math.inf) and all(map(math.isnan, tr.paired_ci([1.0, math.inf])))
+    assert ex.paired_ci([1.0]) == (-math.inf, math.inf) and all(map(math.isnan, ex.paired_ci([1.0, math.inf])))
     with pytest.raises(ValueError, match="level"):
-        tr.paired_ci([1.0, 2.0], level=95)
+        ex.paired_ci([1.0, 2.0], level=95)
 
 
 # =================================================================================================================
@@ -2917,16 +2944,16 @@ def test_paired_ci_is_the_t_interval_and_says_nothing_without_data():
 
 
 def test_dose_arms_run_none_everywhere_and_every_correction_where_asked():
-    arms = dict(tr.dose_arms((0.05, 0.2), ("tis", "geo"), full=(0.2,), engines=(("fp8", {"quant": "fp8"}),)))
+    arms = dict(ex.dose_arms((0.05, 0.2), ("tis", "geo"), full=(0.2,), engines=(("fp8", {"quant": "fp8"}),)))
     assert list(arms) == ["none @ s=0.05", "none @ s=0.2", "tis @ s=0.2", "geo @ s=0.2", "none @ fp8"]
     assert arms["geo @ s=0.2"] == {"correction": "geo", "noise": 0.2}
     assert arms["none @ fp8"] == {"correction": "none", "quant": "fp8"}
-    assert len(tr.dose_arms((0.1, 0.2), ("tis",))) == 4, "no `full`: every correction at every level"
-    preset = tr.RL_PRESETS["dose"]
+    assert len(ex.dose_arms((0.1, 0.2), ("tis",))) == 4, "no `full`: every correction at every level"
+    preset = ex.RL_PRESETS["dose"]
     labels = [label for label, _ in preset.arms]
     assert len(labels) == len(set(labels)) and all(tr.RLConfig(**change) for _, change in preset.arms)
     ran = {label.split(" @ ")[0] for label in labels}
-    assert ran == {"none"} | set(tr.DOSE_CORRECTIONS) and set(tr.DOSE_CORRECTIONS) <= set(tr.CORRECTIONS)
+    assert ran == {"none"} | set(ex.DOSE_CORRECTIONS) and set(ex.DOSE_CORRECTIONS) <= set(tr.CORRECTIONS)
 
 
 def _dose_runs(effects: dict[str, tuple[float, float]], control_gain: float = 0.05, seeds: int = 5,
@@ -2943,8 +2970,8 @@ def _dose_runs(effects: dict[str, tuple[float, float]], control_gain: float = 0.
                 {"step": 1, "pc_trainer": pc + gain}]
 
     runs = {}
-    for label, (shift, x) in ({tr.SYNCED_CONTROL: (0.0, 0.0)} | effects).items():
-        rng = random.Random(label) if label != tr.SYNCED_CONTROL else None
+    for label, (shift, x) in ({ex.SYNCED_CONTROL: (0.0, 0.0)} | effects).items():
+        rng = random.Random(label) if label != ex.SYNCED_CONTROL else None
         runs[label] = [records(shift, x, s, rng) for s in range(seeds)]
     return runs
 
@@ -2957,7 +2984,7 @@ DOSE_EFFECTS = {"none @ s=0.05": (0.0, 0.04), "tis @ s=0.05": (-0.02, 0.04),  # 
 
 def test_dose_map_computes_each_statement_by_its_rule(tmp_path):
     runs = _dose_runs(DOSE_EFFECTS)
-    sections, rows = tr.dose_map(runs, tr.SYNCED_CONTROL, True, tmp_path / "dose.png")
+    sections, rows = ex.dose_map(runs, ex.SYNCED_CONTROL, True, tmp_path / "dose.png")
     (a, b, c) = rows
     assert a["verdict"].startswith("s=0.2 (x 0.2)") and float(a["Δ"]) == pytest.approx(-0.05, abs=0.005), a
     beats, trails = b["verdict"].split("; ")
@@ -2972,10 +2999,10 @@ def test_dose_map_computes_each_statement_by_its_rule(tmp_path):
 
 def test_dose_map_says_when_nothing_is_harmed_and_refuses_an_invalid_testbed(tmp_path):
     harmless = {k: (0.0 if k.startswith("none") else v[0], v[1]) for k, v in DOSE_EFFECTS.items()}
-    rows = tr.dose_map(_dose_runs(harmless), tr.SYNCED_CONTROL, True, tmp_path / "p.png")[1]
+    rows = ex.dose_map(_dose_runs(harmless), ex.SYNCED_CONTROL, True, tmp_path / "p.png")[1]
     assert rows[0]["verdict"] == "not in the grid (measured x up to 0.9)", rows[0]
     assert rows[1]["verdict"].startswith("nowhere; "), "tis never beats a harmless none"
-    rows = tr.dose_map(_dose_runs(DOSE_EFFECTS), tr.SYNCED_CONTROL, False, tmp_path / "p.png")[1]
+    rows = ex.dose_map(_dose_runs(DOSE_EFFECTS), ex.SYNCED_CONTROL, False, tmp_path / "p.png")[1]
     assert {r["verdict"] for r in rows} == {"invalid testbed"}
 
 
@@ -2992,19 +3019,19 @@ def test_swap_task_has_long_answers_disjoint_pools_and_a_verifiable_answer():
 def test_dose_map_names_diverged_settings_instead_of_calling_them_harmless(tmp_path):
     runs = _dose_runs(DOSE_EFFECTS | {"none @ s=0.1": (-0.05, 0.1)})
     runs["none @ s=0.1"][4][-1]["pc_trainer"] = math.nan  # one diverged seed where none is in fact harmed
-    rows = tr.dose_map(runs, tr.SYNCED_CONTROL, True, tmp_path / "p.png")[1]
+    rows = ex.dose_map(runs, ex.SYNCED_CONTROL, True, tmp_path / "p.png")[1]
     assert rows[0]["verdict"] == "s=0.2 (x 0.2); not measured at s=0.1", "the smallest *measured* x, the lost named"
     runs = _dose_runs({"none @ s=0.05": (0.0, 0.04), "none @ bf16": (0.0, 0.01), "tis @ s=0.05": (0.0, 0.04)})
     runs["tis @ s=0.05"][0][-1]["pc_trainer"] = math.nan  # the only correction diverged: (c) tested nothing
-    rows = tr.dose_map(runs, tr.SYNCED_CONTROL, True, tmp_path / "p.png")[1]
+    rows = ex.dose_map(runs, ex.SYNCED_CONTROL, True, tmp_path / "p.png")[1]
     assert rows[1]["verdict"] == "nowhere; nowhere; not measured at s=0.05", rows[1]
     assert rows[-1]["verdict"] == "not tested; not measured: tis at s=0.05", rows[-1]
     only_none = _dose_runs({"none @ s=0.05": (0.0, 0.04), "none @ bf16": (0.0, 0.01)})
-    assert tr.dose_map(only_none, tr.SYNCED_CONTROL, True, tmp_path / "p.png")[1][-1]["verdict"] == "not tested"
+    assert ex.dose_map(only_none, ex.SYNCED_CONTROL, True, tmp_path / "p.png")[1][-1]["verdict"] == "not tested"
     runs = _dose_runs(DOSE_EFFECTS)
-    runs[tr.SYNCED_CONTROL][4][-1]["pc_trainer"] = math.nan  # a diverged control: invalid, and no crash on the plot
-    learned = tr.control_learned(runs)[0]
-    rows = tr.dose_map(runs, tr.SYNCED_CONTROL, learned, tmp_path / "p.png")[1]
+    runs[ex.SYNCED_CONTROL][4][-1]["pc_trainer"] = math.nan  # a diverged control: invalid, and no crash on the plot
+    learned = ex.control_learned(runs)[0]
+    rows = ex.dose_map(runs, ex.SYNCED_CONTROL, learned, tmp_path / "p.png")[1]
     assert not learned and {r["verdict"] for r in rows} == {"invalid testbed"}
     assert (tmp_path / "p.png").exists()
 
@@ -3014,47 +3041,47 @@ def test_dose_map_names_a_diverged_correction_not_measured_in_every_statement_th
                        "tis @ s=0.1": (0.0, 0.1), "none @ s=0.2": (0.0, 0.2), "tis @ s=0.2": (0.01, 0.2)})
     runs["tis @ s=0.05"][2][-1]["pc_trainer"] = math.nan  # tis diverged where none is harmless
     runs["none @ s=0.1"][3][-1]["pc_trainer"] = math.nan  # none diverged: tis there has no reference
-    a, b, c = tr.dose_map(runs, tr.SYNCED_CONTROL, True, None)[1]
+    a, b, c = ex.dose_map(runs, ex.SYNCED_CONTROL, True, None)[1]
     assert a["verdict"] == "not in the grid (measured x up to 0.2); not measured at s=0.1", a
     assert b["verdict"] == "s=0.2 (x 0.2); nowhere; not measured at s=0.05, s=0.1", b
     assert c["verdict"] == "no (tested at s=0.2 (x 0.2)); not measured: tis at s=0.05, tis at s=0.1", c
 
 
 def test_dose_rows_share_one_key_order_and_tables_put_each_value_under_its_key(tmp_path):
-    rows = tr.dose_map(_dose_runs(DOSE_EFFECTS), tr.SYNCED_CONTROL, True, tmp_path / "p.png")[1]
+    rows = ex.dose_map(_dose_runs(DOSE_EFFECTS), ex.SYNCED_CONTROL, True, tmp_path / "p.png")[1]
     assert all(list(r) == list(rows[0]) for r in rows), [list(r) for r in rows]
-    table = tr._markdown_table(rows).splitlines()
+    table = ex._markdown_table(rows).splitlines()
     assert table[-1].startswith("| (c) a correction trails none") and "| yes: tis at s=0.05 | - | - |" in table[-1]
-    assert tr._markdown_table([{"a": 1, "b": "x"}, {"b": "y", "a": 2}, {"a": 3}]).splitlines()[2:] == [
+    assert ex._markdown_table([{"a": 1, "b": "x"}, {"b": "y", "a": 2}, {"a": 3}]).splitlines()[2:] == [
         "| 1 | x |", "| 2 | y |", "| 3 |  |"], "by the header's keys, whatever each row's order"
 
 
 def test_student_t_cdf_inverts_the_quantile_and_paired_p_is_the_test_paired_ci_inverts():
     import random
 
-    assert tr.student_t_cdf(1.0, 1) == pytest.approx(0.75), "Cauchy: 1/2 + atan(x) / pi"
-    assert tr.student_t_cdf(-2.0, 2) == pytest.approx(0.5 - 1 / math.sqrt(6)), "df 2: 1/2 + x / (2 sqrt(2 + x^2))"
+    assert ex.student_t_cdf(1.0, 1) == pytest.approx(0.75), "Cauchy: 1/2 + atan(x) / pi"
+    assert ex.student_t_cdf(-2.0, 2) == pytest.approx(0.5 - 1 / math.sqrt(6)), "df 2: 1/2 + x / (2 sqrt(2 + x^2))"
     for df in (1, 2, 3, 4, 9, 29):
         for q in (0.5, 0.9, 0.975, 0.995):
-            x = tr.student_t_quantile(q, df)
-            assert tr.student_t_cdf(x, df) == pytest.approx(q, abs=2e-5) and tr.student_t_cdf(-x, df) == pytest.approx(
+            x = ex.student_t_quantile(q, df)
+            assert ex.student_t_cdf(x, df) == pytest.approx(q, abs=2e-5) and ex.student_t_cdf(-x, df) == pytest.approx(
                 1 - q, abs=2e-5), (q, df)
-    assert tr.student_t_cdf(math.inf, 4) == 1.0 and tr.student_t_cdf(-math.inf, 3) == pytest.approx(0, abs=1e-12)
+    assert ex.student_t_cdf(math.inf, 4) == 1.0 and ex.student_t_cdf(-math.inf, 3) == pytest.approx(0, abs=1e-12)
     rng = random.Random(0)
     for _ in range(300):
         d = [rng.gauss(0.3, 1) for _ in range(5)]
-        low, high = tr.paired_ci(d)
-        assert (high < 0) == (tr.paired_p(d) < 0.025) and (low > 0) == (1 - tr.paired_p(d) < 0.025), d
-    assert tr.paired_p([0.1] * 5) == 1.0 and tr.paired_p([-0.1] * 5) == 0.0 and tr.paired_p([0.0] * 5) == 0.5
-    assert tr.paired_p([-1.0]) == 0.5 and math.isnan(tr.paired_p([1.0, math.nan])), "one seed / diverged"
+        low, high = ex.paired_ci(d)
+        assert (high < 0) == (ex.paired_p(d) < 0.025) and (low > 0) == (1 - ex.paired_p(d) < 0.025), d
+    assert ex.paired_p([0.1] * 5) == 1.0 and ex.paired_p([-0.1] * 5) == 0.0 and ex.paired_p([0.0] * 5) == 0.5
+    assert ex.paired_p([-1.0]) == 0.5 and math.isnan(ex.paired_p([1.0, math.nan])), "one seed / diverged"
 
 
 def test_holm_steps_down_and_leaves_the_unmeasured_out():
-    assert tr.holm({"a": 0.01, "b": 0.04}) == {"a": 0.02, "b": 0.04}, "step-down: b at 0.04 * 1, not Bonferroni's 0.08"
-    assert tr.holm({"a": 0.01, "b": 0.04, "c": 0.03}) == pytest.approx({"a": 0.03, "b": 0.06, "c": 0.06})
-    adjusted = tr.holm({"a": 0.03, "b": math.nan, "c": 0.9})
+    assert ex.holm({"a": 0.01, "b": 0.04}) == {"a": 0.02, "b": 0.04}, "step-down: b at 0.04 * 1, not Bonferroni's 0.08"
+    assert ex.holm({"a": 0.01, "b": 0.04, "c": 0.03}) == pytest.approx({"a": 0.03, "b": 0.06, "c": 0.06})
+    adjusted = ex.holm({"a": 0.03, "b": math.nan, "c": 0.9})
     assert adjusted["a"] == 0.06 and math.isnan(adjusted["b"]) and adjusted["c"] == 0.9, "m = 2: b is not a test"
-    assert tr.holm({}) == {} and tr.holm({"a": 0.7, "b": 0.6}) == {"a": 1.0, "b": 1.0}, "capped at 1"
+    assert ex.holm({}) == {} and ex.holm({"a": 0.7, "b": 0.6}) == {"a": 1.0, "b": 1.0}, "capped at 1"
 
 
 def _deltas_with_p(p: float, n: int = 5, sd: float = 0.01) -> list[float]:
@@ -3062,7 +3089,7 @@ def _deltas_with_p(p: float, n: int = 5, sd: float = 0.01) -> list[float]:
     with t the 1 - p quantile of Student t(n - 1)."""
     z = [i - (n - 1) / 2 for i in range(n)]
     scale = sd / math.sqrt(sum(v * v for v in z) / (n - 1))
-    mean = -tr.student_t_quantile(1 - p, n - 1) * sd / math.sqrt(n)
+    mean = -ex.student_t_quantile(1 - p, n - 1) * sd / math.sqrt(n)
     return [mean + scale * v for v in z]
 
 
@@ -3083,23 +3110,23 @@ def test_dose_statements_name_a_setting_only_past_the_holm_boundary(p, named):
         return [sum(v) for v in zip(*parts)]
 
     minus = [-d for d in shifted]
-    runs = _value_runs({tr.SYNCED_CONTROL: control,
+    runs = _value_runs({ex.SYNCED_CONTROL: control,
                         "none @ s=0.05": plus(control, null), "none @ s=0.1": plus(control, null, null),
                         "none @ s=0.2": plus(control, shifted),  # (a): none trails the control with p
                         "tis @ s=0.05": plus(control, null, null), "tis @ s=0.1": plus(control, null),
                         "tis @ s=0.2": control,  # (b): tis beats none with p at s=0.2, equals the control
                         "mis @ s=0.05": plus(control, shifted),  # (b): mis still trails the control with p
                         "mis @ s=0.1": plus(control, null), "mis @ s=0.2": plus(control, shifted, minus)})
-    a, tis, mis, _ = tr.dose_map(runs, tr.SYNCED_CONTROL, True, None)[1]
-    assert tr.DOSE_ALPHA == 0.05 and "Holm-adjusted p is at most 0.05" in tr.DOSE_RULES, "the rule as published"
+    a, tis, mis, _ = ex.dose_map(runs, ex.SYNCED_CONTROL, True, None)[1]
+    assert ex.DOSE_ALPHA == 0.05 and "Holm-adjusted p is at most 0.05" in ex.DOSE_RULES, "the rule as published"
     assert a["verdict"] == ("s=0.2 (x 0.2)" if named else "not in the grid (measured x up to 0.2)"), a
     assert tis["verdict"].split("; ")[0] == ("s=0.2 (x 0.2)" if named else "nowhere"), tis
     assert mis["verdict"].split("; ")[1] == ("s=0.05 (x 0.05)" if named else "nowhere"), mis
-    harmless = _value_runs({tr.SYNCED_CONTROL: control, "none @ s=0.05": plus(control, null),
+    harmless = _value_runs({ex.SYNCED_CONTROL: control, "none @ s=0.05": plus(control, null),
                             "none @ s=0.1": plus(control, null, null), "none @ s=0.2": plus(control, null, null, null),
                             "tis @ s=0.05": plus(control, shifted, null),  # (c): tis trails none with p
                             "tis @ s=0.1": plus(control, null, null, null), "tis @ s=0.2": control})
-    c = tr.dose_map(harmless, tr.SYNCED_CONTROL, True, None)[1][-1]
+    c = ex.dose_map(harmless, ex.SYNCED_CONTROL, True, None)[1][-1]
     assert c["verdict"] == ("yes: tis at s=0.05" if named else
                             "no (tested at s=0.05 (x 0.05), s=0.1 (x 0.1), s=0.2 (x 0.2))"), c
 
@@ -3109,7 +3136,7 @@ def _simulated_dose_runs(arms: tuple, rng, effects: dict, sd: float = 0.01, seed
     u_i ~ N(0, 0.02^2) shared by every arm on seed i (paired seeds), e_ai ~ N(0, 1) per arm and seed; mismatch x = v
     at noise level s=v, 0.001 k at the k-th engine. The control and each setting's none arm are shared by its
     comparisons. Two records per seed: an evaluation and a step."""
-    labels = [tr.SYNCED_CONTROL] + [label for label, _ in arms]
+    labels = [ex.SYNCED_CONTROL] + [label for label, _ in arms]
     settings = list(dict.fromkeys(label.partition(" @ ")[2] for label in labels[1:]))
     engines = [s for s in settings if not s.startswith("s=")]
     x = {s: float(s[2:]) if s.startswith("s=") else 0.001 * (1 + engines.index(s)) for s in settings}
@@ -3123,7 +3150,7 @@ def _unadjusted_dose_rules(runs: dict, control: str) -> tuple[bool, dict, bool]:
     """The rules before Holm, each 95% interval on its own: (a) names a setting, per correction (b) it beats none
     somewhere, (c) yes."""
     def ci(arm, reference):
-        return tr.paired_ci(tr.paired_deltas(runs, arm, reference))
+        return ex.paired_ci(ex.paired_deltas(runs, arm, reference))
 
     ran = [tuple(label.split(" @ ")) for label in runs if " @ " in label and not label.startswith("none @")]
     settings = list(dict.fromkeys(label.split(" @ ")[1] for label in runs if label.startswith("none @")))
@@ -3146,18 +3173,18 @@ def test_dose_rules_err_rarely_under_null_effects_and_find_a_2_sd_effect(preset,
     import functools
     import random
 
-    monkeypatch.setattr(tr, "student_t_quantile", functools.lru_cache(tr.student_t_quantile))  # speed: same values
-    arms, rng, sd = tr.RL_PRESETS[preset].arms, random.Random(0), 0.01
+    monkeypatch.setattr(ex, "student_t_quantile", functools.lru_cache(ex.student_t_quantile))  # speed: same values
+    arms, rng, sd = ex.RL_PRESETS[preset].arms, random.Random(0), 0.01
     lowest = next(label.split(" @ ")[1] for label, _ in arms if label.startswith("geo @"))
     says, unadjusted = {"a": 0, "beats": 0, "trails": 0, "c": 0}, {"a": 0, "beats": 0, "c": 0}
     for _ in range(DOSE_REPLICATES):
         runs = _simulated_dose_runs(arms, rng, {}, sd)
-        a, *b, c = tr.dose_map(runs, tr.SYNCED_CONTROL, True, None)[1]
+        a, *b, c = ex.dose_map(runs, ex.SYNCED_CONTROL, True, None)[1]
         says["a"] += not a["verdict"].startswith("not in the grid")
         says["beats"] += sum(r["verdict"].split("; ")[0] != "nowhere" for r in b) / len(b)  # exchangeable rows
         says["trails"] += sum(r["verdict"].split("; ")[1] != "nowhere" for r in b) / len(b)
         says["c"] += c["verdict"].startswith("yes")
-        old_a, old_beats, old_c = _unadjusted_dose_rules(runs, tr.SYNCED_CONTROL)
+        old_a, old_beats, old_c = _unadjusted_dose_rules(runs, ex.SYNCED_CONTROL)
         unadjusted["a"] += old_a
         unadjusted["beats"] += sum(old_beats.values()) / len(old_beats)
         unadjusted["c"] += old_c
@@ -3171,7 +3198,7 @@ def test_dose_rules_err_rarely_under_null_effects_and_find_a_2_sd_effect(preset,
     for _ in range(DOSE_POWER_REPLICATES):
         runs = _simulated_dose_runs(arms, rng, {"none @ s=0.2": -effect, "tis @ s=0.2": 0.0,
                                                 f"geo @ {lowest}": -1.5 * effect}, sd)
-        rows = tr.dose_map(runs, tr.SYNCED_CONTROL, True, None)[1]
+        rows = ex.dose_map(runs, ex.SYNCED_CONTROL, True, None)[1]
         tis = next(r for r in rows if r["claim"].startswith("(b) tis:"))
         found["a"] += rows[0]["verdict"].startswith("s=0.2 (")
         found["b"] += "s=0.2 (" in tis["verdict"].split("; ")[0]
