@@ -350,7 +350,8 @@ def _fingerprint_digest(runs: tuple = FINGERPRINT_RUNS, pretrain_steps: int | No
 def numerics_fingerprint(cache: Path | None = None) -> str:
     """The numerical identity of tim_rl.py, the reference (_fingerprint_digest, in a child process on one thread),
     cached in `cache` (default ~/.cache/tim_rl/fingerprints.json) by a hash of tim_rl.py's source, the fingerprint's
-    runs, torch and transformers versions: a comment edit recomputes it and gets the same digest."""
+    runs, torch and transformers versions: a comment edit recomputes it and gets the same digest. It measures the
+    CPU paths (device cpu): the fused GPU passes and vLLM do not enter it."""
     import subprocess
 
     import transformers
@@ -712,7 +713,8 @@ DOSE_RULES = (
     "Each comparison is a one-sided paired Student-t test (paired_p, the test paired_ci inverts), and the tests of "
     "one statement form a family decided by Holm's step-down procedure (holm): a setting is named only where its "
     "Holm-adjusted p is at most 0.05, so a statement names a setting without a true effect in at most 5% of runs. "
-    "The intervals shown are unadjusted 95% Student-t intervals (paired_ci); 'p (Holm)' is the adjusted p of the "
+    "The intervals shown are unadjusted two-sided 95% Student-t intervals (paired_ci), descriptive only: the test is "
+    "one-sided at 5%, so a named setting's interval may just reach 0; 'p (Holm)' is the adjusted p of the "
     "row's Δ. A setting is 'not measured' where x or its none arm's interval is not finite (a diverged seed), and a "
     "correction is 'not measured' at such a setting or where its own interval is not finite: named so in every "
     "statement that would use it, never counted as harmless or as 'no', and left out of the families. (a) The "
@@ -1009,12 +1011,19 @@ def run_preset(pc: PresetConfig) -> list[Path]:
         print(f"[{name}] {[v['verdict'] for v in verdicts]} ({seconds:.0f} s) -> {out / 'results.md'}", file=sys.stderr)
         command = f"python experiments.py compare --preset {name} --seeds {','.join(map(str, seeds))}"
         (out / "verdicts.json").write_text(json.dumps({"verdicts": verdicts, "command": command, "seconds": seconds}))
-        numerics = _numerics_note(out / "numerics.json", pc.accept_numerics and pc.publish)
-        if pc.publish and not pc.smoke:
+        publishing = pc.publish and not pc.smoke
+        # runs of other numerics refuse a publication; a plain compare only reports them
+        numerics = _numerics_note(out / "numerics.json", accept=pc.accept_numerics or not publishing)
+        print(f"[{name}] {numerics}", file=sys.stderr)
+        if publishing:
             publish(name, (out / "results.md").read_text(), verdicts, command, seconds, plot=out / "plot.png",
                     numerics=numerics)
         written.append(out / "results.md")
     return written
+
+
+class NumericsMismatch(ValueError):
+    """compare --publish found runs read back from code of other numerics (no --accept-numerics)."""
 
 
 def _numerics_note(path: Path, accept: bool) -> str:
@@ -1026,7 +1035,7 @@ def _numerics_note(path: Path, accept: bool) -> str:
     current, read = counts["current"], counts["read"]
     other = {digest: n for digest, n in read.items() if digest != current}
     if other and not accept:
-        raise ValueError(f"{sum(other.values())} of the runs read back were run by code of other numerics "
+        raise NumericsMismatch(f"{sum(other.values())} of the runs read back were run by code of other numerics "
                          f"({other}; this code is {current}): delete them to re-run, or publish them anyway with "
                          f"--accept-numerics (RESULTS.md then says so)")
     parts = [f"{n} of numerics fingerprint {digest}" for digest, n in sorted(read.items(), key=lambda kv: -kv[1])]
@@ -1446,7 +1455,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.cmd == "compare" and args.preset:
         pc = PresetConfig(preset=args.preset, seeds=seeds, smoke=args.smoke, model=args.model, publish=args.publish,
                           accept_numerics=args.accept_numerics, out_dir=str(Path(args.out_dir) / "compare"))
-        for path in run_preset(pc):
+        try:
+            written = run_preset(pc)
+        except NumericsMismatch as e:
+            parser.exit(2, f"experiments: error: {e}\n")
+        for path in written:
             print(path.read_text())
     elif args.cmd == "compare":
         print(_markdown_table(compare(cfg, args.corrections.split(","), [int(s) for s in seeds.split(",")], cfg.name)))

@@ -2868,6 +2868,28 @@ def test_publish_refuses_runs_of_other_numerics_unless_accepted(tmp_path, monkey
     assert note.startswith("4 runs read: 3 of numerics fingerprint new, 1 of numerics fingerprint old; accepted")
 
 
+def test_only_a_publication_refuses_runs_of_other_numerics(tmp_path, monkeypatch):
+    """A plain compare reports read-back runs of another fingerprint; --publish refuses them (one error line),
+    --publish --accept-numerics publishes them saying so."""
+    import json
+
+    def fake_preset(pc, seeds, out):
+        (out / "numerics.json").write_text(json.dumps({"current": "new", "read": {"new": 2, "unknown": 3}}))
+        (out / "results.md").write_text("# fake\n")
+        return [{"claim": "c", "verdict": "v"}]
+
+    published = []
+    monkeypatch.setattr(ex, "PRESETS", {"fake": fake_preset})
+    monkeypatch.setattr(ex, "publish", lambda *a, **k: published.append(k["numerics"]))
+    pc = ex.PresetConfig(preset="fake", seeds="0", out_dir=str(tmp_path))
+    ex.run_preset(pc)  # reports, does not raise
+    with pytest.raises(ex.NumericsMismatch, match="3 of the runs read back"):
+        ex.run_preset(ex.PresetConfig(preset="fake", seeds="0", out_dir=str(tmp_path), publish=True))
+    assert not published
+    ex.run_preset(ex.PresetConfig(preset="fake", seeds="0", out_dir=str(tmp_path), publish=True, accept_numerics=True))
+    assert published and "accepted with --accept-numerics" in published[0] and "3 of numerics fingerprint unknown" in published[0]
+
+
 def test_control_learned_needs_every_seed_the_ci_and_finite_gains():
     def runs(gains, key="pc_trainer"):
         return {ex.SYNCED_CONTROL: [[{"step": 0, key: 0.4}, {"step": 0, "reward": 0.5},
