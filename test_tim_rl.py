@@ -1087,6 +1087,13 @@ def test_non_finite_outside_mask_changes_nothing_inside_never_nan(data, draw):
 def test_misuse_raises_clear_errors():
     mask = torch.ones(2, 3, dtype=torch.bool)
     x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match=r"ids must be token ids in \[0, 3\).*max 3"):
+        tr.token_logprobs(x, torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="ids must be token ids.*min -1"):
+        tr.token_logprobs(x, torch.tensor([-1, 0]))
+    with pytest.raises(TypeError, match="ids must be an int64 or int32"):
+        tr.token_logprobs(x, torch.tensor([0.0, 1.0]))
+    assert torch.equal(tr.token_logprobs(x, torch.tensor([0, 2], dtype=torch.int32)), tr.token_logprobs(x, torch.tensor([0, 2])))
     with pytest.raises(TypeError, match="mask must be a bool"):
         tr.tis_weights(x, x, mask.float())
     with pytest.raises(ValueError, match="logp_infer must have shape"):
@@ -1354,6 +1361,10 @@ CLI_MISTAKES = [  # (argv, words the one error line must contain); each fails be
     (["train", "--loss-on-served", "--dtype", "bf16", "--sync-every", "2"], ["--loss-on-served", "--sync-every 1"]),
     (["train", "--top-p", "0.9", "--no-renormalize", "--correction", "dlc"], ["--no-renormalize", "dlc"]),
     (["train", "--updates-per-batch", "0"], ["--updates-per-batch must be >= 1"]),
+    (["train", "--lr", "nan"], ["--lr must be a finite number"]),
+    (["train", "--lr", "inf"], ["--lr must be a finite number"]),
+    (["train", "--lr", "-1"], ["--lr must be > 0"]),
+    (["train", "--tis-cap", "0"], ["--tis-cap must be > 0"]),
 ] + ([(["train", "--device", "cuda"], ["--device cuda", "torch.cuda.is_available() is False"])]
      if not torch.cuda.is_available() else []) + ([(["train", "--sampler", "vllm"], ["--sampler vllm", "not installed"])]
                                                   if not tr.vllm_available() else [])
@@ -2340,7 +2351,12 @@ def test_cli_help_and_train(base_model_dir, tmp_path):
 
 def test_every_compare_preset_runs_in_smoke_size(base_model_dir, tmp_path):
     """`compare --preset all --smoke`: every preset writes a results.md with a table (and its plot), in seconds."""
-    written = ex.run_preset(ex.PresetConfig(preset="all", smoke=True, model=str(base_model_dir), out_dir=str(tmp_path)))
+    model = tmp_path / "base"  # presets with a base model of their own write it beside this one: in tmp_path
+    model.symlink_to(tr.Path(base_model_dir).resolve(), target_is_directory=True)
+    beside = tr.Path(f"{tr.Path(base_model_dir).resolve()}-swap-smoke")
+    existed = beside.exists()
+    written = ex.run_preset(ex.PresetConfig(preset="all", smoke=True, model=str(model), out_dir=str(tmp_path / "out")))
+    assert beside.exists() == existed and (tmp_path / "base-swap-smoke" / "config.json").is_file()
     assert [p.parent.name for p in written] == list(ex.PRESETS)
     for path in written:
         text = path.read_text()
@@ -2353,7 +2369,8 @@ def test_every_compare_preset_runs_in_smoke_size(base_model_dir, tmp_path):
         plot = path.with_name("plot.png")
         if plot.exists():
             assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (tmp_path / "smoke" / "staleness" / "plot.png").exists() and (tmp_path / "smoke" / "drift" / "plot.png").exists()
+    smoke = tmp_path / "out" / "smoke"
+    assert (smoke / "staleness" / "plot.png").exists() and (smoke / "drift" / "plot.png").exists()
     with pytest.raises(ValueError, match="preset must be one of"):
         ex.run_preset(ex.PresetConfig(preset="nope", smoke=True))
 
@@ -2364,6 +2381,24 @@ def test_every_compare_preset_runs_in_smoke_size(base_model_dir, tmp_path):
 
 def _without_timings(records):
     return [{k: v for k, v in r.items() if not k.startswith("sec_")} for r in records]
+
+
+def test_demo_writes_its_tables_and_a_plot_with_the_seed_spread(base_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tr, "ensure_base_model", lambda path: tr.Path(base_model_dir))
+    monkeypatch.setattr(tr, "vllm_available", lambda: False)
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Small(tr.RLConfig):
+        eval_n: int = 16  # seconds, not a minute
+
+    monkeypatch.setattr(tr, "RLConfig", Small)
+    tr.demo(steps=1, seeds=(0, 1), out=str(tmp_path))
+    table = (tmp_path / "demo.md").read_text()
+    assert "torch bf16" in table and "mean ± sd over the seeds" in table
+    assert sum(" pc " in line and not line.startswith("==") for line in table.splitlines()) == 4, table
+    assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Loading weights" not in capsys.readouterr().out
 
 
 def test_same_seed_same_metrics_different_seed_different(base_model_dir, tmp_path):

@@ -169,7 +169,8 @@ class RLConfig:
     diagnose_drift: bool = _arg(False, "log norms of the drift and signal parts of the gradient (extra backwards)")
     seed: int = _arg(0, "seed of sampling, data and noise")
     out_dir: str = _arg("runs", "parent directory of runs")
-    checkpoint_every: int = _arg(50, "write runs/<name>/checkpoint.safetensors every N steps (0: at the end only)")
+    checkpoint_every: int = _arg(10, "write runs/<name>/checkpoint.safetensors every N steps (0: at the end only); "
+                                     "--resume continues from the last one")
     trust_remote_code: bool = _arg(False, "let transformers run Python code shipped in --model (off: never)")
     progress: bool = _arg(True, "show a tqdm bar")
     device: str = _arg("auto", "trainer, optimizer, TorchSampler and evaluation: auto (cuda if available) | cpu | cuda")
@@ -429,6 +430,9 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | No
     """
     _check_tensor("logits", logits)
     _check_tensor("ids", ids, floating=False)
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"ids must be an int64 or int32 tensor of token ids, got dtype {ids.dtype}")
+    ids = ids.long()
     _check_device("ids", ids, "logits", logits)
     lead = logits.shape[:-1]
     if ids.shape != lead and (ids.dim() != logits.dim() or ids.shape[:-1] != lead):
@@ -439,6 +443,9 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | No
     if N == 0:
         return flat_logits.new_zeros(ids.shape, dtype=torch.float32)
     flat_ids = ids.reshape(N, -1)  # (N, 1) or (N, K)
+    if flat_ids.numel() and bool(((flat_ids < 0) | (flat_ids >= V)).any()):  # one host sync per call
+        raise ValueError(f"ids must be token ids in [0, {V}) (the logits' last axis), got min {int(flat_ids.min())}, "
+                         f"max {int(flat_ids.max())}")
     fused = _gpu_compiles(logits.device, _logprobs_probe) if fused is None else fused
     if chunk_rows is None:
         chunk_rows = _default_chunk_rows(V, logits.device, fused)
@@ -2686,6 +2693,8 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
     out = Path(cfg.out_dir) / cfg.name
     out.mkdir(parents=True, exist_ok=True)
     start, records = _resume_run(out, rs) if resume else (0, [])
+    if resume:
+        print(f"[tim_rl] resuming {out} at step {start} of {cfg.steps} (its checkpoint)", file=sys.stderr)
     _write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))  # steps covered, once
     _write_atomic(out / "config.json", json.dumps(asdict(cfg), indent=1))  # after: never beside older metrics
     with open(out / "metrics.jsonl", "a") as log:
@@ -2712,9 +2721,13 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: int = 16) -> None:
+def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: int = 16,
+         out: str = "runs/demo") -> None:
     """The default command: mismatch of every engine, then policy lag hurting and being repaired (mean ± sd over
-    paired seeds; `python experiments.py compare` adds the paired intervals and verdicts)."""
+    paired seeds; `python experiments.py compare` adds the paired intervals and verdicts). Writes <out>/demo.md
+    (both tables) and <out>/demo.png (trainer pc per arm, mean and ± 1 sd band over the seeds)."""
+    from matplotlib.figure import Figure  # no pyplot: a notebook's backend is left alone
+
     model_dir = ensure_base_model("runs/base")
     model, tokenizer = load_model(model_dir).eval(), load_tokenizer(model_dir)
     prompts = _encode_problems(tokenizer, make_arithmetic_task(64, seed=0, split="eval", **_task_kwargs(model_dir)))[0]
@@ -2722,27 +2735,47 @@ def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: 
                ("torch fp16", EngineSpec(dtype="fp16")), ("torch bf16", EngineSpec(dtype="bf16")),
                ("torch int8 weights", EngineSpec(quant="int8")), ("torch fp8-e4m3 weights", EngineSpec(quant="fp8"))]
     engines += [("vLLM fp32", "fp32"), ("vLLM bf16", "bf16")] if vllm_available() else []
-    print("\n== 1. measured mismatch of each sampler engine vs the fp32 trainer (64 prompts x 4 samples) ==")
+    lines = ["== 1. measured mismatch of each sampler engine vs the fp32 trainer (64 prompts x 4 samples) =="]
+    print("\n" + lines[0])
     for label, spec in engines:
         sampler = (TorchSampler(model, spec, tokenizer) if isinstance(spec, EngineSpec)
                    else VLLMSampler(model_dir, dtype=spec, seed=0, tokenizer=tokenizer))
-        ro = sampler.sample(prompts, 4, 5, 1.0, 0, torch.Generator().manual_seed(0))
+        ro = sampler.sample(prompts, 4, 5, 1.0, None, torch.Generator().manual_seed(0))
         del sampler  # vLLM: one engine per process at a time
         with torch.no_grad():
             m = mismatch_metrics(sequence_logprobs(model, ro)[0], ro.logp_infer, ro.mask)  # TIM: the same tokens
-        print(f"{label:<24} k3 {m['k3']:<9.3g} mean |Δlogp| {m['abs_diff']:<9.3g} max |Δlogp| {m['max_abs_diff']:.3g}")
-    print(f"\n== 2. policy lag: sampler synced every {sync_every} steps vs every step, {steps} steps, "
-          f"{len(seeds)} paired seeds (trainer pc, mean ± sd over seeds) ==")
-    base = RLConfig(steps=steps, sync_every=sync_every, eval_every=max(steps // 4, 1), progress=False,
-                    out_dir="runs/demo")
+        lines.append(f"{label:<24} k3 {m['k3']:<9.3g} mean |Δlogp| {m['abs_diff']:<9.3g} "
+                     f"max |Δlogp| {m['max_abs_diff']:.3g}")
+        print(lines[-1])
+    lines.append(f"== 2. policy lag: sampler synced every {sync_every} steps vs every step, {steps} steps, "
+                 f"{len(seeds)} paired seeds: held-out trainer pc at step 0 -> after the last step, mean ± sd over "
+                 f"the seeds (sd with Bessel's correction) ==")
+    print("\n" + lines[-1])
+    base = RLConfig(steps=steps, sync_every=sync_every, eval_every=max(steps // 4, 1), progress=False, out_dir=out)
     arms = [("synced control (k=1, none)", {"correction": "none", "sync_every": 1})]
     arms += [(f"{c} (k={sync_every})", {"correction": c}) for c in ("none", "tis", "sc_tis")]
+    fig = Figure(figsize=(7.5, 4))
+    ax = fig.subplots()
     for i, (label, change) in enumerate(arms):
         runs = [run(dataclasses.replace(base, name=f"arm{i}_s{s}", seed=s, **change)) for s in seeds]
-        start, final = (torch.tensor([rs[j]["pc_trainer"] for rs in runs], dtype=torch.float64) for j in (0, -1))
-        sd = float(final.std()) if len(seeds) > 1 else 0.0
-        print(f"{label:<28} pc {float(start.mean()):.3f} -> {float(final.mean()):.3f} ± {sd:.3f}")
-    print("\nwrote runs/demo/arm<i>_s<seed>/; paired intervals and verdicts: python experiments.py compare --help")
+        evals = [[r for r in rs if "pc_trainer" in r] for rs in runs]
+        pc = torch.tensor([[r["pc_trainer"] for r in e] for e in evals], dtype=torch.float64)  # (seeds, evals)
+        sd = pc.std(0) if len(seeds) > 1 else torch.zeros(pc.shape[1], dtype=torch.float64)
+        lines.append(f"{label:<28} pc {float(pc[:, 0].mean()):.3f} -> {float(pc[:, -1].mean()):.3f} "
+                     f"± {float(sd[-1]):.3f}")
+        print(lines[-1])
+        x = [r["step"] for r in evals[0]]
+        ax.plot(x, pc.mean(0), marker="o", ms=3, label=label)
+        ax.fill_between(x, pc.mean(0) - sd, pc.mean(0) + sd, alpha=0.15)
+    ax.set(title=f"policy lag k={sync_every}: mean and ± 1 sd over {len(seeds)} seeds", xlabel="optimizer step",
+           ylabel="held-out probability of the exact answer (pc)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(out).mkdir(parents=True, exist_ok=True)
+    fig.savefig(Path(out) / "demo.png", dpi=110)
+    _write_atomic(Path(out) / "demo.md", "\n".join(lines) + "\n")
+    print(f"\nwrote {out}/demo.md, {out}/demo.png and {out}/arm<i>_s<seed>/; paired intervals and verdicts: "
+          "python experiments.py compare --help")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -2876,8 +2909,18 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+_CLI_POSITIVE = ("lr", "tis_cap", "mis_high", "dppo_delta", "vllm_gpu_memory")  # finite and > 0
+
+
 def _check_values(obj) -> None:
-    """Raise UsageError, naming the flag, for a value below its minimum or not among its choices (args or config)."""
+    """Raise UsageError, naming the flag, for a value below its minimum or not among its choices (args or config),
+    a float flag that is not finite, or a learning rate / cap / band that is not positive."""
+    for f in fields(RLConfig):
+        value = getattr(obj, f.name, None)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{_flag(f.name)} must be a finite number, got {value}")
+        if f.name in _CLI_POSITIVE and value is not None and value <= 0:
+            raise UsageError(f"{_flag(f.name)} must be > 0, got {value}")
     for name, low in _CLI_MIN.items():
         if getattr(obj, name, low) < low:
             raise UsageError(f"{_flag(name)} must be >= {low}, got {getattr(obj, name)}")
@@ -2966,12 +3009,19 @@ def main(argv: list[str] | None = None) -> None:
     if cfg is not None and _eval_warning(cfg):
         print(_eval_warning(cfg), file=sys.stderr)
     seeds = getattr(args, "seeds", None) or "0,1,2,3,4"  # demo's
-    if args.cmd == "pretrain":
-        print(json.dumps(pretrain(_from_args(PretrainConfig, args))))
-    elif args.cmd == "train":
-        print(_train_summary(run(cfg, resume=bool(args.resume)), Path(cfg.out_dir) / cfg.name))
-    else:
-        demo(steps=getattr(args, "steps", 80), seeds=tuple(int(s) for s in seeds.split(",")))
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar per engine between ours
+    try:
+        if args.cmd == "pretrain":
+            print(json.dumps(pretrain(_from_args(PretrainConfig, args))))
+        elif args.cmd == "train":
+            print(_train_summary(run(cfg, resume=bool(args.resume)), Path(cfg.out_dir) / cfg.name))
+        else:
+            demo(steps=getattr(args, "steps", 80), seeds=tuple(int(s) for s in seeds.split(",")))
+    except KeyboardInterrupt:
+        where = f"; python tim_rl.py train --resume {Path(cfg.out_dir) / cfg.name}" if args.cmd == "train" else ""
+        parser.exit(130, f"tim_rl: interrupted (the last checkpoint is kept{where})\n")
 
 
 if __name__ == "__main__":
