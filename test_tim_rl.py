@@ -1320,11 +1320,12 @@ def test_math_imports_with_torch_alone():
 
 
 def test_every_markdown_file_named_is_in_the_repository():
-    """A reader can open every *.md the project names (results.md and bench.md are what compare and bench write)."""
+    """A reader can open every *.md the project names (results.md, bench.md, demo.md: what compare, bench, the demo
+    write)."""
     import re
 
     here = os.path.dirname(os.path.realpath(tr.__file__))
-    written = {"results.md", "bench.md"}
+    written = {"results.md", "bench.md", "demo.md"}
     for name in ("tim_rl.py", "experiments.py", "test_tim_rl.py", "README.md", ".ci/run", "tutorial.ipynb"):
         with open(os.path.join(here, name), encoding="utf-8") as f:
             for ref in re.findall(r"[\w./-]*\w\.md\b", f.read()):
