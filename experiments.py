@@ -1438,6 +1438,8 @@ def _check_cli(args) -> tr.RLConfig | None:
     for c in getattr(args, "corrections", "").split(","):
         if c and c not in tr.CORRECTIONS:
             raise tr.UsageError(f"--corrections: {c!r} is not one of {' | '.join(tr.CORRECTIONS)}")
+    if args.cmd == "bench":
+        tr.resolve_device(args.device)  # --device cuda without a GPU: one error line, as train gives
     return tr._check_cli(args)
 
 

@@ -1366,7 +1366,8 @@ CLI_MISTAKES = [  # (argv, words the one error line must contain); each fails be
     (["train", "--lr", "inf"], ["--lr must be a finite number"]),
     (["train", "--lr", "-1"], ["--lr must be > 0"]),
     (["train", "--tis-cap", "0"], ["--tis-cap must be > 0"]),
-] + ([(["train", "--device", "cuda"], ["--device cuda", "torch.cuda.is_available() is False"])]
+] + ([(["train", "--device", "cuda"], ["--device cuda", "torch.cuda.is_available() is False"]),
+      (["bench", "--device", "cuda"], ["--device cuda", "torch.cuda.is_available() is False"])]
      if not torch.cuda.is_available() else []) + ([(["train", "--sampler", "vllm"], ["--sampler vllm", "not installed"])]
                                                   if not tr.vllm_available() else [])
 
