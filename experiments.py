@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import NamedTuple
 
-import torch
+import tim_rl as tr  # first: it picks the OpenMP wait policy before torch loads (tim_rl._openmp_for_a_shared_machine)
 
-import tim_rl as tr
+import torch
 
 def measure_engines(model_dir: str | Path, engines: list[tuple[str, object]], n_prompts: int = 64, n: int = 4,
                     max_new_tokens: int = 5, seeds: tuple[int, ...] = (0,), prompts: list[list[int]] | None = None,

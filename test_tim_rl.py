@@ -2385,6 +2385,21 @@ def _without_timings(records):
     return [{k: v for k, v in r.items() if not k.startswith("sec_")} for r in records]
 
 
+@pytest.mark.parametrize("loadavg,expected", [("0.9 1.1 1.4 1/80 7", None), ("0.1 0.1 0.1 3/80 7", "PASSIVE")])
+def test_the_cli_lets_openmp_threads_sleep_only_beside_busy_processes(tmp_path, monkeypatch, loadavg, expected):
+    """Another runnable task the whole time -> OMP_WAIT_POLICY=PASSIVE; alone (a lagging 1-min load aside) -> the
+    default; an explicit setting is kept."""
+    fake = tmp_path / "loadavg"
+    fake.write_text(loadavg)
+    monkeypatch.setattr(tr, "Path", lambda p, *a: fake if str(p) == "/proc/loadavg" else __import__("pathlib").Path(p, *a))
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    tr._openmp_for_a_shared_machine()
+    assert os.environ.get("OMP_WAIT_POLICY") == expected
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    tr._openmp_for_a_shared_machine()
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
 def test_demo_writes_its_tables_and_a_plot_with_the_seed_spread(base_model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tr, "ensure_base_model", lambda path: tr.Path(base_model_dir))
     monkeypatch.setattr(tr, "vllm_available", lambda: False)
