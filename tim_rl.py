@@ -325,23 +325,29 @@ def _two_or_more(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t if t.shape[dim] > 1 else torch.cat([t, t], dim)
 
 
+def _fused_inputs(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, ids) alike for every chunk, so one compiled graph per logits dtype serves a run: detached, ids
+    contiguous, 1 row or K = 1 repeated to 2 (the copies' results are dropped). (n, V), (n, K) ->
+    (max(n, 2), V), (max(n, 2), max(K, 2))."""
+    rows = _two_or_more(logits.detach(), 0)  # a copy of one row only for a 1-row chunk
+    both = _two_or_more(_two_or_more(ids, 1), 0).contiguous()
+    return rows, both
+
+
 def _fused_logprobs(logits: torch.Tensor, ids: torch.Tensor):
-    """_logprobs_pass compiled, its inputs alike for every chunk so that one graph per logits dtype serves a run:
-    detached, ids contiguous, 1 row or K = 1 repeated to 2 (the copies' results dropped). (n, V), (n, K)."""
+    """_logprobs_pass compiled on _fused_inputs. (n, V), (n, K) -> (n, K), (n, 1)."""
     n, K = ids.shape
-    rows = _two_or_more(logits.detach(), 0)  # (max(n, 2), V): a copy of one row only for a 1-row chunk
-    both = _two_or_more(_two_or_more(ids, 1), 0).contiguous()  # (max(n, 2), max(K, 2))
+    rows, both = _fused_inputs(logits, ids)
     with torch.no_grad():  # grad and no-grad callers meet one compiled version (dynamo guards on both)
         out, lse = _compiled(_logprobs_pass)(rows, both)
     return out[:n, :K], lse[:n]
 
 
 def _fused_logprobs_grad(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, g: torch.Tensor):
-    """_logprobs_grad_pass compiled on inputs made alike as in _fused_logprobs; g (n, K) contiguous, its K = 1
-    padded with a -0.0 column (x + -0.0 = x bitwise: the padded id adds nothing). -> (n, V)."""
+    """_logprobs_grad_pass compiled on _fused_inputs; g (n, K) contiguous, its K = 1 padded with a -0.0 column
+    (x + -0.0 = x bitwise: the padded id adds nothing). -> (n, V)."""
     n, K = ids.shape
-    rows = _two_or_more(logits.detach(), 0)  # (max(n, 2), V)
-    both = _two_or_more(_two_or_more(ids, 1), 0).contiguous()  # (max(n, 2), max(K, 2))
+    rows, both = _fused_inputs(logits, ids)
     g_2 = g.contiguous() if K > 1 else torch.cat([g, torch.full_like(g, -0.0)], 1)  # a .sum()'s g has stride 0
     lse_2 = _two_or_more(lse, 0).clone()  # not a view: a view of the (N, 1) lse makes dynamo guard on N too
     with torch.no_grad():
@@ -443,7 +449,7 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | No
     gradient's scatter_add order-dependent (atomics): bitwise reproducible on CPU only.
 
     needs: _TokenLogprobs, _check_tensor, _check_device, _chunked_logprobs, _compiled, _logprobs_pass,
-    _logprobs_grad_pass, _two_or_more, _fused_logprobs, _fused_logprobs_grad, _logprobs_probe, _cuda_index,
+    _logprobs_grad_pass, _two_or_more, _fused_inputs, _fused_logprobs, _fused_logprobs_grad, _logprobs_probe, _cuda_index,
     _gpu_compiles, _default_chunk_rows, CHUNK_BYTES, GPU_CHUNK_BYTES, FUSED_CHUNK_ELEMENTS, _COMPILED, _COMPILE_WORKS
     """
     _check_tensor("logits", logits)
@@ -2400,13 +2406,18 @@ def _truncates(cfg: RLConfig) -> bool:
 TOPK_READERS = ("sc", "sc_tis", "sc_mis", "drift_only")  # the arms whose loss reads the top-K log-probs
 
 
+def _reads_topk(cfg: RLConfig) -> bool:
+    """Whether the run's loss or diagnostics read the sampler's top-K log-probs."""
+    return cfg.correction in TOPK_READERS or cfg.diagnose_drift
+
+
 def recorded_topk(cfg: RLConfig) -> int | None:
     """The top-K the sampler records: cfg.topk for the arms (and diagnostics) that read it, else None (K = 0).
 
     At V = 151,936 all-V records would be 12 bytes x V per token; vLLM still returns all V under truncation on
     the CPU, where its processed log-probs are the only way to read its kept support.
     """
-    if cfg.correction in TOPK_READERS or cfg.diagnose_drift:
+    if _reads_topk(cfg):
         return cfg.topk
     if cfg.sampler == "vllm" and _truncates(cfg):
         return 0
@@ -2548,8 +2559,7 @@ def _update(cfg: RLConfig, rs: _RunState, ro: Rollout, rewards, logp_old, logp_p
     logp_prox None: this is the batch's first update, whose log-probs become the proximal policy.
     """
     # TIM: with truncation the current trainer's log-probs are renormalised on the sampler's kept support: p~, not p
-    reads_topk = cfg.correction in TOPK_READERS or cfg.diagnose_drift
-    topk_ids = ro.topk_ids if reads_topk and ro.topk_ids.shape[-1] > 0 else None  # gathered only where read
+    topk_ids = ro.topk_ids if _reads_topk(cfg) and ro.topk_ids.shape[-1] > 0 else None  # gathered only where read
     logp, logp_topk, hidden, log_s = rs.trainer.support_logprobs(ro, topk_ids, cfg.temperature)
     lap("recompute")
     first, before = logp_prox is None, (logp.detach(), log_s)
