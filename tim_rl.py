@@ -124,6 +124,9 @@ class EngineSpec:
     noise: float = _arg(0.0, "relative weight noise s: w + s * N(0,1) * w, drawn once per run (SC paper's control)")
     noise_seed: int = _arg(1234, "seed of that noise draw (the same draw is re-applied after every sync)")
     exact: bool = _arg(False, "zero-mismatch limit: record log-probs with the trainer's own fp32 forward")
+    router_fp32: bool = _arg(False, "MoE: keep the routers' weights and logits in fp32 in a bf16/fp16 engine (slime)")
+    head_fp32: bool = _arg(False, "keep the lm_head and the logits in fp32 in a bf16/fp16 engine (TRL's "
+                                  "cast_lm_head_to_fp32)")
 
 
 @dataclass
@@ -137,6 +140,7 @@ class PretrainConfig:
     digits: int = _arg(2, "operand digits")
     ops: str = _arg("+", "operators drawn from: + - * and s (swap: 'a s b=' -> 'ba', 2 x digits answer tokens)")
     seed: int = _arg(0, "seed of init and data")
+    moe: bool = _arg(False, "pre-train a tiny Qwen3-MoE (8 experts, top-2, load-balancing loss) instead of the Llama")
 
 
 @dataclass
@@ -194,6 +198,8 @@ class RLConfig:
     device: str = _arg("auto", "trainer, optimizer, TorchSampler and evaluation: auto (cuda if available) | cpu | cuda")
     vllm_gpu_memory: float = _arg(0.3, "share of GPU memory vLLM takes when colocated with the trainer (GPU only)")
     task: str = _arg("arithmetic", "arithmetic (the tiny model's) | words (chat word problems, --model a chat model)")
+    routing_replay: str = _arg("none", "MoE models: none | r2 (the update replays the experts the trainer's behaviour "
+                                       "pass chose) | r3 (it replays the experts the sampler chose; torch sampler)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -2930,7 +2936,7 @@ _CLI_MIN = {"steps": 1, "prompts": 1, "group": 1, "max_new_tokens": 1, "eval_eve
 _CLI_CHOICES = {"sampler": ("torch", "vllm"), "dtype": tuple(_DTYPES), "quant": ("none", "int8", "fp8"),
                 "correction": CORRECTIONS, "baseline": ("group", "none"), "optimizer": ("adamw", "sgd"),
                 "export": ("rtn", "sr", "ef"), "device": ("auto", "cpu", "cuda"),
-                "task": TASKS}
+                "task": TASKS, "routing_replay": ("none", "r2", "r3")}
 
 
 def _flag(name: str) -> str:
