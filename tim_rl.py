@@ -52,6 +52,7 @@ References
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -615,8 +616,9 @@ def mismatch_ledger(
     mask: torch.Tensor,
     logp_master_old: torch.Tensor | None = None,
     log_kept_mass: torch.Tensor | None = None,
+    logp_old_sampler_routes: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """Split total = log p - log q into lag + numerics (+ rounding) (+ truncation); mean and mean |.| of each.
+    """Split total = log p - log q into lag + numerics (+ rounding) (+ truncation) (+ routing); mean, mean |.| of each.
 
     numerics = logp_old - logp_infer (same weights, different engines), and without logp_master_old
     lag = logp - logp_old. With logp_master_old (trainer engine on the unrounded fp32 master the served copy was
@@ -624,7 +626,10 @@ def mismatch_ledger(
     lag = logp - logp_master_old. With log_kept_mass (log S of the current trainer on the sampler's kept support,
     renormalize_on_support) the trainer log-probs are the renormalised ones, total = logp + log S - logp_infer
     and truncation = log S (under lag S is the current trainer's mass on the stale sampler's support, so it also
-    moves with the lag). lag + rounding + numerics + truncation == total token by token. (B, T) -> dict.
+    moves with the lag). With logp_old_sampler_routes (an MoE model: the trainer engine on the served weights with
+    the sampler's experts replayed, while logp_old has the experts logp has) routing = logp_old -
+    logp_old_sampler_routes and numerics = logp_old_sampler_routes - logp_infer (under R3 logp_old is that replay:
+    routing 0). lag + rounding + routing + numerics + truncation == total token by token. (B, T) -> dict.
     Tokens where any input is non-finite are left out of every part.
 
     needs: _check_bt, _check_device, _check_mask, _check_tensor
@@ -642,12 +647,33 @@ def mismatch_ledger(
         _check_bt(mask, log_kept_mass=log_kept_mass)
         parts["truncation"] = (logp_full, logp)
         ok = ok & torch.isfinite(logp)
+    if logp_old_sampler_routes is not None:
+        _check_bt(mask, logp_old_sampler_routes=logp_old_sampler_routes)
+        parts["routing"] = (logp_old, logp_old_sampler_routes)
+        parts["numerics"] = (logp_old_sampler_routes, logp_infer)
+        ok = ok & torch.isfinite(logp_old_sampler_routes)
     out = {}
     for name, (a, b) in parts.items():
         diff = torch.where(ok, a.detach().double() - b.detach().double(), ok.new_zeros((), dtype=torch.float64))
         out[f"{name}_mean"] = float(diff.sum() / ok.sum().clamp(min=1))
         out[f"{name}_abs"] = float(diff.abs().sum() / ok.sum().clamp(min=1))
     return out
+
+
+def routing_flip_rate(routes_a: torch.Tensor, routes_b: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Share of positions whose k experts (as a set) differ between two routings, per MoE layer ("layer0", ...) and
+    in any layer ("any"). routes (B, S, L, k) int, -1: no route (left out); mask (B, S) bool, True where counted."""
+    _check_tensor("routes_a", routes_a, floating=False)
+    _check_tensor("routes_b", routes_b, floating=False)
+    if routes_a.shape != routes_b.shape or routes_a.shape[:2] != mask.shape:
+        raise ValueError(f"routes_a {tuple(routes_a.shape)} and routes_b {tuple(routes_b.shape)} must have one shape "
+                         f"(B, S, L, k) with (B, S) = mask's {tuple(mask.shape)}")
+    routed = mask & (routes_a >= 0).all(-1).all(-1) & (routes_b >= 0).all(-1).all(-1)  # (B, S)
+    flipped = (routes_a.sort(-1).values != routes_b.sort(-1).values).any(-1)[routed].float()  # (N, L) 0 / 1
+    if flipped.shape[0] == 0:
+        return {f"layer{layer}": 0.0 for layer in range(routes_a.shape[2])} | {"any": 0.0}
+    per_layer = {f"layer{layer}": float(flipped[:, layer].mean()) for layer in range(flipped.shape[1])}
+    return per_layer | {"any": float(flipped.amax(-1).mean())}
 
 
 def log_odds_displacement(logp_train: torch.Tensor, logp_infer: torch.Tensor) -> torch.Tensor:
@@ -1507,6 +1533,31 @@ def build_tiny_model(vocab_size: int = 128, hidden: int = 128, layers: int = 4, 
     return LlamaForCausalLM(config).float()
 
 
+MOE_BASE = "runs/base-moe"  # where `pretrain --moe` and the moe preset keep the tiny MoE model
+MOE_AUX_LOSS = 0.01  # pre-training's load-balancing loss coefficient (router_aux_loss_coef): every expert is used
+
+
+def build_tiny_moe_model(vocab_size: int = 128, hidden: int = 128, layers: int = 4, heads: int = 4,
+                         experts: int = 8, top_k: int = 2, expert_intermediate: int = 96, max_positions: int = 64,
+                         seed: int = 0):
+    """A Qwen3-MoE (transformers Qwen3MoeForCausalLM, the family of Qwen3-30B-A3B): every layer's MLP is `experts`
+    experts of which its router (mlp.gate) picks top_k per token, weights renormalised over them; ~1.5 M parameters.
+
+    Untied embeddings for the reason build_tiny_model gives; the load-balancing loss is on in pre-training only.
+    """
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=expert_intermediate,
+                            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                            head_dim=hidden // heads, max_position_embeddings=max_positions, rms_norm_eps=1e-5,
+                            num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_intermediate,
+                            norm_topk_prob=True, decoder_sparse_step=1, router_aux_loss_coef=MOE_AUX_LOSS,
+                            tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                            pad_token_id=PAD_ID)
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(config).float()
+
+
 def load_model(path: str | Path, trust_remote_code: bool = False):
     """Load an HF causal LM from a local directory in fp32 (safetensors; no remote code unless asked)."""
     from transformers import AutoModelForCausalLM
@@ -1525,7 +1576,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
     from tqdm.auto import tqdm
 
     tokenizer = CharTokenizer()
-    model = build_tiny_model(vocab_size=tokenizer.vocab_size, seed=cfg.seed).train()
+    build = build_tiny_moe_model if cfg.moe else build_tiny_model
+    model = build(vocab_size=tokenizer.vocab_size, seed=cfg.seed).train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / cfg.steps))))
@@ -1537,7 +1589,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
         L = max(len(p) + len(a) for p, a in seqs)
         ids = torch.tensor([p + a + [PAD_ID] * (L - len(p) - len(a)) for p, a in seqs])  # (B, L) right-padded
         labels = torch.tensor([[-100] * len(p) + a + [-100] * (L - len(p) - len(a)) for p, a in seqs])  # the answer only
-        loss = model(input_ids=ids, labels=labels).loss
+        moe = {"output_router_logits": True} if cfg.moe else {}  # + router_aux_loss_coef x load-balancing loss
+        loss = model(input_ids=ids, labels=labels, **moe).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -1551,8 +1604,25 @@ def pretrain(cfg: PretrainConfig) -> dict:
     tokenizer.save(out)
     info = {"greedy_accuracy_eval": acc, "seconds": time.time() - t0, "steps": cfg.steps, "digits": cfg.digits,
             "ops": cfg.ops, "params": sum(p.numel() for p in model.parameters())}
+    if cfg.moe:
+        info["expert_usage"] = expert_usage(model, tokenizer, make_arithmetic_task(256, cfg.digits, 0, cfg.ops,
+                                                                                     split="eval"))
     (out / "pretrain.json").write_text(json.dumps(info, indent=1))
     return info
+
+
+@torch.no_grad()
+def expert_usage(model, tokenizer, problems) -> list[list[float]]:
+    """Share of the routed (token, slot) pairs each expert gets, per MoE layer, over the problems' prompt + answer
+    tokens (a balanced router: 1 / experts each). -> [layers][experts]."""
+    seqs = [tokenizer.encode(p + a) for p, a in problems]
+    ids, mask = _left_pad(seqs, tokenizer.pad_id, next(model.parameters()).device)
+    with replay_routes(model) as log:
+        model(input_ids=ids, attention_mask=mask.long(), position_ids=_positions(mask))
+    routes = stack_routes(log, ids.shape[0])[mask]  # (N, L, k) real tokens only
+    experts = moe_routers(model)[0].num_experts
+    counts = [torch.bincount(routes[:, layer].reshape(-1).long(), minlength=experts) for layer in range(routes.shape[1])]
+    return [[round(float(c) / float(row.sum()), 4) for c in row] for row in counts]
 
 
 def ensure_base_model(path: str | Path = "runs/base", **change) -> Path:
@@ -1565,7 +1635,10 @@ def ensure_base_model(path: str | Path = "runs/base", **change) -> Path:
 
 
 def _model_dir(model: str) -> Path:
-    """The model directory a run or preset uses: the default runs/base is pre-trained when missing, others must exist."""
+    """The model directory a run or preset uses: runs/base (and runs/base-moe) are pre-trained when missing; others
+    must exist."""
+    if model == MOE_BASE:
+        return ensure_base_model(model, moe=True)
     return ensure_base_model(model) if model == "runs/base" else Path(model)
 
 
@@ -1607,6 +1680,82 @@ def load_smollm2():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# ---- MoE routing: record and replay (R2 / R3) ----
+# A mixture-of-experts layer sends each token to the top-k experts of its router's softmax. A tiny numerical
+# difference between two engines flips a near-tie, and the token's output jumps. Routing replay (Ma et al., arXiv
+# 2510.11370; Megatron-Core RouterReplay, verl router_replay R2 | R3, slime) records the discrete expert ids and forces
+# them in the trainer, with the weights recomputed from the trainer's live router scores. R2 records them in the
+# trainer's behaviour pass, R3 in the inference engine (vLLM and SGLang on a GPU: enable_return_routed_experts).
+
+
+def moe_routers(model) -> list[torch.nn.Module]:
+    """The top-k routers of a transformers MoE model in layer order: Qwen3-MoE's mlp.gate (Qwen3MoeTopKRouter) and
+    routers of the same interface (weight (E, H), top_k, norm_topk_prob, hidden_dim). [] for a dense model."""
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+def routed_router_forward(router, hidden: torch.Tensor, forced: torch.Tensor | None = None):
+    """Qwen3MoeTopKRouter.forward with the expert ids forced where `forced` (N, k) has a route (a row with a -1:
+    none, the live top-k is used). -> (router logits (N, E), routing weights (N, k), expert ids (N, k)).
+
+    The weights are the live softmax scores gathered at the ids (verl: scores.gather(1, indices)), renormalised over
+    the k when the router does: the router keeps its gradient. forced None: the router's own forward, bit for bit.
+    """
+    hidden = hidden.reshape(-1, router.hidden_dim)  # (N, H)
+    logits = torch.nn.functional.linear(hidden, router.weight)  # (N, E)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    ids = torch.topk(probs, router.top_k, dim=-1).indices  # (N, k): the live routing
+    if forced is not None:
+        has_route = (forced >= 0).all(-1, keepdim=True)  # (N, 1); no route (the last sampled token): live
+        ids = torch.where(has_route, forced.to(ids), ids)
+    # TIM: gathered from the live probabilities, not from post-top-k zeros (whose forced entries have no gradient)
+    weights = probs.gather(-1, ids)
+    if router.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return logits, weights.to(logits.dtype), ids
+
+
+@contextlib.contextmanager
+def replay_routes(model, routes: torch.Tensor | None = None):
+    """Within the block every router of `model` (moe_routers) runs routed_router_forward, forced to `routes`
+    (B, S, L, k) for a forward over B sequences of S positions (-1: no route) or live when None. Yields a list per
+    layer of the ids each call used, (B * n, k) int16: stack_routes(log, B) -> (B, S, L, k)."""
+    routers = moe_routers(model)
+    log = [[] for _ in routers]
+
+    def forward_of(layer: int, router):
+        def forward(hidden):
+            forced = None
+            if routes is not None:
+                forced = routes[:, :, layer].reshape(-1, routes.shape[-1]).to(hidden.device)  # (B * S, k)
+                if forced.shape[0] != hidden.reshape(-1, router.hidden_dim).shape[0]:
+                    raise ValueError(f"routes has shape {tuple(routes.shape)}: it needs one route per position of "
+                                     f"the forward ({hidden.reshape(-1, router.hidden_dim).shape[0]} rows)")
+            logits, weights, ids = routed_router_forward(router, hidden, forced)
+            log[layer].append(ids.to(torch.int16))
+            return logits, weights, ids
+
+        return forward
+
+    for layer, router in enumerate(routers):
+        router.forward = forward_of(layer, router)  # an instance attribute: nn.Module.__call__ (and its hooks) use it
+    try:
+        yield log
+    finally:
+        for router in routers:
+            del router.forward
+
+
+def stack_routes(log: list[list[torch.Tensor]], batch: int) -> torch.Tensor | None:
+    """replay_routes' log as (B, S, L, k) int16, calls concatenated along positions (KV-cache decoding: the
+    prompt, then one position per step). None for a dense model."""
+    if not log:
+        return None
+    layers = [torch.cat([ids.reshape(batch, -1, ids.shape[-1]) for ids in calls], 1) for calls in log]  # (B, S, k)
+    return torch.stack(layers, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # ---- samplers (torch, vLLM) ----
 
 
@@ -1625,6 +1774,8 @@ class Rollout:
     kept_ids: torch.Tensor | None = None  # (B, T, S) long, -1 padded: the sampler's kept support (None: untruncated,
     # or the engine cannot return it: the loop then rebuilds it from the trainer's logits, kept_support)
     entropy: torch.Tensor | None = None  # (B, T) float32, entropy of the sampled distribution (None: not recorded)
+    routed_experts: torch.Tensor | None = None  # (B, P + T, L, k) int16: the experts each MoE layer's router chose at
+    # each position of prompt + response, -1 where none (the last sampled token is never fed); None: dense or unknown
 
     def to(self, device) -> Rollout:
         """The same rollout with every tensor on `device` (vLLM returns CPU tensors; the trainer may be on a GPU)."""
@@ -1686,35 +1837,40 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     finished = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=device)  # (B,)
     truncate = temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0)
     ids, masks, logps, entropies, tops, kept = [], [], [], [], [], []
-    for _ in range(max_new_tokens):
-        out = model(input_ids=inputs, past_key_values=cache, use_cache=True, attention_mask=attention,
-                    position_ids=_positions(attention)[:, -inputs.shape[1] :], logits_to_keep=1)  # the last position
-        cache, logits = out.past_key_values, out.logits[:, -1]  # (B, V)
-        scaled = logits.float() / (temperature if temperature > 0 else 1.0)  # (B, V)
-        if truncate:  # TIM: the sampled distribution is renormalised over the kept tokens
-            keep = truncation_mask(scaled, top_p, top_k, min_p)  # (B, V)
-            scaled = scaled.masked_fill(~keep, -math.inf)
-        logprobs = torch.log_softmax(scaled, -1)  # (B, V)
-        token = (torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1) if temperature > 0
-                 else logprobs.argmax(-1))  # (B,), on the logits' device: no host copy per token
-        token = torch.where(finished, torch.full_like(token, pad_id), token)
-        masks.append(~finished)
-        ids.append(token)
-        logps.append(logprobs.gather(-1, token[:, None]).squeeze(1))
-        entropies.append(_entropy(logprobs))  # (B,): the sampler has the whole distribution now, nobody stores it
-        if topk is not None:
-            tops.append(logprobs.topk(min(topk, logits.shape[-1]) if topk > 0 else logits.shape[-1], dim=-1))
-        finished = finished | (token == eos_id)
-        # the token's one host sync: stop when every row finished; the kept count S sizes this token's support
-        counts = [finished.all().long()] + ([keep.sum(-1).max()] if truncate else [])
-        done, *kept_count = torch.stack(counts).tolist()
-        if truncate:
-            kept.append(support_ids(keep, size=max(kept_count[0], 1)))  # (B, S_t)
-        if done:
-            break
-        inputs, attention = token[:, None], torch.cat([attention, attention.new_ones(attention.shape[0], 1)], 1)
+    with replay_routes(model) as route_log:  # an MoE model's routers record the experts they choose (R3's routes)
+        for _ in range(max_new_tokens):
+            positions = _positions(attention)[:, -inputs.shape[1] :]
+            out = model(input_ids=inputs, past_key_values=cache, use_cache=True, attention_mask=attention,
+                        position_ids=positions, logits_to_keep=1)  # the head on the last position only
+            cache, logits = out.past_key_values, out.logits[:, -1]  # (B, V)
+            scaled = logits.float() / (temperature if temperature > 0 else 1.0)  # (B, V)
+            if truncate:  # TIM: the sampled distribution is renormalised over the kept tokens
+                keep = truncation_mask(scaled, top_p, top_k, min_p)  # (B, V)
+                scaled = scaled.masked_fill(~keep, -math.inf)
+            logprobs = torch.log_softmax(scaled, -1)  # (B, V)
+            token = (torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1) if temperature > 0
+                     else logprobs.argmax(-1))  # (B,), on the logits' device: no host copy per token
+            token = torch.where(finished, torch.full_like(token, pad_id), token)
+            masks.append(~finished)
+            ids.append(token)
+            logps.append(logprobs.gather(-1, token[:, None]).squeeze(1))
+            entropies.append(_entropy(logprobs))  # (B,): the sampler has the whole distribution now, nobody stores it
+            if topk is not None:
+                tops.append(logprobs.topk(min(topk, logits.shape[-1]) if topk > 0 else logits.shape[-1], dim=-1))
+            finished = finished | (token == eos_id)
+            # the token's one host sync: stop when every row finished; the kept count S sizes this token's support
+            counts = [finished.all().long()] + ([keep.sum(-1).max()] if truncate else [])
+            done, *kept_count = torch.stack(counts).tolist()
+            if truncate:
+                kept.append(support_ids(keep, size=max(kept_count[0], 1)))  # (B, S_t)
+            if done:
+                break
+            inputs, attention = token[:, None], torch.cat([attention, attention.new_ones(attention.shape[0], 1)], 1)
     response_ids = torch.stack(ids, 1)  # (B, T)
     B, T = response_ids.shape
+    routes = stack_routes(route_log, B)  # (B, P + T - 1, L, k): every position but the last was fed
+    if routes is not None:
+        routes = torch.nn.functional.pad(routes, (0, 0, 0, 0, 0, 1), value=-1)  # (B, P + T, L, k)
     decode_text = decode_text or (lambda row: " ".join(map(str, row)))
     no_topk = torch.zeros(B, T, 0, device=device)
     return Rollout(
@@ -1722,18 +1878,19 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
         logp_infer=torch.stack(logps, 1),
         topk_ids=torch.stack([t.indices for t in tops], 1) if tops else no_topk.long(),  # (B, T, K)
         logp_topk_infer=torch.stack([t.values for t in tops], 1) if tops else no_topk,
-        kept_ids=_pad_stack(kept, -1) if kept else None, entropy=torch.stack(entropies, 1),
+        kept_ids=_pad_stack(kept, -1) if kept else None, entropy=torch.stack(entropies, 1), routed_experts=routes,
         texts=[decode_text(row) for row in response_ids.tolist()])
 
 
 def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_ids: torch.Tensor | None = None,
-                      params: dict | None = None):
+                      params: dict | None = None, routes: torch.Tensor | None = None):
     """Trainer-engine log-probs of the rollout's tokens (and of its top-K ids): one full forward, no KV cache.
 
     Returns (logp (B, T), logp_topk (B, T, K) or None, last hidden state at the response positions (B, T, H)).
-    `params` (name -> tensor) runs the same model with other weights (torch.func.functional_call).
+    `params` (name -> tensor) runs the same model with other weights (torch.func.functional_call); `routes`
+    (B, P + T, L, k) replays an MoE model's experts (replay_routes).
     """
-    logits, hidden = _response_forward(model, rollout, temperature, params)  # (B, T, V), (B, T, H)
+    logits, hidden, _ = _response_forward(model, rollout, temperature, params, routes)  # (B, T, V), (B, T, H)
     if topk_ids is None:
         return token_logprobs(logits, rollout.response_ids), None, hidden
     # one pass over the logits for the sampled id and the K head ids
@@ -1741,8 +1898,18 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_id
     return both[..., 0], both[..., 1:], hidden
 
 
-def _response_forward(model, rollout: Rollout, temperature: float = 1.0, params: dict | None = None):
-    """One full forward over prompt + response: (logits / temperature, last hidden) at the response positions.
+class Forward(NamedTuple):
+    """_response_forward's result: logits / temperature (B, T, V) and last hidden state (B, T, H) at the response
+    positions, and the experts each MoE layer used at every position (B, P + T, L, k) (None: a dense model)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    routes: torch.Tensor | None
+
+
+def _response_forward(model, rollout: Rollout, temperature: float = 1.0, params: dict | None = None,
+                      routes: torch.Tensor | None = None) -> Forward:
+    """One full forward over prompt + response, an MoE model's routers forced to `routes` (None: live).
 
     The head runs on the T response positions only (logits_to_keep): no (B, P + T, V) logits for the prompt.
     """
@@ -1752,11 +1919,13 @@ def _response_forward(model, rollout: Rollout, temperature: float = 1.0, params:
     keep = torch.arange(P - 1, P + T - 1, device=input_ids.device)  # position t predicts response token t
     kwargs = dict(input_ids=input_ids, attention_mask=attention, position_ids=_positions(attention),
                   output_hidden_states=True, logits_to_keep=keep)
-    out = model(**kwargs) if params is None else torch.func.functional_call(model, params, args=(), kwargs=kwargs)
+    with replay_routes(model, routes) as route_log:
+        out = model(**kwargs) if params is None else torch.func.functional_call(model, params, args=(), kwargs=kwargs)
     logits = out.logits  # (B, T, V)
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    return logits, out.hidden_states[-1][:, P - 1 : P + T - 1]
+    hidden = out.hidden_states[-1][:, P - 1 : P + T - 1]
+    return Forward(logits, hidden, stack_routes(route_log, input_ids.shape[0]))
 
 
 def logprobs_on_support(logits: torch.Tensor, rollout: Rollout, topk_ids: torch.Tensor | None = None):
@@ -1782,13 +1951,13 @@ def logprobs_on_support(logits: torch.Tensor, rollout: Rollout, topk_ids: torch.
 
 
 def support_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_ids: torch.Tensor | None = None,
-                     params: dict | None = None):
+                     params: dict | None = None, routes: torch.Tensor | None = None):
     """sequence_logprobs renormalised on the sampler's kept support rollout.kept_ids (logprobs_on_support).
 
     Returns (log p~ (B, T), log p~ of the top-K ids (B, T, K) or None, hidden, log S (B, T) or None). Without a
     kept support (kept_ids None: the sampler kept every token) it is sequence_logprobs, log S None.
     """
-    logits, hidden = _response_forward(model, rollout, temperature, params)  # (B, T, V), (B, T, H)
+    logits, hidden, _ = _response_forward(model, rollout, temperature, params, routes)  # (B, T, V), (B, T, H)
     logp, logp_topk, log_s = logprobs_on_support(logits, rollout, topk_ids)
     return logp, logp_topk, hidden, log_s
 
@@ -1880,12 +2049,13 @@ INT8_MAX = 127.0
 
 
 def fake_quantize(w: torch.Tensor, quant: str) -> torch.Tensor:
-    """Weight fake-quantisation in fp32: int8 per output channel (symmetric) or fp8-e4m3 per tensor. (O, I)."""
+    """Weight fake-quantisation in fp32: int8 per output channel (symmetric) or fp8-e4m3 per matrix. (..., O, I)
+    (a leading experts dim: each expert its own scales)."""
     if quant == "int8":
-        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / INT8_MAX  # (O, 1)
+        scale = w.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / INT8_MAX  # (..., O, 1)
         return (w / scale).round().clamp(-INT8_MAX, INT8_MAX) * scale
     if quant == "fp8":
-        scale = w.abs().max().clamp(min=1e-12) / FP8_E4M3_MAX
+        scale = w.abs().amax(dim=(-2, -1), keepdim=True).clamp(min=1e-12) / FP8_E4M3_MAX  # (..., 1, 1)
         return (w / scale).to(torch.float8_e4m3fn).float() * scale
     raise ValueError(f"quant must be 'int8' or 'fp8', got {quant!r}")
 
@@ -1901,6 +2071,10 @@ class TorchSampler:
             raise ValueError("engine.exact needs dtype fp32 without quantisation or noise")
         source = load_model(model_dir_or_model) if isinstance(model_dir_or_model, (str, Path)) else model_dir_or_model
         self.model = copy.deepcopy(source).eval().to(_DTYPES[self.engine.dtype])  # in the engine dtype from the start
+        kept_fp32 = moe_routers(self.model) if self.engine.router_fp32 else []
+        kept_fp32 += [self.model.get_output_embeddings()] if self.engine.head_fp32 else []
+        for module in kept_fp32:  # TIM: fp32 weights, and fp32 inputs (a pre-hook), inside a bf16 / fp16 engine
+            module.float().register_forward_pre_hook(lambda _, inputs: tuple(x.float() for x in inputs))
         self.tokenizer = tokenizer or CharTokenizer(self.model.config.vocab_size)
         self.load_weights({k: v.detach() for k, v in source.state_dict().items()})
 
@@ -1909,12 +2083,18 @@ class TorchSampler:
         """Copy exported weights in, applying the engine's numerics to each tensor in fp32 and rounding it once to the
         engine dtype: quantisation, then noise (the same draw every load). Loading one master twice gives one engine.
 
-        Which weights: every nn.Linear weight but the lm_head (attention and MLP projections).
+        Which weights: every nn.Linear weight but the lm_head (attention and MLP projections) and, in an MoE model,
+        the routers' weights (Qwen3-MoE: mlp.gate.weight) and the experts' 3-D weights (mlp.experts.gate_up_proj,
+        mlp.experts.down_proj; int8 scales per expert and output row, fp8 per expert).
         """
         # TIM: everything below is where this engine's numbers start to differ from the trainer's
         noise_gen = torch.Generator().manual_seed(self.engine.noise_seed)
         perturbed = {f"{n}.weight" for n, m in self.model.named_modules()
                      if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")}
+        routers = moe_routers(self.model)
+        perturbed |= {f"{n}.weight" for n, m in self.model.named_modules() if any(m is r for r in routers)}
+        perturbed |= {f"{n}.{p}" for n, m in self.model.named_modules() if type(m).__name__.endswith("Experts")
+                      for p, _ in m.named_parameters(recurse=False)}
         # every name, a tied head's included, so a model's own state_dict loads (tied weights: one tensor, 2 names)
         params = dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers())
         required = {n for n, _ in self.model.named_parameters()}  # each tensor under one name suffices
@@ -1943,8 +2123,10 @@ class TorchSampler:
         if self.engine.exact:
             # TIM: zero-mismatch limit: score the sampled tokens with the trainer's own fp32 forward (same kernels,
             # shapes and weights as Trainer.logprobs), so logp_infer == logp_old bitwise.
+            # An MoE model's scoring pass replays the experts the tokens were sampled with (what R3 replays).
             with torch.no_grad():
-                logp, rollout.logp_topk_infer = support_logprobs(self.model, rollout, temperature, rollout.topk_ids)[:2]
+                logp, rollout.logp_topk_infer = support_logprobs(self.model, rollout, temperature, rollout.topk_ids,
+                                                                 routes=rollout.routed_experts)[:2]
             rollout.logp_infer = torch.where(rollout.mask, logp, torch.zeros_like(logp))
         return rollout
 
@@ -2129,12 +2311,16 @@ def load_tokenizer(directory: str | Path):
 
 
 class Behaviour(NamedTuple):
-    """Trainer.behaviour_logprobs' result: (B, T) log-probs of the trainer engine on the served weights and on the
-    unrounded master at export (None for an fp32 export), and the kept support rebuilt from them (None)."""
+    """Trainer.behaviour_logprobs' result, (B, T) log-probs of the trainer engine: on the served weights (logp_old)
+    and on the unrounded master at export (None for an fp32 export); the kept support rebuilt from them (None); an MoE
+    model's log-probs on the served weights with the sampler's experts replayed and the experts it chose itself
+    (B, P + T, L, k) (None: a dense model or a sampler that returned no routes)."""
 
     logp_old: torch.Tensor
     logp_master_old: torch.Tensor | None
     rebuilt: torch.Tensor | None
+    logp_old_sampler_routes: torch.Tensor | None = None
+    routes: torch.Tensor | None = None
 
 
 EXPORT_STAT_ELEMENTS = 1 << 22  # the visible update fraction's fp64 sums run on slices of 4M elements (32 MiB)
@@ -2185,36 +2371,55 @@ class Trainer:
                                if self.loss_on_served else None)
         return self._served_leaves
 
-    def logprobs(self, rollout: Rollout, topk_ids: torch.Tensor | None = None, temperature: float = 1.0):
+    def logprobs(self, rollout: Rollout, topk_ids: torch.Tensor | None = None, temperature: float = 1.0,
+                 routes: torch.Tensor | None = None):
         """(logp, logp_topk, hidden) under the current weights, with gradient. Fair Cast's loss_on_served runs the
-        forward on the served (rounded) copy and routes its gradient to the fp32 master (straight-through)."""
-        return sequence_logprobs(self.model, rollout, temperature, topk_ids, params=self._params())  # TIM
+        forward on the served (rounded) copy and routes its gradient to the fp32 master (straight-through); `routes`
+        replays an MoE model's experts."""
+        return sequence_logprobs(self.model, rollout, temperature, topk_ids, self._params(), routes)  # TIM
 
-    def support_logprobs(self, rollout: Rollout, topk_ids: torch.Tensor | None = None, temperature: float = 1.0):
+    def support_logprobs(self, rollout: Rollout, topk_ids: torch.Tensor | None = None, temperature: float = 1.0,
+                         routes: torch.Tensor | None = None):
         """logprobs renormalised on rollout.kept_ids, plus log S: (logp~, logp_topk~, hidden, log S or None)."""
-        return support_logprobs(self.model, rollout, temperature, topk_ids, params=self._params())
+        return support_logprobs(self.model, rollout, temperature, topk_ids, self._params(), routes)
 
     @torch.no_grad()
-    def behaviour_logprobs(self, rollout: Rollout, temperature: float = 1.0, truncation: tuple | None = None):
-        """Behaviour(logp_old, logp_master_old or None, rebuilt support or None): the trainer engine on the served
-        weights / on the master at export, renormalised on the kept support. One forward per model.
+    def behaviour_logprobs(self, rollout: Rollout, temperature: float = 1.0, truncation: tuple | None = None,
+                           routing_replay: str = "none") -> Behaviour:
+        """The trainer engine on the served weights / on the master at export, renormalised on the kept support
+        (Behaviour). One forward per model; an MoE model with the sampler's routes gets a second one on the served
+        weights, so that the ledger can split routing from numerics.
 
         truncation = (top_p, top_k, min_p): the kept support is also rebuilt from the behaviour logits of that same
         forward (kept_support_from_logits) and used where the sampler returned none (rollout.kept_ids None).
+        routing_replay: none (logp_old on the trainer's own experts) | r2 (the same; the update replays them) | r3
+        (logp_old on the sampler's experts, replayed; the update replays those too).
         """
-        logits = _response_forward(self.behaviour, rollout, temperature)[0]  # (B, T, V)
+        sampler_routes = rollout.routed_experts if moe_routers(self.behaviour) else None
+        r3 = routing_replay == "r3" and sampler_routes is not None
+        forward = _response_forward(self.behaviour, rollout, temperature, routes=sampler_routes if r3 else None)
         rebuilt = None
         if truncation is not None:
-            rebuilt = kept_support_from_logits(logits, rollout.response_ids, *truncation)  # (B, T, S)
+            rebuilt = kept_support_from_logits(forward.logits, rollout.response_ids, *truncation)  # (B, T, S)
         if rollout.kept_ids is None and rebuilt is not None:
             rollout = dataclasses.replace(rollout, kept_ids=rebuilt)
-        logp_old = logprobs_on_support(logits, rollout)[0]
-        del logits  # before the second model's forward
+        logp_old = logprobs_on_support(forward.logits, rollout)[0]
+        own_routes = forward.routes
+        del forward  # before the next forward's logits
+        logp_old_sampler_routes = None
+        if r3:  # TIM: R3: logp_old is already on the sampler's experts; one live pass for the trainer's own experts
+            own_routes = _response_forward(self.behaviour, rollout, temperature).routes
+            logp_old_sampler_routes = logp_old
+        elif sampler_routes is not None:  # TIM: the same weights on the sampler's experts: routing vs numerics
+            replayed = _response_forward(self.behaviour, rollout, temperature, routes=sampler_routes)
+            logp_old_sampler_routes = logprobs_on_support(replayed.logits, rollout)[0]
+            del replayed
         logp_master_old = None
-        if self.master_at_export is not None:
-            logits_master = _response_forward(self.master_at_export, rollout, temperature)[0]  # (B, T, V)
+        if self.master_at_export is not None:  # on the experts the update will use (R2: own, R3: the sampler's)
+            master_routes = sampler_routes if r3 else (own_routes if routing_replay == "r2" else None)
+            logits_master = _response_forward(self.master_at_export, rollout, temperature, routes=master_routes)[0]
             logp_master_old = logprobs_on_support(logits_master, rollout)[0]
-        return Behaviour(logp_old, logp_master_old, rebuilt)
+        return Behaviour(logp_old, logp_master_old, rebuilt, logp_old_sampler_routes, own_routes)
 
     def grad_leaves(self) -> list[torch.Tensor]:
         """The tensors the last forward ran on: the served leaves under loss_on_served, else the master."""
@@ -2479,6 +2684,8 @@ def _check_run_config(cfg: RLConfig) -> None:
          "installs it in its own environment)"),
         (vllm and (cfg.quant != "none" or cfg.noise or cfg.exact), "--sampler vllm takes --dtype only (no --quant, "
          "--noise or --exact)"),
+        (vllm and cfg.routing_replay == "r3", "--routing-replay r3 replays the sampler's experts, but vLLM's CPU build "
+         "cannot return them (a GPU vLLM can: enable_return_routed_experts); use --sampler torch, or r2"),
         (vllm and 0 < cfg.temperature < 0.01, f"--sampler vllm with --temperature {cfg.temperature}: vLLM samples "
          "at 0.01 while the trainer would score the requested value (use 0.01 or more)"),
         (Path(cfg.out_dir, cfg.name).resolve() == Path(cfg.model).resolve(), f"--out-dir {cfg.out_dir} --name "
@@ -2559,14 +2766,15 @@ def _phase_clock() -> tuple[dict, object]:
     return sec, lap
 
 
-def _update(cfg: RLConfig, rs: _RunState, ro: Rollout, rewards, logp_old, logp_prox, extra: dict, lap):
+def _update(cfg: RLConfig, rs: _RunState, ro: Rollout, rewards, logp_old, logp_prox, extra: dict, lap, routes=None):
     """One optimizer step on the batch: (its loss / grad_norm / zeroed shares, logp_prox, (logp, log S) before it).
 
-    logp_prox None: this is the batch's first update, whose log-probs become the proximal policy.
+    logp_prox None: this is the batch's first update, whose log-probs become the proximal policy. routes: the MoE
+    experts the forward replays (R2 / R3; None: live routing).
     """
     # TIM: with truncation the current trainer's log-probs are renormalised on the sampler's kept support: p~, not p
     topk_ids = ro.topk_ids if _reads_topk(cfg) and ro.topk_ids.shape[-1] > 0 else None  # gathered only where read
-    logp, logp_topk, hidden, log_s = rs.trainer.support_logprobs(ro, topk_ids, cfg.temperature)
+    logp, logp_topk, hidden, log_s = rs.trainer.support_logprobs(ro, topk_ids, cfg.temperature, routes)
     lap("recompute")
     first, before = logp_prox is None, (logp.detach(), log_s)
     if first and log_s is not None:
@@ -2587,13 +2795,13 @@ def _update(cfg: RLConfig, rs: _RunState, ro: Rollout, rewards, logp_old, logp_p
 
 
 @torch.no_grad()
-def _dlc_resync(cfg: RLConfig, rs: _RunState, ro: Rollout, logp_old, logp_master_old) -> bool:
+def _dlc_resync(cfg: RLConfig, rs: _RunState, ro: Rollout, logp_old, logp_master_old, routes=None) -> bool:
     """DLC's trigger: resync when the lag the next batch would be sampled with (or the staleness) is too large."""
     if cfg.correction != "dlc" or (cfg.dlc_max_lag <= 0 and cfg.dlc_max_staleness <= 0):
         return False
     # TIM: the lag is the updated trainer vs the sampler's weights (on this batch's tokens), measured from the master
     # at export when it was rounded, so rounding is no lag
-    logp_next = support_logprobs(rs.trainer.model, ro, cfg.temperature)[0]
+    logp_next = support_logprobs(rs.trainer.model, ro, cfg.temperature, routes=routes)[0]
     lag_anchor = logp_old if logp_master_old is None else logp_master_old
     return dlc_should_resync(logp_next, lag_anchor, ro.mask, rs.since_sync, cfg.dlc_max_staleness, cfg.dlc_max_lag)
 
@@ -2616,24 +2824,37 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
     rewards = torch.tensor([verify(text, answers[i // cfg.group]) for i, text in enumerate(ro.texts)], device=device)
     # 3) recompute the behaviour log-probs: the trainer engine on the weights the sampler holds, and on the master;
     # with truncation the same forward rebuilds the kept support, used where the sampler returned none
+    # (an MoE model: also on the sampler's experts, and the experts the trainer engine chose itself)
     truncation = (cfg.top_p, cfg.top_k, cfg.min_p) if _truncates(cfg) else None
-    logp_old, logp_master_old, rebuilt = trainer.behaviour_logprobs(ro, cfg.temperature, truncation)
+    behaviour = trainer.behaviour_logprobs(ro, cfg.temperature, truncation, cfg.routing_replay)
+    logp_old, logp_master_old = behaviour.logp_old, behaviour.logp_master_old
     extra = {}
     if truncation is not None:
         extra["support_rebuilt"] = ro.kept_ids is None
         if ro.kept_ids is None:
-            ro.kept_ids = rebuilt
+            ro.kept_ids = behaviour.rebuilt
         else:  # share of positions where the sampler's own support differs from the rebuilt one
-            extra["support_differs"] = support_differs(ro.kept_ids, rebuilt, ro.mask)
+            extra["support_differs"] = support_differs(ro.kept_ids, behaviour.rebuilt, ro.mask)
+    if ro.routed_experts is not None and behaviour.routes is not None:  # same weights, two engines' experts
+        fed = torch.cat([ro.prompt_mask, ro.mask], 1)  # (B, P + T) real tokens
+        flips = routing_flip_rate(ro.routed_experts, behaviour.routes, fed)
+        extra |= {f"route_flip_{name}": share for name, share in flips.items()}
+    # TIM: the experts the update's forwards are forced to: R2 the trainer's behaviour pass's, R3 the sampler's
+    routes = None
+    if cfg.routing_replay == "r2":
+        routes = behaviour.routes
+    elif cfg.routing_replay == "r3":
+        routes = ro.routed_experts
     lap("recompute")
     # 4) + 5) correct and step, updates_per_batch times on the same batch
-    update, logp_prox, (logp, log_s) = _update(cfg, rs, ro, rewards, logp_old, None, extra, lap)
-    updates = [update] + [_update(cfg, rs, ro, rewards, logp_old, logp_prox, extra, lap)[0]
+    update, logp_prox, (logp, log_s) = _update(cfg, rs, ro, rewards, logp_old, None, extra, lap, routes)
+    updates = [update] + [_update(cfg, rs, ro, rewards, logp_old, logp_prox, extra, lap, routes)[0]
                           for _ in range(cfg.updates_per_batch - 1)]
     # 6) export + sync every sync_every steps (policy lag), or when DLC's lag trigger fires
     rs.since_sync += 1
-    ledger = mismatch_ledger(logp, logp_old, ro.logp_infer, ro.mask, logp_master_old, log_s)
-    resync = rs.since_sync >= cfg.sync_every or _dlc_resync(cfg, rs, ro, logp_old, logp_master_old)
+    ledger = mismatch_ledger(logp, logp_old, ro.logp_infer, ro.mask, logp_master_old, log_s,
+                             behaviour.logp_old_sampler_routes)
+    resync = rs.since_sync >= cfg.sync_every or _dlc_resync(cfg, rs, ro, logp_old, logp_master_old, routes)
     vuf = None
     if resync:
         state, vuf = trainer.export(cfg.export, generator=gen)
@@ -2662,6 +2883,9 @@ def _setup_run(cfg: RLConfig) -> _RunState:
     tokenizer = load_tokenizer(model_dir)
     device = resolve_device(cfg.device)
     model = load_model(model_dir, trust_remote_code=cfg.trust_remote_code).to(device)
+    if cfg.routing_replay != "none" and not moe_routers(model):
+        raise ValueError(f"--routing-replay {cfg.routing_replay} replays MoE routers' experts, but {cfg.model} has no "
+                         "top-k router (a dense model; --model runs/base-moe is the tiny MoE)")
     value_head = torch.nn.Linear(model.config.hidden_size, 1).to(device) if cfg.correction == "copc" else None
     trainer = Trainer(model, cfg.lr, cfg.optimizer, export_dtype=cfg.dtype, loss_on_served=cfg.loss_on_served,
                       extra_params=value_head.parameters() if value_head is not None else ())
