@@ -2714,6 +2714,189 @@ def test_vllm_truncated_sampling_support_and_ratio(base_model_dir):
 
 
 # =================================================================================================================
+# MoE routing (issue 29): routes recorded by the sampler, replayed by the trainer (R2 / R3), split in the ledger
+
+
+@pytest.fixture(scope="session")
+def moe_base_dir(tmp_path_factory):
+    """The tiny Qwen3-MoE: $TIM_RL_MOE_BASE, else runs/base-moe when `pretrain --moe` wrote it, else pre-trained here
+    once (~20 s)."""
+    made = tr.Path(tr.__file__).resolve().parent / tr.MOE_BASE
+    given_dir = os.environ.get("TIM_RL_MOE_BASE") or (made if (made / "model.safetensors").is_file() else None)
+    if given_dir:
+        return tr.Path(given_dir)
+    out = tmp_path_factory.mktemp("base-moe")
+    info = tr.pretrain(tr.PretrainConfig(out=str(out), moe=True))
+    assert 0.3 <= info["greedy_accuracy_eval"] <= 0.95, f"pre-training must leave a usable model, got {info}"
+    for shares in info["expert_usage"]:  # one row per MoE layer: shares of the routed slots, summing to 1
+        assert len(shares) == 8 and math.isclose(sum(shares), 1.0, abs_tol=1e-3)
+        assert sum(s > 0.01 for s in shares) >= 4, f"the router uses its experts: {shares}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_exact(moe_base_dir):
+    """(fp32 master, tokenizer, an exact-mode fp32 sampler's rollout of 32 x 2 responses)."""
+    model = tr.load_model(moe_base_dir).eval()
+    tokenizer = tr.load_tokenizer(moe_base_dir)
+    prompts = tr._encode_problems(tokenizer, tr.make_arithmetic_task(32, seed=3, split="eval"))[0]
+    sampler = tr.TorchSampler(model, tr.EngineSpec(exact=True), tokenizer)
+    ro = sampler.sample(prompts, 2, 5, 1.0, None, torch.Generator().manual_seed(0))
+    return model, tokenizer, ro, sampler
+
+
+def _hand_router(E=6, H=5, k=2, seed=0):
+    """A Qwen3MoeTopKRouter-shaped module: weight (E, H), top_k, norm_topk_prob, hidden_dim."""
+    router = torch.nn.Module()
+    router.weight = torch.nn.Parameter(torch.randn(E, H, generator=torch.Generator().manual_seed(seed)))
+    router.top_k, router.norm_topk_prob, router.hidden_dim = k, True, H
+    return router
+
+
+def test_routed_router_forward_is_the_transformers_router_and_forcing_keeps_the_gathered_gradient():
+    """Live: bit for bit transformers' Qwen3MoeTopKRouter. Forced: d loss / d W equals the gather formula's
+    (weights = softmax over the forced ids' logits); its anti-vacuity twin, gathering the forced ids from the
+    post-top-k zeroed scores (a Megatron fork's bug), gives the experts outside the live top-k no gradient."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    config = Qwen3MoeConfig(hidden_size=5, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True)
+    router = Qwen3MoeTopKRouter(config)
+    torch.nn.init.normal_(router.weight, generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(7, 5, generator=torch.Generator().manual_seed(1))
+    ours, theirs = tr.routed_router_forward(router, hidden), router(hidden)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+    forced = torch.tensor([[0, 1], [2, 3], [4, 5], [5, 0], [-1, -1], [1, 3], [2, 4]])  # row 4: no route -> live
+    c = torch.randn(7, 2, generator=torch.Generator().manual_seed(2))
+    _, weights, ids = tr.routed_router_forward(router, hidden, forced)
+    assert torch.equal(ids[4], theirs[2][4]) and torch.equal(ids[[0, 1, 2, 3, 5, 6]], forced[[0, 1, 2, 3, 5, 6]])
+    (weights * c).sum().backward()
+    logits = (hidden @ router.weight.detach().T).double()  # the formula: w_j = exp(z_ij) / sum_m exp(z_im)
+    w = torch.softmax(logits.gather(1, ids), -1)
+    dz = torch.zeros_like(logits).scatter_(1, ids, w * (c.double() - (w * c.double()).sum(-1, keepdim=True)))
+    assert torch.allclose(router.weight.grad.double(), dz.T @ hidden.double(), atol=1e-6)
+    # the bug: forced ids gathered from the zeroed scores of the live top-k
+    W = router.weight.detach().clone().requires_grad_(True)
+    probs = torch.softmax(hidden @ W.T, -1)
+    live = probs.topk(2, -1)
+    zeroed = torch.zeros_like(probs).scatter(1, live.indices, live.values)
+    (zeroed.gather(1, ids) * c).sum().backward()
+    assert not torch.allclose(W.grad.double(), dz.T @ hidden.double(), atol=1e-3)
+
+
+def test_routing_flip_rate_compares_expert_sets_per_layer_and_skips_missing_routes():
+    a = torch.tensor([[[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[0, 2], [1, 3]], [[-1, -1], [-1, -1]]]])  # (1, 4, 2, 2)
+    b = torch.tensor([[[[1, 0], [2, 3]], [[4, 6], [6, 7]], [[0, 2], [1, 5]], [[0, 1], [2, 3]]]])
+    mask = torch.tensor([[True, True, True, True]])
+    flips = tr.routing_flip_rate(a, b, mask)  # position 0: same sets; 1: layer 0 flips; 2: layer 1; 3: no route
+    assert flips == {"layer0": 1 / 3, "layer1": 1 / 3, "any": 2 / 3}
+    assert tr.routing_flip_rate(a, b, torch.tensor([[True, False, True, True]])) == {"layer0": 0.0, "layer1": 0.5,
+                                                                                     "any": 0.5}
+    with pytest.raises(ValueError, match="routes_a"):
+        tr.routing_flip_rate(a, b[:, :3], mask)
+
+
+def test_sampler_records_every_fed_position_and_replaying_them_is_the_live_forward(moe_exact):
+    """The routes cover prompt + response; the last sampled token (never fed) has none (-1). Replaying a forward's
+    own routes, or routes that are all missing (the fallback), is bit for bit the forward without replay."""
+    model, _, ro, _ = moe_exact
+    B, P, T = ro.prompt_ids.shape[0], ro.prompt_ids.shape[1], ro.response_ids.shape[1]
+    assert ro.routed_experts.shape == (B, P + T, 4, 2) and ro.routed_experts.dtype == torch.int16
+    assert (ro.routed_experts[:, -1] == -1).all() and (ro.routed_experts[:, :-1] >= 0).all()
+    with torch.no_grad():
+        plain = model(input_ids=torch.cat([ro.prompt_ids, ro.response_ids], 1),
+                      attention_mask=torch.cat([ro.prompt_mask, torch.ones_like(ro.mask)], 1).long(),
+                      position_ids=tr._positions(torch.cat([ro.prompt_mask, torch.ones_like(ro.mask)], 1))).logits
+        live = tr._response_forward(model, ro)
+        own = tr._response_forward(model, ro, routes=live.routes)
+        missing = tr._response_forward(model, ro, routes=torch.full_like(live.routes, -1))
+    assert torch.equal(live.logits, plain[:, P - 1 : P + T - 1])
+    assert torch.equal(own.logits, live.logits) and torch.equal(missing.logits, live.logits)
+    assert torch.equal(missing.routes, live.routes), "no route: the live router's choice"
+    assert not any(hasattr(r, "forward") and "forward" in vars(r) for r in tr.moe_routers(model)), "hooks removed"
+
+
+def _replayed_parts(model, ro, routing_replay):
+    """The ledger's per-token parts of a fresh trainer on `model` (nothing lags): routing, numerics, total."""
+    trainer = tr.Trainer(tr.copy.deepcopy(model))
+    behaviour = trainer.behaviour_logprobs(ro, 1.0, None, routing_replay)
+    routing = behaviour.logp_old - behaviour.logp_old_sampler_routes
+    numerics = behaviour.logp_old_sampler_routes - ro.logp_infer
+    return behaviour, torch.where(ro.mask, routing, 0.0), torch.where(ro.mask, numerics, 0.0)
+
+
+def test_replaying_an_exact_samplers_routes_reproduces_its_logprobs_and_a_planted_flip_moves_routing_only_there(
+        moe_exact):
+    """Exact fp32 sampler: under R3 the trainer's logp_old is its logp_infer bit for bit (routing and numerics 0).
+    A flip planted at one response position of the last layer (the sampler's scoring pass replaying it) moves the
+    routing part only at the token that position predicts, and R3 removes it; a flip planted in layer 0 also moves
+    later tokens (causal attention carries it forward)."""
+    model, _, ro, sampler = moe_exact
+    behaviour, routing, numerics = _replayed_parts(model, ro, "r3")
+    assert torch.equal(torch.where(ro.mask, behaviour.logp_old, 0.0), ro.logp_infer)
+    assert not routing.any() and not numerics.any()
+    P = ro.prompt_ids.shape[1]
+    row = int(ro.mask.sum(1).argmax())  # a row with a long response
+    for layer, later_moves in ((3, False), (0, True)):
+        planted = ro.routed_experts.clone()
+        used = set(planted[row, P + 1, layer].tolist())
+        planted[row, P + 1, layer] = torch.tensor([e for e in range(8) if e not in used][:2])  # predicts token 2
+        ro_planted = tr.dataclasses.replace(ro, routed_experts=planted)
+        with torch.no_grad():  # what an engine whose router flipped there records
+            logp = tr.support_logprobs(sampler.model, ro_planted, 1.0, routes=planted)[0]
+        ro_planted.logp_infer = torch.where(ro.mask, logp, 0.0)
+        _, routing, numerics = _replayed_parts(model, ro_planted, "none")
+        assert routing[row, 2].abs() > 1e-3, "the flip moved its token's log-prob"
+        assert numerics.abs().max() < 1e-5, "same weights, same experts: no numerics"
+        elsewhere = routing.clone()
+        elsewhere[row, 2:] = 0
+        assert elsewhere.abs().max() < 1e-6, "earlier tokens and other rows: untouched"
+        assert (routing[row, 3:].abs().max() > 1e-6) == later_moves, (layer, routing[row])
+        behaviour, routing, _ = _replayed_parts(model, ro_planted, "r3")
+        assert not routing.any() and torch.equal(torch.where(ro.mask, behaviour.logp_old, 0.0), ro_planted.logp_infer)
+
+
+@pytest.mark.parametrize("replay", ["none", "r2", "r3"])
+def test_moe_run_ledger_sums_to_the_total_and_logs_flip_rates(moe_base_dir, tmp_path, replay):
+    """A bf16 MoE sampler with router noise, a bf16 RTN export (a rounding part) and a lag of one step: lag +
+    rounding + routing + numerics == total on every step; flip rates per layer and any layer; R3: routing 0."""
+    cfg = tr.RLConfig(model=str(moe_base_dir), out_dir=str(tmp_path), name=replay, steps=4, prompts=8, group=4,
+                      eval_every=4, eval_n=32, dtype="bf16", router_noise=0.3, sync_every=2, routing_replay=replay,
+                      progress=False, checkpoint_every=0)
+    steps = [r for r in tr.run(cfg) if "reward" in r]
+    for r in steps:
+        parts = sum(r[f"ledger_{p}_mean"] for p in ("lag", "rounding", "routing", "numerics"))
+        assert math.isclose(parts, r["ledger_total_mean"], abs_tol=1e-6), r
+        assert 0 <= r["route_flip_layer3"] <= r["route_flip_any"] <= 1
+    assert max(r["route_flip_any"] for r in steps) > 0.05, "router noise flips experts"
+    routing = [r["ledger_routing_abs"] for r in steps]
+    assert (max(routing) == 0) == (replay == "r3"), routing
+    assert any(r["ledger_lag_abs"] > 0 for r in steps), "the lagged steps have lag"
+
+
+def test_moe_engine_numerics_reach_experts_and_routers_and_replay_needs_the_routes(moe_base_dir, tmp_path):
+    """Quantisation and noise act on the experts' 3-D weights and the routers (not the head); router_noise on the
+    routers only; router_fp32 / head_fp32 keep those modules in fp32. R3 with vLLM and any replay on a dense model
+    are one clear error."""
+    model = tr.load_model(moe_base_dir).eval()
+    master = dict(model.named_parameters())
+    int8 = dict(tr.TorchSampler(model, tr.EngineSpec(quant="int8")).model.named_parameters())
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.3.mlp.experts.down_proj",
+                 "model.layers.1.mlp.gate.weight", "model.layers.0.self_attn.q_proj.weight"):
+        assert not torch.equal(int8[name], master[name]), name
+    assert torch.equal(int8["lm_head.weight"], master["lm_head.weight"])
+    noisy = tr.TorchSampler(model, tr.EngineSpec(router_noise=0.5)).model
+    changed = {n for n, p in noisy.named_parameters() if not torch.equal(p, master[n])}
+    assert changed == {f"model.layers.{i}.mlp.gate.weight" for i in range(4)}
+    kept = tr.TorchSampler(model, tr.EngineSpec(dtype="bf16", router_fp32=True, head_fp32=True)).model
+    assert kept.lm_head.weight.dtype == torch.float32 and kept.model.layers[2].mlp.gate.weight.dtype == torch.float32
+    assert kept.model.layers[2].mlp.experts.down_proj.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="cannot return them"):
+        tr._check_run_config(tr.RLConfig(model=str(moe_base_dir), sampler="vllm", routing_replay="r3"))
+
+
+# =================================================================================================================
 # The notebook, executed top to bottom from a clean kernel (its own asserts are the checks)
 
 

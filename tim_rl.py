@@ -126,6 +126,8 @@ class EngineSpec:
     noise_seed: int = _arg(1234, "seed of that noise draw (the same draw is re-applied after every sync)")
     exact: bool = _arg(False, "zero-mismatch limit: record log-probs with the trainer's own fp32 forward")
     router_fp32: bool = _arg(False, "MoE: keep the routers' weights and logits in fp32 in a bf16/fp16 engine (slime)")
+    router_noise: float = _arg(0.0, "MoE: relative noise s on the routers' weights only (on top of --noise), drawn "
+                                    "like it: a mismatch that flips experts")
     head_fp32: bool = _arg(False, "keep the lm_head and the logits in fp32 in a bf16/fp16 engine (TRL's "
                                   "cast_lm_head_to_fp32)")
 
@@ -154,6 +156,7 @@ class RLConfig:
     dtype: str = _arg("fp32", "sampler dtype: fp32 | bf16 | fp16")
     quant: str = _arg("none", "sampler weight quantisation: none | int8 | fp8")
     noise: float = _arg(0.0, "sampler relative weight noise s")
+    router_noise: float = _arg(0.0, "MoE sampler: relative noise on the routers' weights only (flips experts)")
     exact: bool = _arg(False, "exact mode: sampler log-probs from the trainer's forward (ratio 1)")
     correction: str = _arg("none", "none|tis|mis|seq_tis|geo|cis|ppo|ppo_infer|dppo|sc|sc_tis|sc_mis|dlc|copc|"
                                    "calibrated (drift_only: the drift part alone, a positive control)")
@@ -669,7 +672,7 @@ def routing_flip_rate(routes_a: torch.Tensor, routes_b: torch.Tensor, mask: torc
         raise ValueError(f"routes_a {tuple(routes_a.shape)} and routes_b {tuple(routes_b.shape)} must have one shape "
                          f"(B, S, L, k) with (B, S) = mask's {tuple(mask.shape)}")
     routed = mask & (routes_a >= 0).all(-1).all(-1) & (routes_b >= 0).all(-1).all(-1)  # (B, S)
-    flipped = (routes_a.sort(-1).values != routes_b.sort(-1).values).any(-1)[routed].float()  # (N, L) 0 / 1
+    flipped = (routes_a.sort(-1).values != routes_b.sort(-1).values).any(-1)[routed].double()  # (N, L) 0 / 1
     if flipped.shape[0] == 0:
         return {f"layer{layer}": 0.0 for layer in range(routes_a.shape[2])} | {"any": 0.0}
     per_layer = {f"layer{layer}": float(flipped[:, layer].mean()) for layer in range(flipped.shape[1])}
@@ -2092,7 +2095,8 @@ class TorchSampler:
         perturbed = {f"{n}.weight" for n, m in self.model.named_modules()
                      if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")}
         routers = moe_routers(self.model)
-        perturbed |= {f"{n}.weight" for n, m in self.model.named_modules() if any(m is r for r in routers)}
+        router_weights = {f"{n}.weight" for n, m in self.model.named_modules() if any(m is r for r in routers)}
+        perturbed |= router_weights
         perturbed |= {f"{n}.{p}" for n, m in self.model.named_modules() if type(m).__name__.endswith("Experts")
                       for p, _ in m.named_parameters(recurse=False)}
         # every name, a tied head's included, so a model's own state_dict loads (tied weights: one tensor, 2 names)
@@ -2111,6 +2115,9 @@ class TorchSampler:
                 # the same noise on every device: drawn on the CPU once per load (not per step or token)
                 noise = torch.randn(w.shape, generator=noise_gen, device="cpu").to(w.device)
                 w = w + self.engine.noise * noise * w
+            if name in router_weights and self.engine.router_noise:
+                noise = torch.randn(w.shape, generator=noise_gen, device="cpu").to(w.device)
+                w = w + self.engine.router_noise * noise * w
             target.copy_(w)  # TIM: the one rounding to the engine dtype (fp32 -> bf16 / fp16, round to nearest)
 
     def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5, temperature: float = 1.0,
@@ -2682,8 +2689,8 @@ def _check_run_config(cfg: RLConfig) -> None:
          "so every advantage is 0 and nothing trains (use --temperature > 0, or --baseline none)"),
         (vllm and not vllm_available(), "--sampler vllm: vLLM is not installed in this environment (README: Set-up "
          "installs it in its own environment)"),
-        (vllm and (cfg.quant != "none" or cfg.noise or cfg.exact), "--sampler vllm takes --dtype only (no --quant, "
-         "--noise or --exact)"),
+        (vllm and (cfg.quant != "none" or cfg.noise or cfg.router_noise or cfg.exact), "--sampler vllm takes --dtype "
+         "only (no --quant, --noise, --router-noise or --exact)"),
         (vllm and cfg.routing_replay == "r3", "--routing-replay r3 replays the sampler's experts, but vLLM's CPU build "
          "cannot return them (a GPU vLLM can: enable_return_routed_experts); use --sampler torch, or r2"),
         (vllm and 0 < cfg.temperature < 0.01, f"--sampler vllm with --temperature {cfg.temperature}: vLLM samples "
@@ -2893,8 +2900,9 @@ def _setup_run(cfg: RLConfig) -> _RunState:
         sampler = VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer,
                               gpu_memory=cfg.vllm_gpu_memory)
     else:
-        sampler = TorchSampler(trainer.model, EngineSpec(dtype=cfg.dtype, quant=cfg.quant, noise=cfg.noise,
-                                                         noise_seed=cfg.seed + 1234, exact=cfg.exact), tokenizer)
+        engine = EngineSpec(dtype=cfg.dtype, quant=cfg.quant, noise=cfg.noise, noise_seed=cfg.seed + 1234,
+                            exact=cfg.exact, router_noise=cfg.router_noise)
+        sampler = TorchSampler(trainer.model, engine, tokenizer)
     gen = torch.Generator().manual_seed(cfg.seed)
     sampler.load_weights(trainer.export(cfg.export, generator=gen)[0])  # it starts from the master's served copy
     return _RunState(trainer, sampler, tokenizer, gen, value_head, *task_problems(cfg, model_dir, tokenizer))
