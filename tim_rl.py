@@ -259,6 +259,130 @@ def _check_adv(adv, mask) -> torch.Tensor:
     return torch.where(torch.isfinite(adv), adv, torch.zeros_like(adv))
 
 
+# ---- run settings: every rule of RLConfig, PretrainConfig and EngineSpec, from the flags to the config ----
+# Checked before anything is built, so a user's mistake is one line, not a traceback. _check_values: one value at a
+# time (UsageError); _check_run_config: the combinations and what the run would reject later (ValueError);
+# _check_cli: the flags that are not config fields (--seeds, --model's files, --resume); _check_engine: EngineSpec.
+
+QUANTS = ("none", "int8", "fp8")  # EngineSpec.quant / RLConfig.quant: weight fake-quantisation (fake_quantize)
+
+
+class UsageError(ValueError):
+    """A mistake on the command line: main() prints it as one `tim_rl: error: ...` line and exits with status 2."""
+
+
+def _flag(name: str) -> str:
+    """The command-line flag of a config field: max_new_tokens -> --max-new-tokens."""
+    return "--" + name.replace("_", "-")
+
+
+# Smallest value allowed, and the fields that must be finite and > 0. Keys are config field names; a subcommand or
+# config checks the ones it has (batch, digits: PretrainConfig; repeats: experiments.py's BenchConfig).
+_CONFIG_MIN = {"steps": 1, "prompts": 1, "group": 1, "max_new_tokens": 1, "eval_every": 1, "eval_n": 1,
+               "sync_every": 1, "updates_per_batch": 1, "checkpoint_every": 0, "topk": 0, "temperature": 0,
+               "batch": 1, "digits": 1, "repeats": 1}
+_CONFIG_POSITIVE = ("lr", "tis_cap", "mis_high", "dppo_delta", "vllm_gpu_memory")
+
+
+def _config_choices() -> dict[str, tuple]:
+    """The allowed values of each choice field (a function: _DTYPES, TASKS and CORRECTIONS are defined below)."""
+    return {"sampler": ("torch", "vllm"), "dtype": tuple(_DTYPES), "quant": QUANTS, "correction": CORRECTIONS,
+            "baseline": ("group", "none"), "optimizer": ("adamw", "sgd"), "export": ("rtn", "sr", "ef"),
+            "device": ("auto", "cpu", "cuda"), "task": TASKS, "routing_replay": ("none", "r2", "r3")}
+
+
+def _check_values(obj) -> None:
+    """Raise UsageError, naming the flag, for a value below its minimum or not among its choices (args or config),
+    a float flag that is not finite, or a learning rate / cap / band that is not positive."""
+    for f in fields(RLConfig):
+        value = getattr(obj, f.name, None)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{_flag(f.name)} must be a finite number, got {value}")
+        if f.name in _CONFIG_POSITIVE and value is not None and value <= 0:
+            raise UsageError(f"{_flag(f.name)} must be > 0, got {value}")
+    for name, low in _CONFIG_MIN.items():
+        if getattr(obj, name, low) < low:
+            raise UsageError(f"{_flag(name)} must be >= {low}, got {getattr(obj, name)}")
+    for name, choices in _config_choices().items():
+        if getattr(obj, name, choices[0]) not in choices:
+            shown = " | ".join(c for c in choices if c)
+            raise UsageError(f"{_flag(name)} must be one of {shown}, got {getattr(obj, name)!r}")
+
+
+def _check_engine(engine: EngineSpec) -> None:
+    """Raise ValueError, naming the field, for an EngineSpec no TorchSampler can build."""
+    _check_choice("engine.dtype", engine.dtype, sorted(_DTYPES))
+    _check_choice("engine.quant", engine.quant, QUANTS)
+    if engine.exact and (engine.dtype != "fp32" or engine.quant != "none" or engine.noise):
+        raise ValueError("engine.exact needs dtype fp32 without quantisation or noise")
+
+
+def _check_run_config(cfg: RLConfig) -> None:
+    """Raise ValueError naming the flag(s) for a setting the run would reject later, or that would train nothing."""
+    _check_values(cfg)
+    resolve_device(cfg.device)
+    try:
+        _check_truncation(cfg.top_p, cfg.top_k, cfg.min_p)
+    except ValueError as e:
+        raise ValueError("--" + str(e).replace("_", "-", 1)) from None
+    group_relative = cfg.baseline == "group" and cfg.correction != "copc"  # COPC's advantages come from its critic
+    vllm = cfg.sampler == "vllm"
+    task = _task_kwargs(cfg.model)  # its longest answer and <eos>: a product or a swap has 2 x digits, else digits + 1
+    longest = 1 + max(2 * task["digits"] if op in "*s" else task["digits"] + 1 for op in task["ops"])
+    mistakes = [
+        (cfg.task == "arithmetic" and cfg.max_new_tokens < longest, f"--max-new-tokens {cfg.max_new_tokens} cannot "
+         f"hold this model's answers ({task['digits']}-digit {task['ops']!r}: up to {longest} tokens with <eos>)"),
+        (_truncates(cfg) and not cfg.renormalize and cfg.correction in ("dlc", "calibrated", "sc", "sc_tis", "sc_mis",
+                                                                         "drift_only"),
+         f"--no-renormalize applies to the current trainer's sampled-token log-probs only; --correction "
+         f"{cfg.correction} also reads logp_old or the top-K log-probs: run it with --renormalize"),
+        (cfg.loss_on_served and (cfg.sync_every, cfg.updates_per_batch) != (1, 1), "--loss-on-served needs "
+         "--sync-every 1 and --updates-per-batch 1 (the loss runs on the copy the sampler holds, fixed until a sync)"),
+        (cfg.export != "rtn" and cfg.dtype != "bf16", f"--export {cfg.export} rounds the fp32 master to bf16: it "
+         f"needs --dtype bf16 (the sampler is {cfg.dtype}; rtn is the only export to fp32 / fp16)"),
+        (group_relative and cfg.group == 1, "--group 1 with --baseline group: each sample is its own group mean, so "
+         "every advantage is 0 and nothing trains (use --group >= 2, or --baseline none)"),
+        (group_relative and cfg.temperature == 0, "--temperature 0 samples greedily: a group's samples are identical, "
+         "so every advantage is 0 and nothing trains (use --temperature > 0, or --baseline none)"),
+        (vllm and not vllm_available(), "--sampler vllm: vLLM is not installed in this environment (README: Set-up "
+         "installs it in its own environment)"),
+        (vllm and (cfg.quant != "none" or cfg.noise or cfg.exact), "--sampler vllm takes --dtype only (no --quant, "
+         "--noise or --exact)"),
+        (vllm and 0 < cfg.temperature < 0.01, f"--sampler vllm with --temperature {cfg.temperature}: vLLM samples "
+         "at 0.01 while the trainer would score the requested value (use 0.01 or more)"),
+        (Path(cfg.out_dir, cfg.name).resolve() == Path(cfg.model).resolve(), f"--out-dir {cfg.out_dir} --name "
+         f"{cfg.name}: that run directory is the --model directory (a run writes its own config.json there)"),
+        (cfg.task == "words" and not _has_chat_template(cfg.model), f"--task words needs a chat model (--model DIR "
+         f"with a chat template): {cfg.model} has no chat template"),
+    ]
+    for bad, message in mistakes:
+        if bad:
+            raise ValueError(message)
+
+
+def _check_cli(args) -> RLConfig | None:
+    """Raise ValueError, naming the flag(s), for a value or combination the run would reject later (or with a
+    traceback, or that would train nothing); returns the RL config train (or experiments.py compare) will run."""
+    _check_values(args)
+    if not re.fullmatch(r"-?\d+(,-?\d+)*", getattr(args, "seeds", None) or "0"):
+        raise UsageError(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    model = getattr(args, "model", "runs/base")
+    if model != "runs/base" and not (Path(model) / "config.json").is_file():  # runs/base is built when missing
+        found = "a directory without config.json" if Path(model).is_dir() else "no model directory there"
+        raise UsageError(f"--model {model}: {found} (expected a Hugging Face causal-LM directory with config.json; "
+                         "omit --model to use the embedded tiny model)")
+    resume = getattr(args, "resume", "")
+    for need in ("config.json", "checkpoint.safetensors") if resume else ():
+        if not (Path(resume) / need).is_file():
+            raise UsageError(f"--resume {resume}: no {need} there (expected a run directory written by train)")
+    if args.cmd not in ("train", "compare") or getattr(args, "preset", ""):
+        return None
+    saved = json.loads((Path(resume) / "config.json").read_text()) if resume else vars(args)  # resume: its config
+    cfg = RLConfig(**{f.name: saved[f.name] for f in fields(RLConfig) if f.name in saved})
+    _check_run_config(cfg)
+    return cfg
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # ---- log-space helpers ----
 
@@ -1895,10 +2019,7 @@ class TorchSampler:
 
     def __init__(self, model_dir_or_model, engine: EngineSpec | None = None, tokenizer: CharTokenizer | None = None):
         self.engine = engine or EngineSpec()
-        _check_choice("engine.dtype", self.engine.dtype, sorted(_DTYPES))
-        _check_choice("engine.quant", self.engine.quant, ("none", "int8", "fp8"))
-        if self.engine.exact and (self.engine.dtype != "fp32" or self.engine.quant != "none" or self.engine.noise):
-            raise ValueError("engine.exact needs dtype fp32 without quantisation or noise")
+        _check_engine(self.engine)
         source = load_model(model_dir_or_model) if isinstance(model_dir_or_model, (str, Path)) else model_dir_or_model
         self.model = copy.deepcopy(source).eval().to(_DTYPES[self.engine.dtype])  # in the engine dtype from the start
         self.tokenizer = tokenizer or CharTokenizer(self.model.config.vocab_size)
@@ -2448,49 +2569,6 @@ def _has_chat_template(model_dir: str | Path) -> bool:
         config.read_text()))
 
 
-def _check_run_config(cfg: RLConfig) -> None:
-    """Raise ValueError naming the flag(s) for a setting the run would reject later, or that would train nothing."""
-    _check_values(cfg)
-    resolve_device(cfg.device)
-    try:
-        _check_truncation(cfg.top_p, cfg.top_k, cfg.min_p)
-    except ValueError as e:
-        raise ValueError("--" + str(e).replace("_", "-", 1)) from None
-    group_relative = cfg.baseline == "group" and cfg.correction != "copc"  # COPC's advantages come from its critic
-    vllm = cfg.sampler == "vllm"
-    task = _task_kwargs(cfg.model)  # its longest answer and <eos>: a product or a swap has 2 x digits, else digits + 1
-    longest = 1 + max(2 * task["digits"] if op in "*s" else task["digits"] + 1 for op in task["ops"])
-    mistakes = [
-        (cfg.task == "arithmetic" and cfg.max_new_tokens < longest, f"--max-new-tokens {cfg.max_new_tokens} cannot "
-         f"hold this model's answers ({task['digits']}-digit {task['ops']!r}: up to {longest} tokens with <eos>)"),
-        (_truncates(cfg) and not cfg.renormalize and cfg.correction in ("dlc", "calibrated", "sc", "sc_tis", "sc_mis",
-                                                                         "drift_only"),
-         f"--no-renormalize applies to the current trainer's sampled-token log-probs only; --correction "
-         f"{cfg.correction} also reads logp_old or the top-K log-probs: run it with --renormalize"),
-        (cfg.loss_on_served and (cfg.sync_every, cfg.updates_per_batch) != (1, 1), "--loss-on-served needs "
-         "--sync-every 1 and --updates-per-batch 1 (the loss runs on the copy the sampler holds, fixed until a sync)"),
-        (cfg.export != "rtn" and cfg.dtype != "bf16", f"--export {cfg.export} rounds the fp32 master to bf16: it "
-         f"needs --dtype bf16 (the sampler is {cfg.dtype}; rtn is the only export to fp32 / fp16)"),
-        (group_relative and cfg.group == 1, "--group 1 with --baseline group: each sample is its own group mean, so "
-         "every advantage is 0 and nothing trains (use --group >= 2, or --baseline none)"),
-        (group_relative and cfg.temperature == 0, "--temperature 0 samples greedily: a group's samples are identical, "
-         "so every advantage is 0 and nothing trains (use --temperature > 0, or --baseline none)"),
-        (vllm and not vllm_available(), "--sampler vllm: vLLM is not installed in this environment (README: Set-up "
-         "installs it in its own environment)"),
-        (vllm and (cfg.quant != "none" or cfg.noise or cfg.exact), "--sampler vllm takes --dtype only (no --quant, "
-         "--noise or --exact)"),
-        (vllm and 0 < cfg.temperature < 0.01, f"--sampler vllm with --temperature {cfg.temperature}: vLLM samples "
-         "at 0.01 while the trainer would score the requested value (use 0.01 or more)"),
-        (Path(cfg.out_dir, cfg.name).resolve() == Path(cfg.model).resolve(), f"--out-dir {cfg.out_dir} --name "
-         f"{cfg.name}: that run directory is the --model directory (a run writes its own config.json there)"),
-        (cfg.task == "words" and not _has_chat_template(cfg.model), f"--task words needs a chat model (--model DIR "
-         f"with a chat template): {cfg.model} has no chat template"),
-    ]
-    for bad, message in mistakes:
-        if bad:
-            raise ValueError(message)
-
-
 STEP_PHASES = ("sample", "recompute", "loss", "optimizer", "export", "sync")  # sec_<phase> in metrics.jsonl
 
 
@@ -2924,72 +3002,9 @@ def _add_fields(parser, cls):
     return parser
 
 
-class UsageError(ValueError):
-    """A mistake on the command line: main() prints it as one `tim_rl: error: ...` line and exits with status 2."""
-
-
-# Flags checked before anything is built (a user's mistake is one line, not a traceback): smallest value allowed,
-# and the allowed values. Keys are config field names; a subcommand or config checks the ones it has.
-_CLI_MIN = {"steps": 1, "prompts": 1, "group": 1, "max_new_tokens": 1, "eval_every": 1, "eval_n": 1, "sync_every": 1,
-            "updates_per_batch": 1, "checkpoint_every": 0, "topk": 0, "temperature": 0, "batch": 1, "digits": 1,
-            "repeats": 1}
-_CLI_CHOICES = {"sampler": ("torch", "vllm"), "dtype": tuple(_DTYPES), "quant": ("none", "int8", "fp8"),
-                "correction": CORRECTIONS, "baseline": ("group", "none"), "optimizer": ("adamw", "sgd"),
-                "export": ("rtn", "sr", "ef"), "device": ("auto", "cpu", "cuda"),
-                "task": TASKS, "routing_replay": ("none", "r2", "r3")}
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-_CLI_POSITIVE = ("lr", "tis_cap", "mis_high", "dppo_delta", "vllm_gpu_memory")  # finite and > 0
-
-
-def _check_values(obj) -> None:
-    """Raise UsageError, naming the flag, for a value below its minimum or not among its choices (args or config),
-    a float flag that is not finite, or a learning rate / cap / band that is not positive."""
-    for f in fields(RLConfig):
-        value = getattr(obj, f.name, None)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UsageError(f"{_flag(f.name)} must be a finite number, got {value}")
-        if f.name in _CLI_POSITIVE and value is not None and value <= 0:
-            raise UsageError(f"{_flag(f.name)} must be > 0, got {value}")
-    for name, low in _CLI_MIN.items():
-        if getattr(obj, name, low) < low:
-            raise UsageError(f"{_flag(name)} must be >= {low}, got {getattr(obj, name)}")
-    for name, choices in _CLI_CHOICES.items():
-        if getattr(obj, name, choices[0]) not in choices:
-            shown = " | ".join(c for c in choices if c)
-            raise UsageError(f"{_flag(name)} must be one of {shown}, got {getattr(obj, name)!r}")
-
-
 def _from_args(cls, args):
     """The config dataclass `cls` from the parsed flags of the same names."""
     return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
-
-
-def _check_cli(args) -> RLConfig | None:
-    """Raise ValueError, naming the flag(s), for a value or combination the run would reject later (or with a
-    traceback, or that would train nothing); returns the RL config train (or experiments.py compare) will run."""
-    _check_values(args)
-    if not re.fullmatch(r"-?\d+(,-?\d+)*", getattr(args, "seeds", None) or "0"):
-        raise UsageError(f"--seeds must be comma-separated integers, got {args.seeds!r}")
-    model = getattr(args, "model", "runs/base")
-    if model != "runs/base" and not (Path(model) / "config.json").is_file():  # runs/base is built when missing
-        found = "a directory without config.json" if Path(model).is_dir() else "no model directory there"
-        raise UsageError(f"--model {model}: {found} (expected a Hugging Face causal-LM directory with config.json; "
-                         "omit --model to use the embedded tiny model)")
-    resume = getattr(args, "resume", "")
-    for need in ("config.json", "checkpoint.safetensors") if resume else ():
-        if not (Path(resume) / need).is_file():
-            raise UsageError(f"--resume {resume}: no {need} there (expected a run directory written by train)")
-    if args.cmd not in ("train", "compare") or getattr(args, "preset", ""):
-        return None
-    saved = json.loads((Path(resume) / "config.json").read_text()) if resume else vars(args)  # resume: its config
-    cfg = RLConfig(**{f.name: saved[f.name] for f in fields(RLConfig) if f.name in saved})
-    _check_run_config(cfg)
-    return cfg
 
 
 def _parser():
