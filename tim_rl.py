@@ -112,6 +112,7 @@ FUSED_CHUNK_ELEMENTS = 1 << 28
 
 
 def _arg(default, help: str):
+    """A dataclass field with this default and its --help text in the metadata (the CLI reads it)."""
     return field(default=default, metadata={"help": help})
 
 
@@ -208,6 +209,7 @@ class RLConfig:
 
 
 def _check_tensor(name: str, x, *, floating: bool = True) -> None:
+    """A TypeError naming the argument unless x is a torch.Tensor (of a floating dtype when `floating`)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if floating and not x.is_floating_point():
@@ -221,6 +223,7 @@ def _check_choice(name: str, value, choices) -> None:
 
 
 def _check_mask(mask) -> None:
+    """A TypeError or ValueError unless mask is a non-empty (B, T) bool tensor."""
     _check_tensor("mask", mask, floating=False)
     if mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor (True on generated tokens), got dtype {mask.dtype}")
@@ -285,7 +288,7 @@ _CONFIG_POSITIVE = ("lr", "tis_cap", "mis_high", "dppo_delta", "vllm_gpu_memory"
 
 
 def _config_choices() -> dict[str, tuple]:
-    """The allowed values of each choice field (a function: _DTYPES, TASKS and CORRECTIONS are defined below)."""
+    """The allowed values of each choice field (a function: _DTYPES, TASKS, CORRECTIONS come later)."""
     return {"sampler": ("torch", "vllm"), "dtype": tuple(_DTYPES), "quant": QUANTS, "correction": CORRECTIONS,
             "baseline": ("group", "none"), "optimizer": ("adamw", "sgd"), "export": ("rtn", "sr", "ef"),
             "device": ("auto", "cpu", "cuda"), "task": TASKS, "routing_replay": ("none", "r2", "r3")}
@@ -541,6 +544,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ids, chunk_rows, fused):  # logits (N, V), ids (N, K) -> (N, K) float32
+        """The chunked log-probs; saves (logits, ids, lse) for backward, no (N, V) tensor."""
         out, lse = _chunked_logprobs(logits, ids, chunk_rows, fused)
         ctx.save_for_backward(logits, ids, lse)
         ctx.chunk_rows, ctx.fused = chunk_rows, fused
@@ -548,6 +552,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):  # grad_out (N, K)
+        """The (N, V) logits gradient by chunks: 1[v in ids] g - softmax(z)_v sum_k g_k."""
         logits, ids, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)  # (N, V), the only full-size tensor
         for start in range(0, logits.shape[0], ctx.chunk_rows):
@@ -655,6 +660,7 @@ def truncation_mask(logits: torch.Tensor, top_p: float = 1.0, top_k: int = 0, mi
 
 
 def _check_truncation(top_p: float, top_k: int, min_p: float) -> None:
+    """A ValueError naming the argument unless top_p in (0, 1], top_k >= 0 and min_p in [0, 1)."""
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
@@ -792,6 +798,7 @@ def log_odds_displacement(logp_train: torch.Tensor, logp_infer: torch.Tensor) ->
 
 
 def _check_fp32(name: str, x) -> None:
+    """A TypeError naming the argument unless x is a float32 tensor (the fp32 master)."""
     _check_tensor(name, x)
     if x.dtype != torch.float32:
         raise TypeError(f"{name} must be float32 (the fp32 master), got {x.dtype}")
@@ -855,6 +862,7 @@ def hash_noise16(shape: tuple[int, ...], seed: torch.Tensor) -> torch.Tensor:
 
 
 def _sr_hashed(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """Stochastic bf16 rounding, hash_noise16(seed) as noise; non-finite values cast as is."""
     bits = (x.view(torch.int32) + hash_noise16(tuple(x.shape), seed)) & ~((1 << BF16_DROPPED_BITS) - 1)
     return torch.where(torch.isfinite(x), bits.view(torch.float32).to(torch.bfloat16), x.to(torch.bfloat16))
 
@@ -1218,6 +1226,7 @@ def _finite_or_zero(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def _weights_or_ones(weights, mask) -> torch.Tensor:
+    """Detached float weights, 0 off the mask and where non-finite; None: 1 on the mask."""
     if weights is None:
         return mask.float()
     _check_bt(mask, weights=weights)
@@ -2957,6 +2966,7 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
 
     class TimRLGRPOTrainer(GRPOTrainer):
         def _generate_and_score_completions(self, inputs):
+            """TRL's rollout with its importance_sampling_ratio from trl_weights."""
             out = super()._generate_and_score_completions(inputs)
             p_old, q = out.get("old_per_token_logps"), out.get("sampling_per_token_logps")
             if p_old is None or q is None:  # no vLLM, or TRL's correction off: nothing to weight
