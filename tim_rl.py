@@ -122,10 +122,12 @@ class EngineSpec:
 
     dtype: str = _arg("fp32", "sampler weight/compute dtype: fp32 | bf16 | fp16")
     quant: str = _arg("none", "weight fake-quantisation of Linear layers (lm_head excluded): none | int8 | fp8")
-    noise: float = _arg(0.0, "relative weight noise s: w + s * N(0,1) * w, drawn once per run (SC paper's control)")
+    noise: float = _arg(0.0, "relative weight noise s: w + s * N(0,1) * w, drawn once per run (SC paper's "
+                             "control)")
     noise_seed: int = _arg(1234, "seed of that noise draw (the same draw is re-applied after every sync)")
     exact: bool = _arg(False, "zero-mismatch limit: record log-probs with the trainer's own fp32 forward")
-    router_fp32: bool = _arg(False, "MoE: keep the routers' weights and logits in fp32 in a bf16/fp16 engine (slime)")
+    router_fp32: bool = _arg(False, "MoE: keep the routers' weights and logits in fp32 in a bf16/fp16 "
+                                    "engine (slime)")
     head_fp32: bool = _arg(False, "keep the lm_head and the logits in fp32 in a bf16/fp16 engine (TRL's "
                                   "cast_lm_head_to_fp32)")
 
@@ -135,13 +137,15 @@ class PretrainConfig:
     """Supervised pre-training of the embedded tiny model on the arithmetic task."""
 
     out: str = _arg("runs/base", "model directory written (safetensors + tokenizer)")
-    steps: int = _arg(400, "AdamW steps (400: held-out greedy ~0.7, sampled reward ~0.4: room for RL to learn)")
+    steps: int = _arg(400, "AdamW steps (400: held-out greedy ~0.7, sampled reward ~0.4: room for RL to "
+                           "learn)")
     batch: int = _arg(64, "problems per step")
     lr: float = _arg(1e-3, "AdamW learning rate (cosine to 10%)")
     digits: int = _arg(2, "operand digits")
     ops: str = _arg("+", "operators drawn from: + - * and s (swap: 'a s b=' -> 'ba', 2 x digits answer tokens)")
     seed: int = _arg(0, "seed of init and data")
-    moe: bool = _arg(False, "pre-train a tiny Qwen3-MoE (8 experts, top-2, load-balancing loss) instead of the Llama")
+    moe: bool = _arg(False, "pre-train a tiny Qwen3-MoE (8 experts, top-2, load-balancing loss) instead of "
+                            "the Llama")
 
 
 @dataclass
@@ -161,23 +165,29 @@ class RLConfig:
     prompts: int = _arg(16, "prompts per step")
     group: int = _arg(8, "samples per prompt (G)")
     max_new_tokens: int = _arg(5, "response length cap")
-    temperature: float = _arg(1.0, "sampling temperature > 0; sampler and trainer both divide the logits by it (vLLM "
-                                   "raises a value in (0, 0.01) to 0.01: the trainer would not, so they are refused)")
+    temperature: float = _arg(1.0, "sampling temperature > 0; sampler and trainer both divide the logits by "
+                                   "it (vLLM raises a value in (0, 0.01) to 0.01: the trainer would not, so "
+                                   "they are refused)")
     top_p: float = _arg(1.0, "sampler nucleus truncation (vLLM's rule; 1 = off)")
     top_k: int = _arg(0, "sampler top-k truncation (0 = off; not the recorded --topk)")
     min_p: float = _arg(0.0, "sampler min-p truncation: keep p >= min_p * max p (0 = off)")
-    renormalize: bool = _arg(True, "with truncation, renormalise the trainer's log-probs on the sampler's kept support "
-                                   "(off: full-vocabulary log-probs, every ratio biased by the kept mass S)")
-    topk: int = _arg(0, "sampler top-K ids recorded for score centering (0 = whole vocabulary); recorded only for "
-                        "the arms that read them (sc, sc_tis, sc_mis, drift_only, --diagnose-drift)")
+    renormalize: bool = _arg(True, "with truncation, renormalise the trainer's log-probs on the sampler's "
+                                   "kept support (off: full-vocabulary log-probs, every ratio biased by the "
+                                   "kept mass S)")
+    topk: int = _arg(0, "sampler top-K ids recorded for score centering (0 = whole vocabulary); recorded "
+                        "only for the arms that read them (sc, sc_tis, sc_mis, drift_only, "
+                        "--diagnose-drift)")
     baseline: str = _arg("group", "advantage baseline: group (GRPO mean, no std) | none (raw reward)")
     optimizer: str = _arg("adamw", "adamw | sgd")
-    lr: float = _arg(3e-5, "learning rate; a larger one such as 1e-4 knocks the tiny model back in Adam's first steps")
+    lr: float = _arg(3e-5, "learning rate; a larger one such as 1e-4 knocks the tiny model back in Adam's "
+                           "first steps")
     sync_every: int = _arg(1, "copy trainer weights into the sampler every k steps (policy lag k - 1)")
-    updates_per_batch: int = _arg(1, "optimizer steps per rollout batch, full batch each (verl ppo_epochs, TRL "
-                                     "num_iterations); the proximal log-probs are taken before the first")
+    updates_per_batch: int = _arg(1, "optimizer steps per rollout batch, full batch each (verl ppo_epochs, "
+                                     "TRL num_iterations); the proximal log-probs are taken before the "
+                                     "first")
     export: str = _arg("rtn", "fp32 -> bf16/fp16 export rounding: rtn | sr | ef")
-    loss_on_served: bool = _arg(False, "Fair Cast: forward on the served (rounded) weights, step the fp32 master")
+    loss_on_served: bool = _arg(False, "Fair Cast: forward on the served (rounded) weights, step the fp32 "
+                                       "master")
     tis_cap: float = _arg(2.0, "TIS cap C")
     mis_low: float = _arg(0.5, "MIS band low")
     mis_high: float = _arg(5.0, "MIS band high")
@@ -185,22 +195,26 @@ class RLConfig:
     eps_high: float = _arg(0.28, "PPO clip high")
     dppo_delta: float = _arg(0.2, "DPPO trust region on |p - q|")
     dlc_max_staleness: int = _arg(0, "DLC: resync once this many steps passed without one (0 = off)")
-    dlc_max_lag: float = _arg(0.0, "DLC: resync when the lag, mean |logp now - logp at the last sync's master|, "
-                                   "exceeds this (0 = off)")
-    eval_every: int = _arg(20, "evaluate before step 0, every N steps and after the last (N <= steps/4: >= 5 points)")
+    dlc_max_lag: float = _arg(0.0, "DLC: resync when the lag, mean |logp now - logp at the last sync's "
+                                   "master|, exceeds this (0 = off)")
+    eval_every: int = _arg(20, "evaluate before step 0, every N steps and after the last (N <= steps/4: >= "
+                               "5 points)")
     eval_n: int = _arg(512, "distinct held-out problems per evaluation")
-    diagnose_drift: bool = _arg(False, "log norms of the drift and signal parts of the gradient (extra backwards)")
+    diagnose_drift: bool = _arg(False, "log norms of the drift and signal parts of the gradient (extra "
+                                       "backwards)")
     seed: int = _arg(0, "seed of sampling, data and noise")
     out_dir: str = _arg("runs", "parent directory of runs")
-    checkpoint_every: int = _arg(10, "write runs/<name>/checkpoint.safetensors every N steps (0: at the end only); "
-                                     "--resume continues from the last one")
+    checkpoint_every: int = _arg(10, "write runs/<name>/checkpoint.safetensors every N steps (0: at the end "
+                                     "only); --resume continues from the last one")
     trust_remote_code: bool = _arg(False, "let transformers run Python code shipped in --model (off: never)")
     progress: bool = _arg(True, "show a tqdm bar")
     device: str = _arg("auto", "trainer, optimizer, TorchSampler and evaluation: auto (cuda if available) | cpu | cuda")
-    vllm_gpu_memory: float = _arg(0.3, "share of GPU memory vLLM takes when colocated with the trainer (GPU only)")
+    vllm_gpu_memory: float = _arg(0.3, "share of GPU memory vLLM takes when colocated with the trainer (GPU "
+                                       "only)")
     task: str = _arg("arithmetic", "arithmetic (the tiny model's) | words (chat word problems, --model a chat model)")
-    routing_replay: str = _arg("none", "MoE models: none | r2 (the update replays the experts the trainer's behaviour "
-                                       "pass chose) | r3 (it replays the experts the sampler chose; torch sampler)")
+    routing_replay: str = _arg("none", "MoE models: none | r2 (the update replays the experts the trainer's "
+                                       "behaviour pass chose) | r3 (it replays the experts the sampler "
+                                       "chose; torch sampler)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -245,7 +259,8 @@ def _check_bt(mask, **tensors) -> None:
     for name, x in tensors.items():
         _check_tensor(name, x)
         if x.shape != mask.shape:
-            raise ValueError(f"{name} must have shape (B, T) = {tuple(mask.shape)} like mask, got {tuple(x.shape)}")
+            raise ValueError(f"{name} must have shape (B, T) = {tuple(mask.shape)} like mask, got "
+                             f"{tuple(x.shape)}")
         _check_device(name, x, "mask", mask)
 
 
@@ -257,7 +272,8 @@ def _check_adv(adv, mask) -> torch.Tensor:
     if adv.shape == (B,):
         adv = adv[:, None]
     if adv.shape not in ((B, T), (B, 1)):
-        raise ValueError(f"adv must have shape (B, T) = {(B, T)} or (B, 1) = {(B, 1)}, got {tuple(adv.shape)}")
+        raise ValueError(f"adv must have shape (B, T) = {(B, T)} or (B, 1) = {(B, 1)}, got "
+                         f"{tuple(adv.shape)}")
     adv = adv.detach().float().expand(B, T)
     return torch.where(torch.isfinite(adv), adv, torch.zeros_like(adv))
 
@@ -328,33 +344,39 @@ def _check_run_config(cfg: RLConfig) -> None:
         _check_truncation(cfg.top_p, cfg.top_k, cfg.min_p)
     except ValueError as e:
         raise ValueError("--" + str(e).replace("_", "-", 1)) from None
-    group_relative = cfg.baseline == "group" and cfg.correction != "copc"  # COPC's advantages come from its critic
+    # COPC's advantages come from its critic
+    group_relative = cfg.baseline == "group" and cfg.correction != "copc"
     vllm = cfg.sampler == "vllm"
-    task = _task_kwargs(cfg.model)  # its longest answer and <eos>: a product or a swap has 2 x digits, else digits + 1
+    # its longest answer and <eos>: a product or a swap has 2 x digits, else digits + 1
+    task = _task_kwargs(cfg.model)
     longest = 1 + max(2 * task["digits"] if op in "*s" else task["digits"] + 1 for op in task["ops"])
     mistakes = [
-        (cfg.task == "arithmetic" and cfg.max_new_tokens < longest, f"--max-new-tokens {cfg.max_new_tokens} cannot "
-         f"hold this model's answers ({task['digits']}-digit {task['ops']!r}: up to {longest} tokens with <eos>)"),
+        (cfg.task == "arithmetic" and cfg.max_new_tokens < longest, f"--max-new-tokens {cfg.max_new_tokens} "
+         f"cannot hold this model's answers ({task['digits']}-digit {task['ops']!r}: up to {longest} tokens "
+         "with <eos>)"),
         (_truncates(cfg) and not cfg.renormalize and cfg.correction in ("dlc", "calibrated", "sc", "sc_tis", "sc_mis",
                                                                          "drift_only"),
          f"--no-renormalize applies to the current trainer's sampled-token log-probs only; --correction "
          f"{cfg.correction} also reads logp_old or the top-K log-probs: run it with --renormalize"),
         (cfg.loss_on_served and (cfg.sync_every, cfg.updates_per_batch) != (1, 1), "--loss-on-served needs "
-         "--sync-every 1 and --updates-per-batch 1 (the loss runs on the copy the sampler holds, fixed until a sync)"),
+         "--sync-every 1 and --updates-per-batch 1 (the loss runs on the copy the sampler holds, fixed "
+         "until a sync)"),
         (cfg.export != "rtn" and cfg.dtype != "bf16", f"--export {cfg.export} rounds the fp32 master to bf16: it "
          f"needs --dtype bf16 (the sampler is {cfg.dtype}; rtn is the only export to fp32 / fp16)"),
-        (group_relative and cfg.group == 1, "--group 1 with --baseline group: each sample is its own group mean, so "
-         "every advantage is 0 and nothing trains (use --group >= 2, or --baseline none)"),
-        (group_relative and cfg.temperature == 0, "--temperature 0 samples greedily: a group's samples are identical, "
-         "so every advantage is 0 and nothing trains (use --temperature > 0, or --baseline none)"),
-        (vllm and not vllm_available(), "--sampler vllm: vLLM is not installed in this environment (README: Set-up "
-         "installs it in its own environment)"),
+        (group_relative and cfg.group == 1, "--group 1 with --baseline group: each sample is its own group "
+         "mean, so every advantage is 0 and nothing trains (use --group >= 2, or --baseline none)"),
+        (group_relative and cfg.temperature == 0, "--temperature 0 samples greedily: a group's samples are "
+         "identical, so every advantage is 0 and nothing trains (use --temperature > 0, or --baseline "
+         "none)"),
+        (vllm and not vllm_available(), "--sampler vllm: vLLM is not installed in this environment (README: "
+         "Set-up installs it in its own environment)"),
         (vllm and (cfg.quant != "none" or cfg.noise or cfg.exact), "--sampler vllm takes --dtype only (no --quant, "
          "--noise or --exact)"),
-        (vllm and 0 < cfg.temperature < 0.01, f"--sampler vllm with --temperature {cfg.temperature}: vLLM samples "
-         "at 0.01 while the trainer would score the requested value (use 0.01 or more)"),
-        (Path(cfg.out_dir, cfg.name).resolve() == Path(cfg.model).resolve(), f"--out-dir {cfg.out_dir} --name "
-         f"{cfg.name}: that run directory is the --model directory (a run writes its own config.json there)"),
+        (vllm and 0 < cfg.temperature < 0.01, f"--sampler vllm with --temperature {cfg.temperature}: vLLM "
+         "samples at 0.01 while the trainer would score the requested value (use 0.01 or more)"),
+        (Path(cfg.out_dir, cfg.name).resolve() == Path(cfg.model).resolve(), f"--out-dir {cfg.out_dir} "
+         f"--name {cfg.name}: that run directory is the --model directory (a run writes its own config.json "
+         "there)"),
         (cfg.task == "words" and not _has_chat_template(cfg.model), f"--task words needs a chat model (--model DIR "
          f"with a chat template): {cfg.model} has no chat template"),
     ]
@@ -372,12 +394,13 @@ def _check_cli(args) -> RLConfig | None:
     model = getattr(args, "model", "runs/base")
     if model != "runs/base" and not (Path(model) / "config.json").is_file():  # runs/base is built when missing
         found = "a directory without config.json" if Path(model).is_dir() else "no model directory there"
-        raise UsageError(f"--model {model}: {found} (expected a Hugging Face causal-LM directory with config.json; "
-                         "omit --model to use the embedded tiny model)")
+        raise UsageError(f"--model {model}: {found} (expected a Hugging Face causal-LM directory with "
+                         "config.json; omit --model to use the embedded tiny model)")
     resume = getattr(args, "resume", "")
     for need in ("config.json", "checkpoint.safetensors") if resume else ():
         if not (Path(resume) / need).is_file():
-            raise UsageError(f"--resume {resume}: no {need} there (expected a run directory written by train)")
+            raise UsageError(f"--resume {resume}: no {need} there (expected a run directory written by "
+                             "train)")
     if args.cmd not in ("train", "compare") or getattr(args, "preset", ""):
         return None
     saved = json.loads((Path(resume) / "config.json").read_text()) if resume else vars(args)  # resume: its config
@@ -406,8 +429,10 @@ def _finite_log_ratio(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Te
     return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), ok
 
 
-_COMPILED = {}  # function -> torch.compile(function, dynamic=True), built on first use (seconds; needs a compiler)
-_COMPILE_WORKS = {}  # (probe name, CUDA device index) -> whether torch.compile compiled and ran the probe's passes
+# function -> torch.compile(function, dynamic=True), built on first use (seconds; needs a compiler)
+_COMPILED = {}
+# (probe name, CUDA device index) -> whether torch.compile compiled and ran the probe's passes
+_COMPILE_WORKS = {}
 
 
 def _compiled(fn):
@@ -481,7 +506,8 @@ def _fused_logprobs_grad(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Ten
     (x + -0.0 = x bitwise: the padded id adds nothing). -> (n, V)."""
     n, K = ids.shape
     rows, both = _fused_inputs(logits, ids)
-    g_2 = g.contiguous() if K > 1 else torch.cat([g, torch.full_like(g, -0.0)], 1)  # a .sum()'s g has stride 0
+    # a .sum()'s g has stride 0
+    g_2 = g.contiguous() if K > 1 else torch.cat([g, torch.full_like(g, -0.0)], 1)
     lse_2 = _two_or_more(lse, 0).clone()  # not a view: a view of the (N, 1) lse makes dynamo guard on N too
     with torch.no_grad():
         grad = _compiled(_logprobs_grad_pass)(rows, both, lse_2, _two_or_more(g_2, 0))
@@ -517,8 +543,10 @@ def _gpu_compiles(device: torch.device, probe) -> bool:
         try:
             probe(torch.device("cuda", key[1]))
             _COMPILE_WORKS[key] = True
-        except Exception as e:  # any compiler failure (no C compiler, no Python headers...): the eager paths instead
-            print(f"[tim_rl] torch.compile failed on {device} ({type(e).__name__}): eager fallbacks", file=sys.stderr)
+        # any compiler failure (no C compiler, no Python headers...): the eager paths instead
+        except Exception as e:
+            print(f"[tim_rl] torch.compile failed on {device} ({type(e).__name__}): eager "
+                  "fallbacks", file=sys.stderr)
             _COMPILE_WORKS[key] = False
     return _COMPILE_WORKS[key]
 
@@ -603,8 +631,8 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | No
         return flat_logits.new_zeros(ids.shape, dtype=torch.float32)
     flat_ids = ids.reshape(N, -1)  # (N, 1) or (N, K)
     if flat_ids.numel() and bool(((flat_ids < 0) | (flat_ids >= V)).any()):  # one host sync per call
-        raise ValueError(f"ids must be token ids in [0, {V}) (the logits' last axis), got min {int(flat_ids.min())}, "
-                         f"max {int(flat_ids.max())}")
+        raise ValueError(f"ids must be token ids in [0, {V}) (the logits' last axis), got min "
+                         f"{int(flat_ids.min())}, max {int(flat_ids.max())}")
     fused = _gpu_compiles(logits.device, _logprobs_probe) if fused is None else fused
     if chunk_rows is None:
         chunk_rows = _default_chunk_rows(V, logits.device, fused)
@@ -678,7 +706,8 @@ def support_ids(keep: torch.Tensor, size: int | None = None) -> torch.Tensor:
     needs: nothing
     """
     S = size if size is not None else (max(int(keep.sum(-1).max()), 1) if keep.numel() else 1)
-    order = torch.sort(keep.to(torch.uint8), dim=-1, descending=True, stable=True).indices[..., :S]  # kept first
+    # kept first
+    order = torch.sort(keep.to(torch.uint8), dim=-1, descending=True, stable=True).indices[..., :S]
     return torch.where(keep.gather(-1, order), order, torch.full_like(order, -1))
 
 
@@ -695,7 +724,8 @@ def renormalize_on_support(logp: torch.Tensor, logp_kept: torch.Tensor) -> tuple
     _check_tensor("logp_kept", logp_kept)
     _check_device("logp_kept", logp_kept, "logp", logp)
     if logp_kept.dim() != logp.dim() + 1 or logp_kept.shape[:-1] != logp.shape:
-        raise ValueError(f"logp_kept must have shape {tuple(logp.shape)} + (S,), got {tuple(logp_kept.shape)}")
+        raise ValueError(f"logp_kept must have shape {tuple(logp.shape)} + (S,), got "
+                         f"{tuple(logp_kept.shape)}")
     log_s = torch.logsumexp(logp_kept, dim=-1).clamp(max=0.0)  # (B, T); all -inf (no support) gives -inf
     return logp - log_s, log_s
 
@@ -834,7 +864,8 @@ def stochastic_round_bf16(
         _check_tensor("noise", noise, floating=False)
         _check_device("noise", noise, "x", x)
         if noise.dtype != torch.int32 or noise.shape != x.shape:
-            raise ValueError(f"noise must be int32 with shape {tuple(x.shape)}, got {noise.dtype} {tuple(noise.shape)}")
+            raise ValueError(f"noise must be int32 with shape {tuple(x.shape)}, got {noise.dtype} "
+                             f"{tuple(noise.shape)}")
         if noise.numel() and (int(noise.min()) < 0 or int(noise.max()) >= 1 << BF16_DROPPED_BITS):
             raise ValueError("noise values must lie in [0, 2**16)")
     # Sign-magnitude bits: adding to the magnitude's low bits and truncating rounds |x| up with the right odds.
@@ -934,7 +965,8 @@ def error_feedback_round_bf16_fused(x: torch.Tensor, residual: torch.Tensor, com
     _check_device("residual", residual, "x", x)
     if residual.shape != x.shape:
         raise ValueError(f"residual must have shape {tuple(x.shape)} like x, got {tuple(residual.shape)}")
-    flat_x, flat_e = x.contiguous().reshape(-1), residual.contiguous().reshape(-1)  # one kernel for every shape
+    # one kernel for every shape
+    flat_x, flat_e = x.contiguous().reshape(-1), residual.contiguous().reshape(-1)
     served, new_residual = (_compiled(_ef_one_pass) if compile else _ef_one_pass)(flat_x, flat_e)
     return served.reshape(x.shape), new_residual.reshape(x.shape)
 
@@ -983,8 +1015,10 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool 
     if rewards.dim() != 1 or rewards.numel() == 0:
         raise ValueError(f"rewards must have shape (B,) with B >= 1, got {tuple(rewards.shape)}")
     if not isinstance(group_size, int) or group_size < 1 or rewards.numel() % group_size:
-        raise ValueError(f"group_size must be a positive int dividing B = {rewards.numel()}, got {group_size!r}")
-    r = torch.nan_to_num(rewards.detach().float(), nan=0.0, posinf=0.0, neginf=0.0).view(-1, group_size)  # (B/G, G)
+        raise ValueError(f"group_size must be a positive int dividing B = {rewards.numel()}, got "
+                         f"{group_size!r}")
+    # (B/G, G)
+    r = torch.nan_to_num(rewards.detach().float(), nan=0.0, posinf=0.0, neginf=0.0).view(-1, group_size)
     adv = r - r.mean(dim=1, keepdim=True)
     if normalize_std and group_size > 1:
         std = r.std(dim=1, keepdim=True)  # unbiased, as GRPO / TRL
@@ -1031,7 +1065,8 @@ def copc_advantages(
         last = (mask.cumsum(dim=1) == mask.sum(dim=1, keepdim=True)) & mask  # (B, T) last generated token
         rewards = torch.where(last, rewards.float()[:, None], mask.new_zeros(B, T, dtype=torch.float32))
     elif rewards.shape != (B, T):
-        raise ValueError(f"rewards must have shape (B,) = {(B,)} or (B, T) = {(B, T)}, got {tuple(rewards.shape)}")
+        raise ValueError(f"rewards must have shape (B,) = {(B,)} or (B, T) = {(B, T)}, got "
+                         f"{tuple(rewards.shape)}")
     zero = mask.new_zeros(B, T, dtype=torch.float32)
     v = torch.where(mask, values.detach().float(), zero)
     r = torch.where(mask, torch.nan_to_num(rewards.detach().float()), zero)
@@ -1296,15 +1331,18 @@ def score_centering_loss(
         _check_tensor(name, t)
         _check_device(name, t, "logp", logp)
         if t.dim() != 3 or t.shape[:2] != mask.shape or t.shape != logp_topk.shape:
-            raise ValueError(f"{name} must have shape (B, T, K) with (B, T) = {tuple(mask.shape)}, got {tuple(t.shape)}")
+            raise ValueError(f"{name} must have shape (B, T, K) with (B, T) = {tuple(mask.shape)}, got "
+                             f"{tuple(t.shape)}")
     if cap is not None and band is not None:
         raise ValueError("pass at most one of cap (SC + TIS) and band (SC + MIS)")
     A = _check_adv(adv, mask)
     p_head = torch.nan_to_num(logp_topk.detach().float(), nan=-math.inf).clamp(max=0).exp()  # (B, T, K)
     q_head = torch.nan_to_num(logp_topk_infer.detach().float(), nan=-math.inf).clamp(max=0).exp()  # (B, T, K)
-    rho_tail = (1 - q_head.sum(-1)).clamp(min=TAIL_FLOOR) / (1 - p_head.sum(-1)).clamp(min=TAIL_FLOOR)  # (B, T)
+    # (B, T)
+    rho_tail = (1 - q_head.sum(-1)).clamp(min=TAIL_FLOOR) / (1 - p_head.sum(-1)).clamp(min=TAIL_FLOOR)
     log_r_y, ok_y = _finite_log_ratio(logp.detach(), logp_infer.detach(), mask)
-    log_r_head = (p_head.log() - q_head.log()).nan_to_num(nan=0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B,T,K)
+    # (B,T,K)
+    log_r_head = (p_head.log() - q_head.log()).nan_to_num(nan=0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if cap is not None:  # SC + TIS: q f(p/q) = min(p, C q), alpha = min(1, C rho_tail)
         f_y = log_r_y.exp().clamp(max=cap)
         head, alpha = torch.minimum(p_head, cap * q_head), (cap * rho_tail).clamp(max=1.0)
@@ -1458,8 +1496,8 @@ def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+",
     rng = random.Random(f"{seed}-{split}-{digits}-{ops}")
     lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
     if split == "eval" and n > _eval_pool_size(digits, ops):
-        raise ValueError(f"n = {n} distinct eval problems is more than the eval pool of {digits}-digit {ops!r} holds "
-                         f"({_eval_pool_size(digits, ops)})")
+        raise ValueError(f"n = {n} distinct eval problems is more than the eval pool of {digits}-digit "
+                         f"{ops!r} holds ({_eval_pool_size(digits, ops)})")
     out, seen = [], set()
     while len(out) < n:
         a, b, op = rng.randint(lo, hi), rng.randint(lo, hi), rng.choice(ops)
@@ -1513,7 +1551,8 @@ def chat_prompt(tokenizer, question: str) -> str:
     """The question plus BOXED_INSTRUCTION as one user turn of the tokenizer's chat template, up to the answer."""
     tok = getattr(tokenizer, "tok", tokenizer)  # HFTokenizer wraps the transformers tokenizer
     if not getattr(tok, "chat_template", None):
-        raise ValueError(f"tokenizer: {type(tok).__name__} has no chat template (task words needs a chat model)")
+        raise ValueError(f"tokenizer: {type(tok).__name__} has no chat template (task words needs a chat "
+                         "model)")
     return tok.apply_chat_template([{"role": "user", "content": f"{question} {BOXED_INSTRUCTION}"}],
                                    add_generation_prompt=True, tokenize=False)
 
@@ -2918,7 +2957,8 @@ def trl_weights(correction: str, old_per_token_logps: torch.Tensor, sampling_per
     documented value for a non-finite token.
     """
     if correction not in TRL_CORRECTIONS:
-        raise ValueError(f"correction must be one of {sorted(TRL_CORRECTIONS)} to ride through TRL, got {correction!r}")
+        raise ValueError(f"correction must be one of {sorted(TRL_CORRECTIONS)} to ride through TRL, got "
+                         f"{correction!r}")
     return TRL_CORRECTIONS[correction](old_per_token_logps.detach().float(), sampling_per_token_logps.float(),
                                        completion_mask.bool())
 
@@ -2926,21 +2966,24 @@ def trl_weights(correction: str, old_per_token_logps: torch.Tensor, sampling_per
 def check_trl_args(args) -> None:
     """Refuse GRPOConfig settings under which a tim_rl weight would be silently wrong or ignored (TRL 1.16)."""
     if not getattr(args, "use_vllm", False):
-        raise ValueError("use_vllm=False: TRL then has no sampler log-probs, so no tim_rl weight would be applied")
+        raise ValueError("use_vllm=False: TRL then has no sampler log-probs, so no tim_rl weight would be "
+                         "applied")
     if getattr(args, "loss_type", None) == "vespo":
-        raise ValueError("loss_type='vespo' takes log(importance_sampling_ratio) and sums it over unmasked padding: "
-                         "tim_rl's weights are 0 there (and where a mask drops a token); use another loss_type")
+        raise ValueError("loss_type='vespo' takes log(importance_sampling_ratio) and sums it over unmasked "
+                         "padding: tim_rl's weights are 0 there (and where a mask drops a token); use "
+                         "another loss_type")
     extra = getattr(args, "generation_kwargs", None) or {}  # TRL merges these into vLLM's sampling settings last
     extra = json.loads(extra) if isinstance(extra, str) else extra
     top_p, top_k, min_p = (extra.get(k, getattr(args, k, None)) for k in ("top_p", "top_k", "min_p"))
     if (top_p if top_p is not None else 1.0) < 1 or (top_k or 0) > 0 or (min_p or 0) > 0:
-        raise ValueError("top_p / top_k / min_p truncate sampling: vLLM returns log-probs renormalised over the kept "
-                         "tokens, TRL 1.16 computes the trainer's over the full vocabulary, so every weight would "
-                         "carry the kept mass S (TRL #6789), and vLLM 0.32 gives TRL no kept support to renormalise "
-                         "on; set top_p=1.0, top_k=0, min_p=None (or use tim_rl's loop: --top-p, renormalised)")
+        raise ValueError("top_p / top_k / min_p truncate sampling: vLLM returns log-probs renormalised over "
+                         "the kept tokens, TRL 1.16 computes the trainer's over the full vocabulary, so "
+                         "every weight would carry the kept mass S (TRL #6789), and vLLM 0.32 gives TRL no "
+                         "kept support to renormalise on; set top_p=1.0, top_k=0, min_p=None (or use "
+                         "tim_rl's loop: --top-p, renormalised)")
     if not getattr(args, "vllm_importance_sampling_correction", True):
-        raise ValueError("vllm_importance_sampling_correction=False: TRL would compute the tim_rl weight and never "
-                         "apply it; set it to True")
+        raise ValueError("vllm_importance_sampling_correction=False: TRL would compute the tim_rl weight "
+                         "and never apply it; set it to True")
 
 
 def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **trainer_kwargs):
@@ -2960,7 +3003,8 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
     from trl import GRPOTrainer
 
     if correction not in TRL_CORRECTIONS:
-        raise ValueError(f"correction must be one of {sorted(TRL_CORRECTIONS)} to ride through TRL, got {correction!r}")
+        raise ValueError(f"correction must be one of {sorted(TRL_CORRECTIONS)} to ride through TRL, got "
+                         f"{correction!r}")
     if "args" in trainer_kwargs:
         check_trl_args(trainer_kwargs["args"])
 
@@ -3021,13 +3065,15 @@ def _parser():
     """The argparse parser of every subcommand, flags built from the config dataclasses."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="tim_rl", description="RL under training-inference mismatch. No subcommand: "
-                                     "the default demo (~5 min; first pre-trains the tiny model if needed, ~20 s).")
+    parser = argparse.ArgumentParser(prog="tim_rl", description="RL under training-inference mismatch. No "
+                                     "subcommand: the default demo (~5 min; first pre-trains the tiny model "
+                                     "if needed, ~20 s).")
     sub = parser.add_subparsers(dest="cmd")
     _add_fields(sub.add_parser("pretrain", help="pre-train the embedded tiny model"), PretrainConfig)
     p_train = _add_fields(sub.add_parser("train", help="one RL run"), RLConfig)
     p_train.add_argument("--resume", metavar="RUN_DIR", default="",
-                         help="continue runs/<name> from its checkpoint, with its config.json (other flags ignored)")
+                         help="continue runs/<name> from its checkpoint, with its config.json (other flags "
+                              "ignored)")
     p_demo = sub.add_parser("demo", help="the default demo")
     p_demo.add_argument("--steps", type=int, default=80)
     p_demo.add_argument("--seeds", default="0,1,2,3,4")
@@ -3038,15 +3084,17 @@ def _eval_warning(cfg: RLConfig) -> str | None:
     """One line when --eval-every gives fewer than 5 evaluations although --steps allows 5 (a coarse pc curve)."""
     count = len(range(0, cfg.steps, cfg.eval_every)) + 1
     if count < 5 <= cfg.steps + 1:
-        return (f"tim_rl: warning: --steps {cfg.steps} --eval-every {cfg.eval_every} gives {count} evaluations "
-                f"(--eval-every {max(cfg.steps // 4, 1)} gives 5 or more)")
+        return (f"tim_rl: warning: --steps {cfg.steps} --eval-every {cfg.eval_every} gives {count} "
+                f"evaluations (--eval-every {max(cfg.steps // 4, 1)} gives 5 or more)")
 
 
 def _train_summary(records: list[dict], out: Path) -> str:
     """A few numbers of a finished run (first and last evaluation, last step) and the files it wrote."""
     step, first, last = [r for r in records if "reward" in r][-1], records[0], records[-1]
-    evals = "  ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in ("acc_trainer", "pc_trainer", "pc_sampler"))
-    now = "  ".join(f"{k} {step[k]:.3g}" for k in ("reward", "mm_abs_diff", "grad_norm") if step[k] is not None)
+    evals = "  ".join(f"{k} {first[k]:.3f} -> "
+                      f"{last[k]:.3f}" for k in ("acc_trainer", "pc_trainer", "pc_sampler"))
+    now = "  ".join(f"{k} "
+                    f"{step[k]:.3g}" for k in ("reward", "mm_abs_diff", "grad_norm") if step[k] is not None)
     files = ", ".join(str(out / f) for f in ("metrics.jsonl", "config.json", "checkpoint.safetensors"))
     return f"evaluations (first -> last): {evals}\nstep {step['step']}: {now}\nwrote {files}"
 
@@ -3059,7 +3107,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = _parser()
     if argv[:1] and argv[0] in MOVED:  # one line, not argparse's list of choices
-        parser.exit(2, f"tim_rl: error: {argv[0]} moved to experiments.py: python experiments.py {argv[0]} --help\n")
+        parser.exit(2, f"tim_rl: error: {argv[0]} moved to experiments.py: python experiments.py {argv[0]} "
+                       "--help\n")
     args = parser.parse_args(argv)
     try:
         cfg = _check_cli(args)
