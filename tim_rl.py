@@ -121,7 +121,8 @@ class EngineSpec:
     """The sampler engine's numerics: its own copy of the weights, stored and computed this way."""
 
     dtype: str = _arg("fp32", "sampler weight/compute dtype: fp32 | bf16 | fp16")
-    quant: str = _arg("none", "weight fake-quantisation of Linear layers (lm_head excluded): none | int8 | fp8")
+    quant: str = _arg("none", "weight fake-quantisation of Linear layers (lm_head excluded): none | int8 | "
+                              "fp8")
     noise: float = _arg(0.0, "relative weight noise s: w + s * N(0,1) * w, drawn once per run (SC paper's "
                              "control)")
     noise_seed: int = _arg(1234, "seed of that noise draw (the same draw is re-applied after every sync)")
@@ -142,7 +143,8 @@ class PretrainConfig:
     batch: int = _arg(64, "problems per step")
     lr: float = _arg(1e-3, "AdamW learning rate (cosine to 10%)")
     digits: int = _arg(2, "operand digits")
-    ops: str = _arg("+", "operators drawn from: + - * and s (swap: 'a s b=' -> 'ba', 2 x digits answer tokens)")
+    ops: str = _arg("+", "operators drawn from: + - * and s (swap: 'a s b=' -> 'ba', 2 x digits answer "
+                         "tokens)")
     seed: int = _arg(0, "seed of init and data")
     moe: bool = _arg(False, "pre-train a tiny Qwen3-MoE (8 experts, top-2, load-balancing loss) instead of "
                             "the Llama")
@@ -153,7 +155,8 @@ class RLConfig:
     """One RL run: sample -> verify -> advantages -> recompute -> correct -> step -> export/sync."""
 
     name: str = _arg("run", "run name: writes runs/<name>/metrics.jsonl")
-    model: str = _arg("runs/base", "HF causal-LM directory (the embedded tiny model is built there if missing)")
+    model: str = _arg("runs/base", "HF causal-LM directory (the embedded tiny model is built there if "
+                                   "missing)")
     sampler: str = _arg("torch", "sampler engine: torch | vllm")
     dtype: str = _arg("fp32", "sampler dtype: fp32 | bf16 | fp16")
     quant: str = _arg("none", "sampler weight quantisation: none | int8 | fp8")
@@ -208,10 +211,12 @@ class RLConfig:
                                      "only); --resume continues from the last one")
     trust_remote_code: bool = _arg(False, "let transformers run Python code shipped in --model (off: never)")
     progress: bool = _arg(True, "show a tqdm bar")
-    device: str = _arg("auto", "trainer, optimizer, TorchSampler and evaluation: auto (cuda if available) | cpu | cuda")
+    device: str = _arg("auto", "trainer, optimizer, TorchSampler and evaluation: auto (cuda if available) | "
+                               "cpu | cuda")
     vllm_gpu_memory: float = _arg(0.3, "share of GPU memory vLLM takes when colocated with the trainer (GPU "
                                        "only)")
-    task: str = _arg("arithmetic", "arithmetic (the tiny model's) | words (chat word problems, --model a chat model)")
+    task: str = _arg("arithmetic", "arithmetic (the tiny model's) | words (chat word problems, --model a "
+                                   "chat model)")
     routing_replay: str = _arg("none", "MoE models: none | r2 (the update replays the experts the trainer's "
                                        "behaviour pass chose) | r3 (it replays the experts the sampler "
                                        "chose; torch sampler)")
@@ -283,7 +288,8 @@ def _check_adv(adv, mask) -> torch.Tensor:
 # time (UsageError); _check_run_config: the combinations and what the run would reject later (ValueError);
 # _check_cli: the flags that are not config fields (--seeds, --model's files, --resume); _check_engine: EngineSpec.
 
-QUANTS = ("none", "int8", "fp8")  # EngineSpec.quant / RLConfig.quant: weight fake-quantisation (fake_quantize)
+# EngineSpec.quant / RLConfig.quant: weight fake-quantisation (fake_quantize)
+QUANTS = ("none", "int8", "fp8")
 
 
 class UsageError(ValueError):
@@ -361,8 +367,8 @@ def _check_run_config(cfg: RLConfig) -> None:
         (cfg.loss_on_served and (cfg.sync_every, cfg.updates_per_batch) != (1, 1), "--loss-on-served needs "
          "--sync-every 1 and --updates-per-batch 1 (the loss runs on the copy the sampler holds, fixed "
          "until a sync)"),
-        (cfg.export != "rtn" and cfg.dtype != "bf16", f"--export {cfg.export} rounds the fp32 master to bf16: it "
-         f"needs --dtype bf16 (the sampler is {cfg.dtype}; rtn is the only export to fp32 / fp16)"),
+        (cfg.export != "rtn" and cfg.dtype != "bf16", f"--export {cfg.export} rounds the fp32 master to "
+         f"bf16: it needs --dtype bf16 (the sampler is {cfg.dtype}; rtn is the only export to fp32 / fp16)"),
         (group_relative and cfg.group == 1, "--group 1 with --baseline group: each sample is its own group "
          "mean, so every advantage is 0 and nothing trains (use --group >= 2, or --baseline none)"),
         (group_relative and cfg.temperature == 0, "--temperature 0 samples greedily: a group's samples are "
@@ -370,15 +376,15 @@ def _check_run_config(cfg: RLConfig) -> None:
          "none)"),
         (vllm and not vllm_available(), "--sampler vllm: vLLM is not installed in this environment (README: "
          "Set-up installs it in its own environment)"),
-        (vllm and (cfg.quant != "none" or cfg.noise or cfg.exact), "--sampler vllm takes --dtype only (no --quant, "
-         "--noise or --exact)"),
+        (vllm and (cfg.quant != "none" or cfg.noise or cfg.exact), "--sampler vllm takes --dtype only (no "
+         "--quant, --noise or --exact)"),
         (vllm and 0 < cfg.temperature < 0.01, f"--sampler vllm with --temperature {cfg.temperature}: vLLM "
          "samples at 0.01 while the trainer would score the requested value (use 0.01 or more)"),
         (Path(cfg.out_dir, cfg.name).resolve() == Path(cfg.model).resolve(), f"--out-dir {cfg.out_dir} "
          f"--name {cfg.name}: that run directory is the --model directory (a run writes its own config.json "
          "there)"),
-        (cfg.task == "words" and not _has_chat_template(cfg.model), f"--task words needs a chat model (--model DIR "
-         f"with a chat template): {cfg.model} has no chat template"),
+        (cfg.task == "words" and not _has_chat_template(cfg.model), "--task words needs a chat model "
+         f"(--model DIR with a chat template): {cfg.model} has no chat template"),
     ]
     for bad, message in mistakes:
         if bad:
@@ -392,7 +398,8 @@ def _check_cli(args) -> RLConfig | None:
     if not re.fullmatch(r"-?\d+(,-?\d+)*", getattr(args, "seeds", None) or "0"):
         raise UsageError(f"--seeds must be comma-separated integers, got {args.seeds!r}")
     model = getattr(args, "model", "runs/base")
-    if model != "runs/base" and not (Path(model) / "config.json").is_file():  # runs/base is built when missing
+    # runs/base is built when missing
+    if model != "runs/base" and not (Path(model) / "config.json").is_file():
         found = "a directory without config.json" if Path(model).is_dir() else "no model directory there"
         raise UsageError(f"--model {model}: {found} (expected a Hugging Face causal-LM directory with "
                          "config.json; omit --model to use the embedded tiny model)")
@@ -403,7 +410,8 @@ def _check_cli(args) -> RLConfig | None:
                              "train)")
     if args.cmd not in ("train", "compare") or getattr(args, "preset", ""):
         return None
-    saved = json.loads((Path(resume) / "config.json").read_text()) if resume else vars(args)  # resume: its config
+    # resume: its config
+    saved = json.loads((Path(resume) / "config.json").read_text()) if resume else vars(args)
     cfg = RLConfig(**{f.name: saved[f.name] for f in fields(RLConfig) if f.name in saved})
     _check_run_config(cfg)
     return cfg
@@ -590,7 +598,10 @@ class _TokenLogprobs(torch.autograd.Function):
                 grad[rows] = _fused_logprobs_grad(logits[rows], ids[rows], lse[rows], g)
                 continue
             fp32 = logits.dtype == torch.float32  # then work in the gradient's own rows: no temporary at all
-            probs = torch.sub(logits[rows], lse[rows], out=grad[rows]) if fp32 else logits[rows].float() - lse[rows]
+            if fp32:
+                probs = torch.sub(logits[rows], lse[rows], out=grad[rows])
+            else:
+                probs = logits[rows].float() - lse[rows]
             probs.exp_().mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, ids[rows], g)  # (n, V)
             if not fp32:
                 grad[rows] = probs
@@ -657,7 +668,8 @@ def log1mexp(logp: torch.Tensor) -> torch.Tensor:
 # not a policy change (TRL issue #6789). The fix is to renormalise the trainer on the sampler's kept support.
 
 
-def truncation_mask(logits: torch.Tensor, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> torch.Tensor:
+def truncation_mask(logits: torch.Tensor, top_p: float = 1.0, top_k: int = 0,
+                    min_p: float = 0.0) -> torch.Tensor:
     """Tokens kept after min_p, then top_k, then top_p, on logits already divided by the temperature. (..., V) bool.
 
     vLLM 0.32's PyTorch path, step for step (MinPLogitsProcessor, apply_top_k_top_p_pytorch): min_p keeps
@@ -883,7 +895,8 @@ def hash_noise16(shape: tuple[int, ...], seed: torch.Tensor) -> torch.Tensor:
 
     needs: nothing
     """
-    h = torch.arange(math.prod(shape), dtype=torch.int32, device=seed.device).reshape(shape) * -1640531535 + seed
+    index = torch.arange(math.prod(shape), dtype=torch.int32, device=seed.device).reshape(shape)
+    h = index * -1640531535 + seed
     h = h ^ ((h >> 16) & 0xFFFF)
     h = h * 0x7FEB352D
     h = h ^ ((h >> 15) & 0x1FFFF)
@@ -979,7 +992,8 @@ def _export_probe(device: torch.device) -> None:
 
 
 def visible_update_fraction(
-    master_before: torch.Tensor, master_after: torch.Tensor, served_before: torch.Tensor, served_after: torch.Tensor
+    master_before: torch.Tensor, master_after: torch.Tensor,
+    served_before: torch.Tensor, served_after: torch.Tensor,
 ) -> float:
     """<d_served, d_master> / |d_master|^2: the share of the master's move the sampler sees (Fair Cast [4]). Any shape.
 
@@ -1228,7 +1242,10 @@ def calibrated_clip_bounds(
         return 1 - eps_low, 1 + eps_high
     low_neg = ratio_lowprec[neg].double().sort().values  # (N-,)
     n_clipped = int((ratio_ref[neg] < 1 - eps_low).sum())  # what the reference zeroes
-    L = float(low_neg[n_clipped]) if n_clipped < low_neg.numel() else math.nextafter(float(low_neg[-1]), math.inf)
+    if n_clipped < low_neg.numel():
+        L = float(low_neg[n_clipped])
+    else:
+        L = math.nextafter(float(low_neg[-1]), math.inf)
 
     def balance(r, H, L_):
         """(P(H), N(L)) of the ratios r."""
@@ -1348,7 +1365,8 @@ def score_centering_loss(
         head, alpha = torch.minimum(p_head, cap * q_head), (cap * rho_tail).clamp(max=1.0)
     elif band is not None:  # SC + MIS: q f(p/q) = p 1[band], alpha = 1[1/hi <= rho_tail <= 1/lo]
         lo, hi = band
-        f_y = torch.where((log_r_y.exp() >= lo) & (log_r_y.exp() <= hi), log_r_y.exp(), torch.zeros_like(log_r_y))
+        r_y = log_r_y.exp()
+        f_y = torch.where((r_y >= lo) & (r_y <= hi), r_y, torch.zeros_like(log_r_y))
         in_band = (log_r_head.exp() >= lo) & (log_r_head.exp() <= hi)
         head = torch.where(in_band, p_head, torch.zeros_like(p_head))
         alpha = ((rho_tail >= 1 / hi) & (rho_tail <= 1 / lo)).float()
@@ -1361,8 +1379,8 @@ def score_centering_loss(
     return -masked_mean(A * (f_y * logp_y - baseline), ok)
 
 
-def dlc_loss(logp, logp_old, logp_infer, adv, mask, eps_low: float = 0.2, eps_high: float = 0.28, clamp: float = 1.0,
-             logp_prox=None, lag_cap: float = 2.0):
+def dlc_loss(logp, logp_old, logp_infer, adv, mask, eps_low: float = 0.2, eps_high: float = 0.28,
+             clamp: float = 1.0, logp_prox=None, lag_cap: float = 2.0):
     """Decoupled PPO with w = dlc_weights(d) * min(p_prox / p_old, lag_cap): numerics centred, lag clipped. DLC [3].
 
     Reconstructed from the abstract of Li, Zhou & Lan ("centres numerical errors, clips lag ratios"): the engine
@@ -1417,7 +1435,8 @@ def effective_token_weights(loss: torch.Tensor, logp: torch.Tensor, adv, mask: t
     return torch.where(mask & (A != 0), w, torch.full_like(w, math.nan))
 
 
-def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness: int = 0, max_lag: float = 0.05) -> bool:
+def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness: int = 0,
+                      max_lag: float = 0.05) -> bool:
     """Resync when mean_mask |logp - logp_old| > max_lag or staleness >= max_staleness (each 0 = off). DLC [3].
 
     Reconstructed from the abstract of Li, Zhou & Lan ("resynchronises the sampler"): the trigger watches the part of
@@ -1470,8 +1489,9 @@ def _eval_pool_size(digits: int, ops: str) -> int:
     """How many distinct problems the eval pool holds (counted; about 1/5 of all, and plenty beyond 3 digits)."""
     if digits > 3:
         return 10**9
-    lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
-    return sum(_split_of(a, b, op) == "eval" for op in set(ops) for a in range(lo, hi + 1) for b in range(lo, hi + 1))
+    lo = 0 if digits == 1 else 10 ** (digits - 1)
+    operands = range(lo, 10**digits)
+    return sum(_split_of(a, b, op) == "eval" for op in set(ops) for a in operands for b in operands)
 
 
 OPS = "+-*s"  # s: swap, "ab s cd=" -> "cdab": a long answer (2 x digits tokens) whose every token is a copy
@@ -1513,18 +1533,22 @@ def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+",
 WORD_TEMPLATES = {
     "apples+": ("Sam has {a} apples and buys {b} more. How many apples does Sam have now?", "+"),
     "apples-": ("Sam has {a} apples and gives {b} of them away. How many apples does Sam have left?", "-"),
-    "distance+": ("A cyclist rides {a} km in the morning and {b} km in the afternoon. How many km does she ride?", "+"),
+    "distance+": ("A cyclist rides {a} km in the morning and {b} km in the afternoon. How many km does she "
+                  "ride?", "+"),
     "distance-": ("A trail is {a} km long and Mia has walked {b} km of it. How many km are left?", "-"),
     "money+": ("Leo has {a} dollars and earns {b} dollars more. How many dollars does Leo have now?", "+"),
     "money-": ("Leo has {a} dollars and spends {b} dollars. How many dollars does Leo have left?", "-"),
-    "books+": ("A shelf holds {a} books and {b} more books are put on it. How many books are on the shelf?", "+"),
-    "birds-": ("{a} birds sit on a wire and {b} of them fly away. How many birds are still on the wire?", "-"),
+    "books+": ("A shelf holds {a} books and {b} more books are put on it. How many books are on the "
+               "shelf?", "+"),
+    "birds-": ("{a} birds sit on a wire and {b} of them fly away. How many birds are still on the "
+               "wire?", "-"),
 }
 BOXED_INSTRUCTION = "Put the final answer in \\boxed{}."
 TASKS = ("arithmetic", "words")
 
 
-def make_word_problems(n: int, seed: int = 0, split: str = "rl", max_operand: int = 20) -> list[tuple[str, str]]:
+def make_word_problems(n: int, seed: int = 0, split: str = "rl",
+                       max_operand: int = 20) -> list[tuple[str, str]]:
     """n (question, answer) word problems a + b or a - b, 0 <= a, b <= max_operand, answer >= 0 (WORD_TEMPLATES).
 
     Two pools, rl | eval, disjoint by construction for every seed: _split_of's hash of the arithmetic (op, a, b)
@@ -2945,8 +2969,8 @@ def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: 
 # sampler's top-k log-probs, which TRL does not request from vLLM. COPC cannot: it needs a critic. DPPO cannot: its
 # mask depends on the current log-prob's gradient direction, not on a weight fixed at generation time.
 
-TRL_CORRECTIONS = {"tis": tis_weights, "mis": mis_weights, "seq_tis": seq_tis_weights, "seq_mask": seq_mask_weights,
-                   "geo": geo_mask_weights, "cis": cis_weights, "dlc": dlc_weights}
+TRL_CORRECTIONS = {"tis": tis_weights, "mis": mis_weights, "seq_tis": seq_tis_weights,
+                   "seq_mask": seq_mask_weights, "geo": geo_mask_weights, "cis": cis_weights, "dlc": dlc_weights}
 
 
 def trl_weights(correction: str, old_per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor,
@@ -2972,7 +2996,8 @@ def check_trl_args(args) -> None:
         raise ValueError("loss_type='vespo' takes log(importance_sampling_ratio) and sums it over unmasked "
                          "padding: tim_rl's weights are 0 there (and where a mask drops a token); use "
                          "another loss_type")
-    extra = getattr(args, "generation_kwargs", None) or {}  # TRL merges these into vLLM's sampling settings last
+    # TRL merges these into vLLM's sampling settings last
+    extra = getattr(args, "generation_kwargs", None) or {}
     extra = json.loads(extra) if isinstance(extra, str) else extra
     top_p, top_k, min_p = (extra.get(k, getattr(args, k, None)) for k in ("top_p", "top_k", "min_p"))
     if (top_p if top_p is not None else 1.0) < 1 or (top_k or 0) > 0 or (min_p or 0) > 0:
@@ -3015,7 +3040,8 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
             p_old, q = out.get("old_per_token_logps"), out.get("sampling_per_token_logps")
             if p_old is None or q is None:  # no vLLM, or TRL's correction off: nothing to weight
                 return out
-            out["importance_sampling_ratio"] = trl_weights(correction, p_old, q, out["completion_mask"])  # TIM
+            mask = out["completion_mask"]
+            out["importance_sampling_ratio"] = trl_weights(correction, p_old, q, mask)  # TIM
             mode = "train" if self.model.training else "eval"
             for key, value in mismatch_metrics(p_old, q, out["completion_mask"].bool()).items():
                 self._metrics[mode][f"tim_rl/{key}"].append(value)
@@ -3024,7 +3050,8 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
     if vllm_dtype is not None and vllm_dtype not in _VLLM_DTYPES:
         raise ValueError(f"vllm_dtype must be one of {sorted(_VLLM_DTYPES)}, got {vllm_dtype!r}")
     threads = _vllm_environment()
-    llm = getattr(trl_vllm, "LLM", None)  # vLLM's class as TRL imported it; with vllm_dtype, pinned for this call
+    # vLLM's class as TRL imported it; with vllm_dtype, pinned for this call
+    llm = getattr(trl_vllm, "LLM", None)
     llm = llm if vllm_dtype is None else functools.partial(llm, dtype=_VLLM_DTYPES[vllm_dtype])
     with unittest.mock.patch.object(trl_vllm, "LLM", llm, create=True):
         trainer = TimRLGRPOTrainer(**trainer_kwargs)
@@ -3033,7 +3060,8 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
     if trainer.use_vllm and generation is not None and generation.mode == "colocate" and _vllm_on_cpu():
         # vLLM's CPU build repacks Linear weights, which breaks TRL's per-parameter sync; on a GPU TRL's own sync
         # (PEFT merge, ZeRO-3 gather, sleep-mode wake-up) stays in charge
-        generation.sync_weights = lambda: reload_vllm_weights(generation.llm, trainer.model.named_parameters())
+        generation.sync_weights = lambda: reload_vllm_weights(generation.llm,
+                                                              trainer.model.named_parameters())
     return trainer
 
 
@@ -3128,7 +3156,9 @@ def main(argv: list[str] | None = None) -> None:
         else:
             demo(steps=getattr(args, "steps", 80), seeds=tuple(int(s) for s in seeds.split(",")))
     except KeyboardInterrupt:
-        where = f"; python tim_rl.py train --resume {Path(cfg.out_dir) / cfg.name}" if args.cmd == "train" else ""
+        where = ""
+        if args.cmd == "train":
+            where = f"; python tim_rl.py train --resume {Path(cfg.out_dir) / cfg.name}"
         parser.exit(130, f"tim_rl: interrupted (the last checkpoint is kept{where})\n")
 
 
