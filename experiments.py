@@ -280,7 +280,8 @@ def paired_deltas(runs: dict[str, list[list[dict]]], arm: str, reference: str, m
     """arm - reference per seed (same prompts, same first sampler draw) of seed_value(metric, summary)."""
     if len(runs[arm]) != len(runs[reference]):
         raise ValueError(f"{arm!r} and {reference!r} ran on different seeds")
-    return [seed_value(a, metric, summary) - seed_value(r, metric, summary) for a, r in zip(runs[arm], runs[reference])]
+    pairs = zip(runs[arm], runs[reference])
+    return [seed_value(a, metric, summary) - seed_value(r, metric, summary) for a, r in pairs]
 
 
 def judge(runs: dict[str, list[list[dict]]], claim: Claim, learned: bool) -> dict:
@@ -597,7 +598,8 @@ def preset_precision(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict
     engines = [e for e in default_engines() if e[0] != "torch fp32 exact"]
     measured = measure_engines(model_dir, engines, n_prompts=16 if pc.smoke else 128, seeds=tuple(seeds))
     by_engine, rows = engine_table(measured, engines)
-    ratio = [bf["abs_diff"] / f16["abs_diff"] for bf, f16 in zip(by_engine["torch bf16"], by_engine["torch fp16"])]
+    pairs = zip(by_engine["torch bf16"], by_engine["torch fp16"])
+    ratio = [bf["abs_diff"] / f16["abs_diff"] for bf, f16 in pairs]
     verdicts = [verdict_row("an fp16 sampler is >= 3x closer to the fp32 trainer than "
                             "bf16", "log(bf16 / fp16 "
                             "mean abs Δlogp) - log 3", [math.log(r / 3) for r in ratio], +1)]
@@ -664,13 +666,18 @@ def truncation_rows(model, engine: str, sampler, prompts: list[list[int]], n: in
         row = {"engine": engine, "sampling": label, "tokens": int(m.sum()), "support differs": "-"}
         with torch.no_grad():
             logp = tr.sequence_logprobs(model, ro)[0]
-            log_s, logp_renorm, source = torch.zeros_like(logp), logp, "-"
+            log_s = torch.zeros_like(logp)  # no truncation: the kept mass S is 1
+            logp_renorm = logp
+            source = "-"
             if trunc:
                 rebuilt = tr.kept_support(model, ro, 1.0, trunc.get("top_p", 1.0), trunc.get("top_k", 0),
                                        trunc.get("min_p", 0.0))
                 if ro.kept_ids is not None:
                     row["support differs"] = tr.support_differs(ro.kept_ids, rebuilt, m)
-                source, ro.kept_ids = ("sampler", ro.kept_ids) if ro.kept_ids is not None else ("rebuilt", rebuilt)
+                    source = "sampler"
+                else:
+                    source = "rebuilt"
+                    ro.kept_ids = rebuilt
                 logp_renorm, _, _, log_s = tr.support_logprobs(model, ro)
         rows.append(row | {"support": source, "S mean": float(log_s[m].exp().mean()),
                            "S min": float(log_s[m].exp().min()), "ratio p/q~ mean": float((logp - q)[m].exp().mean()),
@@ -849,7 +856,10 @@ def dose_map(runs: dict[str, list[list[dict]]], control: str, learned: bool,
     tested = [s for s in harmless if any((a, s) in costs for a in corrections)]
     unknown = [f"{a} at {s}" for a in corrections for s in settings
                if (a, s) in vs_none and s not in harmed and (a, s) not in costs]
-    verdict = ("yes: " + ", ".join(hurt)) if hurt else (f"no (tested at {named(tested)})" if tested else "not tested")
+    if hurt:
+        verdict = "yes: " + ", ".join(hurt)
+    else:
+        verdict = f"no (tested at {named(tested)})" if tested else "not tested"
     rows.append(_dose_row("(c) a correction trails none where none is harmless (not named by (a))",
                           verdict + ("; not measured: "
                                      f"{', '.join(unknown)}" if unknown else ""), None, math.nan,
@@ -1127,7 +1137,9 @@ def publish(name: str, results: str, verdicts: list[dict], command: str, seconds
         (root / "figures").mkdir(exist_ok=True)
         (root / "figures" / f"{name}.png").write_bytes(plot.read_bytes())
         figure = f"\n\n![{name}: the preset's plot, mean over seeds](figures/{name}.png)"
-    minutes = f"{seconds / 60:.0f} min on this machine: its runs' own time, summed" + (f"; {numerics}" if numerics else "")
+    minutes = f"{seconds / 60:.0f} min on this machine: its runs' own time, summed"
+    if numerics:
+        minutes += f"; {numerics}"
     body = (f"<!-- rows {json.dumps(rows)} -->\n## {name}\n\n`{command}` ({minutes})\n\n"
             + results.split("\n", 1)[1].lstrip("\n").replace("\n# ", "\n### ").rstrip("\n") + figure)
     text = _replace_block(text, f"preset:{name}", body)
@@ -1180,7 +1192,9 @@ def _row(what: str, baseline: str, ratio: float, goal: str) -> dict:
 def _ratio_rows(cases: list[tuple], repeats: int, label: str = "") -> list[dict]:
     """One row per (what, fn, goal) of cases[1:]: its median time over that of cases[0], the baseline."""
     base = _median_seconds(cases[0][1], repeats)
-    return [_row(what + label, cases[0][0], _median_seconds(fn, repeats) / base, goal) for what, fn, goal in cases[1:]]
+    baseline_label = cases[0][0]
+    return [_row(what + label, baseline_label, _median_seconds(fn, repeats) / base, goal)
+            for what, fn, goal in cases[1:]]
 
 
 def bench_export(n: int, repeats: int, device: torch.device) -> list[dict]:
@@ -1404,7 +1418,8 @@ def _rl_step_peak_child(correction: str, topk: int, V: int, prompts: int, out_di
     before = _proc_status_bytes("VmRSS")
     record = tr._rl_step(cfg, 1, rs)
     B, T = prompts * 8, 5
-    return {"extra_bytes": _proc_status_bytes("VmHWM") - before, "logits_bytes": B * T * V * 4, "entropy": record.get("entropy")}
+    extra = _proc_status_bytes("VmHWM") - before
+    return {"extra_bytes": extra, "logits_bytes": B * T * V * 4, "entropy": record.get("entropy")}
 
 
 def bench_rl_step_memory(quick: bool, out_dir: str) -> list[dict]:
@@ -1450,7 +1465,8 @@ def bench(cfg: BenchConfig) -> list[dict]:
     print(f"[bench] torch {torch.__version__}, {torch.get_num_threads()} threads, {device}, "
           f"quick={q}", file=sys.stderr)
     # token_logprobs at Llama's and Qwen's V; on a GPU N = 8 192 with fp32 and bf16 logits, all with a backward
-    n_lp, dtypes = 512 if q else 8192 if gpu else 4096, (torch.float32, torch.bfloat16) if gpu else (torch.float32,)
+    n_lp = 512 if q else 8192 if gpu else 4096
+    dtypes = (torch.float32, torch.bfloat16) if gpu else (torch.float32,)
     t0 = time.perf_counter()
 
     def done(what: str, rows: list[dict]) -> list[dict]:
