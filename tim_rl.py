@@ -113,6 +113,7 @@ FUSED_CHUNK_ELEMENTS = 1 << 28
 
 
 def _arg(default, help: str):
+    """A dataclass field with this default and its --help text in the metadata (the CLI reads it)."""
     return field(default=default, metadata={"help": help})
 
 
@@ -121,11 +122,14 @@ class EngineSpec:
     """The sampler engine's numerics: its own copy of the weights, stored and computed this way."""
 
     dtype: str = _arg("fp32", "sampler weight/compute dtype: fp32 | bf16 | fp16")
-    quant: str = _arg("none", "weight fake-quantisation of Linear layers (lm_head excluded): none | int8 | fp8")
-    noise: float = _arg(0.0, "relative weight noise s: w + s * N(0,1) * w, drawn once per run (SC paper's control)")
+    quant: str = _arg("none", "weight fake-quantisation of Linear layers (lm_head excluded): none | int8 | "
+                              "fp8")
+    noise: float = _arg(0.0, "relative weight noise s: w + s * N(0,1) * w, drawn once per run (SC paper's "
+                             "control)")
     noise_seed: int = _arg(1234, "seed of that noise draw (the same draw is re-applied after every sync)")
     exact: bool = _arg(False, "zero-mismatch limit: record log-probs with the trainer's own fp32 forward")
-    router_fp32: bool = _arg(False, "MoE: keep the routers' weights and logits in fp32 in a bf16/fp16 engine (slime)")
+    router_fp32: bool = _arg(False, "MoE: keep the routers' weights and logits in fp32 in a bf16/fp16 "
+                                    "engine (slime)")
     router_noise: float = _arg(0.0, "MoE: relative noise s on the routers' weights only (on top of --noise), drawn "
                                     "like it: a mismatch that flips experts")
     head_fp32: bool = _arg(False, "keep the lm_head and the logits in fp32 in a bf16/fp16 engine (TRL's "
@@ -137,13 +141,16 @@ class PretrainConfig:
     """Supervised pre-training of the embedded tiny model on the arithmetic task."""
 
     out: str = _arg("runs/base", "model directory written (safetensors + tokenizer)")
-    steps: int = _arg(400, "AdamW steps (400: held-out greedy ~0.7, sampled reward ~0.4: room for RL to learn)")
+    steps: int = _arg(400, "AdamW steps (400: held-out greedy ~0.7, sampled reward ~0.4: room for RL to "
+                           "learn)")
     batch: int = _arg(64, "problems per step")
     lr: float = _arg(1e-3, "AdamW learning rate (cosine to 10%)")
     digits: int = _arg(2, "operand digits")
-    ops: str = _arg("+", "operators drawn from: + - * and s (swap: 'a s b=' -> 'ba', 2 x digits answer tokens)")
+    ops: str = _arg("+", "operators drawn from: + - * and s (swap: 'a s b=' -> 'ba', 2 x digits answer "
+                         "tokens)")
     seed: int = _arg(0, "seed of init and data")
-    moe: bool = _arg(False, "pre-train a tiny Qwen3-MoE (8 experts, top-2, load-balancing loss) instead of the Llama")
+    moe: bool = _arg(False, "pre-train a tiny Qwen3-MoE (8 experts, top-2, load-balancing loss) instead of "
+                            "the Llama")
 
 
 @dataclass
@@ -151,7 +158,8 @@ class RLConfig:
     """One RL run: sample -> verify -> advantages -> recompute -> correct -> step -> export/sync."""
 
     name: str = _arg("run", "run name: writes runs/<name>/metrics.jsonl")
-    model: str = _arg("runs/base", "HF causal-LM directory (the embedded tiny model is built there if missing)")
+    model: str = _arg("runs/base", "HF causal-LM directory (the embedded tiny model is built there if "
+                                   "missing)")
     sampler: str = _arg("torch", "sampler engine: torch | vllm")
     dtype: str = _arg("fp32", "sampler dtype: fp32 | bf16 | fp16")
     quant: str = _arg("none", "sampler weight quantisation: none | int8 | fp8")
@@ -164,23 +172,29 @@ class RLConfig:
     prompts: int = _arg(16, "prompts per step")
     group: int = _arg(8, "samples per prompt (G)")
     max_new_tokens: int = _arg(5, "response length cap")
-    temperature: float = _arg(1.0, "sampling temperature > 0; sampler and trainer both divide the logits by it (vLLM "
-                                   "raises a value in (0, 0.01) to 0.01: the trainer would not, so they are refused)")
+    temperature: float = _arg(1.0, "sampling temperature > 0; sampler and trainer both divide the logits by "
+                                   "it (vLLM raises a value in (0, 0.01) to 0.01: the trainer would not, so "
+                                   "they are refused)")
     top_p: float = _arg(1.0, "sampler nucleus truncation (vLLM's rule; 1 = off)")
     top_k: int = _arg(0, "sampler top-k truncation (0 = off; not the recorded --topk)")
     min_p: float = _arg(0.0, "sampler min-p truncation: keep p >= min_p * max p (0 = off)")
-    renormalize: bool = _arg(True, "with truncation, renormalise the trainer's log-probs on the sampler's kept support "
-                                   "(off: full-vocabulary log-probs, every ratio biased by the kept mass S)")
-    topk: int = _arg(0, "sampler top-K ids recorded for score centering (0 = whole vocabulary); recorded only for "
-                        "the arms that read them (sc, sc_tis, sc_mis, drift_only, --diagnose-drift)")
+    renormalize: bool = _arg(True, "with truncation, renormalise the trainer's log-probs on the sampler's "
+                                   "kept support (off: full-vocabulary log-probs, every ratio biased by the "
+                                   "kept mass S)")
+    topk: int = _arg(0, "sampler top-K ids recorded for score centering (0 = whole vocabulary); recorded "
+                        "only for the arms that read them (sc, sc_tis, sc_mis, drift_only, "
+                        "--diagnose-drift)")
     baseline: str = _arg("group", "advantage baseline: group (GRPO mean, no std) | none (raw reward)")
     optimizer: str = _arg("adamw", "adamw | sgd")
-    lr: float = _arg(3e-5, "learning rate; a larger one such as 1e-4 knocks the tiny model back in Adam's first steps")
+    lr: float = _arg(3e-5, "learning rate; a larger one such as 1e-4 knocks the tiny model back in Adam's "
+                           "first steps")
     sync_every: int = _arg(1, "copy trainer weights into the sampler every k steps (policy lag k - 1)")
-    updates_per_batch: int = _arg(1, "optimizer steps per rollout batch, full batch each (verl ppo_epochs, TRL "
-                                     "num_iterations); the proximal log-probs are taken before the first")
+    updates_per_batch: int = _arg(1, "optimizer steps per rollout batch, full batch each (verl ppo_epochs, "
+                                     "TRL num_iterations); the proximal log-probs are taken before the "
+                                     "first")
     export: str = _arg("rtn", "fp32 -> bf16/fp16 export rounding: rtn | sr | ef")
-    loss_on_served: bool = _arg(False, "Fair Cast: forward on the served (rounded) weights, step the fp32 master")
+    loss_on_served: bool = _arg(False, "Fair Cast: forward on the served (rounded) weights, step the fp32 "
+                                       "master")
     tis_cap: float = _arg(2.0, "TIS cap C")
     mis_low: float = _arg(0.5, "MIS band low")
     mis_high: float = _arg(5.0, "MIS band high")
@@ -188,22 +202,28 @@ class RLConfig:
     eps_high: float = _arg(0.28, "PPO clip high")
     dppo_delta: float = _arg(0.2, "DPPO trust region on |p - q|")
     dlc_max_staleness: int = _arg(0, "DLC: resync once this many steps passed without one (0 = off)")
-    dlc_max_lag: float = _arg(0.0, "DLC: resync when the lag, mean |logp now - logp at the last sync's master|, "
-                                   "exceeds this (0 = off)")
-    eval_every: int = _arg(20, "evaluate before step 0, every N steps and after the last (N <= steps/4: >= 5 points)")
+    dlc_max_lag: float = _arg(0.0, "DLC: resync when the lag, mean |logp now - logp at the last sync's "
+                                   "master|, exceeds this (0 = off)")
+    eval_every: int = _arg(20, "evaluate before step 0, every N steps and after the last (N <= steps/4: >= "
+                               "5 points)")
     eval_n: int = _arg(512, "distinct held-out problems per evaluation")
-    diagnose_drift: bool = _arg(False, "log norms of the drift and signal parts of the gradient (extra backwards)")
+    diagnose_drift: bool = _arg(False, "log norms of the drift and signal parts of the gradient (extra "
+                                       "backwards)")
     seed: int = _arg(0, "seed of sampling, data and noise")
     out_dir: str = _arg("runs", "parent directory of runs")
-    checkpoint_every: int = _arg(10, "write runs/<name>/checkpoint.safetensors every N steps (0: at the end only); "
-                                     "--resume continues from the last one")
+    checkpoint_every: int = _arg(10, "write runs/<name>/checkpoint.safetensors every N steps (0: at the end "
+                                     "only); --resume continues from the last one")
     trust_remote_code: bool = _arg(False, "let transformers run Python code shipped in --model (off: never)")
     progress: bool = _arg(True, "show a tqdm bar")
-    device: str = _arg("auto", "trainer, optimizer, TorchSampler and evaluation: auto (cuda if available) | cpu | cuda")
-    vllm_gpu_memory: float = _arg(0.3, "share of GPU memory vLLM takes when colocated with the trainer (GPU only)")
-    task: str = _arg("arithmetic", "arithmetic (the tiny model's) | words (chat word problems, --model a chat model)")
-    routing_replay: str = _arg("none", "MoE models: none | r2 (the update replays the experts the trainer's behaviour "
-                                       "pass chose) | r3 (it replays the experts the sampler chose; torch sampler)")
+    device: str = _arg("auto", "trainer, optimizer, TorchSampler and evaluation: auto (cuda if available) | "
+                               "cpu | cuda")
+    vllm_gpu_memory: float = _arg(0.3, "share of GPU memory vLLM takes when colocated with the trainer (GPU "
+                                       "only)")
+    task: str = _arg("arithmetic", "arithmetic (the tiny model's) | words (chat word problems, --model a "
+                                   "chat model)")
+    routing_replay: str = _arg("none", "MoE models: none | r2 (the update replays the experts the trainer's "
+                                       "behaviour pass chose) | r3 (it replays the experts the sampler "
+                                       "chose; torch sampler)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -212,6 +232,7 @@ class RLConfig:
 
 
 def _check_tensor(name: str, x, *, floating: bool = True) -> None:
+    """A TypeError naming the argument unless x is a torch.Tensor (of a floating dtype when `floating`)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if floating and not x.is_floating_point():
@@ -225,6 +246,7 @@ def _check_choice(name: str, value, choices) -> None:
 
 
 def _check_mask(mask) -> None:
+    """A TypeError or ValueError unless mask is a non-empty (B, T) bool tensor."""
     _check_tensor("mask", mask, floating=False)
     if mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor (True on generated tokens), got dtype {mask.dtype}")
@@ -246,7 +268,8 @@ def _check_bt(mask, **tensors) -> None:
     for name, x in tensors.items():
         _check_tensor(name, x)
         if x.shape != mask.shape:
-            raise ValueError(f"{name} must have shape (B, T) = {tuple(mask.shape)} like mask, got {tuple(x.shape)}")
+            raise ValueError(f"{name} must have shape (B, T) = {tuple(mask.shape)} like mask, got "
+                             f"{tuple(x.shape)}")
         _check_device(name, x, "mask", mask)
 
 
@@ -258,9 +281,146 @@ def _check_adv(adv, mask) -> torch.Tensor:
     if adv.shape == (B,):
         adv = adv[:, None]
     if adv.shape not in ((B, T), (B, 1)):
-        raise ValueError(f"adv must have shape (B, T) = {(B, T)} or (B, 1) = {(B, 1)}, got {tuple(adv.shape)}")
+        raise ValueError(f"adv must have shape (B, T) = {(B, T)} or (B, 1) = {(B, 1)}, got "
+                         f"{tuple(adv.shape)}")
     adv = adv.detach().float().expand(B, T)
     return torch.where(torch.isfinite(adv), adv, torch.zeros_like(adv))
+
+
+# ---- run settings: every rule of RLConfig, PretrainConfig and EngineSpec, from the flags to the config ----
+# Checked before anything is built, so a user's mistake is one line, not a traceback. _check_values: one value at a
+# time (UsageError); _check_run_config: the combinations and what the run would reject later (ValueError);
+# _check_cli: the flags that are not config fields (--seeds, --model's files, --resume); _check_engine: EngineSpec.
+
+# EngineSpec.quant / RLConfig.quant: weight fake-quantisation (fake_quantize)
+QUANTS = ("none", "int8", "fp8")
+
+
+class UsageError(ValueError):
+    """A mistake on the command line: main() prints it as one `tim_rl: error: ...` line and exits with status 2."""
+
+
+def _flag(name: str) -> str:
+    """The command-line flag of a config field: max_new_tokens -> --max-new-tokens."""
+    return "--" + name.replace("_", "-")
+
+
+# Smallest value allowed, and the fields that must be finite and > 0. Keys are config field names; a subcommand or
+# config checks the ones it has (batch, digits: PretrainConfig; repeats: experiments.py's BenchConfig).
+_CONFIG_MIN = {"steps": 1, "prompts": 1, "group": 1, "max_new_tokens": 1, "eval_every": 1, "eval_n": 1,
+               "sync_every": 1, "updates_per_batch": 1, "checkpoint_every": 0, "topk": 0, "temperature": 0,
+               "batch": 1, "digits": 1, "repeats": 1}
+_CONFIG_POSITIVE = ("lr", "tis_cap", "mis_high", "dppo_delta", "vllm_gpu_memory")
+
+
+def _config_choices() -> dict[str, tuple]:
+    """The allowed values of each choice field (a function: _DTYPES, TASKS, CORRECTIONS come later)."""
+    return {"sampler": ("torch", "vllm"), "dtype": tuple(_DTYPES), "quant": QUANTS, "correction": CORRECTIONS,
+            "baseline": ("group", "none"), "optimizer": ("adamw", "sgd"), "export": ("rtn", "sr", "ef"),
+            "device": ("auto", "cpu", "cuda"), "task": TASKS, "routing_replay": ("none", "r2", "r3")}
+
+
+def _check_values(obj) -> None:
+    """Raise UsageError, naming the flag, for a value below its minimum or not among its choices (args or config),
+    a float flag that is not finite, or a learning rate / cap / band that is not positive."""
+    for f in fields(RLConfig):
+        value = getattr(obj, f.name, None)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{_flag(f.name)} must be a finite number, got {value}")
+        if f.name in _CONFIG_POSITIVE and value is not None and value <= 0:
+            raise UsageError(f"{_flag(f.name)} must be > 0, got {value}")
+    for name, low in _CONFIG_MIN.items():
+        if getattr(obj, name, low) < low:
+            raise UsageError(f"{_flag(name)} must be >= {low}, got {getattr(obj, name)}")
+    for name, choices in _config_choices().items():
+        if getattr(obj, name, choices[0]) not in choices:
+            shown = " | ".join(c for c in choices if c)
+            raise UsageError(f"{_flag(name)} must be one of {shown}, got {getattr(obj, name)!r}")
+
+
+def _check_engine(engine: EngineSpec) -> None:
+    """Raise ValueError, naming the field, for an EngineSpec no TorchSampler can build."""
+    _check_choice("engine.dtype", engine.dtype, sorted(_DTYPES))
+    _check_choice("engine.quant", engine.quant, QUANTS)
+    if engine.exact and (engine.dtype != "fp32" or engine.quant != "none" or engine.noise or engine.router_noise):
+        raise ValueError("engine.exact needs dtype fp32 without quantisation or noise")
+
+
+def _check_run_config(cfg: RLConfig) -> None:
+    """Raise ValueError naming the flag(s) for a setting the run would reject later, or that would train nothing."""
+    _check_values(cfg)
+    resolve_device(cfg.device)
+    try:
+        _check_truncation(cfg.top_p, cfg.top_k, cfg.min_p)
+    except ValueError as e:
+        raise ValueError("--" + str(e).replace("_", "-", 1)) from None
+    # COPC's advantages come from its critic
+    group_relative = cfg.baseline == "group" and cfg.correction != "copc"
+    vllm = cfg.sampler == "vllm"
+    # its longest answer and <eos>: a product or a swap has 2 x digits, else digits + 1
+    task = _task_kwargs(cfg.model)
+    longest = 1 + max(2 * task["digits"] if op in "*s" else task["digits"] + 1 for op in task["ops"])
+    mistakes = [
+        (cfg.task == "arithmetic" and cfg.max_new_tokens < longest, f"--max-new-tokens {cfg.max_new_tokens} "
+         f"cannot hold this model's answers ({task['digits']}-digit {task['ops']!r}: up to {longest} tokens "
+         "with <eos>)"),
+        (_truncates(cfg) and not cfg.renormalize and cfg.correction in ("dlc", "calibrated", "sc", "sc_tis", "sc_mis",
+                                                                         "drift_only"),
+         f"--no-renormalize applies to the current trainer's sampled-token log-probs only; --correction "
+         f"{cfg.correction} also reads logp_old or the top-K log-probs: run it with --renormalize"),
+        (cfg.loss_on_served and (cfg.sync_every, cfg.updates_per_batch) != (1, 1), "--loss-on-served needs "
+         "--sync-every 1 and --updates-per-batch 1 (the loss runs on the copy the sampler holds, fixed "
+         "until a sync)"),
+        (cfg.export != "rtn" and cfg.dtype != "bf16", f"--export {cfg.export} rounds the fp32 master to "
+         f"bf16: it needs --dtype bf16 (the sampler is {cfg.dtype}; rtn is the only export to fp32 / fp16)"),
+        (group_relative and cfg.group == 1, "--group 1 with --baseline group: each sample is its own group "
+         "mean, so every advantage is 0 and nothing trains (use --group >= 2, or --baseline none)"),
+        (group_relative and cfg.temperature == 0, "--temperature 0 samples greedily: a group's samples are "
+         "identical, so every advantage is 0 and nothing trains (use --temperature > 0, or --baseline "
+         "none)"),
+        (vllm and not vllm_available(), "--sampler vllm: vLLM is not installed in this environment (README: "
+         "Set-up installs it in its own environment)"),
+        (vllm and (cfg.quant != "none" or cfg.noise or cfg.router_noise or cfg.exact), "--sampler vllm takes "
+         "--dtype only (no --quant, --noise, --router-noise or --exact)"),
+        (vllm and cfg.routing_replay == "r3", "--routing-replay r3 replays the sampler's experts, but vLLM's CPU "
+         "build cannot return them (a GPU vLLM can: enable_return_routed_experts); use --sampler torch, or r2"),
+        (vllm and 0 < cfg.temperature < 0.01, f"--sampler vllm with --temperature {cfg.temperature}: vLLM "
+         "samples at 0.01 while the trainer would score the requested value (use 0.01 or more)"),
+        (Path(cfg.out_dir, cfg.name).resolve() == Path(cfg.model).resolve(), f"--out-dir {cfg.out_dir} "
+         f"--name {cfg.name}: that run directory is the --model directory (a run writes its own config.json "
+         "there)"),
+        (cfg.task == "words" and not _has_chat_template(cfg.model), "--task words needs a chat model "
+         f"(--model DIR with a chat template): {cfg.model} has no chat template"),
+    ]
+    for bad, message in mistakes:
+        if bad:
+            raise ValueError(message)
+
+
+def _check_cli(args) -> RLConfig | None:
+    """Raise ValueError, naming the flag(s), for a value or combination the run would reject later (or with a
+    traceback, or that would train nothing); returns the RL config train (or experiments.py compare) will run."""
+    _check_values(args)
+    if not re.fullmatch(r"-?\d+(,-?\d+)*", getattr(args, "seeds", None) or "0"):
+        raise UsageError(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    model = getattr(args, "model", "runs/base")
+    # runs/base is built when missing
+    if model != "runs/base" and not (Path(model) / "config.json").is_file():
+        found = "a directory without config.json" if Path(model).is_dir() else "no model directory there"
+        raise UsageError(f"--model {model}: {found} (expected a Hugging Face causal-LM directory with "
+                         "config.json; omit --model to use the embedded tiny model)")
+    resume = getattr(args, "resume", "")
+    for need in ("config.json", "checkpoint.safetensors") if resume else ():
+        if not (Path(resume) / need).is_file():
+            raise UsageError(f"--resume {resume}: no {need} there (expected a run directory written by "
+                             "train)")
+    if args.cmd not in ("train", "compare") or getattr(args, "preset", ""):
+        return None
+    # resume: its config
+    saved = json.loads((Path(resume) / "config.json").read_text()) if resume else vars(args)
+    cfg = RLConfig(**{f.name: saved[f.name] for f in fields(RLConfig) if f.name in saved})
+    _check_run_config(cfg)
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -283,8 +443,10 @@ def _finite_log_ratio(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Te
     return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), ok
 
 
-_COMPILED = {}  # function -> torch.compile(function, dynamic=True), built on first use (seconds; needs a compiler)
-_COMPILE_WORKS = {}  # (probe name, CUDA device index) -> whether torch.compile compiled and ran the probe's passes
+# function -> torch.compile(function, dynamic=True), built on first use (seconds; needs a compiler)
+_COMPILED = {}
+# (probe name, CUDA device index) -> whether torch.compile compiled and ran the probe's passes
+_COMPILE_WORKS = {}
 
 
 def _compiled(fn):
@@ -358,7 +520,8 @@ def _fused_logprobs_grad(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Ten
     (x + -0.0 = x bitwise: the padded id adds nothing). -> (n, V)."""
     n, K = ids.shape
     rows, both = _fused_inputs(logits, ids)
-    g_2 = g.contiguous() if K > 1 else torch.cat([g, torch.full_like(g, -0.0)], 1)  # a .sum()'s g has stride 0
+    # a .sum()'s g has stride 0
+    g_2 = g.contiguous() if K > 1 else torch.cat([g, torch.full_like(g, -0.0)], 1)
     lse_2 = _two_or_more(lse, 0).clone()  # not a view: a view of the (N, 1) lse makes dynamo guard on N too
     with torch.no_grad():
         grad = _compiled(_logprobs_grad_pass)(rows, both, lse_2, _two_or_more(g_2, 0))
@@ -394,8 +557,10 @@ def _gpu_compiles(device: torch.device, probe) -> bool:
         try:
             probe(torch.device("cuda", key[1]))
             _COMPILE_WORKS[key] = True
-        except Exception as e:  # any compiler failure (no C compiler, no Python headers...): the eager paths instead
-            print(f"[tim_rl] torch.compile failed on {device} ({type(e).__name__}): eager fallbacks", file=sys.stderr)
+        # any compiler failure (no C compiler, no Python headers...): the eager paths instead
+        except Exception as e:
+            print(f"[tim_rl] torch.compile failed on {device} ({type(e).__name__}): eager "
+                  "fallbacks", file=sys.stderr)
             _COMPILE_WORKS[key] = False
     return _COMPILE_WORKS[key]
 
@@ -421,6 +586,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ids, chunk_rows, fused):  # logits (N, V), ids (N, K) -> (N, K) float32
+        """The chunked log-probs; saves (logits, ids, lse) for backward, no (N, V) tensor."""
         out, lse = _chunked_logprobs(logits, ids, chunk_rows, fused)
         ctx.save_for_backward(logits, ids, lse)
         ctx.chunk_rows, ctx.fused = chunk_rows, fused
@@ -428,6 +594,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):  # grad_out (N, K)
+        """The (N, V) logits gradient by chunks: 1[v in ids] g - softmax(z)_v sum_k g_k."""
         logits, ids, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)  # (N, V), the only full-size tensor
         for start in range(0, logits.shape[0], ctx.chunk_rows):
@@ -437,7 +604,10 @@ class _TokenLogprobs(torch.autograd.Function):
                 grad[rows] = _fused_logprobs_grad(logits[rows], ids[rows], lse[rows], g)
                 continue
             fp32 = logits.dtype == torch.float32  # then work in the gradient's own rows: no temporary at all
-            probs = torch.sub(logits[rows], lse[rows], out=grad[rows]) if fp32 else logits[rows].float() - lse[rows]
+            if fp32:
+                probs = torch.sub(logits[rows], lse[rows], out=grad[rows])
+            else:
+                probs = logits[rows].float() - lse[rows]
             probs.exp_().mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, ids[rows], g)  # (n, V)
             if not fp32:
                 grad[rows] = probs
@@ -478,8 +648,8 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | No
         return flat_logits.new_zeros(ids.shape, dtype=torch.float32)
     flat_ids = ids.reshape(N, -1)  # (N, 1) or (N, K)
     if flat_ids.numel() and bool(((flat_ids < 0) | (flat_ids >= V)).any()):  # one host sync per call
-        raise ValueError(f"ids must be token ids in [0, {V}) (the logits' last axis), got min {int(flat_ids.min())}, "
-                         f"max {int(flat_ids.max())}")
+        raise ValueError(f"ids must be token ids in [0, {V}) (the logits' last axis), got min "
+                         f"{int(flat_ids.min())}, max {int(flat_ids.max())}")
     fused = _gpu_compiles(logits.device, _logprobs_probe) if fused is None else fused
     if chunk_rows is None:
         chunk_rows = _default_chunk_rows(V, logits.device, fused)
@@ -504,7 +674,8 @@ def log1mexp(logp: torch.Tensor) -> torch.Tensor:
 # not a policy change (TRL issue #6789). The fix is to renormalise the trainer on the sampler's kept support.
 
 
-def truncation_mask(logits: torch.Tensor, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> torch.Tensor:
+def truncation_mask(logits: torch.Tensor, top_p: float = 1.0, top_k: int = 0,
+                    min_p: float = 0.0) -> torch.Tensor:
     """Tokens kept after min_p, then top_k, then top_p, on logits already divided by the temperature. (..., V) bool.
 
     vLLM 0.32's PyTorch path, step for step (MinPLogitsProcessor, apply_top_k_top_p_pytorch): min_p keeps
@@ -535,6 +706,7 @@ def truncation_mask(logits: torch.Tensor, top_p: float = 1.0, top_k: int = 0, mi
 
 
 def _check_truncation(top_p: float, top_k: int, min_p: float) -> None:
+    """A ValueError naming the argument unless top_p in (0, 1], top_k >= 0 and min_p in [0, 1)."""
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
@@ -552,7 +724,8 @@ def support_ids(keep: torch.Tensor, size: int | None = None) -> torch.Tensor:
     needs: nothing
     """
     S = size if size is not None else (max(int(keep.sum(-1).max()), 1) if keep.numel() else 1)
-    order = torch.sort(keep.to(torch.uint8), dim=-1, descending=True, stable=True).indices[..., :S]  # kept first
+    # kept first
+    order = torch.sort(keep.to(torch.uint8), dim=-1, descending=True, stable=True).indices[..., :S]
     return torch.where(keep.gather(-1, order), order, torch.full_like(order, -1))
 
 
@@ -569,7 +742,8 @@ def renormalize_on_support(logp: torch.Tensor, logp_kept: torch.Tensor) -> tuple
     _check_tensor("logp_kept", logp_kept)
     _check_device("logp_kept", logp_kept, "logp", logp)
     if logp_kept.dim() != logp.dim() + 1 or logp_kept.shape[:-1] != logp.shape:
-        raise ValueError(f"logp_kept must have shape {tuple(logp.shape)} + (S,), got {tuple(logp_kept.shape)}")
+        raise ValueError(f"logp_kept must have shape {tuple(logp.shape)} + (S,), got "
+                         f"{tuple(logp_kept.shape)}")
     log_s = torch.logsumexp(logp_kept, dim=-1).clamp(max=0.0)  # (B, T); all -inf (no support) gives -inf
     return logp - log_s, log_s
 
@@ -697,6 +871,7 @@ def log_odds_displacement(logp_train: torch.Tensor, logp_infer: torch.Tensor) ->
 
 
 def _check_fp32(name: str, x) -> None:
+    """A TypeError naming the argument unless x is a float32 tensor (the fp32 master)."""
     _check_tensor(name, x)
     if x.dtype != torch.float32:
         raise TypeError(f"{name} must be float32 (the fp32 master), got {x.dtype}")
@@ -732,7 +907,8 @@ def stochastic_round_bf16(
         _check_tensor("noise", noise, floating=False)
         _check_device("noise", noise, "x", x)
         if noise.dtype != torch.int32 or noise.shape != x.shape:
-            raise ValueError(f"noise must be int32 with shape {tuple(x.shape)}, got {noise.dtype} {tuple(noise.shape)}")
+            raise ValueError(f"noise must be int32 with shape {tuple(x.shape)}, got {noise.dtype} "
+                             f"{tuple(noise.shape)}")
         if noise.numel() and (int(noise.min()) < 0 or int(noise.max()) >= 1 << BF16_DROPPED_BITS):
             raise ValueError("noise values must lie in [0, 2**16)")
     # Sign-magnitude bits: adding to the magnitude's low bits and truncating rounds |x| up with the right odds.
@@ -750,7 +926,8 @@ def hash_noise16(shape: tuple[int, ...], seed: torch.Tensor) -> torch.Tensor:
 
     needs: nothing
     """
-    h = torch.arange(math.prod(shape), dtype=torch.int32, device=seed.device).reshape(shape) * -1640531535 + seed
+    index = torch.arange(math.prod(shape), dtype=torch.int32, device=seed.device).reshape(shape)
+    h = index * -1640531535 + seed
     h = h ^ ((h >> 16) & 0xFFFF)
     h = h * 0x7FEB352D
     h = h ^ ((h >> 15) & 0x1FFFF)
@@ -760,6 +937,7 @@ def hash_noise16(shape: tuple[int, ...], seed: torch.Tensor) -> torch.Tensor:
 
 
 def _sr_hashed(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """Stochastic bf16 rounding, hash_noise16(seed) as noise; non-finite values cast as is."""
     bits = (x.view(torch.int32) + hash_noise16(tuple(x.shape), seed)) & ~((1 << BF16_DROPPED_BITS) - 1)
     return torch.where(torch.isfinite(x), bits.view(torch.float32).to(torch.bfloat16), x.to(torch.bfloat16))
 
@@ -831,7 +1009,8 @@ def error_feedback_round_bf16_fused(x: torch.Tensor, residual: torch.Tensor, com
     _check_device("residual", residual, "x", x)
     if residual.shape != x.shape:
         raise ValueError(f"residual must have shape {tuple(x.shape)} like x, got {tuple(residual.shape)}")
-    flat_x, flat_e = x.contiguous().reshape(-1), residual.contiguous().reshape(-1)  # one kernel for every shape
+    # one kernel for every shape
+    flat_x, flat_e = x.contiguous().reshape(-1), residual.contiguous().reshape(-1)
     served, new_residual = (_compiled(_ef_one_pass) if compile else _ef_one_pass)(flat_x, flat_e)
     return served.reshape(x.shape), new_residual.reshape(x.shape)
 
@@ -844,7 +1023,8 @@ def _export_probe(device: torch.device) -> None:
 
 
 def visible_update_fraction(
-    master_before: torch.Tensor, master_after: torch.Tensor, served_before: torch.Tensor, served_after: torch.Tensor
+    master_before: torch.Tensor, master_after: torch.Tensor,
+    served_before: torch.Tensor, served_after: torch.Tensor,
 ) -> float:
     """<d_served, d_master> / |d_master|^2: the share of the master's move the sampler sees (Fair Cast [4]). Any shape.
 
@@ -880,8 +1060,10 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool 
     if rewards.dim() != 1 or rewards.numel() == 0:
         raise ValueError(f"rewards must have shape (B,) with B >= 1, got {tuple(rewards.shape)}")
     if not isinstance(group_size, int) or group_size < 1 or rewards.numel() % group_size:
-        raise ValueError(f"group_size must be a positive int dividing B = {rewards.numel()}, got {group_size!r}")
-    r = torch.nan_to_num(rewards.detach().float(), nan=0.0, posinf=0.0, neginf=0.0).view(-1, group_size)  # (B/G, G)
+        raise ValueError(f"group_size must be a positive int dividing B = {rewards.numel()}, got "
+                         f"{group_size!r}")
+    # (B/G, G)
+    r = torch.nan_to_num(rewards.detach().float(), nan=0.0, posinf=0.0, neginf=0.0).view(-1, group_size)
     adv = r - r.mean(dim=1, keepdim=True)
     if normalize_std and group_size > 1:
         std = r.std(dim=1, keepdim=True)  # unbiased, as GRPO / TRL
@@ -928,7 +1110,8 @@ def copc_advantages(
         last = (mask.cumsum(dim=1) == mask.sum(dim=1, keepdim=True)) & mask  # (B, T) last generated token
         rewards = torch.where(last, rewards.float()[:, None], mask.new_zeros(B, T, dtype=torch.float32))
     elif rewards.shape != (B, T):
-        raise ValueError(f"rewards must have shape (B,) = {(B,)} or (B, T) = {(B, T)}, got {tuple(rewards.shape)}")
+        raise ValueError(f"rewards must have shape (B,) = {(B,)} or (B, T) = {(B, T)}, got "
+                         f"{tuple(rewards.shape)}")
     zero = mask.new_zeros(B, T, dtype=torch.float32)
     v = torch.where(mask, values.detach().float(), zero)
     r = torch.where(mask, torch.nan_to_num(rewards.detach().float()), zero)
@@ -1090,7 +1273,10 @@ def calibrated_clip_bounds(
         return 1 - eps_low, 1 + eps_high
     low_neg = ratio_lowprec[neg].double().sort().values  # (N-,)
     n_clipped = int((ratio_ref[neg] < 1 - eps_low).sum())  # what the reference zeroes
-    L = float(low_neg[n_clipped]) if n_clipped < low_neg.numel() else math.nextafter(float(low_neg[-1]), math.inf)
+    if n_clipped < low_neg.numel():
+        L = float(low_neg[n_clipped])
+    else:
+        L = math.nextafter(float(low_neg[-1]), math.inf)
 
     def balance(r, H, L_):
         """(P(H), N(L)) of the ratios r."""
@@ -1123,6 +1309,7 @@ def _finite_or_zero(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def _weights_or_ones(weights, mask) -> torch.Tensor:
+    """Detached float weights, 0 off the mask and where non-finite; None: 1 on the mask."""
     if weights is None:
         return mask.float()
     _check_bt(mask, weights=weights)
@@ -1192,21 +1379,25 @@ def score_centering_loss(
         _check_tensor(name, t)
         _check_device(name, t, "logp", logp)
         if t.dim() != 3 or t.shape[:2] != mask.shape or t.shape != logp_topk.shape:
-            raise ValueError(f"{name} must have shape (B, T, K) with (B, T) = {tuple(mask.shape)}, got {tuple(t.shape)}")
+            raise ValueError(f"{name} must have shape (B, T, K) with (B, T) = {tuple(mask.shape)}, got "
+                             f"{tuple(t.shape)}")
     if cap is not None and band is not None:
         raise ValueError("pass at most one of cap (SC + TIS) and band (SC + MIS)")
     A = _check_adv(adv, mask)
     p_head = torch.nan_to_num(logp_topk.detach().float(), nan=-math.inf).clamp(max=0).exp()  # (B, T, K)
     q_head = torch.nan_to_num(logp_topk_infer.detach().float(), nan=-math.inf).clamp(max=0).exp()  # (B, T, K)
-    rho_tail = (1 - q_head.sum(-1)).clamp(min=TAIL_FLOOR) / (1 - p_head.sum(-1)).clamp(min=TAIL_FLOOR)  # (B, T)
+    # (B, T)
+    rho_tail = (1 - q_head.sum(-1)).clamp(min=TAIL_FLOOR) / (1 - p_head.sum(-1)).clamp(min=TAIL_FLOOR)
     log_r_y, ok_y = _finite_log_ratio(logp.detach(), logp_infer.detach(), mask)
-    log_r_head = (p_head.log() - q_head.log()).nan_to_num(nan=0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B,T,K)
+    # (B,T,K)
+    log_r_head = (p_head.log() - q_head.log()).nan_to_num(nan=0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if cap is not None:  # SC + TIS: q f(p/q) = min(p, C q), alpha = min(1, C rho_tail)
         f_y = log_r_y.exp().clamp(max=cap)
         head, alpha = torch.minimum(p_head, cap * q_head), (cap * rho_tail).clamp(max=1.0)
     elif band is not None:  # SC + MIS: q f(p/q) = p 1[band], alpha = 1[1/hi <= rho_tail <= 1/lo]
         lo, hi = band
-        f_y = torch.where((log_r_y.exp() >= lo) & (log_r_y.exp() <= hi), log_r_y.exp(), torch.zeros_like(log_r_y))
+        r_y = log_r_y.exp()
+        f_y = torch.where((r_y >= lo) & (r_y <= hi), r_y, torch.zeros_like(log_r_y))
         in_band = (log_r_head.exp() >= lo) & (log_r_head.exp() <= hi)
         head = torch.where(in_band, p_head, torch.zeros_like(p_head))
         alpha = ((rho_tail >= 1 / hi) & (rho_tail <= 1 / lo)).float()
@@ -1219,8 +1410,8 @@ def score_centering_loss(
     return -masked_mean(A * (f_y * logp_y - baseline), ok)
 
 
-def dlc_loss(logp, logp_old, logp_infer, adv, mask, eps_low: float = 0.2, eps_high: float = 0.28, clamp: float = 1.0,
-             logp_prox=None, lag_cap: float = 2.0):
+def dlc_loss(logp, logp_old, logp_infer, adv, mask, eps_low: float = 0.2, eps_high: float = 0.28,
+             clamp: float = 1.0, logp_prox=None, lag_cap: float = 2.0):
     """Decoupled PPO with w = dlc_weights(d) * min(p_prox / p_old, lag_cap): numerics centred, lag clipped. DLC [3].
 
     Reconstructed from the abstract of Li, Zhou & Lan ("centres numerical errors, clips lag ratios"): the engine
@@ -1275,7 +1466,8 @@ def effective_token_weights(loss: torch.Tensor, logp: torch.Tensor, adv, mask: t
     return torch.where(mask & (A != 0), w, torch.full_like(w, math.nan))
 
 
-def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness: int = 0, max_lag: float = 0.05) -> bool:
+def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness: int = 0,
+                      max_lag: float = 0.05) -> bool:
     """Resync when mean_mask |logp - logp_old| > max_lag or staleness >= max_staleness (each 0 = off). DLC [3].
 
     Reconstructed from the abstract of Li, Zhou & Lan ("resynchronises the sampler"): the trigger watches the part of
@@ -1328,8 +1520,9 @@ def _eval_pool_size(digits: int, ops: str) -> int:
     """How many distinct problems the eval pool holds (counted; about 1/5 of all, and plenty beyond 3 digits)."""
     if digits > 3:
         return 10**9
-    lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
-    return sum(_split_of(a, b, op) == "eval" for op in set(ops) for a in range(lo, hi + 1) for b in range(lo, hi + 1))
+    lo = 0 if digits == 1 else 10 ** (digits - 1)
+    operands = range(lo, 10**digits)
+    return sum(_split_of(a, b, op) == "eval" for op in set(ops) for a in operands for b in operands)
 
 
 OPS = "+-*s"  # s: swap, "ab s cd=" -> "cdab": a long answer (2 x digits tokens) whose every token is a copy
@@ -1354,8 +1547,8 @@ def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+",
     rng = random.Random(f"{seed}-{split}-{digits}-{ops}")
     lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
     if split == "eval" and n > _eval_pool_size(digits, ops):
-        raise ValueError(f"n = {n} distinct eval problems is more than the eval pool of {digits}-digit {ops!r} holds "
-                         f"({_eval_pool_size(digits, ops)})")
+        raise ValueError(f"n = {n} distinct eval problems is more than the eval pool of {digits}-digit "
+                         f"{ops!r} holds ({_eval_pool_size(digits, ops)})")
     out, seen = [], set()
     while len(out) < n:
         a, b, op = rng.randint(lo, hi), rng.randint(lo, hi), rng.choice(ops)
@@ -1371,18 +1564,22 @@ def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+",
 WORD_TEMPLATES = {
     "apples+": ("Sam has {a} apples and buys {b} more. How many apples does Sam have now?", "+"),
     "apples-": ("Sam has {a} apples and gives {b} of them away. How many apples does Sam have left?", "-"),
-    "distance+": ("A cyclist rides {a} km in the morning and {b} km in the afternoon. How many km does she ride?", "+"),
+    "distance+": ("A cyclist rides {a} km in the morning and {b} km in the afternoon. How many km does she "
+                  "ride?", "+"),
     "distance-": ("A trail is {a} km long and Mia has walked {b} km of it. How many km are left?", "-"),
     "money+": ("Leo has {a} dollars and earns {b} dollars more. How many dollars does Leo have now?", "+"),
     "money-": ("Leo has {a} dollars and spends {b} dollars. How many dollars does Leo have left?", "-"),
-    "books+": ("A shelf holds {a} books and {b} more books are put on it. How many books are on the shelf?", "+"),
-    "birds-": ("{a} birds sit on a wire and {b} of them fly away. How many birds are still on the wire?", "-"),
+    "books+": ("A shelf holds {a} books and {b} more books are put on it. How many books are on the "
+               "shelf?", "+"),
+    "birds-": ("{a} birds sit on a wire and {b} of them fly away. How many birds are still on the "
+               "wire?", "-"),
 }
 BOXED_INSTRUCTION = "Put the final answer in \\boxed{}."
 TASKS = ("arithmetic", "words")
 
 
-def make_word_problems(n: int, seed: int = 0, split: str = "rl", max_operand: int = 20) -> list[tuple[str, str]]:
+def make_word_problems(n: int, seed: int = 0, split: str = "rl",
+                       max_operand: int = 20) -> list[tuple[str, str]]:
     """n (question, answer) word problems a + b or a - b, 0 <= a, b <= max_operand, answer >= 0 (WORD_TEMPLATES).
 
     Two pools, rl | eval, disjoint by construction for every seed: _split_of's hash of the arithmetic (op, a, b)
@@ -1409,7 +1606,8 @@ def chat_prompt(tokenizer, question: str) -> str:
     """The question plus BOXED_INSTRUCTION as one user turn of the tokenizer's chat template, up to the answer."""
     tok = getattr(tokenizer, "tok", tokenizer)  # HFTokenizer wraps the transformers tokenizer
     if not getattr(tok, "chat_template", None):
-        raise ValueError(f"tokenizer: {type(tok).__name__} has no chat template (task words needs a chat model)")
+        raise ValueError(f"tokenizer: {type(tok).__name__} has no chat template (task words needs a chat "
+                         "model)")
     return tok.apply_chat_template([{"role": "user", "content": f"{question} {BOXED_INSTRUCTION}"}],
                                    add_generation_prompt=True, tokenize=False)
 
@@ -2068,10 +2266,7 @@ class TorchSampler:
 
     def __init__(self, model_dir_or_model, engine: EngineSpec | None = None, tokenizer: CharTokenizer | None = None):
         self.engine = engine or EngineSpec()
-        _check_choice("engine.dtype", self.engine.dtype, sorted(_DTYPES))
-        _check_choice("engine.quant", self.engine.quant, ("none", "int8", "fp8"))
-        if self.engine.exact and (self.engine.dtype != "fp32" or self.engine.quant != "none" or self.engine.noise):
-            raise ValueError("engine.exact needs dtype fp32 without quantisation or noise")
+        _check_engine(self.engine)
         source = load_model(model_dir_or_model) if isinstance(model_dir_or_model, (str, Path)) else model_dir_or_model
         self.model = copy.deepcopy(source).eval().to(_DTYPES[self.engine.dtype])  # in the engine dtype from the start
         kept_fp32 = moe_routers(self.model) if self.engine.router_fp32 else []
@@ -2660,51 +2855,6 @@ def _has_chat_template(model_dir: str | Path) -> bool:
         config.read_text()))
 
 
-def _check_run_config(cfg: RLConfig) -> None:
-    """Raise ValueError naming the flag(s) for a setting the run would reject later, or that would train nothing."""
-    _check_values(cfg)
-    resolve_device(cfg.device)
-    try:
-        _check_truncation(cfg.top_p, cfg.top_k, cfg.min_p)
-    except ValueError as e:
-        raise ValueError("--" + str(e).replace("_", "-", 1)) from None
-    group_relative = cfg.baseline == "group" and cfg.correction != "copc"  # COPC's advantages come from its critic
-    vllm = cfg.sampler == "vllm"
-    task = _task_kwargs(cfg.model)  # its longest answer and <eos>: a product or a swap has 2 x digits, else digits + 1
-    longest = 1 + max(2 * task["digits"] if op in "*s" else task["digits"] + 1 for op in task["ops"])
-    mistakes = [
-        (cfg.task == "arithmetic" and cfg.max_new_tokens < longest, f"--max-new-tokens {cfg.max_new_tokens} cannot "
-         f"hold this model's answers ({task['digits']}-digit {task['ops']!r}: up to {longest} tokens with <eos>)"),
-        (_truncates(cfg) and not cfg.renormalize and cfg.correction in ("dlc", "calibrated", "sc", "sc_tis", "sc_mis",
-                                                                         "drift_only"),
-         f"--no-renormalize applies to the current trainer's sampled-token log-probs only; --correction "
-         f"{cfg.correction} also reads logp_old or the top-K log-probs: run it with --renormalize"),
-        (cfg.loss_on_served and (cfg.sync_every, cfg.updates_per_batch) != (1, 1), "--loss-on-served needs "
-         "--sync-every 1 and --updates-per-batch 1 (the loss runs on the copy the sampler holds, fixed until a sync)"),
-        (cfg.export != "rtn" and cfg.dtype != "bf16", f"--export {cfg.export} rounds the fp32 master to bf16: it "
-         f"needs --dtype bf16 (the sampler is {cfg.dtype}; rtn is the only export to fp32 / fp16)"),
-        (group_relative and cfg.group == 1, "--group 1 with --baseline group: each sample is its own group mean, so "
-         "every advantage is 0 and nothing trains (use --group >= 2, or --baseline none)"),
-        (group_relative and cfg.temperature == 0, "--temperature 0 samples greedily: a group's samples are identical, "
-         "so every advantage is 0 and nothing trains (use --temperature > 0, or --baseline none)"),
-        (vllm and not vllm_available(), "--sampler vllm: vLLM is not installed in this environment (README: Set-up "
-         "installs it in its own environment)"),
-        (vllm and (cfg.quant != "none" or cfg.noise or cfg.router_noise or cfg.exact), "--sampler vllm takes --dtype "
-         "only (no --quant, --noise, --router-noise or --exact)"),
-        (vllm and cfg.routing_replay == "r3", "--routing-replay r3 replays the sampler's experts, but vLLM's CPU build "
-         "cannot return them (a GPU vLLM can: enable_return_routed_experts); use --sampler torch, or r2"),
-        (vllm and 0 < cfg.temperature < 0.01, f"--sampler vllm with --temperature {cfg.temperature}: vLLM samples "
-         "at 0.01 while the trainer would score the requested value (use 0.01 or more)"),
-        (Path(cfg.out_dir, cfg.name).resolve() == Path(cfg.model).resolve(), f"--out-dir {cfg.out_dir} --name "
-         f"{cfg.name}: that run directory is the --model directory (a run writes its own config.json there)"),
-        (cfg.task == "words" and not _has_chat_template(cfg.model), f"--task words needs a chat model (--model DIR "
-         f"with a chat template): {cfg.model} has no chat template"),
-    ]
-    for bad, message in mistakes:
-        if bad:
-            raise ValueError(message)
-
-
 STEP_PHASES = ("sample", "recompute", "loss", "optimizer", "export", "sync")  # sec_<phase> in metrics.jsonl
 
 
@@ -3051,8 +3201,8 @@ def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: 
 # sampler's top-k log-probs, which TRL does not request from vLLM. COPC cannot: it needs a critic. DPPO cannot: its
 # mask depends on the current log-prob's gradient direction, not on a weight fixed at generation time.
 
-TRL_CORRECTIONS = {"tis": tis_weights, "mis": mis_weights, "seq_tis": seq_tis_weights, "seq_mask": seq_mask_weights,
-                   "geo": geo_mask_weights, "cis": cis_weights, "dlc": dlc_weights}
+TRL_CORRECTIONS = {"tis": tis_weights, "mis": mis_weights, "seq_tis": seq_tis_weights,
+                   "seq_mask": seq_mask_weights, "geo": geo_mask_weights, "cis": cis_weights, "dlc": dlc_weights}
 
 
 def trl_weights(correction: str, old_per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor,
@@ -3063,7 +3213,8 @@ def trl_weights(correction: str, old_per_token_logps: torch.Tensor, sampling_per
     documented value for a non-finite token.
     """
     if correction not in TRL_CORRECTIONS:
-        raise ValueError(f"correction must be one of {sorted(TRL_CORRECTIONS)} to ride through TRL, got {correction!r}")
+        raise ValueError(f"correction must be one of {sorted(TRL_CORRECTIONS)} to ride through TRL, got "
+                         f"{correction!r}")
     return TRL_CORRECTIONS[correction](old_per_token_logps.detach().float(), sampling_per_token_logps.float(),
                                        completion_mask.bool())
 
@@ -3071,21 +3222,25 @@ def trl_weights(correction: str, old_per_token_logps: torch.Tensor, sampling_per
 def check_trl_args(args) -> None:
     """Refuse GRPOConfig settings under which a tim_rl weight would be silently wrong or ignored (TRL 1.16)."""
     if not getattr(args, "use_vllm", False):
-        raise ValueError("use_vllm=False: TRL then has no sampler log-probs, so no tim_rl weight would be applied")
+        raise ValueError("use_vllm=False: TRL then has no sampler log-probs, so no tim_rl weight would be "
+                         "applied")
     if getattr(args, "loss_type", None) == "vespo":
-        raise ValueError("loss_type='vespo' takes log(importance_sampling_ratio) and sums it over unmasked padding: "
-                         "tim_rl's weights are 0 there (and where a mask drops a token); use another loss_type")
-    extra = getattr(args, "generation_kwargs", None) or {}  # TRL merges these into vLLM's sampling settings last
+        raise ValueError("loss_type='vespo' takes log(importance_sampling_ratio) and sums it over unmasked "
+                         "padding: tim_rl's weights are 0 there (and where a mask drops a token); use "
+                         "another loss_type")
+    # TRL merges these into vLLM's sampling settings last
+    extra = getattr(args, "generation_kwargs", None) or {}
     extra = json.loads(extra) if isinstance(extra, str) else extra
     top_p, top_k, min_p = (extra.get(k, getattr(args, k, None)) for k in ("top_p", "top_k", "min_p"))
     if (top_p if top_p is not None else 1.0) < 1 or (top_k or 0) > 0 or (min_p or 0) > 0:
-        raise ValueError("top_p / top_k / min_p truncate sampling: vLLM returns log-probs renormalised over the kept "
-                         "tokens, TRL 1.16 computes the trainer's over the full vocabulary, so every weight would "
-                         "carry the kept mass S (TRL #6789), and vLLM 0.32 gives TRL no kept support to renormalise "
-                         "on; set top_p=1.0, top_k=0, min_p=None (or use tim_rl's loop: --top-p, renormalised)")
+        raise ValueError("top_p / top_k / min_p truncate sampling: vLLM returns log-probs renormalised over "
+                         "the kept tokens, TRL 1.16 computes the trainer's over the full vocabulary, so "
+                         "every weight would carry the kept mass S (TRL #6789), and vLLM 0.32 gives TRL no "
+                         "kept support to renormalise on; set top_p=1.0, top_k=0, min_p=None (or use "
+                         "tim_rl's loop: --top-p, renormalised)")
     if not getattr(args, "vllm_importance_sampling_correction", True):
-        raise ValueError("vllm_importance_sampling_correction=False: TRL would compute the tim_rl weight and never "
-                         "apply it; set it to True")
+        raise ValueError("vllm_importance_sampling_correction=False: TRL would compute the tim_rl weight "
+                         "and never apply it; set it to True")
 
 
 def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **trainer_kwargs):
@@ -3105,17 +3260,20 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
     from trl import GRPOTrainer
 
     if correction not in TRL_CORRECTIONS:
-        raise ValueError(f"correction must be one of {sorted(TRL_CORRECTIONS)} to ride through TRL, got {correction!r}")
+        raise ValueError(f"correction must be one of {sorted(TRL_CORRECTIONS)} to ride through TRL, got "
+                         f"{correction!r}")
     if "args" in trainer_kwargs:
         check_trl_args(trainer_kwargs["args"])
 
     class TimRLGRPOTrainer(GRPOTrainer):
         def _generate_and_score_completions(self, inputs):
+            """TRL's rollout with its importance_sampling_ratio from trl_weights."""
             out = super()._generate_and_score_completions(inputs)
             p_old, q = out.get("old_per_token_logps"), out.get("sampling_per_token_logps")
             if p_old is None or q is None:  # no vLLM, or TRL's correction off: nothing to weight
                 return out
-            out["importance_sampling_ratio"] = trl_weights(correction, p_old, q, out["completion_mask"])  # TIM
+            mask = out["completion_mask"]
+            out["importance_sampling_ratio"] = trl_weights(correction, p_old, q, mask)  # TIM
             mode = "train" if self.model.training else "eval"
             for key, value in mismatch_metrics(p_old, q, out["completion_mask"].bool()).items():
                 self._metrics[mode][f"tim_rl/{key}"].append(value)
@@ -3124,7 +3282,8 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
     if vllm_dtype is not None and vllm_dtype not in _VLLM_DTYPES:
         raise ValueError(f"vllm_dtype must be one of {sorted(_VLLM_DTYPES)}, got {vllm_dtype!r}")
     threads = _vllm_environment()
-    llm = getattr(trl_vllm, "LLM", None)  # vLLM's class as TRL imported it; with vllm_dtype, pinned for this call
+    # vLLM's class as TRL imported it; with vllm_dtype, pinned for this call
+    llm = getattr(trl_vllm, "LLM", None)
     llm = llm if vllm_dtype is None else functools.partial(llm, dtype=_VLLM_DTYPES[vllm_dtype])
     with unittest.mock.patch.object(trl_vllm, "LLM", llm, create=True):
         trainer = TimRLGRPOTrainer(**trainer_kwargs)
@@ -3133,7 +3292,8 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
     if trainer.use_vllm and generation is not None and generation.mode == "colocate" and _vllm_on_cpu():
         # vLLM's CPU build repacks Linear weights, which breaks TRL's per-parameter sync; on a GPU TRL's own sync
         # (PEFT merge, ZeRO-3 gather, sleep-mode wake-up) stays in charge
-        generation.sync_weights = lambda: reload_vllm_weights(generation.llm, trainer.model.named_parameters())
+        generation.sync_weights = lambda: reload_vllm_weights(generation.llm,
+                                                              trainer.model.named_parameters())
     return trainer
 
 
@@ -3156,85 +3316,24 @@ def _add_fields(parser, cls):
     return parser
 
 
-class UsageError(ValueError):
-    """A mistake on the command line: main() prints it as one `tim_rl: error: ...` line and exits with status 2."""
-
-
-# Flags checked before anything is built (a user's mistake is one line, not a traceback): smallest value allowed,
-# and the allowed values. Keys are config field names; a subcommand or config checks the ones it has.
-_CLI_MIN = {"steps": 1, "prompts": 1, "group": 1, "max_new_tokens": 1, "eval_every": 1, "eval_n": 1, "sync_every": 1,
-            "updates_per_batch": 1, "checkpoint_every": 0, "topk": 0, "temperature": 0, "batch": 1, "digits": 1,
-            "repeats": 1}
-_CLI_CHOICES = {"sampler": ("torch", "vllm"), "dtype": tuple(_DTYPES), "quant": ("none", "int8", "fp8"),
-                "correction": CORRECTIONS, "baseline": ("group", "none"), "optimizer": ("adamw", "sgd"),
-                "export": ("rtn", "sr", "ef"), "device": ("auto", "cpu", "cuda"),
-                "task": TASKS, "routing_replay": ("none", "r2", "r3")}
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-_CLI_POSITIVE = ("lr", "tis_cap", "mis_high", "dppo_delta", "vllm_gpu_memory")  # finite and > 0
-
-
-def _check_values(obj) -> None:
-    """Raise UsageError, naming the flag, for a value below its minimum or not among its choices (args or config),
-    a float flag that is not finite, or a learning rate / cap / band that is not positive."""
-    for f in fields(RLConfig):
-        value = getattr(obj, f.name, None)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UsageError(f"{_flag(f.name)} must be a finite number, got {value}")
-        if f.name in _CLI_POSITIVE and value is not None and value <= 0:
-            raise UsageError(f"{_flag(f.name)} must be > 0, got {value}")
-    for name, low in _CLI_MIN.items():
-        if getattr(obj, name, low) < low:
-            raise UsageError(f"{_flag(name)} must be >= {low}, got {getattr(obj, name)}")
-    for name, choices in _CLI_CHOICES.items():
-        if getattr(obj, name, choices[0]) not in choices:
-            shown = " | ".join(c for c in choices if c)
-            raise UsageError(f"{_flag(name)} must be one of {shown}, got {getattr(obj, name)!r}")
-
-
 def _from_args(cls, args):
     """The config dataclass `cls` from the parsed flags of the same names."""
     return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
-
-
-def _check_cli(args) -> RLConfig | None:
-    """Raise ValueError, naming the flag(s), for a value or combination the run would reject later (or with a
-    traceback, or that would train nothing); returns the RL config train (or experiments.py compare) will run."""
-    _check_values(args)
-    if not re.fullmatch(r"-?\d+(,-?\d+)*", getattr(args, "seeds", None) or "0"):
-        raise UsageError(f"--seeds must be comma-separated integers, got {args.seeds!r}")
-    model = getattr(args, "model", "runs/base")
-    if model != "runs/base" and not (Path(model) / "config.json").is_file():  # runs/base is built when missing
-        found = "a directory without config.json" if Path(model).is_dir() else "no model directory there"
-        raise UsageError(f"--model {model}: {found} (expected a Hugging Face causal-LM directory with config.json; "
-                         "omit --model to use the embedded tiny model)")
-    resume = getattr(args, "resume", "")
-    for need in ("config.json", "checkpoint.safetensors") if resume else ():
-        if not (Path(resume) / need).is_file():
-            raise UsageError(f"--resume {resume}: no {need} there (expected a run directory written by train)")
-    if args.cmd not in ("train", "compare") or getattr(args, "preset", ""):
-        return None
-    saved = json.loads((Path(resume) / "config.json").read_text()) if resume else vars(args)  # resume: its config
-    cfg = RLConfig(**{f.name: saved[f.name] for f in fields(RLConfig) if f.name in saved})
-    _check_run_config(cfg)
-    return cfg
 
 
 def _parser():
     """The argparse parser of every subcommand, flags built from the config dataclasses."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="tim_rl", description="RL under training-inference mismatch. No subcommand: "
-                                     "the default demo (~5 min; first pre-trains the tiny model if needed, ~20 s).")
+    parser = argparse.ArgumentParser(prog="tim_rl", description="RL under training-inference mismatch. No "
+                                     "subcommand: the default demo (~5 min; first pre-trains the tiny model "
+                                     "if needed, ~20 s).")
     sub = parser.add_subparsers(dest="cmd")
     _add_fields(sub.add_parser("pretrain", help="pre-train the embedded tiny model"), PretrainConfig)
     p_train = _add_fields(sub.add_parser("train", help="one RL run"), RLConfig)
     p_train.add_argument("--resume", metavar="RUN_DIR", default="",
-                         help="continue runs/<name> from its checkpoint, with its config.json (other flags ignored)")
+                         help="continue runs/<name> from its checkpoint, with its config.json (other flags "
+                              "ignored)")
     p_demo = sub.add_parser("demo", help="the default demo")
     p_demo.add_argument("--steps", type=int, default=80)
     p_demo.add_argument("--seeds", default="0,1,2,3,4")
@@ -3245,15 +3344,17 @@ def _eval_warning(cfg: RLConfig) -> str | None:
     """One line when --eval-every gives fewer than 5 evaluations although --steps allows 5 (a coarse pc curve)."""
     count = len(range(0, cfg.steps, cfg.eval_every)) + 1
     if count < 5 <= cfg.steps + 1:
-        return (f"tim_rl: warning: --steps {cfg.steps} --eval-every {cfg.eval_every} gives {count} evaluations "
-                f"(--eval-every {max(cfg.steps // 4, 1)} gives 5 or more)")
+        return (f"tim_rl: warning: --steps {cfg.steps} --eval-every {cfg.eval_every} gives {count} "
+                f"evaluations (--eval-every {max(cfg.steps // 4, 1)} gives 5 or more)")
 
 
 def _train_summary(records: list[dict], out: Path) -> str:
     """A few numbers of a finished run (first and last evaluation, last step) and the files it wrote."""
     step, first, last = [r for r in records if "reward" in r][-1], records[0], records[-1]
-    evals = "  ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in ("acc_trainer", "pc_trainer", "pc_sampler"))
-    now = "  ".join(f"{k} {step[k]:.3g}" for k in ("reward", "mm_abs_diff", "grad_norm") if step[k] is not None)
+    evals = "  ".join(f"{k} {first[k]:.3f} -> "
+                      f"{last[k]:.3f}" for k in ("acc_trainer", "pc_trainer", "pc_sampler"))
+    now = "  ".join(f"{k} "
+                    f"{step[k]:.3g}" for k in ("reward", "mm_abs_diff", "grad_norm") if step[k] is not None)
     files = ", ".join(str(out / f) for f in ("metrics.jsonl", "config.json", "checkpoint.safetensors"))
     return f"evaluations (first -> last): {evals}\nstep {step['step']}: {now}\nwrote {files}"
 
@@ -3266,7 +3367,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = _parser()
     if argv[:1] and argv[0] in MOVED:  # one line, not argparse's list of choices
-        parser.exit(2, f"tim_rl: error: {argv[0]} moved to experiments.py: python experiments.py {argv[0]} --help\n")
+        parser.exit(2, f"tim_rl: error: {argv[0]} moved to experiments.py: python experiments.py {argv[0]} "
+                       "--help\n")
     args = parser.parse_args(argv)
     try:
         cfg = _check_cli(args)
@@ -3286,7 +3388,9 @@ def main(argv: list[str] | None = None) -> None:
         else:
             demo(steps=getattr(args, "steps", 80), seeds=tuple(int(s) for s in seeds.split(",")))
     except KeyboardInterrupt:
-        where = f"; python tim_rl.py train --resume {Path(cfg.out_dir) / cfg.name}" if args.cmd == "train" else ""
+        where = ""
+        if args.cmd == "train":
+            where = f"; python tim_rl.py train --resume {Path(cfg.out_dir) / cfg.name}"
         parser.exit(130, f"tim_rl: interrupted (the last checkpoint is kept{where})\n")
 
 
