@@ -2785,6 +2785,39 @@ def test_routed_router_forward_is_the_transformers_router_and_forcing_keeps_the_
     assert not torch.allclose(W.grad.double(), dz.T @ hidden.double(), atol=1e-3)
 
 
+def test_only_routers_with_qwen3_moes_forward_are_replayed_and_replays_nest():
+    """REPLAYABLE_ROUTERS are the transformers routers whose forward is Qwen3MoeTopKRouter's line for line; a router
+    that routes otherwise (Mixtral's) is left alone. A replay inside a replay restores the outer one's forward."""
+    import importlib
+    import inspect
+
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    reference = inspect.getsource(Qwen3MoeTopKRouter.forward)
+    for name in tr.REPLAYABLE_ROUTERS:
+        family = name.replace("TopKRouter", "").replace("Text", "").lower()  # Qwen2Moe -> qwen2moe
+        modules = [m for m in ("qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "flex_olmo", "mellum")
+                   if m.replace("_", "") == family]
+        module = importlib.import_module(f"transformers.models.{modules[0]}.modeling_{modules[0]}")
+        assert inspect.getsource(getattr(module, name).forward) == reference, name
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    mixtral = MixtralForCausalLM(MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=2, num_local_experts=4))
+    assert tr.moe_routers(mixtral) == []
+    with tr.replay_routes(mixtral) as log:
+        mixtral(input_ids=torch.tensor([[1, 2, 3]]))
+    assert log == [] and tr.stack_routes(log, 1) is None
+    moe = tr.build_tiny_moe_model(layers=1)
+    ids = torch.tensor([[5, 6, 7]])
+    with tr.replay_routes(moe) as outer:
+        with tr.replay_routes(moe) as inner:
+            moe(input_ids=ids)
+        moe(input_ids=ids)
+    assert len(inner[0]) == 1 and len(outer[0]) == 1, "each block logs its own calls"
+    assert "forward" not in vars(tr.moe_routers(moe)[0]), "both blocks undone"
+
+
 def test_routing_flip_rate_compares_expert_sets_per_layer_and_skips_missing_routes():
     a = torch.tensor([[[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[0, 2], [1, 3]], [[-1, -1], [-1, -1]]]])  # (1, 4, 2, 2)
     b = torch.tensor([[[[1, 0], [2, 3]], [[4, 6], [6, 7]], [[0, 2], [1, 5]], [[0, 1], [2, 3]]]])
@@ -2875,11 +2908,11 @@ def test_moe_run_ledger_sums_to_the_total_and_logs_flip_rates(moe_base_dir, tmp_
     assert any(r["ledger_lag_abs"] > 0 for r in steps), "the lagged steps have lag"
 
 
-def test_moe_engine_numerics_reach_experts_and_routers_and_replay_needs_the_routes(moe_base_dir, base_model_dir,
+def test_moe_engine_numerics_reach_experts_and_routers_and_what_is_refused(moe_base_dir, base_model_dir,
                                                                                    tmp_path, monkeypatch):
     """Quantisation and noise act on the experts' 3-D weights and the routers (not the head); router_noise on the
-    routers only; router_fp32 / head_fp32 keep those modules in fp32. R3 with vLLM and any replay on a dense model
-    are one clear error."""
+    routers only; router_fp32 / head_fp32 keep those modules in fp32. vLLM with an MoE model (its sync breaks the
+    experts), replay on a dense model and an fp32 head tied to bf16 embeddings are each one clear error."""
     model = tr.load_model(moe_base_dir).eval()
     master = dict(model.named_parameters())
     int8 = dict(tr.TorchSampler(model, tr.EngineSpec(quant="int8")).model.named_parameters())
@@ -2894,12 +2927,16 @@ def test_moe_engine_numerics_reach_experts_and_routers_and_replay_needs_the_rout
     assert kept.lm_head.weight.dtype == torch.float32 and kept.model.layers[2].mlp.gate.weight.dtype == torch.float32
     assert kept.model.layers[2].mlp.experts.down_proj.dtype == torch.bfloat16
     monkeypatch.setattr(tr, "vllm_available", lambda: True)  # the message, whether or not vLLM is installed here
-    with pytest.raises(ValueError, match="cannot return them"):
-        tr._check_run_config(tr.RLConfig(model=str(moe_base_dir), sampler="vllm", routing_replay="r3"))
-    tr._check_run_config(tr.RLConfig(model=str(moe_base_dir), sampler="vllm", routing_replay="r2"))  # allowed
+    vllm = tr.RLConfig(model=str(moe_base_dir), sampler="vllm", out_dir=str(tmp_path), progress=False)
+    with pytest.raises(ValueError, match="an in-place sync breaks vLLM 0.32.s experts"):
+        tr.run(vllm)  # refused before an engine is built
     dense = tr.RLConfig(model=str(base_model_dir), routing_replay="r2", out_dir=str(tmp_path), progress=False)
-    with pytest.raises(ValueError, match="has no top-k router"):
+    with pytest.raises(ValueError, match="has no router tim_rl replays"):
         tr.run(dense)
+    with pytest.raises(ValueError, match="untied output head"):
+        tied = tr.build_tiny_model(vocab_size=128)
+        tied.lm_head.weight = tied.model.embed_tokens.weight
+        tr.TorchSampler(tied, tr.EngineSpec(dtype="bf16", head_fp32=True))
 
 
 # =================================================================================================================
@@ -2907,10 +2944,11 @@ def test_moe_engine_numerics_reach_experts_and_routers_and_replay_needs_the_rout
 
 
 @pytest.mark.notebook
-def test_tutorial_notebook_executes(base_model_dir, tmp_path, monkeypatch):
+def test_tutorial_notebook_executes(base_model_dir, moe_base_dir, tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat", reason="install the extra `notebook` to execute tutorial.ipynb")
     nbclient = pytest.importorskip("nbclient", reason="install the extra `notebook` to execute tutorial.ipynb")
-    monkeypatch.setenv("TIM_RL_BASE", str(tr.Path(base_model_dir).resolve()))  # the kernel inherits it
+    monkeypatch.setenv("TIM_RL_BASE", str(tr.Path(base_model_dir).resolve()))  # the kernel inherits them
+    monkeypatch.setenv("TIM_RL_MOE_BASE", str(tr.Path(moe_base_dir).resolve()))
     nb = nbformat.read(tr.Path(__file__).with_name("tutorial.ipynb"), as_version=4)
     assert any(c.cell_type == "code" and "assert" in c.source for c in nb.cells)
     client = nbclient.NotebookClient(nb, timeout=1800, kernel_name="python3",  # per cell; ~40 s on 2 idle cores

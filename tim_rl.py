@@ -382,8 +382,6 @@ def _check_run_config(cfg: RLConfig) -> None:
          "Set-up installs it in its own environment)"),
         (vllm and (cfg.quant != "none" or cfg.noise or cfg.router_noise or cfg.exact), "--sampler vllm takes "
          "--dtype only (no --quant, --noise, --router-noise or --exact)"),
-        (vllm and cfg.routing_replay == "r3", "--routing-replay r3 replays the sampler's experts, but vLLM's CPU "
-         "build cannot return them (a GPU vLLM can: enable_return_routed_experts); use --sampler torch, or r2"),
         (vllm and 0 < cfg.temperature < 0.01, f"--sampler vllm with --temperature {cfg.temperature}: vLLM "
          "samples at 0.01 while the trainer would score the requested value (use 0.01 or more)"),
         (Path(cfg.out_dir, cfg.name).resolve() == Path(cfg.model).resolve(), f"--out-dir {cfg.out_dir} "
@@ -1789,8 +1787,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
         L = max(len(p) + len(a) for p, a in seqs)
         ids = torch.tensor([p + a + [PAD_ID] * (L - len(p) - len(a)) for p, a in seqs])  # (B, L) right-padded
         labels = torch.tensor([[-100] * len(p) + a + [-100] * (L - len(p) - len(a)) for p, a in seqs])  # the answer only
-        moe = {"output_router_logits": True} if cfg.moe else {}  # + router_aux_loss_coef x load-balancing loss
-        loss = model(input_ids=ids, labels=labels, **moe).loss
+        # an MoE model adds router_aux_loss_coef x its load-balancing loss
+        loss = model(input_ids=ids, labels=labels, **({"output_router_logits": True} if cfg.moe else {})).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -1837,9 +1835,9 @@ def ensure_base_model(path: str | Path = "runs/base", **change) -> Path:
 def _model_dir(model: str) -> Path:
     """The model directory a run or preset uses: runs/base (and runs/base-moe) are pre-trained when missing; others
     must exist."""
-    if model == MOE_BASE:
-        return ensure_base_model(model, moe=True)
-    return ensure_base_model(model) if model == "runs/base" else Path(model)
+    if model in ("runs/base", MOE_BASE):
+        return ensure_base_model(model, moe=model == MOE_BASE)
+    return Path(model)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1851,10 +1849,16 @@ def _model_dir(model: str) -> Path:
 # trainer's behaviour pass, R3 in the inference engine (vLLM and SGLang on a GPU: enable_return_routed_experts).
 
 
+# transformers 5.19 routers whose forward is Qwen3MoeTopKRouter.forward line for line (softmax, top-k, renormalise);
+# others (Mixtral, GPT-OSS, DeepSeek, Granite, ...) route differently and are left alone: no routes, no replay
+REPLAYABLE_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3NextTopKRouter", "OlmoeTopKRouter",
+                      "FlexOlmoTopKRouter", "MellumTopKRouter")
+
+
 def moe_routers(model) -> list[torch.nn.Module]:
-    """The top-k routers of a transformers MoE model in layer order: Qwen3-MoE's mlp.gate (Qwen3MoeTopKRouter) and
-    routers of the same interface (weight (E, H), top_k, norm_topk_prob, hidden_dim). [] for a dense model."""
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    """The top-k routers of a transformers MoE model that tim_rl records and replays, in layer order: Qwen3-MoE's
+    mlp.gate (Qwen3MoeTopKRouter) and the REPLAYABLE_ROUTERS. [] for a dense model (or another router)."""
+    return [m for m in model.modules() if type(m).__name__ in REPLAYABLE_ROUTERS]
 
 
 def routed_router_forward(router, hidden: torch.Tensor, forced: torch.Tensor | None = None):
@@ -1900,13 +1904,16 @@ def replay_routes(model, routes: torch.Tensor | None = None):
 
         return forward
 
+    previous = [vars(router).get("forward") for router in routers]  # an enclosing replay's (or a library's) forward
     for layer, router in enumerate(routers):
         router.forward = forward_of(layer, router)  # an instance attribute: nn.Module.__call__ (and its hooks) use it
     try:
         yield log
     finally:
-        for router in routers:
+        for router, forward in zip(routers, previous):
             del router.forward
+            if forward is not None:
+                router.forward = forward
 
 
 def stack_routes(log: list[list[torch.Tensor]], batch: int) -> torch.Tensor | None:
@@ -1957,12 +1964,14 @@ def _pad_last(tensors: list[torch.Tensor], value: int) -> list[torch.Tensor]:
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int = PAD_ID, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids (B, P) left-padded with pad_id, mask (B, P) True on real tokens) of token-id lists."""
     P = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompts], device=device)  # (B, P)
     return ids, ids.new_tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts]).bool()
 
 
 def _positions(attention: torch.Tensor) -> torch.Tensor:
+    """Position ids of a left-padded batch: 0 at each row's first real token (pads get 0). (B, L) -> (B, L)."""
     return (attention.long().cumsum(1) - 1).clamp(min=0)
 
 
@@ -2056,8 +2065,7 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_id
     (B, P + T, L, k) replays an MoE model's experts (replay_routes).
     """
     untruncated = dataclasses.replace(rollout, kept_ids=None)
-    logp, logp_topk, hidden, _ = support_logprobs(model, untruncated, temperature, topk_ids, params, routes)
-    return logp, logp_topk, hidden
+    return support_logprobs(model, untruncated, temperature, topk_ids, params, routes)[:3]  # (logp, topk, hidden)
 
 
 class Forward(NamedTuple):
@@ -2216,7 +2224,10 @@ class TorchSampler:
         source = load_model(model_dir_or_model) if isinstance(model_dir_or_model, (str, Path)) else model_dir_or_model
         self.model = copy.deepcopy(source).eval().to(_DTYPES[self.engine.dtype])  # in the engine dtype from the start
         kept_fp32 = moe_routers(self.model) if self.engine.router_fp32 else []
-        kept_fp32 += [self.model.get_output_embeddings()] if self.engine.head_fp32 else []
+        head = self.model.get_output_embeddings()
+        if self.engine.head_fp32 and head.weight is self.model.get_input_embeddings().weight:
+            raise ValueError("engine.head_fp32 needs an untied output head (this model ties it to the embeddings)")
+        kept_fp32 += [head] if self.engine.head_fp32 else []
         for module in kept_fp32:  # TIM: fp32 weights, and fp32 inputs (a pre-hook), inside a bf16 / fp16 engine
             module.float().register_forward_pre_hook(lambda _, inputs: tuple(x.float() for x in inputs))
         self.tokenizer = tokenizer or CharTokenizer(self.model.config.vocab_size)
@@ -2352,8 +2363,8 @@ class VLLMSampler:
         """n samples per prompt (consecutive rows) with vLLM's log-probs of each token and of its top-K ids.
 
         With truncation the kept support is the finite entries of the processed log-probs when topk = 0 (all V
-        requested); otherwise kept_ids is None and the loop rebuilds it (kept_support_from_logits). topk None: only the sampled
-        token's log-prob (K = 0).
+        requested); otherwise kept_ids is None and the loop rebuilds it (kept_support_from_logits). topk None: only
+        the sampled token's log-prob (K = 0).
         """
         from vllm import SamplingParams
 
@@ -2518,8 +2529,7 @@ class Trainer:
                                if self.loss_on_served else None)
         return self._served_leaves
 
-    def logprobs(self, rollout: Rollout, topk_ids: torch.Tensor | None = None, temperature: float = 1.0,
-                 routes: torch.Tensor | None = None):
+    def logprobs(self, rollout: Rollout, topk_ids: torch.Tensor | None = None, temperature: float = 1.0, routes=None):
         """(logp, logp_topk, hidden) under the current weights, with gradient. Fair Cast's loss_on_served runs the
         forward on the served (rounded) copy and routes its gradient to the fp32 master (straight-through); `routes`
         replays an MoE model's experts."""
@@ -2698,7 +2708,8 @@ def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout
     ppo = functools.partial(ppo_loss, logp, logp_prox, adv, m, **eps)  # (weights) TIM: decoupled PPO
     sc = functools.partial(score_centering_loss, logp, logp_topk, q, topk_q, adv, m)  # (cap=None, band=None)
 
-    def calibrated():  # TIM: ppo_infer with FP8-calibrated bounds [7]; the ratio p/q is the IS weight, no TIS on top
+    def calibrated():
+        """TIM: ppo_infer with FP8-calibrated bounds [7]; the ratio p/q is the IS weight, no TIS on top."""
         ratio_low, ratio_ref = (logp_now - q).exp(), (logp_now - logp_old).exp()
         lo, hi = calibrated_clip_bounds(ratio_low, ratio_ref, adv, m, cfg.eps_low, cfg.eps_high)
         return ppo_loss(logp, q, adv, m, eps_low=1 - lo, eps_high=hi - 1)
@@ -2756,6 +2767,7 @@ def drift_signal_norms(params, logp, logp_topk, ro: Rollout, adv) -> dict[str, f
 
 
 def _truncates(cfg: RLConfig) -> bool:
+    """Whether the run samples from a truncated distribution (top-p, top-k or min-p at a temperature > 0)."""
     return cfg.temperature > 0 and (cfg.top_p < 1 or cfg.top_k > 0 or cfg.min_p > 0)
 
 
@@ -2915,8 +2927,8 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
         else:  # share of positions where the sampler's own support differs from the rebuilt one
             extra["support_differs"] = support_differs(ro.kept_ids, behaviour.rebuilt, ro.mask)
     if ro.routed_experts is not None and behaviour.routes is not None:  # same weights, two engines' experts
-        fed = torch.cat([ro.prompt_mask, ro.mask], 1)  # (B, P + T) real tokens
-        flips = routing_flip_rate(ro.routed_experts, behaviour.routes, fed)
+        # over every real token fed: prompt and response, (B, P + T)
+        flips = routing_flip_rate(ro.routed_experts, behaviour.routes, torch.cat([ro.prompt_mask, ro.mask], 1))
         extra |= {f"route_flip_{name}": share for name, share in flips.items()}
     routes = behaviour.update_routes  # TIM: R2 / R3: the experts every forward of the update is forced to
     lap("recompute")
@@ -2965,9 +2977,12 @@ def _setup_run(cfg: RLConfig) -> _RunState:
     tokenizer = load_tokenizer(model_dir)
     device = resolve_device(cfg.device)
     model = load_model(model_dir, trust_remote_code=cfg.trust_remote_code).to(device)
+    if cfg.sampler == "vllm" and moe_routers(model):  # measured: RESULTS.md, section moe
+        raise ValueError("--sampler vllm with an MoE model: an in-place sync breaks vLLM 0.32's experts (its "
+                         "own weights reloaded: mean |Δlogp| 4e-7 -> 2.3); use --sampler torch")
     if cfg.routing_replay != "none" and not moe_routers(model):
         raise ValueError(f"--routing-replay {cfg.routing_replay} replays MoE routers' experts, but {cfg.model} has no "
-                         "top-k router (a dense model; --model runs/base-moe is the tiny MoE)")
+                         "router tim_rl replays (REPLAYABLE_ROUTERS; --model runs/base-moe is the tiny MoE)")
     value_head = torch.nn.Linear(model.config.hidden_size, 1).to(device) if cfg.correction == "copc" else None
     trainer = Trainer(model, cfg.lr, cfg.optimizer, export_dtype=cfg.dtype, loss_on_served=cfg.loss_on_served,
                       extra_params=value_head.parameters() if value_head is not None else ())
@@ -2994,6 +3009,7 @@ def task_problems(cfg: RLConfig, model_dir: Path, tokenizer) -> tuple[list, list
 
 
 def _save_run_checkpoint(out: Path, rs: _RunState, next_step: int) -> None:
+    """out/checkpoint.safetensors: the trainer, the random streams and where to resume (atomic)."""
     tensors, meta = trainer_state(rs.trainer, {"value_head": rs.value_head})
     tensors |= {"rng.generator": rs.gen.get_state(), "rng.torch": torch.get_rng_state()}
     meta |= {"next_step": next_step, "since_sync": rs.since_sync}
@@ -3040,6 +3056,7 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
     _write_atomic(out / "config.json", json.dumps(asdict(cfg), indent=1))  # after: never beside older metrics
     with open(out / "metrics.jsonl", "a") as log:
         def write(record: dict) -> None:
+            """Keep the record and append it to metrics.jsonl (flushed: a kill loses at most this line)."""
             records.append(record)
             log.write(json.dumps(record) + "\n")
             log.flush()
@@ -3137,9 +3154,7 @@ def trl_weights(correction: str, old_per_token_logps: torch.Tensor, sampling_per
     TRL pads sampling log-probs with 0 and marks positions vLLM gave none with NaN: those get the correction's
     documented value for a non-finite token.
     """
-    if correction not in TRL_CORRECTIONS:
-        raise ValueError(f"correction must be one of {sorted(TRL_CORRECTIONS)} to ride through TRL, got "
-                         f"{correction!r}")
+    _check_choice("correction", correction, sorted(TRL_CORRECTIONS))  # the weights that ride through TRL
     return TRL_CORRECTIONS[correction](old_per_token_logps.detach().float(), sampling_per_token_logps.float(),
                                        completion_mask.bool())
 
@@ -3184,9 +3199,7 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
     import trl.generation.vllm_generation as trl_vllm
     from trl import GRPOTrainer
 
-    if correction not in TRL_CORRECTIONS:
-        raise ValueError(f"correction must be one of {sorted(TRL_CORRECTIONS)} to ride through TRL, got "
-                         f"{correction!r}")
+    _check_choice("correction", correction, sorted(TRL_CORRECTIONS))  # the weights that ride through TRL
     if "args" in trainer_kwargs:
         check_trl_args(trainer_kwargs["args"])
 
@@ -3204,8 +3217,8 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
                 self._metrics[mode][f"tim_rl/{key}"].append(value)
             return out
 
-    if vllm_dtype is not None and vllm_dtype not in _VLLM_DTYPES:
-        raise ValueError(f"vllm_dtype must be one of {sorted(_VLLM_DTYPES)}, got {vllm_dtype!r}")
+    if vllm_dtype is not None:
+        _check_choice("vllm_dtype", vllm_dtype, sorted(_VLLM_DTYPES))
     threads = _vllm_environment()
     # vLLM's class as TRL imported it; with vllm_dtype, pinned for this call
     llm = getattr(trl_vllm, "LLM", None)
