@@ -1443,6 +1443,7 @@ def _copy_calls():
     x, dx = torch.randn(64, generator=g), 1e-3 * torch.randn(64, generator=g)
     logits, ids = torch.randn(B, T, V, generator=g).requires_grad_(), torch.randint(V, (B, T), generator=g)
     logp_grad = a.clone().requires_grad_(True)
+    routes_a, routes_b = (torch.randint(-1, 4, (B, T, 2, 2), generator=g) for _ in range(2))  # (B, S, L, k), -1 gaps
     weight_calls = {n: lambda f: f(a, b, mask) for n in (
         "tis_weights", "mis_weights", "seq_tis_weights", "seq_mask_weights", "geo_mask_weights", "cis_weights",
         "dlc_weights", "copc_mask", "copc_residual_weights", "mismatch_metrics")}
@@ -1451,6 +1452,7 @@ def _copy_calls():
         "token_logprobs": lambda f: f(logits, ids),
         "log1mexp": lambda f: f(a),
         "mismatch_ledger": lambda f: f(a, b, c, mask, d),
+        "routing_flip_rate": lambda f: f(routes_a, routes_b, mask),
         "log_odds_displacement": lambda f: f(a, b),
         "round_nearest_bf16": lambda f: f(x),
         "stochastic_round_bf16": lambda f: f(x, generator=torch.Generator().manual_seed(1)),
@@ -2401,7 +2403,7 @@ def test_the_cli_lets_openmp_threads_sleep_only_beside_busy_processes(tmp_path, 
 
 
 def test_demo_writes_its_tables_and_a_plot_with_the_seed_spread(base_model_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(tr, "ensure_base_model", lambda path: tr.Path(base_model_dir))
+    monkeypatch.setattr(tr, "ensure_base_model", lambda path, **change: tr.Path(base_model_dir))
     monkeypatch.setattr(tr, "vllm_available", lambda: False)
     import dataclasses
 

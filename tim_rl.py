@@ -837,7 +837,10 @@ def mismatch_ledger(
 
 def routing_flip_rate(routes_a: torch.Tensor, routes_b: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Share of positions whose k experts (as a set) differ between two routings, per MoE layer ("layer0", ...) and
-    in any layer ("any"). routes (B, S, L, k) int, -1: no route (left out); mask (B, S) bool, True where counted."""
+    in any layer ("any"). routes (B, S, L, k) int, -1: no route (left out); mask (B, S) bool, True where counted.
+
+    needs: _check_tensor
+    """
     _check_tensor("routes_a", routes_a, floating=False)
     _check_tensor("routes_b", routes_b, floating=False)
     if routes_a.shape != routes_b.shape or routes_a.shape[:2] != mask.shape:
