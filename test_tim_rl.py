@@ -1395,6 +1395,15 @@ def test_a_lab_subcommand_of_tim_rl_says_where_it_moved_in_one_line(command, cap
                                     f"python experiments.py {command} --help"]
 
 
+def test_what_only_the_loaded_model_shows_is_still_one_error_line(base_model_dir, tmp_path, capsys):
+    """`train --routing-replay r2` on a dense model: one line, exit status 2, once the model is loaded."""
+    with pytest.raises(SystemExit) as exit_:
+        tr.main(["train", "--model", str(base_model_dir), "--routing-replay", "r2", "--out-dir", str(tmp_path)])
+    lines = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2 and lines[-1].startswith("tim_rl: error: --routing-replay r2 replays"), lines
+    assert not any("Traceback" in line for line in lines)
+
+
 def test_a_run_directory_that_is_the_model_directory_is_refused(tmp_path, capsys):
     """`train --model runs/m --name m` would write the run's config.json over the model's: refused in one line."""
     model = tmp_path / "m"
@@ -2384,7 +2393,8 @@ def test_every_compare_preset_runs_in_smoke_size(base_model_dir, tmp_path):
 
 
 def _without_timings(records):
-    return [{k: v for k, v in r.items() if not k.startswith("sec_")} for r in records]
+    """The records without what the machine measures (seconds per phase, peak resident memory): the numbers only."""
+    return [{k: v for k, v in r.items() if not k.startswith("sec_") and k != "peak_rss_mb"} for r in records]
 
 
 @pytest.mark.parametrize("loadavg,expected", [("0.9 1.1 1.4 1/80 7", None), ("0.1 0.1 0.1 3/80 7", "PASSIVE")])

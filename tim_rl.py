@@ -1777,8 +1777,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
     from tqdm.auto import tqdm
 
     tokenizer = CharTokenizer()
-    build = build_tiny_moe_model if cfg.moe else build_tiny_model
-    model = build(vocab_size=tokenizer.vocab_size, seed=cfg.seed).train()
+    model = (build_tiny_moe_model if cfg.moe else build_tiny_model)(vocab_size=tokenizer.vocab_size, seed=cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / cfg.steps))))
@@ -2981,10 +2980,10 @@ def _setup_run(cfg: RLConfig) -> _RunState:
     device = resolve_device(cfg.device)
     model = load_model(model_dir, trust_remote_code=cfg.trust_remote_code).to(device)
     if cfg.sampler == "vllm" and moe_routers(model):  # measured: RESULTS.md, section moe
-        raise ValueError("--sampler vllm with an MoE model: an in-place sync breaks vLLM 0.32's experts (its "
+        raise UsageError("--sampler vllm with an MoE model: an in-place sync breaks vLLM 0.32's experts (its "
                          "own weights reloaded: mean |Δlogp| 4e-7 -> 2.3); use --sampler torch")
     if cfg.routing_replay != "none" and not moe_routers(model):
-        raise ValueError(f"--routing-replay {cfg.routing_replay} replays MoE routers' experts, but {cfg.model} has no "
+        raise UsageError(f"--routing-replay {cfg.routing_replay} replays MoE routers' experts, but {cfg.model} has no "
                          "router tim_rl replays (REPLAYABLE_ROUTERS; --model runs/base-moe is the tiny MoE)")
     value_head = torch.nn.Linear(model.config.hidden_size, 1).to(device) if cfg.correction == "copc" else None
     trainer = Trainer(model, cfg.lr, cfg.optimizer, export_dtype=cfg.dtype, loss_on_served=cfg.loss_on_served,
@@ -3326,9 +3325,10 @@ def main(argv: list[str] | None = None) -> None:
             print(_train_summary(run(cfg, resume=bool(args.resume)), Path(cfg.out_dir) / cfg.name))
         else:
             demo(steps=getattr(args, "steps", 80), seeds=tuple(int(s) for s in seeds.split(",")))
+    except UsageError as e:  # found once the model is loaded (_setup_run): still before anything is built
+        parser.exit(2, f"tim_rl: error: {e}\n")
     except KeyboardInterrupt:
-        train = args.cmd == "train"
-        where = f"; python tim_rl.py train --resume {Path(cfg.out_dir) / cfg.name}" if train else ""
+        where = f"; python tim_rl.py train --resume {Path(cfg.out_dir) / cfg.name}" if args.cmd == "train" else ""
         parser.exit(130, f"tim_rl: interrupted (the last checkpoint is kept{where})\n")
 
 
