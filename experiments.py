@@ -22,7 +22,7 @@ import os
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -486,7 +486,6 @@ class RLPreset:
 
 def rl_preset(p: RLPreset, pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     """Run the control and p.arms on paired seeds; write the measurement, the verdicts, the arm table and a plot."""
-    sections = [p.measure(pc, seeds)] if p.measure else []
     control, control_change = p.control
     labels = [control] + [a for a, _ in p.arms]
     unknown = [n for c in p.claims for n in (c.arm, c.reference) if n not in labels]
@@ -498,6 +497,8 @@ def rl_preset(p: RLPreset, pc: PresetConfig, seeds: list[int], out: Path) -> lis
         suffix, change = p.pretrain
         base.model = str(tr.ensure_base_model(f"{Path(pc.model)}-{suffix}{'-smoke' * pc.smoke}",
                                            **change | ({"steps": 5} if pc.smoke else {})))
+    # the measurement runs on the preset's model (its own base model, when it has one)
+    sections = [p.measure(replace(pc, model=base.model), seeds)] if p.measure else []
     runs = run_arms(base, [(control, CONTROL | control_change)] + list(p.arms), seeds, out)
     learned, learned_note = control_learned(runs, p.control_key, control)
     if p.report:  # a map over settings: statements computed by its rules
@@ -773,11 +774,12 @@ def routing_engines(router_noise: float = MOE_ROUTER_NOISE) -> list[tuple[str, t
 
 def routing_rows(model_dir: str | Path, seeds: tuple[int, ...] = (0,), n_prompts: int = 64, n: int = 4,
                  router_noise: float = MOE_ROUTER_NOISE) -> list[dict]:
-    """Per (engine, seed): the fp32 trainer against an MoE sampler on the tokens it sampled. The trainer's own
-    experts, or the sampler's replayed (R3); mean |Δlogp| split into routing (own - replayed experts) and numerics
-    (replayed - sampler), and the share of fed positions whose experts differ, per layer and in any layer."""
+    """Per (engine, seed): the fp32 trainer engine (Trainer.behaviour_logprobs, its own experts or, R3, the
+    sampler's) against an MoE sampler on the tokens it sampled: the ledger's total, routing and numerics parts
+    (mean |.| per token) and the share of fed positions whose experts differ, per layer and in any layer."""
     model_dir = Path(model_dir)
     tokenizer, model = tr.load_tokenizer(model_dir), tr.load_model(model_dir).eval()
+    trainer = tr.Trainer(model)  # nothing lags: its behaviour copy holds the sampler's (fp32) weights
     rows = []
     for label, spec, r3 in routing_engines(router_noise):
         sampler = tr.TorchSampler(model, spec, tokenizer)
@@ -785,20 +787,14 @@ def routing_rows(model_dir: str | Path, seeds: tuple[int, ...] = (0,), n_prompts
             problems = tr.make_arithmetic_task(n_prompts, seed=seed, split="eval", **tr._task_kwargs(model_dir))
             ro = sampler.sample(tr._encode_problems(tokenizer, problems)[0], n, 5, 1.0, None,
                                 torch.Generator().manual_seed(seed))
-            with torch.no_grad():
-                live = tr._response_forward(model, ro)
-                replayed = tr._response_forward(model, ro, routes=ro.routed_experts)
-            logp_own = tr.token_logprobs(live.logits, ro.response_ids)
-            logp_replayed = tr.token_logprobs(replayed.logits, ro.response_ids)
-            logp = logp_replayed if r3 else logp_own  # TIM: what this trainer computes the ratio with
-            fed = torch.cat([ro.prompt_mask, ro.mask], 1)
-            flips = tr.routing_flip_rate(ro.routed_experts, replayed.routes if r3 else live.routes, fed)
-            routing = (logp - logp_replayed)[ro.mask].abs().mean()
+            behaviour = trainer.behaviour_logprobs(ro, routing_replay="r3" if r3 else "none")
+            ledger = tr.mismatch_ledger(behaviour.logp_old, behaviour.logp_old, ro.logp_infer, ro.mask,
+                                        logp_old_sampler_routes=behaviour.logp_old_sampler_routes)
+            used = ro.routed_experts if r3 else behaviour.routes  # TIM: the experts this trainer computes with
+            flips = tr.routing_flip_rate(ro.routed_experts, used, torch.cat([ro.prompt_mask, ro.mask], 1))
             rows.append({"engine": label, "seed": seed, "tokens": int(ro.mask.sum()),
-                         "abs_diff": tr.mismatch_metrics(logp, ro.logp_infer, ro.mask)["abs_diff"],
-                         "routing_abs": float(routing),
-                         "numerics_abs": float((logp_replayed - ro.logp_infer)[ro.mask].abs().mean())}
-                        | {f"flip_{k}": v for k, v in flips.items()})
+                         "abs_diff": ledger["total_abs"], "routing_abs": ledger["routing_abs"],
+                         "numerics_abs": ledger["numerics_abs"]} | {f"flip_{k}": v for k, v in flips.items()})
         del sampler
     return rows
 
@@ -821,9 +817,7 @@ def routing_table(rows: list[dict]) -> list[dict]:
 
 def _routing_attribution(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dict]]:
     """The moe preset's measurement: routing_table on its base model, 64 (smoke: 8) prompts x 4 per seed."""
-    model_dir = tr.ensure_base_model(f"{Path(pc.model)}-moe{'-smoke' * pc.smoke}", moe=True,
-                                     **({"steps": 5} if pc.smoke else {}))
-    rows = routing_rows(model_dir, tuple(seeds), n_prompts=8 if pc.smoke else 64)
+    rows = routing_rows(pc.model, tuple(seeds), n_prompts=8 if pc.smoke else 64)  # the preset's own base model
     return ("Where the MoE sampler's mismatch comes from (fp32 trainer on the same weights; parts are mean |.| per "
             "token: routing = own experts - the sampler's replayed, numerics = replayed - sampler; flip = share of "
             "fed positions whose top-2 experts differ; under R3 the trainer uses the sampler's experts):",

@@ -1893,6 +1893,8 @@ def replay_routes(model, routes: torch.Tensor | None = None):
     log = [[] for _ in routers]
 
     def forward_of(layer: int, router):
+        """The forward that replaces `router`'s within the block (layer: its index among the routers)."""
+
         def forward(hidden):
             """routed_router_forward on this layer's routes, logged."""
             rows = hidden.numel() // router.hidden_dim  # B * S positions
