@@ -1459,6 +1459,7 @@ def _copy_calls():
     return weight_calls | {
         "masked_mean": lambda f: f(a, mask),
         "token_logprobs": lambda f: f(logits, ids),
+        "chunked_token_logprobs": lambda f: f(logits.reshape(-1, V), ids.reshape(-1, 1), 2),
         "log1mexp": lambda f: f(a),
         "mismatch_ledger": lambda f: f(a, b, c, mask, d),
         "routing_flip_rate": lambda f: f(routes_a, routes_b, mask),
@@ -1496,11 +1497,25 @@ def _home(name: str):
     return tr if hasattr(tr, name) else ex
 
 
-def _needs(name: str) -> list[str]:
+def _own_needs(name: str) -> list[str]:
     """The names after `needs:`, the last thing in <module>.<name>'s docstring ([] for `needs: nothing`)."""
     _, found, tail = (getattr(_home(name), name).__doc__ or "").rpartition("needs:")
     assert found, f"{name}: the docstring does not end with a needs: line"
     return [] if tail.strip() == "nothing" else [n.strip() for n in tail.split(",")]
+
+
+def _needs(name: str) -> list[str]:
+    """Everything a copy of `name` needs: its needs: line, and the needs: line of each named function that has one
+    (token_logprobs names chunked_token_logprobs, whose own line lists the fast path's parts)."""
+    needs, todo = [], _own_needs(name)
+    while todo:
+        n = todo.pop(0)
+        if n in needs:
+            continue
+        needs.append(n)
+        if "needs:" in (getattr(getattr(_home(n), n), "__doc__", None) or "") and callable(getattr(_home(n), n)):
+            todo += _own_needs(n)
+    return needs
 
 
 def _module_names_used(obj) -> set[str]:
@@ -1562,13 +1577,20 @@ def test_function_runs_from_its_source_and_needs_alone(name):
     assert _plain(call(namespace[name])) == _plain(call(getattr(_home(name), name)))
 
 
+FAST_PATHS = "fast paths (fused / compiled / chunked passes, GPU probes)"
+
+
 def test_every_public_math_function_is_copy_tested():
     import inspect
 
     lines = inspect.getsource(tr).splitlines()
-    first, last = (lines.index(f"# ---- {b} ----") + 1 for b in ("log-space helpers", "task and reward verifier"))
+    at = {b: lines.index(f"# ---- {b} ----") + 1 for b in ("log-space helpers", "MoE routing: record and replay (R2 / R3)",
+                                                          FAST_PATHS, "task and reward verifier")}
+    math_lines = range(at["log-space helpers"], at["MoE routing: record and replay (R2 / R3)"])
+    fast_lines = range(at[FAST_PATHS], at["task and reward verifier"])  # the routing section holds model code
     public = {n for n, f in vars(tr).items() if inspect.isfunction(f) and f.__module__ == tr.__name__ and
-              not n.startswith("_") and first <= inspect.getsourcelines(f)[1] <= last}
+              not n.startswith("_") and (inspect.getsourcelines(f)[1] in math_lines or
+                                         inspect.getsourcelines(f)[1] in fast_lines)}
     assert public <= set(_copy_calls()), "each is run from its source alone (the verdict's interval is, too)"
     lab = {n for n, f in vars(ex).items() if inspect.isfunction(f) and f.__module__ == ex.__name__ and
            "needs:" in (f.__doc__ or "")}  # the lab's statistics (paired_ci, holm, ...)

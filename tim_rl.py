@@ -71,20 +71,14 @@ from typing import NamedTuple
 
 
 def _openmp_for_a_shared_machine() -> None:
-    """The CLI on a shared machine: when other processes already keep the cores busy, OpenMP threads that wait sleep
-    (OMP_WAIT_POLICY=PASSIVE) instead of spinning against them (README: a 20-step train beside a busy loop). Runs
-    before torch loads its OpenMP runtime; an explicit OMP_WAIT_POLICY is kept."""
-    if "OMP_WAIT_POLICY" in os.environ or not Path("/proc/loadavg").is_file():
-        return
-    others = []
-    for _ in range(3):  # runnable tasks now (4th field "running/total"), this process included; 3 looks, 20 ms apart
-        others.append(int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]) - 1)
+    """OMP_WAIT_POLICY=PASSIVE (waiting threads sleep) when other tasks kept running over 3 looks 20 ms apart."""
+    looks = []
+    for _ in range(3):  # runnable tasks besides this one: /proc/loadavg's 4th field, "running/total"
+        looks.append(int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]) - 1)
         time.sleep(0.02)
-    if min(others) >= 1:  # something else kept running the whole time (the 1-min load average lags by a minute)
+    if min(looks) >= 1 and "OMP_WAIT_POLICY" not in os.environ:  # an explicit choice is kept
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-
-
-if Path(sys.argv[0]).name in ("tim_rl.py", "experiments.py"):  # the command line, not an import into a program
+if Path(sys.argv[0]).name in ("tim_rl.py", "experiments.py") and Path("/proc/loadavg").is_file():  # CLI, pre-torch
     _openmp_for_a_shared_machine()
 
 import torch  # noqa: E402  (after the OpenMP choice above)
@@ -96,329 +90,6 @@ LOG_RATIO_CLAMP = 20.0
 TAIL_FLOOR = 1e-6
 # Bits of an fp32 number that bf16 drops: the low 16 of the 32.
 BF16_DROPPED_BITS = 16
-# token_logprobs works on row chunks of at most this many fp32 bytes (4 MiB: ~32 rows at V = 32 000, ~6 at
-# V = 151 936), so its transient memory is a few chunks, not a fraction of the (B, T, V) logits.
-CHUNK_BYTES = 4 << 20
-# The same on a GPU without the compiled pass (64 MiB: ~110 rows at V = 151 936): 6-row chunks would leave a GPU
-# waiting on kernel launches; 64 MiB of transients is nothing beside the (B, T, V) logits there.
-GPU_CHUNK_BYTES = 64 << 20
-# On a GPU token_logprobs runs one compiled pass per chunk of at most this many logits (2^28: 1 GiB of fp32, ~1 770
-# rows at V = 151 936): large enough to read at memory speed, small enough that a bf16 backward's fp32 chunk is not.
-FUSED_CHUNK_ELEMENTS = 1 << 28
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# ---- config dataclasses ----
-# One flat dataclass per concern; every field has a help text, and the CLI builds its flags from them.
-
-
-def _arg(default, help: str):
-    """A dataclass field with this default and its --help text in the metadata (the CLI reads it)."""
-    return field(default=default, metadata={"help": help})
-
-
-@dataclass
-class EngineSpec:
-    """The sampler engine's numerics: its own copy of the weights, stored and computed this way."""
-
-    dtype: str = _arg("fp32", "sampler weight/compute dtype: fp32 | bf16 | fp16")
-    quant: str = _arg("none", "weight fake-quantisation of Linear layers (lm_head excluded): none | int8 | "
-                              "fp8")
-    noise: float = _arg(0.0, "relative weight noise s: w + s * N(0,1) * w, drawn once per run (SC paper's "
-                             "control)")
-    noise_seed: int = _arg(1234, "seed of that noise draw (the same draw is re-applied after every sync)")
-    exact: bool = _arg(False, "zero-mismatch limit: record log-probs with the trainer's own fp32 forward")
-    router_fp32: bool = _arg(False, "MoE: keep the routers' weights and logits in fp32 in a bf16/fp16 "
-                                    "engine (slime)")
-    router_noise: float = _arg(0.0, "MoE: relative noise s on the routers' weights only (on top of --noise), drawn "
-                                    "like it: a mismatch that flips experts")
-    head_fp32: bool = _arg(False, "keep the lm_head and the logits in fp32 in a bf16/fp16 engine (TRL's "
-                                  "cast_lm_head_to_fp32)")
-
-
-@dataclass
-class PretrainConfig:
-    """Supervised pre-training of the embedded tiny model on the arithmetic task."""
-
-    out: str = _arg("runs/base", "model directory written (safetensors + tokenizer)")
-    steps: int = _arg(400, "AdamW steps (400: held-out greedy ~0.7, sampled reward ~0.4: room for RL to "
-                           "learn)")
-    batch: int = _arg(64, "problems per step")
-    lr: float = _arg(1e-3, "AdamW learning rate (cosine to 10%)")
-    digits: int = _arg(2, "operand digits")
-    ops: str = _arg("+", "operators drawn from: + - * and s (swap: 'a s b=' -> 'ba', 2 x digits answer "
-                         "tokens)")
-    seed: int = _arg(0, "seed of init and data")
-    moe: bool = _arg(False, "pre-train a tiny Qwen3-MoE (8 experts, top-2, load-balancing loss) instead of "
-                            "the Llama")
-
-
-@dataclass
-class RLConfig:
-    """One RL run: sample -> verify -> advantages -> recompute -> correct -> step -> export/sync."""
-
-    name: str = _arg("run", "run name: writes runs/<name>/metrics.jsonl")
-    model: str = _arg("runs/base", "HF causal-LM directory (the embedded tiny model is built there if "
-                                   "missing)")
-    sampler: str = _arg("torch", "sampler engine: torch | vllm")
-    dtype: str = _arg("fp32", "sampler dtype: fp32 | bf16 | fp16")
-    quant: str = _arg("none", "sampler weight quantisation: none | int8 | fp8")
-    noise: float = _arg(0.0, "sampler relative weight noise s")
-    router_noise: float = _arg(0.0, "MoE sampler: relative noise on the routers' weights only (flips experts)")
-    exact: bool = _arg(False, "exact mode: sampler log-probs from the trainer's forward (ratio 1)")
-    correction: str = _arg("none", "none|tis|mis|seq_tis|geo|cis|ppo|ppo_infer|dppo|sc|sc_tis|sc_mis|dlc|copc|"
-                                   "calibrated (drift_only: the drift part alone, a positive control)")
-    steps: int = _arg(80, "optimizer steps")
-    prompts: int = _arg(16, "prompts per step")
-    group: int = _arg(8, "samples per prompt (G)")
-    max_new_tokens: int = _arg(5, "response length cap")
-    temperature: float = _arg(1.0, "sampling temperature > 0; sampler and trainer both divide the logits by "
-                                   "it (vLLM raises a value in (0, 0.01) to 0.01: the trainer would not, so "
-                                   "they are refused)")
-    top_p: float = _arg(1.0, "sampler nucleus truncation (vLLM's rule; 1 = off)")
-    top_k: int = _arg(0, "sampler top-k truncation (0 = off; not the recorded --topk)")
-    min_p: float = _arg(0.0, "sampler min-p truncation: keep p >= min_p * max p (0 = off)")
-    renormalize: bool = _arg(True, "with truncation, renormalise the trainer's log-probs on the sampler's "
-                                   "kept support (off: full-vocabulary log-probs, every ratio biased by the "
-                                   "kept mass S)")
-    topk: int = _arg(0, "sampler top-K ids recorded for score centering (0 = whole vocabulary); recorded "
-                        "only for the arms that read them (sc, sc_tis, sc_mis, drift_only, "
-                        "--diagnose-drift)")
-    baseline: str = _arg("group", "advantage baseline: group (GRPO mean, no std) | none (raw reward)")
-    optimizer: str = _arg("adamw", "adamw | sgd")
-    lr: float = _arg(3e-5, "learning rate; a larger one such as 1e-4 knocks the tiny model back in Adam's "
-                           "first steps")
-    sync_every: int = _arg(1, "copy trainer weights into the sampler every k steps (policy lag k - 1)")
-    updates_per_batch: int = _arg(1, "optimizer steps per rollout batch, full batch each (verl ppo_epochs, "
-                                     "TRL num_iterations); the proximal log-probs are taken before the "
-                                     "first")
-    export: str = _arg("rtn", "fp32 -> bf16/fp16 export rounding: rtn | sr | ef")
-    loss_on_served: bool = _arg(False, "Fair Cast: forward on the served (rounded) weights, step the fp32 "
-                                       "master")
-    tis_cap: float = _arg(2.0, "TIS cap C")
-    mis_low: float = _arg(0.5, "MIS band low")
-    mis_high: float = _arg(5.0, "MIS band high")
-    eps_low: float = _arg(0.2, "PPO clip low")
-    eps_high: float = _arg(0.28, "PPO clip high")
-    dppo_delta: float = _arg(0.2, "DPPO trust region on |p - q|")
-    dlc_max_staleness: int = _arg(0, "DLC: resync once this many steps passed without one (0 = off)")
-    dlc_max_lag: float = _arg(0.0, "DLC: resync when the lag, mean |logp now - logp at the last sync's "
-                                   "master|, exceeds this (0 = off)")
-    eval_every: int = _arg(20, "evaluate before step 0, every N steps and after the last (N <= steps/4: >= "
-                               "5 points)")
-    eval_n: int = _arg(512, "distinct held-out problems per evaluation")
-    diagnose_drift: bool = _arg(False, "log norms of the drift and signal parts of the gradient (extra "
-                                       "backwards)")
-    seed: int = _arg(0, "seed of sampling, data and noise")
-    out_dir: str = _arg("runs", "parent directory of runs")
-    checkpoint_every: int = _arg(10, "write runs/<name>/checkpoint.safetensors every N steps (0: at the end "
-                                     "only); --resume continues from the last one")
-    trust_remote_code: bool = _arg(False, "let transformers run Python code shipped in --model (off: never)")
-    progress: bool = _arg(True, "show a tqdm bar")
-    device: str = _arg("auto", "trainer, optimizer, TorchSampler and evaluation: auto (cuda if available) | "
-                               "cpu | cuda")
-    vllm_gpu_memory: float = _arg(0.3, "share of GPU memory vLLM takes when colocated with the trainer (GPU "
-                                       "only)")
-    task: str = _arg("arithmetic", "arithmetic (the tiny model's) | words (chat word problems, --model a "
-                                   "chat model)")
-    routing_replay: str = _arg("none", "MoE models: none | r2 (the update replays the experts the trainer's "
-                                       "behaviour pass chose) | r3 (it replays the experts the sampler "
-                                       "chose; torch sampler)")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# ---- input checks ----
-# Every public function validates cheaply and names the argument; nothing here is on the hot path's inner loop.
-
-
-def _check_tensor(name: str, x, *, floating: bool = True) -> None:
-    """A TypeError naming the argument unless x is a torch.Tensor (of a floating dtype when `floating`)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if floating and not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
-
-
-def _check_choice(name: str, value, choices) -> None:
-    """A ValueError naming the argument unless `value` is one of `choices`."""
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-
-
-def _check_mask(mask) -> None:
-    """A TypeError or ValueError unless mask is a non-empty (B, T) bool tensor."""
-    _check_tensor("mask", mask, floating=False)
-    if mask.dtype != torch.bool:
-        raise TypeError(f"mask must be a bool tensor (True on generated tokens), got dtype {mask.dtype}")
-    if mask.dim() != 2:
-        raise ValueError(f"mask must have shape (B, T), got {tuple(mask.shape)}")
-    if mask.numel() == 0:
-        raise ValueError(f"mask is empty (shape {tuple(mask.shape)}): need B >= 1 and T >= 1")
-
-
-def _check_device(name: str, x, ref_name: str, ref) -> None:
-    """x (a tensor or a generator; None passes) must be on ref's device: mixing devices is a ValueError naming both."""
-    if x is not None and (x.device.type, x.device.index or 0) != (ref.device.type, ref.device.index or 0):
-        raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}: put both on one device")
-
-
-def _check_bt(mask, **tensors) -> None:
-    """Check the mask and that every named tensor is float with the mask's (B, T) shape, on the mask's device."""
-    _check_mask(mask)
-    for name, x in tensors.items():
-        _check_tensor(name, x)
-        if x.shape != mask.shape:
-            raise ValueError(f"{name} must have shape (B, T) = {tuple(mask.shape)} like mask, got "
-                             f"{tuple(x.shape)}")
-        _check_device(name, x, "mask", mask)
-
-
-def _check_adv(adv, mask) -> torch.Tensor:
-    """Advantages may be (B, T), (B, 1) or (B,); returned as a detached (B, T) float tensor, non-finite -> 0."""
-    _check_tensor("adv", adv)
-    _check_device("adv", adv, "mask", mask)
-    B, T = mask.shape
-    if adv.shape == (B,):
-        adv = adv[:, None]
-    if adv.shape not in ((B, T), (B, 1)):
-        raise ValueError(f"adv must have shape (B, T) = {(B, T)} or (B, 1) = {(B, 1)}, got "
-                         f"{tuple(adv.shape)}")
-    adv = adv.detach().float().expand(B, T)
-    return torch.where(torch.isfinite(adv), adv, torch.zeros_like(adv))
-
-
-# ---- run settings: every rule of RLConfig, PretrainConfig and EngineSpec, from the flags to the config ----
-# Checked before anything is built, so a user's mistake is one line, not a traceback. _check_values: one value at a
-# time (UsageError); _check_run_config: the combinations and what the run would reject later (ValueError);
-# _check_cli: the flags that are not config fields (--seeds, --model's files, --resume); _check_engine: EngineSpec.
-
-# EngineSpec.quant / RLConfig.quant: weight fake-quantisation (fake_quantize)
-QUANTS = ("none", "int8", "fp8")
-
-
-class UsageError(ValueError):
-    """A mistake on the command line: main() prints it as one `tim_rl: error: ...` line and exits with status 2."""
-
-
-def _flag(name: str) -> str:
-    """The command-line flag of a config field: max_new_tokens -> --max-new-tokens."""
-    return "--" + name.replace("_", "-")
-
-
-# Smallest value allowed, and the fields that must be finite and > 0. Keys are config field names; a subcommand or
-# config checks the ones it has (batch, digits: PretrainConfig; repeats: experiments.py's BenchConfig).
-_CONFIG_MIN = {"steps": 1, "prompts": 1, "group": 1, "max_new_tokens": 1, "eval_every": 1, "eval_n": 1,
-               "sync_every": 1, "updates_per_batch": 1, "checkpoint_every": 0, "topk": 0, "temperature": 0,
-               "batch": 1, "digits": 1, "repeats": 1}
-_CONFIG_POSITIVE = ("lr", "tis_cap", "mis_high", "dppo_delta", "vllm_gpu_memory")
-
-
-def _config_choices() -> dict[str, tuple]:
-    """The allowed values of each choice field (a function: _DTYPES, TASKS, CORRECTIONS come later)."""
-    return {"sampler": ("torch", "vllm"), "dtype": tuple(_DTYPES), "quant": QUANTS, "correction": CORRECTIONS,
-            "baseline": ("group", "none"), "optimizer": ("adamw", "sgd"), "export": ("rtn", "sr", "ef"),
-            "device": ("auto", "cpu", "cuda"), "task": TASKS, "routing_replay": ("none", "r2", "r3")}
-
-
-def _check_values(obj) -> None:
-    """Raise UsageError, naming the flag, for a value below its minimum or not among its choices (args or config),
-    a float flag that is not finite, or a learning rate / cap / band that is not positive."""
-    for f in fields(RLConfig):
-        value = getattr(obj, f.name, None)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UsageError(f"{_flag(f.name)} must be a finite number, got {value}")
-        if f.name in _CONFIG_POSITIVE and value is not None and value <= 0:
-            raise UsageError(f"{_flag(f.name)} must be > 0, got {value}")
-    for name, low in _CONFIG_MIN.items():
-        if getattr(obj, name, low) < low:
-            raise UsageError(f"{_flag(name)} must be >= {low}, got {getattr(obj, name)}")
-    for name, choices in _config_choices().items():
-        if getattr(obj, name, choices[0]) not in choices:
-            shown = " | ".join(c for c in choices if c)
-            raise UsageError(f"{_flag(name)} must be one of {shown}, got {getattr(obj, name)!r}")
-
-
-def _check_engine(engine: EngineSpec) -> None:
-    """Raise ValueError, naming the field, for an EngineSpec no TorchSampler can build."""
-    _check_choice("engine.dtype", engine.dtype, sorted(_DTYPES))
-    _check_choice("engine.quant", engine.quant, QUANTS)
-    if engine.exact and (engine.dtype != "fp32" or engine.quant != "none" or engine.noise or engine.router_noise):
-        raise ValueError("engine.exact needs dtype fp32 without quantisation or noise")
-
-
-def _check_run_config(cfg: RLConfig) -> None:
-    """Raise ValueError naming the flag(s) for a setting the run would reject later, or that would train nothing."""
-    _check_values(cfg)
-    resolve_device(cfg.device)
-    try:
-        _check_truncation(cfg.top_p, cfg.top_k, cfg.min_p)
-    except ValueError as e:
-        raise ValueError("--" + str(e).replace("_", "-", 1)) from None
-    # COPC's advantages come from its critic
-    group_relative = cfg.baseline == "group" and cfg.correction != "copc"
-    vllm = cfg.sampler == "vllm"
-    # its longest answer and <eos>: a product or a swap has 2 x digits, else digits + 1
-    task = _task_kwargs(cfg.model)
-    longest = 1 + max(2 * task["digits"] if op in "*s" else task["digits"] + 1 for op in task["ops"])
-    mistakes = [
-        (cfg.task == "arithmetic" and cfg.max_new_tokens < longest, f"--max-new-tokens {cfg.max_new_tokens} "
-         f"cannot hold this model's answers ({task['digits']}-digit {task['ops']!r}: up to {longest} tokens "
-         "with <eos>)"),
-        (_truncates(cfg) and not cfg.renormalize and cfg.correction in ("dlc", "calibrated", "sc", "sc_tis", "sc_mis",
-                                                                         "drift_only"),
-         f"--no-renormalize applies to the current trainer's sampled-token log-probs only; --correction "
-         f"{cfg.correction} also reads logp_old or the top-K log-probs: run it with --renormalize"),
-        (cfg.loss_on_served and (cfg.sync_every, cfg.updates_per_batch) != (1, 1), "--loss-on-served needs "
-         "--sync-every 1 and --updates-per-batch 1 (the loss runs on the copy the sampler holds, fixed "
-         "until a sync)"),
-        (cfg.export != "rtn" and cfg.dtype != "bf16", f"--export {cfg.export} rounds the fp32 master to "
-         f"bf16: it needs --dtype bf16 (the sampler is {cfg.dtype}; rtn is the only export to fp32 / fp16)"),
-        (group_relative and cfg.group == 1, "--group 1 with --baseline group: each sample is its own group "
-         "mean, so every advantage is 0 and nothing trains (use --group >= 2, or --baseline none)"),
-        (group_relative and cfg.temperature == 0, "--temperature 0 samples greedily: a group's samples are "
-         "identical, so every advantage is 0 and nothing trains (use --temperature > 0, or --baseline "
-         "none)"),
-        (vllm and not vllm_available(), "--sampler vllm: vLLM is not installed in this environment (README: "
-         "Set-up installs it in its own environment)"),
-        (vllm and (cfg.quant != "none" or cfg.noise or cfg.router_noise or cfg.exact), "--sampler vllm takes "
-         "--dtype only (no --quant, --noise, --router-noise or --exact)"),
-        (vllm and 0 < cfg.temperature < 0.01, f"--sampler vllm with --temperature {cfg.temperature}: vLLM "
-         "samples at 0.01 while the trainer would score the requested value (use 0.01 or more)"),
-        (Path(cfg.out_dir, cfg.name).resolve() == Path(cfg.model).resolve(), f"--out-dir {cfg.out_dir} "
-         f"--name {cfg.name}: that run directory is the --model directory (a run writes its own config.json "
-         "there)"),
-        (cfg.task == "words" and not _has_chat_template(cfg.model), "--task words needs a chat model "
-         f"(--model DIR with a chat template): {cfg.model} has no chat template"),
-    ]
-    for bad, message in mistakes:
-        if bad:
-            raise ValueError(message)
-
-
-def _check_cli(args) -> RLConfig | None:
-    """Raise ValueError, naming the flag(s), for a value or combination the run would reject later (or with a
-    traceback, or that would train nothing); returns the RL config train (or experiments.py compare) will run."""
-    _check_values(args)
-    if not re.fullmatch(r"-?\d+(,-?\d+)*", getattr(args, "seeds", None) or "0"):
-        raise UsageError(f"--seeds must be comma-separated integers, got {args.seeds!r}")
-    model = getattr(args, "model", "runs/base")
-    # runs/base is built when missing
-    if model != "runs/base" and not (Path(model) / "config.json").is_file():
-        found = "a directory without config.json" if Path(model).is_dir() else "no model directory there"
-        raise UsageError(f"--model {model}: {found} (expected a Hugging Face causal-LM directory with "
-                         "config.json; omit --model to use the embedded tiny model)")
-    resume = getattr(args, "resume", "")
-    for need in ("config.json", "checkpoint.safetensors") if resume else ():
-        if not (Path(resume) / need).is_file():
-            raise UsageError(f"--resume {resume}: no {need} there (expected a run directory written by "
-                             "train)")
-    if args.cmd not in ("train", "compare") or getattr(args, "preset", ""):
-        return None
-    # resume: its config
-    saved = json.loads((Path(resume) / "config.json").read_text()) if resume else vars(args)
-    cfg = RLConfig(**{f.name: saved[f.name] for f in fields(RLConfig) if f.name in saved})
-    _check_run_config(cfg)
-    return cfg
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -441,194 +112,18 @@ def _finite_log_ratio(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Te
     return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), ok
 
 
-# function -> torch.compile(function, dynamic=True), built on first use (seconds; needs a compiler)
-_COMPILED = {}
-# (probe name, CUDA device index) -> whether torch.compile compiled and ran the probe's passes
-_COMPILE_WORKS = {}
-
-
-def _compiled(fn):
-    """torch.compile(fn, dynamic=True), one per function: a kernel for every shape, compiled on the first call."""
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=True)
-    return _COMPILED[fn]
-
-
-def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int, fused: bool = False):
-    """(log softmax(logits)[ids], logsumexp(logits)) by row chunks: (N, V), (N, K) -> (N, K), (N, 1) float32.
-
-    One code path for every caller, with and without a gradient, so that the trainer's log-probs are bitwise the
-    same whichever way they are computed (exact mode and a lag of exactly 0 rely on it). fused: each chunk in one
-    compiled pass (_fused_logprobs), no (n, V) transient. The logsumexp is read off each row's largest logit m,
-    lse = z_m - log_softmax(z)_m, where log_softmax(z)_m = -log sum exp(z - z_m) lies in [-log V, 0]: exact to one
-    rounding whatever the other logits are (-inf and finfo.min included). Rows of only -inf give nan, as log_softmax.
-    """
-    out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(logits.shape[0], 1, dtype=torch.float32, device=logits.device)
-    for start in range(0, logits.shape[0], chunk_rows):
-        rows = slice(start, start + chunk_rows)
-        if fused:
-            out[rows], lse[rows] = _fused_logprobs(logits[rows], ids[rows])
-            continue
-        chunk = logits[rows].float()  # (n, V), a copy only when logits are not fp32
-        log_probs = torch.log_softmax(chunk, dim=-1)  # (n, V) transient: log_softmax's fused kernel
-        out[rows] = log_probs.gather(-1, ids[rows])
-        top = chunk.argmax(-1, keepdim=True)  # (n, 1): each row's largest logit
-        lse[rows] = chunk.gather(-1, top) - log_probs.gather(-1, top)  # logsumexp, read off the largest logit
-    return out, lse
-
-
-def _logprobs_pass(logits: torch.Tensor, ids: torch.Tensor):
-    """(logits[ids] - logsumexp(logits), logsumexp(logits)) in float32, one read of the logits. (n, V), (n, K)."""
-    lse = torch.logsumexp(logits.float(), -1, keepdim=True)  # (n, 1)
-    return logits.gather(-1, ids).float() - lse, lse
-
-
-def _logprobs_grad_pass(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, g: torch.Tensor):
-    """sum_k g_k (onehot(ids_k) - softmax(logits)) in the logits' dtype: the backward in one pass. -> (n, V)."""
-    dense = torch.exp(logits.float() - lse) * -g.sum(-1, keepdim=True)  # (n, V) float32
-    return dense.scatter_add(-1, ids, g).to(logits.dtype)
-
-
-def _two_or_more(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """t with a size-1 `dim` repeated to size 2 (torch.compile specialises sizes 1: a graph of their own), else t."""
-    return t if t.shape[dim] > 1 else torch.cat([t, t], dim)
-
-
-def _fused_inputs(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits, ids) alike for every chunk, so one compiled graph per logits dtype serves a run: detached, ids
-    contiguous, 1 row or K = 1 repeated to 2 (the copies' results are dropped). (n, V), (n, K) ->
-    (max(n, 2), V), (max(n, 2), max(K, 2))."""
-    rows = _two_or_more(logits.detach(), 0)  # a copy of one row only for a 1-row chunk
-    both = _two_or_more(_two_or_more(ids, 1), 0).contiguous()
-    return rows, both
-
-
-def _fused_logprobs(logits: torch.Tensor, ids: torch.Tensor):
-    """_logprobs_pass compiled on _fused_inputs. (n, V), (n, K) -> (n, K), (n, 1)."""
-    n, K = ids.shape
-    rows, both = _fused_inputs(logits, ids)
-    with torch.no_grad():  # grad and no-grad callers meet one compiled version (dynamo guards on both)
-        out, lse = _compiled(_logprobs_pass)(rows, both)
-    return out[:n, :K], lse[:n]
-
-
-def _fused_logprobs_grad(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, g: torch.Tensor):
-    """_logprobs_grad_pass compiled on _fused_inputs; g (n, K) contiguous, its K = 1 padded with a -0.0 column
-    (x + -0.0 = x bitwise: the padded id adds nothing). -> (n, V)."""
-    n, K = ids.shape
-    rows, both = _fused_inputs(logits, ids)
-    # a .sum()'s g has stride 0
-    g_2 = g.contiguous() if K > 1 else torch.cat([g, torch.full_like(g, -0.0)], 1)
-    lse_2 = _two_or_more(lse, 0).clone()  # not a view: a view of the (N, 1) lse makes dynamo guard on N too
-    with torch.no_grad():
-        grad = _compiled(_logprobs_grad_pass)(rows, both, lse_2, _two_or_more(g_2, 0))
-    return grad[:n]
-
-
-def _logprobs_probe(device: torch.device) -> None:
-    """Compile and run the passes token_logprobs' fused path runs, forward and backward, on a tiny fp32 input: sizes
-    3 x 7 with K = 2 all differ, so the graph it compiles is the one every fp32 chunk meets."""
-    logits = torch.zeros(3, 7, device=device)
-    ids = torch.zeros(3, 2, dtype=torch.long, device=device)
-    _, lse = _fused_logprobs(logits, ids)
-    _fused_logprobs_grad(logits, ids, lse, torch.ones(3, 2, device=device))
-
-
-def _cuda_index(device: torch.device) -> int:
-    """The index of a CUDA device: torch.device('cuda') is the current device, the same GPU as 'cuda:<current>'."""
-    device = torch.device(device)
-    return torch.cuda.current_device() if device.index is None else device.index
-
-
-def _gpu_compiles(device: torch.device, probe) -> bool:
-    """True on a CUDA device where torch.compile works: Triton present and probe(device), which compiles and runs the
-    passes the caller would use, ran (once per probe and device index; the answer is kept in _COMPILE_WORKS)."""
-    import importlib.util
-    import sys
-
-    device = torch.device(device)
-    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
-        return False
-    key = (probe.__name__, _cuda_index(device))
-    if key not in _COMPILE_WORKS:
-        try:
-            probe(torch.device("cuda", key[1]))
-            _COMPILE_WORKS[key] = True
-        # any compiler failure (no C compiler, no Python headers...): the eager paths instead
-        except Exception as e:
-            print(f"[tim_rl] torch.compile failed on {device} ({type(e).__name__}): eager "
-                  "fallbacks", file=sys.stderr)
-            _COMPILE_WORKS[key] = False
-    return _COMPILE_WORKS[key]
-
-
-def _default_chunk_rows(V: int, device: torch.device, fused: bool) -> int:
-    """Rows per chunk of token_logprobs: FUSED_CHUNK_ELEMENTS logits fused, else GPU_CHUNK_BYTES of fp32 on CUDA
-    and CHUNK_BYTES elsewhere. At least 1."""
-    if fused:
-        return max(1, FUSED_CHUNK_ELEMENTS // V)
-    budget = GPU_CHUNK_BYTES if torch.device(device).type == "cuda" else CHUNK_BYTES
-    return max(1, budget // (4 * V))
-
-
-class _TokenLogprobs(torch.autograd.Function):
-    """log softmax(logits)[ids] by row chunks, with a hand-written backward that writes the gradient in place.
-
-    Forward keeps (logits, ids, lse): no (N, V) tensor is saved. Backward fills one (N, V) gradient chunk by chunk:
-    d/dz_v = 1[v in ids] g - softmax(z)_v sum_k g_k. Autograd's own logsumexp + gather backward would allocate
-    several full-size temporaries instead. fused: both directions by compiled passes. An id whose logit is -inf
-    (log-prob -inf) gets this same finite gradient, as autograd through log_softmax + gather: softmax is 0 there. A
-    non-finite g (say -inf * 0 upstream) spoils its own row only.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, ids, chunk_rows, fused):  # logits (N, V), ids (N, K) -> (N, K) float32
-        """The chunked log-probs; saves (logits, ids, lse) for backward, no (N, V) tensor."""
-        out, lse = _chunked_logprobs(logits, ids, chunk_rows, fused)
-        ctx.save_for_backward(logits, ids, lse)
-        ctx.chunk_rows, ctx.fused = chunk_rows, fused
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):  # grad_out (N, K)
-        """The (N, V) logits gradient by chunks: 1[v in ids] g - softmax(z)_v sum_k g_k."""
-        logits, ids, lse = ctx.saved_tensors
-        grad = torch.empty_like(logits)  # (N, V), the only full-size tensor
-        for start in range(0, logits.shape[0], ctx.chunk_rows):
-            rows = slice(start, start + ctx.chunk_rows)
-            g = grad_out[rows].float()  # (n, K)
-            if ctx.fused:  # one compiled pass
-                grad[rows] = _fused_logprobs_grad(logits[rows], ids[rows], lse[rows], g)
-                continue
-            fp32 = logits.dtype == torch.float32  # then work in the gradient's own rows: no temporary at all
-            if fp32:
-                probs = torch.sub(logits[rows], lse[rows], out=grad[rows])
-            else:
-                probs = logits[rows].float() - lse[rows]
-            probs.exp_().mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, ids[rows], g)  # (n, V)
-            if not fp32:
-                grad[rows] = probs
-        return grad, None, None, None
-
-
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | None = None,
                    fused: bool | None = None) -> torch.Tensor:
     """log softmax(logits)[ids] in float32, over row chunks. (..., V), (...) -> (...).
 
-    `ids` may also carry a trailing K axis, (..., K) -> (..., K), for the sampler's top-k ids (one logsumexp serves
-    all K). Never materialises a second full-size float32 copy of the logits: each chunk of rows is upcast and
-    reduced on its own (default: as many rows as fit in CHUNK_BYTES of float32, GPU_CHUNK_BYTES on CUDA), and the
-    backward writes the logits' gradient chunk by chunk. Differentiable w.r.t. logits; finite gradients wherever a
-    row has one finite logit (-inf ids included). fused (default: on CUDA when torch.compile has Triton and
-    _logprobs_probe compiles and runs there) runs each chunk of FUSED_CHUNK_ELEMENTS as one torch.compile'd pass,
-    gather - logsumexp forward and g (onehot - softmax) backward, so the logits are read once; one graph per logits
-    dtype serves every chunk (_fused_logprobs). Otherwise the chunked path. On CUDA, repeated ids make the
-    gradient's scatter_add order-dependent (atomics): bitwise reproducible on CPU only.
+    log p_v = z_v - logsumexp(z). `ids` may also carry a trailing K axis, (..., K) -> (..., K), for the sampler's
+    top-k ids (one logsumexp serves all K). Differentiable w.r.t. logits; finite gradients wherever a row has one
+    finite logit (-inf ids included). Never materialises a second full-size float32 copy of the logits: the
+    computation is chunked_token_logprobs' (fast paths: row chunks, a hand-written backward, one compiled pass per
+    chunk on a GPU; chunk_rows and fused are its knobs). On CUDA, repeated ids make the gradient's scatter_add
+    order-dependent (atomics): bitwise reproducible on CPU only.
 
-    needs: _TokenLogprobs, _check_tensor, _check_device, _chunked_logprobs, _compiled, _logprobs_pass,
-    _logprobs_grad_pass, _two_or_more, _fused_inputs, _fused_logprobs, _fused_logprobs_grad, _logprobs_probe, _cuda_index,
-    _gpu_compiles, _default_chunk_rows, CHUNK_BYTES, GPU_CHUNK_BYTES, FUSED_CHUNK_ELEMENTS, _COMPILED, _COMPILE_WORKS
+    needs: _check_tensor, _check_device, chunked_token_logprobs
     """
     _check_tensor("logits", logits)
     _check_tensor("ids", ids, floating=False)
@@ -648,12 +143,8 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | No
     if flat_ids.numel() and bool(((flat_ids < 0) | (flat_ids >= V)).any()):  # one host sync per call
         raise ValueError(f"ids must be token ids in [0, {V}) (the logits' last axis), got min "
                          f"{int(flat_ids.min())}, max {int(flat_ids.max())}")
-    fused = _gpu_compiles(logits.device, _logprobs_probe) if fused is None else fused
-    if chunk_rows is None:
-        chunk_rows = _default_chunk_rows(V, logits.device, fused)
-    if not (torch.is_grad_enabled() and logits.requires_grad):  # no graph to record
-        return _chunked_logprobs(flat_logits, flat_ids, chunk_rows, fused)[0].reshape(ids.shape)
-    return _TokenLogprobs.apply(flat_logits, flat_ids, chunk_rows, fused).reshape(ids.shape)
+    # log p(ids) = z[ids] - logsumexp(z), by row chunks (fast paths): never a second (N, V) float32 tensor
+    return chunked_token_logprobs(flat_logits, flat_ids, chunk_rows, fused).reshape(ids.shape)
 
 
 def log1mexp(logp: torch.Tensor) -> torch.Tensor:
@@ -917,47 +408,6 @@ def stochastic_round_bf16(
     return torch.where(torch.isfinite(x), rounded, x.to(torch.bfloat16))
 
 
-def hash_noise16(shape: tuple[int, ...], seed: torch.Tensor) -> torch.Tensor:
-    """Counter-based uniform noise in [0, 2^16): 32-bit integer hash of (element index, seed). int32, `shape`.
-
-    Deterministic given the seed (no generator state), so a compiler can fuse it with the rounding into one pass; on
-    the seed's device. The hash is lowbias32 (C. Wellons' hash-prospector) of index * 0x9E3779B1 + seed; int32
-    products wrap, shifts are made logical by masking.
-
-    needs: nothing
-    """
-    index = torch.arange(math.prod(shape), dtype=torch.int32, device=seed.device).reshape(shape)
-    h = index * -1640531535 + seed
-    h = h ^ ((h >> 16) & 0xFFFF)
-    h = h * 0x7FEB352D
-    h = h ^ ((h >> 15) & 0x1FFFF)
-    h = h * -2073254261  # 0x846CA68B as int32
-    h = h ^ ((h >> 16) & 0xFFFF)
-    return h & 0xFFFF
-
-
-def _sr_hashed(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-    """Stochastic bf16 rounding, hash_noise16(seed) as noise; non-finite values cast as is."""
-    bits = (x.view(torch.int32) + hash_noise16(tuple(x.shape), seed)) & ~((1 << BF16_DROPPED_BITS) - 1)
-    return torch.where(torch.isfinite(x), bits.view(torch.float32).to(torch.bfloat16), x.to(torch.bfloat16))
-
-
-def stochastic_round_bf16_fused(x: torch.Tensor, seed: int, compile: bool = True) -> torch.Tensor:
-    """stochastic_round_bf16 with hash_noise16(seed) as its noise, fused by torch.compile into one pass. Same shape.
-
-    Bitwise equal to stochastic_round_bf16(x, noise=hash_noise16(x.shape, seed)), so E[SR(x)] = x holds as far as
-    the hash is uniform (tested). Use a fresh seed per export. For large models: the reference draws 2^16-valued
-    noise with torch's generator in a separate pass; this runs at close to the speed of x.to(torch.bfloat16).
-    compile=False runs the same code eagerly (slow; for machines without a compiler).
-
-    needs: _check_fp32, _check_tensor, hash_noise16, _sr_hashed, _compiled, BF16_DROPPED_BITS, _COMPILED
-    """
-    _check_fp32("x", x)
-    seed_t = torch.tensor(seed & 0x7FFFFFFF, dtype=torch.int32, device=x.device)
-    flat = x.contiguous().reshape(-1)  # one compiled kernel for every parameter shape
-    return (_compiled(_sr_hashed) if compile else _sr_hashed)(flat, seed_t).reshape(x.shape)
-
-
 def error_feedback_round_bf16(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigma-delta export: served = RTN(x + e), e' = x + e - served. Returns (served bf16, e' fp32). Same shapes.
 
@@ -980,46 +430,6 @@ def error_feedback_round_bf16(x: torch.Tensor, residual: torch.Tensor) -> tuple[
         served = torch.where(bad, x.to(torch.bfloat16), served)
         new_residual = torch.where(bad, torch.zeros_like(new_residual), new_residual)
     return served, new_residual
-
-
-def _ef_one_pass(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """error_feedback_round_bf16 with round-to-nearest-even on the fp32 bits. Flat fp32 -> (bf16, fp32).
-
-    Written on the bits because torch.compile drops the rounding from `target - target.to(bf16).float()`.
-    """
-    target = x + residual
-    bits = target.view(torch.int32)
-    half = (1 << (BF16_DROPPED_BITS - 1)) - 1 + ((bits >> BF16_DROPPED_BITS) & 1)  # ties to even
-    served = ((bits + half) & ~((1 << BF16_DROPPED_BITS) - 1)).view(torch.float32)  # RNE, exact in fp32
-    bad = ~torch.isfinite(target)  # where the reference's target - served is nan
-    new_residual = torch.where(bad, torch.zeros_like(target), target - served)
-    return torch.where(bad, x, served).to(torch.bfloat16), new_residual
-
-
-def error_feedback_round_bf16_fused(x: torch.Tensor, residual: torch.Tensor, compile: bool = True):
-    """error_feedback_round_bf16 as one pass fused by torch.compile, bitwise equal to it. (served bf16, e' fp32).
-
-    The reference walks memory four times (add, cast, subtract, NaN check); this reads x and e once and writes
-    served and e' once. compile=False runs the same code eagerly (slow; for machines without a compiler).
-
-    needs: _check_fp32, _check_tensor, _check_device, _ef_one_pass, _compiled, BF16_DROPPED_BITS, _COMPILED
-    """
-    _check_fp32("x", x)
-    _check_fp32("residual", residual)
-    _check_device("residual", residual, "x", x)
-    if residual.shape != x.shape:
-        raise ValueError(f"residual must have shape {tuple(x.shape)} like x, got {tuple(residual.shape)}")
-    # one kernel for every shape
-    flat_x, flat_e = x.contiguous().reshape(-1), residual.contiguous().reshape(-1)
-    served, new_residual = (_compiled(_ef_one_pass) if compile else _ef_one_pass)(flat_x, flat_e)
-    return served.reshape(x.shape), new_residual.reshape(x.shape)
-
-
-def _export_probe(device: torch.device) -> None:
-    """Compile and run the passes of Trainer.export's fused SR and EF exports on a tiny fp32 input (_gpu_compiles)."""
-    x = torch.zeros(7, device=device)
-    stochastic_round_bf16_fused(x, seed=1)
-    error_feedback_round_bf16_fused(x, torch.zeros_like(x))
 
 
 def visible_update_fraction(
@@ -1490,6 +900,384 @@ def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness: int =
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# ---- MoE routing: record and replay (R2 / R3) ----
+# A mixture-of-experts layer sends each token to the top-k experts of its router's softmax. A tiny numerical
+# difference between two engines flips a near-tie, and the token's output jumps. Routing replay (Ma et al., arXiv
+# 2510.11370; Megatron-Core RouterReplay, verl router_replay R2 | R3, slime) records the discrete expert ids and forces
+# them in the trainer, with the weights recomputed from the trainer's live router scores. R2 records them in the
+# trainer's behaviour pass, R3 in the inference engine (vLLM and SGLang on a GPU: enable_return_routed_experts).
+
+# transformers 5.19 routers whose forward is Qwen3MoeTopKRouter.forward line for line (softmax, top-k, renormalise);
+# others (Mixtral, GPT-OSS, DeepSeek, Granite, ...) route differently and are left alone: no routes, no replay
+REPLAYABLE_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3NextTopKRouter", "OlmoeTopKRouter",
+                      "FlexOlmoTopKRouter", "MellumTopKRouter")
+
+
+def moe_routers(model) -> list[torch.nn.Module]:
+    """The top-k routers of a transformers MoE model that tim_rl records and replays, in layer order: Qwen3-MoE's
+    mlp.gate (Qwen3MoeTopKRouter) and the REPLAYABLE_ROUTERS. [] for a dense model (or another router)."""
+    return [m for m in model.modules() if type(m).__name__ in REPLAYABLE_ROUTERS]
+
+
+def routed_router_forward(router, hidden: torch.Tensor, forced: torch.Tensor | None = None):
+    """Qwen3MoeTopKRouter.forward with the expert ids forced where `forced` (N, k) has a route (a row with a -1:
+    none, the live top-k is used). -> (router logits (N, E), routing weights (N, k), expert ids (N, k)).
+
+    The weights are the live softmax scores gathered at the ids (verl: scores.gather(1, indices)), renormalised over
+    the k when the router does: the router keeps its gradient. forced None: the router's own forward, bit for bit.
+    """
+    hidden = hidden.reshape(-1, router.hidden_dim)  # (N, H)
+    logits = torch.nn.functional.linear(hidden, router.weight)  # (N, E)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    ids = torch.topk(probs, router.top_k, dim=-1).indices  # (N, k): the live routing
+    if forced is not None:
+        has_route = (forced >= 0).all(-1, keepdim=True)  # (N, 1); no route (the last sampled token): live
+        ids = torch.where(has_route, forced.to(ids), ids)
+    # TIM: gathered from the live probabilities, not from post-top-k zeros (whose forced entries have no gradient)
+    weights = probs.gather(-1, ids)
+    if router.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return logits, weights.to(logits.dtype), ids
+
+
+@contextlib.contextmanager
+def replay_routes(model, routes: torch.Tensor | None = None):
+    """Within the block every router of `model` (moe_routers) runs routed_router_forward, forced to `routes`
+    (B, S, L, k) for a forward over B sequences of S positions (-1: no route) or live when None. Yields a list per
+    layer of the ids each call used, (B * n, k) int16: stack_routes(log, B) -> (B, S, L, k)."""
+    routers = moe_routers(model)
+    log = [[] for _ in routers]
+
+    def forward_of(layer: int, router):
+        """The forward that replaces `router`'s within the block (layer: its index among the routers)."""
+
+        def forward(hidden):
+            """routed_router_forward on this layer's routes, logged."""
+            rows = hidden.numel() // router.hidden_dim  # B * S positions
+            forced = None if routes is None else routes[:, :, layer].reshape(-1, routes.shape[-1])  # (B * S, k)
+            if forced is not None and forced.shape[0] != rows:
+                raise ValueError(f"routes has shape {tuple(routes.shape)}: it needs one route per position of the "
+                                 f"forward ({rows} rows)")
+            logits, weights, ids = routed_router_forward(router, hidden, forced)
+            log[layer].append(ids.to(torch.int16))
+            return logits, weights, ids
+
+        return forward
+
+    previous = [vars(router).get("forward") for router in routers]  # an enclosing replay's (or a library's) forward
+    for layer, router in enumerate(routers):
+        router.forward = forward_of(layer, router)  # an instance attribute: nn.Module.__call__ (and its hooks) use it
+    try:
+        yield log
+    finally:
+        for router, forward in zip(routers, previous):
+            del router.forward
+            if forward is not None:
+                router.forward = forward
+
+
+def stack_routes(log: list[list[torch.Tensor]], batch: int) -> torch.Tensor | None:
+    """replay_routes' log as (B, S, L, k) int16, calls concatenated along positions (KV-cache decoding: the
+    prompt, then one position per step). None for a dense model."""
+    if not log:
+        return None
+    layers = [torch.cat([ids.reshape(batch, -1, ids.shape[-1]) for ids in calls], 1) for calls in log]  # (B, S, k)
+    return torch.stack(layers, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ---- fast paths (fused / compiled / chunked passes, GPU probes) ----
+# What makes the math above fast at a real vocabulary (V = 151,936) without changing one bit on the CPU: row-chunked
+# log-probs with a hand-written backward (no second (B, T, V) float32 tensor), torch.compile'd single-read passes
+# on a GPU, and the fused bf16 export. Nothing here is needed to understand a formula; every function above reads
+# the same without it. The GPU passes are probed once per device and fall back to the eager paths when they fail.
+
+# token_logprobs works on row chunks of at most this many fp32 bytes (4 MiB: ~32 rows at V = 32 000, ~6 at
+# V = 151 936), so its transient memory is a few chunks, not a fraction of the (B, T, V) logits.
+CHUNK_BYTES = 4 << 20
+# The same on a GPU without the compiled pass (64 MiB: ~110 rows at V = 151 936): 6-row chunks would leave a GPU
+# waiting on kernel launches; 64 MiB of transients is nothing beside the (B, T, V) logits there.
+GPU_CHUNK_BYTES = 64 << 20
+# On a GPU token_logprobs runs one compiled pass per chunk of at most this many logits (2^28: 1 GiB of fp32, ~1 770
+# rows at V = 151 936): large enough to read at memory speed, small enough that a bf16 backward's fp32 chunk is not.
+FUSED_CHUNK_ELEMENTS = 1 << 28
+
+
+# function -> torch.compile(function, dynamic=True), built on first use (seconds; needs a compiler)
+_COMPILED = {}
+# (probe name, CUDA device index) -> whether torch.compile compiled and ran the probe's passes
+_COMPILE_WORKS = {}
+
+
+def _compiled(fn):
+    """torch.compile(fn, dynamic=True), one per function: a kernel for every shape, compiled on the first call."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn]
+
+
+def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int, fused: bool = False):
+    """(log softmax(logits)[ids], logsumexp(logits)) by row chunks: (N, V), (N, K) -> (N, K), (N, 1) float32.
+
+    One code path for every caller, with and without a gradient, so that the trainer's log-probs are bitwise the
+    same whichever way they are computed (exact mode and a lag of exactly 0 rely on it). fused: each chunk in one
+    compiled pass (_fused_logprobs), no (n, V) transient. The logsumexp is read off each row's largest logit m,
+    lse = z_m - log_softmax(z)_m, where log_softmax(z)_m = -log sum exp(z - z_m) lies in [-log V, 0]: exact to one
+    rounding whatever the other logits are (-inf and finfo.min included). Rows of only -inf give nan, as log_softmax.
+    """
+    out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(logits.shape[0], 1, dtype=torch.float32, device=logits.device)
+    for start in range(0, logits.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        if fused:
+            out[rows], lse[rows] = _fused_logprobs(logits[rows], ids[rows])
+            continue
+        chunk = logits[rows].float()  # (n, V), a copy only when logits are not fp32
+        log_probs = torch.log_softmax(chunk, dim=-1)  # (n, V) transient: log_softmax's fused kernel
+        out[rows] = log_probs.gather(-1, ids[rows])
+        top = chunk.argmax(-1, keepdim=True)  # (n, 1): each row's largest logit
+        lse[rows] = chunk.gather(-1, top) - log_probs.gather(-1, top)  # logsumexp, read off the largest logit
+    return out, lse
+
+
+def _logprobs_pass(logits: torch.Tensor, ids: torch.Tensor):
+    """(logits[ids] - logsumexp(logits), logsumexp(logits)) in float32, one read of the logits. (n, V), (n, K)."""
+    lse = torch.logsumexp(logits.float(), -1, keepdim=True)  # (n, 1)
+    return logits.gather(-1, ids).float() - lse, lse
+
+
+def _logprobs_grad_pass(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, g: torch.Tensor):
+    """sum_k g_k (onehot(ids_k) - softmax(logits)) in the logits' dtype: the backward in one pass. -> (n, V)."""
+    dense = torch.exp(logits.float() - lse) * -g.sum(-1, keepdim=True)  # (n, V) float32
+    return dense.scatter_add(-1, ids, g).to(logits.dtype)
+
+
+def _two_or_more(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """t with a size-1 `dim` repeated to size 2 (torch.compile specialises sizes 1: a graph of their own), else t."""
+    return t if t.shape[dim] > 1 else torch.cat([t, t], dim)
+
+
+def _fused_inputs(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, ids) alike for every chunk, so one compiled graph per logits dtype serves a run: detached, ids
+    contiguous, 1 row or K = 1 repeated to 2 (the copies' results are dropped). (n, V), (n, K) ->
+    (max(n, 2), V), (max(n, 2), max(K, 2))."""
+    rows = _two_or_more(logits.detach(), 0)  # a copy of one row only for a 1-row chunk
+    both = _two_or_more(_two_or_more(ids, 1), 0).contiguous()
+    return rows, both
+
+
+def _fused_logprobs(logits: torch.Tensor, ids: torch.Tensor):
+    """_logprobs_pass compiled on _fused_inputs. (n, V), (n, K) -> (n, K), (n, 1)."""
+    n, K = ids.shape
+    rows, both = _fused_inputs(logits, ids)
+    with torch.no_grad():  # grad and no-grad callers meet one compiled version (dynamo guards on both)
+        out, lse = _compiled(_logprobs_pass)(rows, both)
+    return out[:n, :K], lse[:n]
+
+
+def _fused_logprobs_grad(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, g: torch.Tensor):
+    """_logprobs_grad_pass compiled on _fused_inputs; g (n, K) contiguous, its K = 1 padded with a -0.0 column
+    (x + -0.0 = x bitwise: the padded id adds nothing). -> (n, V)."""
+    n, K = ids.shape
+    rows, both = _fused_inputs(logits, ids)
+    # a .sum()'s g has stride 0
+    g_2 = g.contiguous() if K > 1 else torch.cat([g, torch.full_like(g, -0.0)], 1)
+    lse_2 = _two_or_more(lse, 0).clone()  # not a view: a view of the (N, 1) lse makes dynamo guard on N too
+    with torch.no_grad():
+        grad = _compiled(_logprobs_grad_pass)(rows, both, lse_2, _two_or_more(g_2, 0))
+    return grad[:n]
+
+
+def _logprobs_probe(device: torch.device) -> None:
+    """Compile and run the passes token_logprobs' fused path runs, forward and backward, on a tiny fp32 input: sizes
+    3 x 7 with K = 2 all differ, so the graph it compiles is the one every fp32 chunk meets."""
+    logits = torch.zeros(3, 7, device=device)
+    ids = torch.zeros(3, 2, dtype=torch.long, device=device)
+    _, lse = _fused_logprobs(logits, ids)
+    _fused_logprobs_grad(logits, ids, lse, torch.ones(3, 2, device=device))
+
+
+def _cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device: torch.device('cuda') is the current device, the same GPU as 'cuda:<current>'."""
+    device = torch.device(device)
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def _gpu_compiles(device: torch.device, probe) -> bool:
+    """True on a CUDA device where torch.compile works: Triton present and probe(device), which compiles and runs the
+    passes the caller would use, ran (once per probe and device index; the answer is kept in _COMPILE_WORKS)."""
+    import importlib.util
+    import sys
+
+    device = torch.device(device)
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return False
+    key = (probe.__name__, _cuda_index(device))
+    if key not in _COMPILE_WORKS:
+        try:
+            probe(torch.device("cuda", key[1]))
+            _COMPILE_WORKS[key] = True
+        # any compiler failure (no C compiler, no Python headers...): the eager paths instead
+        except Exception as e:
+            print(f"[tim_rl] torch.compile failed on {device} ({type(e).__name__}): eager "
+                  "fallbacks", file=sys.stderr)
+            _COMPILE_WORKS[key] = False
+    return _COMPILE_WORKS[key]
+
+
+def _default_chunk_rows(V: int, device: torch.device, fused: bool) -> int:
+    """Rows per chunk of token_logprobs: FUSED_CHUNK_ELEMENTS logits fused, else GPU_CHUNK_BYTES of fp32 on CUDA
+    and CHUNK_BYTES elsewhere. At least 1."""
+    if fused:
+        return max(1, FUSED_CHUNK_ELEMENTS // V)
+    budget = GPU_CHUNK_BYTES if torch.device(device).type == "cuda" else CHUNK_BYTES
+    return max(1, budget // (4 * V))
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log softmax(logits)[ids] by row chunks, with a hand-written backward that writes the gradient in place.
+
+    Forward keeps (logits, ids, lse): no (N, V) tensor is saved. Backward fills one (N, V) gradient chunk by chunk:
+    d/dz_v = 1[v in ids] g - softmax(z)_v sum_k g_k. Autograd's own logsumexp + gather backward would allocate
+    several full-size temporaries instead. fused: both directions by compiled passes. An id whose logit is -inf
+    (log-prob -inf) gets this same finite gradient, as autograd through log_softmax + gather: softmax is 0 there. A
+    non-finite g (say -inf * 0 upstream) spoils its own row only.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, ids, chunk_rows, fused):  # logits (N, V), ids (N, K) -> (N, K) float32
+        """The chunked log-probs; saves (logits, ids, lse) for backward, no (N, V) tensor."""
+        out, lse = _chunked_logprobs(logits, ids, chunk_rows, fused)
+        ctx.save_for_backward(logits, ids, lse)
+        ctx.chunk_rows, ctx.fused = chunk_rows, fused
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # grad_out (N, K)
+        """The (N, V) logits gradient by chunks: 1[v in ids] g - softmax(z)_v sum_k g_k."""
+        logits, ids, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)  # (N, V), the only full-size tensor
+        for start in range(0, logits.shape[0], ctx.chunk_rows):
+            rows = slice(start, start + ctx.chunk_rows)
+            g = grad_out[rows].float()  # (n, K)
+            if ctx.fused:  # one compiled pass
+                grad[rows] = _fused_logprobs_grad(logits[rows], ids[rows], lse[rows], g)
+                continue
+            fp32 = logits.dtype == torch.float32  # then work in the gradient's own rows: no temporary at all
+            if fp32:
+                probs = torch.sub(logits[rows], lse[rows], out=grad[rows])
+            else:
+                probs = logits[rows].float() - lse[rows]
+            probs.exp_().mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, ids[rows], g)  # (n, V)
+            if not fp32:
+                grad[rows] = probs
+        return grad, None, None, None
+
+
+def chunked_token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | None = None,
+                           fused: bool | None = None) -> torch.Tensor:
+    """token_logprobs on flat rows, (N, V), (N, K) -> (N, K) float32: each chunk of rows upcast and reduced on its own.
+
+    Default chunk: as many rows as fit in CHUNK_BYTES of float32 (GPU_CHUNK_BYTES on CUDA); the backward writes the
+    logits' gradient chunk by chunk (_TokenLogprobs). fused (default: on CUDA when torch.compile has Triton and
+    _logprobs_probe compiles and runs there) runs each chunk of FUSED_CHUNK_ELEMENTS as one torch.compile'd pass,
+    gather - logsumexp forward and g (onehot - softmax) backward, so the logits are read once; one graph per logits
+    dtype serves every chunk (_fused_logprobs).
+
+    needs: _TokenLogprobs, _chunked_logprobs, _compiled, _logprobs_pass, _logprobs_grad_pass, _two_or_more,
+    _fused_inputs, _fused_logprobs, _fused_logprobs_grad, _logprobs_probe, _cuda_index, _gpu_compiles,
+    _default_chunk_rows, CHUNK_BYTES, GPU_CHUNK_BYTES, FUSED_CHUNK_ELEMENTS, _COMPILED, _COMPILE_WORKS
+    """
+    fused = _gpu_compiles(logits.device, _logprobs_probe) if fused is None else fused
+    if chunk_rows is None:
+        chunk_rows = _default_chunk_rows(logits.shape[-1], logits.device, fused)
+    if not (torch.is_grad_enabled() and logits.requires_grad):  # no graph to record
+        return _chunked_logprobs(logits, ids, chunk_rows, fused)[0]
+    return _TokenLogprobs.apply(logits, ids, chunk_rows, fused)
+
+
+def hash_noise16(shape: tuple[int, ...], seed: torch.Tensor) -> torch.Tensor:
+    """Counter-based uniform noise in [0, 2^16): 32-bit integer hash of (element index, seed). int32, `shape`.
+
+    Deterministic given the seed (no generator state), so a compiler can fuse it with the rounding into one pass; on
+    the seed's device. The hash is lowbias32 (C. Wellons' hash-prospector) of index * 0x9E3779B1 + seed; int32
+    products wrap, shifts are made logical by masking.
+
+    needs: nothing
+    """
+    index = torch.arange(math.prod(shape), dtype=torch.int32, device=seed.device).reshape(shape)
+    h = index * -1640531535 + seed
+    h = h ^ ((h >> 16) & 0xFFFF)
+    h = h * 0x7FEB352D
+    h = h ^ ((h >> 15) & 0x1FFFF)
+    h = h * -2073254261  # 0x846CA68B as int32
+    h = h ^ ((h >> 16) & 0xFFFF)
+    return h & 0xFFFF
+
+
+def _sr_hashed(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """Stochastic bf16 rounding, hash_noise16(seed) as noise; non-finite values cast as is."""
+    bits = (x.view(torch.int32) + hash_noise16(tuple(x.shape), seed)) & ~((1 << BF16_DROPPED_BITS) - 1)
+    return torch.where(torch.isfinite(x), bits.view(torch.float32).to(torch.bfloat16), x.to(torch.bfloat16))
+
+
+def stochastic_round_bf16_fused(x: torch.Tensor, seed: int, compile: bool = True) -> torch.Tensor:
+    """stochastic_round_bf16 with hash_noise16(seed) as its noise, fused by torch.compile into one pass. Same shape.
+
+    Bitwise equal to stochastic_round_bf16(x, noise=hash_noise16(x.shape, seed)), so E[SR(x)] = x holds as far as
+    the hash is uniform (tested). Use a fresh seed per export. For large models: the reference draws 2^16-valued
+    noise with torch's generator in a separate pass; this runs at close to the speed of x.to(torch.bfloat16).
+    compile=False runs the same code eagerly (slow; for machines without a compiler).
+
+    needs: _check_fp32, _check_tensor, hash_noise16, _sr_hashed, _compiled, BF16_DROPPED_BITS, _COMPILED
+    """
+    _check_fp32("x", x)
+    seed_t = torch.tensor(seed & 0x7FFFFFFF, dtype=torch.int32, device=x.device)
+    flat = x.contiguous().reshape(-1)  # one compiled kernel for every parameter shape
+    return (_compiled(_sr_hashed) if compile else _sr_hashed)(flat, seed_t).reshape(x.shape)
+
+
+def _ef_one_pass(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """error_feedback_round_bf16 with round-to-nearest-even on the fp32 bits. Flat fp32 -> (bf16, fp32).
+
+    Written on the bits because torch.compile drops the rounding from `target - target.to(bf16).float()`.
+    """
+    target = x + residual
+    bits = target.view(torch.int32)
+    half = (1 << (BF16_DROPPED_BITS - 1)) - 1 + ((bits >> BF16_DROPPED_BITS) & 1)  # ties to even
+    served = ((bits + half) & ~((1 << BF16_DROPPED_BITS) - 1)).view(torch.float32)  # RNE, exact in fp32
+    bad = ~torch.isfinite(target)  # where the reference's target - served is nan
+    new_residual = torch.where(bad, torch.zeros_like(target), target - served)
+    return torch.where(bad, x, served).to(torch.bfloat16), new_residual
+
+
+def error_feedback_round_bf16_fused(x: torch.Tensor, residual: torch.Tensor, compile: bool = True):
+    """error_feedback_round_bf16 as one pass fused by torch.compile, bitwise equal to it. (served bf16, e' fp32).
+
+    The reference walks memory four times (add, cast, subtract, NaN check); this reads x and e once and writes
+    served and e' once. compile=False runs the same code eagerly (slow; for machines without a compiler).
+
+    needs: _check_fp32, _check_tensor, _check_device, _ef_one_pass, _compiled, BF16_DROPPED_BITS, _COMPILED
+    """
+    _check_fp32("x", x)
+    _check_fp32("residual", residual)
+    _check_device("residual", residual, "x", x)
+    if residual.shape != x.shape:
+        raise ValueError(f"residual must have shape {tuple(x.shape)} like x, got {tuple(residual.shape)}")
+    # one kernel for every shape
+    flat_x, flat_e = x.contiguous().reshape(-1), residual.contiguous().reshape(-1)
+    served, new_residual = (_compiled(_ef_one_pass) if compile else _ef_one_pass)(flat_x, flat_e)
+    return served.reshape(x.shape), new_residual.reshape(x.shape)
+
+
+def _export_probe(device: torch.device) -> None:
+    """Compile and run the passes of Trainer.export's fused SR and EF exports on a tiny fp32 input (_gpu_compiles)."""
+    x = torch.zeros(7, device=device)
+    stochastic_round_bf16_fused(x, seed=1)
+    error_feedback_round_bf16_fused(x, torch.zeros_like(x))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # ---- task and reward verifier ----
 # Model text is data, never code: the verifier uses regular expressions and fractions.Fraction, nothing else.
 
@@ -1840,93 +1628,6 @@ def _model_dir(model: str) -> Path:
     if model in ("runs/base", MOE_BASE):
         return ensure_base_model(model, moe=model == MOE_BASE)
     return Path(model)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# ---- MoE routing: record and replay (R2 / R3) ----
-# A mixture-of-experts layer sends each token to the top-k experts of its router's softmax. A tiny numerical
-# difference between two engines flips a near-tie, and the token's output jumps. Routing replay (Ma et al., arXiv
-# 2510.11370; Megatron-Core RouterReplay, verl router_replay R2 | R3, slime) records the discrete expert ids and forces
-# them in the trainer, with the weights recomputed from the trainer's live router scores. R2 records them in the
-# trainer's behaviour pass, R3 in the inference engine (vLLM and SGLang on a GPU: enable_return_routed_experts).
-
-
-# transformers 5.19 routers whose forward is Qwen3MoeTopKRouter.forward line for line (softmax, top-k, renormalise);
-# others (Mixtral, GPT-OSS, DeepSeek, Granite, ...) route differently and are left alone: no routes, no replay
-REPLAYABLE_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3NextTopKRouter", "OlmoeTopKRouter",
-                      "FlexOlmoTopKRouter", "MellumTopKRouter")
-
-
-def moe_routers(model) -> list[torch.nn.Module]:
-    """The top-k routers of a transformers MoE model that tim_rl records and replays, in layer order: Qwen3-MoE's
-    mlp.gate (Qwen3MoeTopKRouter) and the REPLAYABLE_ROUTERS. [] for a dense model (or another router)."""
-    return [m for m in model.modules() if type(m).__name__ in REPLAYABLE_ROUTERS]
-
-
-def routed_router_forward(router, hidden: torch.Tensor, forced: torch.Tensor | None = None):
-    """Qwen3MoeTopKRouter.forward with the expert ids forced where `forced` (N, k) has a route (a row with a -1:
-    none, the live top-k is used). -> (router logits (N, E), routing weights (N, k), expert ids (N, k)).
-
-    The weights are the live softmax scores gathered at the ids (verl: scores.gather(1, indices)), renormalised over
-    the k when the router does: the router keeps its gradient. forced None: the router's own forward, bit for bit.
-    """
-    hidden = hidden.reshape(-1, router.hidden_dim)  # (N, H)
-    logits = torch.nn.functional.linear(hidden, router.weight)  # (N, E)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-    ids = torch.topk(probs, router.top_k, dim=-1).indices  # (N, k): the live routing
-    if forced is not None:
-        has_route = (forced >= 0).all(-1, keepdim=True)  # (N, 1); no route (the last sampled token): live
-        ids = torch.where(has_route, forced.to(ids), ids)
-    # TIM: gathered from the live probabilities, not from post-top-k zeros (whose forced entries have no gradient)
-    weights = probs.gather(-1, ids)
-    if router.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return logits, weights.to(logits.dtype), ids
-
-
-@contextlib.contextmanager
-def replay_routes(model, routes: torch.Tensor | None = None):
-    """Within the block every router of `model` (moe_routers) runs routed_router_forward, forced to `routes`
-    (B, S, L, k) for a forward over B sequences of S positions (-1: no route) or live when None. Yields a list per
-    layer of the ids each call used, (B * n, k) int16: stack_routes(log, B) -> (B, S, L, k)."""
-    routers = moe_routers(model)
-    log = [[] for _ in routers]
-
-    def forward_of(layer: int, router):
-        """The forward that replaces `router`'s within the block (layer: its index among the routers)."""
-
-        def forward(hidden):
-            """routed_router_forward on this layer's routes, logged."""
-            rows = hidden.numel() // router.hidden_dim  # B * S positions
-            forced = None if routes is None else routes[:, :, layer].reshape(-1, routes.shape[-1])  # (B * S, k)
-            if forced is not None and forced.shape[0] != rows:
-                raise ValueError(f"routes has shape {tuple(routes.shape)}: it needs one route per position of the "
-                                 f"forward ({rows} rows)")
-            logits, weights, ids = routed_router_forward(router, hidden, forced)
-            log[layer].append(ids.to(torch.int16))
-            return logits, weights, ids
-
-        return forward
-
-    previous = [vars(router).get("forward") for router in routers]  # an enclosing replay's (or a library's) forward
-    for layer, router in enumerate(routers):
-        router.forward = forward_of(layer, router)  # an instance attribute: nn.Module.__call__ (and its hooks) use it
-    try:
-        yield log
-    finally:
-        for router, forward in zip(routers, previous):
-            del router.forward
-            if forward is not None:
-                router.forward = forward
-
-
-def stack_routes(log: list[list[torch.Tensor]], batch: int) -> torch.Tensor | None:
-    """replay_routes' log as (B, S, L, k) int16, calls concatenated along positions (KV-cache decoding: the
-    prompt, then one position per step). None for a dense model."""
-    if not log:
-        return None
-    layers = [torch.cat([ids.reshape(batch, -1, ids.shape[-1]) for ids in calls], 1) for calls in log]  # (B, S, k)
-    return torch.stack(layers, 2)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -2693,6 +2394,7 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
 # ---------------------------------------------------------------------------------------------------------------
 # ---- experiment loop and ledger ----
 
+
 CORRECTIONS = ("none", "tis", "mis", "seq_tis", "geo", "cis", "ppo", "ppo_infer", "dppo", "sc", "sc_tis", "sc_mis",
                "dlc", "copc", "calibrated", "drift_only")  # drift_only: a positive control, not a correction
 
@@ -3237,6 +2939,316 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
         generation.sync_weights = lambda: reload_vllm_weights(generation.llm,
                                                               trainer.model.named_parameters())
     return trainer
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ---- config dataclasses and input checks ----
+# One flat dataclass per concern; every field has a help text, and the CLI builds its flags from them.
+
+
+def _arg(default, help: str):
+    """A dataclass field with this default and its --help text in the metadata (the CLI reads it)."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class EngineSpec:
+    """The sampler engine's numerics: its own copy of the weights, stored and computed this way."""
+
+    dtype: str = _arg("fp32", "sampler weight/compute dtype: fp32 | bf16 | fp16")
+    quant: str = _arg("none", "weight fake-quantisation of Linear layers (lm_head excluded): none | int8 | "
+                              "fp8")
+    noise: float = _arg(0.0, "relative weight noise s: w + s * N(0,1) * w, drawn once per run (SC paper's "
+                             "control)")
+    noise_seed: int = _arg(1234, "seed of that noise draw (the same draw is re-applied after every sync)")
+    exact: bool = _arg(False, "zero-mismatch limit: record log-probs with the trainer's own fp32 forward")
+    router_fp32: bool = _arg(False, "MoE: keep the routers' weights and logits in fp32 in a bf16/fp16 "
+                                    "engine (slime)")
+    router_noise: float = _arg(0.0, "MoE: relative noise s on the routers' weights only (on top of --noise), drawn "
+                                    "like it: a mismatch that flips experts")
+    head_fp32: bool = _arg(False, "keep the lm_head and the logits in fp32 in a bf16/fp16 engine (TRL's "
+                                  "cast_lm_head_to_fp32)")
+
+
+@dataclass
+class PretrainConfig:
+    """Supervised pre-training of the embedded tiny model on the arithmetic task."""
+
+    out: str = _arg("runs/base", "model directory written (safetensors + tokenizer)")
+    steps: int = _arg(400, "AdamW steps (400: held-out greedy ~0.7, sampled reward ~0.4: room for RL to "
+                           "learn)")
+    batch: int = _arg(64, "problems per step")
+    lr: float = _arg(1e-3, "AdamW learning rate (cosine to 10%)")
+    digits: int = _arg(2, "operand digits")
+    ops: str = _arg("+", "operators drawn from: + - * and s (swap: 'a s b=' -> 'ba', 2 x digits answer "
+                         "tokens)")
+    seed: int = _arg(0, "seed of init and data")
+    moe: bool = _arg(False, "pre-train a tiny Qwen3-MoE (8 experts, top-2, load-balancing loss) instead of "
+                            "the Llama")
+
+
+@dataclass
+class RLConfig:
+    """One RL run: sample -> verify -> advantages -> recompute -> correct -> step -> export/sync."""
+
+    name: str = _arg("run", "run name: writes runs/<name>/metrics.jsonl")
+    model: str = _arg("runs/base", "HF causal-LM directory (the embedded tiny model is built there if "
+                                   "missing)")
+    sampler: str = _arg("torch", "sampler engine: torch | vllm")
+    dtype: str = _arg("fp32", "sampler dtype: fp32 | bf16 | fp16")
+    quant: str = _arg("none", "sampler weight quantisation: none | int8 | fp8")
+    noise: float = _arg(0.0, "sampler relative weight noise s")
+    router_noise: float = _arg(0.0, "MoE sampler: relative noise on the routers' weights only (flips experts)")
+    exact: bool = _arg(False, "exact mode: sampler log-probs from the trainer's forward (ratio 1)")
+    correction: str = _arg("none", "none|tis|mis|seq_tis|geo|cis|ppo|ppo_infer|dppo|sc|sc_tis|sc_mis|dlc|copc|"
+                                   "calibrated (drift_only: the drift part alone, a positive control)")
+    steps: int = _arg(80, "optimizer steps")
+    prompts: int = _arg(16, "prompts per step")
+    group: int = _arg(8, "samples per prompt (G)")
+    max_new_tokens: int = _arg(5, "response length cap")
+    temperature: float = _arg(1.0, "sampling temperature > 0; sampler and trainer both divide the logits by "
+                                   "it (vLLM raises a value in (0, 0.01) to 0.01: the trainer would not, so "
+                                   "they are refused)")
+    top_p: float = _arg(1.0, "sampler nucleus truncation (vLLM's rule; 1 = off)")
+    top_k: int = _arg(0, "sampler top-k truncation (0 = off; not the recorded --topk)")
+    min_p: float = _arg(0.0, "sampler min-p truncation: keep p >= min_p * max p (0 = off)")
+    renormalize: bool = _arg(True, "with truncation, renormalise the trainer's log-probs on the sampler's "
+                                   "kept support (off: full-vocabulary log-probs, every ratio biased by the "
+                                   "kept mass S)")
+    topk: int = _arg(0, "sampler top-K ids recorded for score centering (0 = whole vocabulary); recorded "
+                        "only for the arms that read them (sc, sc_tis, sc_mis, drift_only, "
+                        "--diagnose-drift)")
+    baseline: str = _arg("group", "advantage baseline: group (GRPO mean, no std) | none (raw reward)")
+    optimizer: str = _arg("adamw", "adamw | sgd")
+    lr: float = _arg(3e-5, "learning rate; a larger one such as 1e-4 knocks the tiny model back in Adam's "
+                           "first steps")
+    sync_every: int = _arg(1, "copy trainer weights into the sampler every k steps (policy lag k - 1)")
+    updates_per_batch: int = _arg(1, "optimizer steps per rollout batch, full batch each (verl ppo_epochs, "
+                                     "TRL num_iterations); the proximal log-probs are taken before the "
+                                     "first")
+    export: str = _arg("rtn", "fp32 -> bf16/fp16 export rounding: rtn | sr | ef")
+    loss_on_served: bool = _arg(False, "Fair Cast: forward on the served (rounded) weights, step the fp32 "
+                                       "master")
+    tis_cap: float = _arg(2.0, "TIS cap C")
+    mis_low: float = _arg(0.5, "MIS band low")
+    mis_high: float = _arg(5.0, "MIS band high")
+    eps_low: float = _arg(0.2, "PPO clip low")
+    eps_high: float = _arg(0.28, "PPO clip high")
+    dppo_delta: float = _arg(0.2, "DPPO trust region on |p - q|")
+    dlc_max_staleness: int = _arg(0, "DLC: resync once this many steps passed without one (0 = off)")
+    dlc_max_lag: float = _arg(0.0, "DLC: resync when the lag, mean |logp now - logp at the last sync's "
+                                   "master|, exceeds this (0 = off)")
+    eval_every: int = _arg(20, "evaluate before step 0, every N steps and after the last (N <= steps/4: >= "
+                               "5 points)")
+    eval_n: int = _arg(512, "distinct held-out problems per evaluation")
+    diagnose_drift: bool = _arg(False, "log norms of the drift and signal parts of the gradient (extra "
+                                       "backwards)")
+    seed: int = _arg(0, "seed of sampling, data and noise")
+    out_dir: str = _arg("runs", "parent directory of runs")
+    checkpoint_every: int = _arg(10, "write runs/<name>/checkpoint.safetensors every N steps (0: at the end "
+                                     "only); --resume continues from the last one")
+    trust_remote_code: bool = _arg(False, "let transformers run Python code shipped in --model (off: never)")
+    progress: bool = _arg(True, "show a tqdm bar")
+    device: str = _arg("auto", "trainer, optimizer, TorchSampler and evaluation: auto (cuda if available) | "
+                               "cpu | cuda")
+    vllm_gpu_memory: float = _arg(0.3, "share of GPU memory vLLM takes when colocated with the trainer (GPU "
+                                       "only)")
+    task: str = _arg("arithmetic", "arithmetic (the tiny model's) | words (chat word problems, --model a "
+                                   "chat model)")
+    routing_replay: str = _arg("none", "MoE models: none | r2 (the update replays the experts the trainer's "
+                                       "behaviour pass chose) | r3 (it replays the experts the sampler "
+                                       "chose; torch sampler)")
+
+
+# Tensor checks: every public function validates cheaply and names the argument; nothing here is on the hot
+# path's inner loop.
+def _check_tensor(name: str, x, *, floating: bool = True) -> None:
+    """A TypeError naming the argument unless x is a torch.Tensor (of a floating dtype when `floating`)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if floating and not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+
+
+def _check_choice(name: str, value, choices) -> None:
+    """A ValueError naming the argument unless `value` is one of `choices`."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _check_mask(mask) -> None:
+    """A TypeError or ValueError unless mask is a non-empty (B, T) bool tensor."""
+    _check_tensor("mask", mask, floating=False)
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor (True on generated tokens), got dtype {mask.dtype}")
+    if mask.dim() != 2:
+        raise ValueError(f"mask must have shape (B, T), got {tuple(mask.shape)}")
+    if mask.numel() == 0:
+        raise ValueError(f"mask is empty (shape {tuple(mask.shape)}): need B >= 1 and T >= 1")
+
+
+def _check_device(name: str, x, ref_name: str, ref) -> None:
+    """x (a tensor or a generator; None passes) must be on ref's device: mixing devices is a ValueError naming both."""
+    if x is not None and (x.device.type, x.device.index or 0) != (ref.device.type, ref.device.index or 0):
+        raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}: put both on one device")
+
+
+def _check_bt(mask, **tensors) -> None:
+    """Check the mask and that every named tensor is float with the mask's (B, T) shape, on the mask's device."""
+    _check_mask(mask)
+    for name, x in tensors.items():
+        _check_tensor(name, x)
+        if x.shape != mask.shape:
+            raise ValueError(f"{name} must have shape (B, T) = {tuple(mask.shape)} like mask, got "
+                             f"{tuple(x.shape)}")
+        _check_device(name, x, "mask", mask)
+
+
+def _check_adv(adv, mask) -> torch.Tensor:
+    """Advantages may be (B, T), (B, 1) or (B,); returned as a detached (B, T) float tensor, non-finite -> 0."""
+    _check_tensor("adv", adv)
+    _check_device("adv", adv, "mask", mask)
+    B, T = mask.shape
+    if adv.shape == (B,):
+        adv = adv[:, None]
+    if adv.shape not in ((B, T), (B, 1)):
+        raise ValueError(f"adv must have shape (B, T) = {(B, T)} or (B, 1) = {(B, 1)}, got "
+                         f"{tuple(adv.shape)}")
+    adv = adv.detach().float().expand(B, T)
+    return torch.where(torch.isfinite(adv), adv, torch.zeros_like(adv))
+
+
+# Run settings: every rule of RLConfig, PretrainConfig and EngineSpec, checked before anything is built, so a user's
+# mistake is one line, not a traceback. _check_values: one value at a time (UsageError); _check_run_config: the
+# combinations and what the run would reject later (ValueError); _check_cli: the flags that are not config fields
+# (--seeds, --model's files, --resume); _check_engine: EngineSpec.
+# EngineSpec.quant / RLConfig.quant: weight fake-quantisation (fake_quantize)
+QUANTS = ("none", "int8", "fp8")
+
+
+class UsageError(ValueError):
+    """A mistake on the command line: main() prints it as one `tim_rl: error: ...` line and exits with status 2."""
+
+
+def _flag(name: str) -> str:
+    """The command-line flag of a config field: max_new_tokens -> --max-new-tokens."""
+    return "--" + name.replace("_", "-")
+
+
+# Smallest value allowed, and the fields that must be finite and > 0. Keys are config field names; a subcommand or
+# config checks the ones it has (batch, digits: PretrainConfig; repeats: experiments.py's BenchConfig).
+_CONFIG_MIN = {"steps": 1, "prompts": 1, "group": 1, "max_new_tokens": 1, "eval_every": 1, "eval_n": 1,
+               "sync_every": 1, "updates_per_batch": 1, "checkpoint_every": 0, "topk": 0, "temperature": 0,
+               "batch": 1, "digits": 1, "repeats": 1}
+_CONFIG_POSITIVE = ("lr", "tis_cap", "mis_high", "dppo_delta", "vllm_gpu_memory")
+
+
+def _config_choices() -> dict[str, tuple]:
+    """The allowed values of each choice field (a function: _DTYPES, TASKS, CORRECTIONS come later)."""
+    return {"sampler": ("torch", "vllm"), "dtype": tuple(_DTYPES), "quant": QUANTS, "correction": CORRECTIONS,
+            "baseline": ("group", "none"), "optimizer": ("adamw", "sgd"), "export": ("rtn", "sr", "ef"),
+            "device": ("auto", "cpu", "cuda"), "task": TASKS, "routing_replay": ("none", "r2", "r3")}
+
+
+def _check_values(obj) -> None:
+    """Raise UsageError, naming the flag, for a value below its minimum or not among its choices (args or config),
+    a float flag that is not finite, or a learning rate / cap / band that is not positive."""
+    for f in fields(RLConfig):
+        value = getattr(obj, f.name, None)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{_flag(f.name)} must be a finite number, got {value}")
+        if f.name in _CONFIG_POSITIVE and value is not None and value <= 0:
+            raise UsageError(f"{_flag(f.name)} must be > 0, got {value}")
+    for name, low in _CONFIG_MIN.items():
+        if getattr(obj, name, low) < low:
+            raise UsageError(f"{_flag(name)} must be >= {low}, got {getattr(obj, name)}")
+    for name, choices in _config_choices().items():
+        if getattr(obj, name, choices[0]) not in choices:
+            shown = " | ".join(c for c in choices if c)
+            raise UsageError(f"{_flag(name)} must be one of {shown}, got {getattr(obj, name)!r}")
+
+
+def _check_engine(engine: EngineSpec) -> None:
+    """Raise ValueError, naming the field, for an EngineSpec no TorchSampler can build."""
+    _check_choice("engine.dtype", engine.dtype, sorted(_DTYPES))
+    _check_choice("engine.quant", engine.quant, QUANTS)
+    if engine.exact and (engine.dtype != "fp32" or engine.quant != "none" or engine.noise or engine.router_noise):
+        raise ValueError("engine.exact needs dtype fp32 without quantisation or noise")
+
+
+def _check_run_config(cfg: RLConfig) -> None:
+    """Raise ValueError naming the flag(s) for a setting the run would reject later, or that would train nothing."""
+    _check_values(cfg)
+    resolve_device(cfg.device)
+    try:
+        _check_truncation(cfg.top_p, cfg.top_k, cfg.min_p)
+    except ValueError as e:
+        raise ValueError("--" + str(e).replace("_", "-", 1)) from None
+    # COPC's advantages come from its critic
+    group_relative = cfg.baseline == "group" and cfg.correction != "copc"
+    vllm = cfg.sampler == "vllm"
+    # its longest answer and <eos>: a product or a swap has 2 x digits, else digits + 1
+    task = _task_kwargs(cfg.model)
+    longest = 1 + max(2 * task["digits"] if op in "*s" else task["digits"] + 1 for op in task["ops"])
+    mistakes = [
+        (cfg.task == "arithmetic" and cfg.max_new_tokens < longest, f"--max-new-tokens {cfg.max_new_tokens} "
+         f"cannot hold this model's answers ({task['digits']}-digit {task['ops']!r}: up to {longest} tokens "
+         "with <eos>)"),
+        (_truncates(cfg) and not cfg.renormalize and cfg.correction in ("dlc", "calibrated", "sc", "sc_tis", "sc_mis",
+                                                                         "drift_only"),
+         f"--no-renormalize applies to the current trainer's sampled-token log-probs only; --correction "
+         f"{cfg.correction} also reads logp_old or the top-K log-probs: run it with --renormalize"),
+        (cfg.loss_on_served and (cfg.sync_every, cfg.updates_per_batch) != (1, 1), "--loss-on-served needs "
+         "--sync-every 1 and --updates-per-batch 1 (the loss runs on the copy the sampler holds, fixed "
+         "until a sync)"),
+        (cfg.export != "rtn" and cfg.dtype != "bf16", f"--export {cfg.export} rounds the fp32 master to "
+         f"bf16: it needs --dtype bf16 (the sampler is {cfg.dtype}; rtn is the only export to fp32 / fp16)"),
+        (group_relative and cfg.group == 1, "--group 1 with --baseline group: each sample is its own group "
+         "mean, so every advantage is 0 and nothing trains (use --group >= 2, or --baseline none)"),
+        (group_relative and cfg.temperature == 0, "--temperature 0 samples greedily: a group's samples are "
+         "identical, so every advantage is 0 and nothing trains (use --temperature > 0, or --baseline "
+         "none)"),
+        (vllm and not vllm_available(), "--sampler vllm: vLLM is not installed in this environment (README: "
+         "Set-up installs it in its own environment)"),
+        (vllm and (cfg.quant != "none" or cfg.noise or cfg.router_noise or cfg.exact), "--sampler vllm takes "
+         "--dtype only (no --quant, --noise, --router-noise or --exact)"),
+        (vllm and 0 < cfg.temperature < 0.01, f"--sampler vllm with --temperature {cfg.temperature}: vLLM "
+         "samples at 0.01 while the trainer would score the requested value (use 0.01 or more)"),
+        (Path(cfg.out_dir, cfg.name).resolve() == Path(cfg.model).resolve(), f"--out-dir {cfg.out_dir} "
+         f"--name {cfg.name}: that run directory is the --model directory (a run writes its own config.json "
+         "there)"),
+        (cfg.task == "words" and not _has_chat_template(cfg.model), "--task words needs a chat model "
+         f"(--model DIR with a chat template): {cfg.model} has no chat template"),
+    ]
+    for bad, message in mistakes:
+        if bad:
+            raise ValueError(message)
+
+
+def _check_cli(args) -> RLConfig | None:
+    """Raise ValueError, naming the flag(s), for a value or combination the run would reject later (or with a
+    traceback, or that would train nothing); returns the RL config train (or experiments.py compare) will run."""
+    _check_values(args)
+    if not re.fullmatch(r"-?\d+(,-?\d+)*", getattr(args, "seeds", None) or "0"):
+        raise UsageError(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    model = getattr(args, "model", "runs/base")
+    # runs/base is built when missing
+    if model != "runs/base" and not (Path(model) / "config.json").is_file():
+        found = "a directory without config.json" if Path(model).is_dir() else "no model directory there"
+        raise UsageError(f"--model {model}: {found} (expected a Hugging Face causal-LM directory with "
+                         "config.json; omit --model to use the embedded tiny model)")
+    resume = getattr(args, "resume", "")
+    for need in ("config.json", "checkpoint.safetensors") if resume else ():
+        if not (Path(resume) / need).is_file():
+            raise UsageError(f"--resume {resume}: no {need} there (expected a run directory written by "
+                             "train)")
+    if args.cmd not in ("train", "compare") or getattr(args, "preset", ""):
+        return None
+    # resume: its config
+    saved = json.loads((Path(resume) / "config.json").read_text()) if resume else vars(args)
+    cfg = RLConfig(**{f.name: saved[f.name] for f in fields(RLConfig) if f.name in saved})
+    _check_run_config(cfg)
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------------------------
