@@ -4,6 +4,7 @@ notebook. Run: `pytest -q` (profile `ci`, derandomised, is the default; `HYPOTHE
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import sys
@@ -343,11 +344,11 @@ def test_score_centering_full_vocab_equals_full_centering(pq, adv):
 
 
 # =================================================================================================================
-# 5. importance weights
+# 5. importance weights: TIS unbiased by enumeration, every weight bounded and detached
 
 
 @given(logits_pq_V(), st.lists(st.floats(min_value=-2.0, max_value=2.0, width=32), min_size=8, max_size=8))
-def test_importance_weight_is_unbiased_by_enumeration(pq, advs):
+def test_tis_weight_is_unbiased_by_enumeration(pq, advs):
     zp, zq = pq
     V = len(zp)
     p, q = torch.softmax(zp, -1), torch.softmax(zq, -1)
@@ -1081,7 +1082,7 @@ def test_non_finite_outside_mask_changes_nothing_inside_never_nan(data, draw):
 
 
 # =================================================================================================================
-# misuse
+# misuse: a bad argument is a clear error naming it
 
 
 def test_misuse_raises_clear_errors():
@@ -1238,7 +1239,8 @@ def test_dlc_resync_fires_on_growing_lag():
     assert not tr.dlc_should_resync(bad, logp_old, mask, staleness=9, max_staleness=0, max_lag=0.0), "both off"
 
 
-# ---- each RL arm computes what its name says: its per-token weight on a hand-made batch ----
+# =================================================================================================================
+# corrections in the RL step: each arm's per-token weight on a hand-made batch is its formula
 
 
 def _arm_weights(correction, logp_now, logp_prox, logp_old, logp_infer, adv, **cfg):
@@ -1305,6 +1307,10 @@ def test_weight_arms_on_a_hand_made_batch(correction, expected):
     rho = torch.tensor([[3.0], [0.5], [1.2], [0.8]])
     w = _arm_weights(correction, logp_old, logp_old, logp_old, logp_old - rho.log(), ADV)
     assert torch.allclose(w, expected(rho), atol=1e-5), (correction, w)
+
+
+# =================================================================================================================
+# the command line and the repository: imports, files named, one-line CLI errors
 
 
 def test_math_imports_with_torch_alone():
@@ -1459,6 +1465,9 @@ def _copy_calls():
     return weight_calls | {
         "masked_mean": lambda f: f(a, mask),
         "token_logprobs": lambda f: f(logits, ids),
+        "support_differs": lambda f: f(torch.randint(-1, V, (B, T, 3), generator=g), torch.randint(-1, V, (B, T, 2),
+                                                                                              generator=g), mask),
+        "drift_signal_norms": lambda f: _drift_call(f, head, head_infer, b, adv, mask),
         "chunked_token_logprobs": lambda f: f(logits.reshape(-1, V), ids.reshape(-1, 1), 2),
         "log1mexp": lambda f: f(a),
         "mismatch_ledger": lambda f: f(a, b, c, mask, d),
@@ -1490,6 +1499,14 @@ def _copy_calls():
         "paired_p": lambda f: f([0.1, 0.2, -0.05]),
         "holm": lambda f: f({"a": 0.01, "b": 0.04, "c": math.nan}),
     }
+
+
+def _drift_call(f, head, head_infer, logp_infer, adv, mask):
+    """drift_signal_norms on a (B, T) linear model's log-probs: its parameters are the leaves."""
+    w = torch.linspace(-1, 1, mask.numel()).reshape(mask.shape).requires_grad_(True)
+    logp = torch.nn.functional.logsigmoid(w) - 1.0  # (B, T) log-probs of the sampled tokens
+    logp_topk = head + 0.1 * w[..., None]  # (B, T, K), sum_K p < 1
+    return f([w], logp, logp_topk, logp_infer, head_infer, adv, mask)
 
 
 def _home(name: str):
@@ -2748,7 +2765,7 @@ def test_vllm_truncated_sampling_support_and_ratio(base_model_dir):
 
 
 # =================================================================================================================
-# MoE routing (issue 29): routes recorded by the sampler, replayed by the trainer (R2 / R3), split in the ledger
+# MoE routing: routes recorded by the sampler, replayed by the trainer (R2 / R3), split in the ledger
 
 
 @pytest.fixture(scope="session")
@@ -2991,6 +3008,10 @@ def test_tutorial_notebook_executes(base_model_dir, moe_base_dir, tmp_path, monk
     assert (tmp_path / "runs" / "tutorial" / "compare_lag16" / "results.md").exists()
 
 
+# =================================================================================================================
+# interop: TRL's GRPOTrainer and vLLM (second CI environment)
+
+
 @needs_vllm
 @pytest.mark.vllm
 def test_trl_grpo_trainer_with_colocated_vllm_and_a_tim_rl_correction(base_model_dir, tmp_path):
@@ -3080,6 +3101,10 @@ def test_vllm_duplicate_prompts_get_independent_groups(base_model_dir):
     with torch.no_grad():
         expected = tr.answer_logprobs(tr.load_model(base_model_dir).eval(), tok, problems)
     assert torch.allclose(sampler.answer_logprobs(problems), expected, atol=1e-4), "teacher-forced pc in vLLM"
+
+
+# =================================================================================================================
+# the lab: publish, read-back runs, numerics fingerprints, verdict statistics
 
 
 def test_publish_rewrites_only_its_blocks(tmp_path):
@@ -3275,7 +3300,7 @@ def test_paired_ci_is_the_t_interval_and_says_nothing_without_data():
 
 
 # =================================================================================================================
-# dose-response map (issue 22): arms as a grid, statements (a)-(c) computed by DOSE_RULES
+# the lab: the dose-response map, arms as a grid, statements (a)-(c) computed by DOSE_RULES
 
 
 def test_dose_arms_run_none_everywhere_and_every_correction_where_asked():
@@ -3553,3 +3578,149 @@ def test_a_response_cap_shorter_than_the_models_answers_is_refused(tmp_path):
     tr._check_run_config(tr.RLConfig())  # the default 2-digit model: answers of <= 3 digits and <eos> fit in 5
     with pytest.raises(ValueError, match="digits >= 2"):
         tr.make_arithmetic_task(3, digits=1, ops="s")
+
+
+# =================================================================================================================
+# the reference's layout: reading order, one RL step, a public boundary, one meaning per flag, tests a reader finds
+
+READING_ORDER = ["log-space helpers", "sampling transforms (top-p / top-k / min-p)", "mismatch metrics",
+                 "weight export (fp32 master -> bf16 served copy)", "advantages", "correction weights", "losses",
+                 "MoE routing: record and replay (R2 / R3)", FAST_PATHS, "task and reward verifier",
+                 "model and tokenizer", "samplers (torch, vLLM)", "trainer", "experiment loop and ledger",
+                 "interop: TRL", "config dataclasses and input checks", "CLI"]
+MATH_SECTIONS = READING_ORDER[:READING_ORDER.index(FAST_PATHS) + 1]  # the math and its fast paths
+
+
+def _reference_graph():
+    """(definitions, call graph, section of each) of tim_rl.py by its AST: module functions and Class.method; a
+    call x.name(...) may reach any method of that name (a reader opens it once)."""
+    import ast
+    import inspect
+
+    source = inspect.getsource(tr)
+    tree = ast.parse(source)
+    banners = [(i + 1, line[len("# ---- "):-len(" ----")]) for i, line in enumerate(source.splitlines())
+               if line.startswith("# ---- ")]
+    defs = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            defs[node.name] = node
+        if isinstance(node, ast.ClassDef):
+            defs |= {f"{node.name}.{m.name}": m for m in node.body if isinstance(m, ast.FunctionDef)}
+    classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    methods = {}
+    for q in defs:
+        if "." in q:
+            methods.setdefault(q.split(".")[1], []).append(q)
+    graph = {}
+    for q, node in defs.items():
+        calls = []  # in source order
+        for c in sorted((c for c in ast.walk(node) if isinstance(c, ast.Call)), key=lambda c: (c.lineno, c.col_offset)):
+            if isinstance(c.func, ast.Name) and c.func.id in defs:
+                calls.append((c.lineno, c.func.id))
+            elif isinstance(c.func, ast.Name) and f"{c.func.id}.__init__" in defs and c.func.id in classes:
+                calls.append((c.lineno, f"{c.func.id}.__init__"))
+            elif isinstance(c.func, ast.Attribute):
+                calls += [(c.lineno, m) for m in methods.get(c.func.attr, [])]
+        graph[q] = calls
+    section = {q: ["<header>"] + [title for line, title in banners if line <= node.lineno] for q, node in defs.items()}
+    section = {q: titles[-1] for q, titles in section.items()}
+    return defs, graph, section
+
+
+def test_the_reference_reads_in_order_math_first():
+    import inspect
+
+    lines = inspect.getsource(tr).splitlines()
+    assert [line[len("# ---- "):-len(" ----")] for line in lines if line.startswith("# ---- ")] == READING_ORDER
+    first_def = next(i for i, line in enumerate(lines) if line.startswith(("def ", "class ")) and
+                     "_openmp_for_a_shared_machine" not in line)
+    assert lines[first_def].startswith("def masked_mean"), "the first definition a reader meets is the math"
+    assert first_def < 120, "the module docstring, imports and the OpenMP shim (10 lines) come before it"
+
+
+def test_one_rl_step_opens_at_most_12_functions_outside_the_math():
+    """Follow the step from run to Trainer.step: the functions on the way and what they call before the optimizer
+    step, outside the math, fast-path and config sections (a method counted once per name)."""
+    _defs, graph, section = _reference_graph()
+    path = ["run", "rl_step", "update_on_batch", "Trainer.step"]
+    for caller, callee in itertools.pairwise(path):
+        assert callee in [q for _, q in graph[caller]], f"{caller} calls {callee}"
+    step_line = {q: next(line for line, c in graph[q] if c == path[i + 1]) for i, q in enumerate(path[:-1])}
+    opened = set(path)
+    for q in ("rl_step", "update_on_batch"):  # the step's own calls, up to the optimizer step
+        opened |= {c for line, c in graph[q] if line <= step_line[q]}
+    outside = {q for q in opened if section[q] not in MATH_SECTIONS + ["config dataclasses and input checks"]}
+    names = {q.split(".")[-1] if "." in q and q.split(".")[0] in ("TorchSampler", "VLLMSampler") else q for q in outside}
+    print(sorted(names))
+    assert len(names) <= 12, sorted(names)
+    assert "policy_loss" in names and "Trainer.behaviour_logprobs" in names, "the count sees the step's phases"
+
+
+def test_the_lab_uses_only_public_names_of_the_reference():
+    import ast
+    import inspect
+
+    lab = ast.parse(inspect.getsource(ex))
+    private = sorted({n.attr for n in ast.walk(lab) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                      and n.value.id == "tr" and n.attr.startswith("_") and not n.attr.startswith("__")})
+    assert private == [], f"experiments.py reaches into tim_rl's privates: {private}"
+    assert "import experiments" not in inspect.getsource(tr) and "from experiments" not in inspect.getsource(tr)
+
+
+def test_every_public_function_of_the_reference_is_called_by_a_test():
+    """A public function counts when a test names it (tr.name, or its name in a call table) or a function a test
+    names calls it (the reference's call graph)."""
+    import ast
+    import inspect
+
+    defs, graph, _ = _reference_graph()
+    tests = ast.parse(inspect.getsource(sys.modules[__name__]))
+    named = {n.attr for n in ast.walk(tests) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+             and n.value.id == "tr"}
+    named |= {n.value for n in ast.walk(tests) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    reached, todo = set(), [q for q in defs if q.split(".")[0] in named]
+    while todo:
+        q = todo.pop()
+        if q not in reached:
+            reached.add(q)
+            todo += [c for _, c in graph[q]]
+    public = [n for n in defs if "." not in n and not n.startswith("_")]
+    assert public and [n for n in public if n not in reached] == []
+
+
+def test_readme_guarantees_name_tests_that_exist():
+    import re
+
+    readme = (tr.Path(__file__).parent / "README.md").read_text()
+    table = readme.split("## Guarantees")[1].split("\n## ")[0]
+    named = re.findall(r"`(test_[a-z0-9_]+)`", table)
+    assert len(named) >= 10, "each guarantee names its test"
+    missing = [n for n in named if not callable(globals().get(n))]
+    assert missing == [], missing
+
+
+def test_each_flag_has_one_meaning_tis_cap_seq_tis_cap_dlc_lag_cap():
+    """--tis-cap is TIS's C only: seq_tis reads --seq-tis-cap, DLC's lag ratio --dlc-lag-cap (defaults: today's)."""
+    logp_now = torch.log(torch.tensor([[0.5, 0.5], [0.4, 0.4]]))
+    logp_infer = logp_now - torch.tensor([[1.2, 1.2], [-0.1, -0.1]])  # sequence ratios e^2.4 and e^-0.2
+    logp_old = logp_now - 1.0  # DLC's lag ratio p_prox / p_old = e
+    adv = torch.tensor([[1.0], [1.0]])
+
+    def weights(correction, **flags):
+        return _arm_weights(correction, logp_now, logp_now, logp_old, logp_infer, adv, **flags)
+
+    for correction in ("seq_tis", "dlc"):
+        assert torch.equal(weights(correction), weights(correction, tis_cap=1.5)), f"{correction} ignores --tis-cap"
+    assert not torch.equal(weights("tis"), weights("tis", tis_cap=1.5)), "the twin: tis reads it"
+    assert torch.allclose(weights("seq_tis")[0], torch.full((2,), 5.0)), "default cap 5, as before"
+    assert torch.allclose(weights("seq_tis", seq_tis_cap=3.0)[0], torch.full((2,), 3.0))
+    assert not torch.equal(weights("dlc"), weights("dlc", dlc_lag_cap=1.5)), "DLC reads --dlc-lag-cap"
+    made = tr.cli_field(5.0, "the help text")  # every flag's help comes from its field
+    assert made.default == 5.0 and made.metadata["help"] == "the help text"
+    import argparse
+
+    flags = tr.add_config_flags(argparse.ArgumentParser(), tr.RLConfig) or argparse.ArgumentParser()
+    parser = argparse.ArgumentParser()
+    tr.add_config_flags(parser, tr.RLConfig)
+    assert "--seq-tis-cap" in parser.format_help() and "--dlc-lag-cap" in parser.format_help(), flags

@@ -237,6 +237,24 @@ def renormalize_on_support(logp: torch.Tensor, logp_kept: torch.Tensor) -> tuple
     return logp - log_s, log_s
 
 
+def _pad_last(tensors: list[torch.Tensor], value: int) -> list[torch.Tensor]:
+    """The tensors with their last dim padded with `value` to the largest one's."""
+    S = max(t.shape[-1] for t in tensors)
+    return [torch.nn.functional.pad(t, (0, S - t.shape[-1]), value=value) for t in tensors]
+
+
+def support_differs(kept_a: torch.Tensor, kept_b: torch.Tensor, mask: torch.Tensor) -> float:
+    """Share of masked positions whose two kept supports ((B, T, S) ids, -1 pads) are not the same set.
+
+    Compares the sorted id lists (padded to one S): (B, T, S) work, no (B, T, V) mask.
+
+    needs: _pad_last
+    """
+    a, b = (kept.sort(-1).values for kept in _pad_last([kept_a, kept_b], -1))  # (B, T, S) each, one S
+    differs = (a != b).any(-1)  # (B, T)
+    return float(differs[mask].float().mean()) if mask.any() else 0.0
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # ---- mismatch metrics ----
 
@@ -897,6 +915,26 @@ def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness: int =
         return True  # an unmeasurable lag is no reason to trust a stale sampler
     too_stale = max_staleness > 0 and staleness >= max_staleness
     return too_stale or (max_lag > 0 and float(masked_mean(lag.abs(), ok)) > max_lag)
+
+
+def drift_signal_norms(params, logp, logp_topk, logp_infer, logp_topk_infer, adv, mask) -> dict[str, float]:
+    """Norms of the plain REINFORCE gradient's drift part E_q[A] sum_v q_v s_v and signal part (SC's gradient) [2].
+
+    The split is of REINFORCE on this batch, whatever the arm trains with (hence the pg_ prefix): drift = g_pg - g_sc.
+    `params` are the leaves the forward ran on (the served copy under loss_on_served). (B, T) / (B, T, K) -> floats.
+
+    needs: pg_loss, score_centering_loss
+    """
+    params = [p for p in params if p.requires_grad]
+    loss_total = pg_loss(logp, adv, mask)
+    loss_signal = score_centering_loss(logp, logp_topk, logp_infer, logp_topk_infer, adv, mask)
+    # unused leaves get zeros
+    g_total = torch.autograd.grad(loss_total, params, retain_graph=True, materialize_grads=True)
+    g_signal = torch.autograd.grad(loss_signal, params, retain_graph=True, materialize_grads=True)
+    drift = math.sqrt(sum(float((a - b).square().sum()) for a, b in zip(g_total, g_signal, strict=True)))
+    signal = math.sqrt(sum(float(b.square().sum()) for b in g_signal))
+    return {"pg_drift_grad_norm": drift, "pg_signal_grad_norm": signal,
+            "pg_drift_over_signal": drift / max(signal, 1e-12)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1662,12 +1700,6 @@ def _entropy(logprobs: torch.Tensor) -> torch.Tensor:
     return -(logprobs.exp() * logprobs.nan_to_num(neginf=0.0)).sum(-1)
 
 
-def _pad_last(tensors: list[torch.Tensor], value: int) -> list[torch.Tensor]:
-    """The tensors with their last dim padded with `value` to the largest one's."""
-    S = max(t.shape[-1] for t in tensors)
-    return [torch.nn.functional.pad(t, (0, S - t.shape[-1]), value=value) for t in tensors]
-
-
 def left_pad(prompts: list[list[int]], pad_id: int = PAD_ID, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """(ids (B, P) left-padded with pad_id, mask (B, P) True on real tokens) of token-id lists."""
     P = max(map(len, prompts))
@@ -1854,16 +1886,6 @@ def kept_support_from_logits(logits: torch.Tensor, response_ids: torch.Tensor, t
         keep.scatter_(-1, ids[start : start + rows], True)  # TIM: the token was sampled, so it was kept
         parts.append(support_ids(keep))  # (n, S_chunk)
     return torch.cat(_pad_last(parts, -1)).reshape(B, T, -1)
-
-
-def support_differs(kept_a: torch.Tensor, kept_b: torch.Tensor, mask: torch.Tensor) -> float:
-    """Share of masked positions whose two kept supports ((B, T, S) ids, -1 pads) are not the same set.
-
-    Compares the sorted id lists (padded to one S): (B, T, S) work, no (B, T, V) mask.
-    """
-    a, b = (kept.sort(-1).values for kept in _pad_last([kept_a, kept_b], -1))  # (B, T, S) each, one S
-    differs = (a != b).any(-1)  # (B, T)
-    return float(differs[mask].float().mean()) if mask.any() else 0.0
 
 
 def greedy_accuracy(model, tokenizer: CharTokenizer, problems, max_new_tokens: int = 6, batch: int = 256) -> float:
@@ -2456,48 +2478,6 @@ def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout
     raise ValueError(f"correction must be one of {CORRECTIONS}, got {cfg.correction!r}")
 
 
-def drift_signal_norms(params, logp, logp_topk, ro: Rollout, adv) -> dict[str, float]:
-    """Norms of the plain REINFORCE gradient's drift part E_q[A] sum_v q_v s_v and signal part (SC's gradient) [2].
-
-    The split is of REINFORCE on this batch, whatever the arm trains with (hence the pg_ prefix). `params` are the
-    leaves the forward ran on (the served copy under loss_on_served).
-    """
-    params = [p for p in params if p.requires_grad]
-    grad = functools.partial(torch.autograd.grad, inputs=params, retain_graph=True, materialize_grads=True)
-    g_total = grad(pg_loss(logp, adv, ro.mask))  # unused leaves get zeros
-    g_signal = grad(score_centering_loss(logp, logp_topk, ro.logp_infer, ro.logp_topk_infer, adv, ro.mask))
-    drift = math.sqrt(sum(float((a - b).square().sum()) for a, b in zip(g_total, g_signal)))
-    signal = math.sqrt(sum(float(b.square().sum()) for b in g_signal))
-    return {"pg_drift_grad_norm": drift, "pg_signal_grad_norm": signal,
-            "pg_drift_over_signal": drift / max(signal, 1e-12)}
-
-
-def _truncates(cfg: RLConfig) -> bool:
-    """Whether the run samples from a truncated distribution (top-p, top-k or min-p at a temperature > 0)."""
-    return cfg.temperature > 0 and (cfg.top_p < 1 or cfg.top_k > 0 or cfg.min_p > 0)
-
-
-TOPK_READERS = ("sc", "sc_tis", "sc_mis", "drift_only")  # the arms whose loss reads the top-K log-probs
-
-
-def _reads_topk(cfg: RLConfig) -> bool:
-    """Whether the run's loss or diagnostics read the sampler's top-K log-probs."""
-    return cfg.correction in TOPK_READERS or cfg.diagnose_drift
-
-
-def recorded_topk(cfg: RLConfig) -> int | None:
-    """The top-K the sampler records: cfg.topk for the arms (and diagnostics) that read it, else None (K = 0).
-
-    At V = 151,936 all-V records would be 12 bytes x V per token; vLLM still returns all V under truncation on
-    the CPU, where its processed log-probs are the only way to read its kept support.
-    """
-    if _reads_topk(cfg):
-        return cfg.topk
-    if cfg.sampler == "vllm" and _truncates(cfg):
-        return 0
-    return None
-
-
 def resolve_device(device: str) -> torch.device:
     """auto -> cuda when torch sees a GPU, else cpu; cuda without a GPU is a clear error (naming --device)."""
     if device not in ("auto", "cpu", "cuda"):
@@ -2598,7 +2578,8 @@ def update_on_batch(cfg: RLConfig, rs: RunState, ro: Rollout, rewards, logp_old,
     loss = policy_loss(cfg, logp, logp_topk, logp_prox, logp_old, ro, adv)
     w_eff = effective_token_weights(loss, logp, adv, ro.mask)  # what the arm did to each token
     if first and cfg.diagnose_drift:
-        extra |= drift_signal_norms(rs.trainer.grad_leaves(), logp, logp_topk, ro, adv)
+        extra |= drift_signal_norms(rs.trainer.grad_leaves(), logp, logp_topk, ro.logp_infer, ro.logp_topk_infer,
+                                    adv, ro.mask)
     clock.append(time.perf_counter())
     grad_norm = rs.trainer.step(loss + critic_loss)
     clock.append(time.perf_counter())
@@ -3092,6 +3073,32 @@ def engine_spec(cfg: RLConfig) -> EngineSpec:
     """The torch sampler's engine a run's flags describe (its noise seeded apart from the run's seed)."""
     return EngineSpec(dtype=cfg.dtype, quant=cfg.quant, noise=cfg.noise, noise_seed=cfg.seed + 1234, exact=cfg.exact,
                       router_noise=cfg.router_noise)
+
+
+def _truncates(cfg: RLConfig) -> bool:
+    """Whether the run samples from a truncated distribution (top-p, top-k or min-p at a temperature > 0)."""
+    return cfg.temperature > 0 and (cfg.top_p < 1 or cfg.top_k > 0 or cfg.min_p > 0)
+
+
+TOPK_READERS = ("sc", "sc_tis", "sc_mis", "drift_only")  # the arms whose loss reads the top-K log-probs
+
+
+def _reads_topk(cfg: RLConfig) -> bool:
+    """Whether the run's loss or diagnostics read the sampler's top-K log-probs."""
+    return cfg.correction in TOPK_READERS or cfg.diagnose_drift
+
+
+def recorded_topk(cfg: RLConfig) -> int | None:
+    """The top-K the sampler records: cfg.topk for the arms (and diagnostics) that read it, else None (K = 0).
+
+    At V = 151,936 all-V records would be 12 bytes x V per token; vLLM still returns all V under truncation on
+    the CPU, where its processed log-probs are the only way to read its kept support.
+    """
+    if _reads_topk(cfg):
+        return cfg.topk
+    if cfg.sampler == "vllm" and _truncates(cfg):
+        return 0
+    return None
 
 
 # Tensor checks: every public function validates cheaply and names the argument; nothing here is on the hot
