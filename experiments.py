@@ -205,6 +205,67 @@ def holm(pvalues: dict) -> dict:
     return adjusted
 
 
+def paired_p_batch(diffs: torch.Tensor) -> torch.Tensor:
+    """paired_p over the last axis, (..., n) -> (...): P(T_(n-1) <= mean / (sd / sqrt(n))) by student_t_cdf's
+    reduction in float64, for simulations of many replicates at once. Same edge cases: zero spread 0 / 1 / 1/2, one
+    seed 1/2, a non-finite d nan.
+
+    needs: nothing
+    """
+    d = diffs.to(torch.float64)
+    n = d.shape[-1]
+    if n < 2:
+        return torch.full(d.shape[:-1], 0.5, dtype=torch.float64, device=d.device)
+    mean = d.mean(-1)
+    se = d.std(-1) / math.sqrt(n)  # Bessel's correction, as paired_p
+    signed_inf = torch.where(mean > 0, math.inf, -math.inf)
+    t = torch.where(se > 0, mean / se, torch.where(mean != 0, signed_inf, 0.0))
+    df = n - 1
+    theta = torch.atan(t / math.sqrt(df))
+    sin, cos = torch.sin(theta), torch.cos(theta)
+    integral = theta if df % 2 == 1 else sin  # I_0 (df odd) or I_1 (df even), as in student_t_cdf
+    for m in range(2 + (df + 1) % 2, df, 2):
+        integral = cos ** (m - 1) * sin / m + (m - 1) / m * integral
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(math.pi)
+    p = (0.5 + c * integral).clamp(0.0, 1.0)
+    return torch.where(torch.isfinite(d).all(-1), p, math.nan)
+
+
+def fixed_sequence(pvalues: torch.Tensor) -> torch.Tensor:
+    """Fixed-sequence adjusted p-values, tests in the order of the last axis (fixed before the run), (..., S) ->
+    (..., S): the running maximum p~_k = max_(j <= k) p_j. Rejecting p~ <= alpha tests each hypothesis at alpha in
+    turn and stops at the first it keeps; the chance of rejecting any true null is <= alpha under any dependence,
+    with no multiplicity penalty (Westfall & Krishen 2001). A nan p (not measured) is skipped: it neither stops the
+    sequence nor is rejected.
+
+    needs: nothing
+    """
+    p = pvalues.to(torch.float64)
+    running = torch.cummax(torch.nan_to_num(p, nan=0.0), dim=-1).values
+    return torch.where(torch.isnan(p), math.nan, running)
+
+
+def bh_adjusted(pvalues: torch.Tensor) -> torch.Tensor:
+    """Benjamini-Hochberg adjusted p-values of one family per row, (..., m) -> (..., m): sorted ascending, the i-th
+    (from 1) of m is min over j >= i of m p_(j) / j, capped at 1. Rejecting adjusted p <= q keeps E[false rejections
+    / rejections] <= q for independent or positively dependent tests (Benjamini & Hochberg 1995; Benjamini &
+    Yekutieli 2001); under the total null that is the chance of any rejection. A nan p (not measured) is left out
+    of its row's family (m counts the rest) and stays nan.
+
+    needs: nothing
+    """
+    p = pvalues.to(torch.float64)
+    measured = ~torch.isnan(p)
+    m = measured.sum(-1, keepdim=True)  # (..., 1)
+    ordered, order = torch.sort(torch.where(measured, p, math.inf), dim=-1)  # nan last, as +inf
+    rank = torch.arange(1, p.shape[-1] + 1, dtype=torch.float64, device=p.device)  # (m,)
+    scaled = torch.where(torch.isinf(ordered), math.inf, m * ordered / rank)
+    # the minimum over j >= i: a cumulative minimum from the right
+    from_right = torch.flip(torch.cummin(torch.flip(scaled, [-1]), dim=-1).values, [-1]).clamp(max=1.0)
+    adjusted = torch.empty_like(p).scatter_(-1, order, from_right)
+    return torch.where(measured, adjusted, math.nan)
+
+
 def paired_ci(diffs: list[float], level: float = 0.95) -> tuple[float, float]:
     """(low, high) = mean(d) -+ t_{(1+level)/2, n-1} sd(d) / sqrt(n): Student-t interval of paired differences d.
 
@@ -853,28 +914,43 @@ def _arms(label: str, corrections: tuple, **change) -> tuple:
     return tuple((f"{c}{label}", {"correction": c} | change) for c in corrections)
 
 
-# family-wise error of each dose statement: Holm over its one-sided paired t tests (DOSE_RULES)
+# one family per dose section: DOSE_ALPHA split between (a) (fixed sequence) and (b) with (c) (Benjamini-Hochberg)
 DOSE_ALPHA = 0.05
+DOSE_ALPHA_A = 0.025  # (a): each none-vs-control test of the fixed sequence
+DOSE_Q = DOSE_ALPHA - DOSE_ALPHA_A  # (b) and (c): the BH level of their one family
 DOSE_RULES = (
-    "Rules, written before the first run; the family-wise control was added after it, when a simulation of "
-    "null effects at 5 seeds (test_dose_rules_err_rarely_under_null_effects_and_find_a_2_sd_effect) showed "
-    "the first rules, each interval on its own, naming a threshold in (a) in 15% of replicates (dose grid; "
-    "8% dose-long) and answering yes in (c) in 36% (25%). Every arm runs on the same seeds; x is a "
-    "setting's measured mismatch: the mean over seeds of the none arm's per-step mean |logp - logp_infer|. "
-    "Δ = pc auc difference, paired by seed. Each comparison is a one-sided paired Student-t test (paired_p, "
-    "the test paired_ci inverts), and the tests of one statement form a family decided by Holm's step-down "
-    "procedure (holm): a setting is named only where its Holm-adjusted p is at most 0.05, so a statement "
-    "names a setting without a true effect in at most 5% of runs. The intervals shown are unadjusted "
-    "two-sided 95% Student-t intervals (paired_ci), descriptive only: the test is one-sided at 5%, so a "
-    "named setting's interval may just reach 0; 'p (Holm)' is the adjusted p of the row's Δ. A setting is "
+    "Rules, written before the first run and revised twice after it, each time when a simulation showed them "
+    "erring more often than they said: round 4 gave each statement its own family (Holm); round 5 made the "
+    "section one family, when a simulation of null effects at 5 seeds showed the section stating something "
+    "in 35-50% of replicates (dose grid; 19-30% dose-long). Every arm runs on the same seeds; x is a setting's "
+    "measured mismatch: the mean over seeds of the none arm's per-step mean |logp - logp_infer|. Δ = pc auc "
+    "difference, paired by seed. Each comparison is a one-sided paired Student-t test (paired_p, the test "
+    "paired_ci inverts). The section's 5% is split: 2.5% to (a), 2.5% to (b) and (c) together. (a) The "
+    "smallest x at which none trails the synced control, by a fixed sequence (fixed_sequence): none vs control "
+    "at every measured setting (noise levels and engines), tested at 2.5% from the largest x down, stopping at "
+    "the first setting it keeps; (a) names the smallest setting rejected, and the settings 'named by (a)' are "
+    "it and every larger x. (b) and (c) are one family, fixed before the run: at every setting where a "
+    "correction ran, three tests (it beats none; it trails none; it still trails the control), decided by "
+    "Benjamini-Hochberg at 2.5% (bh_adjusted). (b) Per correction, the settings where it beats none, and "
+    "those where it still trails the control. (c) Whether a correction trails none at a setting where none is "
+    "harmless (not named by (a)); so that every rejected test is stated, (c) also lists where a correction "
+    "trails none at a setting (a) named. What is guaranteed: whatever the effects, (a) names a setting where "
+    "none does not trail the control in at most 2.5% of runs (a fixed sequence holds under any dependence; "
+    "exact for normal per-seed differences). Under the total null (no arm differs from another) the section "
+    "states anything in at most 2.5% + 2.5% = 5% of runs, and with real effects the expected share of false "
+    "(b)/(c) items among those stated is at most 2.5%: BH proves both for independent or positively dependent "
+    "tests only, and here the tests share arms with opposite signs, so they are measured, by simulation on "
+    "each preset's own grid with its published per-arm spreads, 5 seeds, normal, t3, 5% collapses and "
+    "heteroscedastic noise (test_dose_section_states_nothing_under_the_total_null, "
+    "test_dose_section_errs_rarely_and_finds_the_published_effects: <= 6% each, against 35-50% for the round-4 "
+    "rules). 'nowhere' or 'no' is no evidence of absence: only of no effect large enough for 5 seeds. 'p "
+    "(adjusted)' is (a)'s fixed-sequence adjusted p, and for a (b) row the BH-adjusted p of its Δ (vs none at "
+    "its largest x, beats none), each compared with 0.025. The intervals shown are unadjusted two-sided 95% "
+    "Student-t intervals (paired_ci), descriptive only: a named setting's interval may reach 0. A setting is "
     "'not measured' where x or its none arm's interval is not finite (a diverged seed), and a correction is "
     "'not measured' at such a setting or where its own interval is not finite: named so in every statement "
-    "that would use it, never counted as harmless or as 'no', and left out of the families. (a) The "
-    "smallest x at which none trails the synced control; family: none vs control at every measured setting "
-    "(noise levels and engines). (b) Per correction, the settings where it beats none, and those where it "
-    "still trails the control; two families, each over the settings where that correction was measured. (c) "
-    "Whether a correction trails none at a setting where none is harmless (not named by (a)); family: every "
-    "correction at every such setting. Every statement is 'invalid testbed' when the control did not learn.")
+    "that would use it, never counted as harmless or as 'no', and left out of the families. Every statement is "
+    "'invalid testbed' when the control did not learn.")
 
 
 def dose_arms(levels: tuple, corrections: tuple, full: tuple = (), engines: tuple = ()) -> tuple:
@@ -912,11 +988,21 @@ def _fmt_ci(d: Delta) -> str:
     return f"{d.mean:+.3f} [{d.low:+.3f}, {d.high:+.3f}]"
 
 
-def _dose_row(claim: str, verdict: str, shown: Delta | None, p_holm: float, seeds: int) -> dict:
+def _dose_row(claim: str, verdict: str, shown: Delta | None, p_adjusted: float, seeds: int) -> dict:
     """One statement's row; every row has these keys in this order (a table's header is its first row's keys)."""
     return {"claim": claim, "verdict": verdict, "Δ": f"{shown.mean:+.3g}" if shown else "-",
             "95% CI": f"[{shown.low:+.3g}, {shown.high:+.3g}]" if shown else "-",
-            "p (Holm)": f"{p_holm:.2g}" if shown else "-", "metric": "pc_trainer (auc)", "seeds": seeds}
+            "p (adjusted)": f"{p_adjusted:.2g}" if shown else "-", "metric": "pc_trainer (auc)", "seeds": seeds}
+
+
+def _adjust(method, pvalues: dict) -> dict:
+    """{test: p} -> {test: adjusted p}: a tensor method (fixed_sequence, bh_adjusted) over one family, in the
+    dict's order."""
+    tests = list(pvalues)
+    if not tests:
+        return {}
+    adjusted = method(torch.tensor([pvalues[t] for t in tests], dtype=torch.float64))
+    return dict(zip(tests, adjusted.tolist()))
 
 
 def dose_map(runs: dict[str, list[list[dict]]], control: str, learned: bool,
@@ -947,36 +1033,47 @@ def dose_map(runs: dict[str, list[list[dict]]], control: str, learned: bool,
         """The settings of ss where correction a ran with both its intervals finite."""
         return [s for s in ss if (a, s) in vs_none and _finite(vs_control[a, s]) and _finite(vs_none[a, s])]
 
-    trails = holm({s: vs_control["none", s].p for s in measured})  # (a)'s family
-    harmed = [s for s in measured if trails[s] <= DOSE_ALPHA]
+    # (a): a fixed sequence, from the largest measured x down
+    trails = _adjust(fixed_sequence, {s: vs_control["none", s].p for s in reversed(measured)})
+    harmed = [s for s in measured if trails[s] <= DOSE_ALPHA_A]  # a run of the largest x
     first = vs_control["none", harmed[0]] if harmed else None
     largest = max([x[s] for s in measured], default=math.nan)
     not_measured = f"; not measured at {', '.join(lost)}" if lost else ""
     rows = [_dose_row("(a) smallest measured mismatch at which none trails the synced control",
                       (named(harmed[:1]) if harmed else f"not in the grid (measured x up to {largest:.2g})")
                       + not_measured, first, trails[harmed[0]] if harmed else math.nan, seeds)]
+    # (b) and (c): one family, three tests per correction and setting where it ran
+    family = {}
+    for a in corrections:
+        for s in measured_at(a, measured):
+            family["beats none", a, s] = 1 - vs_none[a, s].p
+            family["trails none", a, s] = vs_none[a, s].p
+            family["still trails the control", a, s] = vs_control[a, s].p
+    adjusted = _adjust(bh_adjusted, family)
+    stated = {test for test, p in adjusted.items() if p <= DOSE_Q}
     for a in corrections:
         ran = measured_at(a, measured)
         missing = [s for s in settings if (a, s) in vs_none and s not in ran]
-        beats = holm({s: 1 - vs_none[a, s].p for s in ran})  # (b)'s two families of this correction
-        still = holm({s: vs_control[a, s].p for s in ran})
-        verdict = (f"{named([s for s in ran if beats[s] <= DOSE_ALPHA])}; "
-                   f"{named([s for s in ran if still[s] <= DOSE_ALPHA])}")
+        verdict = (f"{named([s for s in ran if ('beats none', a, s) in stated])}; "
+                   f"{named([s for s in ran if ('still trails the control', a, s) in stated])}")
         rows.append(_dose_row(f"(b) {a}: beats none at; still trails the control at (Δ, CI, p: vs none, "
                               "largest x)",
                               verdict + (f"; not measured at {', '.join(missing)}" if missing else ""),
-                              vs_none[a, ran[-1]] if ran else None, beats[ran[-1]] if ran else math.nan, seeds))
+                              vs_none[a, ran[-1]] if ran else None,
+                              adjusted["beats none", a, ran[-1]] if ran else math.nan, seeds))
     harmless = [s for s in measured if s not in harmed]  # none not shown to trail the control
-    # (c)'s family
-    costs = holm({(a, s): vs_none[a, s].p for a in corrections for s in measured_at(a, harmless)})
-    hurt = [f"{a} at {s}" for (a, s), p in costs.items() if p <= DOSE_ALPHA]
-    tested = [s for s in harmless if any((a, s) in costs for a in corrections)]
+    costs = [(a, s) for kind, a, s in family if kind == "trails none"]
+    hurt = [f"{a} at {s}" for a, s in costs if s in harmless and ("trails none", a, s) in stated]
+    also = [f"{a} at {s}" for a, s in costs if s in harmed and ("trails none", a, s) in stated]
+    tested = [s for s in harmless if any(s == t for _, t in costs)]
     unknown = [f"{a} at {s}" for a in corrections for s in settings
                if (a, s) in vs_none and s not in harmed and (a, s) not in costs]
     if hurt:
         verdict = "yes: " + ", ".join(hurt)
     else:
         verdict = f"no (tested at {named(tested)})" if tested else "not tested"
+    if also:
+        verdict += "; also where (a) names harm: " + ", ".join(also)
     rows.append(_dose_row("(c) a correction trails none where none is harmless (not named by (a))",
                           verdict + ("; not measured: "
                                      f"{', '.join(unknown)}" if unknown else ""), None, math.nan,
