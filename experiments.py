@@ -353,6 +353,34 @@ def judge(runs: dict[str, list[list[dict]]], claim: Claim, learned: bool) -> dic
     return verdict_row(text, f"{claim.metric} ({claim.summary})", deltas, claim.direction, learned)
 
 
+CLAIMS_ALPHA = 0.05  # a preset's claims: the chance that any verdict of the preset resolves a true null
+
+
+def two_sided_p(deltas: list[float]) -> float:
+    """Two-sided p of the paired Student-t test of mean(d) = 0: 2 min(p, 1 - p) with p = paired_p(d); below 0.05
+    exactly when paired_ci's 95% interval excludes 0. nan for a non-finite d."""
+    p = paired_p(deltas)
+    return min(1.0, 2 * min(p, 1 - p)) if not math.isnan(p) else math.nan
+
+
+def judge_family(runs: dict[str, list[list[dict]]], claims: tuple, learned: bool) -> list[dict]:
+    """The claims of one preset judged as one family: each claim's two-sided paired t test, Holm's step-down over
+    the claims (holm), `reproduced` / `contradicted` by the sign of mean Δ where the Holm-adjusted p is <=
+    CLAIMS_ALPHA, so the chance that any verdict of the preset resolves a claim with no true effect is <= 5%.
+    Each row is judge's with the adjusted p ("p (Holm)"); a family of one is judge's verdict."""
+    deltas = [paired_deltas(runs, c.arm, c.reference, c.metric, c.summary) for c in claims]
+    adjusted = holm({i: two_sided_p(d) for i, d in enumerate(deltas)})
+    rows = []
+    for i, (claim, d) in enumerate(zip(claims, deltas)):
+        row = judge(runs, claim, learned)
+        if learned:
+            resolved = adjusted[i] <= CLAIMS_ALPHA
+            row["verdict"] = verdict(_mean(d), _mean(d), claim.direction) if resolved else "not resolved"
+        rows.append({k: v for k, v in row.items() if k != "verdict"} | {"p (Holm)": f"{adjusted[i]:.2g}",
+                                                                          "verdict": row["verdict"]})
+    return rows
+
+
 def arm_table(runs: dict[str, list[list[dict]]], reference: str, extra: dict | None = None) -> list[dict]:
     """One row per arm: start, final and auc of pc_trainer (mean ± sd), Δ vs `reference` with CIs, extra columns."""
     rows = []
@@ -474,6 +502,8 @@ def run_arms(base: tr.RLConfig, arms: list[tuple[str, dict]], seeds: list[int],
     -> {label: [records per seed]}."""
     from tqdm.auto import tqdm
 
+    if len(set(seeds)) < len(seeds):
+        raise ValueError(f"seeds must be distinct (each counted once in a paired interval), got {seeds}")
     current = numerics_fingerprint()
     runs: dict[str, list[list[dict]]] = {}
     reused, read = 0.0, {}
@@ -565,10 +595,13 @@ def rl_preset(p: RLPreset, pc: PresetConfig, seeds: list[int], out: Path) -> lis
     if p.report:  # a map over settings: statements computed by its rules
         more, verdicts = p.report(runs, control, learned, out / "plot.png")
     else:
-        verdicts = [judge(runs, claim, learned) for claim in p.claims]
+        verdicts = judge_family(runs, p.claims, learned)
         plot_arms(out / "plot.png", runs, title=p.title)
         revised = "; a claim changed after a run says how in its row" if any(c.revised for c in p.claims) else ""
-        more = [(f"Claims, stated before the first run{revised}; verdicts computed from the paired "
+        family = (f"judged as one family (Holm over the {len(p.claims)} claims, two-sided paired t tests: a "
+                  "verdict is resolved where its Holm-adjusted p is <= 0.05)" if len(p.claims) > 1 else
+                  "judged by its two-sided paired t test at 5%")
+        more = [(f"Claims, stated before the first run{revised}; {family}; verdicts computed from the paired "
                  "seeds:", verdicts)]
     _write_results(out, p.title, sections + more + [
         (f"Arms ({base.steps} steps, {base.prompts} prompts x {base.group} samples, lr {base.lr}, eval on "
@@ -593,6 +626,20 @@ class PresetConfig:
                                    "README's verdicts")
     accept_numerics: bool = tr._arg(False, "publish runs read back from code of other numerics (another "
                                         "fingerprint); RESULTS.md says how many")
+
+
+def parse_seeds(text: str) -> list[int]:
+    """'0,1,2,3,4' -> [0, 1, 2, 3, 4]; each seed counted once, so a repeated, empty or non-integer entry is a
+    UsageError naming --seeds (a seed listed twice would enter every paired interval twice)."""
+    parts = [part.strip() for part in str(text).split(",")]
+    if not all(re.fullmatch(r"-?\d+", part) for part in parts):
+        raise tr.UsageError(f"--seeds must be comma-separated integers such as 0,1,2,3,4, got {text!r}")
+    seeds = [int(part) for part in parts]
+    repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+    if repeated:
+        raise tr.UsageError(f"--seeds lists seed {', '.join(map(str, repeated))} more than once ({text!r}): "
+                            "each seed must be counted once in a paired interval")
+    return seeds
 
 
 def _preset_base(pc: PresetConfig, **change) -> tr.RLConfig:
@@ -1308,7 +1355,7 @@ def run_preset(pc: PresetConfig) -> list[Path]:
     unknown = [n for n in names if n not in PRESETS]
     if unknown:
         raise ValueError(f"preset must be one of {sorted(PRESETS)} or all, got {pc.preset!r}")
-    seeds = [int(s) for s in pc.seeds.split(",")][: 1 if pc.smoke else None]
+    seeds = parse_seeds(pc.seeds)[: 1 if pc.smoke else None]
     written = []
     for name in names:
         # smoke runs never replace full-size ones
@@ -1330,8 +1377,10 @@ def run_preset(pc: PresetConfig) -> list[Path]:
         numerics = _numerics_note(out / "numerics.json", accept=pc.accept_numerics or not publishing)
         print(f"[{name}] {numerics}", file=sys.stderr)
         if publishing:
-            publish(name, (out / "results.md").read_text(), verdicts, command, seconds, plot=out / "plot.png",
-                    numerics=numerics)
+            changes = publish(name, (out / "results.md").read_text(), verdicts, command, seconds,
+                              plot=out / "plot.png", numerics=numerics)
+            print(f"[{name}] changed since the previous publication:", *changes or ["(nothing)"], sep="\n",
+                  file=sys.stderr)
         written.append(out / "results.md")
     return written
 
@@ -1374,16 +1423,83 @@ def published_rows(results: str) -> list[dict]:
     return [row for found in re.findall(r"^<!-- rows (.*) -->$", results, re.M) for row in json.loads(found)]
 
 
+# publish stamps every row it writes with JUDGED: its preset's verdicts were judged as one family (round 5 on)
+JUDGED = "one family"
+ONE_AT_A_TIME = ("*Judged one at a time:* this section was published before the family rule of round 5, so each "
+                 "verdict above holds its 5% on its own, not the table's. Its next publication judges its claims "
+                 "as one family (Holm over the claims; a dose section: one family per section).")
+
+
+def _mark_one_at_a_time(text: str) -> str:
+    """RESULTS.md text with ONE_AT_A_TIME under the command line of every preset section whose rows were published
+    before the family rule (rows without the JUDGED stamp) and hold more than one verdict. Idempotent."""
+    def mark(match: re.Match) -> str:
+        block = match.group(0)
+        found = re.search(r"^<!-- rows (.*) -->$", block, re.MULTILINE)
+        rows = json.loads(found.group(1)) if found else []
+        if len(rows) < 2 or all(r.get("judged") == JUDGED for r in rows) or ONE_AT_A_TIME in block:
+            return block
+        return re.sub(r"^(`python .*)$", lambda m: f"{m.group(1)}\n\n{ONE_AT_A_TIME}", block, count=1, flags=re.MULTILINE)
+
+    return re.sub(r"^<!-- preset:(\S+) -->$.*?^<!-- /preset:\1 -->$", mark, text, flags=re.MULTILINE | re.DOTALL)
+
+
+def _statement_key(claim: str) -> str:
+    """What a row states, across publications: a dose statement's label ('(a) ...', '(b) tis', '(c) ...'), else
+    the claim's text."""
+    return claim.partition(":")[0] if claim.startswith("(") else claim
+
+
+def changelog(old_rows: list[dict], new_rows: list[dict]) -> list[str]:
+    """One line per statement or claim whose verdict changed between two publications of a preset, matched by
+    _statement_key: '- KEY: OLD -> NEW', OLD '(not stated)' for a new row, NEW '(no longer stated)' for a dropped
+    one; ' (was judged one at a time)' when the old row predates the family rule."""
+    old = {_statement_key(r["claim"]): r for r in old_rows}
+    new = {_statement_key(r["claim"]): r for r in new_rows}
+    lines = []
+    for key in list(old) + [k for k in new if k not in old]:
+        before = old[key]["verdict"] if key in old else "(not stated)"
+        after = new[key]["verdict"] if key in new else "(no longer stated)"
+        if before != after:
+            why = " (was judged one at a time)" if key in old and old[key].get("judged") != JUDGED else ""
+            lines.append(f"- {key}: {before} -> {after}{why}")
+    return lines
+
+
+def _write_verdicts(readme: Path, readme_text: str, results_text: str) -> None:
+    """README's verdict table from every preset's rows in RESULTS.md; 'adjusted p' is the row's family-adjusted p,
+    or 'one at a time' for a row published before the family rule."""
+    table = published_rows(results_text)
+    columns = ("preset", "claim", "verdict", "Δ", "95% CI")  # each preset's command: RESULTS.md, its section
+    if table:
+        tr._write_atomic(readme, _replace_block(readme_text, "verdicts", _markdown_table(
+            [{c: r[c] for c in columns} | {"adjusted p": r.get("p (Holm)", r.get("p (adjusted)", "-"))
+                                          if r.get("judged") == JUDGED else "one at a time"} for r in table])))
+
+
+def refresh_published(root: Path = Path(".")) -> None:
+    """Re-apply publish's marks to what is already published: ONE_AT_A_TIME under older sections of RESULTS.md,
+    README's verdict table rebuilt. Changes no verdict."""
+    path, readme = root / "RESULTS.md", root / "README.md"
+    readme_text = readme.read_text()
+    text = _mark_one_at_a_time(path.read_text())
+    tr._write_atomic(path, text)
+    _write_verdicts(readme, readme_text, text)
+
+
 def publish(name: str, results: str, verdicts: list[dict], command: str, seconds: float, root: Path = Path("."),
-            plot: Path | None = None, numerics: str = ""):
-    """Copy a preset's results.md (and its plot, to figures/<name>.png) into RESULTS.md and rebuild README's verdict
-    table from every preset there."""
+            plot: Path | None = None, numerics: str = "") -> list[str]:
+    """Copy a preset's results.md (and its plot, to figures/<name>.png) into RESULTS.md, its rows stamped JUDGED,
+    with a changelog against the section it replaces; mark older sections judged one at a time; rebuild README's
+    verdict table from every preset there. Returns the changelog lines."""
     path, readme = root / "RESULTS.md", root / "README.md"
     readme_text = readme.read_text()  # before anything is written: a missing README fails first
     text = path.read_text() if path.exists() else (
         "# Results\n\nEvery section is written by the command above it (`--publish`); nothing here is typed "
         "by hand.\n")
-    rows = [{"preset": name} | v | {"command": f"`{command}`"} for v in verdicts]
+    before = [r for r in published_rows(text) if r["preset"] == name]
+    rows = [{"preset": name} | v | {"command": f"`{command}`", "judged": JUDGED} for v in verdicts]
+    changes = changelog(before, rows) if before else []
     figure = ""
     if plot is not None and plot.exists():
         (root / "figures").mkdir(exist_ok=True)
@@ -1392,15 +1508,14 @@ def publish(name: str, results: str, verdicts: list[dict], command: str, seconds
     minutes = f"{seconds / 60:.0f} min on this machine: its runs' own time, summed"
     if numerics:
         minutes += f"; {numerics}"
-    body = (f"<!-- rows {json.dumps(rows)} -->\n## {name}\n\n`{command}` ({minutes})\n\n"
+    changed = ("\n\nChanged since the previous publication (one line per changed statement):\n\n"
+               + "\n".join(changes)) if changes else ""
+    body = (f"<!-- rows {json.dumps(rows)} -->\n## {name}\n\n`{command}` ({minutes}){changed}\n\n"
             + results.split("\n", 1)[1].lstrip("\n").replace("\n# ", "\n### ").rstrip("\n") + figure)
-    text = _replace_block(text, f"preset:{name}", body)
+    text = _mark_one_at_a_time(_replace_block(text, f"preset:{name}", body))
     tr._write_atomic(path, text)
-    table = published_rows(text)
-    columns = ("preset", "claim", "verdict", "Δ", "95% CI")  # each preset's command: RESULTS.md, its section
-    if table:
-        tr._write_atomic(readme, _replace_block(readme_text, "verdicts", _markdown_table(
-            [{c: r[c] for c in columns} for r in table])))
+    _write_verdicts(readme, readme_text, text)
+    return changes
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1790,6 +1905,8 @@ def _check_cli(args) -> tr.RLConfig | None:
             raise tr.UsageError(f"--corrections: {c!r} is not one of {' | '.join(tr.CORRECTIONS)}")
     if args.cmd == "bench":
         tr.resolve_device(args.device)  # --device cuda without a GPU: one error line, as train gives
+    if getattr(args, "seeds", None) is not None:
+        parse_seeds(args.seeds)  # a repeated or malformed seed list: one error line, before any run
     return tr._check_cli(args)
 
 
@@ -1814,7 +1931,7 @@ def main(argv: list[str] | None = None) -> None:
         for path in written:
             print(path.read_text())
     elif args.cmd == "compare":
-        print(_markdown_table(compare(cfg, args.corrections.split(","), [int(s) for s in seeds.split(",")], cfg.name)))
+        print(_markdown_table(compare(cfg, args.corrections.split(","), parse_seeds(seeds), cfg.name)))
     else:
         bench(tr._from_args(BenchConfig, args))
 
