@@ -963,36 +963,41 @@ def _arms(label: str, corrections: tuple, **change) -> tuple:
 
 # one family per dose section: DOSE_ALPHA split between (a) (fixed sequence) and (b) with (c) (Benjamini-Hochberg)
 DOSE_ALPHA = 0.05
-DOSE_ALPHA_A = 0.025  # (a): each none-vs-control test of the fixed sequence
-DOSE_Q = DOSE_ALPHA - DOSE_ALPHA_A  # (b) and (c): the BH level of their one family
+# the split, chosen by the simulation (test_dose_section_errs_rarely_and_finds_the_published_effects) before any
+# run under these rules: 2.5% / 2.5% found tis beating none in 84% at the published sizes, 1% / 4% in >= 93%
+DOSE_ALPHA_A = 0.01  # (a): each none-vs-control test of the fixed sequence
+DOSE_Q = DOSE_ALPHA - DOSE_ALPHA_A  # (b) and (c): the Benjamini-Hochberg level of their one family (0.04)
 DOSE_RULES = (
     "Rules, written before the first run and revised twice after it, each time when a simulation showed them "
     "erring more often than they said: round 4 gave each statement its own family (Holm); round 5 made the "
     "section one family, when a simulation of null effects at 5 seeds showed the section stating something "
-    "in 35-50% of replicates (dose grid; 19-30% dose-long). Every arm runs on the same seeds; x is a setting's "
+    "in 37-53% of replicates (dose grid; 18-29% dose-long). Every arm runs on the same seeds; x is a setting's "
     "measured mismatch: the mean over seeds of the none arm's per-step mean |logp - logp_infer|. Δ = pc auc "
     "difference, paired by seed. Each comparison is a one-sided paired Student-t test (paired_p, the test "
-    "paired_ci inverts). The section's 5% is split: 2.5% to (a), 2.5% to (b) and (c) together. (a) The "
+    "paired_ci inverts). The section's 5% is split: 1% to (a), 4% to (b) and (c) together. (a) The "
     "smallest x at which none trails the synced control, by a fixed sequence (fixed_sequence): none vs control "
-    "at every measured setting (noise levels and engines), tested at 2.5% from the largest x down, stopping at "
+    "at every measured setting (noise levels and engines), tested at 1% from the largest x down, stopping at "
     "the first setting it keeps; (a) names the smallest setting rejected, and the settings 'named by (a)' are "
     "it and every larger x. (b) and (c) are one family, fixed before the run: at every setting where a "
     "correction ran, three tests (it beats none; it trails none; it still trails the control), decided by "
-    "Benjamini-Hochberg at 2.5% (bh_adjusted). (b) Per correction, the settings where it beats none, and "
+    "Benjamini-Hochberg at 4% (bh_adjusted). (b) Per correction, the settings where it beats none, and "
     "those where it still trails the control. (c) Whether a correction trails none at a setting where none is "
     "harmless (not named by (a)); so that every rejected test is stated, (c) also lists where a correction "
     "trails none at a setting (a) named. What is guaranteed: whatever the effects, (a) names a setting where "
-    "none does not trail the control in at most 2.5% of runs (a fixed sequence holds under any dependence; "
+    "none does not trail the control in at most 1% of runs (a fixed sequence holds under any dependence; "
     "exact for normal per-seed differences). Under the total null (no arm differs from another) the section "
-    "states anything in at most 2.5% + 2.5% = 5% of runs, and with real effects the expected share of false "
-    "(b)/(c) items among those stated is at most 2.5%: BH proves both for independent or positively dependent "
+    "states anything in at most 1% + 4% = 5% of runs, and with real effects the expected share of false "
+    "(b)/(c) items among those stated is at most 4%: BH proves both for independent or positively dependent "
     "tests only, and here the tests share arms with opposite signs, so they are measured, by simulation on "
     "each preset's own grid with its published per-arm spreads, 5 seeds, normal, t3, 5% collapses and "
     "heteroscedastic noise (test_dose_section_states_nothing_under_the_total_null, "
-    "test_dose_section_errs_rarely_and_finds_the_published_effects: <= 6% each, against 35-50% for the round-4 "
-    "rules). 'nowhere' or 'no' is no evidence of absence: only of no effect large enough for 5 seeds. 'p "
+    "test_dose_section_errs_rarely_and_finds_the_published_effects; 40,000 replicates per noise model): under "
+    "the total null the section states anything in 2.0-4.8% of runs (dose; dose-long 2.1-4.6%), against "
+    "37-53% (18-29%) for the round-4 rules; with the published effects planted, 0.6-1.3% (1.2-2.3%) of the "
+    "items stated are false on average, and (a) names a setting below the planted threshold in at most 0.7% "
+    "(0.9%). 'nowhere' or 'no' is no evidence of absence: only of no effect large enough for 5 seeds. 'p "
     "(adjusted)' is (a)'s fixed-sequence adjusted p, and for a (b) row the BH-adjusted p of its Δ (vs none at "
-    "its largest x, beats none), each compared with 0.025. The intervals shown are unadjusted two-sided 95% "
+    "its largest x, beats none), compared with 0.01 and 0.04. The intervals shown are unadjusted two-sided 95% "
     "Student-t intervals (paired_ci), descriptive only: a named setting's interval may reach 0. A setting is "
     "'not measured' where x or its none arm's interval is not finite (a diverged seed), and a correction is "
     "'not measured' at such a setting or where its own interval is not finite: named so in every statement "
@@ -1042,14 +1047,22 @@ def _dose_row(claim: str, verdict: str, shown: Delta | None, p_adjusted: float, 
             "p (adjusted)": f"{p_adjusted:.2g}" if shown else "-", "metric": "pc_trainer (auc)", "seeds": seeds}
 
 
-def _adjust(method, pvalues: dict) -> dict:
-    """{test: p} -> {test: adjusted p}: a tensor method (fixed_sequence, bh_adjusted) over one family, in the
-    dict's order."""
-    tests = list(pvalues)
-    if not tests:
-        return {}
-    adjusted = method(torch.tensor([pvalues[t] for t in tests], dtype=torch.float64))
-    return dict(zip(tests, adjusted.tolist()))
+def dose_decisions(p_none: torch.Tensor, p_vs_none: torch.Tensor,
+                   p_vs_control: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dose section's tests decided as one family (DOSE_RULES), over any leading replicate shape (...).
+
+    p_none (..., S): paired_p of none vs the control at each measured setting, in ascending x; p_vs_none and
+    p_vs_control (..., P): paired_p of a correction vs none and vs the control, one per (correction, setting) where
+    it ran. -> ((a)'s fixed-sequence adjusted p (..., S), tested from the largest x down; the BH-adjusted p of one
+    family (..., 3, P): beats none, trails none, still trails the control). (a) names where the first is <=
+    DOSE_ALPHA_A, (b) and (c) where the second is <= DOSE_Q.
+    """
+    largest_first = torch.flip(p_none.to(torch.float64), [-1])
+    adjusted_a = torch.flip(fixed_sequence(largest_first), [-1])
+    p_vs_none = p_vs_none.to(torch.float64)
+    family = torch.cat([1 - p_vs_none, p_vs_none, p_vs_control.to(torch.float64)], -1)  # (..., 3P)
+    adjusted = bh_adjusted(family).reshape(*family.shape[:-1], 3, p_vs_none.shape[-1])  # (..., 3, P)
+    return adjusted_a, adjusted
 
 
 def dose_map(runs: dict[str, list[list[dict]]], control: str, learned: bool,
@@ -1080,8 +1093,12 @@ def dose_map(runs: dict[str, list[list[dict]]], control: str, learned: bool,
         """The settings of ss where correction a ran with both its intervals finite."""
         return [s for s in ss if (a, s) in vs_none and _finite(vs_control[a, s]) and _finite(vs_none[a, s])]
 
-    # (a): a fixed sequence, from the largest measured x down
-    trails = _adjust(fixed_sequence, {s: vs_control["none", s].p for s in reversed(measured)})
+    pairs = [(a, s) for a in corrections for s in measured_at(a, measured)]
+    adjusted_a, adjusted = dose_decisions(torch.tensor([[vs_control["none", s].p for s in measured]]),
+                                          torch.tensor([[vs_none[pair].p for pair in pairs]]),
+                                          torch.tensor([[vs_control[pair].p for pair in pairs]]))
+    trails = dict(zip(measured, adjusted_a[0].tolist()))  # (a)
+    beats, costs, still = (dict(zip(pairs, adjusted[0, i].tolist())) for i in range(3))  # (b) and (c)
     harmed = [s for s in measured if trails[s] <= DOSE_ALPHA_A]  # a run of the largest x
     first = vs_control["none", harmed[0]] if harmed else None
     largest = max([x[s] for s in measured], default=math.nan)
@@ -1089,29 +1106,19 @@ def dose_map(runs: dict[str, list[list[dict]]], control: str, learned: bool,
     rows = [_dose_row("(a) smallest measured mismatch at which none trails the synced control",
                       (named(harmed[:1]) if harmed else f"not in the grid (measured x up to {largest:.2g})")
                       + not_measured, first, trails[harmed[0]] if harmed else math.nan, seeds)]
-    # (b) and (c): one family, three tests per correction and setting where it ran
-    family = {}
-    for a in corrections:
-        for s in measured_at(a, measured):
-            family["beats none", a, s] = 1 - vs_none[a, s].p
-            family["trails none", a, s] = vs_none[a, s].p
-            family["still trails the control", a, s] = vs_control[a, s].p
-    adjusted = _adjust(bh_adjusted, family)
-    stated = {test for test, p in adjusted.items() if p <= DOSE_Q}
     for a in corrections:
         ran = measured_at(a, measured)
         missing = [s for s in settings if (a, s) in vs_none and s not in ran]
-        verdict = (f"{named([s for s in ran if ('beats none', a, s) in stated])}; "
-                   f"{named([s for s in ran if ('still trails the control', a, s) in stated])}")
+        verdict = (f"{named([s for s in ran if beats[a, s] <= DOSE_Q])}; "
+                   f"{named([s for s in ran if still[a, s] <= DOSE_Q])}")
         rows.append(_dose_row(f"(b) {a}: beats none at; still trails the control at (Δ, CI, p: vs none, "
                               "largest x)",
                               verdict + (f"; not measured at {', '.join(missing)}" if missing else ""),
                               vs_none[a, ran[-1]] if ran else None,
-                              adjusted["beats none", a, ran[-1]] if ran else math.nan, seeds))
+                              beats[a, ran[-1]] if ran else math.nan, seeds))
     harmless = [s for s in measured if s not in harmed]  # none not shown to trail the control
-    costs = [(a, s) for kind, a, s in family if kind == "trails none"]
-    hurt = [f"{a} at {s}" for a, s in costs if s in harmless and ("trails none", a, s) in stated]
-    also = [f"{a} at {s}" for a, s in costs if s in harmed and ("trails none", a, s) in stated]
+    hurt = [f"{a} at {s}" for (a, s), p in costs.items() if s in harmless and p <= DOSE_Q]
+    also = [f"{a} at {s}" for (a, s), p in costs.items() if s in harmed and p <= DOSE_Q]
     tested = [s for s in harmless if any(s == t for _, t in costs)]
     unknown = [f"{a} at {s}" for a in corrections for s in settings
                if (a, s) in vs_none and s not in harmed and (a, s) not in costs]
