@@ -1433,7 +1433,7 @@ def published_rows(results: str) -> list[dict]:
 # publish stamps every row it writes with JUDGED: its preset's verdicts were judged as one family (round 5 on)
 JUDGED = "one family"
 ONE_AT_A_TIME = ("*Judged one at a time:* this section was published before the family rule of round 5, so each "
-                 "verdict above holds its 5% on its own, not the table's. Its next publication judges its claims "
+                 "verdict below holds its 5% on its own, not the table's. Its next publication judges its claims "
                  "as one family (Holm over the claims; a dose section: one family per section).")
 
 
