@@ -631,7 +631,7 @@ class PresetConfig:
 def parse_seeds(text: str) -> list[int]:
     """'0,1,2,3,4' -> [0, 1, 2, 3, 4]; each seed counted once, so a repeated, empty or non-integer entry is a
     UsageError naming --seeds (a seed listed twice would enter every paired interval twice)."""
-    parts = [part.strip() for part in str(text).split(",")]
+    parts = str(text).split(",")
     if not all(re.fullmatch(r"-?\d+", part) for part in parts):
         raise tr.UsageError(f"--seeds must be comma-separated integers such as 0,1,2,3,4, got {text!r}")
     seeds = [int(part) for part in parts]

@@ -3747,8 +3747,9 @@ def test_preset_claims_are_judged_as_one_family_by_holm():
 
 
 def test_a_seed_list_is_counted_once_or_refused_in_one_line(capsys):
-    assert ex.parse_seeds("0,1,2") == [0, 1, 2] and ex.parse_seeds(" 3, -1") == [3, -1]
+    assert ex.parse_seeds("0,1,2") == [0, 1, 2] and ex.parse_seeds("3,-1") == [3, -1]
     for seeds, message in (("0,0", "seed 0 more than once"), ("0,1,x", "comma-separated integers"),
+                           ("0, 1", "comma-separated integers"),
                            ("0,,1", "comma-separated integers"), ("", "comma-separated integers"),
                            ("1.5,2", "comma-separated integers")):
         with pytest.raises(SystemExit) as exit_:
@@ -3760,6 +3761,15 @@ def test_a_seed_list_is_counted_once_or_refused_in_one_line(capsys):
     assert "seed 4 more than once" in capsys.readouterr().err
     with pytest.raises(ValueError, match="seeds must be distinct"):
         ex.run_arms(tr.RLConfig(), [("x", {})], [1, 1], tr.Path("unused"))
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(ex.__file__))  # as a new user types it, in a fresh process
+    out = subprocess.run([sys.executable, "experiments.py", "compare", "--seeds", "0,0"], cwd=here,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == "" and out.stderr.splitlines() == [
+        "experiments: error: --seeds lists seed 0 more than once ('0,0'): each seed must be counted once in a "
+        "paired interval"], out.stderr[-2000:]
 
 
 def test_publish_marks_older_sections_one_at_a_time_and_writes_a_changelog(tmp_path):
