@@ -1488,6 +1488,9 @@ def _copy_calls():
         "student_t_cdf": lambda f: f(2.0, 4),
         "paired_p": lambda f: f([0.1, 0.2, -0.05]),
         "holm": lambda f: f({"a": 0.01, "b": 0.04, "c": math.nan}),
+        "paired_p_batch": lambda f: f(torch.tensor([[0.1, 0.2, -0.05], [0.3, 0.1, 0.2]])),  # (nan != nan in ==)
+        "fixed_sequence": lambda f: f(torch.tensor([0.001, 0.04, 0.03, 0.002])),
+        "bh_adjusted": lambda f: f(torch.tensor([[0.01, 0.04, 0.03, 0.5]])),
     }
 
 
@@ -3765,11 +3768,11 @@ def test_a_seed_list_is_counted_once_or_refused_in_one_line(capsys):
     import sys
 
     here = os.path.dirname(os.path.abspath(ex.__file__))  # as a new user types it, in a fresh process
-    out = subprocess.run([sys.executable, "experiments.py", "compare", "--seeds", "0,0"], cwd=here,
+    out = subprocess.run([sys.executable, "experiments.py", "compare", "--seeds", "0,0"], cwd=here, check=False,
                          capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and out.stdout == "" and out.stderr.splitlines() == [
-        "experiments: error: --seeds lists seed 0 more than once ('0,0'): each seed must be counted once in a "
-        "paired interval"], out.stderr[-2000:]
+    expected = ("experiments: error: --seeds lists seed 0 more than once ('0,0'): each seed must be counted once "
+                "in a paired interval")
+    assert out.returncode == 2 and out.stdout == "" and out.stderr.splitlines() == [expected], out.stderr[-2000:]
 
 
 def test_publish_marks_older_sections_one_at_a_time_and_writes_a_changelog(tmp_path):
