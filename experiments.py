@@ -205,6 +205,67 @@ def holm(pvalues: dict) -> dict:
     return adjusted
 
 
+def paired_p_batch(diffs: torch.Tensor) -> torch.Tensor:
+    """paired_p over the last axis, (..., n) -> (...): P(T_(n-1) <= mean / (sd / sqrt(n))) by student_t_cdf's
+    reduction in float64, for simulations of many replicates at once. Same edge cases: zero spread 0 / 1 / 1/2, one
+    seed 1/2, a non-finite d nan.
+
+    needs: nothing
+    """
+    d = diffs.to(torch.float64)
+    n = d.shape[-1]
+    if n < 2:
+        return torch.full(d.shape[:-1], 0.5, dtype=torch.float64, device=d.device)
+    mean = d.mean(-1)
+    se = d.std(-1) / math.sqrt(n)  # Bessel's correction, as paired_p
+    signed_inf = torch.where(mean > 0, math.inf, -math.inf)
+    t = torch.where(se > 0, mean / se, torch.where(mean != 0, signed_inf, 0.0))
+    df = n - 1
+    theta = torch.atan(t / math.sqrt(df))
+    sin, cos = torch.sin(theta), torch.cos(theta)
+    integral = theta if df % 2 == 1 else sin  # I_0 (df odd) or I_1 (df even), as in student_t_cdf
+    for m in range(2 + (df + 1) % 2, df, 2):
+        integral = cos ** (m - 1) * sin / m + (m - 1) / m * integral
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(math.pi)
+    p = (0.5 + c * integral).clamp(0.0, 1.0)
+    return torch.where(torch.isfinite(d).all(-1), p, math.nan)
+
+
+def fixed_sequence(pvalues: torch.Tensor) -> torch.Tensor:
+    """Fixed-sequence adjusted p-values, tests in the order of the last axis (fixed before the run), (..., S) ->
+    (..., S): the running maximum p~_k = max_(j <= k) p_j. Rejecting p~ <= alpha tests each hypothesis at alpha in
+    turn and stops at the first it keeps; the chance of rejecting any true null is <= alpha under any dependence,
+    with no multiplicity penalty (Westfall & Krishen 2001). A nan p (not measured) is skipped: it neither stops the
+    sequence nor is rejected.
+
+    needs: nothing
+    """
+    p = pvalues.to(torch.float64)
+    running = torch.cummax(torch.nan_to_num(p, nan=0.0), dim=-1).values
+    return torch.where(torch.isnan(p), math.nan, running)
+
+
+def bh_adjusted(pvalues: torch.Tensor) -> torch.Tensor:
+    """Benjamini-Hochberg adjusted p-values of one family per row, (..., m) -> (..., m): sorted ascending, the i-th
+    (from 1) of m is min over j >= i of m p_(j) / j, capped at 1. Rejecting adjusted p <= q keeps E[false rejections
+    / rejections] <= q for independent or positively dependent tests (Benjamini & Hochberg 1995; Benjamini &
+    Yekutieli 2001); under the total null that is the chance of any rejection. A nan p (not measured) is left out
+    of its row's family (m counts the rest) and stays nan.
+
+    needs: nothing
+    """
+    p = pvalues.to(torch.float64)
+    measured = ~torch.isnan(p)
+    m = measured.sum(-1, keepdim=True)  # (..., 1)
+    ordered, order = torch.sort(torch.where(measured, p, math.inf), dim=-1)  # nan last, as +inf
+    rank = torch.arange(1, p.shape[-1] + 1, dtype=torch.float64, device=p.device)  # (m,)
+    scaled = torch.where(torch.isinf(ordered), math.inf, m * ordered / rank)
+    # the minimum over j >= i: a cumulative minimum from the right
+    from_right = torch.flip(torch.cummin(torch.flip(scaled, [-1]), dim=-1).values, [-1]).clamp(max=1.0)
+    adjusted = torch.empty_like(p).scatter_(-1, order, from_right)
+    return torch.where(measured, adjusted, math.nan)
+
+
 def paired_ci(diffs: list[float], level: float = 0.95) -> tuple[float, float]:
     """(low, high) = mean(d) -+ t_{(1+level)/2, n-1} sd(d) / sqrt(n): Student-t interval of paired differences d.
 
@@ -290,6 +351,34 @@ def judge(runs: dict[str, list[list[dict]]], claim: Claim, learned: bool) -> dic
     deltas = paired_deltas(runs, claim.arm, claim.reference, claim.metric, claim.summary)
     text = claim.text + (f" (revised after a run: {claim.revised})" if claim.revised else "")
     return verdict_row(text, f"{claim.metric} ({claim.summary})", deltas, claim.direction, learned)
+
+
+CLAIMS_ALPHA = 0.05  # a preset's claims: the chance that any verdict of the preset resolves a true null
+
+
+def two_sided_p(deltas: list[float]) -> float:
+    """Two-sided p of the paired Student-t test of mean(d) = 0: 2 min(p, 1 - p) with p = paired_p(d); below 0.05
+    exactly when paired_ci's 95% interval excludes 0. nan for a non-finite d."""
+    p = paired_p(deltas)
+    return min(1.0, 2 * min(p, 1 - p)) if not math.isnan(p) else math.nan
+
+
+def judge_family(runs: dict[str, list[list[dict]]], claims: tuple, learned: bool) -> list[dict]:
+    """The claims of one preset judged as one family: each claim's two-sided paired t test, Holm's step-down over
+    the claims (holm), `reproduced` / `contradicted` by the sign of mean Δ where the Holm-adjusted p is <=
+    CLAIMS_ALPHA, so the chance that any verdict of the preset resolves a claim with no true effect is <= 5%.
+    Each row is judge's with the adjusted p ("p (Holm)"); a family of one is judge's verdict."""
+    deltas = [paired_deltas(runs, c.arm, c.reference, c.metric, c.summary) for c in claims]
+    adjusted = holm({i: two_sided_p(d) for i, d in enumerate(deltas)})
+    rows = []
+    for i, (claim, d) in enumerate(zip(claims, deltas)):
+        row = judge(runs, claim, learned)
+        if learned:
+            resolved = adjusted[i] <= CLAIMS_ALPHA
+            row["verdict"] = verdict(_mean(d), _mean(d), claim.direction) if resolved else "not resolved"
+        rows.append({k: v for k, v in row.items() if k != "verdict"} | {"p (Holm)": f"{adjusted[i]:.2g}",
+                                                                          "verdict": row["verdict"]})
+    return rows
 
 
 def arm_table(runs: dict[str, list[list[dict]]], reference: str, extra: dict | None = None) -> list[dict]:
@@ -414,6 +503,8 @@ def run_arms(base: tr.RLConfig, arms: list[tuple[str, dict]], seeds: list[int],
     -> {label: [records per seed]}."""
     from tqdm.auto import tqdm
 
+    if len(set(seeds)) < len(seeds):
+        raise ValueError(f"seeds must be distinct (each counted once in a paired interval), got {seeds}")
     current = numerics_fingerprint()
     runs: dict[str, list[list[dict]]] = {}
     reused, read = 0.0, {}
@@ -505,11 +596,14 @@ def rl_preset(p: RLPreset, pc: PresetConfig, seeds: list[int], out: Path) -> lis
     if p.report:  # a map over settings: statements computed by its rules
         more, verdicts = p.report(runs, control, learned, out / "plot.png")
     else:
-        verdicts = [judge(runs, claim, learned) for claim in p.claims]
+        verdicts = judge_family(runs, p.claims, learned)
         plot_arms(out / "plot.png", runs, title=p.title)
         revised = "; a claim changed after a run says how in its row" if any(c.revised for c in p.claims) else ""
-        more = [((f"Claims, stated before the first run{revised}; verdicts computed from the paired "
-                 "seeds:"), verdicts)]
+        family = (f"judged as one family (Holm over the {len(p.claims)} claims, two-sided paired t tests: a "
+                  "verdict is resolved where its Holm-adjusted p is <= 0.05)" if len(p.claims) > 1 else
+                  "judged by its two-sided paired t test at 5%")
+        more = [((f"Claims, stated before the first run{revised}; {family}; verdicts computed from the paired "
+                  "seeds:"), verdicts)]
     _write_results(out, p.title, sections + more + [
         ((f"Arms ({base.steps} steps, {base.prompts} prompts x {base.group} samples, lr {base.lr}, eval on "
          f"{base.eval_n} held-out problems every {base.eval_every} steps; Δ = arm - reference, paired by "
@@ -533,6 +627,20 @@ class PresetConfig:
                                         "README's verdicts")
     accept_numerics: bool = tr.cli_field(False, "publish runs read back from code of other numerics (another "
                                                 "fingerprint); RESULTS.md says how many")
+
+
+def parse_seeds(text: str) -> list[int]:
+    """'0,1,2,3,4' -> [0, 1, 2, 3, 4]; each seed counted once, so a repeated, empty or non-integer entry is a
+    UsageError naming --seeds (a seed listed twice would enter every paired interval twice)."""
+    parts = str(text).split(",")
+    if not all(re.fullmatch(r"-?\d+", part) for part in parts):
+        raise tr.UsageError(f"--seeds must be comma-separated integers such as 0,1,2,3,4, got {text!r}")
+    seeds = [int(part) for part in parts]
+    repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+    if repeated:
+        raise tr.UsageError(f"--seeds lists seed {', '.join(map(str, repeated))} more than once ({text!r}): "
+                            "each seed must be counted once in a paired interval")
+    return seeds
 
 
 def _preset_base(pc: PresetConfig, **change) -> tr.RLConfig:
@@ -854,28 +962,48 @@ def _arms(label: str, corrections: tuple, **change) -> tuple:
     return tuple((f"{c}{label}", {"correction": c} | change) for c in corrections)
 
 
-# family-wise error of each dose statement: Holm over its one-sided paired t tests (DOSE_RULES)
+# one family per dose section: DOSE_ALPHA split between (a) (fixed sequence) and (b) with (c) (Benjamini-Hochberg)
 DOSE_ALPHA = 0.05
+# the split, chosen by the simulation (test_dose_section_errs_rarely_and_finds_the_published_effects) before any
+# run under these rules: 2.5% / 2.5% found tis beating none in 84% at the published sizes, 1% / 4% in >= 93%
+DOSE_ALPHA_A = 0.01  # (a): each none-vs-control test of the fixed sequence
+DOSE_Q = DOSE_ALPHA - DOSE_ALPHA_A  # (b) and (c): the Benjamini-Hochberg level of their one family (0.04)
 DOSE_RULES = (
-    "Rules, written before the first run; the family-wise control was added after it, when a simulation of "
-    "null effects at 5 seeds (test_dose_rules_err_rarely_under_null_effects_and_find_a_2_sd_effect) showed "
-    "the first rules, each interval on its own, naming a threshold in (a) in 15% of replicates (dose grid; "
-    "8% dose-long) and answering yes in (c) in 36% (25%). Every arm runs on the same seeds; x is a "
-    "setting's measured mismatch: the mean over seeds of the none arm's per-step mean |logp - logp_infer|. "
-    "Δ = pc auc difference, paired by seed. Each comparison is a one-sided paired Student-t test (paired_p, "
-    "the test paired_ci inverts), and the tests of one statement form a family decided by Holm's step-down "
-    "procedure (holm): a setting is named only where its Holm-adjusted p is at most 0.05, so a statement "
-    "names a setting without a true effect in at most 5% of runs. The intervals shown are unadjusted "
-    "two-sided 95% Student-t intervals (paired_ci), descriptive only: the test is one-sided at 5%, so a "
-    "named setting's interval may just reach 0; 'p (Holm)' is the adjusted p of the row's Δ. A setting is "
+    "Rules, written before the first run and revised twice after it, each time when a simulation showed them "
+    "erring more often than they said: round 4 gave each statement its own family (Holm); round 5 made the "
+    "section one family, when a simulation of null effects at 5 seeds showed the section stating something "
+    "in 37-53% of replicates (dose grid; 18-29% dose-long). Every arm runs on the same seeds; x is a setting's "
+    "measured mismatch: the mean over seeds of the none arm's per-step mean |logp - logp_infer|. Δ = pc auc "
+    "difference, paired by seed. Each comparison is a one-sided paired Student-t test (paired_p, the test "
+    "paired_ci inverts). The section's 5% is split: 1% to (a), 4% to (b) and (c) together. (a) The "
+    "smallest x at which none trails the synced control, by a fixed sequence (fixed_sequence): none vs control "
+    "at every measured setting (noise levels and engines), tested at 1% from the largest x down (an order set by "
+    "the mismatch, never by a Δ), stopping at the first setting it keeps; (a) names the smallest setting rejected, and the settings 'named by (a)' are "
+    "it and every larger x. (b) and (c) are one family, fixed before the run: at every setting where a "
+    "correction ran, three tests (it beats none; it trails none; it still trails the control), decided by "
+    "Benjamini-Hochberg at 4% (bh_adjusted). (b) Per correction, the settings where it beats none, and "
+    "those where it still trails the control. (c) Whether a correction trails none at a setting where none is "
+    "harmless (not named by (a)); so that every rejected test is stated, (c) also lists where a correction "
+    "trails none at a setting (a) named. What is guaranteed: whatever the effects, (a) names a setting where "
+    "none does not trail the control in at most 1% of runs (a fixed sequence holds under any dependence; "
+    "exact for normal per-seed differences). Under the total null (no arm differs from another) the section "
+    "states anything in at most 1% + 4% = 5% of runs, and with real effects the expected share of false "
+    "(b)/(c) items among those stated is at most 4%: BH proves both for independent or positively dependent "
+    "tests only, and here the tests share arms with opposite signs, so they are measured, by simulation on "
+    "each preset's own grid with its published per-arm spreads, 5 seeds, normal, t3, 5% collapses and "
+    "heteroscedastic noise (test_dose_section_states_nothing_under_the_total_null, "
+    "test_dose_section_errs_rarely_and_finds_the_published_effects; 40,000 replicates per noise model): under "
+    "the total null the section states anything in 2.0-4.8% of runs (dose; dose-long 2.1-4.6%), against "
+    "37-53% (18-29%) for the round-4 rules; with the published effects planted, 0.6-1.3% (1.2-2.3%) of the "
+    "items stated are false on average, and (a) names a setting below the planted threshold in at most 0.7% "
+    "(0.9%). 'nowhere' or 'no' is no evidence of absence: only of no effect large enough for 5 seeds. 'p "
+    "(adjusted)' is (a)'s fixed-sequence adjusted p, and for a (b) row the BH-adjusted p of its Δ (vs none at "
+    "its largest x, beats none), compared with 0.01 and 0.04. The intervals shown are unadjusted two-sided 95% "
+    "Student-t intervals (paired_ci), descriptive only: a named setting's interval may reach 0. A setting is "
     "'not measured' where x or its none arm's interval is not finite (a diverged seed), and a correction is "
     "'not measured' at such a setting or where its own interval is not finite: named so in every statement "
-    "that would use it, never counted as harmless or as 'no', and left out of the families. (a) The "
-    "smallest x at which none trails the synced control; family: none vs control at every measured setting "
-    "(noise levels and engines). (b) Per correction, the settings where it beats none, and those where it "
-    "still trails the control; two families, each over the settings where that correction was measured. (c) "
-    "Whether a correction trails none at a setting where none is harmless (not named by (a)); family: every "
-    "correction at every such setting. Every statement is 'invalid testbed' when the control did not learn.")
+    "that would use it, never counted as harmless or as 'no', and left out of the families. Every statement is "
+    "'invalid testbed' when the control did not learn.")
 
 
 def dose_arms(levels: tuple, corrections: tuple, full: tuple = (), engines: tuple = ()) -> tuple:
@@ -913,11 +1041,29 @@ def _fmt_ci(d: Delta) -> str:
     return f"{d.mean:+.3f} [{d.low:+.3f}, {d.high:+.3f}]"
 
 
-def _dose_row(claim: str, verdict: str, shown: Delta | None, p_holm: float, seeds: int) -> dict:
+def _dose_row(claim: str, verdict: str, shown: Delta | None, p_adjusted: float, seeds: int) -> dict:
     """One statement's row; every row has these keys in this order (a table's header is its first row's keys)."""
     return {"claim": claim, "verdict": verdict, "Δ": f"{shown.mean:+.3g}" if shown else "-",
             "95% CI": f"[{shown.low:+.3g}, {shown.high:+.3g}]" if shown else "-",
-            "p (Holm)": f"{p_holm:.2g}" if shown else "-", "metric": "pc_trainer (auc)", "seeds": seeds}
+            "p (adjusted)": f"{p_adjusted:.2g}" if shown else "-", "metric": "pc_trainer (auc)", "seeds": seeds}
+
+
+def dose_decisions(p_none: torch.Tensor, p_vs_none: torch.Tensor,
+                   p_vs_control: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dose section's tests decided as one family (DOSE_RULES), over any leading replicate shape (...).
+
+    p_none (..., S): paired_p of none vs the control at each measured setting, in ascending x; p_vs_none and
+    p_vs_control (..., P): paired_p of a correction vs none and vs the control, one per (correction, setting) where
+    it ran. -> ((a)'s fixed-sequence adjusted p (..., S), tested from the largest x down; the BH-adjusted p of one
+    family (..., 3, P): beats none, trails none, still trails the control). (a) names where the first is <=
+    DOSE_ALPHA_A, (b) and (c) where the second is <= DOSE_Q.
+    """
+    largest_first = torch.flip(p_none.to(torch.float64), [-1])
+    adjusted_a = torch.flip(fixed_sequence(largest_first), [-1])
+    p_vs_none = p_vs_none.to(torch.float64)
+    family = torch.cat([1 - p_vs_none, p_vs_none, p_vs_control.to(torch.float64)], -1)  # (..., 3P)
+    adjusted = bh_adjusted(family).reshape(*family.shape[:-1], 3, p_vs_none.shape[-1])  # (..., 3, P)
+    return adjusted_a, adjusted
 
 
 def dose_map(runs: dict[str, list[list[dict]]], control: str, learned: bool,
@@ -948,8 +1094,13 @@ def dose_map(runs: dict[str, list[list[dict]]], control: str, learned: bool,
         """The settings of ss where correction a ran with both its intervals finite."""
         return [s for s in ss if (a, s) in vs_none and _finite(vs_control[a, s]) and _finite(vs_none[a, s])]
 
-    trails = holm({s: vs_control["none", s].p for s in measured})  # (a)'s family
-    harmed = [s for s in measured if trails[s] <= DOSE_ALPHA]
+    pairs = [(a, s) for a in corrections for s in measured_at(a, measured)]
+    adjusted_a, adjusted = dose_decisions(torch.tensor([[vs_control["none", s].p for s in measured]]),
+                                          torch.tensor([[vs_none[pair].p for pair in pairs]]),
+                                          torch.tensor([[vs_control[pair].p for pair in pairs]]))
+    trails = dict(zip(measured, adjusted_a[0].tolist()))  # (a)
+    beats, costs, still = (dict(zip(pairs, adjusted[0, i].tolist())) for i in range(3))  # (b) and (c)
+    harmed = [s for s in measured if trails[s] <= DOSE_ALPHA_A]  # a run of the largest x
     first = vs_control["none", harmed[0]] if harmed else None
     largest = max([x[s] for s in measured], default=math.nan)
     not_measured = f"; not measured at {', '.join(lost)}" if lost else ""
@@ -959,25 +1110,25 @@ def dose_map(runs: dict[str, list[list[dict]]], control: str, learned: bool,
     for a in corrections:
         ran = measured_at(a, measured)
         missing = [s for s in settings if (a, s) in vs_none and s not in ran]
-        beats = holm({s: 1 - vs_none[a, s].p for s in ran})  # (b)'s two families of this correction
-        still = holm({s: vs_control[a, s].p for s in ran})
-        verdict = (f"{named([s for s in ran if beats[s] <= DOSE_ALPHA])}; "
-                   f"{named([s for s in ran if still[s] <= DOSE_ALPHA])}")
+        verdict = (f"{named([s for s in ran if beats[a, s] <= DOSE_Q])}; "
+                   f"{named([s for s in ran if still[a, s] <= DOSE_Q])}")
         rows.append(_dose_row(f"(b) {a}: beats none at; still trails the control at (Δ, CI, p: vs none, "
                               "largest x)",
                               verdict + (f"; not measured at {', '.join(missing)}" if missing else ""),
-                              vs_none[a, ran[-1]] if ran else None, beats[ran[-1]] if ran else math.nan, seeds))
+                              vs_none[a, ran[-1]] if ran else None,
+                              beats[a, ran[-1]] if ran else math.nan, seeds))
     harmless = [s for s in measured if s not in harmed]  # none not shown to trail the control
-    # (c)'s family
-    costs = holm({(a, s): vs_none[a, s].p for a in corrections for s in measured_at(a, harmless)})
-    hurt = [f"{a} at {s}" for (a, s), p in costs.items() if p <= DOSE_ALPHA]
-    tested = [s for s in harmless if any((a, s) in costs for a in corrections)]
+    hurt = [f"{a} at {s}" for (a, s), p in costs.items() if s in harmless and p <= DOSE_Q]
+    also = [f"{a} at {s}" for (a, s), p in costs.items() if s in harmed and p <= DOSE_Q]
+    tested = [s for s in harmless if any(s == t for _, t in costs)]
     unknown = [f"{a} at {s}" for a in corrections for s in settings
                if (a, s) in vs_none and s not in harmed and (a, s) not in costs]
     if hurt:
         verdict = "yes: " + ", ".join(hurt)
     else:
         verdict = f"no (tested at {named(tested)})" if tested else "not tested"
+    if also:
+        verdict += "; also where (a) names harm: " + ", ".join(also)
     rows.append(_dose_row("(c) a correction trails none where none is harmless (not named by (a))",
                           verdict + ("; not measured: "
                                      f"{', '.join(unknown)}" if unknown else ""), None, math.nan,
@@ -1212,7 +1363,7 @@ def run_preset(pc: PresetConfig) -> list[Path]:
     unknown = [n for n in names if n not in PRESETS]
     if unknown:
         raise ValueError(f"preset must be one of {sorted(PRESETS)} or all, got {pc.preset!r}")
-    seeds = [int(s) for s in pc.seeds.split(",")][: 1 if pc.smoke else None]
+    seeds = parse_seeds(pc.seeds)[: 1 if pc.smoke else None]
     written = []
     for name in names:
         # smoke runs never replace full-size ones
@@ -1234,8 +1385,10 @@ def run_preset(pc: PresetConfig) -> list[Path]:
         numerics = _numerics_note(out / "numerics.json", accept=pc.accept_numerics or not publishing)
         print(f"[{name}] {numerics}", file=sys.stderr)
         if publishing:
-            publish(name, (out / "results.md").read_text(), verdicts, command, seconds, plot=out / "plot.png",
-                    numerics=numerics)
+            changes = publish(name, (out / "results.md").read_text(), verdicts, command, seconds,
+                              plot=out / "plot.png", numerics=numerics)
+            print(f"[{name}] changed since the previous publication:", *changes or ["(nothing)"], sep="\n",
+                  file=sys.stderr)
         written.append(out / "results.md")
     return written
 
@@ -1278,16 +1431,83 @@ def published_rows(results: str) -> list[dict]:
     return [row for found in re.findall(r"^<!-- rows (.*) -->$", results, re.MULTILINE) for row in json.loads(found)]
 
 
+# publish stamps every row it writes with JUDGED: its preset's verdicts were judged as one family (round 5 on)
+JUDGED = "one family"
+ONE_AT_A_TIME = ("*Judged one at a time:* this section was published before the family rule of round 5, so each "
+                 "verdict below holds its 5% on its own, not the table's. Its next publication judges its claims "
+                 "as one family (Holm over the claims; a dose section: one family per section).")
+
+
+def _mark_one_at_a_time(text: str) -> str:
+    """RESULTS.md text with ONE_AT_A_TIME under the command line of every preset section whose rows were published
+    before the family rule (rows without the JUDGED stamp) and hold more than one verdict. Idempotent."""
+    def mark(match: re.Match) -> str:
+        block = match.group(0)
+        found = re.search(r"^<!-- rows (.*) -->$", block, re.MULTILINE)
+        rows = json.loads(found.group(1)) if found else []
+        if len(rows) < 2 or all(r.get("judged") == JUDGED for r in rows) or ONE_AT_A_TIME in block:
+            return block
+        return re.sub(r"^(`python .*)$", lambda m: f"{m.group(1)}\n\n{ONE_AT_A_TIME}", block, count=1, flags=re.MULTILINE)
+
+    return re.sub(r"^<!-- preset:(\S+) -->$.*?^<!-- /preset:\1 -->$", mark, text, flags=re.MULTILINE | re.DOTALL)
+
+
+def _statement_key(claim: str) -> str:
+    """What a row states, across publications: a dose statement's label ('(a) ...', '(b) tis', '(c) ...'), else
+    the claim's text."""
+    return claim.partition(":")[0] if claim.startswith("(") else claim
+
+
+def changelog(old_rows: list[dict], new_rows: list[dict]) -> list[str]:
+    """One line per statement or claim whose verdict changed between two publications of a preset, matched by
+    _statement_key: '- KEY: OLD -> NEW', OLD '(not stated)' for a new row, NEW '(no longer stated)' for a dropped
+    one; ' (was judged one at a time)' when the old row predates the family rule."""
+    old = {_statement_key(r["claim"]): r for r in old_rows}
+    new = {_statement_key(r["claim"]): r for r in new_rows}
+    lines = []
+    for key in list(old) + [k for k in new if k not in old]:
+        before = old[key]["verdict"] if key in old else "(not stated)"
+        after = new[key]["verdict"] if key in new else "(no longer stated)"
+        if before != after:
+            why = " (was judged one at a time)" if key in old and old[key].get("judged") != JUDGED else ""
+            lines.append(f"- {key}: {before} -> {after}{why}")
+    return lines
+
+
+def _write_verdicts(readme: Path, readme_text: str, results_text: str) -> None:
+    """README's verdict table from every preset's rows in RESULTS.md; 'adjusted p' is the row's family-adjusted p,
+    or 'one at a time' for a row published before the family rule."""
+    table = published_rows(results_text)
+    columns = ("preset", "claim", "verdict", "Δ", "95% CI")  # each preset's command: RESULTS.md, its section
+    if table:
+        tr.write_atomic(readme, _replace_block(readme_text, "verdicts", _markdown_table(
+            [{c: r[c] for c in columns} | {"adjusted p": r.get("p (Holm)", r.get("p (adjusted)", "-"))
+                                          if r.get("judged") == JUDGED else "one at a time"} for r in table])))
+
+
+def refresh_published(root: Path = Path(".")) -> None:
+    """Re-apply publish's marks to what is already published: ONE_AT_A_TIME under older sections of RESULTS.md,
+    README's verdict table rebuilt. Changes no verdict."""
+    path, readme = root / "RESULTS.md", root / "README.md"
+    readme_text = readme.read_text()
+    text = _mark_one_at_a_time(path.read_text())
+    tr.write_atomic(path, text)
+    _write_verdicts(readme, readme_text, text)
+
+
 def publish(name: str, results: str, verdicts: list[dict], command: str, seconds: float, root: Path = Path("."),
-            plot: Path | None = None, numerics: str = ""):
-    """Copy a preset's results.md (and its plot, to figures/<name>.png) into RESULTS.md and rebuild README's verdict
-    table from every preset there."""
+            plot: Path | None = None, numerics: str = "") -> list[str]:
+    """Copy a preset's results.md (and its plot, to figures/<name>.png) into RESULTS.md, its rows stamped JUDGED,
+    with a changelog against the section it replaces; mark older sections judged one at a time; rebuild README's
+    verdict table from every preset there. Returns the changelog lines."""
     path, readme = root / "RESULTS.md", root / "README.md"
     readme_text = readme.read_text()  # before anything is written: a missing README fails first
     text = path.read_text() if path.exists() else (
         "# Results\n\nEvery section is written by the command above it (`--publish`); nothing here is typed "
         "by hand.\n")
-    rows = [{"preset": name} | v | {"command": f"`{command}`"} for v in verdicts]
+    before = [r for r in published_rows(text) if r["preset"] == name]
+    rows = [{"preset": name} | v | {"command": f"`{command}`", "judged": JUDGED} for v in verdicts]
+    changes = changelog(before, rows) if before else []
     figure = ""
     if plot is not None and plot.exists():
         (root / "figures").mkdir(exist_ok=True)
@@ -1296,15 +1516,14 @@ def publish(name: str, results: str, verdicts: list[dict], command: str, seconds
     minutes = f"{seconds / 60:.0f} min on this machine: its runs' own time, summed"
     if numerics:
         minutes += f"; {numerics}"
-    body = (f"<!-- rows {json.dumps(rows)} -->\n## {name}\n\n`{command}` ({minutes})\n\n"
+    changed = ("\n\nChanged since the previous publication (one line per changed statement):\n\n"
+               + "\n".join(changes)) if changes else ""
+    body = (f"<!-- rows {json.dumps(rows)} -->\n## {name}\n\n`{command}` ({minutes}){changed}\n\n"
             + results.split("\n", 1)[1].lstrip("\n").replace("\n# ", "\n### ").rstrip("\n") + figure)
-    text = _replace_block(text, f"preset:{name}", body)
+    text = _mark_one_at_a_time(_replace_block(text, f"preset:{name}", body))
     tr.write_atomic(path, text)
-    table = published_rows(text)
-    columns = ("preset", "claim", "verdict", "Δ", "95% CI")  # each preset's command: RESULTS.md, its section
-    if table:
-        tr.write_atomic(readme, _replace_block(readme_text, "verdicts", _markdown_table(
-            [{c: r[c] for c in columns} for r in table])))
+    _write_verdicts(readme, readme_text, text)
+    return changes
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1694,6 +1913,8 @@ def check_cli(args) -> tr.RLConfig | None:
             raise tr.UsageError(f"--corrections: {c!r} is not one of {' | '.join(tr.CORRECTIONS)}")
     if args.cmd == "bench":
         tr.resolve_device(args.device)  # --device cuda without a GPU: one error line, as train gives
+    if getattr(args, "seeds", None) is not None:
+        parse_seeds(args.seeds)  # a repeated or malformed seed list: one error line, before any run
     return tr.check_cli(args)
 
 
@@ -1718,7 +1939,7 @@ def main(argv: list[str] | None = None) -> None:
         for path in written:
             print(path.read_text())
     elif args.cmd == "compare":
-        print(_markdown_table(compare(cfg, args.corrections.split(","), [int(s) for s in seeds.split(",")], cfg.name)))
+        print(_markdown_table(compare(cfg, args.corrections.split(","), parse_seeds(seeds), cfg.name)))
     else:
         bench(tr.config_from_args(BenchConfig, args))
 
