@@ -3721,7 +3721,7 @@ def test_2026_arms_log_what_they_drop_or_clip(base_model_dir, tmp_path):
     veto = [r for r in tr.run(tr.RLConfig(name="v", correction="rs_seq_max", k2_coef=1e-3, **common)) if "reward" in r]
     cispo = [r for r in tr.run(tr.RLConfig(name="c", correction="cispo", **common)) if "reward" in r]
     for r in veto:
-        assert 0 < r["frac_masked_tokens"] <= r["frac_masked_seqs"] <= 1 and r["k2_penalty"] > 0, r
+        assert 0 < r["frac_masked_tokens"] <= 1 and 0 < r["frac_masked_seqs"] <= 1 and r["k2_penalty"] > 0, r
     for r in cispo:
         assert 0 < r["frac_clipped_tokens"] < 1 and "frac_masked_tokens" not in r, r
     plain = [r for r in tr.run(tr.RLConfig(name="n", **common)) if "reward" in r]
