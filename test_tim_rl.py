@@ -1388,6 +1388,7 @@ CLI_MISTAKES = [  # (argv, words the one error line must contain); each fails be
     (["train", "--lr", "inf"], ["--lr must be a finite number"]),
     (["train", "--lr", "-1"], ["--lr must be > 0"]),
     (["train", "--tis-cap", "0"], ["--tis-cap must be > 0"]),
+    (["train", "--rs-estimator", "k4"], ["--rs-estimator must be one of k1 | k2 | k3"]),
 ] + ([(["train", "--device", "cuda"], ["--device cuda", "torch.cuda.is_available() is False"]),
       (["bench", "--device", "cuda"], ["--device cuda", "torch.cuda.is_available() is False"])]
      if not torch.cuda.is_available() else []) + ([(["train", "--sampler", "vllm"], ["--sampler vllm", "not installed"])]

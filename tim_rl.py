@@ -1338,7 +1338,8 @@ def kl_k3(log_rho: torch.Tensor) -> torch.Tensor:
 def divergence_mask_weights(logp_old, logp_infer, mask, threshold: float = 0.01, estimator=None):
     """m = 1[k(log rho) <= threshold] per token: verl rollout_rs="token_k1|k2|k3" (K3-RS preset 0.01). (B, T).
 
-    Rejection, not reweighting: kept tokens get weight 1. Non-finite log-ratio -> 0.
+    k = estimator(log rho): kl_k1, kl_k2 or kl_k3 (None: kl_k3). Rejection, not reweighting: kept tokens get weight 1.
+    Non-finite log-ratio -> 0.
 
     needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, kl_k3, LOG_RATIO_CLAMP
     """
@@ -1390,8 +1391,9 @@ def divergence_seq_mean_mask(logp_old, logp_infer, mask, threshold: float = 0.01
 def self_normalize_weights(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """w / mean_mask(w): weights rescaled to mean 1 over the batch's valid tokens. verl rollout_is_batch_normalize.
 
-    Self-normalised IS: trades a bias of order 1/N (the normaliser is itself an estimate) for less variance. Pass
-    sequence weights through self_normalize_seq_weights instead. Non-finite -> 0; all zero stays zero. (B, T).
+    Self-normalised IS: trades a bias of order 1/N (the normaliser is itself an estimate) for less variance. Under
+    Adam it is nearly a no-op (one scale for the whole batch's gradient). Pass sequence weights through
+    self_normalize_seq_weights instead. Non-finite -> 0; all zero stays zero. (B, T).
 
     needs: _check_bt, _check_device, _check_mask, _check_tensor
     """
