@@ -1050,6 +1050,7 @@ def _all_losses(logp, logp_old, logp_infer, adv, mask):
         "pg_rs": tr.pg_loss(logp, adv, mask, weights=tr.divergence_mask_weights(logp_old, logp_infer, mask)),
         "pg_rs_max": tr.pg_loss(logp, adv, mask, weights=tr.divergence_seq_max_mask(logp_old, logp_infer, mask)),
         "pg_rs_mean": tr.pg_loss(logp, adv, mask, weights=tr.divergence_seq_mean_mask(logp_old, logp_infer, mask)),
+        "pg_rs_sum": tr.pg_loss(logp, adv, mask, weights=tr.divergence_seq_sum_mask(logp_old, logp_infer, mask)),
         "pg_tis_sn": tr.pg_loss(logp, adv, mask, weights=tr.self_normalize_weights(
             tr.tis_weights(logp_old, logp_infer, mask), mask)),
         "pg_seq_sn": tr.pg_loss(logp, adv, mask, weights=tr.self_normalize_seq_weights(
@@ -1151,9 +1152,10 @@ def _bt_functions():
                         ("logp_old", "logp_infer")),
         "copc_mask": (lambda logp_old, logp_infer, mask: tr.copc_mask(logp_old, logp_infer, mask),
                       ("logp_old", "logp_infer")),
-        **{n: (lambda logp_old, logp_infer, mask, _f=getattr(tr, n): _f(logp_old, logp_infer, mask),
+        **{n: (lambda logp_old, logp_infer, mask, _n=n: getattr(tr, _n)(logp_old, logp_infer, mask),
                ("logp_old", "logp_infer"))
-           for n in ("divergence_mask_weights", "divergence_seq_max_mask", "divergence_seq_mean_mask")},
+           for n in ("divergence_mask_weights", "divergence_seq_max_mask", "divergence_seq_mean_mask",
+                     "divergence_seq_sum_mask")},
         "self_normalize_weights": (lambda weights, mask: tr.self_normalize_weights(weights, mask), ("weights",)),
         "self_normalize_seq_weights": (lambda weights, mask: tr.self_normalize_seq_weights(weights, mask),
                                        ("weights",)),
@@ -1208,7 +1210,8 @@ def test_every_bt_function_names_the_bad_argument(name):
 NEUTRAL = {"tis_weights": 0.0, "mis_weights": 0.0, "seq_tis_weights": 0.0, "seq_mask_weights": 0.0,
            "geo_mask_weights": 0.0, "cis_weights": 1.0, "dlc_weights": 0.0,
            "copc_mask": 0.0, "divergence_mask_weights": 0.0, "divergence_seq_max_mask": 0.0,
-           "divergence_seq_mean_mask": 0.0}  # the documented weight of a non-finite token
+           "divergence_seq_mean_mask": 0.0,
+           "divergence_seq_sum_mask": 0.0}  # the documented weight of a non-finite token
 
 
 @pytest.mark.parametrize("name", sorted(NEUTRAL))
@@ -1479,7 +1482,7 @@ def _copy_calls():
     weight_calls = {n: lambda f: f(a, b, mask) for n in (
         "tis_weights", "mis_weights", "seq_tis_weights", "seq_mask_weights", "geo_mask_weights", "cis_weights",
         "dlc_weights", "copc_mask", "copc_residual_weights", "mismatch_metrics", "divergence_mask_weights",
-        "divergence_seq_max_mask", "divergence_seq_mean_mask")}
+        "divergence_seq_max_mask", "divergence_seq_mean_mask", "divergence_seq_sum_mask")}
     return weight_calls | {
         **{n: lambda f: f(a - b) for n in ("kl_k1", "kl_k2", "kl_k3")},
         "self_normalize_weights": lambda f: f(b.exp(), mask),
@@ -3639,9 +3642,12 @@ def test_the_trust_region_veto_drops_a_sequence_for_one_token_that_the_mean_forg
     by_token = (k3 <= 0.02).float()
     by_max = (k3.amax(1, keepdim=True) <= 0.02).float().expand(2, 3)
     by_mean = (k3.mean(1, keepdim=True) <= 0.02).float().expand(2, 3)
+    by_sum = (k3.sum(1, keepdim=True) <= 0.02).float().expand(2, 3)
     assert torch.equal(tr.divergence_mask_weights(logp_old, logp_infer, mask, 0.02), by_token)
     assert torch.equal(tr.divergence_seq_max_mask(logp_old, logp_infer, mask, 0.02), by_max)
     assert torch.equal(tr.divergence_seq_mean_mask(logp_old, logp_infer, mask, 0.02), by_mean)
+    assert torch.equal(tr.divergence_seq_sum_mask(logp_old, logp_infer, mask, 0.02), by_sum)
+    assert by_sum.tolist() == [[0] * 3, [1] * 3], "the sum (0.052 | 0.0038) drops what the mean (0.017) keeps"
     assert by_token.tolist() == [[1, 1, 0], [1, 1, 1]] and by_max.tolist() == [[0] * 3, [1] * 3]
     assert by_mean.tolist() == [[1] * 3, [1] * 3], "anti-vacuity: the mean keeps what the veto drops"
     ragged = torch.tensor([[True, True, False], [True, True, True]])  # the outlier is padding now: veto lifted
@@ -3674,7 +3680,7 @@ def test_2026_arms_on_a_hand_made_batch(correction, cfg, expected):
     assert not torch.allclose(w, torch.ones(4, 1), atol=1e-3), "anti-vacuity: the arm did something here"
 
 
-@pytest.mark.parametrize("correction", ["rs", "rs_seq_max", "rs_seq_mean", "tis_sn", "opsm", "cispo"])
+@pytest.mark.parametrize("correction", ["rs", "rs_seq_max", "rs_seq_mean", "rs_seq_sum", "tis_sn", "opsm", "cispo"])
 def test_2026_arms_reduce_to_plain_reinforce_without_mismatch(correction):
     logp = torch.log(torch.tensor([[0.5, 0.2], [0.4, 0.9], [0.6, 0.3], [0.3, 0.7]]))
     for cfg in ({}, {"k2_coef": 1e-3}):
@@ -3689,7 +3695,8 @@ def test_2026_functions_are_neutral_when_sampler_and_trainer_agree(data, a):
     logp, _, mask = data
     adv = torch.full((mask.shape[0], 1), a)
     for w in (tr.divergence_mask_weights(logp, logp, mask), tr.divergence_seq_max_mask(logp, logp, mask),
-              tr.divergence_seq_mean_mask(logp, logp, mask), tr.opsm_mask(logp, logp, adv, mask),
+              tr.divergence_seq_mean_mask(logp, logp, mask), tr.divergence_seq_sum_mask(logp, logp, mask),
+              tr.opsm_mask(logp, logp, adv, mask),
               tr.self_normalize_weights(tr.tis_weights(logp, logp, mask), mask),
               tr.self_normalize_seq_weights(tr.seq_tis_weights(logp, logp, mask), mask)):
         assert torch.equal(w, mask.float())
@@ -3717,8 +3724,9 @@ def test_opsm_keeps_good_samples_and_drops_bad_ones_the_trainer_already_disfavou
 
 
 def test_2026_arms_log_what_they_drop_or_clip(base_model_dir, tmp_path):
-    common = dict(model=str(base_model_dir), dtype="bf16", noise=0.2, sync_every=2, out_dir=str(tmp_path),
-                  steps=2, prompts=4, group=4, eval_every=2, eval_n=16, progress=False, checkpoint_every=0)
+    common = {"model": str(base_model_dir), "dtype": "bf16", "noise": 0.2, "sync_every": 2, "out_dir": str(tmp_path),
+              "steps": 2, "prompts": 4, "group": 4, "eval_every": 2, "eval_n": 16, "progress": False,
+              "checkpoint_every": 0}
     veto = [r for r in tr.run(tr.RLConfig(name="v", correction="rs_seq_max", k2_coef=1e-3, **common)) if "reward" in r]
     cispo = [r for r in tr.run(tr.RLConfig(name="c", correction="cispo", **common)) if "reward" in r]
     for r in veto:
@@ -3729,12 +3737,12 @@ def test_2026_arms_log_what_they_drop_or_clip(base_model_dir, tmp_path):
     assert not any(k.startswith(("frac_masked", "frac_clipped", "k2_")) for k in plain[0]), "other arms: unchanged"
 
 
-@pytest.mark.parametrize("name", ["rs", "rs_seq_max", "rs_seq_mean", "tis_sn"])
+@pytest.mark.parametrize("name", ["rs", "rs_seq_max", "rs_seq_mean", "rs_seq_sum", "tis_sn"])
 def test_trl_adapter_carries_the_fixed_2026_weights(name):
     g = torch.Generator().manual_seed(0)
     p_old = -torch.rand(3, 4, generator=g)
     q = p_old + 0.1 * torch.randn(3, 4, generator=g)
     q[1, 2] = math.nan  # a position vLLM gave no log-prob
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
-    own = {"tis_sn": lambda a, b, m: tr.self_normalize_weights(tr.tis_weights(a, b, m), m)}.get(name, tr.RS_ARMS.get(name))
+    own = tr.RS_ARMS.get(name) or (lambda a, b, m: tr.self_normalize_weights(tr.tis_weights(a, b, m), m))
     assert torch.equal(tr.trl_weights(name, p_old, q, mask), own(p_old, q, mask.bool()))

@@ -167,8 +167,8 @@ class RLConfig:
     router_noise: float = _arg(0.0, "MoE sampler: relative noise on the routers' weights only (flips experts)")
     exact: bool = _arg(False, "exact mode: sampler log-probs from the trainer's forward (ratio 1)")
     correction: str = _arg("none", "none|tis|mis|seq_tis|geo|cis|ppo|ppo_infer|dppo|sc|sc_tis|sc_mis|dlc|copc|"
-                                   "calibrated|rs|rs_seq_max|rs_seq_mean|tis_sn|opsm|cispo (drift_only: the drift "
-                                   "part alone, a positive control)")
+                                   "calibrated|rs|rs_seq_max|rs_seq_mean|rs_seq_sum|tis_sn|opsm|cispo (drift_only: "
+                                   "the drift part alone, a positive control)")
     steps: int = _arg(80, "optimizer steps")
     prompts: int = _arg(16, "prompts per step")
     group: int = _arg(8, "samples per prompt (G)")
@@ -202,8 +202,8 @@ class RLConfig:
     eps_low: float = _arg(0.2, "PPO clip low")
     eps_high: float = _arg(0.28, "PPO clip high")
     dppo_delta: float = _arg(0.2, "DPPO trust region on |p - q|")
-    rs_threshold: float = _arg(0.01, "rs, rs_seq_max, rs_seq_mean: drop where the divergence estimate exceeds this "
-                                     "(verl's K3-RS preset: 0.01)")
+    rs_threshold: float = _arg(0.01, "rs, rs_seq_max, rs_seq_mean, rs_seq_sum: drop where the divergence estimate "
+                                     "exceeds this (verl's K3-RS preset: 0.01)")
     rs_estimator: str = _arg("k3", "rs arms' per-token estimate of KL(q || p) from log rho: k1 (-log rho) | k2 "
                                    "((log rho)^2 / 2) | k3 (rho - 1 - log rho)")
     opsm_delta: float = _arg(1e-4, "opsm: drop A < 0 sequences whose mean(logp_infer - logp) exceeds this (slime's "
@@ -1386,6 +1386,20 @@ def divergence_seq_mean_mask(logp_old, logp_infer, mask, threshold: float = 0.01
     total = torch.where(mask, estimate, torch.zeros_like(estimate)).sum(dim=1, keepdim=True)  # (B, 1)
     mean = total / mask.sum(dim=1, keepdim=True).clamp(min=1)
     return (mask & seq_ok & (mean <= threshold)).float()
+
+
+def divergence_seq_sum_mask(logp_old, logp_infer, mask, threshold: float = 0.01, estimator=None):
+    """m_i = 1[sum_t k(log rho_it) <= threshold] on every token of sequence i: verl rollout_rs="seq_sum_k1|k2|k3".
+
+    The sum grows with the length, so long sequences are dropped first (like the sequence product). Non-finite -> 0
+    for the sequence. (B, T).
+
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, kl_k3, _sequence_divergence,
+    LOG_RATIO_CLAMP
+    """
+    estimate, seq_ok = _sequence_divergence(logp_old, logp_infer, mask, estimator)
+    total = torch.where(mask, estimate, torch.zeros_like(estimate)).sum(dim=1, keepdim=True)  # (B, 1)
+    return (mask & seq_ok & (total <= threshold)).float()
 
 
 def self_normalize_weights(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -2877,9 +2891,9 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 CORRECTIONS = ("none", "tis", "mis", "seq_tis", "geo", "cis", "ppo", "ppo_infer", "dppo", "sc", "sc_tis", "sc_mis",
                "dlc", "copc", "calibrated", "drift_only",  # drift_only: a positive control, not a correction
-               "rs", "rs_seq_max", "rs_seq_mean", "tis_sn", "opsm", "cispo")  # the 2026 ones
+               "rs", "rs_seq_max", "rs_seq_mean", "rs_seq_sum", "tis_sn", "opsm", "cispo")  # the 2026 ones
 RS_ARMS = {"rs": divergence_mask_weights, "rs_seq_max": divergence_seq_max_mask,
-           "rs_seq_mean": divergence_seq_mean_mask}  # arm -> its divergence mask (verl rollout_rs)
+           "rs_seq_mean": divergence_seq_mean_mask, "rs_seq_sum": divergence_seq_sum_mask}  # verl rollout_rs
 RS_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}  # --rs-estimator -> the per-token estimate
 
 
