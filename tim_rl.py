@@ -48,6 +48,9 @@ References
     [9] Qi et al., "Defeating the Training-Inference Mismatch via FP16", arXiv:2510.26788.
     [10] Hilton, Cobbe & Schulman 2021, "Batch size-invariance for policy optimization" (decoupled PPO); AReaL.
     [11] Team IcePop / MIS: masked importance sampling, weight rho * 1[lo <= rho <= hi].
+    [12] 2026 framework corrections: verl rollout_rs / rollout_is_batch_normalize; Li et al., "Trust Region Masking
+         for Long-Horizon LLM RL", arXiv:2512.23075; DeepSeek-V3.2's off-policy sequence masking (TRL, slime);
+         MiniMax-M1's CISPO, arXiv:2506.13585; prime-rl's k2 term toward the sampler.
 """
 
 from __future__ import annotations
