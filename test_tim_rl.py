@@ -3746,3 +3746,23 @@ def test_trl_adapter_carries_the_fixed_2026_weights(name):
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
     own = tr.RS_ARMS.get(name) or (lambda a, b, m: tr.self_normalize_weights(tr.tis_weights(a, b, m), m))
     assert torch.equal(tr.trl_weights(name, p_old, q, mask), own(p_old, q, mask.bool()))
+
+
+def test_the_2026_preset_judges_its_claims_as_one_holm_family(tmp_path):
+    """A claim that resolves on its own interval (two-sided p 0.013) is not resolved among six (Holm: 4 x 0.013)."""
+    deltas = {"big": [0.05, 0.052, 0.049, 0.051, 0.05], "worse": [-0.05, -0.052, -0.049, -0.051, -0.05],
+              "small": [0.01, 0.018, 0.003, 0.015, 0.009]} | {
+        f"null{i}": [0.001 * i, -0.002, 0.0015, -0.0005, 0.0] for i in range(3)}
+    runs = {"ref": [[{"step": 0, "pc_trainer": 0.5}]] * 5} | {
+        arm: [[{"step": 0, "pc_trainer": 0.5 + x}] for x in d] for arm, d in deltas.items()}
+    claims = tuple(ex.Claim(f"{arm} beats ref", arm, "ref") for arm in deltas)
+    sections, rows = ex.family_verdicts(claims, "t", runs, "ref", True, tmp_path / "plot.png")
+    assert [r["verdict"] for r in rows] == ["reproduced", "contradicted"] + ["not resolved"] * 4, rows
+    assert "one family of 6 tests" in sections[0][0] and (tmp_path / "plot.png").is_file()
+    alone = ex.judge(runs, claims[2], True)
+    assert alone["verdict"] == "reproduced", "anti-vacuity: on its own interval the small claim resolves"
+    assert all(r["verdict"] == "invalid testbed" for r in ex.family_verdicts(claims, "t", runs, "ref", False, None)[1])
+    preset = ex.RL_PRESETS["corrections-2026"]
+    labels = {a for a, _ in preset.arms}
+    assert len(preset.claims) == 26 and all(c.arm in labels for c in preset.claims)
+    assert {f"{c} (k=16)" for c in ("none", "tis") + ex.CORRECTIONS_2026} <= labels
