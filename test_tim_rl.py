@@ -3657,6 +3657,19 @@ def test_the_trust_region_veto_drops_a_sequence_for_one_token_that_the_mean_forg
         logp_old, logp_infer, mask, -0.04, estimator=tr.kl_k1).tolist() == [[1, 0, 1], [1, 1, 0]]
 
 
+@pytest.mark.parametrize("correction,reduce", [("rs", None), ("rs_seq_max", "amax"), ("rs_seq_mean", "mean"),
+                                                ("rs_seq_sum", "sum")])
+def test_divergence_arms_weigh_each_token_by_their_formula(correction, reduce):
+    """The arms on the (2, 3) batch above: REINFORCE's current p against q, k3 at threshold 0.02."""
+    logp_infer = torch.log(torch.full((2, 3), 0.4))
+    k3 = _k3(LOG_RHO_SEQ)
+    statistic = k3 if reduce is None else getattr(k3, reduce)(1, keepdim=True).expand(2, 3)
+    adv = torch.tensor([[1.0], [-1.0]])
+    w = _arm_weights(correction, logp_infer + LOG_RHO_SEQ, logp_infer + LOG_RHO_SEQ, logp_infer + LOG_RHO_SEQ,
+                     logp_infer, adv, rs_threshold=0.02)
+    assert torch.allclose(w, (statistic <= 0.02).float(), atol=1e-6), (correction, w)
+
+
 # (B, 1) hand-made batch of the other arm tests: p_old = 0.5, rho = p / q, A = +1, +1, -1, -1 (ADV)
 RHO_2026 = torch.tensor([[3.0], [0.5], [1.2], [0.8]])
 

@@ -1660,7 +1660,7 @@ def cispo_loss(logp, logp_infer, adv, mask, eps_high: float = 0.28):
     1 + eps_high here) take r = p / p_old against the trainer's proximal policy and leave the lower side unclipped;
     pass logp_prox as logp_infer for that. tim_rl's arm passes the sampler's q: one update per batch makes p / p_prox
     identically 1 (plain REINFORCE), while p / q covers the whole gap (lag and numerics), so the arm is token TIS with
-    cap 1 + eps_high. Non-finite log-ratio -> token dropped. (B, T).
+    cap 1 + eps_high. Non-finite log-ratio -> token dropped. (B, T) -> scalar.
 
     needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, _finite_or_zero,
     masked_mean, LOG_RATIO_CLAMP
