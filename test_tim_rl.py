@@ -1048,6 +1048,17 @@ def _all_losses(logp, logp_old, logp_infer, adv, mask):
         "ppo": tr.ppo_loss(logp, logp_old, adv, mask),
         "pg_dlc": tr.pg_loss(logp, adv, mask, weights=tr.dlc_weights(logp_old, logp_infer, mask)),
         "ppo_copc": tr.ppo_loss(logp, logp_old, adv, mask, weights=tr.copc_mask(logp_old, logp_infer, mask)),
+        "pg_rs": tr.pg_loss(logp, adv, mask, weights=tr.divergence_mask_weights(logp_old, logp_infer, mask)),
+        "pg_rs_max": tr.pg_loss(logp, adv, mask, weights=tr.divergence_seq_max_mask(logp_old, logp_infer, mask)),
+        "pg_rs_mean": tr.pg_loss(logp, adv, mask, weights=tr.divergence_seq_mean_mask(logp_old, logp_infer, mask)),
+        "pg_rs_sum": tr.pg_loss(logp, adv, mask, weights=tr.divergence_seq_sum_mask(logp_old, logp_infer, mask)),
+        "pg_tis_sn": tr.pg_loss(logp, adv, mask, weights=tr.self_normalize_weights(
+            tr.tis_weights(logp_old, logp_infer, mask), mask)),
+        "pg_seq_sn": tr.pg_loss(logp, adv, mask, weights=tr.self_normalize_seq_weights(
+            tr.seq_tis_weights(logp_old, logp_infer, mask), mask)),
+        "pg_opsm": tr.pg_loss(logp, adv, mask, weights=tr.opsm_mask(logp, logp_infer, adv, mask)),
+        "cispo": tr.cispo_loss(logp, logp_infer, adv, mask),
+        "pg_k2": tr.pg_loss(logp, adv, mask) + tr.k2_penalty(logp, logp_infer, mask),
     }
 
 
@@ -1142,6 +1153,18 @@ def _bt_functions():
                         ("logp_old", "logp_infer")),
         "copc_mask": (lambda logp_old, logp_infer, mask: tr.copc_mask(logp_old, logp_infer, mask),
                       ("logp_old", "logp_infer")),
+        **{n: (lambda logp_old, logp_infer, mask, _n=n: getattr(tr, _n)(logp_old, logp_infer, mask),
+               ("logp_old", "logp_infer"))
+           for n in ("divergence_mask_weights", "divergence_seq_max_mask", "divergence_seq_mean_mask",
+                     "divergence_seq_sum_mask")},
+        "self_normalize_weights": (lambda weights, mask: tr.self_normalize_weights(weights, mask), ("weights",)),
+        "self_normalize_seq_weights": (lambda weights, mask: tr.self_normalize_seq_weights(weights, mask),
+                                       ("weights",)),
+        "opsm_mask": (lambda logp, logp_infer, mask: tr.opsm_mask(logp, logp_infer, torch.zeros(mask.shape[0]), mask),
+                      ("logp", "logp_infer")),
+        "cispo_loss": (lambda logp, logp_infer, mask: tr.cispo_loss(logp, logp_infer, torch.zeros(mask.shape[0], 1),
+                                                                    mask), ("logp", "logp_infer")),
+        "k2_penalty": (lambda logp, logp_infer, mask: tr.k2_penalty(logp, logp_infer, mask), ("logp", "logp_infer")),
         "mismatch_metrics": (lambda logp_train, logp_infer, mask: tr.mismatch_metrics(logp_train, logp_infer, mask),
                              ("logp_train", "logp_infer")),
         "mismatch_ledger": (lambda logp, logp_old, logp_infer, mask: tr.mismatch_ledger(logp, logp_old, logp_infer,
@@ -1187,7 +1210,9 @@ def test_every_bt_function_names_the_bad_argument(name):
 
 NEUTRAL = {"tis_weights": 0.0, "mis_weights": 0.0, "seq_tis_weights": 0.0, "seq_mask_weights": 0.0,
            "geo_mask_weights": 0.0, "cis_weights": 1.0, "dlc_weights": 0.0,
-           "copc_mask": 0.0}  # the documented weight of a non-finite token
+           "copc_mask": 0.0, "divergence_mask_weights": 0.0, "divergence_seq_max_mask": 0.0,
+           "divergence_seq_mean_mask": 0.0,
+           "divergence_seq_sum_mask": 0.0}  # the documented weight of a non-finite token
 
 
 @pytest.mark.parametrize("name", sorted(NEUTRAL))
@@ -1372,6 +1397,7 @@ CLI_MISTAKES = [  # (argv, words the one error line must contain); each fails be
     (["train", "--lr", "inf"], ["--lr must be a finite number"]),
     (["train", "--lr", "-1"], ["--lr must be > 0"]),
     (["train", "--tis-cap", "0"], ["--tis-cap must be > 0"]),
+    (["train", "--rs-estimator", "k4"], ["--rs-estimator must be one of k1 | k2 | k3"]),
 ] + ([(["train", "--device", "cuda"], ["--device cuda", "torch.cuda.is_available() is False"]),
       (["bench", "--device", "cuda"], ["--device cuda", "torch.cuda.is_available() is False"])]
      if not torch.cuda.is_available() else []) + ([(["train", "--sampler", "vllm"], ["--sampler vllm", "not installed"])]
@@ -1461,8 +1487,15 @@ def _copy_calls():
     routes_a, routes_b = (torch.randint(-1, 4, (B, T, 2, 2), generator=g) for _ in range(2))  # (B, S, L, k), -1 gaps
     weight_calls = {n: lambda f: f(a, b, mask) for n in (
         "tis_weights", "mis_weights", "seq_tis_weights", "seq_mask_weights", "geo_mask_weights", "cis_weights",
-        "dlc_weights", "copc_mask", "copc_residual_weights", "mismatch_metrics")}
+        "dlc_weights", "copc_mask", "copc_residual_weights", "mismatch_metrics", "divergence_mask_weights",
+        "divergence_seq_max_mask", "divergence_seq_mean_mask", "divergence_seq_sum_mask")}
     return weight_calls | {
+        **{n: lambda f: f(a - b) for n in ("kl_k1", "kl_k2", "kl_k3")},
+        "self_normalize_weights": lambda f: f(b.exp(), mask),
+        "self_normalize_seq_weights": lambda f: f(d[:, :1].exp().expand(B, T), mask),
+        "opsm_mask": lambda f: f(a, b, adv, mask, 0.1),
+        "cispo_loss": lambda f: f(a, b, adv, mask),
+        "k2_penalty": lambda f: f(a, b, mask),
         "masked_mean": lambda f: f(a, mask),
         "token_logprobs": lambda f: f(logits, ids),
         "support_differs": lambda f: f(torch.randint(-1, V, (B, T, 3), generator=g), torch.randint(-1, V, (B, T, 2),
@@ -3619,6 +3652,9 @@ def test_each_flag_has_one_meaning_tis_cap_seq_tis_cap_dlc_lag_cap():
     assert "--seq-tis-cap" in parser.format_help() and "--dlc-lag-cap" in parser.format_help()
 
 
+# ==========================================================================================================
+
+
 # =================================================================================================================
 # one family per dose section (DOSE_RULES): the section's error rate simulated with the real dependence; every
 # preset's claims as one family (Holm); publish's marks and changelog; seeds counted once
@@ -4000,3 +4036,217 @@ def test_publish_marks_older_sections_one_at_a_time_and_writes_a_changelog(tmp_p
         "- SC + TIS beats none: (not stated) -> x"]
     ex.publish("drift", "# d\n\nnew\n", new, "python experiments.py compare --preset drift", 60.0, tmp_path)
     assert ex.ONE_AT_A_TIME not in (tmp_path / "RESULTS.md").read_text(), "re-published as one family: no mark"
+
+
+# =================================================================================================================
+# the 2026 corrections: divergence masks and the sequence veto, self-normalised weights, OPSM, CISPO, the k2 term
+
+
+def _pq_categorical():
+    """A trainer p and a sampler q over 3 tokens, and an advantage per token (float64)."""
+    p = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
+    q = torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)
+    return p, q, torch.tensor([1.0, 0.0, -1.0], dtype=torch.float64)
+
+
+def test_k1_and_k3_estimate_the_kl_without_bias_and_k2_does_not():
+    """E_{y~q}[k(log rho_y)] against KL(q || p) = sum_y q_y log(q_y / p_y), by enumeration (rho = p / q)."""
+    p, q, _ = _pq_categorical()
+    log_rho = p.log() - q.log()
+    kl = float((q * (q / p).log()).sum())
+    assert torch.equal(tr.kl_k1(log_rho), -log_rho)
+    assert torch.allclose(tr.kl_k2(log_rho), log_rho.square() / 2)
+    assert torch.allclose(tr.kl_k3(log_rho), log_rho.exp() - 1 - log_rho)
+    assert abs(float((q * tr.kl_k1(log_rho)).sum()) - kl) < 1e-12
+    assert abs(float((q * tr.kl_k3(log_rho)).sum()) - kl) < 1e-12
+    assert (tr.kl_k3(log_rho) >= 0).all() and (tr.kl_k1(log_rho) < 0).any(), "k3 >= 0 per token, k1 is signed"
+    assert abs(float((q * tr.kl_k2(log_rho)).sum()) - kl) > 1e-2, "anti-vacuity: k2 is biased"
+
+
+def test_self_normalised_weights_trade_bias_for_variance_by_enumeration():
+    """N tokens drawn from q: the IS estimate mean(rho f) of E_p[f] is unbiased, the self-normalised one
+    sum(rho f) / sum(rho) is not (bias shrinking with N) but has less variance; every N-tuple enumerated."""
+    import itertools
+
+    p, q, f = _pq_categorical()
+    target = float((p * f).sum())
+    bias, variance = {}, {}
+    for n in (2, 3):
+        mask = torch.ones(n, 1, dtype=torch.bool)
+        moments = torch.zeros(2, 2, dtype=torch.float64)  # (IS, SN) x (E, E[x^2])
+        for ys in itertools.product(range(3), repeat=n):
+            ys = list(ys)
+            rho = tr.tis_weights(p[ys].log().float()[:, None], q[ys].log().float()[:, None], mask, cap=math.inf)
+            estimates = torch.stack([tr.masked_mean(w * f[ys].float()[:, None], mask).double()
+                                     for w in (rho, tr.self_normalize_weights(rho, mask))])
+            moments += q[ys].prod() * torch.stack([estimates, estimates.square()], 1)
+        assert abs(float(moments[0, 0]) - target) < 1e-6, "plain IS: unbiased"
+        bias[n] = float(moments[1, 0]) - target
+        variance[n] = (moments[:, 1] - moments[:, 0].square()).tolist()
+        assert variance[n][1] < variance[n][0], ("self-normalised: less variance", variance)
+    assert bias[2] < -0.4 and bias[2] < bias[3] < -0.1, ("biased, less so with more tokens", bias)
+
+
+def test_self_normalised_weights_have_mean_one_per_token_or_per_sequence():
+    mask = torch.tensor([[True, True, True, True], [True, False, False, False]])
+    w = torch.tensor([[1.0, 2.0, 3.0, 2.0], [4.0, 9.0, 9.0, 9.0]])
+    assert torch.allclose(tr.self_normalize_weights(w, mask), w * mask / 2.4)  # token mean (1 + 2 + 3 + 2 + 4) / 5
+    seq = torch.tensor([[2.0] * 4, [6.0] * 4])
+    assert torch.allclose(tr.self_normalize_seq_weights(seq, mask), torch.tensor([[0.5] * 4, [1.5, 0, 0, 0]]))
+    assert not torch.allclose(tr.self_normalize_weights(seq, mask), tr.self_normalize_seq_weights(seq, mask)), \
+        "anti-vacuity: the token mean lets the long sequence count four times"
+    assert torch.equal(tr.self_normalize_weights(torch.zeros(2, 4), mask), torch.zeros(2, 4)), "all zero stays zero"
+
+
+LOG_RHO_SEQ = torch.tensor([[0.05, -0.05, 0.3], [0.05, 0.05, -0.05]])  # sequence 0 has one outlying token
+
+
+def _k3(log_rho):
+    return log_rho.exp() - 1 - log_rho
+
+
+def test_the_trust_region_veto_drops_a_sequence_for_one_token_that_the_mean_forgives():
+    """On one hand-made batch: k3 per token 0.0013, 0.0012, 0.050 | 0.0013, 0.0013, 0.0012; threshold 0.02."""
+    logp_infer = torch.log(torch.full((2, 3), 0.4))
+    logp_old = logp_infer + LOG_RHO_SEQ
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    k3 = _k3(LOG_RHO_SEQ)
+    by_token = (k3 <= 0.02).float()
+    by_max = (k3.amax(1, keepdim=True) <= 0.02).float().expand(2, 3)
+    by_mean = (k3.mean(1, keepdim=True) <= 0.02).float().expand(2, 3)
+    by_sum = (k3.sum(1, keepdim=True) <= 0.02).float().expand(2, 3)
+    assert torch.equal(tr.divergence_mask_weights(logp_old, logp_infer, mask, 0.02), by_token)
+    assert torch.equal(tr.divergence_seq_max_mask(logp_old, logp_infer, mask, 0.02), by_max)
+    assert torch.equal(tr.divergence_seq_mean_mask(logp_old, logp_infer, mask, 0.02), by_mean)
+    assert torch.equal(tr.divergence_seq_sum_mask(logp_old, logp_infer, mask, 0.02), by_sum)
+    assert by_sum.tolist() == [[0] * 3, [1] * 3], "the sum (0.052 | 0.0038) drops what the mean (0.017) keeps"
+    assert by_token.tolist() == [[1, 1, 0], [1, 1, 1]] and by_max.tolist() == [[0] * 3, [1] * 3]
+    assert by_mean.tolist() == [[1] * 3, [1] * 3], "anti-vacuity: the mean keeps what the veto drops"
+    ragged = torch.tensor([[True, True, False], [True, True, True]])  # the outlier is padding now: veto lifted
+    assert tr.divergence_seq_max_mask(logp_old, logp_infer, ragged, 0.02).tolist() == [[1, 1, 0], [1, 1, 1]]
+    k1 = tr.divergence_seq_mean_mask(logp_old, logp_infer, mask, -0.05, estimator=tr.kl_k1)  # -0.1 | -0.017
+    assert k1.tolist() == [[1] * 3, [0] * 3] and tr.divergence_mask_weights(
+        logp_old, logp_infer, mask, -0.04, estimator=tr.kl_k1).tolist() == [[1, 0, 1], [1, 1, 0]]
+
+
+@pytest.mark.parametrize("correction,reduce", [("rs", None), ("rs_seq_max", "amax"), ("rs_seq_mean", "mean"),
+                                                ("rs_seq_sum", "sum")])
+def test_divergence_arms_weigh_each_token_by_their_formula(correction, reduce):
+    """The arms on the (2, 3) batch above: REINFORCE's current p against q, k3 at threshold 0.02."""
+    logp_infer = torch.log(torch.full((2, 3), 0.4))
+    k3 = _k3(LOG_RHO_SEQ)
+    statistic = k3 if reduce is None else getattr(k3, reduce)(1, keepdim=True).expand(2, 3)
+    adv = torch.tensor([[1.0], [-1.0]])
+    w = _arm_weights(correction, logp_infer + LOG_RHO_SEQ, logp_infer + LOG_RHO_SEQ, logp_infer + LOG_RHO_SEQ,
+                     logp_infer, adv, rs_threshold=0.02)
+    assert torch.allclose(w, (statistic <= 0.02).float(), atol=1e-6), (correction, w)
+
+
+# (B, 1) hand-made batch of the other arm tests: p_old = 0.5, rho = p / q, A = +1, +1, -1, -1 (ADV)
+RHO_2026 = torch.tensor([[3.0], [0.5], [1.2], [0.8]])
+
+
+@pytest.mark.parametrize("correction,cfg,expected", [
+    ("rs", {}, lambda rho: (_k3(rho.log()) <= 0.01).float()),  # k3 0.90, 0.19, 0.018, 0.023: all dropped
+    ("rs", {"rs_threshold": 0.02}, lambda rho: (_k3(rho.log()) <= 0.02).float()),  # token 2 kept
+    ("rs", {"rs_threshold": 0.3, "rs_estimator": "k2"}, lambda rho: (rho.log().square() / 2 <= 0.3).float()),
+    ("rs", {"rs_threshold": 0.2, "rs_estimator": "k1"}, lambda rho: (-rho.log() <= 0.2).float()),
+    ("rs_seq_max", {"rs_threshold": 0.02}, lambda rho: (_k3(rho.log()) <= 0.02).float()),  # T = 1: max = token
+    ("tis_sn", {}, lambda rho: rho.clamp(max=2.0) / rho.clamp(max=2.0).mean()),  # (2, .5, 1.2, .8) / 1.125
+    ("cispo", {}, lambda rho: rho.clamp(max=1.28)),  # r = p / q capped at 1 + eps_high, nothing dropped
+    # OPSM: A < 0 and mean log q / p = -log rho > 0.1 drops the fourth sequence only (the third has log q/p < 0)
+    ("opsm", {"opsm_delta": 0.1}, lambda rho: torch.tensor([[1.0], [1], [1], [0]])),
+    ("none", {"k2_coef": 0.1}, lambda rho: 1 - 0.1 * rho.log() / ADV),  # k2: w = 1 - c (logp - logp_infer) / A
+])
+def test_2026_arms_on_a_hand_made_batch(correction, cfg, expected):
+    logp_old = torch.log(torch.full((4, 1), 0.5))
+    w = _arm_weights(correction, logp_old, logp_old, logp_old, logp_old - RHO_2026.log(), ADV, **cfg)
+    assert torch.allclose(w, expected(RHO_2026), atol=1e-5), (correction, cfg, w)
+    assert not torch.allclose(w, torch.ones(4, 1), atol=1e-3), "anti-vacuity: the arm did something here"
+
+
+@pytest.mark.parametrize("correction", ["rs", "rs_seq_max", "rs_seq_mean", "rs_seq_sum", "tis_sn", "opsm", "cispo"])
+def test_2026_arms_reduce_to_plain_reinforce_without_mismatch(correction):
+    logp = torch.log(torch.tensor([[0.5, 0.2], [0.4, 0.9], [0.6, 0.3], [0.3, 0.7]]))
+    for cfg in ({}, {"k2_coef": 1e-3}):
+        w = _arm_weights(correction, logp, logp, logp, logp, ADV, **cfg)  # p = p_prox = p_old = q
+        assert torch.allclose(w, torch.ones(4, 2), atol=1e-6), (correction, cfg, w)
+    w = _arm_weights(correction, logp, logp, logp, logp + torch.tensor([[0.4, 0.2]]), ADV)  # q moved
+    assert not torch.allclose(w, torch.ones(4, 2), atol=1e-3), "anti-vacuity"
+
+
+@given(logps_BT(), st.floats(min_value=-2.0, max_value=2.0, width=32))
+def test_2026_functions_are_neutral_when_sampler_and_trainer_agree(data, a):
+    logp, _, mask = data
+    adv = torch.full((mask.shape[0], 1), a)
+    for w in (tr.divergence_mask_weights(logp, logp, mask), tr.divergence_seq_max_mask(logp, logp, mask),
+              tr.divergence_seq_mean_mask(logp, logp, mask), tr.divergence_seq_sum_mask(logp, logp, mask),
+              tr.opsm_mask(logp, logp, adv, mask),
+              tr.self_normalize_weights(tr.tis_weights(logp, logp, mask), mask),
+              tr.self_normalize_seq_weights(tr.seq_tis_weights(logp, logp, mask), mask)):
+        assert torch.equal(w, mask.float())
+    lp = logp.clone().requires_grad_(True)
+    g_cispo, g_pg = (torch.autograd.grad(loss, lp)[0] for loss in (tr.cispo_loss(lp, logp, adv, mask, 0.0),
+                                                                      tr.pg_loss(lp, adv, mask)))
+    assert torch.equal(g_cispo, g_pg), "r = 1: CISPO is REINFORCE even with no room above 1"
+    k2 = tr.k2_penalty(lp, logp, mask)
+    assert float(k2.detach()) == 0.0 and torch.equal(torch.autograd.grad(k2, lp)[0], torch.zeros_like(lp))
+
+
+def test_opsm_keeps_good_samples_and_drops_bad_ones_the_trainer_already_disfavours():
+    """TRL's rule, keep iff A >= 0 or mean_t(logp_infer - logp) <= delta; a non-finite token drops an A < 0 one."""
+    logp = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5], [0.5, 0.5], [0.5, 0.5]]))
+    gap = torch.tensor([[0.3], [0.3], [-0.3], [0.05]])  # mean log q / p per sequence
+    adv = torch.tensor([1.0, -1.0, -1.0, -1.0])
+    w = tr.opsm_mask(logp, logp + gap, adv, torch.ones(4, 2, dtype=torch.bool), delta=0.1)
+    assert w[:, 0].tolist() == [1, 0, 1, 1]
+    assert tr.opsm_mask(logp + gap, logp, adv, torch.ones(4, 2, dtype=torch.bool), 0.1)[:, 0].tolist() == \
+        [1, 1, 0, 1], "anti-vacuity: the sign matters (q over p, not p over q)"
+    bad = logp + gap
+    bad[0, 1] = bad[3, 1] = math.nan
+    w = tr.opsm_mask(logp, bad, adv, torch.ones(4, 2, dtype=torch.bool), delta=0.1)
+    assert w.tolist() == [[1, 0], [0, 0], [1, 1], [0, 0]]
+
+
+def test_2026_arms_log_what_they_drop_or_clip(base_model_dir, tmp_path):
+    common = {"model": str(base_model_dir), "dtype": "bf16", "noise": 0.2, "sync_every": 2, "out_dir": str(tmp_path),
+              "steps": 2, "prompts": 4, "group": 4, "eval_every": 2, "eval_n": 16, "progress": False,
+              "checkpoint_every": 0}
+    veto = [r for r in tr.run(tr.RLConfig(name="v", correction="rs_seq_max", k2_coef=1e-3, **common)) if "reward" in r]
+    cispo = [r for r in tr.run(tr.RLConfig(name="c", correction="cispo", **common)) if "reward" in r]
+    for r in veto:
+        assert 0 < r["frac_masked_tokens"] <= 1 and 0 < r["frac_masked_seqs"] <= 1 and r["k2_penalty"] > 0, r
+    for r in cispo:
+        assert 0 < r["frac_clipped_tokens"] < 1 and "frac_masked_tokens" not in r, r
+    plain = [r for r in tr.run(tr.RLConfig(name="n", **common)) if "reward" in r]
+    assert not any(k.startswith(("frac_masked", "frac_clipped", "k2_")) for k in plain[0]), "other arms: unchanged"
+
+
+@pytest.mark.parametrize("name", ["rs", "rs_seq_max", "rs_seq_mean", "rs_seq_sum", "tis_sn"])
+def test_trl_adapter_carries_the_fixed_2026_weights(name):
+    g = torch.Generator().manual_seed(0)
+    p_old = -torch.rand(3, 4, generator=g)
+    q = p_old + 0.1 * torch.randn(3, 4, generator=g)
+    q[1, 2] = math.nan  # a position vLLM gave no log-prob
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    own = tr.RS_ARMS.get(name) or (lambda a, b, m: tr.self_normalize_weights(tr.tis_weights(a, b, m), m))
+    assert torch.equal(tr.trl_weights(name, p_old, q, mask), own(p_old, q, mask.bool()))
+
+
+def test_the_2026_preset_judges_its_claims_as_one_holm_family():
+    """A claim that resolves on its own interval (two-sided p 0.013) is not resolved among six (Holm: 4 x 0.013)."""
+    deltas = {"big": [0.05, 0.052, 0.049, 0.051, 0.05], "worse": [-0.05, -0.052, -0.049, -0.051, -0.05],
+              "small": [0.01, 0.018, 0.003, 0.015, 0.009]} | {
+        f"null{i}": [0.001 * i, -0.002, 0.0015, -0.0005, 0.0] for i in range(3)}
+    runs = {"ref": [[{"step": 0, "pc_trainer": 0.5}]] * 5} | {
+        arm: [[{"step": 0, "pc_trainer": 0.5 + x}] for x in d] for arm, d in deltas.items()}
+    claims = tuple(ex.Claim(f"{arm} beats ref", arm, "ref") for arm in deltas)
+    rows = ex.judge_family(runs, claims, True)
+    assert [r["verdict"] for r in rows] == ["reproduced", "contradicted"] + ["not resolved"] * 4, rows
+    alone = ex.judge(runs, claims[2], True)
+    assert alone["verdict"] == "reproduced", "anti-vacuity: on its own interval the small claim resolves"
+    assert ex.RL_PRESETS["corrections-2026"].report is None, "judged by judge_family, as every preset's claims"
+    preset = ex.RL_PRESETS["corrections-2026"]
+    labels = {a for a, _ in preset.arms}
+    assert len(preset.claims) == 26 and all(c.arm in labels for c in preset.claims)
+    assert {f"{c} (k=16)" for c in ("none", "tis") + ex.CORRECTIONS_2026} <= labels

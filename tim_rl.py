@@ -48,6 +48,9 @@ References
     [9] Qi et al., "Defeating the Training-Inference Mismatch via FP16", arXiv:2510.26788.
     [10] Hilton, Cobbe & Schulman 2021, "Batch size-invariance for policy optimization" (decoupled PPO); AReaL.
     [11] Team IcePop / MIS: masked importance sampling, weight rho * 1[lo <= rho <= hi].
+    [12] 2026 framework corrections: verl rollout_rs / rollout_is_batch_normalize; Li et al., "Trust Region Masking
+         for Long-Horizon LLM RL", arXiv:2512.23075; DeepSeek-V3.2's off-policy sequence masking (TRL, slime);
+         MiniMax-M1's CISPO, arXiv:2506.13585; prime-rl's k2 term toward the sampler.
 """
 
 from __future__ import annotations
@@ -724,6 +727,156 @@ def calibrated_clip_bounds(
     return L, H
 
 
+# 2026 corrections (verl rollout_rs / rollout_is_batch_normalize, DeepSeek-V3.2's OPSM). The three per-token
+# estimators of KL(q || p_old) from log rho = logp_old - logp_infer on tokens y ~ q (Schulman's k1, k2, k3; the
+# divergence masks take one of them as `estimator`, a function, not a mode string).
+
+
+def kl_k1(log_rho: torch.Tensor) -> torch.Tensor:
+    """k1 = -log rho: unbiased, signed (negative where the trainer is the more confident). Same shape.
+
+    needs: nothing
+    """
+    return -log_rho
+
+
+def kl_k2(log_rho: torch.Tensor) -> torch.Tensor:
+    """k2 = (log rho)^2 / 2: >= 0, biased, low variance. Same shape.
+
+    needs: nothing
+    """
+    return log_rho.square() / 2
+
+
+def kl_k3(log_rho: torch.Tensor) -> torch.Tensor:
+    """k3 = rho - 1 - log rho: >= 0 and unbiased. Same shape.
+
+    needs: LOG_RATIO_CLAMP
+    """
+    return log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp() - 1 - log_rho
+
+
+def divergence_mask_weights(logp_old, logp_infer, mask, threshold: float = 0.01, estimator=None):
+    """m = 1[k(log rho) <= threshold] per token: verl rollout_rs="token_k1|k2|k3" (K3-RS preset 0.01). (B, T).
+
+    k = estimator(log rho): kl_k1, kl_k2 or kl_k3 (None: kl_k3). Rejection, not reweighting: kept tokens get weight 1.
+    Non-finite log-ratio -> 0.
+
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, kl_k3, LOG_RATIO_CLAMP
+    """
+    _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
+    log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
+    estimate = (kl_k3 if estimator is None else estimator)(log_rho)
+    return (ok & (estimate <= threshold)).float()
+
+
+def _sequence_divergence(logp_old, logp_infer, mask, estimator=None):
+    """(per-token estimate (kl_k3 by default), -inf off the mask; True where every generated token is finite (B, 1))."""
+    _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
+    log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
+    estimate = (kl_k3 if estimator is None else estimator)(log_rho)
+    estimate = torch.where(mask, estimate, torch.full_like(log_rho, -math.inf))  # (B, T)
+    return estimate, (ok == mask).all(dim=1, keepdim=True)
+
+
+def divergence_seq_max_mask(logp_old, logp_infer, mask, threshold: float = 0.01, estimator=None):
+    """m_i = 1[max_t k(log rho_it) <= threshold] on every token of sequence i: the trust-region veto. (B, T).
+
+    Trust Region Masking (Li et al., arXiv 2512.23075: the error bounds grow with the largest per-token divergence,
+    so a sequence with one token outside the region is dropped whole); verl rollout_rs="seq_max_k2|k3".
+    Non-finite -> 0 for the sequence.
+
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, kl_k3, _sequence_divergence,
+    LOG_RATIO_CLAMP
+    """
+    estimate, seq_ok = _sequence_divergence(logp_old, logp_infer, mask, estimator)
+    worst = estimate.amax(dim=1, keepdim=True)  # (B, 1)
+    return (mask & seq_ok & (worst <= threshold)).float()
+
+
+def divergence_seq_mean_mask(logp_old, logp_infer, mask, threshold: float = 0.01, estimator=None):
+    """m_i = 1[mean_t k(log rho_it) <= threshold] on every token of sequence i: verl rollout_rs="seq_mean_k1|k2|k3".
+
+    Length-neutral like geo_mask_weights (with kl_k1 it is a one-sided geometric-mean mask). Non-finite -> 0 for the
+    sequence. (B, T).
+
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, kl_k3, _sequence_divergence,
+    LOG_RATIO_CLAMP
+    """
+    estimate, seq_ok = _sequence_divergence(logp_old, logp_infer, mask, estimator)
+    total = torch.where(mask, estimate, torch.zeros_like(estimate)).sum(dim=1, keepdim=True)  # (B, 1)
+    mean = total / mask.sum(dim=1, keepdim=True).clamp(min=1)
+    return (mask & seq_ok & (mean <= threshold)).float()
+
+
+def divergence_seq_sum_mask(logp_old, logp_infer, mask, threshold: float = 0.01, estimator=None):
+    """m_i = 1[sum_t k(log rho_it) <= threshold] on every token of sequence i: verl rollout_rs="seq_sum_k1|k2|k3".
+
+    The sum grows with the length, so long sequences are dropped first (like the sequence product). Non-finite -> 0
+    for the sequence. (B, T).
+
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, kl_k3, _sequence_divergence,
+    LOG_RATIO_CLAMP
+    """
+    estimate, seq_ok = _sequence_divergence(logp_old, logp_infer, mask, estimator)
+    total = torch.where(mask, estimate, torch.zeros_like(estimate)).sum(dim=1, keepdim=True)  # (B, 1)
+    return (mask & seq_ok & (total <= threshold)).float()
+
+
+def self_normalize_weights(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """w / mean_mask(w): weights rescaled to mean 1 over the batch's valid tokens. verl rollout_is_batch_normalize.
+
+    Self-normalised IS: trades a bias of order 1/N (the normaliser is itself an estimate) for less variance. Under
+    Adam it is nearly a no-op (one scale for the whole batch's gradient). Pass sequence weights through
+    self_normalize_seq_weights instead. Non-finite -> 0; all zero stays zero. (B, T).
+
+    needs: _check_bt, _check_device, _check_mask, _check_tensor
+    """
+    _check_bt(mask, weights=weights)
+    ok = mask & torch.isfinite(weights)
+    w = torch.where(ok, weights.detach().float(), torch.zeros_like(weights, dtype=torch.float32))
+    mean = w.sum() / ok.sum().clamp(min=1)
+    return torch.where(mean > 0, w / mean, w)
+
+
+def self_normalize_seq_weights(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """w_i / mean_i(w_i) for a weight constant along each sequence (seq_tis, seq_mask, geo): mean over sequences,
+    not tokens, so a long sequence is one vote. verl rollout_is="sequence" + rollout_is_batch_normalize. (B, T).
+
+    A sequence's weight is read at its first generated token; non-finite -> 0.
+
+    needs: _check_bt, _check_device, _check_mask, _check_tensor
+    """
+    _check_bt(mask, weights=weights)
+    first = mask.float().argmax(dim=1, keepdim=True)  # (B, 1)
+    w_seq = weights.detach().float().gather(1, first)  # (B, 1)
+    live = mask.any(dim=1, keepdim=True) & torch.isfinite(w_seq)
+    w_seq = torch.where(live, w_seq, torch.zeros_like(w_seq))
+    mean = w_seq.sum() / live.sum().clamp(min=1)
+    w_seq = torch.where(mean > 0, w_seq / mean, w_seq)
+    return torch.where(mask, w_seq.expand(mask.shape), torch.zeros_like(weights, dtype=torch.float32))
+
+
+def opsm_mask(logp, logp_infer, adv, mask, delta: float = 1e-4):
+    """m_i = 0 iff A_i < 0 and mean_t(logp_infer - logp.detach()) > delta, on every token of sequence i: OPSM. (B, T).
+
+    DeepSeek-V3.2's off-policy sequence masking, as TRL (off_policy_mask_threshold: keep A >= 0 or seq_kl <= delta)
+    and slime (--use-opsm, --opsm-delta 1e-4) implement it: seq_kl is the k1 estimate of KL(q || p) on y ~ q, the
+    sampler's log-prob minus the current trainer's, so a bad sample the trainer already finds less likely than the
+    sampler did is not pushed further down. Positive-advantage sequences are always kept. A non-finite token gets 0
+    and makes its sequence's KL unmeasurable: dropped when A < 0. adv (B, T), (B, 1) or (B,).
+
+    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    """
+    _check_bt(mask, logp=logp, logp_infer=logp_infer)
+    A = _check_adv(adv, mask)
+    log_ratio, ok = _finite_log_ratio(logp_infer.detach(), logp.detach(), mask)  # log q / p
+    seq_kl = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
+    seq_ok = (ok == mask).all(dim=1, keepdim=True)
+    off_policy = (A < 0) & ~(seq_ok & (seq_kl <= delta))  # (B, T)
+    return (ok & ~off_policy).float()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # ---- losses ----
 # Scalars, token means over the batch. Loss values of different corrections are not comparable with each other:
@@ -915,6 +1068,42 @@ def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness: int =
         return True  # an unmeasurable lag is no reason to trust a stale sampler
     too_stale = max_staleness > 0 and staleness >= max_staleness
     return too_stale or (max_lag > 0 and float(masked_mean(lag.abs(), ok)) > max_lag)
+
+
+def cispo_loss(logp, logp_infer, adv, mask, eps_high: float = 0.28):
+    """-mean_mask(sg(min(r, 1 + eps_high)) * A * logp), r = p / q: CISPO (MiniMax-M1, arXiv 2506.13585). -> scalar.
+
+    The ratio is clipped as a detached coefficient, not inside PPO's min: no token's gradient is dropped, the
+    confident ones are only scaled down. MiniMax-M1 (and TRL loss_type="cispo", whose epsilon_high is the cap itself,
+    1 + eps_high here) take r = p / p_old against the trainer's proximal policy and leave the lower side unclipped;
+    pass logp_prox as logp_infer for that. tim_rl's arm passes the sampler's q: one update per batch makes p / p_prox
+    identically 1 (plain REINFORCE), while p / q covers the whole gap (lag and numerics), so the arm is token TIS with
+    cap 1 + eps_high. Non-finite log-ratio -> token dropped. (B, T) -> scalar.
+
+    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, _finite_or_zero,
+    masked_mean, LOG_RATIO_CLAMP
+    """
+    _check_bt(mask, logp=logp, logp_infer=logp_infer)
+    A = _check_adv(adv, mask)
+    log_r, ok = _finite_log_ratio(logp.detach(), logp_infer.detach(), mask)
+    coef = log_r.exp().clamp(max=1 + eps_high)  # detached: a weight, never differentiated
+    logp, ok = _finite_or_zero(logp, ok)
+    return -masked_mean(coef * A * logp, ok)
+
+
+def k2_penalty(logp, logp_infer, mask, coef: float = 1e-3):
+    """coef * mean_mask((logp - logp_infer)^2 / 2): a k2 pull toward the sampler. prime-rl's loss (kl_tau = 1e-3).
+
+    Its gradient coef * (logp - logp_infer) grad logp moves each sampled token's trainer log-prob toward the
+    sampler's, shrinking the mismatch the other terms must correct; added to any arm's loss (--k2-coef). Non-finite
+    log-ratio -> token dropped. (B, T) -> scalar.
+
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, masked_mean
+    """
+    _check_bt(mask, logp=logp, logp_infer=logp_infer)
+    ok = mask & torch.isfinite(logp) & torch.isfinite(logp_infer)
+    diff = torch.where(ok, logp - logp_infer.detach(), torch.zeros_like(logp))  # carries logp's gradient
+    return coef * masked_mean(diff.square() / 2, ok)
 
 
 def drift_signal_norms(params, logp, logp_topk, logp_infer, logp_topk_infer, adv, mask) -> dict[str, float]:
@@ -2418,7 +2607,11 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 CORRECTIONS = ("none", "tis", "mis", "seq_tis", "geo", "cis", "ppo", "ppo_infer", "dppo", "sc", "sc_tis", "sc_mis",
-               "dlc", "copc", "calibrated", "drift_only")  # drift_only: a positive control, not a correction
+               "dlc", "copc", "calibrated", "drift_only",  # drift_only: a positive control, not a correction
+               "rs", "rs_seq_max", "rs_seq_mean", "rs_seq_sum", "tis_sn", "opsm", "cispo")  # the 2026 ones
+RS_ARMS = {"rs": divergence_mask_weights, "rs_seq_max": divergence_seq_max_mask,
+           "rs_seq_mean": divergence_seq_mean_mask, "rs_seq_sum": divergence_seq_sum_mask}  # verl rollout_rs
+RS_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}  # --rs-estimator -> the per-token estimate
 
 
 def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout, adv):
@@ -2427,6 +2620,9 @@ def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout
     logp (grad) current trainer; logp_prox the trainer before this batch's first update; logp_old the trainer engine
     on the weights the sampler holds; ro.logp_infer the sampler. At the first update logp == logp_prox.
     """
+    if cfg.k2_coef > 0:  # TIM: any arm plus prime-rl's k2 pull toward the sampler
+        arm = policy_loss(dataclasses.replace(cfg, k2_coef=0.0), logp, logp_topk, logp_prox, logp_old, ro, adv)
+        return arm + k2_penalty(logp, ro.logp_infer, ro.mask, cfg.k2_coef)
     m, q, topk_q = ro.mask, ro.logp_infer, ro.logp_topk_infer
     # TIM: REINFORCE has no trust region, so its weight covers the whole gap p / q = lag x numerics: the weight
     # functions get the current log-prob (detached) as their trainer side. The decoupled-PPO arms weight the
@@ -2475,7 +2671,35 @@ def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout
         return pg() - sc()  # positive control [2]: REINFORCE minus its signal part = the drift alone
     elif c == "dlc":
         return dlc_loss(logp, logp_old, q, adv, m, **eps, logp_prox=logp_prox, lag_cap=cfg.dlc_lag_cap)
+    elif c in RS_ARMS:  # TIM: rejection only, kept tokens weigh 1 (verl rollout_rs without rollout_is)
+        return pg(RS_ARMS[c](logp_now, q, m, cfg.rs_threshold, RS_ESTIMATORS[cfg.rs_estimator]))
+    elif c == "tis_sn":
+        return pg(self_normalize_weights(tis_weights(logp_now, q, m, cfg.tis_cap), m))  # TIM: truncate, then normalise
+    elif c == "opsm":
+        return pg(opsm_mask(logp_now, q, adv, m, cfg.opsm_delta))
+    elif c == "cispo":
+        return cispo_loss(logp, q, adv, m, cfg.eps_high)  # TIM: r = p / q, see cispo_loss
     raise ValueError(f"correction must be one of {CORRECTIONS}, got {cfg.correction!r}")
+
+
+def correction_shares(cfg: RLConfig, logp_now, logp_infer, adv, mask) -> dict[str, float]:
+    """What a 2026 arm drops (frac_masked_*) or clips (frac_clipped_*): shares of generated tokens and of sequences
+    it touches; tis_sn's normaliser; the k2 term. {} for the other arms (their frac_zeroed is in the record)."""
+    out = {"k2_penalty": float(k2_penalty(logp_now, logp_infer, mask, cfg.k2_coef))} if cfg.k2_coef > 0 else {}
+    c, kind = cfg.correction, "masked"
+    if c in RS_ARMS:
+        touched = RS_ARMS[c](logp_now, logp_infer, mask, cfg.rs_threshold, RS_ESTIMATORS[cfg.rs_estimator]) == 0
+    elif c == "opsm":
+        touched = opsm_mask(logp_now, logp_infer, adv, mask, cfg.opsm_delta) == 0
+    elif c == "cispo":  # r = p / q above the cap: the gradient kept, scaled down
+        touched, kind = logp_now - logp_infer > math.log1p(cfg.eps_high), "clipped"
+    elif c == "tis_sn":
+        return out | {"sn_mean_weight": float(masked_mean(tis_weights(logp_now, logp_infer, mask, cfg.tis_cap), mask))}
+    else:
+        return out
+    touched = mask & touched
+    return out | {f"frac_{kind}_tokens": float(touched.sum() / mask.sum().clamp(min=1)),
+                  f"frac_{kind}_seqs": float(touched.any(dim=1).sum() / mask.any(dim=1).sum().clamp(min=1))}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -2576,6 +2800,8 @@ def update_on_batch(cfg: RLConfig, rs: RunState, ro: Rollout, rewards, logp_old,
         adv = (grpo_advantages(rewards, cfg.group) if cfg.baseline == "group" else rewards)[:, None]
         critic_loss = 0.0
     loss = policy_loss(cfg, logp, logp_topk, logp_prox, logp_old, ro, adv)
+    if first:
+        extra |= correction_shares(cfg, logp.detach(), ro.logp_infer, adv, ro.mask)
     w_eff = effective_token_weights(loss, logp, adv, ro.mask)  # what the arm did to each token
     if first and cfg.diagnose_drift:
         extra |= drift_signal_norms(rs.trainer.grad_leaves(), logp, logp_topk, ro.logp_infer, ro.logp_topk_infer,
@@ -2854,10 +3080,12 @@ def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: 
 # The weight-style corrections ride through TRL's GRPOTrainer, which multiplies its per-token PPO loss by
 # inputs["importance_sampling_ratio"] (TRL 1.16, vLLM on, a token_* mode). Score centering cannot: it needs the
 # sampler's top-k log-probs, which TRL does not request from vLLM. COPC cannot: it needs a critic. DPPO cannot: its
-# mask depends on the current log-prob's gradient direction, not on a weight fixed at generation time.
+# mask depends on the current log-prob's gradient direction, not on a weight fixed at generation time. OPSM and
+# CISPO are TRL's own (off_policy_mask_threshold, loss_type="cispo"); the k2 term is a loss, not a weight.
 
 TRL_CORRECTIONS = {"tis": tis_weights, "mis": mis_weights, "seq_tis": seq_tis_weights,
-                   "seq_mask": seq_mask_weights, "geo": geo_mask_weights, "cis": cis_weights, "dlc": dlc_weights}
+                   "seq_mask": seq_mask_weights, "geo": geo_mask_weights, "cis": cis_weights, "dlc": dlc_weights,
+                   "tis_sn": lambda p_old, q, m: self_normalize_weights(tis_weights(p_old, q, m), m)} | RS_ARMS
 
 
 def trl_weights(correction: str, old_per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor,
@@ -3008,7 +3236,8 @@ class RLConfig:
     router_noise: float = cli_field(0.0, "MoE sampler: relative noise on the routers' weights only (flips experts)")
     exact: bool = cli_field(False, "exact mode: sampler log-probs from the trainer's forward (ratio 1)")
     correction: str = cli_field("none", "none|tis|mis|seq_tis|geo|cis|ppo|ppo_infer|dppo|sc|sc_tis|sc_mis|dlc|copc|"
-                                        "calibrated (drift_only: the drift part alone, a positive control)")
+                                        "calibrated|rs|rs_seq_max|rs_seq_mean|rs_seq_sum|tis_sn|opsm|cispo (drift_only: "
+                                        "the drift part alone, a positive control)")
     steps: int = cli_field(80, "optimizer steps")
     prompts: int = cli_field(16, "prompts per step")
     group: int = cli_field(8, "samples per prompt (G)")
@@ -3044,6 +3273,14 @@ class RLConfig:
     eps_low: float = cli_field(0.2, "PPO clip low")
     eps_high: float = cli_field(0.28, "PPO clip high")
     dppo_delta: float = cli_field(0.2, "DPPO trust region on |p - q|")
+    rs_threshold: float = cli_field(0.01, "rs, rs_seq_max, rs_seq_mean, rs_seq_sum: drop where the divergence estimate "
+                                          "exceeds this (verl's K3-RS preset: 0.01)")
+    rs_estimator: str = cli_field("k3", "rs arms' per-token estimate of KL(q || p) from log rho: k1 (-log rho) | k2 "
+                                        "((log rho)^2 / 2) | k3 (rho - 1 - log rho)")
+    opsm_delta: float = cli_field(1e-4, "opsm: drop A < 0 sequences whose mean(logp_infer - logp) exceeds this (slime's "
+                                        "--opsm-delta default)")
+    k2_coef: float = cli_field(0.0, "add k2_coef * mean((logp - logp_infer)^2 / 2) to any arm's loss (prime-rl: "
+                                    "kl_tau 1e-3; 0 = off)")
     dlc_max_staleness: int = cli_field(0, "DLC: resync once this many steps passed without one (0 = off)")
     dlc_max_lag: float = cli_field(0.0, "DLC: resync when the lag, mean |logp now - logp at the last sync's "
                                         "master|, exceeds this (0 = off)")
@@ -3188,7 +3425,8 @@ def _config_choices() -> dict[str, tuple]:
     """The allowed values of each choice field (a function: _DTYPES, TASKS, CORRECTIONS come later)."""
     return {"sampler": ("torch", "vllm"), "dtype": tuple(_DTYPES), "quant": QUANTS, "correction": CORRECTIONS,
             "baseline": ("group", "none"), "optimizer": ("adamw", "sgd"), "export": ("rtn", "sr", "ef"),
-            "device": ("auto", "cpu", "cuda"), "task": TASKS, "routing_replay": ("none", "r2", "r3")}
+            "device": ("auto", "cpu", "cuda"), "task": TASKS, "routing_replay": ("none", "r2", "r3"),
+            "rs_estimator": tuple(RS_ESTIMATORS)}
 
 
 def _check_values(obj) -> None:
