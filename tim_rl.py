@@ -865,6 +865,235 @@ def log_odds_displacement(logp_train: torch.Tensor, logp_infer: torch.Tensor) ->
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# ---- the mismatch doctor ----
+# From the (B, T) tensors a trainer already logs, name why trainer and sampler disagree. d = logp_train - logp_infer
+# on the usable tokens; each signature is a small function of d. The thresholds were tuned on the lab's seeds 0-1
+# and checked on seeds 2-4 (experiments.py doctor-eval; RESULTS.md has its confusion table and detection floors).
+
+DOCTOR_CAUSES = ("clean", "numerics", "truncation", "temperature", "misaligned", "padding", "lag", "outliers",
+                 "routing")
+DOCTOR_ADVICE = {
+    "clean": "nothing to correct: the gap is at fp32 kernel level",
+    "numerics": "engine numerics: a token-level correction (tis / mis / icepop) or an fp16 sampler (FP16 paper)",
+    "truncation": "top-p / top-k renormalised on one side only: renormalise the trainer's log-probs on the kept "
+                  "support (renormalize_on_support) or have the sampler return raw log-probs",
+    "temperature": "the sampling temperature is applied on one side only: divide the trainer's logits by it too",
+    "misaligned": "log-probs are shifted by one position: check the logits[:, :-1] / labels[:, 1:] slicing",
+    "padding": "the gap sits at the mask's edge: the mask is off by one (prompt token or pad counted)",
+    "lag": "the policy moved since sampling: sync more often, or a lag-aware correction (ppo ratio, dppo, mis)",
+    "outliers": "a few sequences carry the gap (another checkpoint, a stale request): a sequence-level mask / "
+                "seq_tis, and find where those rows came from",
+    "routing": "MoE experts flip where the gap is largest: routing replay (r3) or fp32 routers",
+}
+
+
+class Signature(NamedTuple):
+    name: str  # the cause it speaks for (DOCTOR_CAUSES)
+    measures: str  # what the statistic is
+    statistic: float
+    threshold: float
+    verdict: str  # present | absent | cannot tell without <input>
+
+
+@dataclass
+class Diagnosis:
+    cause: str  # the most likely cause, one of DOCTOR_CAUSES
+    also_possible: list[str]  # the causes it cannot rule out (present, or not testable with these inputs)
+    evidence: list[Signature]
+    advice: str
+    numbers: dict[str, float]  # mean / max |Δ| per token, quantiles of Σ_t log p/q per sequence, shares beyond caps
+
+    def __str__(self) -> str:
+        untested = [s.name for s in self.evidence if s.verdict.startswith("cannot")]
+        maybe = ", ".join(c if c not in untested else f"{c} (not tested)" for c in self.also_possible)
+        out = [f"cause: {self.cause}" + (f"   (also possible: {maybe})" if maybe else ""), f"advice: {self.advice}"]
+        out += ["evidence:"] + [f"  {s.name:<12} {s.measures:<52} {s.statistic:10.4g} vs {s.threshold:<7.3g} "
+                                f"{s.verdict}" for s in self.evidence]
+        return "\n".join(out + ["numbers:"] + [f"  {k:<36} {v:.4g}" for k, v in self.numbers.items()])
+
+
+def _signature(name: str, measures: str, statistic: float, threshold: float) -> Signature:
+    """A signature whose verdict is present iff statistic > threshold (nan: absent)."""
+    return Signature(name, measures, statistic, threshold, "present" if statistic > threshold else "absent")
+
+
+def numerics_signature(d, ok) -> Signature:
+    """Engine numerics are symmetric (rounding moves log q both ways) and grow with entropy: 2 mean(max(d, 0))
+    estimates mean |d| from the upward side alone, which one-sided causes (renormalised truncation) leave at 0."""
+    return _signature("numerics", "2 mean(max(d, 0)), d = log p - log q", float(2 * d[ok].clamp(min=0).mean()), 5e-4)
+
+
+def truncation_signature(d, ok) -> Signature:
+    """A sampler renormalised on its top-p / top-k support records q = p / S on the kept tokens, so p / q = S <= 1 on
+    every token and mean(p / q) = the kept mass; every other cause keeps E_q[p / q] = 1 (an importance weight)."""
+    r = d[ok].exp()
+    gap = 1 - float(r.mean())
+    se = float(r.std() / math.sqrt(max(r.numel(), 1)))
+    return _signature("truncation", f"1 - mean(p/q) - 4 standard errors ({se:.2g})", gap - 4 * se, 0.005)
+
+
+def temperature_signature(logp_train, logp_infer, ok) -> Signature:
+    """An unapplied temperature tau makes log q = log p / tau + c (c per position): the least-squares slope of
+    log q on log p is 1 / tau instead of 1."""
+    p, q = logp_train[ok].double(), logp_infer[ok].double()
+    slope = float(((p - p.mean()) * (q - q.mean())).sum() / (p - p.mean()).square().sum().clamp(min=1e-12))
+    return _signature("temperature", "|slope of log q on log p - 1|", abs(slope - 1), 0.02)
+
+
+def misaligned_signature(logp_train, logp_infer, ok) -> Signature:
+    """Log-probs shifted by one position fit log q[t] to log p[t +- 1] far better than to log p[t]: the share of
+    rows (with a gap > 0.05 per token) whose shifted fit is 4x better than the aligned one."""
+    both = (ok[:, 1:] & ok[:, :-1]).float()  # (B, T - 1): pairs (t, t + 1) inside the mask
+    p, q = logp_train.nan_to_num(0.0, 0.0, 0.0), logp_infer.nan_to_num(0.0, 0.0, 0.0)
+    fits = []
+    for aligned, shifted in (((q - p)[:, :-1], q[:, :-1] - p[:, 1:]), ((q - p)[:, 1:], q[:, 1:] - p[:, :-1])):
+        gap, fit = (aligned.abs() * both).sum(1), (shifted.abs() * both).sum(1)  # (B,)
+        fits.append((fit < gap / 4) & (gap > 0.05 * both.sum(1)))
+    share = float((fits[0] | fits[1]).float().sum() / (both.sum(1) > 0).float().sum().clamp(min=1))
+    return _signature("misaligned", "share of rows fitting log p[t +- 1] 4x better", share, 0.1)
+
+
+def padding_signature(d, ok) -> Signature:
+    """A mask off by one counts a prompt token or a pad, where the two sides hold unrelated numbers: the gap sits
+    at each row's first or last masked token, not inside."""
+    idx = torch.arange(ok.shape[1], device=ok.device).expand_as(ok)
+    first = idx == torch.where(ok, idx, ok.shape[1]).amin(1, keepdim=True)  # (B, T)
+    last = idx == torch.where(ok, idx, -1).amax(1, keepdim=True)
+    inner = d.abs()[ok & ~first & ~last].mean().nan_to_num(0.0) + 1e-3
+    edge = max(float(d.abs()[ok & e].mean().nan_to_num(0.0)) for e in (first, last))
+    return _signature("padding", "edge mean |d| / (interior mean |d| + 1e-3)", edge / float(inner), 20.0)
+
+
+def lag_signature(logp_infer, d, ok, advantages) -> Signature:
+    """A trainer some steps ahead of its sampler moved toward positive-advantage tokens: at equal log q, d is larger
+    where A > 0 than where A < 0 (a t statistic; numerics and temperature do not know the advantages)."""
+    if advantages is None:
+        return Signature("lag", "t of (d - fit on log q) | A > 0 vs A < 0", math.nan, 3.0,
+                         "cannot tell without advantages")
+    q, x = logp_infer[ok].double(), d[ok].double()
+    slope = ((q - q.mean()) * (x - x.mean())).sum() / (q - q.mean()).square().sum().clamp(min=1e-12)
+    residual = x - slope * q
+    up, down = residual[advantages[ok] > 0], residual[advantages[ok] < 0]
+    if min(up.numel(), down.numel()) < 2:
+        return _signature("lag", "t of (d - fit on log q) | A > 0 vs A < 0", math.nan, 3.0)
+    t = float((up.mean() - down.mean()) / (up.var() / up.numel() + down.var() / down.numel()).sqrt())
+    return _signature("lag", "t of (d - fit on log q) | A > 0 vs A < 0", t, 3.0)
+
+
+def outliers_signature(d, ok) -> Signature:
+    """Sequences from another policy (a stale request, another checkpoint) concentrate |d| in a few rows: the share
+    of sum |d| carried by the worst 5 % of sequences."""
+    rows = torch.where(ok, d.abs(), torch.zeros_like(d)).sum(1)  # (B,)
+    worst = rows.topk(max(1, math.ceil(0.05 * rows.numel()))).values.sum()
+    return _signature("outliers", "share of sum |d| in the worst 5 % of sequences", float(worst / rows.sum()), 0.6)
+
+
+def routing_signature(d, ok, routes) -> Signature:
+    """MoE experts that flip between the two sides make the largest gaps, at the flip and after it (attention reads
+    the flipped hidden states): mean |d| from a row's first flip on / mean |d| before it. Needs routes =
+    (routes_train, routes_infer), each (B, T, L, k) int: the experts of the forward position that predicts token t."""
+    if routes is None:
+        return Signature("routing", "mean |d| after a flip / before", math.nan, 3.0, "cannot tell without routes")
+    flipped = (routes[0].sort(-1).values != routes[1].sort(-1).values).any(-1).any(-1).cumsum(1) > 0  # (B, T)
+    after, before = d.abs()[ok & flipped].mean(), d.abs()[ok & ~flipped].mean()
+    return _signature("routing", "mean |d| after a flip / before", float(after / before.clamp(min=1e-9)), 3.0)
+
+
+def mismatch_numbers(d, ok) -> dict[str, float]:
+    """Mean / max |d| per token, quantiles of the per-sequence Σ_t d, the shares of tokens and sequences beyond the
+    TIS cap 2 and outside the IcePop band [0.5, 2]."""
+    seq = torch.where(ok, d, torch.zeros_like(d)).sum(1)[ok.any(1)].double()  # (B',)
+    out = {"mean |log p/q| per token": float(d[ok].abs().mean()), "max |log p/q|": float(d[ok].abs().max())}
+    for q in (0.0, 0.05, 0.5, 0.95, 1.0):
+        out[f"per-sequence sum log p/q, q{q:g}"] = float(seq.quantile(q))
+    for what, x in (("tokens", d[ok].double()), ("sequences", seq)):
+        out[f"{what} with p/q > 2 (TIS cap)"] = float((x > math.log(2)).double().mean())
+        out[f"{what} outside [0.5, 2] (IcePop)"] = float((x.abs() > math.log(2)).double().mean())
+    return out
+
+
+def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=None, logp_train_topk=None,
+                      topk_ids=None) -> Diagnosis:
+    """Why trainer (p) and sampler (q) disagree, from their per-token log-probs: every signature's statistic and
+    verdict, the first present one in DOCTOR_CAUSES' order of specificity as cause, the rest as also_possible.
+
+    (B, T) float logp_train / logp_infer, (B, T) bool mask; advantages (B, T), (B, 1) or (B,) enables the lag
+    test, routes = (routes_train, routes_infer) (B, T, L, k) int the routing test. Reconstruction: the rules are
+    this project's, tuned on its own engines (experiments.py doctor-eval), not a published method.
+
+    needs: every *_signature above, mismatch_numbers, _check_bt, _check_adv, _finite_log_ratio, DOCTOR_ADVICE
+    """
+    _check_bt(mask, logp_train=logp_train, logp_infer=logp_infer)
+    logp_train, logp_infer = logp_train.detach().float(), logp_infer.detach().float()
+    d, ok = _finite_log_ratio(logp_train, logp_infer, mask)
+    if not ok.any():
+        raise ValueError("mask: no finite token to diagnose")
+    adv = None if advantages is None else _check_adv(advantages, mask)
+    evidence = [padding_signature(d, ok), misaligned_signature(logp_train, logp_infer, ok),
+                routing_signature(d, ok, routes), lag_signature(logp_infer, d, ok, adv), outliers_signature(d, ok),
+                truncation_signature(d, ok), temperature_signature(logp_train, logp_infer, ok),
+                numerics_signature(d, ok)]
+    present = [s.name for s in evidence if s.verdict == "present"]
+    if float(d[ok].abs().mean()) < 1e-4:  # below every real engine seen (fp16: ~1e-3): nothing else is tested
+        present = []
+    cause = present[0] if present else ("clean" if float(d[ok].abs().mean()) < 1e-4 else "numerics")
+    untested = [s.name for s in evidence if s.verdict.startswith("cannot")] if cause != "clean" else []
+    return Diagnosis(cause, present[1:] + untested, evidence, DOCTOR_ADVICE[cause], mismatch_numbers(d, ok))
+
+
+DOCTOR_KEYS = (("old_per_token_logps", "sampling_per_token_logps", "completion_mask"),  # TRL's GRPOTrainer
+               ("old_log_probs", "rollout_log_probs", "response_mask"))  # verl's DataProto batch
+
+
+def _read_doctor_file(path: Path) -> dict:
+    """name -> tensor from .pt (a dict, torch.load weights_only=True), .safetensors or .jsonl (one JSON object per
+    sequence, each key a list over its tokens; rows padded with mask False)."""
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    if path.suffix == ".pt":
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+        return tensors if isinstance(tensors, dict) else {}
+    if path.suffix != ".jsonl":
+        raise ValueError("expected a .pt, .safetensors or .jsonl file")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    T = max((len(v) for row in rows for v in row.values() if isinstance(v, list)), default=0)
+    return {k: torch.tensor([row.get(k, []) + [0] * (T - len(row.get(k, []))) for row in rows]) for k in (rows or [{}])[0]}
+
+
+def doctor_main(argv: list[str]) -> None:
+    """`python tim_rl.py doctor FILE [--keys TRAIN,INFER,MASK]`: diagnose_mismatch on a file's tensors, printed;
+    an unreadable file, a missing key, a bad shape or dtype is one error line and exit status 2."""
+    import argparse
+    import pickle
+
+    from safetensors import SafetensorError
+
+    parser = argparse.ArgumentParser(prog="tim_rl doctor", description="Why trainer and sampler log-probs disagree "
+                                     "(TRL / verl tensor names, or --keys; an 'advantages' tensor enables lag).")
+    parser.add_argument("file", type=Path, help=".pt, .safetensors or .jsonl")
+    parser.add_argument("--keys", default="", help="TRAIN,INFER,MASK: the names of the trainer's log-probs, the "
+                        "sampler's and the mask (default: TRL's or verl's names)")
+    args = parser.parse_args(argv)
+    keys = None
+    try:
+        tensors = _read_doctor_file(args.file)
+        names = [tuple(args.keys.split(","))] if args.keys else DOCTOR_KEYS
+        keys = next((k for k in names if set(k) <= set(tensors)), None)
+        if keys is None or len(keys) != 3:
+            raise ValueError(f"no tensors named {' or '.join(','.join(k) for k in names)} (found: "
+                             f"{', '.join(sorted(tensors)) or 'none'}; --keys TRAIN,INFER,MASK names them)")
+        train, infer, mask = (tensors[k] for k in keys)
+        _check_tensor(f"mask ({keys[2]})", mask, floating=False)
+        if mask.dtype != torch.bool and torch.isin(mask, torch.tensor([0, 1])).all():  # TRL / verl keep 0 / 1 ints
+            mask = mask.bool()
+        print(diagnose_mismatch(train, infer, mask, advantages=tensors.get("advantages")))
+    except (OSError, ValueError, TypeError, RuntimeError, pickle.UnpicklingError, SafetensorError) as e:
+        read_as = f" (read {', '.join(keys)} as logp_train, logp_infer, mask)" if keys else ""
+        parser.exit(2, f"tim_rl doctor: error: {args.file}: {str(e).splitlines()[0]}{read_as}\n")
+
+# ---------------------------------------------------------------------------------------------------------------
 # ---- weight export (fp32 master -> bf16 served copy) ----
 # Fair Cast [4] (reconstructed from the abstract): round-to-nearest silently drops every per-step update smaller
 # than half a bf16 cell (2^-8 of the weight's binade), so the sampler lags the master; unbiased rounding fixes it.
@@ -3305,6 +3534,8 @@ MOVED = ("compare", "bench")  # the lab's subcommands: experiments.py
 def main(argv: list[str] | None = None) -> None:
     """`python tim_rl.py [pretrain|train|demo] --help`; no subcommand runs the demo."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["doctor"]:  # the mismatch doctor: its own parser (doctor_main)
+        return doctor_main(argv[1:])
     parser = _parser()
     if argv[:1] and argv[0] in MOVED:  # one line, not argparse's list of choices
         parser.exit(2, f"tim_rl: error: {argv[0]} moved to experiments.py: python experiments.py {argv[0]} "
