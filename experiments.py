@@ -1339,6 +1339,11 @@ def _doctor_rollout(model, tokenizer, spec, problems, n, n_new, seed, temperatur
     return ro, logp, tr.grpo_advantages(rewards, n)
 
 
+def _pad_to(x: torch.Tensor, T: int) -> torch.Tensor:
+    """(B, T') -> (B, T), zeros (False) appended."""
+    return torch.nn.functional.pad(x, (0, T - x.shape[1]))
+
+
 def _case(causes, level, rank, logp, logp_infer, mask, adv, **more) -> DoctorCase:
     """A case whose sampler log-probs are 0 outside the mask (TRL and verl pad them so)."""
     inputs = {"logp_train": logp, "logp_infer": torch.where(mask, logp_infer, torch.zeros_like(logp_infer)),
@@ -1401,7 +1406,8 @@ def doctor_cases(seed: int, models: dict, n_prompts: int = 64, n: int = 4) -> li
                            torch.where(rows, longer, ro.mask), adv))
     for rank, k in enumerate([1, 2, 4, 8]):
         stale, logp_k, adv_k = _stale_rollout(model, tok, fp32, problems, n, seed, k)
-        cases.append(_case(["lag"], f"sampler {k} step{'s' * (k > 1)} stale", rank, logp_k, stale.logp_infer, stale.mask, adv_k))
+        cases.append(_case(["lag"], f"sampler {k} step{'s' * (k > 1)} stale", rank, logp_k, stale.logp_infer,
+                           stale.mask, adv_k))
     stale, logp_k, adv_k = _stale_rollout(model, tok, bf16, problems, n, seed, 2)
     cases.append(_case(["numerics", "lag"], "bf16 sampler 2 steps stale", 0, logp_k, stale.logp_infer, stale.mask,
                        adv_k))
@@ -1413,7 +1419,8 @@ def doctor_cases(seed: int, models: dict, n_prompts: int = 64, n: int = 4) -> li
         with torch.no_grad():
             logp_o = tr.sequence_logprobs(model, ro_o)[0]  # the trainer's view of those tokens
         T = max(ro.mask.shape[1], ro_o.mask.shape[1])
-        joined = [torch.cat([torch.nn.functional.pad(a, (0, T - a.shape[1])), torch.nn.functional.pad(b, (0, T - b.shape[1]))[m * n:]])
+        pad = functools.partial(_pad_to, T=T)
+        joined = [torch.cat([pad(a), pad(b)[m * n :]])  # (B, T): the other checkpoint's rows first
                   for a, b in ((logp_o, logp), (ro_o.logp_infer, ro.logp_infer), (ro_o.mask, ro.mask))]
         cases.append(_case(["outliers"], f"{m} of {n_prompts} prompts from another checkpoint", rank, *joined,
                            torch.cat([adv_o, adv[m * n:]])))

@@ -1059,7 +1059,8 @@ def _read_doctor_file(path: Path) -> dict:
         raise ValueError("expected a .pt, .safetensors or .jsonl file")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     T = max((len(v) for row in rows for v in row.values() if isinstance(v, list)), default=0)
-    return {k: torch.tensor([row.get(k, []) + [0] * (T - len(row.get(k, []))) for row in rows]) for k in (rows or [{}])[0]}
+    padded = {k: [row.get(k, []) + [0] * (T - len(row.get(k, []))) for row in rows] for k in (rows or [{}])[0]}
+    return {k: torch.tensor(v) for k, v in padded.items()}
 
 
 def doctor_main(argv: list[str]) -> None:
