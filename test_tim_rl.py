@@ -3537,9 +3537,10 @@ def test_a_response_cap_shorter_than_the_models_answers_is_refused(tmp_path):
 # the mismatch doctor: each signature on hand-made tensors (with its absent twin), the numbers, the doctor CLI
 
 
-def _doctor_tensors(B=128, T=6, V=12, seed=0, tau=1.0, top_k=0, noise=0.0):
+def _doctor_tensors(B=128, T=6, V=12, seed=0, tau=1.0, top_k=0, noise=0.0, full=False):
     """Tokens sampled from a sampler q over V ids (its logits z / tau + noise, renormalised on its top_k when given)
-    and the trainer's p = softmax(z) at them: (logp_train, logp_infer, mask), rows of 3..T tokens."""
+    and the trainer's p = softmax(z) at them: (logp_train, logp_infer, mask), rows of 3..T tokens, and with `full`
+    the trainer's log-probs of every id (B, T, V)."""
     g = torch.Generator().manual_seed(seed)
     z = 2 * torch.randn(B, T, V, generator=g)  # (B, T, V)
     q_logits = z / tau + noise * torch.randn(B, T, V, generator=g)
@@ -3548,7 +3549,8 @@ def _doctor_tensors(B=128, T=6, V=12, seed=0, tau=1.0, top_k=0, noise=0.0):
     logq = q_logits.log_softmax(-1)
     ids = torch.multinomial(logq.exp().reshape(-1, V), 1, generator=g).reshape(B, T, 1)
     mask = torch.arange(T) < torch.randint(3, T + 1, (B, 1), generator=g)  # (B, T)
-    return z.log_softmax(-1).gather(-1, ids)[..., 0], logq.gather(-1, ids)[..., 0], mask
+    out = z.log_softmax(-1).gather(-1, ids)[..., 0], logq.gather(-1, ids)[..., 0], mask
+    return (*out, z.log_softmax(-1)) if full else out
 
 
 def _verdicts(diagnosis) -> dict:
@@ -3572,6 +3574,12 @@ def test_doctor_truncation_is_named_only_when_the_sampler_renormalised():
     assert ((p - q)[mask] <= 1e-6).all()  # p / q = S <= 1 on every token
     twin = tr.diagnose_mismatch(*_doctor_tensors(noise=0.05))
     assert _verdicts(twin)["truncation"] == "absent" and "truncation" not in [twin.cause, *twin.also_possible]
+    *tensors, logp_all = _doctor_tensors(top_k=4, full=True)  # the exact test: p / q is a top-K prefix's mass
+    exact = tr.diagnose_mismatch(*tensors, logp_train_topk=logp_all)
+    assert exact.cause == "truncation" and exact.evidence[5].statistic > 0.99, exact
+    *tensors, logp_all = _doctor_tensors(noise=0.05, full=True)
+    exact_twin = tr.diagnose_mismatch(*tensors, logp_train_topk=logp_all)
+    assert exact_twin.evidence[5].verdict == "absent" and exact_twin.evidence[5].statistic < 0.1, exact_twin
 
 
 @pytest.mark.parametrize("tau", [0.7, 1.4])

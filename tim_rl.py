@@ -875,14 +875,12 @@ DOCTOR_CAUSES = ("clean", "numerics", "truncation", "temperature", "misaligned",
 DOCTOR_ADVICE = {
     "clean": "nothing to correct: the gap is at fp32 kernel level",
     "numerics": "engine numerics: a token-level correction (tis / mis / icepop) or an fp16 sampler (FP16 paper)",
-    "truncation": "top-p / top-k renormalised on one side only: renormalise the trainer's log-probs on the kept "
-                  "support (renormalize_on_support) or have the sampler return raw log-probs",
+    "truncation": "top-p / top-k renormalised by the sampler only: renormalize_on_support, or raw sampler log-probs",
     "temperature": "the sampling temperature is applied on one side only: divide the trainer's logits by it too",
     "misaligned": "log-probs are shifted by one position: check the logits[:, :-1] / labels[:, 1:] slicing",
     "padding": "the gap sits at the mask's edge: the mask is off by one (prompt token or pad counted)",
     "lag": "the policy moved since sampling: sync more often, or a lag-aware correction (ppo ratio, dppo, mis)",
-    "outliers": "a few sequences carry the gap (another checkpoint, a stale request): a sequence-level mask / "
-                "seq_tis, and find where those rows came from",
+    "outliers": "a few sequences carry the gap (another checkpoint, a stale request?): seq_mask / seq_tis",
     "routing": "MoE experts flip where the gap is largest: routing replay (r3) or fp32 routers",
 }
 
@@ -923,9 +921,17 @@ def numerics_signature(d, ok) -> Signature:
     return _signature("numerics", "2 mean(max(d, 0)), d = log p - log q", float(2 * d[ok].clamp(min=0).mean()), 5e-4)
 
 
-def truncation_signature(d, ok) -> Signature:
+def truncation_signature(d, ok, logp_train_topk=None) -> Signature:
     """A sampler renormalised on its top-p / top-k support records q = p / S on the kept tokens, so p / q = S <= 1 on
-    every token and mean(p / q) = the kept mass; every other cause keeps E_q[p / q] = 1 (an importance weight)."""
+    every token and mean(p / q) = the kept mass; every other cause keeps E_q[p / q] = 1 (an importance weight). With
+    the trainer's top-K log-probs (B, T, K), exactly: the share of tokens with p / q < 1 whose p / q is the trainer's
+    mass on a prefix of its sorted top-K (top-k and top-p keep such a prefix; engines of one numerics)."""
+    if logp_train_topk is not None:
+        log_s = logp_train_topk.detach().float().sort(-1, descending=True).values.logcumsumexp(-1)  # (B, T, K)
+        below = ok & (d < -1e-3)
+        hit = below & ((log_s - d[..., None]).abs().amin(-1) < 2e-4)  # fp32 rounding of log S: ~1e-6
+        return _signature("truncation", "share of p/q < 1 equal to a top-K prefix mass",
+                          float(hit.sum() / below.sum().clamp(min=1)), 0.5)
     r = d[ok].exp()
     gap = 1 - float(r.mean())
     se = float(r.std() / math.sqrt(max(r.numel(), 1)))
@@ -1018,8 +1024,9 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     verdict, the first present one in DOCTOR_CAUSES' order of specificity as cause, the rest as also_possible.
 
     (B, T) float logp_train / logp_infer, (B, T) bool mask; advantages (B, T), (B, 1) or (B,) enables the lag
-    test, routes = (routes_train, routes_infer) (B, T, L, k) int the routing test. Reconstruction: the rules are
-    this project's, tuned on its own engines (experiments.py doctor-eval), not a published method.
+    test, routes = (routes_train, routes_infer) (B, T, L, k) int the routing test, logp_train_topk (B, T, K) (the
+    trainer at the sampler's top-K ids topk_ids, which are only shape-checked) the exact truncation test.
+    Reconstruction: the rules are this project's, tuned on its own engines (experiments.py doctor-eval).
 
     needs: every *_signature above, mismatch_numbers, _check_bt, _check_adv, _finite_log_ratio, DOCTOR_ADVICE
     """
@@ -1029,14 +1036,16 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     if not ok.any():
         raise ValueError("mask: no finite token to diagnose")
     adv = None if advantages is None else _check_adv(advantages, mask)
+    if logp_train_topk is not None and (logp_train_topk.shape[:2] != mask.shape or topk_ids is not None
+                                        and topk_ids.shape != logp_train_topk.shape):
+        raise ValueError(f"logp_train_topk / topk_ids must be (B, T, K) with (B, T) = {tuple(mask.shape)}")
     evidence = [padding_signature(d, ok), misaligned_signature(logp_train, logp_infer, ok),
                 routing_signature(d, ok, routes), lag_signature(logp_infer, d, ok, adv), outliers_signature(d, ok),
-                truncation_signature(d, ok), temperature_signature(logp_train, logp_infer, ok),
+                truncation_signature(d, ok, logp_train_topk), temperature_signature(logp_train, logp_infer, ok),
                 numerics_signature(d, ok)]
-    present = [s.name for s in evidence if s.verdict == "present"]
-    if float(d[ok].abs().mean()) < 1e-4:  # below every real engine seen (fp16: ~1e-3): nothing else is tested
-        present = []
-    cause = present[0] if present else ("clean" if float(d[ok].abs().mean()) < 1e-4 else "numerics")
+    clean = float(d[ok].abs().mean()) < 1e-4  # below every real engine seen (fp16: ~1e-3)
+    present = [] if clean else [s.name for s in evidence if s.verdict == "present"]
+    cause = present[0] if present else ("clean" if clean else "numerics")  # numerics: a gap no signature explains
     untested = [s.name for s in evidence if s.verdict.startswith("cannot")] if cause != "clean" else []
     return Diagnosis(cause, present[1:] + untested, evidence, DOCTOR_ADVICE[cause], mismatch_numbers(d, ok))
 
