@@ -1488,6 +1488,7 @@ def _copy_calls():
         "student_t_cdf": lambda f: f(2.0, 4),
         "paired_p": lambda f: f([0.1, 0.2, -0.05]),
         "holm": lambda f: f({"a": 0.01, "b": 0.04, "c": math.nan}),
+        "diagnose_mismatch": lambda f: str(f(a, b, mask, advantages=adv, routes=(routes_a, routes_b))),
     }
 
 
@@ -3554,7 +3555,7 @@ def _doctor_tensors(B=128, T=6, V=12, seed=0, tau=1.0, top_k=0, noise=0.0, full=
 
 
 def _verdicts(diagnosis) -> dict:
-    return {s.name: s.verdict for s in diagnosis.evidence}
+    return {s["name"]: s["verdict"] for s in diagnosis.evidence}
 
 
 def test_doctor_clean_and_numerics():
@@ -3576,10 +3577,10 @@ def test_doctor_truncation_is_named_only_when_the_sampler_renormalised():
     assert _verdicts(twin)["truncation"] == "absent" and "truncation" not in [twin.cause, *twin.also_possible]
     *tensors, logp_all = _doctor_tensors(top_k=4, full=True)  # the exact test: p / q is a top-K prefix's mass
     exact = tr.diagnose_mismatch(*tensors, logp_train_topk=logp_all)
-    assert exact.cause == "truncation" and exact.evidence[5].statistic > 0.99, exact
+    assert exact.cause == "truncation" and exact.evidence[5]["statistic"] > 0.99, exact
     *tensors, logp_all = _doctor_tensors(noise=0.05, full=True)
     exact_twin = tr.diagnose_mismatch(*tensors, logp_train_topk=logp_all)
-    assert exact_twin.evidence[5].verdict == "absent" and exact_twin.evidence[5].statistic < 0.1, exact_twin
+    assert exact_twin.evidence[5]["verdict"] == "absent" and exact_twin.evidence[5]["statistic"] < 0.1, exact_twin
 
 
 @pytest.mark.parametrize("tau", [0.7, 1.4])
@@ -3704,3 +3705,33 @@ def test_doctor_cli_malformed_files_get_one_error_line(tmp_path, capsys):
         code, out, err = _doctor_cli([tmp_path / name], capsys)
         assert code == 2 and out == "" and err.count("\n") == 1 and says in err, (name, err)
         assert err.startswith("tim_rl doctor: error:")
+
+
+def test_doctor_eval_scores_floors_and_goals_from_rows():
+    def row(causes, level, rank, cause, named=(), seed=0, abs_diff=0.01):
+        return {"seed": seed, "causes": causes, "level": level, "rank": rank, "cause": cause,
+                "abs_diff": abs_diff, "named": [cause, *named]}
+
+    rows = [row(("clean",), "fp32", 0, "clean", abs_diff=1e-7), row(("numerics",), "fp16", 0, "numerics"),
+            row(("lag",), "k=1", 0, "numerics"), row(("lag",), "k=2", 1, "lag"), row(("lag",), "k=4", 2, "lag"),
+            row(("numerics", "lag"), "bf16 + lag", 0, "lag", ["numerics"])]
+    goals, confusion, floors = ex.doctor_scores(rows)
+    lag = next(f for f in floors if f["cause"] == "lag")
+    assert lag["floor"] == "k=2" and lag["recall above the floor"] == 1.0  # k=1 missed: the floor is k=2
+    assert goals["cause correct, single-cause cases"] == 4 / 5 and goals["both causes named, mixed cases"] == 1.0
+    assert next(c for c in confusion if c["true cause"] == "lag")["numerics"] == 1
+    assert goals["'clean' said of a case above fp16's level"] == 0
+    rows.append(row(("lag",), "k=4", 2, "clean", seed=0, abs_diff=0.5))  # the twin: a miss above the floor
+    goals, _, floors = ex.doctor_scores(rows)
+    assert goals["'clean' said of a case above fp16's level"] == 1
+    assert next(f for f in floors if f["cause"] == "lag")["recall above the floor"] == 2 / 3
+
+
+def test_doctor_refuses_routes_and_topk_of_the_wrong_shape():
+    p, q, mask = _doctor_tensors(noise=0.05)
+    routes = torch.zeros(128, 6, 2, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="routes must be"):
+        tr.diagnose_mismatch(p, q, mask, routes=(routes, routes[:, :5]))
+    with pytest.raises(ValueError, match="logp_train_topk"):
+        tr.diagnose_mismatch(p, q, mask, logp_train_topk=torch.zeros(128, 5, 3))
+    assert tr.diagnose_mismatch(p, q, mask, routes=(routes, routes)).cause == "numerics"  # the twin: shapes fit

@@ -885,43 +885,41 @@ DOCTOR_ADVICE = {
 }
 
 
-class Signature(NamedTuple):
-    name: str  # the cause it speaks for (DOCTOR_CAUSES)
-    measures: str  # what the statistic is
-    statistic: float
-    threshold: float
-    verdict: str  # present | absent | cannot tell without <input>
-
-
-@dataclass
 class Diagnosis:
-    cause: str  # the most likely cause, one of DOCTOR_CAUSES
-    also_possible: list[str]  # the causes it cannot rule out (present, or not testable with these inputs)
-    evidence: list[Signature]
-    advice: str
-    numbers: dict[str, float]  # mean / max |Δ| per token, quantiles of Σ_t log p/q per sequence, shares beyond caps
+    """diagnose_mismatch's answer (a plain class, so that it copies with torch and math alone). cause: the most likely
+    one of DOCTOR_CAUSES; also_possible: those it cannot rule out (present, or untestable with these inputs);
+    evidence: one signature dict per cause (name, measures, statistic, threshold, verdict: present | absent | cannot
+    tell without <input>); advice; numbers: mean / max |d| per token, quantiles of the per-sequence sum_t log p/q,
+    the shares beyond the TIS cap and the IcePop band."""
+
+    def __init__(self, cause: str, also_possible: list, evidence: list, advice: str, numbers: dict):
+        self.cause, self.also_possible, self.evidence, self.advice = cause, also_possible, evidence, advice
+        self.numbers = numbers
 
     def __str__(self) -> str:
-        untested = [s.name for s in self.evidence if s.verdict.startswith("cannot")]
+        untested = [s["name"] for s in self.evidence if s["verdict"].startswith("cannot")]
         maybe = ", ".join(c if c not in untested else f"{c} (not tested)" for c in self.also_possible)
         out = [f"cause: {self.cause}" + (f"   (also possible: {maybe})" if maybe else ""), f"advice: {self.advice}"]
-        out += ["evidence:"] + [f"  {s.name:<12} {s.measures:<52} {s.statistic:10.4g} vs {s.threshold:<7.3g} "
-                                f"{s.verdict}" for s in self.evidence]
+        out += ["evidence:"] + [f"  {s['name']:<12} {s['measures']:<52} {s['statistic']:10.4g} vs "
+                                f"{s['threshold']:<7.3g} {s['verdict']}" for s in self.evidence]
         return "\n".join(out + ["numbers:"] + [f"  {k:<36} {v:.4g}" for k, v in self.numbers.items()])
 
-
-def _signature(name: str, measures: str, statistic: float, threshold: float) -> Signature:
-    """A signature whose verdict is present iff statistic > threshold (nan: absent)."""
-    return Signature(name, measures, statistic, threshold, "present" if statistic > threshold else "absent")
+    __repr__ = __str__
 
 
-def numerics_signature(d, ok) -> Signature:
+def _signature(name: str, measures: str, statistic: float, threshold: float, verdict: str = "") -> dict:
+    """One signature: verdict present iff statistic > threshold (nan: absent), unless a verdict is given."""
+    verdict = verdict or ("present" if statistic > threshold else "absent")
+    return {"name": name, "measures": measures, "statistic": statistic, "threshold": threshold, "verdict": verdict}
+
+
+def _numerics_signature(d, ok) -> dict:
     """Engine numerics are symmetric (rounding moves log q both ways) and grow with entropy: 2 mean(max(d, 0))
     estimates mean |d| from the upward side alone, which one-sided causes (renormalised truncation) leave at 0."""
     return _signature("numerics", "2 mean(max(d, 0)), d = log p - log q", float(2 * d[ok].clamp(min=0).mean()), 5e-4)
 
 
-def truncation_signature(d, ok, logp_train_topk=None) -> Signature:
+def _truncation_signature(d, ok, logp_train_topk=None) -> dict:
     """A sampler renormalised on its top-p / top-k support records q = p / S on the kept tokens, so p / q = S <= 1 on
     every token and mean(p / q) = the kept mass; every other cause keeps E_q[p / q] = 1 (an importance weight). With
     the trainer's top-K log-probs (B, T, K), exactly: the share of tokens with p / q < 1 whose p / q is the trainer's
@@ -938,7 +936,7 @@ def truncation_signature(d, ok, logp_train_topk=None) -> Signature:
     return _signature("truncation", f"1 - mean(p/q) - 4 standard errors ({se:.2g})", gap - 4 * se, 0.005)
 
 
-def temperature_signature(logp_train, logp_infer, ok) -> Signature:
+def _temperature_signature(logp_train, logp_infer, ok) -> dict:
     """An unapplied temperature tau makes log q = log p / tau + c (c per position): the least-squares slope of
     log q on log p is 1 / tau instead of 1."""
     p, q = logp_train[ok].double(), logp_infer[ok].double()
@@ -946,7 +944,7 @@ def temperature_signature(logp_train, logp_infer, ok) -> Signature:
     return _signature("temperature", "|slope of log q on log p - 1|", abs(slope - 1), 0.02)
 
 
-def misaligned_signature(logp_train, logp_infer, ok) -> Signature:
+def _misaligned_signature(logp_train, logp_infer, ok) -> dict:
     """Log-probs shifted by one position fit log q[t] to log p[t +- 1] far better than to log p[t]: the share of
     rows (with a gap > 0.05 per token) whose shifted fit is 4x better than the aligned one."""
     both = (ok[:, 1:] & ok[:, :-1]).float()  # (B, T - 1): pairs (t, t + 1) inside the mask
@@ -959,7 +957,7 @@ def misaligned_signature(logp_train, logp_infer, ok) -> Signature:
     return _signature("misaligned", "share of rows fitting log p[t +- 1] 4x better", share, 0.1)
 
 
-def padding_signature(d, ok) -> Signature:
+def _padding_signature(d, ok) -> dict:
     """A mask off by one counts a prompt token or a pad, where the two sides hold unrelated numbers: the gap sits
     at each row's first or last masked token, not inside."""
     idx = torch.arange(ok.shape[1], device=ok.device).expand_as(ok)
@@ -970,12 +968,12 @@ def padding_signature(d, ok) -> Signature:
     return _signature("padding", "edge mean |d| / (interior mean |d| + 1e-3)", edge / float(inner), 20.0)
 
 
-def lag_signature(logp_infer, d, ok, advantages) -> Signature:
+def _lag_signature(logp_infer, d, ok, advantages) -> dict:
     """A trainer some steps ahead of its sampler moved toward positive-advantage tokens: at equal log q, d is larger
     where A > 0 than where A < 0 (a t statistic; numerics and temperature do not know the advantages)."""
     if advantages is None:
-        return Signature("lag", "t of (d - fit on log q) | A > 0 vs A < 0", math.nan, 3.0,
-                         "cannot tell without advantages")
+        return _signature("lag", "t of (d - fit on log q) | A > 0 vs A < 0", math.nan, 3.0,
+                          "cannot tell without advantages")
     q, x = logp_infer[ok].double(), d[ok].double()
     slope = ((q - q.mean()) * (x - x.mean())).sum() / (q - q.mean()).square().sum().clamp(min=1e-12)
     residual = x - slope * q
@@ -986,7 +984,7 @@ def lag_signature(logp_infer, d, ok, advantages) -> Signature:
     return _signature("lag", "t of (d - fit on log q) | A > 0 vs A < 0", t, 3.0)
 
 
-def outliers_signature(d, ok) -> Signature:
+def _outliers_signature(d, ok) -> dict:
     """Sequences from another policy (a stale request, another checkpoint) concentrate |d| in a few rows: the share
     of sum |d| carried by the worst 5 % of sequences."""
     rows = torch.where(ok, d.abs(), torch.zeros_like(d)).sum(1)  # (B,)
@@ -994,18 +992,20 @@ def outliers_signature(d, ok) -> Signature:
     return _signature("outliers", "share of sum |d| in the worst 5 % of sequences", float(worst / rows.sum()), 0.6)
 
 
-def routing_signature(d, ok, routes) -> Signature:
+def _routing_signature(d, ok, routes) -> dict:
     """MoE experts that flip between the two sides make the largest gaps, at the flip and after it (attention reads
     the flipped hidden states): mean |d| from a row's first flip on / mean |d| before it. Needs routes =
     (routes_train, routes_infer), each (B, T, L, k) int: the experts of the forward position that predicts token t."""
     if routes is None:
-        return Signature("routing", "mean |d| after a flip / before", math.nan, 3.0, "cannot tell without routes")
+        return _signature("routing", "mean |d| after a flip / before", math.nan, 3.0, "cannot tell without routes")
+    if len(routes) != 2 or routes[0].shape != routes[1].shape or routes[0].shape[:2] != ok.shape:
+        raise ValueError(f"routes must be (routes_train, routes_infer), each (B, T, L, k), (B, T) = {tuple(ok.shape)}")
     flipped = (routes[0].sort(-1).values != routes[1].sort(-1).values).any(-1).any(-1).cumsum(1) > 0  # (B, T)
     after, before = d.abs()[ok & flipped].mean(), d.abs()[ok & ~flipped].mean()
     return _signature("routing", "mean |d| after a flip / before", float(after / before.clamp(min=1e-9)), 3.0)
 
 
-def mismatch_numbers(d, ok) -> dict[str, float]:
+def _mismatch_numbers(d, ok) -> dict[str, float]:
     """Mean / max |d| per token, quantiles of the per-sequence Σ_t d, the shares of tokens and sequences beyond the
     TIS cap 2 and outside the IcePop band [0.5, 2]."""
     seq = torch.where(ok, d, torch.zeros_like(d)).sum(1)[ok.any(1)].double()  # (B',)
@@ -1028,7 +1028,10 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     trainer at the sampler's top-K ids topk_ids, which are only shape-checked) the exact truncation test.
     Reconstruction: the rules are this project's, tuned on its own engines (experiments.py doctor-eval).
 
-    needs: every *_signature above, mismatch_numbers, _check_bt, _check_adv, _finite_log_ratio, DOCTOR_ADVICE
+    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP,
+    Diagnosis, DOCTOR_ADVICE, _signature, _padding_signature, _misaligned_signature, _routing_signature,
+    _lag_signature, _outliers_signature, _truncation_signature, _temperature_signature, _numerics_signature,
+    _mismatch_numbers
     """
     _check_bt(mask, logp_train=logp_train, logp_infer=logp_infer)
     logp_train, logp_infer = logp_train.detach().float(), logp_infer.detach().float()
@@ -1039,15 +1042,15 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     if logp_train_topk is not None and (logp_train_topk.shape[:2] != mask.shape or topk_ids is not None
                                         and topk_ids.shape != logp_train_topk.shape):
         raise ValueError(f"logp_train_topk / topk_ids must be (B, T, K) with (B, T) = {tuple(mask.shape)}")
-    evidence = [padding_signature(d, ok), misaligned_signature(logp_train, logp_infer, ok),
-                routing_signature(d, ok, routes), lag_signature(logp_infer, d, ok, adv), outliers_signature(d, ok),
-                truncation_signature(d, ok, logp_train_topk), temperature_signature(logp_train, logp_infer, ok),
-                numerics_signature(d, ok)]
+    evidence = [_padding_signature(d, ok), _misaligned_signature(logp_train, logp_infer, ok),
+                _routing_signature(d, ok, routes), _lag_signature(logp_infer, d, ok, adv), _outliers_signature(d, ok),
+                _truncation_signature(d, ok, logp_train_topk), _temperature_signature(logp_train, logp_infer, ok),
+                _numerics_signature(d, ok)]
     clean = float(d[ok].abs().mean()) < 1e-4  # below every real engine seen (fp16: ~1e-3)
-    present = [] if clean else [s.name for s in evidence if s.verdict == "present"]
+    present = [] if clean else [s["name"] for s in evidence if s["verdict"] == "present"]
     cause = present[0] if present else ("clean" if clean else "numerics")  # numerics: a gap no signature explains
-    untested = [s.name for s in evidence if s.verdict.startswith("cannot")] if cause != "clean" else []
-    return Diagnosis(cause, present[1:] + untested, evidence, DOCTOR_ADVICE[cause], mismatch_numbers(d, ok))
+    untested = [s["name"] for s in evidence if s["verdict"].startswith("cannot")] if cause != "clean" else []
+    return Diagnosis(cause, present[1:] + untested, evidence, DOCTOR_ADVICE[cause], _mismatch_numbers(d, ok))
 
 
 DOCTOR_KEYS = (("old_per_token_logps", "sampling_per_token_logps", "completion_mask"),  # TRL's GRPOTrainer
@@ -1072,7 +1075,7 @@ def _read_doctor_file(path: Path) -> dict:
     return {k: torch.tensor(v) for k, v in padded.items()}
 
 
-def doctor_main(argv: list[str]) -> None:
+def _doctor_main(argv: list[str]) -> None:
     """`python tim_rl.py doctor FILE [--keys TRAIN,INFER,MASK]`: diagnose_mismatch on a file's tensors, printed;
     an unreadable file, a missing key, a bad shape or dtype is one error line and exit status 2."""
     import argparse
@@ -3544,8 +3547,8 @@ MOVED = ("compare", "bench")  # the lab's subcommands: experiments.py
 def main(argv: list[str] | None = None) -> None:
     """`python tim_rl.py [pretrain|train|demo] --help`; no subcommand runs the demo."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["doctor"]:  # the mismatch doctor: its own parser (doctor_main)
-        return doctor_main(argv[1:])
+    if argv[:1] == ["doctor"]:  # the mismatch doctor: its own parser (_doctor_main)
+        return _doctor_main(argv[1:])
     parser = _parser()
     if argv[:1] and argv[0] in MOVED:  # one line, not argparse's list of choices
         parser.exit(2, f"tim_rl: error: {argv[0]} moved to experiments.py: python experiments.py {argv[0]} "
