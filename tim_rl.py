@@ -886,15 +886,14 @@ DOCTOR_ADVICE = {
 
 
 class Diagnosis:
-    """diagnose_mismatch's answer (a plain class, so that it copies with torch and math alone). cause: the most likely
-    one of DOCTOR_CAUSES; also_possible: those it cannot rule out (present, or untestable with these inputs);
-    evidence: one signature dict per cause (name, measures, statistic, threshold, verdict: present | absent | cannot
-    tell without <input>); advice; numbers: mean / max |d| per token, quantiles of the per-sequence sum_t log p/q,
-    the shares beyond the TIS cap and the IcePop band."""
+    """diagnose_mismatch's answer (a plain class: it copies with torch and math alone). evidence: one dict per
+    signature (name, measures, statistic, threshold, verdict: present | absent | cannot tell without <input>)."""
 
     def __init__(self, cause: str, also_possible: list, evidence: list, advice: str, numbers: dict):
-        self.cause, self.also_possible, self.evidence, self.advice = cause, also_possible, evidence, advice
-        self.numbers = numbers
+        self.cause = cause  # the most likely cause, one of DOCTOR_CAUSES
+        self.also_possible = also_possible  # the causes it cannot rule out: present, or untestable with these inputs
+        self.evidence, self.advice = evidence, advice
+        self.numbers = numbers  # mean / max |d| per token, quantiles of sum_t log p/q per sequence, shares beyond caps
 
     def __str__(self) -> str:
         untested = [s["name"] for s in self.evidence if s["verdict"].startswith("cannot")]
@@ -1093,8 +1092,10 @@ def _doctor_main(argv: list[str]) -> None:
     try:
         tensors = _read_doctor_file(args.file)
         names = [tuple(args.keys.split(","))] if args.keys else DOCTOR_KEYS
+        if len(names[0]) != 3:
+            raise ValueError(f"--keys takes three names, TRAIN,INFER,MASK, got {args.keys!r}")
         keys = next((k for k in names if set(k) <= set(tensors)), None)
-        if keys is None or len(keys) != 3:
+        if keys is None:
             raise ValueError(f"no tensors named {' or '.join(','.join(k) for k in names)} (found: "
                              f"{', '.join(sorted(tensors)) or 'none'}; --keys TRAIN,INFER,MASK names them)")
         train, infer, mask = (tensors[k] for k in keys)
@@ -1105,6 +1106,7 @@ def _doctor_main(argv: list[str]) -> None:
     except (OSError, ValueError, TypeError, RuntimeError, pickle.UnpicklingError, SafetensorError) as e:
         read_as = f" (read {', '.join(keys)} as logp_train, logp_infer, mask)" if keys else ""
         parser.exit(2, f"tim_rl doctor: error: {args.file}: {str(e).splitlines()[0]}{read_as}\n")
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # ---- weight export (fp32 master -> bf16 served copy) ----
