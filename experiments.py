@@ -9,10 +9,12 @@ side by side). It calls the reference as `tr.NAME`; the reference never imports 
     python experiments.py compare --preset NAME [--seeds 0,1,2,3,4] [--smoke] [--publish] [--accept-numerics]
     python experiments.py compare --corrections none,tis,sc_tis --sync-every 16   # several corrections, paired
     python experiments.py bench [--quick]
+    python experiments.py doctor-eval [--seeds 2,3,4] [--publish]   # the mismatch doctor on labelled cases
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 import hashlib
@@ -1573,6 +1575,228 @@ def publish(name: str, results: str, verdicts: list[dict], command: str, seconds
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# ---- the mismatch doctor, validated on labelled cases ----
+# Every case is made by the project's own samplers and models with a known cause (or two): the doctor
+# (tr.diagnose_mismatch) sees only what a user's trainer logs: the two (B, T) log-prob tensors (the sampler's zero
+# outside the mask, as TRL and verl pad them), the mask, the advantages and, for the MoE model, both sides' routes.
+
+DOCTOR_TUNE_SEEDS = (0, 1)  # the seeds the doctor's thresholds were tuned on (never published as its score)
+DOCTOR_EVAL_SEEDS = (2, 3, 4)  # the seeds its published numbers come from
+DOCTOR_OTHER = ("other", {"steps": 150, "seed": 1})  # "another checkpoint": 150 pre-training steps, another seed
+DOCTOR_LONG = ("swap", {"digits": 6, "ops": "s", "steps": 150})  # dose-long's 12-token answers
+DOCTOR_GOALS = {"recall above the floors": ">= 0.9", "cause correct, single-cause cases": ">= 0.9",
+                "both causes named, mixed cases": ">= 0.8", "'clean' said of a case above fp16's level": "0"}
+DOCTOR_NOTES = (
+    "How the cases are made: clean = the fp32 KV-cache sampler; numerics = fp16 / bf16 / int8 / fp8 samplers (and "
+    "bf16 on the 12-token swap task); truncation = an fp32 sampler with top-p / top-k whose recorded log-probs are "
+    "renormalised, the trainer's raw; temperature = the sampler at tau, the trainer at 1; misaligned = the sampler's "
+    "log-probs one position early (odd seeds) or late (even seeds) on a share of rows; padding = the mask one token "
+    "long (a pad after <eos>, where the sampler's tensor holds 0) on a share of rows; lag = k GRPO steps (AdamW, lr "
+    "3e-5) on rollouts of a sampler that stays at the base weights; outliers = m prompts' 4 samples drawn by another "
+    "checkpoint (150 pre-training steps, seed 1) and scored by the trainer; routing = the tiny MoE with relative "
+    "noise on the sampler's router weights, both sides' routes given. Routing is found where flips are sparse; "
+    "with noise >= 0.05 the experts of a quarter or more of the tokens flip and the noisy gates move every token, "
+    "so |d| after a row's first flip is not much larger than before it and the doctor says numerics (in a "
+    "seed-0 pilot the ledger's routing and numerics parts were of one size there: 0.004 and 0.0045 at noise 0.05, "
+    "0.015 and 0.009 at 0.1).")
+DOCTOR_LAG_LR = 3e-5  # the lag cases' AdamW learning rate: RLConfig's
+
+
+class DoctorCase(NamedTuple):
+    causes: tuple[str, ...]  # the true cause(s): one, or two for a mixed case
+    level: str  # the setting
+    rank: int  # its place in its cause's ladder of levels, 0 = weakest
+    inputs: dict  # tr.diagnose_mismatch's arguments
+
+
+def _doctor_rollout(model, tokenizer, spec, problems, n, n_new, seed, temperature=1.0, **truncation):
+    """(rollout, the fp32 trainer's logp on its tokens, GRPO advantages) of one TorchSampler engine."""
+    prompts, answers = tr._encode_problems(tokenizer, problems)
+    sampler = tr.TorchSampler(model, spec, tokenizer)
+    ro = sampler.sample(prompts, n, n_new, temperature, None, torch.Generator().manual_seed(seed), **truncation)
+    with torch.no_grad():
+        logp = tr.sequence_logprobs(model, ro)[0]
+    rewards = torch.tensor([tr.verify(t, a) for t, a in zip(ro.texts, [a for a in answers for _ in range(n)])])
+    return ro, logp, tr.grpo_advantages(rewards, n)
+
+
+def _pad_to(x: torch.Tensor, T: int) -> torch.Tensor:
+    """(B, T') -> (B, T), zeros (False) appended."""
+    return torch.nn.functional.pad(x, (0, T - x.shape[1]))
+
+
+def _case(causes, level, rank, logp, logp_infer, mask, adv, **more) -> DoctorCase:
+    """A case whose sampler log-probs are 0 outside the mask (TRL and verl pad them so)."""
+    inputs = {"logp_train": logp, "logp_infer": torch.where(mask, logp_infer, torch.zeros_like(logp_infer)),
+              "mask": mask, "advantages": adv}
+    return DoctorCase(tuple(causes), level, rank, inputs | more)
+
+
+def _stale_rollout(model, tokenizer, spec, problems, n, seed, k):
+    """A sampler k optimizer steps stale: k GRPO policy-gradient steps on rollouts of the stale sampler; returns the
+    last rollout, the trainer's logp on it after the k steps and its advantages."""
+    trainer = tr.Trainer(copy.deepcopy(model), lr=DOCTOR_LAG_LR)
+    for step in range(k):
+        ro, _, adv = _doctor_rollout(model, tokenizer, spec, problems, n, 5, seed + 1000 * step)
+        trainer.step(tr.pg_loss(trainer.logprobs(ro)[0], adv, ro.mask))
+    with torch.no_grad():
+        logp = tr.sequence_logprobs(trainer.model, ro)[0]
+    return ro, logp, adv
+
+
+def _doctor_models() -> dict:
+    """The dense base, the MoE base, another checkpoint of the dense one and the long-answer (swap) base."""
+    dirs = {"dense": tr._model_dir("runs/base"), "moe": tr._model_dir(tr.MOE_BASE),
+            "other": tr.ensure_base_model(f"runs/base-{DOCTOR_OTHER[0]}", **DOCTOR_OTHER[1]),
+            "long": tr.ensure_base_model(f"runs/base-{DOCTOR_LONG[0]}", **DOCTOR_LONG[1])}
+    return {name: (tr.load_model(d).eval(), tr._task_kwargs(d)) for name, d in dirs.items()}
+
+
+def doctor_cases(seed: int, models: dict, n_prompts: int = 64, n: int = 4) -> list[DoctorCase]:
+    """The labelled cases of one seed: 64 held-out prompts x 4 samples each."""
+    tok = tr.CharTokenizer()
+    model = models["dense"][0]
+    problems = tr.make_arithmetic_task(n_prompts, seed=seed, split="eval", **models["dense"][1])
+    fp32, bf16 = tr.EngineSpec(), tr.EngineSpec(dtype="bf16")
+    cases = []
+
+    def sampled(causes, level, rank, spec, **sample):
+        ro, logp, adv = _doctor_rollout(model, tok, spec, problems, n, 5, seed, **sample)
+        cases.append(_case(causes, level, rank, logp, ro.logp_infer, ro.mask, adv))
+        return ro, logp, adv
+
+    ro, logp, adv = sampled(["clean"], "torch fp32 (KV cache)", 0, fp32)
+    numerics = [("fp16", tr.EngineSpec(dtype="fp16")), ("bf16", bf16), ("int8 weights", tr.EngineSpec(quant="int8")),
+                ("fp8 weights", tr.EngineSpec(quant="fp8"))]
+    for rank, (label, spec) in enumerate(numerics):
+        sampled(["numerics"], label, rank, spec)
+    for rank, trunc in enumerate([{"top_p": 0.99}, {"top_k": 20}, {"top_p": 0.95}, {"top_p": 0.9}, {"top_k": 5},
+                                  {"top_p": 0.8}]):
+        sampled(["truncation"], " ".join(f"{k} {v}" for k, v in trunc.items()), rank, fp32, **trunc)
+    for rank, tau in enumerate([0.95, 1.05, 0.9, 1.1, 0.8, 1.25, 0.6, 1.5]):
+        sampled(["temperature"], f"sampler at temperature {tau}", rank, fp32, temperature=tau)
+    B = ro.mask.shape[0]
+    q = torch.where(ro.mask, ro.logp_infer, torch.zeros_like(ro.logp_infer))
+    shifted = torch.nn.functional.pad(q[:, 1:], (0, 1)) if seed % 2 else torch.nn.functional.pad(q[:, :-1], (1, 0))
+    longer = ro.mask | torch.nn.functional.pad(ro.mask[:, :-1], (1, 0))  # one pad counted after <eos>
+    for rank, share in enumerate([0.25, 0.5, 1.0]):
+        rows = (torch.arange(B) < int(share * B))[:, None]  # (B, 1)
+        cases.append(_case(["misaligned"], f"{share:.0%} of rows shifted by one", rank, logp,
+                           torch.where(rows, shifted, q), ro.mask, adv))
+        cases.append(_case(["padding"], f"mask one token long on {share:.0%} of rows", rank, logp, q,
+                           torch.where(rows, longer, ro.mask), adv))
+    for rank, k in enumerate([1, 2, 4, 8]):
+        stale, logp_k, adv_k = _stale_rollout(model, tok, fp32, problems, n, seed, k)
+        cases.append(_case(["lag"], f"sampler {k} step{'s' * (k > 1)} stale", rank, logp_k, stale.logp_infer,
+                           stale.mask, adv_k))
+    stale, logp_k, adv_k = _stale_rollout(model, tok, bf16, problems, n, seed, 2)
+    cases.append(_case(["numerics", "lag"], "bf16 sampler 2 steps stale", 0, logp_k, stale.logp_infer, stale.mask,
+                       adv_k))
+    ro_t, logp_t, adv_t = _doctor_rollout(model, tok, bf16, problems, n, 5, seed, top_p=0.9)
+    cases.append(_case(["numerics", "truncation"], "bf16 sampler, top_p 0.9", 0, logp_t, ro_t.logp_infer,
+                       ro_t.mask, adv_t))
+    for rank, m in enumerate([1, 2, 4]):  # m prompts' samples drawn by another checkpoint
+        ro_o, logp_o, adv_o = _doctor_rollout(models["other"][0], tok, fp32, problems[:m], n, 5, seed)
+        with torch.no_grad():
+            logp_o = tr.sequence_logprobs(model, ro_o)[0]  # the trainer's view of those tokens
+        T = max(ro.mask.shape[1], ro_o.mask.shape[1])
+        pad = functools.partial(_pad_to, T=T)
+        joined = [torch.cat([pad(a), pad(b)[m * n :]])  # (B, T): the other checkpoint's rows first
+                  for a, b in ((logp_o, logp), (ro_o.logp_infer, ro.logp_infer), (ro_o.mask, ro.mask))]
+        cases.append(_case(["outliers"], f"{m} of {n_prompts} prompts from another checkpoint", rank, *joined,
+                           torch.cat([adv_o, adv[m * n:]])))
+    long_model, long_task = models["long"]
+    long_problems = tr.make_arithmetic_task(n_prompts // 4, seed=seed, split="eval", **long_task)
+    for causes, label, spec in ((["clean"], "long answers, fp32", fp32), (["numerics"], "long answers, bf16", bf16)):
+        ro_l, logp_l, adv_l = _doctor_rollout(long_model, tok, spec, long_problems, n, 13, seed)
+        cases.append(_case(causes, label, 1, logp_l, ro_l.logp_infer, ro_l.mask, adv_l))
+    moe_model, moe_task = models["moe"]
+    moe_problems = tr.make_arithmetic_task(n_prompts // 2, seed=seed, split="eval", **moe_task)
+    trainer = tr.Trainer(moe_model)
+    for rank, noise in enumerate([0.0, 0.01, 0.02, 0.05, 0.1]):  # router weight noise only: experts flip
+        ro_m, logp_m, adv_m = _doctor_rollout(moe_model, tok, tr.EngineSpec(router_noise=noise), moe_problems, n, 5,
+                                              seed)
+        routes_train = trainer.behaviour_logprobs(ro_m).routes  # the experts the trainer's forward chose itself
+        P, T = ro_m.prompt_ids.shape[1], ro_m.mask.shape[1]
+        routes = (routes_train[:, P - 1 : P + T - 1], ro_m.routed_experts[:, P - 1 : P + T - 1])  # (B, T, L, k)
+        cases.append(_case(["routing"] if noise else ["clean"], f"MoE, router noise {noise}", max(rank - 1, 0),
+                           logp_m, ro_m.logp_infer, ro_m.mask, adv_m, routes=routes))
+    return cases
+
+
+def doctor_rows(seeds, models: dict | None = None) -> list[dict]:
+    """One row per labelled case and seed: its causes, level, the doctor's cause and the causes it found present."""
+    models = models or _doctor_models()
+    rows = []
+    for seed in seeds:
+        for case in doctor_cases(seed, models):
+            found = tr.diagnose_mismatch(**case.inputs)
+            rows.append({"seed": seed, "causes": case.causes, "level": case.level, "rank": case.rank,
+                         "cause": found.cause, "abs_diff": found.numbers["mean |log p/q| per token"],
+                         "named": list(dict.fromkeys([found.cause] + [s["name"] for s in found.evidence
+                                                                      if s["verdict"] == "present"]))})
+    return rows
+
+
+def doctor_scores(rows: list[dict]) -> tuple[dict, list[dict], list[dict]]:
+    """(the issue's four goal numbers, the confusion table, each cause's detection floor) of doctor_rows.
+
+    A cause is found when the doctor names it (its cause or a present signature); its floor is its weakest level
+    found on every seed; recall counts its single-cause cases at and above the floor."""
+    single = [r for r in rows if len(r["causes"]) == 1]
+    mixed = [r for r in rows if len(r["causes"]) == 2]
+    fp16 = {r["seed"]: r["abs_diff"] for r in rows if r["level"] == "fp16"}
+    floors, above = [], []
+    for cause in tr.DOCTOR_CAUSES[1:]:
+        ladder = sorted({(r["rank"], r["level"]) for r in single if r["causes"] == (cause,)})
+        found = {lv: [r for r in single if r["level"] == lv] for _, lv in ladder}
+        hits = {lv: sum(cause in r["named"] for r in rs) for lv, rs in found.items()}
+        floor = next((lv for _, lv in ladder if hits[lv] == len(found[lv])), None)
+        kept = [r for _, lv in ladder[[lv for _, lv in ladder].index(floor):] for r in found[lv]] if floor else []
+        above += kept
+        floors.append({"cause": cause, "levels (weakest first), found / seeds": "; ".join(
+            f"{lv} {hits[lv]}/{len(found[lv])}" for _, lv in ladder), "floor": floor or "none",
+            "mean abs Δlogp at the floor": _mean([r["abs_diff"] for r in found[floor]]) if floor else float("nan"),
+            "recall above the floor": sum(cause in r["named"] for r in kept) / max(len(kept), 1)})
+    goals = {"recall above the floors": sum(r["causes"][0] in r["named"] for r in above) / max(len(above), 1),
+             "cause correct, single-cause cases": sum(r["cause"] == r["causes"][0] for r in single) / len(single),
+             "both causes named, mixed cases": sum(set(r["causes"]) <= set(r["named"]) for r in mixed) / len(mixed),
+             "'clean' said of a case above fp16's level": sum(r["cause"] == "clean" and r["causes"] != ("clean",)
+                                                             and r["abs_diff"] > fp16[r["seed"]] for r in rows)}
+    labels = list(dict.fromkeys("+".join(r["causes"]) for r in rows))
+    confusion = [{"true cause": label, "cases": sum("+".join(r["causes"]) == label for r in rows)} | {
+        said: sum("+".join(r["causes"]) == label and r["cause"] == said for r in rows) or ""
+        for said in tr.DOCTOR_CAUSES} for label in labels]
+    return goals, confusion, floors
+
+
+def doctor_eval(seeds=DOCTOR_EVAL_SEEDS, publish: bool = False, root: Path = Path(".")) -> str:
+    """The doctor's scores on labelled cases of `seeds` as markdown; --publish writes them into RESULTS.md."""
+    t0 = time.time()
+    rows = doctor_rows(seeds)
+    goals, confusion, floors = doctor_scores(rows)
+    misses = [f"- {r['seed']}, {'+'.join(r['causes'])} ({r['level']}): {r['cause']}"
+              + (f" (also present: {', '.join(r['named'][1:])})" if r["named"][1:] else "")
+              for r in rows if r["cause"] not in r["causes"] or not set(r["causes"]) <= set(r["named"])]
+    seconds = time.time() - t0
+    command = "python experiments.py doctor-eval --publish"
+    text = (f"## doctor-eval\n\n`{command}` ({seconds / 60:.1f} min on this machine, one core)\n\n"
+            f"The mismatch doctor (`tr.diagnose_mismatch`) on cases made by this project's samplers and models, each "
+            f"with a known cause: seeds {', '.join(map(str, seeds))} (its thresholds were tuned on seeds "
+            f"{', '.join(map(str, DOCTOR_TUNE_SEEDS))}, not scored here). Columns: the cause the doctor named.\n\n"
+            + _markdown_table(confusion) + "\n\nDetection floors (a cause is found when the doctor names it, as its "
+            "cause or a present signature; the floor is its weakest level found on every seed):\n\n"
+            + _markdown_table(floors) + "\n\nThe goals on these seeds:\n\n"
+            + "\n".join(f"- {k}: {v:.3g} (goal {DOCTOR_GOALS[k]})" for k, v in goals.items())
+            + "\n\nMisses (seed, case: what the doctor named):\n\n" + "\n".join(misses or ["- none"])
+            + "\n\n" + DOCTOR_NOTES)
+    if publish:
+        path = root / "RESULTS.md"
+        tr._write_atomic(path, _replace_block(path.read_text(), "doctor-eval", text))
+    return text
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # ---- benchmarks ----
 # Every number is a ratio against a baseline timed in the same process, on the same inputs, right next to it
 # (median of `repeats` after a warm-up), so a busy machine slows both sides alike. Nothing here is asserted. Rows are
@@ -1947,6 +2171,11 @@ def _parser():
     tr.add_config_flags(sub.add_parser("bench", help="speed and memory ratios against baselines timed side by "
                                                 "side"),
                    BenchConfig)
+    p_doc = sub.add_parser("doctor-eval", help="the mismatch doctor on labelled cases from real engines "
+                           "(~1 min per seed)")
+    p_doc.add_argument("--seeds", default=",".join(map(str, DOCTOR_EVAL_SEEDS)),
+                       help=f"comma-separated seeds (the thresholds were tuned on {DOCTOR_TUNE_SEEDS})")
+    p_doc.add_argument("--publish", action="store_true", help="write its section of RESULTS.md")
     return parser
 
 
@@ -1968,6 +2197,9 @@ def main(argv: list[str] | None = None) -> None:
     """`python experiments.py compare|bench --help`."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.cmd == "doctor-eval":
+        print(doctor_eval(tuple(int(s) for s in args.seeds.split(",")), args.publish))
+        return
     try:
         cfg = check_cli(args)
     except ValueError as e:  # UsageError, or _check_run_config's

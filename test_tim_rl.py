@@ -1534,6 +1534,7 @@ def _copy_calls():
         "paired_p_batch": lambda f: f(torch.tensor([[0.1, 0.2, -0.05], [0.3, 0.1, 0.2]])),  # (nan != nan in ==)
         "fixed_sequence": lambda f: f(torch.tensor([0.001, 0.04, 0.03, 0.002])),
         "bh_adjusted": lambda f: f(torch.tensor([[0.01, 0.04, 0.03, 0.5]])),
+        "diagnose_mismatch": lambda f: str(f(a, b, mask, advantages=adv, routes=(routes_a, routes_b))),
     }
 
 
@@ -3511,7 +3512,7 @@ def test_a_response_cap_shorter_than_the_models_answers_is_refused(tmp_path):
 # the reference's layout: reading order, one RL step, a public boundary, one meaning per flag, tests a reader finds
 
 READING_ORDER = ["log-space helpers", "sampling transforms (top-p / top-k / min-p)", "mismatch metrics",
-                 "weight export (fp32 master -> bf16 served copy)", "advantages", "correction weights", "losses",
+                 "the mismatch doctor", "weight export (fp32 master -> bf16 served copy)", "advantages", "correction weights", "losses",
                  "MoE routing: record and replay (R2 / R3)", FAST_PATHS, "task and reward verifier",
                  "model and tokenizer", "samplers (torch, vLLM)", "trainer", "experiment loop and ledger",
                  "interop: TRL", "config dataclasses and input checks", "CLI"]
@@ -4250,3 +4251,207 @@ def test_the_2026_preset_judges_its_claims_as_one_holm_family():
     labels = {a for a, _ in preset.arms}
     assert len(preset.claims) == 26 and all(c.arm in labels for c in preset.claims)
     assert {f"{c} (k=16)" for c in ("none", "tis") + ex.CORRECTIONS_2026} <= labels
+
+
+# =================================================================================================================
+# ---------------------------------------------------------------------------------------------------------------
+# the mismatch doctor: each signature on hand-made tensors (with its absent twin), the numbers, the doctor CLI
+
+
+def _doctor_tensors(B=128, T=6, V=12, seed=0, tau=1.0, top_k=0, noise=0.0, full=False):
+    """Tokens sampled from a sampler q over V ids (its logits z / tau + noise, renormalised on its top_k when given)
+    and the trainer's p = softmax(z) at them: (logp_train, logp_infer, mask), rows of 3..T tokens, and with `full`
+    the trainer's log-probs of every id (B, T, V)."""
+    g = torch.Generator().manual_seed(seed)
+    z = 2 * torch.randn(B, T, V, generator=g)  # (B, T, V)
+    q_logits = z / tau + noise * torch.randn(B, T, V, generator=g)
+    if top_k:
+        q_logits = q_logits.masked_fill(q_logits < q_logits.topk(top_k, -1).values[..., -1:], -math.inf)
+    logq = q_logits.log_softmax(-1)
+    ids = torch.multinomial(logq.exp().reshape(-1, V), 1, generator=g).reshape(B, T, 1)
+    mask = torch.arange(T) < torch.randint(3, T + 1, (B, 1), generator=g)  # (B, T)
+    out = z.log_softmax(-1).gather(-1, ids)[..., 0], logq.gather(-1, ids)[..., 0], mask
+    return (*out, z.log_softmax(-1)) if full else out
+
+
+def _verdicts(diagnosis) -> dict:
+    return {s["name"]: s["verdict"] for s in diagnosis.evidence}
+
+
+def test_doctor_clean_and_numerics():
+    p, q, mask = _doctor_tensors()
+    clean = tr.diagnose_mismatch(p, p.clone(), mask)
+    assert clean.cause == "clean" and clean.also_possible == [] and "present" not in _verdicts(clean).values()
+    p, q, mask = _doctor_tensors(noise=0.05)  # the twin: symmetric noise on the sampler's logits
+    found = tr.diagnose_mismatch(p, q, mask)
+    assert found.cause == "numerics" and _verdicts(found)["numerics"] == "present", found
+    assert _verdicts(found)["truncation"] == _verdicts(found)["temperature"] == "absent"
+
+
+def test_doctor_truncation_is_named_only_when_the_sampler_renormalised():
+    p, q, mask = _doctor_tensors(top_k=4)
+    found = tr.diagnose_mismatch(p, q, mask)
+    assert found.cause == "truncation" and _verdicts(found)["numerics"] == "absent", found  # one-sided
+    assert ((p - q)[mask] <= 1e-6).all()  # p / q = S <= 1 on every token
+    twin = tr.diagnose_mismatch(*_doctor_tensors(noise=0.05))
+    assert _verdicts(twin)["truncation"] == "absent" and "truncation" not in [twin.cause, *twin.also_possible]
+    *tensors, logp_all = _doctor_tensors(top_k=4, full=True)  # the exact test: p / q is a top-K prefix's mass
+    exact = tr.diagnose_mismatch(*tensors, logp_train_topk=logp_all)
+    assert exact.cause == "truncation" and exact.evidence[5]["statistic"] > 0.99, exact
+    *tensors, logp_all = _doctor_tensors(noise=0.05, full=True)
+    exact_twin = tr.diagnose_mismatch(*tensors, logp_train_topk=logp_all)
+    assert exact_twin.evidence[5]["verdict"] == "absent" and exact_twin.evidence[5]["statistic"] < 0.1, exact_twin
+
+
+@pytest.mark.parametrize("tau", [0.7, 1.4])
+def test_doctor_temperature_on_one_side(tau):
+    found = tr.diagnose_mismatch(*_doctor_tensors(tau=tau))
+    assert found.cause == "temperature", found
+    twin = tr.diagnose_mismatch(*_doctor_tensors(tau=1.0, noise=0.05))
+    assert _verdicts(twin)["temperature"] == "absent" and twin.cause != "temperature"
+
+
+def test_doctor_misaligned_by_one_position():
+    p, q, mask = _doctor_tensors(noise=0.02)
+    shifted = torch.nn.functional.pad(q[:, 1:], (0, 1))  # q[t] := q[t + 1]
+    found = tr.diagnose_mismatch(p, torch.where(mask, shifted, 0.0), mask)
+    assert found.cause == "misaligned", found
+    twin = tr.diagnose_mismatch(p, q, mask)
+    assert _verdicts(twin)["misaligned"] == "absent" and twin.cause != "misaligned"
+
+
+def test_doctor_padding_a_mask_one_token_long():
+    p, q, mask = _doctor_tensors(noise=0.02)
+    p = torch.where(mask, p, torch.full_like(p, -9.0))  # the trainer's log-prob of a pad token
+    longer = mask | torch.nn.functional.pad(mask[:, :-1], (1, 0))
+    found = tr.diagnose_mismatch(p, torch.where(mask, q, 0.0), longer)  # the sampler's pads are 0
+    assert found.cause == "padding", found
+    twin = tr.diagnose_mismatch(p, torch.where(mask, q, 0.0), mask)
+    assert _verdicts(twin)["padding"] == "absent" and twin.cause != "padding"
+
+
+def test_doctor_lag_needs_the_advantages():
+    p, q, mask = _doctor_tensors(noise=0.02)
+    adv = torch.randn(p.shape[0], generator=torch.Generator().manual_seed(1))
+    moved = p + 0.05 * adv[:, None].sign()  # the trainer moved toward positive-advantage rows
+    assert _verdicts(tr.diagnose_mismatch(moved, q, mask))["lag"] == "cannot tell without advantages"
+    found = tr.diagnose_mismatch(moved, q, mask, advantages=adv)
+    assert found.cause == "lag", found
+    unrelated = adv[torch.randperm(adv.numel(), generator=torch.Generator().manual_seed(2))]  # the twin
+    twin = tr.diagnose_mismatch(moved, q, mask, advantages=unrelated)
+    assert _verdicts(twin)["lag"] == "absent" and twin.cause != "lag", twin
+
+
+def test_doctor_outliers_concentrate_in_a_few_rows():
+    p, q, mask = _doctor_tensors(noise=0.02)
+    far = q.clone()
+    far[:4] = q[:4] - 1.5  # 4 of 128 rows from another policy
+    found = tr.diagnose_mismatch(p, far, mask)
+    assert found.cause == "outliers", found
+    spread = q - 1.5 * 4 / 128 * torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).sign()
+    twin = tr.diagnose_mismatch(p, spread, mask)  # as large a gap, over every row
+    assert _verdicts(twin)["outliers"] == "absent" and twin.cause != "outliers", twin
+
+
+def test_doctor_routing_needs_routes_and_flips_where_the_gap_is():
+    p, q, mask = _doctor_tensors(B=128, noise=0.005)
+    g = torch.Generator().manual_seed(4)
+    routes = torch.randint(0, 8, (128, 6, 2, 2), generator=g)  # (B, T, L, k)
+    flipped = routes.clone()
+    flipped[:16, 2, 0, 0] = (routes[:16, 2, 0, 0] + 1) % 8  # 16 rows flip an expert at t = 2
+    q_flip = q.clone()
+    q_flip[:16, 2:] -= 0.3  # the gap from the flip on
+    assert _verdicts(tr.diagnose_mismatch(p, q_flip, mask))["routing"] == "cannot tell without routes"
+    found = tr.diagnose_mismatch(p, q_flip, mask, routes=(routes, flipped))
+    assert found.cause == "routing", found
+    elsewhere = flipped.roll(64, 0)  # the twin: the same flips on rows without the gap
+    twin = tr.diagnose_mismatch(p, q_flip, mask, routes=(routes, elsewhere))
+    assert _verdicts(twin)["routing"] == "absent" and twin.cause != "routing", twin
+
+
+def test_doctor_numbers_are_the_shares_users_act_on():
+    logp_infer = torch.zeros(2, 3)
+    logp_train = torch.tensor([[math.log(3), 0.0, 0.0], [math.log(0.4), 0.0, 0.0]])  # ratios 3 and 0.4
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    numbers = tr.diagnose_mismatch(logp_train, logp_infer, mask).numbers
+    assert numbers["tokens with p/q > 2 (TIS cap)"] == pytest.approx(1 / 5)
+    assert numbers["tokens outside [0.5, 2] (IcePop)"] == pytest.approx(2 / 5)
+    assert numbers["sequences outside [0.5, 2] (IcePop)"] == pytest.approx(1.0)
+    assert numbers["max |log p/q|"] == pytest.approx(math.log(3))
+    assert numbers["per-sequence sum log p/q, q0"] == pytest.approx(math.log(0.4))
+    assert "cause:" in str(tr.diagnose_mismatch(logp_train, logp_infer, mask))
+    with pytest.raises(ValueError, match="logp_infer must have shape"):
+        tr.diagnose_mismatch(logp_train, logp_infer[:, :2], mask)
+
+
+def _doctor_cli(argv, capsys) -> tuple[int, str, str]:
+    try:
+        tr.main(["doctor", *map(str, argv)])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_doctor_cli_reads_trl_and_verl_names(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    p, q, mask = _doctor_tensors(top_k=4)
+    torch.save({"old_per_token_logps": p, "sampling_per_token_logps": q, "completion_mask": mask.long()},
+               tmp_path / "trl.pt")
+    code, out, _ = _doctor_cli([tmp_path / "trl.pt"], capsys)
+    assert code == 0 and out.startswith("cause: truncation"), out
+    save_file({"old_log_probs": p, "rollout_log_probs": p.clone(), "response_mask": mask.int()},
+              str(tmp_path / "verl.safetensors"))
+    code, out, _ = _doctor_cli([tmp_path / "verl.safetensors"], capsys)
+    assert code == 0 and out.startswith("cause: clean"), out
+    rows = [{"a": r[:n], "b": r[:n]} for r, n in zip(p.tolist(), mask.sum(1).tolist())]
+    (tmp_path / "mine.jsonl").write_text("".join(tr.json.dumps(r | {"m": [1] * len(r["a"])}) + "\n" for r in rows))
+    code, out, _ = _doctor_cli([tmp_path / "mine.jsonl", "--keys", "a,b,m"], capsys)
+    assert code == 0 and out.startswith("cause: clean"), out
+
+
+def test_doctor_cli_malformed_files_get_one_error_line(tmp_path, capsys):
+    p, q, mask = _doctor_tensors()
+    torch.save({"old_per_token_logps": p, "sampling_per_token_logps": q[:, :3], "completion_mask": mask},
+               tmp_path / "shape.pt")
+    torch.save({"old_per_token_logps": p.long(), "sampling_per_token_logps": q, "completion_mask": mask},
+               tmp_path / "dtype.pt")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    torch.save({"logits": p}, tmp_path / "names.pt")
+    for name, says in (("shape.pt", "must have shape"), ("dtype.pt", "floating-point"),
+                       ("junk.safetensors", "junk.safetensors"), ("names.pt", "no tensors named")):
+        code, out, err = _doctor_cli([tmp_path / name], capsys)
+        assert code == 2 and out == "" and err.count("\n") == 1 and says in err, (name, err)
+        assert err.startswith("tim_rl doctor: error:")
+
+
+def test_doctor_eval_scores_floors_and_goals_from_rows():
+    def row(causes, level, rank, cause, named=(), seed=0, abs_diff=0.01):
+        return {"seed": seed, "causes": causes, "level": level, "rank": rank, "cause": cause,
+                "abs_diff": abs_diff, "named": [cause, *named]}
+
+    rows = [row(("clean",), "fp32", 0, "clean", abs_diff=1e-7), row(("numerics",), "fp16", 0, "numerics"),
+            row(("lag",), "k=1", 0, "numerics"), row(("lag",), "k=2", 1, "lag"), row(("lag",), "k=4", 2, "lag"),
+            row(("numerics", "lag"), "bf16 + lag", 0, "lag", ["numerics"])]
+    goals, confusion, floors = ex.doctor_scores(rows)
+    lag = next(f for f in floors if f["cause"] == "lag")
+    assert lag["floor"] == "k=2" and lag["recall above the floor"] == 1.0  # k=1 missed: the floor is k=2
+    assert goals["cause correct, single-cause cases"] == 4 / 5 and goals["both causes named, mixed cases"] == 1.0
+    assert next(c for c in confusion if c["true cause"] == "lag")["numerics"] == 1
+    assert goals["'clean' said of a case above fp16's level"] == 0
+    rows.append(row(("lag",), "k=4", 2, "clean", seed=0, abs_diff=0.5))  # the twin: a miss above the floor
+    goals, _, floors = ex.doctor_scores(rows)
+    assert goals["'clean' said of a case above fp16's level"] == 1
+    assert next(f for f in floors if f["cause"] == "lag")["recall above the floor"] == 2 / 3
+
+
+def test_doctor_refuses_routes_and_topk_of_the_wrong_shape():
+    p, q, mask = _doctor_tensors(noise=0.05)
+    routes = torch.zeros(128, 6, 2, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="routes must be"):
+        tr.diagnose_mismatch(p, q, mask, routes=(routes, routes[:, :5]))
+    with pytest.raises(ValueError, match="logp_train_topk"):
+        tr.diagnose_mismatch(p, q, mask, logp_train_topk=torch.zeros(128, 5, 3))
+    assert tr.diagnose_mismatch(p, q, mask, routes=(routes, routes)).cause == "numerics"  # the twin: shapes fit

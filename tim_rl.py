@@ -377,6 +377,194 @@ def log_odds_displacement(logp_train: torch.Tensor, logp_infer: torch.Tensor) ->
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# ---- the mismatch doctor ----
+# From the (B, T) tensors a trainer already logs, name why trainer and sampler disagree. d = logp_train - logp_infer
+# on the usable tokens; each signature is a small function of d. The thresholds were tuned on the lab's seeds 0-1
+# and checked on seeds 2-4 (experiments.py doctor-eval; RESULTS.md has its confusion table and detection floors).
+
+DOCTOR_CAUSES = ("clean", "numerics", "truncation", "temperature", "misaligned", "padding", "lag", "outliers",
+                 "routing")
+DOCTOR_ADVICE = {
+    "clean": "nothing to correct: the gap is at fp32 kernel level",
+    "numerics": "engine numerics: a token-level correction (tis / mis / icepop) or an fp16 sampler (FP16 paper)",
+    "truncation": "top-p / top-k renormalised by the sampler only: renormalize_on_support, or raw sampler log-probs",
+    "temperature": "the sampling temperature is applied on one side only: divide the trainer's logits by it too",
+    "misaligned": "log-probs are shifted by one position: check the logits[:, :-1] / labels[:, 1:] slicing",
+    "padding": "the gap sits at the mask's edge: the mask is off by one (prompt token or pad counted)",
+    "lag": "the policy moved since sampling: sync more often, or a lag-aware correction (ppo ratio, dppo, mis)",
+    "outliers": "a few sequences carry the gap (another checkpoint, a stale request?): seq_mask / seq_tis",
+    "routing": "MoE experts flip where the gap is largest: routing replay (r3) or fp32 routers",
+}
+
+
+class Diagnosis:
+    """diagnose_mismatch's answer (a plain class: it copies with torch and math alone). evidence: one dict per
+    signature (name, measures, statistic, threshold, verdict: present | absent | cannot tell without <input>)."""
+
+    def __init__(self, cause: str, also_possible: list, evidence: list, advice: str, numbers: dict):
+        self.cause = cause  # the most likely cause, one of DOCTOR_CAUSES
+        self.also_possible = also_possible  # the causes it cannot rule out: present, or untestable with these inputs
+        self.evidence, self.advice = evidence, advice
+        self.numbers = numbers  # mean / max |d| per token, quantiles of sum_t log p/q per sequence, shares beyond caps
+
+    def __str__(self) -> str:
+        untested = [s["name"] for s in self.evidence if s["verdict"].startswith("cannot")]
+        maybe = ", ".join(c if c not in untested else f"{c} (not tested)" for c in self.also_possible)
+        out = [f"cause: {self.cause}" + (f"   (also possible: {maybe})" if maybe else ""), f"advice: {self.advice}"]
+        out += ["evidence:"] + [f"  {s['name']:<12} {s['measures']:<52} {s['statistic']:10.4g} vs "
+                                f"{s['threshold']:<7.3g} {s['verdict']}" for s in self.evidence]
+        return "\n".join(out + ["numbers:"] + [f"  {k:<36} {v:.4g}" for k, v in self.numbers.items()])
+
+    __repr__ = __str__
+
+
+def _signature(name: str, measures: str, statistic: float, threshold: float, verdict: str = "") -> dict:
+    """One signature: verdict present iff statistic > threshold (nan: absent), unless a verdict is given."""
+    verdict = verdict or ("present" if statistic > threshold else "absent")
+    return {"name": name, "measures": measures, "statistic": statistic, "threshold": threshold, "verdict": verdict}
+
+
+def _numerics_signature(d, ok) -> dict:
+    """Engine numerics are symmetric (rounding moves log q both ways) and grow with entropy: 2 mean(max(d, 0))
+    estimates mean |d| from the upward side alone, which one-sided causes (renormalised truncation) leave at 0."""
+    return _signature("numerics", "2 mean(max(d, 0)), d = log p - log q", float(2 * d[ok].clamp(min=0).mean()), 5e-4)
+
+
+def _truncation_signature(d, ok, logp_train_topk=None) -> dict:
+    """A sampler renormalised on its top-p / top-k support records q = p / S on the kept tokens, so p / q = S <= 1 on
+    every token and mean(p / q) = the kept mass; every other cause keeps E_q[p / q] = 1 (an importance weight). With
+    the trainer's top-K log-probs (B, T, K), exactly: the share of tokens with p / q < 1 whose p / q is the trainer's
+    mass on a prefix of its sorted top-K (top-k and top-p keep such a prefix; engines of one numerics)."""
+    if logp_train_topk is not None:
+        log_s = logp_train_topk.detach().float().sort(-1, descending=True).values.logcumsumexp(-1)  # (B, T, K)
+        below = ok & (d < -1e-3)
+        hit = below & ((log_s - d[..., None]).abs().amin(-1) < 2e-4)  # fp32 rounding of log S: ~1e-6
+        return _signature("truncation", "share of p/q < 1 equal to a top-K prefix mass",
+                          float(hit.sum() / below.sum().clamp(min=1)), 0.5)
+    r = d[ok].exp()
+    gap = 1 - float(r.mean())
+    se = float(r.std() / math.sqrt(max(r.numel(), 1)))
+    return _signature("truncation", f"1 - mean(p/q) - 4 standard errors ({se:.2g})", gap - 4 * se, 0.005)
+
+
+def _temperature_signature(logp_train, logp_infer, ok) -> dict:
+    """An unapplied temperature tau makes log q = log p / tau + c (c per position): the least-squares slope of
+    log q on log p is 1 / tau instead of 1."""
+    p, q = logp_train[ok].double(), logp_infer[ok].double()
+    slope = float(((p - p.mean()) * (q - q.mean())).sum() / (p - p.mean()).square().sum().clamp(min=1e-12))
+    return _signature("temperature", "|slope of log q on log p - 1|", abs(slope - 1), 0.02)
+
+
+def _misaligned_signature(logp_train, logp_infer, ok) -> dict:
+    """Log-probs shifted by one position fit log q[t] to log p[t +- 1] far better than to log p[t]: the share of
+    rows (with a gap > 0.05 per token) whose shifted fit is 4x better than the aligned one."""
+    both = (ok[:, 1:] & ok[:, :-1]).float()  # (B, T - 1): pairs (t, t + 1) inside the mask
+    p, q = logp_train.nan_to_num(0.0, 0.0, 0.0), logp_infer.nan_to_num(0.0, 0.0, 0.0)
+    fits = []
+    for aligned, shifted in (((q - p)[:, :-1], q[:, :-1] - p[:, 1:]), ((q - p)[:, 1:], q[:, 1:] - p[:, :-1])):
+        gap, fit = (aligned.abs() * both).sum(1), (shifted.abs() * both).sum(1)  # (B,)
+        fits.append((fit < gap / 4) & (gap > 0.05 * both.sum(1)))
+    share = float((fits[0] | fits[1]).float().sum() / (both.sum(1) > 0).float().sum().clamp(min=1))
+    return _signature("misaligned", "share of rows fitting log p[t +- 1] 4x better", share, 0.1)
+
+
+def _padding_signature(d, ok) -> dict:
+    """A mask off by one counts a prompt token or a pad, where the two sides hold unrelated numbers: the gap sits
+    at each row's first or last masked token, not inside."""
+    idx = torch.arange(ok.shape[1], device=ok.device).expand_as(ok)
+    first = idx == torch.where(ok, idx, ok.shape[1]).amin(1, keepdim=True)  # (B, T)
+    last = idx == torch.where(ok, idx, -1).amax(1, keepdim=True)
+    inner = d.abs()[ok & ~first & ~last].mean().nan_to_num(0.0) + 1e-3
+    edge = max(float(d.abs()[ok & e].mean().nan_to_num(0.0)) for e in (first, last))
+    return _signature("padding", "edge mean |d| / (interior mean |d| + 1e-3)", edge / float(inner), 20.0)
+
+
+def _lag_signature(logp_infer, d, ok, advantages) -> dict:
+    """A trainer some steps ahead of its sampler moved toward positive-advantage tokens: at equal log q, d is larger
+    where A > 0 than where A < 0 (a t statistic; numerics and temperature do not know the advantages)."""
+    if advantages is None:
+        return _signature("lag", "t of (d - fit on log q) | A > 0 vs A < 0", math.nan, 3.0,
+                          "cannot tell without advantages")
+    q, x = logp_infer[ok].double(), d[ok].double()
+    slope = ((q - q.mean()) * (x - x.mean())).sum() / (q - q.mean()).square().sum().clamp(min=1e-12)
+    residual = x - slope * q
+    up, down = residual[advantages[ok] > 0], residual[advantages[ok] < 0]
+    if min(up.numel(), down.numel()) < 2:
+        return _signature("lag", "t of (d - fit on log q) | A > 0 vs A < 0", math.nan, 3.0)
+    t = float((up.mean() - down.mean()) / (up.var() / up.numel() + down.var() / down.numel()).sqrt())
+    return _signature("lag", "t of (d - fit on log q) | A > 0 vs A < 0", t, 3.0)
+
+
+def _outliers_signature(d, ok) -> dict:
+    """Sequences from another policy (a stale request, another checkpoint) concentrate |d| in a few rows: the share
+    of sum |d| carried by the worst 5 % of sequences."""
+    rows = torch.where(ok, d.abs(), torch.zeros_like(d)).sum(1)  # (B,)
+    worst = rows.topk(max(1, math.ceil(0.05 * rows.numel()))).values.sum()
+    return _signature("outliers", "share of sum |d| in the worst 5 % of sequences", float(worst / rows.sum()), 0.6)
+
+
+def _routing_signature(d, ok, routes) -> dict:
+    """MoE experts that flip between the two sides make the largest gaps, at the flip and after it (attention reads
+    the flipped hidden states): mean |d| from a row's first flip on / mean |d| before it. Needs routes =
+    (routes_train, routes_infer), each (B, T, L, k) int: the experts of the forward position that predicts token t."""
+    if routes is None:
+        return _signature("routing", "mean |d| after a flip / before", math.nan, 3.0, "cannot tell without routes")
+    if len(routes) != 2 or routes[0].shape != routes[1].shape or routes[0].shape[:2] != ok.shape:
+        raise ValueError(f"routes must be (routes_train, routes_infer), each (B, T, L, k), (B, T) = {tuple(ok.shape)}")
+    flipped = (routes[0].sort(-1).values != routes[1].sort(-1).values).any(-1).any(-1).cumsum(1) > 0  # (B, T)
+    after, before = d.abs()[ok & flipped].mean(), d.abs()[ok & ~flipped].mean()
+    return _signature("routing", "mean |d| after a flip / before", float(after / before.clamp(min=1e-9)), 3.0)
+
+
+def _mismatch_numbers(d, ok) -> dict[str, float]:
+    """Mean / max |d| per token, quantiles of the per-sequence Σ_t d, the shares of tokens and sequences beyond the
+    TIS cap 2 and outside the IcePop band [0.5, 2]."""
+    seq = torch.where(ok, d, torch.zeros_like(d)).sum(1)[ok.any(1)].double()  # (B',)
+    out = {"mean |log p/q| per token": float(d[ok].abs().mean()), "max |log p/q|": float(d[ok].abs().max())}
+    for q in (0.0, 0.05, 0.5, 0.95, 1.0):
+        out[f"per-sequence sum log p/q, q{q:g}"] = float(seq.quantile(q))
+    for what, x in (("tokens", d[ok].double()), ("sequences", seq)):
+        out[f"{what} with p/q > 2 (TIS cap)"] = float((x > math.log(2)).double().mean())
+        out[f"{what} outside [0.5, 2] (IcePop)"] = float((x.abs() > math.log(2)).double().mean())
+    return out
+
+
+def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=None, logp_train_topk=None,
+                      topk_ids=None) -> Diagnosis:
+    """Why trainer (p) and sampler (q) disagree, from their per-token log-probs: every signature's statistic and
+    verdict, the first present one in DOCTOR_CAUSES' order of specificity as cause, the rest as also_possible.
+
+    (B, T) float logp_train / logp_infer, (B, T) bool mask; advantages (B, T), (B, 1) or (B,) enables the lag
+    test, routes = (routes_train, routes_infer) (B, T, L, k) int the routing test, logp_train_topk (B, T, K) (the
+    trainer at the sampler's top-K ids topk_ids, which are only shape-checked) the exact truncation test.
+    Reconstruction: the rules are this project's, tuned on its own engines (experiments.py doctor-eval).
+
+    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP,
+    Diagnosis, DOCTOR_ADVICE, _signature, _padding_signature, _misaligned_signature, _routing_signature,
+    _lag_signature, _outliers_signature, _truncation_signature, _temperature_signature, _numerics_signature,
+    _mismatch_numbers
+    """
+    _check_bt(mask, logp_train=logp_train, logp_infer=logp_infer)
+    logp_train, logp_infer = logp_train.detach().float(), logp_infer.detach().float()
+    d, ok = _finite_log_ratio(logp_train, logp_infer, mask)
+    if not ok.any():
+        raise ValueError("mask: no finite token to diagnose")
+    adv = None if advantages is None else _check_adv(advantages, mask)
+    if logp_train_topk is not None and (logp_train_topk.shape[:2] != mask.shape or topk_ids is not None
+                                        and topk_ids.shape != logp_train_topk.shape):
+        raise ValueError(f"logp_train_topk / topk_ids must be (B, T, K) with (B, T) = {tuple(mask.shape)}")
+    evidence = [_padding_signature(d, ok), _misaligned_signature(logp_train, logp_infer, ok),
+                _routing_signature(d, ok, routes), _lag_signature(logp_infer, d, ok, adv), _outliers_signature(d, ok),
+                _truncation_signature(d, ok, logp_train_topk), _temperature_signature(logp_train, logp_infer, ok),
+                _numerics_signature(d, ok)]
+    clean = float(d[ok].abs().mean()) < 1e-4  # below every real engine seen (fp16: ~1e-3)
+    present = [] if clean else [s["name"] for s in evidence if s["verdict"] == "present"]
+    cause = present[0] if present else ("clean" if clean else "numerics")  # numerics: a gap no signature explains
+    untested = [s["name"] for s in evidence if s["verdict"].startswith("cannot")] if cause != "clean" else []
+    return Diagnosis(cause, present[1:] + untested, evidence, DOCTOR_ADVICE[cause], _mismatch_numbers(d, ok))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # ---- weight export (fp32 master -> bf16 served copy) ----
 # Fair Cast [4] (reconstructed from the abstract): round-to-nearest silently drops every per-step update smaller
 # than half a bf16 cell (2^-8 of the weight's binade), so the sampler lags the master; unbiased rounding fixes it.
@@ -3596,6 +3784,8 @@ MOVED = ("compare", "bench")  # the lab's subcommands: experiments.py
 def main(argv: list[str] | None = None) -> None:
     """`python tim_rl.py [pretrain|train|demo] --help`; no subcommand runs the demo."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["doctor"]:  # the mismatch doctor: its own parser (_doctor_main)
+        return _doctor_main(argv[1:])
     parser = _parser()
     if argv[:1] and argv[0] in MOVED:  # one line, not argparse's list of choices
         parser.exit(2, f"tim_rl: error: {argv[0]} moved to experiments.py: python experiments.py {argv[0]} "
@@ -3627,3 +3817,59 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+DOCTOR_KEYS = (("old_per_token_logps", "sampling_per_token_logps", "completion_mask"),  # TRL's GRPOTrainer
+               ("old_log_probs", "rollout_log_probs", "response_mask"))  # verl's DataProto batch
+
+
+def _read_doctor_file(path: Path) -> dict:
+    """name -> tensor from .pt (a dict, torch.load weights_only=True), .safetensors or .jsonl (one JSON object per
+    sequence, each key a list over its tokens; rows padded with mask False)."""
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    if path.suffix == ".pt":
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+        return tensors if isinstance(tensors, dict) else {}
+    if path.suffix != ".jsonl":
+        raise ValueError("expected a .pt, .safetensors or .jsonl file")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    T = max((len(v) for row in rows for v in row.values() if isinstance(v, list)), default=0)
+    padded = {k: [row.get(k, []) + [0] * (T - len(row.get(k, []))) for row in rows] for k in (rows or [{}])[0]}
+    return {k: torch.tensor(v) for k, v in padded.items()}
+
+
+def _doctor_main(argv: list[str]) -> None:
+    """`python tim_rl.py doctor FILE [--keys TRAIN,INFER,MASK]`: diagnose_mismatch on a file's tensors, printed;
+    an unreadable file, a missing key, a bad shape or dtype is one error line and exit status 2."""
+    import argparse
+    import pickle
+
+    from safetensors import SafetensorError
+
+    parser = argparse.ArgumentParser(prog="tim_rl doctor", description="Why trainer and sampler log-probs disagree "
+                                     "(TRL / verl tensor names, or --keys; an 'advantages' tensor enables lag).")
+    parser.add_argument("file", type=Path, help=".pt, .safetensors or .jsonl")
+    parser.add_argument("--keys", default="", help="TRAIN,INFER,MASK: the names of the trainer's log-probs, the "
+                        "sampler's and the mask (default: TRL's or verl's names)")
+    args = parser.parse_args(argv)
+    keys = None
+    try:
+        tensors = _read_doctor_file(args.file)
+        names = [tuple(args.keys.split(","))] if args.keys else DOCTOR_KEYS
+        if len(names[0]) != 3:
+            raise ValueError(f"--keys takes three names, TRAIN,INFER,MASK, got {args.keys!r}")
+        keys = next((k for k in names if set(k) <= set(tensors)), None)
+        if keys is None:
+            raise ValueError(f"no tensors named {' or '.join(','.join(k) for k in names)} (found: "
+                             f"{', '.join(sorted(tensors)) or 'none'}; --keys TRAIN,INFER,MASK names them)")
+        train, infer, mask = (tensors[k] for k in keys)
+        _check_tensor(f"mask ({keys[2]})", mask, floating=False)
+        if mask.dtype != torch.bool and torch.isin(mask, torch.tensor([0, 1])).all():  # TRL / verl keep 0 / 1 ints
+            mask = mask.bool()
+        print(diagnose_mismatch(train, infer, mask, advantages=tensors.get("advantages")))
+    except (OSError, ValueError, TypeError, RuntimeError, pickle.UnpicklingError, SafetensorError) as e:
+        read_as = f" (read {', '.join(keys)} as logp_train, logp_infer, mask)" if keys else ""
+        parser.exit(2, f"tim_rl doctor: error: {args.file}: {str(e).splitlines()[0]}{read_as}\n")
