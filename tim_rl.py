@@ -2954,7 +2954,9 @@ class Update(NamedTuple):
     grad_norm: float
     frac_zeroed: float  # share of the tokens with A != 0 whose gradient the clip, mask or weight zeroed
     frac_zeroed_neg_adv: float  # the same among the tokens with A < 0
-    logp: torch.Tensor  # (B, T) detached, before the step: at the first update, the proximal policy
+    logp_kept: torch.Tensor  # (B, T) detached, before the step: the trainer renormalised on the kept support
+    logp_prox: torch.Tensor  # (B, T) the proximal policy the loss used: at the first update, its own logp detached
+    adv: torch.Tensor  # (B, T) or (B, 1), the advantages the loss used
     log_s: torch.Tensor | None  # (B, T) log kept mass under truncation, else None
     extra: dict  # first update only: kept_mass, the drift / signal split
     seconds: dict  # recompute / loss / optimizer
@@ -2972,7 +2974,7 @@ def update_on_batch(cfg: RLConfig, rs: RunState, ro: Rollout, rewards, logp_old,
     logp, logp_topk, hidden, log_s = rs.trainer.support_logprobs(ro, topk_ids, cfg.temperature, routes)
     clock.append(time.perf_counter())
     first = logp_prox is None
-    logp_before = logp.detach()
+    logp_kept = logp.detach()
     extra = {}
     if first and log_s is not None:
         extra["kept_mass"] = float(masked_mean(log_s.detach().exp(), ro.mask))
@@ -2988,8 +2990,6 @@ def update_on_batch(cfg: RLConfig, rs: RunState, ro: Rollout, rewards, logp_old,
         adv = (grpo_advantages(rewards, cfg.group) if cfg.baseline == "group" else rewards)[:, None]
         critic_loss = 0.0
     loss = policy_loss(cfg, logp, logp_topk, logp_prox, logp_old, ro, adv)
-    if first:
-        extra |= correction_shares(cfg, logp.detach(), ro.logp_infer, adv, ro.mask)
     w_eff = effective_token_weights(loss, logp, adv, ro.mask)  # what the arm did to each token
     if first and cfg.diagnose_drift:
         extra |= drift_signal_norms(rs.trainer.grad_leaves(), logp, logp_topk, ro.logp_infer, ro.logp_topk_infer,
@@ -3003,7 +3003,8 @@ def update_on_batch(cfg: RLConfig, rs: RunState, ro: Rollout, rewards, logp_old,
     frac_zeroed = float(zeroed.sum() / live.sum()) if live.any() else math.nan
     frac_zeroed_neg_adv = float((zeroed & negative).sum() / negative.sum()) if negative.any() else math.nan
     seconds = {phase: clock[k + 1] - clock[k] for k, phase in enumerate(("recompute", "loss", "optimizer"))}
-    return Update(loss.item(), grad_norm, frac_zeroed, frac_zeroed_neg_adv, logp_before, log_s, extra, seconds)
+    return Update(loss.item(), grad_norm, frac_zeroed, frac_zeroed_neg_adv, logp_kept, logp_prox, adv, log_s, extra,
+                  seconds)
 
 
 def rl_step(cfg: RLConfig, step: int, rs: RunState) -> dict:
@@ -3056,7 +3057,7 @@ def rl_step(cfg: RLConfig, step: int, rs: RunState) -> dict:
     logp_prox = None  # TIM: the proximal policy, the trainer before this batch's first update
     for _ in range(cfg.updates_per_batch):
         update = update_on_batch(cfg, rs, ro, rewards, logp_old, logp_prox, routes)
-        logp_prox = update.logp if logp_prox is None else logp_prox
+        logp_prox = update.logp_prox
         updates.append(update)
         for phase, seconds in update.seconds.items():
             sec[phase] += seconds
@@ -3084,7 +3085,7 @@ def rl_step(cfg: RLConfig, step: int, rs: RunState) -> dict:
     lap("sync")
 
     # 6) ledger and metrics: the first update's log-probs, before any step on this batch
-    ledger = mismatch_ledger(first.logp, logp_old, ro.logp_infer, ro.mask, logp_master_old, first.log_s,
+    ledger = mismatch_ledger(first.logp_kept, logp_old, ro.logp_infer, ro.mask, logp_master_old, first.log_s,
                              behaviour.logp_old_sampler_routes)
     record = {"step": step, "reward": float(rewards.mean()), "synced": resync, "visible_update_fraction": vuf,
               "staleness": rs.since_sync}
@@ -3092,6 +3093,7 @@ def rl_step(cfg: RLConfig, step: int, rs: RunState) -> dict:
         values = [getattr(u, key) for u in updates if math.isfinite(getattr(u, key))]
         record[key] = sum(values) / len(values) if values else None
     record |= {f"mm_{k}": v for k, v in mismatch_metrics(logp_prox, ro.logp_infer, ro.mask).items()}
+    record |= correction_shares(cfg, first.logp_prox, ro.logp_infer, first.adv, ro.mask)  # what a 2026 arm dropped
     record |= {f"ledger_{k}": v for k, v in ledger.items()} | extra | {"peak_rss_mb": peak_rss_mb()}
     if ro.entropy is not None:  # recorded by the sampler, which had the whole distribution
         record["entropy"] = float(masked_mean(ro.entropy, ro.mask))
