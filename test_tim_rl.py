@@ -2845,12 +2845,15 @@ def test_only_routers_with_qwen3_moes_forward_are_replayed_and_replays_nest():
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
     reference = inspect.getsource(Qwen3MoeTopKRouter.forward)
-    for name in tr.REPLAYABLE_ROUTERS:
-        family = name.replace("TopKRouter", "").replace("Text", "").lower()  # Qwen2Moe -> qwen2moe
-        modules = [m for m in ("qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "flex_olmo", "mellum")
-                   if m.replace("_", "") == family]
-        module = importlib.import_module(f"transformers.models.{modules[0]}.modeling_{modules[0]}")
-        assert inspect.getsource(getattr(module, name).forward) == reference, name
+    always = reference.replace("if self.norm_topk_prob:\n            router_top_value", "router_top_value")  # Qwen3.5
+    classes = {}
+    for family in ("qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "flex_olmo", "mellum", "qwen3_omni_moe",
+                   "qwen3_5_moe", "qwen3_vl_moe"):
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        classes |= {name: getattr(module, name) for name in tr.REPLAYABLE_ROUTERS if hasattr(module, name)}
+    assert set(classes) == set(tr.REPLAYABLE_ROUTERS) and always != reference
+    for name, router in classes.items():
+        assert inspect.getsource(router.forward) in (reference, always), name
     from transformers import MixtralConfig, MixtralForCausalLM
 
     mixtral = MixtralForCausalLM(MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
@@ -2944,19 +2947,21 @@ def test_replaying_an_exact_samplers_routes_reproduces_its_logprobs_and_a_plante
 @pytest.mark.parametrize("replay", ["none", "r2", "r3"])
 def test_moe_run_ledger_sums_to_the_total_and_logs_flip_rates(moe_base_dir, tmp_path, replay):
     """A bf16 MoE sampler with router noise, a bf16 RTN export (a rounding part) and a lag of one step: lag +
-    rounding + routing + numerics == total on every step; flip rates per layer and any layer; R3: routing 0."""
+    rounding + routing + gates + numerics == total on every step; flip rates per layer and any layer; R3: routing 0;
+    the router noise's gate values land in gates, not numerics."""
     cfg = tr.RLConfig(model=str(moe_base_dir), out_dir=str(tmp_path), name=replay, steps=4, prompts=8, group=4,
                       eval_every=4, eval_n=32, dtype="bf16", router_noise=0.3, sync_every=2, routing_replay=replay,
                       progress=False, checkpoint_every=0)
     steps = [r for r in tr.run(cfg) if "reward" in r]
     for r in steps:
-        parts = sum(r[f"ledger_{p}_mean"] for p in ("lag", "rounding", "routing", "numerics"))
+        parts = sum(r[f"ledger_{p}_mean"] for p in ("lag", "rounding", "routing", "gates", "numerics"))
         assert math.isclose(parts, r["ledger_total_mean"], abs_tol=1e-6), r
         assert 0 <= r["route_flip_layer3"] <= r["route_flip_any"] <= 1
     assert max(r["route_flip_any"] for r in steps) > 0.05, "router noise flips experts"
     routing = [r["ledger_routing_abs"] for r in steps]
     assert (max(routing) == 0) == (replay == "r3"), routing
     assert any(r["ledger_lag_abs"] > 0 for r in steps), "the lagged steps have lag"
+    assert all(r["ledger_gates_abs"] > r["ledger_numerics_abs"] for r in steps), "router noise: mostly gates"
 
 
 def test_moe_engine_numerics_reach_experts_and_routers_and_what_is_refused(moe_base_dir, base_model_dir,
