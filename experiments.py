@@ -1599,6 +1599,20 @@ def bench_rl_step_memory(quick: bool, out_dir: str) -> list[dict]:
     return rows
 
 
+def bench_route_bytes() -> list[dict]:
+    """Bytes per token of the routes an MoE rollout carries from sampling to the update (kept on the CPU): the tiny
+    MoE's, read off a rollout (expert ids and the torch sampler's gate weights), and Qwen3-30B-A3B's shape (48 decoder
+    layers x top-8 int16 ids, as vLLM's routed_experts: 768 B, ~28 GB for 4,096 x 9k tokens)."""
+    ro = tr.TorchSampler(tr.build_tiny_moe_model()).sample([[1, 5, 6]], 1, 2, generator=torch.Generator().manual_seed(0))
+    L, k = ro.routed_experts.shape[2:]
+    per_token = [ro.routed_experts[0, 0].numel() * ro.routed_experts.element_size(),
+                 ro.routed_weights[0, 0].numel() * ro.routed_weights.element_size()]
+    return [_row(f"route ids per token, tiny MoE ({L} layers x top-{k}, int16)", "bytes", per_token[0], "report"),
+            _row(f"gate weights per token, tiny MoE ({L} layers x top-{k}, fp32)", "bytes", per_token[1], "report"),
+            _row("route ids per token, Qwen3-30B-A3B shape (48 layers x top-8, int16)", "bytes",
+                 48 * 8 * torch.empty((), dtype=torch.int16).element_size(), "report")]
+
+
 def bench_verifier(repeats: int) -> list[dict]:
     """Worst per-call time of verify() over adversarial 10 kB texts (and one of 1 MB), in milliseconds."""
     n = 10_000
@@ -1641,6 +1655,7 @@ def bench(cfg: BenchConfig) -> list[dict]:
     rows += done("RL step", bench_rl_step(model_dir, 6 if q else 40, cfg.out, device))
     rows += done("RL step memory", bench_rl_step_memory(q, cfg.out))
     rows += done("verifier", bench_verifier(cfg.repeats))
+    rows += done("MoE route bytes", bench_route_bytes())
     table = _markdown_table(rows)
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     header = (f"`python experiments.py bench{' --quick' if q else ''} --device {device.type}`: torch "

@@ -357,7 +357,8 @@ def mismatch_ledger(
 
 def routing_flip_rate(routes_a: torch.Tensor, routes_b: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Share of positions whose k experts (as a set) differ between two routings, per MoE layer ("layer0", ...) and
-    in any layer ("any"). routes (B, S, L, k) int, -1: no route (left out); mask (B, S) bool, True where counted.
+    in any layer ("any"). routes (B, S, L, k) int, -1: no route (left out; -1 everywhere: a dense layer, skipped);
+    mask (B, S) bool, True where counted.
 
     needs: _check_tensor
     """
@@ -366,10 +367,12 @@ def routing_flip_rate(routes_a: torch.Tensor, routes_b: torch.Tensor, mask: torc
     if routes_a.shape != routes_b.shape or routes_a.shape[:2] != mask.shape:
         raise ValueError(f"routes_a {tuple(routes_a.shape)} and routes_b {tuple(routes_b.shape)} must have one shape "
                          f"(B, S, L, k) with (B, S) = mask's {tuple(mask.shape)}")
+    layers = [n for n in range(routes_a.shape[2]) if (routes_a[:, :, n] >= 0).any() or (routes_b[:, :, n] >= 0).any()]
+    routes_a, routes_b = routes_a[:, :, layers], routes_b[:, :, layers]  # the MoE layers
     routed = mask & (routes_a >= 0).all(-1).all(-1) & (routes_b >= 0).all(-1).all(-1)  # (B, S)
     flipped = (routes_a.sort(-1).values != routes_b.sort(-1).values).any(-1)[routed].double()  # (N, L) 0 / 1
     n = max(flipped.shape[0], 1)
-    per_layer = {f"layer{layer}": float(flipped[:, layer].sum() / n) for layer in range(flipped.shape[1])}
+    per_layer = {f"layer{layer}": float(flipped[:, i].sum() / n) for i, layer in enumerate(layers)}
     return per_layer | {"any": float(flipped.amax(-1).sum() / n)}
 
 
@@ -1924,7 +1927,7 @@ def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: 
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     hidden = out.hidden_states[-1][:, P - 1 : P + T - 1]
-    return Forward(logits, hidden, stack_routes(route_log, input_ids.shape[0]))
+    return Forward(logits, hidden, stack_routes(route_log, input_ids.shape[0]) if record else None)
 
 
 def logprobs_on_support(logits: torch.Tensor, rollout: Rollout, topk_ids: torch.Tensor | None = None):
