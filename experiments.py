@@ -776,7 +776,7 @@ def routing_engines(router_noise: float = MOE_ROUTER_NOISE) -> list[tuple[str, t
 def routing_rows(model_dir: str | Path, seeds: tuple[int, ...] = (0,), n_prompts: int = 64, n: int = 4,
                  router_noise: float = MOE_ROUTER_NOISE) -> list[dict]:
     """Per (engine, seed): the fp32 trainer engine (Trainer.behaviour_logprobs, its own experts or, R3, the
-    sampler's) against an MoE sampler on the tokens it sampled: the ledger's total, routing and numerics parts
+    sampler's) against an MoE sampler on the tokens it sampled: the ledger's total, routing, gates and numerics parts
     (mean |.| per token) and the share of fed positions whose experts differ, per layer and in any layer."""
     model_dir = Path(model_dir)
     tokenizer, model = tr.load_tokenizer(model_dir), tr.load_model(model_dir).eval()
@@ -790,12 +790,13 @@ def routing_rows(model_dir: str | Path, seeds: tuple[int, ...] = (0,), n_prompts
                                 torch.Generator().manual_seed(seed))
             behaviour = trainer.behaviour_logprobs(ro, routing_replay="r3" if r3 else "none")
             ledger = tr.mismatch_ledger(behaviour.logp_old, behaviour.logp_old, ro.logp_infer, ro.mask,
-                                        logp_old_sampler_routes=behaviour.logp_old_sampler_routes)
+                                        logp_old_sampler_routes=behaviour.logp_old_sampler_routes,
+                                        logp_old_sampler_gates=behaviour.logp_old_sampler_gates)
             used = ro.routed_experts if r3 else behaviour.routes  # TIM: the experts this trainer computes with
             flips = tr.routing_flip_rate(ro.routed_experts, used, torch.cat([ro.prompt_mask, ro.mask], 1))
             rows.append({"engine": label, "seed": seed, "tokens": int(ro.mask.sum()),
                          "abs_diff": ledger["total_abs"], "routing_abs": ledger["routing_abs"],
-                         "numerics_abs": ledger["numerics_abs"]} | {f"flip_{k}": v for k, v in flips.items()})
+                         "gates_abs": ledger["gates_abs"], "numerics_abs": ledger["numerics_abs"]} | {f"flip_{k}": v for k, v in flips.items()})
         del sampler
     return rows
 
@@ -808,6 +809,7 @@ def routing_table(rows: list[dict]) -> list[dict]:
         row = {"engine": label, "seeds": len(rs), "tokens / seed": rs[0]["tokens"]}
         row["mean abs Δlogp"] = _mean_sd([r["abs_diff"] for r in rs], "{:.3g}")
         row["routing part"] = _mean_sd([r["routing_abs"] for r in rs], "{:.3g}")
+        row["gates part"] = _mean_sd([r["gates_abs"] for r in rs], "{:.3g}")
         row["numerics part"] = _mean_sd([r["numerics_abs"] for r in rs], "{:.3g}")
         row["flip any layer"] = _mean_sd([r["flip_any"] for r in rs], "{:.3f}")
         for key in sorted(k for k in rs[0] if k.startswith("flip_layer")):
@@ -820,7 +822,8 @@ def _routing_attribution(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[
     """The moe preset's measurement: routing_table on its base model, 64 (smoke: 8) prompts x 4 per seed."""
     rows = routing_rows(pc.model, tuple(seeds), n_prompts=8 if pc.smoke else 64)  # the preset's own base model
     return (("Where the MoE sampler's mismatch comes from (fp32 trainer on the same weights; parts are mean |.| per "
-            "token: routing = own experts - the sampler's replayed, numerics = replayed - sampler; flip = share of "
+            "token: routing = own experts - the sampler's replayed, gates = the trainer's gate weights on them - the "
+            "sampler's replayed too, numerics = both replayed - sampler; flip = share of "
             "fed positions whose top-2 experts differ; under R3 the trainer uses the sampler's experts):"),
             routing_table(rows))
 
@@ -1044,6 +1047,10 @@ LAG_LABEL, TOP_P_LABEL = f"(k={PRESET_LAG})", f"(bf16, top_p {PRESET_TOP_P})"  #
 MOE_LABEL = f"(bf16, router noise {MOE_ROUTER_NOISE})"
 MOE_ROUTER_NOISE_HIGH = 1.0  # the pilot's second level, added after run 1 (MOE_REVISED)
 MOE_LABEL_HIGH = f"(bf16, router noise {MOE_ROUTER_NOISE_HIGH})"
+MOE_R2_REVISED = ("R2's meaning changed after run 1 (round 5): run 1's R2 replayed the behaviour copy's experts (the "
+                  "sampler's weights, which lag), not those of the policy being updated; at 1 update per batch the "
+                  "corrected R2 forces the live router's own choice, so this claim needs >= 2 updates per batch "
+                  "(not yet re-run: re-publication pending)")
 MOE_REVISED = (f"added after run 1, whose none arm at router noise {MOE_ROUTER_NOISE} did not trail the control on "
                "pc auc over 5 seeds (-0.0039 [-0.0087, +0.0009]); the pilot's second level")
 RL_PRESETS = {
@@ -1167,7 +1174,8 @@ RL_PRESETS = {
                "and 0.21, sampled reward 0.17 and 0.07; s = 0.8: reward 0, nothing left to learn from). The "
                "rules did not change.") + "\n\n" + DOSE_RULES),
     # Routing replay (Ma et al., arXiv 2510.11370): a bf16 MoE sampler whose routers carry relative noise
-    # MOE_ROUTER_NOISE (its pilot); R3 replays the sampler's experts, R2 those of the trainer's behaviour pass
+    # MOE_ROUTER_NOISE (its pilot); R3 replays the sampler's experts, R2 those the policy being updated chose before
+    # the update (until round 5: the behaviour copy's, the sampler's weights; MOE_R2_REVISED)
     "moe": RLPreset(
         f"moe: routing mismatch in a tiny Qwen3-MoE (bf16 sampler, router noise {MOE_ROUTER_NOISE})",
         ((f"none {MOE_LABEL}", {"correction": "none"}), (f"tis {MOE_LABEL}", {"correction": "tis"}),
@@ -1181,8 +1189,8 @@ RL_PRESETS = {
                direction=-1),
          Claim("R3 (the sampler's experts replayed) beats no correction", f"R3 {MOE_LABEL}", f"none {MOE_LABEL}"),
          Claim("R3 + TIS beats TIS alone", f"R3 + tis {MOE_LABEL}", f"tis {MOE_LABEL}"),
-         Claim("R3 beats R2 (the trainer's own behaviour-pass experts replayed)", f"R3 {MOE_LABEL}",
-               f"R2 {MOE_LABEL}"),
+         Claim("R3 beats R2 (the experts the policy being updated chose before the update, replayed)",
+               f"R3 {MOE_LABEL}", f"R2 {MOE_LABEL}", revised=MOE_R2_REVISED),
          Claim("TIS beats no correction", f"tis {MOE_LABEL}", f"none {MOE_LABEL}"),
          Claim(f"router noise {MOE_ROUTER_NOISE_HIGH} hurts uncorrected REINFORCE", f"none {MOE_LABEL_HIGH}",
                SYNCED_CONTROL, direction=-1, revised=MOE_REVISED),

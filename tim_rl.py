@@ -2369,7 +2369,8 @@ class Trainer:
                            routing_replay: str = "none") -> Behaviour:
         """The trainer engine on the served weights / on the master at export, renormalised on the kept support
         (Behaviour). One forward per model; an MoE model with the sampler's routes gets a second one on the served
-        weights, so that the ledger can split routing from numerics.
+        weights (and a third with its gate weights), so that the ledger can split routing / gates / numerics; R2 one
+        on the current weights (the experts the update replays).
 
         truncation = (top_p, top_k, min_p): the kept support is also rebuilt from the behaviour logits of that same
         forward (kept_support_from_logits) and used where the sampler returned none (rollout.kept_ids None).
