@@ -956,8 +956,9 @@ def drift_signal_norms(params, logp, logp_topk, logp_infer, logp_topk_infer, adv
 # A mixture-of-experts layer sends each token to the top-k experts of its router's softmax. A tiny numerical
 # difference between two engines flips a near-tie, and the token's output jumps. Routing replay (Ma et al., arXiv
 # 2510.11370; Megatron-Core RouterReplay, verl router_replay R2 | R3, slime) records the discrete expert ids and forces
-# them in the trainer, with the weights recomputed from the trainer's live router scores. R2 records them in the
-# trainer's behaviour pass, R3 in the inference engine (vLLM and SGLang on a GPU: enable_return_routed_experts).
+# them in the trainer, with the weights recomputed from the trainer's live router scores. R2 records them from the
+# policy being updated before its update (verl: compute_log_prob), R3 in the inference engine (vLLM and SGLang on a
+# GPU: enable_return_routed_experts).
 
 # transformers 5.19 routers whose forward is Qwen3MoeTopKRouter.forward line for line (softmax, top-k, renormalise;
 # the Qwen3.5-MoE, Qwen3-VL-MoE and Qwen3-Omni-MoE text routers have no norm_topk_prob and always renormalise);
@@ -2389,7 +2390,7 @@ class Trainer:
         del forward  # before the next forward's logits
         logp_old_sampler_routes = logp_old_sampler_gates = None
         if sampler_routes is not None:  # TIM: the same weights on the sampler's experts: routing vs numerics
-            replayed = response_forward(self.behaviour, rollout, temperature, routes=sampler_routes)
+            replayed = response_forward(self.behaviour, rollout, temperature, routes=sampler_routes, record=False)
             logp_old_sampler_routes = logprobs_on_support(replayed.logits, rollout)[0]
             del replayed
             if rollout.routed_weights is not None:  # TIM: and on the sampler's gate weights: gates vs numerics
