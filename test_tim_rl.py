@@ -3778,6 +3778,11 @@ def test_replay_survives_activation_checkpointing_log_probs_and_every_gradient(r
         assert (grads_ckpt[name] - g).norm() <= 1e-5 * g.norm(), name
     live = logp_and_grads(False, None)[1]["model.layers.0.mlp.gate.weight"]
     assert (live - grads["model.layers.0.mlp.gate.weight"]).norm() > 0.1 * live.norm()
+    trainer = tr.Trainer(tr.copy.deepcopy(model))  # the RL step: Trainer.step releases them after its backward
+    logp = trainer.support_logprobs(ro, routes=routes)[0]
+    assert all(vars(r)["forward"].recomputes for r in tr.moe_routers(trainer.model)), "kept for the recompute"
+    trainer.step(-logp.mean())
+    assert not any("forward" in vars(r) for r in tr.moe_routers(trainer.model))
 
 
 def test_forced_gate_weights_cannot_underflow_and_equal_todays_where_finite():
