@@ -886,7 +886,7 @@ def routing_engines(router_noise: float = MOE_ROUTER_NOISE) -> list[tuple[str, t
 def routing_rows(model_dir: str | Path, seeds: tuple[int, ...] = (0,), n_prompts: int = 64, n: int = 4,
                  router_noise: float = MOE_ROUTER_NOISE) -> list[dict]:
     """Per (engine, seed): the fp32 trainer engine (Trainer.behaviour_logprobs, its own experts or, R3, the
-    sampler's) against an MoE sampler on the tokens it sampled: the ledger's total, routing and numerics parts
+    sampler's) against an MoE sampler on the tokens it sampled: the ledger's total, routing, gates and numerics parts
     (mean |.| per token) and the share of fed positions whose experts differ, per layer and in any layer."""
     model_dir = Path(model_dir)
     tokenizer, model = tr.load_tokenizer(model_dir), tr.load_model(model_dir).eval()
@@ -900,12 +900,13 @@ def routing_rows(model_dir: str | Path, seeds: tuple[int, ...] = (0,), n_prompts
                                 torch.Generator().manual_seed(seed))
             behaviour = trainer.behaviour_logprobs(ro, routing_replay="r3" if r3 else "none")
             ledger = tr.mismatch_ledger(behaviour.logp_old, behaviour.logp_old, ro.logp_infer, ro.mask,
-                                        logp_old_sampler_routes=behaviour.logp_old_sampler_routes)
+                                        logp_old_sampler_routes=behaviour.logp_old_sampler_routes,
+                                        logp_old_sampler_gates=behaviour.logp_old_sampler_gates)
             used = ro.routed_experts if r3 else behaviour.routes  # TIM: the experts this trainer computes with
             flips = tr.routing_flip_rate(ro.routed_experts, used, torch.cat([ro.prompt_mask, ro.mask], 1))
             rows.append({"engine": label, "seed": seed, "tokens": int(ro.mask.sum()),
                          "abs_diff": ledger["total_abs"], "routing_abs": ledger["routing_abs"],
-                         "numerics_abs": ledger["numerics_abs"]} | {f"flip_{k}": v for k, v in flips.items()})
+                         "gates_abs": ledger["gates_abs"], "numerics_abs": ledger["numerics_abs"]} | {f"flip_{k}": v for k, v in flips.items()})
         del sampler
     return rows
 
@@ -918,6 +919,7 @@ def routing_table(rows: list[dict]) -> list[dict]:
         row = {"engine": label, "seeds": len(rs), "tokens / seed": rs[0]["tokens"]}
         row["mean abs Δlogp"] = _mean_sd([r["abs_diff"] for r in rs], "{:.3g}")
         row["routing part"] = _mean_sd([r["routing_abs"] for r in rs], "{:.3g}")
+        row["gates part"] = _mean_sd([r["gates_abs"] for r in rs], "{:.3g}")
         row["numerics part"] = _mean_sd([r["numerics_abs"] for r in rs], "{:.3g}")
         row["flip any layer"] = _mean_sd([r["flip_any"] for r in rs], "{:.3f}")
         for key in sorted(k for k in rs[0] if k.startswith("flip_layer")):
@@ -930,7 +932,8 @@ def _routing_attribution(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[
     """The moe preset's measurement: routing_table on its base model, 64 (smoke: 8) prompts x 4 per seed."""
     rows = routing_rows(pc.model, tuple(seeds), n_prompts=8 if pc.smoke else 64)  # the preset's own base model
     return (("Where the MoE sampler's mismatch comes from (fp32 trainer on the same weights; parts are mean |.| per "
-            "token: routing = own experts - the sampler's replayed, numerics = replayed - sampler; flip = share of "
+            "token: routing = own experts - the sampler's replayed, gates = the trainer's gate weights on them - the "
+            "sampler's replayed too, numerics = both replayed - sampler; flip = share of "
             "fed positions whose top-2 experts differ; under R3 the trainer uses the sampler's experts):"),
             routing_table(rows))
 
@@ -1197,6 +1200,10 @@ LAG_LABEL, TOP_P_LABEL = f"(k={PRESET_LAG})", f"(bf16, top_p {PRESET_TOP_P})"  #
 MOE_LABEL = f"(bf16, router noise {MOE_ROUTER_NOISE})"
 MOE_ROUTER_NOISE_HIGH = 1.0  # the pilot's second level, added after run 1 (MOE_REVISED)
 MOE_LABEL_HIGH = f"(bf16, router noise {MOE_ROUTER_NOISE_HIGH})"
+MOE_R2_REVISED = ("R2's meaning changed after run 1 (round 5): run 1's R2 replayed the behaviour copy's experts (the "
+                  "sampler's weights, which lag), not those of the policy being updated; at 1 update per batch the "
+                  "corrected R2 forces the live router's own choice, so this claim needs >= 2 updates per batch "
+                  "(not yet re-run: re-publication pending)")
 MOE_REVISED = (f"added after run 1, whose none arm at router noise {MOE_ROUTER_NOISE} did not trail the control on "
                "pc auc over 5 seeds (-0.0039 [-0.0087, +0.0009]); the pilot's second level")
 # the corrections-2026 preset: each arm at the staleness preset's lag and at the dose preset's first harmful level
@@ -1366,7 +1373,8 @@ RL_PRESETS = {
                "no verdict resolves by chance in more than 5% of runs; the masked and clipped shares are in the "
                "arm table.")),
     # Routing replay (Ma et al., arXiv 2510.11370): a bf16 MoE sampler whose routers carry relative noise
-    # MOE_ROUTER_NOISE (its pilot); R3 replays the sampler's experts, R2 those of the trainer's behaviour pass
+    # MOE_ROUTER_NOISE (its pilot); R3 replays the sampler's experts, R2 those the policy being updated chose before
+    # the update (until round 5: the behaviour copy's, the sampler's weights; MOE_R2_REVISED)
     "moe": RLPreset(
         f"moe: routing mismatch in a tiny Qwen3-MoE (bf16 sampler, router noise {MOE_ROUTER_NOISE})",
         ((f"none {MOE_LABEL}", {"correction": "none"}), (f"tis {MOE_LABEL}", {"correction": "tis"}),
@@ -1380,8 +1388,8 @@ RL_PRESETS = {
                direction=-1),
          Claim("R3 (the sampler's experts replayed) beats no correction", f"R3 {MOE_LABEL}", f"none {MOE_LABEL}"),
          Claim("R3 + TIS beats TIS alone", f"R3 + tis {MOE_LABEL}", f"tis {MOE_LABEL}"),
-         Claim("R3 beats R2 (the trainer's own behaviour-pass experts replayed)", f"R3 {MOE_LABEL}",
-               f"R2 {MOE_LABEL}"),
+         Claim("R3 beats R2 (the experts the policy being updated chose before the update, replayed)",
+               f"R3 {MOE_LABEL}", f"R2 {MOE_LABEL}", revised=MOE_R2_REVISED),
          Claim("TIS beats no correction", f"tis {MOE_LABEL}", f"none {MOE_LABEL}"),
          Claim(f"router noise {MOE_ROUTER_NOISE_HIGH} hurts uncorrected REINFORCE", f"none {MOE_LABEL_HIGH}",
                SYNCED_CONTROL, direction=-1, revised=MOE_REVISED),
@@ -1611,7 +1619,7 @@ class DoctorCase(NamedTuple):
 
 def _doctor_rollout(model, tokenizer, spec, problems, n, n_new, seed, temperature=1.0, **truncation):
     """(rollout, the fp32 trainer's logp on its tokens, GRPO advantages) of one TorchSampler engine."""
-    prompts, answers = tr._encode_problems(tokenizer, problems)
+    prompts, answers = tr.encode_problems(tokenizer, problems)
     sampler = tr.TorchSampler(model, spec, tokenizer)
     ro = sampler.sample(prompts, n, n_new, temperature, None, torch.Generator().manual_seed(seed), **truncation)
     with torch.no_grad():
@@ -1646,10 +1654,10 @@ def _stale_rollout(model, tokenizer, spec, problems, n, seed, k):
 
 def _doctor_models() -> dict:
     """The dense base, the MoE base, another checkpoint of the dense one and the long-answer (swap) base."""
-    dirs = {"dense": tr._model_dir("runs/base"), "moe": tr._model_dir(tr.MOE_BASE),
+    dirs = {"dense": tr.resolve_model_dir("runs/base"), "moe": tr.resolve_model_dir(tr.MOE_BASE),
             "other": tr.ensure_base_model(f"runs/base-{DOCTOR_OTHER[0]}", **DOCTOR_OTHER[1]),
             "long": tr.ensure_base_model(f"runs/base-{DOCTOR_LONG[0]}", **DOCTOR_LONG[1])}
-    return {name: (tr.load_model(d).eval(), tr._task_kwargs(d)) for name, d in dirs.items()}
+    return {name: (tr.load_model(d).eval(), tr.task_kwargs(d)) for name, d in dirs.items()}
 
 
 def doctor_cases(seed: int, models: dict, n_prompts: int = 64, n: int = 4) -> list[DoctorCase]:
@@ -1792,7 +1800,7 @@ def doctor_eval(seeds=DOCTOR_EVAL_SEEDS, publish: bool = False, root: Path = Pat
             + "\n\n" + DOCTOR_NOTES)
     if publish:
         path = root / "RESULTS.md"
-        tr._write_atomic(path, _replace_block(path.read_text(), "doctor-eval", text))
+        tr.write_atomic(path, _replace_block(path.read_text(), "doctor-eval", text))
     return text
 
 
@@ -2088,6 +2096,20 @@ def bench_rl_step_memory(quick: bool, out_dir: str) -> list[dict]:
     return rows
 
 
+def bench_route_bytes() -> list[dict]:
+    """Bytes per token of the routes an MoE rollout carries from sampling to the update (kept on the CPU): the tiny
+    MoE's, read off a rollout (expert ids and the torch sampler's gate weights), and Qwen3-30B-A3B's shape (48 decoder
+    layers x top-8 int16 ids, as vLLM's routed_experts: 768 B, ~28 GB for 4,096 x 9k tokens)."""
+    ro = tr.TorchSampler(tr.build_tiny_moe_model()).sample([[1, 5, 6]], 1, 2, generator=torch.Generator().manual_seed(0))
+    L, k = ro.routed_experts.shape[2:]
+    per_token = [ro.routed_experts[0, 0].numel() * ro.routed_experts.element_size(),
+                 ro.routed_weights[0, 0].numel() * ro.routed_weights.element_size()]
+    return [_row(f"route ids per token, tiny MoE ({L} layers x top-{k}, int16)", "bytes", per_token[0], "report"),
+            _row(f"gate weights per token, tiny MoE ({L} layers x top-{k}, fp32)", "bytes", per_token[1], "report"),
+            _row("route ids per token, Qwen3-30B-A3B shape (48 layers x top-8, int16)", "bytes",
+                 48 * 8 * torch.empty((), dtype=torch.int16).element_size(), "report")]
+
+
 def bench_verifier(repeats: int) -> list[dict]:
     """Worst per-call time of verify() over adversarial 10 kB texts (and one of 1 MB), in milliseconds."""
     n = 10_000
@@ -2130,6 +2152,7 @@ def bench(cfg: BenchConfig) -> list[dict]:
     rows += done("RL step", bench_rl_step(model_dir, 6 if q else 40, cfg.out, device))
     rows += done("RL step memory", bench_rl_step_memory(q, cfg.out))
     rows += done("verifier", bench_verifier(cfg.repeats))
+    rows += done("MoE route bytes", bench_route_bytes())
     table = _markdown_table(rows)
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     header = (f"`python experiments.py bench{' --quick' if q else ''} --device {device.type}`: torch "

@@ -2882,12 +2882,15 @@ def test_only_routers_with_qwen3_moes_forward_are_replayed_and_replays_nest():
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
     reference = inspect.getsource(Qwen3MoeTopKRouter.forward)
-    for name in tr.REPLAYABLE_ROUTERS:
-        family = name.replace("TopKRouter", "").replace("Text", "").lower()  # Qwen2Moe -> qwen2moe
-        modules = [m for m in ("qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "flex_olmo", "mellum")
-                   if m.replace("_", "") == family]
-        module = importlib.import_module(f"transformers.models.{modules[0]}.modeling_{modules[0]}")
-        assert inspect.getsource(getattr(module, name).forward) == reference, name
+    always = reference.replace("if self.norm_topk_prob:\n            router_top_value", "router_top_value")  # Qwen3.5
+    classes = {}
+    for family in ("qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "flex_olmo", "mellum", "qwen3_omni_moe",
+                   "qwen3_5_moe", "qwen3_vl_moe"):
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        classes |= {name: getattr(module, name) for name in tr.REPLAYABLE_ROUTERS if hasattr(module, name)}
+    assert set(classes) == set(tr.REPLAYABLE_ROUTERS) and always != reference
+    for name, router in classes.items():
+        assert inspect.getsource(router.forward) in (reference, always), name
     from transformers import MixtralConfig, MixtralForCausalLM
 
     mixtral = MixtralForCausalLM(MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
@@ -2981,19 +2984,21 @@ def test_replaying_an_exact_samplers_routes_reproduces_its_logprobs_and_a_plante
 @pytest.mark.parametrize("replay", ["none", "r2", "r3"])
 def test_moe_run_ledger_sums_to_the_total_and_logs_flip_rates(moe_base_dir, tmp_path, replay):
     """A bf16 MoE sampler with router noise, a bf16 RTN export (a rounding part) and a lag of one step: lag +
-    rounding + routing + numerics == total on every step; flip rates per layer and any layer; R3: routing 0."""
+    rounding + routing + gates + numerics == total on every step; flip rates per layer and any layer; R3: routing 0;
+    the router noise's gate values land in gates, not numerics."""
     cfg = tr.RLConfig(model=str(moe_base_dir), out_dir=str(tmp_path), name=replay, steps=4, prompts=8, group=4,
                       eval_every=4, eval_n=32, dtype="bf16", router_noise=0.3, sync_every=2, routing_replay=replay,
                       progress=False, checkpoint_every=0)
     steps = [r for r in tr.run(cfg) if "reward" in r]
     for r in steps:
-        parts = sum(r[f"ledger_{p}_mean"] for p in ("lag", "rounding", "routing", "numerics"))
+        parts = sum(r[f"ledger_{p}_mean"] for p in ("lag", "rounding", "routing", "gates", "numerics"))
         assert math.isclose(parts, r["ledger_total_mean"], abs_tol=1e-6), r
         assert 0 <= r["route_flip_layer3"] <= r["route_flip_any"] <= 1
     assert max(r["route_flip_any"] for r in steps) > 0.05, "router noise flips experts"
     routing = [r["ledger_routing_abs"] for r in steps]
     assert (max(routing) == 0) == (replay == "r3"), routing
     assert any(r["ledger_lag_abs"] > 0 for r in steps), "the lagged steps have lag"
+    assert all(r["ledger_gates_abs"] > r["ledger_numerics_abs"] for r in steps), "router noise: mostly gates"
 
 
 def test_moe_engine_numerics_reach_experts_and_routers_and_what_is_refused(moe_base_dir, base_model_dir,
@@ -3651,9 +3656,6 @@ def test_each_flag_has_one_meaning_tis_cap_seq_tis_cap_dlc_lag_cap():
     parser = argparse.ArgumentParser()
     tr.add_config_flags(parser, tr.RLConfig)
     assert "--seq-tis-cap" in parser.format_help() and "--dlc-lag-cap" in parser.format_help()
-
-
-# ==========================================================================================================
 
 
 # =================================================================================================================
@@ -4455,3 +4457,262 @@ def test_doctor_refuses_routes_and_topk_of_the_wrong_shape():
     with pytest.raises(ValueError, match="logp_train_topk"):
         tr.diagnose_mismatch(p, q, mask, logp_train_topk=torch.zeros(128, 5, 3))
     assert tr.diagnose_mismatch(p, q, mask, routes=(routes, routes)).cause == "numerics"  # the twin: shapes fit
+
+
+# =================================================================================================================
+# MoE routing a trainer can copy: replay under activation checkpointing, R2 on the policy being updated, gates that
+# cannot underflow, routes by decoder layer on the CPU, the sampler's gate weights in the ledger, no silent no-op
+
+
+def _moe_rollout(model, B=3, P=4, T=5, seed=0):
+    """A Rollout of random prompt / response ids for `model` (no sampler): what response_forward reads."""
+    g = torch.Generator().manual_seed(seed)
+    V = model.config.vocab_size
+    prompt, response = torch.randint(3, V, (B, P), generator=g), torch.randint(3, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    return tr.Rollout(prompt, torch.ones(B, P, dtype=torch.bool), response, mask, torch.zeros(B, T),
+                      torch.zeros(B, T, 0, dtype=torch.long), torch.zeros(B, T, 0), [""] * B)
+
+
+def _random_routes(B, S, L, E, k, seed=1):
+    """(B, S, L, k) distinct expert ids per position, int16, -1 at the last position (never fed)."""
+    routes = torch.rand(B, S, L, E, generator=torch.Generator().manual_seed(seed)).argsort(-1)[..., :k].short()
+    routes[:, -1] = -1
+    return routes
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_replay_survives_activation_checkpointing_log_probs_and_every_gradient(reentrant):
+    """HF gradient checkpointing recomputes each layer in the backward, after replay_routes' block: the routers must
+    force the same experts there. Log-probs and every parameter's gradient equal the non-checkpointed replay's (rel
+    <= 1e-5); the twin: the live-routed gradient is far from the replayed one (the replay matters)."""
+    model = tr.build_tiny_moe_model(layers=2, hidden=32, heads=2, expert_intermediate=16)
+    ro = _moe_rollout(model)
+    routes = _random_routes(3, 9, 2, 8, 2)
+
+    def logp_and_grads(checkpointing: bool, replay=routes):
+        m = tr.copy.deepcopy(model).train()  # (no dropout in this config) HF checkpoints in training mode only
+        if checkpointing:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        logp = tr.sequence_logprobs(m, ro, routes=replay)[0]
+        logp.sum().backward()
+        tr.release_routes(m)
+        assert not any("forward" in vars(r) for r in tr.moe_routers(m)), "released after the backward"
+        return logp.detach(), {n: p.grad for n, p in m.named_parameters()}
+
+    (logp, grads), (logp_ckpt, grads_ckpt) = logp_and_grads(False), logp_and_grads(True)
+    assert torch.allclose(logp_ckpt, logp, rtol=1e-5, atol=0)
+    for name, g in grads.items():
+        assert (grads_ckpt[name] - g).norm() <= 1e-5 * g.norm(), name
+    live = logp_and_grads(False, None)[1]["model.layers.0.mlp.gate.weight"]
+    assert (live - grads["model.layers.0.mlp.gate.weight"]).norm() > 0.1 * live.norm()
+    trainer = tr.Trainer(tr.copy.deepcopy(model))  # the RL step: Trainer.step releases them after its backward
+    logp = trainer.support_logprobs(ro, routes=routes)[0]
+    assert all(vars(r)["forward"].recomputes for r in tr.moe_routers(trainer.model)), "kept for the recompute"
+    trainer.step(-logp.mean())
+    assert not any("forward" in vars(r) for r in tr.moe_routers(trainer.model))
+
+
+def test_forced_gate_weights_cannot_underflow_and_equal_todays_where_finite():
+    """norm_topk_prob: where every forced expert's probability underflows (logit gap ~110), softmax-then-gather gives
+    0 / 0 = nan; the weights are then Megatron's softmax over the gathered logits [0.99995, 4.5e-5], with a finite
+    gradient. Where today's are finite, bit for bit today's; without norm_topk_prob, the full softmax gathered (0)."""
+    router = _hand_router(E=3, H=3, k=2)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(3))  # logits = hidden
+    hidden = torch.tensor([[0.0, -110.0, -120.0]] + torch.randn(6, 3, generator=torch.Generator().manual_seed(0))
+                          .tolist(), requires_grad=True)
+    forced = torch.tensor([[1, 2], [1, 2], [2, 0], [0, 1], [1, 0], [2, 1], [0, 2]])
+    probs = torch.softmax(hidden.detach(), -1).gather(-1, forced)
+    today = probs / probs.sum(-1, keepdim=True)  # softmax over all experts, gathered, renormalised
+    assert today[0].isnan().all(), "the twin: today's weights are nan there"
+    weights = tr.routed_router_forward(router, hidden, forced)[1]
+    assert torch.equal(weights[1:], today[1:])
+    assert torch.allclose(weights[0], torch.softmax(torch.tensor([-110.0, -120.0]), -1), rtol=1e-6)
+    assert math.isclose(float(weights[0, 1].detach()), 4.54e-5, rel_tol=1e-2)
+    weights[:, 0].sum().backward()
+    assert torch.isfinite(hidden.grad).all() and hidden.grad[0].abs().sum() > 0
+    router.norm_topk_prob = False
+    assert torch.equal(tr.routed_router_forward(router, hidden.detach(), forced)[1], probs)
+
+
+NEW_ROUTERS = {"Qwen3OmniMoeThinkerTextTopKRouter": "qwen3_omni_moe", "Qwen3OmniMoeTalkerTextTopKRouter":
+               "qwen3_omni_moe", "Qwen3OmniMoeTextTopKRouter": "qwen3_omni_moe", "Qwen3_5MoeTopKRouter": "qwen3_5_moe",
+               "Qwen3VLMoeTextTopKRouter": "qwen3_vl_moe"}
+
+
+@pytest.mark.parametrize("name", sorted(NEW_ROUTERS))
+def test_qwen3_family_routers_replayed_live_forward_is_bitwise_theirs(name):
+    """Each router added beside Qwen3-MoE's (Qwen3-Omni-MoE's, Qwen3.5-MoE's and Qwen3-VL-MoE's always
+    renormalise): inside replay_routes, live, it returns exactly what its own forward returns; forced to its own ids
+    too; forced elsewhere it differs (the twin)."""
+    import importlib
+    from types import SimpleNamespace
+
+    module = importlib.import_module(f"transformers.models.{NEW_ROUTERS[name]}.modeling_{NEW_ROUTERS[name]}")
+    router = getattr(module, name)(SimpleNamespace(num_experts_per_tok=2, num_experts=6, hidden_size=5,
+                                                   norm_topk_prob=True))
+    torch.nn.init.normal_(router.weight, generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(7, 5, generator=torch.Generator().manual_seed(1))
+    theirs = router(hidden)
+    with tr.replay_routes(router) as log:
+        ours = router(hidden)
+    with tr.replay_routes(router, theirs[2][None, :, None]) as forced:
+        own = router(hidden)
+    with tr.replay_routes(router, (theirs[2][None, :, None] + 1) % 6):
+        other = router(hidden)
+    for a, b, c in zip(ours, theirs, own):
+        assert torch.equal(a, b) and torch.equal(c, b)
+    assert len(log[0]) == 1 and len(forced[0]) == 1 and not torch.equal(other[1], theirs[1])
+
+
+def _tiny_mixtral(vocab_size=128):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(vocab_size=vocab_size, hidden_size=16, intermediate_size=16,
+                                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                            num_local_experts=4))
+
+
+def test_replay_on_a_router_tim_rl_cannot_replay_is_an_error_and_moe_is_read_from_the_config(
+        moe_base_dir, tmp_path, monkeypatch):
+    """Mixtral routes otherwise: replaying routes on it raises, naming MixtralTopKRouter (no silent no-op), and so do
+    `--routing-replay r2` and `--sampler vllm` with it (an MoE by its config's num_experts_per_tok, whatever the
+    router); live recording on it is empty, as on a dense model."""
+    import shutil
+
+    mixtral = _tiny_mixtral()
+    assert tr.is_moe(mixtral) and tr.is_moe(tr.build_tiny_moe_model(layers=1))
+    assert not tr.is_moe(tr.build_tiny_model(layers=1)) and tr.moe_routers(mixtral) == []
+    with pytest.raises(ValueError, match="MixtralTopKRouter"), tr.replay_routes(mixtral, torch.zeros(1, 3, 1, 2)):
+        pass
+    with tr.replay_routes(mixtral) as log:
+        mixtral(input_ids=torch.tensor([[1, 2, 3]]))
+    assert log == []
+    mixtral.save_pretrained(tmp_path / "mixtral")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tr.Path(moe_base_dir) / f, tmp_path / "mixtral" / f)
+    monkeypatch.setattr(tr, "vllm_available", lambda: True)
+    for flags, message in (({"sampler": "vllm"}, "--sampler vllm with an MoE model"),
+                           ({"routing_replay": "r2"}, "its router is MixtralTopKRouter")):
+        cfg = tr.RLConfig(model=str(tmp_path / "mixtral"), out_dir=str(tmp_path / "out"), progress=False, **flags)
+        with pytest.raises(ValueError, match=message):
+            tr.run(cfg)
+
+
+def test_routes_are_indexed_by_decoder_layer_with_minus_one_at_a_dense_layer():
+    """A Qwen3-MoE whose layer 1 is dense (mlp_only_layers): L = 3 decoder layers, -1 at layer 1 (vLLM's
+    routed_experts layout); replaying the sampler's routes is its live forward bit for bit; the flip rate and
+    expert usage skip the dense layer."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=3,
+                                               num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                               num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                                               mlp_only_layers=[1], eos_token_id=2, pad_token_id=0)).eval()
+    assert [r is None for r in tr.decoder_routers(model)] == [False, True, False]
+    ro = tr.decode(model, [[1, 5, 6, 7], [1, 9, 3]], 4, generator=torch.Generator().manual_seed(0), eos_id=63)
+    routes = ro.routed_experts  # (B, P + T, L, k)
+    assert routes.shape[2:] == (3, 2) and (routes[:, :, 1] == -1).all() and (routes[:, :-1, [0, 2]] >= 0).all()
+    assert ro.routed_weights.shape == routes.shape and ro.routed_weights[:, :, 1].isnan().all()
+    with torch.no_grad():
+        live, replayed = tr.response_forward(model, ro), tr.response_forward(model, ro, routes=routes)
+    assert torch.equal(live.logits, replayed.logits) and torch.equal(live.routes[:, :-1], routes[:, :-1])
+    mask = torch.cat([ro.prompt_mask, ro.mask], 1)
+    flipped = routes.clone()
+    flipped[:, :, 2] = (flipped[:, :, 2] + 1) % 8
+    assert tr.routing_flip_rate(routes, flipped, mask) == {"layer0": 0.0, "layer2": 1.0, "any": 1.0}
+    tokenizer = tr.CharTokenizer(64)
+    assert len(tr.expert_usage(model, tokenizer, [("1+2=", "3")])) == 2, "one row per MoE layer"
+
+
+def test_routes_stay_on_the_cpu_and_passes_that_discard_them_make_none(moe_exact, monkeypatch):
+    """Rollout.to(device) leaves routed_experts / routed_weights on the CPU (moved per forward); the update's
+    pass (support_logprobs) stacks no routes, a recording pass does (the twin); the bench row's bytes per token."""
+    model, _, ro, _ = moe_exact
+    moved = ro.to("meta")
+    assert moved.mask.device.type == "meta" and moved.routed_experts.device.type == "cpu"
+    assert moved.routed_weights.device.type == "cpu"
+    calls = []
+    monkeypatch.setattr(tr, "stack_routes", lambda *a, **k: calls.append(1))
+    with torch.no_grad():
+        tr.support_logprobs(model, ro, routes=ro.routed_experts)
+        assert calls == []
+        tr.response_forward(model, ro)
+    assert calls == [1]
+    monkeypatch.undo()
+    rows = {r["what"]: r["ratio"] for r in ex.bench_route_bytes()}
+    assert rows == {"route ids per token, tiny MoE (4 layers x top-2, int16)": 16,
+                    "gate weights per token, tiny MoE (4 layers x top-2, fp32)": 32,
+                    "route ids per token, Qwen3-30B-A3B shape (48 layers x top-8, int16)": 768}
+
+
+def test_torch_sampler_records_gate_weights_and_the_ledger_splits_routing_gates_numerics(moe_exact):
+    """An fp32 sampler whose routers carry noise has no engine numerics: with its gate weights replayed beside its
+    experts, numerics is ~0 and the noise sits in routing + gates; without recorded gates the part after routing is
+    named gates_and_numerics (it holds both); the exact sampler's ids and gates replayed give its log-probs."""
+    model, tokenizer, ro_exact, _ = moe_exact
+    trainer = tr.Trainer(tr.copy.deepcopy(model))
+    exact = trainer.behaviour_logprobs(ro_exact, routing_replay="r3")
+    # (its gates come from the KV-cache decode, its log-probs from the scoring pass: equal to fp32 rounding)
+    assert torch.allclose(torch.where(ro_exact.mask, exact.logp_old_sampler_gates, 0.0), ro_exact.logp_infer, atol=1e-5)
+    sampler = tr.TorchSampler(model, tr.EngineSpec(router_noise=1.0), tokenizer)
+    prompts = tr.encode_problems(tokenizer, tr.make_arithmetic_task(16, seed=3, split="eval"))[0]
+    ro = sampler.sample(prompts, 2, 5, 1.0, None, torch.Generator().manual_seed(0))
+    assert ro.routed_weights.dtype == torch.float32 and (ro.routed_weights[:, :-1].sum(-1) - 1).abs().max() < 1e-5
+    b = trainer.behaviour_logprobs(ro)
+    ledger = tr.mismatch_ledger(b.logp_old, b.logp_old, ro.logp_infer, ro.mask,
+                                logp_old_sampler_routes=b.logp_old_sampler_routes,
+                                logp_old_sampler_gates=b.logp_old_sampler_gates)
+    assert ledger["numerics_abs"] < 1e-4 < ledger["gates_abs"] and ledger["routing_abs"] > 1e-3
+    assert math.isclose(ledger["routing_mean"] + ledger["gates_mean"] + ledger["numerics_mean"],
+                        ledger["total_mean"], abs_tol=1e-9)
+    unsplit = tr.mismatch_ledger(b.logp_old, b.logp_old, ro.logp_infer, ro.mask,
+                                 logp_old_sampler_routes=b.logp_old_sampler_routes)
+    assert "numerics_abs" not in unsplit and unsplit["gates_and_numerics_abs"] > ledger["numerics_abs"]
+
+
+@pytest.mark.parametrize("replay", ["r2", "r3"])
+def test_each_update_forward_is_forced_to_the_right_experts_r2_the_policy_being_updated_r3_the_samplers(
+        moe_base_dir, tmp_path, monkeypatch, replay):
+    """A spy on every forward of the trainer's model with gradient (the updates), 2 updates per batch, a lag of one
+    step, router noise. R3: each is forced to the sampler's experts (not the trainer's own). R2: the first to what
+    the current policy chooses live (not the behaviour copy's choice, which differs under lag), the second to those
+    same pre-update routes, which differ from that policy's post-step live choice."""
+    seen = []
+    forward = tr.response_forward
+
+    def spy(model, rollout, temperature=1.0, params=None, routes=None, **rest):
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                own = forward(model, rollout, temperature, params).routes
+            seen.append((rollout, routes, own))
+        return forward(model, rollout, temperature, params, routes, **rest)
+
+    monkeypatch.setattr(tr, "response_forward", spy)
+    behaviour_routes = []
+    original = tr.Trainer.behaviour_logprobs
+
+    def behaviour_spy(self, *args, **kwargs):
+        behaviour = original(self, *args, **kwargs)
+        behaviour_routes.append(behaviour.routes)
+        return behaviour
+
+    monkeypatch.setattr(tr.Trainer, "behaviour_logprobs", behaviour_spy)
+    cfg = tr.RLConfig(model=str(moe_base_dir), out_dir=str(tmp_path), steps=2, prompts=4, group=4, eval_every=2, eval_n=32,
+                      router_noise=0.5, sync_every=2, routing_replay=replay, updates_per_batch=2, lr=3e-3,
+                      progress=False, checkpoint_every=0)
+    tr.run(cfg)
+    assert len(seen) == 4, "2 steps x 2 updates"
+    for step in range(2):
+        (ro, first, own_first), (_, second, _) = seen[2 * step : 2 * step + 2]
+        if replay == "r3":
+            assert torch.equal(first, ro.routed_experts) and torch.equal(second, ro.routed_experts)
+            assert not torch.equal(own_first[:, :-1], ro.routed_experts[:, :-1]), "the twin: its own differ"
+        else:
+            assert torch.equal(first[:, :-1], own_first[:, :-1]), "the current policy's own choice"
+            assert torch.equal(second, first), "the pre-update routes"
+    if replay == "r2":
+        assert not torch.equal(seen[3][2][:, :-1], seen[3][1][:, :-1]), "the post-step live choice differs"
+        assert not torch.equal(behaviour_routes[1][:, :-1], seen[2][1][:, :-1]), "under lag: not the behaviour's"

@@ -304,6 +304,7 @@ def mismatch_ledger(
     logp_master_old: torch.Tensor | None = None,
     log_kept_mass: torch.Tensor | None = None,
     logp_old_sampler_routes: torch.Tensor | None = None,
+    logp_old_sampler_gates: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Split total = log p - log q into lag + numerics (+ rounding) (+ truncation) (+ routing); mean, mean |.| of each.
 
@@ -316,7 +317,10 @@ def mismatch_ledger(
     moves with the lag). With logp_old_sampler_routes (an MoE model: the trainer engine on the served weights with
     the sampler's experts replayed, while logp_old has the experts logp has) routing = logp_old -
     logp_old_sampler_routes and numerics = logp_old_sampler_routes - logp_infer (under R3 logp_old is that replay:
-    routing 0). lag + rounding + routing + numerics + truncation == total token by token. (B, T) -> dict.
+    routing 0); with logp_old_sampler_gates (the sampler's gate weights replayed too) gates =
+    logp_old_sampler_routes - logp_old_sampler_gates and numerics = logp_old_sampler_gates - logp_infer; without it
+    that part is named gates_and_numerics (the trainer's gates are its own router's: router noise lands there).
+    lag + rounding + routing + gates + numerics + truncation == total token by token. (B, T) -> dict.
     Tokens where any input is non-finite are left out of every part.
 
     needs: _check_bt, _check_device, _check_mask, _check_tensor
@@ -337,8 +341,15 @@ def mismatch_ledger(
     if logp_old_sampler_routes is not None:
         _check_bt(mask, logp_old_sampler_routes=logp_old_sampler_routes)
         parts["routing"] = (logp_old, logp_old_sampler_routes)
-        parts["numerics"] = (logp_old_sampler_routes, logp_infer)
+        del parts["numerics"]  # the trainer's own gates on the sampler's experts: gates and numerics
+        parts["gates_and_numerics"] = (logp_old_sampler_routes, logp_infer)
         ok = ok & torch.isfinite(logp_old_sampler_routes)
+    if logp_old_sampler_routes is not None and logp_old_sampler_gates is not None:
+        _check_bt(mask, logp_old_sampler_gates=logp_old_sampler_gates)
+        parts["gates"] = (logp_old_sampler_routes, logp_old_sampler_gates)
+        del parts["gates_and_numerics"]
+        parts["numerics"] = (logp_old_sampler_gates, logp_infer)
+        ok = ok & torch.isfinite(logp_old_sampler_gates)
     out = {}
     for name, (a, b) in parts.items():
         diff = torch.where(ok, a.detach().double() - b.detach().double(), ok.new_zeros((), dtype=torch.float64))
@@ -349,7 +360,8 @@ def mismatch_ledger(
 
 def routing_flip_rate(routes_a: torch.Tensor, routes_b: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Share of positions whose k experts (as a set) differ between two routings, per MoE layer ("layer0", ...) and
-    in any layer ("any"). routes (B, S, L, k) int, -1: no route (left out); mask (B, S) bool, True where counted.
+    in any layer ("any"). routes (B, S, L, k) int, -1: no route (left out; -1 everywhere: a dense layer, skipped);
+    mask (B, S) bool, True where counted.
 
     needs: _check_tensor
     """
@@ -358,10 +370,12 @@ def routing_flip_rate(routes_a: torch.Tensor, routes_b: torch.Tensor, mask: torc
     if routes_a.shape != routes_b.shape or routes_a.shape[:2] != mask.shape:
         raise ValueError(f"routes_a {tuple(routes_a.shape)} and routes_b {tuple(routes_b.shape)} must have one shape "
                          f"(B, S, L, k) with (B, S) = mask's {tuple(mask.shape)}")
+    layers = [n for n in range(routes_a.shape[2]) if (routes_a[:, :, n] >= 0).any() or (routes_b[:, :, n] >= 0).any()]
+    routes_a, routes_b = routes_a[:, :, layers], routes_b[:, :, layers]  # the MoE layers
     routed = mask & (routes_a >= 0).all(-1).all(-1) & (routes_b >= 0).all(-1).all(-1)  # (B, S)
     flipped = (routes_a.sort(-1).values != routes_b.sort(-1).values).any(-1)[routed].double()  # (N, L) 0 / 1
     n = max(flipped.shape[0], 1)
-    per_layer = {f"layer{layer}": float(flipped[:, layer].sum() / n) for layer in range(flipped.shape[1])}
+    per_layer = {f"layer{layer}": float(flipped[:, i].sum() / n) for i, layer in enumerate(layers)}
     return per_layer | {"any": float(flipped.amax(-1).sum() / n)}
 
 
@@ -1319,13 +1333,34 @@ def drift_signal_norms(params, logp, logp_topk, logp_infer, logp_topk_infer, adv
 # A mixture-of-experts layer sends each token to the top-k experts of its router's softmax. A tiny numerical
 # difference between two engines flips a near-tie, and the token's output jumps. Routing replay (Ma et al., arXiv
 # 2510.11370; Megatron-Core RouterReplay, verl router_replay R2 | R3, slime) records the discrete expert ids and forces
-# them in the trainer, with the weights recomputed from the trainer's live router scores. R2 records them in the
-# trainer's behaviour pass, R3 in the inference engine (vLLM and SGLang on a GPU: enable_return_routed_experts).
+# them in the trainer, with the weights recomputed from the trainer's live router scores. R2 records them from the
+# policy being updated before its update (verl: compute_log_prob), R3 in the inference engine (vLLM and SGLang on a
+# GPU: enable_return_routed_experts).
 
-# transformers 5.19 routers whose forward is Qwen3MoeTopKRouter.forward line for line (softmax, top-k, renormalise);
-# others (Mixtral, GPT-OSS, DeepSeek, Granite, ...) route differently and are left alone: no routes, no replay
+# transformers 5.19 routers whose forward is Qwen3MoeTopKRouter.forward line for line (softmax, top-k, renormalise;
+# the Qwen3.5-MoE, Qwen3-VL-MoE and Qwen3-Omni-MoE text routers have no norm_topk_prob and always renormalise);
+# others (Mixtral, GPT-OSS, DeepSeek, GLM, Granite, ...) route differently: replay on them is an error
 REPLAYABLE_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3NextTopKRouter", "OlmoeTopKRouter",
-                      "FlexOlmoTopKRouter", "MellumTopKRouter")
+                      "FlexOlmoTopKRouter", "MellumTopKRouter", "Qwen3OmniMoeThinkerTextTopKRouter",
+                      "Qwen3OmniMoeTalkerTextTopKRouter", "Qwen3OmniMoeTextTopKRouter", "Qwen3_5MoeTopKRouter",
+                      "Qwen3VLMoeTextTopKRouter")
+MOE_CONFIG_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k")  # experts per token
+
+
+def is_moe(model) -> bool:
+    """Whether `model`'s config (or a sub-config) sends each token to experts (MOE_CONFIG_KEYS > 0), whichever
+    router it uses."""
+    def routes(config: dict) -> bool:
+        """Any experts-per-token key > 0 here or in a nested config."""
+        return any(isinstance(config.get(k), int) and config[k] > 0 for k in MOE_CONFIG_KEYS) or any(
+            routes(v) for v in config.values() if isinstance(v, dict))
+    return routes(model.config.to_dict())
+
+
+def router_class(model) -> str:
+    """The class names of `model`'s router modules (a name with Router or Gate in it), for an error message."""
+    names = sorted({type(m).__name__ for m in model.modules() if re.search("(?i)router|gate$", type(m).__name__)})
+    return ", ".join(names) or "none found"
 
 
 def moe_routers(model) -> list[torch.nn.Module]:
@@ -1334,70 +1369,125 @@ def moe_routers(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in REPLAYABLE_ROUTERS]
 
 
-def routed_router_forward(router, hidden: torch.Tensor, forced: torch.Tensor | None = None):
+def decoder_routers(model) -> list[torch.nn.Module | None]:
+    """The replayable router of each decoder layer, None at a dense layer (mlp_only_layers, dense-first layers): the
+    routes' L axis, as vLLM's routed_experts. [] for a model without one (moe_routers' order without DecoderLayers)."""
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    per_layer = [next((r for r in layer.modules() if type(r).__name__ in REPLAYABLE_ROUTERS), None) for layer in layers]
+    return per_layer if any(per_layer) else moe_routers(model)
+
+
+def routed_router_forward(router, hidden: torch.Tensor, forced: torch.Tensor | None = None,
+                          gates: torch.Tensor | None = None):
     """Qwen3MoeTopKRouter.forward with the expert ids forced where `forced` (N, k) has a route (a row with a -1:
     none, the live top-k is used). -> (router logits (N, E), routing weights (N, k), expert ids (N, k)).
 
     The weights are the live softmax scores gathered at the ids (verl: scores.gather(1, indices)), renormalised over
     the k when the router does: the router keeps its gradient. forced None: the router's own forward, bit for bit.
+    Where the forced experts' probabilities all underflow (logit gap >~ 104: 0 / 0), Megatron's softmax over the
+    gathered logits. gates (N, k): weights forced too where there is a route (no gradient: the ledger's gates part).
     """
     hidden = hidden.reshape(-1, router.hidden_dim)  # (N, H)
     logits = torch.nn.functional.linear(hidden, router.weight)  # (N, E)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     ids = torch.topk(probs, router.top_k, dim=-1).indices  # (N, k): the live routing
-    if forced is not None:
-        has_route = (forced >= 0).all(-1, keepdim=True)  # (N, 1); no route (the last sampled token): live
-        ids = torch.where(has_route, forced.to(ids), ids)
+    has_route = torch.ones_like(ids[:, :1], dtype=torch.bool) if forced is None else (forced >= 0).all(-1, keepdim=True)
+    ids = ids if forced is None else torch.where(has_route, forced.to(ids), ids)  # no route (the last token): live
     # TIM: gathered from the live probabilities, not from post-top-k zeros (whose forced entries have no gradient)
     weights = probs.gather(-1, ids)
-    if router.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if getattr(router, "norm_topk_prob", True):  # (Qwen3.5-MoE's router has no flag: it always renormalises)
+        total = weights.sum(dim=-1, keepdim=True)  # (N, 1)
+        underflow = total < torch.finfo(total.dtype).tiny  # TIM: every forced expert's probability underflowed
+        weights = torch.where(underflow, torch.softmax(logits.float().gather(-1, ids), -1),
+                              weights / torch.where(underflow, 1.0, total))
+    if gates is not None:
+        weights = torch.where(has_route, gates.to(weights), weights)
     return logits, weights.to(logits.dtype), ids
 
 
+def _recompute_forward(router, ids: torch.Tensor, previous):
+    """The router's forward after a replayed forward with gradient: inside a backward (activation checkpointing's
+    recompute, Megatron RouterReplay's backward list) it forces the ids that forward used; elsewhere `previous`."""
+    def forward(hidden):
+        """routed_router_forward on the kept ids during a backward, else the router's previous forward."""
+        if torch._C._current_graph_task_id() == -1:  # not in a backward
+            return previous(hidden) if previous is not None else type(router).forward(router, hidden)
+        return routed_router_forward(router, hidden, ids)
+    forward.recomputes = True
+    return forward
+
+
+def release_routes(model) -> None:
+    """Drop the routes a replayed forward left on `model`'s routers for its backward's recompute (after the step)."""
+    for router in moe_routers(model):
+        if getattr(vars(router).get("forward"), "recomputes", False):
+            del router.forward
+
+
 @contextlib.contextmanager
-def replay_routes(model, routes: torch.Tensor | None = None):
-    """Within the block every router of `model` (moe_routers) runs routed_router_forward, forced to `routes`
-    (B, S, L, k) for a forward over B sequences of S positions (-1: no route) or live when None. Yields a list per
-    layer of the ids each call used, (B * n, k) int16: stack_routes(log, B) -> (B, S, L, k)."""
-    routers = moe_routers(model)
-    log = [[] for _ in routers]
+def replay_routes(model, routes: torch.Tensor | None = None, gates: torch.Tensor | None = None, record: bool = True):
+    """Within the block every router of `model` (decoder_routers) runs routed_router_forward, forced to `routes`
+    (B, S, L, k) for a forward over B sequences of S positions (-1: no route; on any device, moved per layer) or live
+    when None, and to the gate weights `gates` (B, S, L, k) when given. Yields a list per layer of (ids (B * n, k)
+    int16, weights (B * n, k) fp32) of each call (record=False: none kept): stack_routes(log, B) -> (B, S, L, k).
+
+    A forward with gradient leaves its ids on the routers for activation checkpointing's recompute in the backward
+    (VeOmni: routes keyed by module), until the next replayed forward or release_routes (Trainer.step).
+    """
+    routers = decoder_routers(model)
+    if routes is not None and not any(routers):  # no silent no-op
+        raise ValueError(f"replay_routes: {type(model).__name__} has no router tim_rl replays (its router: "
+                         f"{router_class(model)}; REPLAYABLE_ROUTERS are those whose forward is Qwen3-MoE's)")
+    log, kept = [[] for _ in routers], {}
+    keep = routes is not None and torch.is_grad_enabled()  # TIM: a checkpointed layer recomputes in the backward
 
     def forward_of(layer: int, router):
-        """The forward that replaces `router`'s within the block (layer: its index among the routers)."""
+        """The forward that replaces `router`'s within the block (layer: its decoder layer)."""
 
         def forward(hidden):
             """routed_router_forward on this layer's routes, logged."""
             rows = hidden.numel() // router.hidden_dim  # B * S positions
-            forced = None if routes is None else routes[:, :, layer].reshape(-1, routes.shape[-1])  # (B * S, k)
+            k = None if routes is None else routes.shape[-1]
+            forced = None if routes is None else routes[:, :, layer].reshape(-1, k).to(hidden.device)  # (B * S, k)
             if forced is not None and forced.shape[0] != rows:
                 raise ValueError(f"routes has shape {tuple(routes.shape)}: it needs one route per position of the "
                                  f"forward ({rows} rows)")
-            logits, weights, ids = routed_router_forward(router, hidden, forced)
-            log[layer].append(ids.to(torch.int16))
+            forced_gates = None if gates is None else gates[:, :, layer].reshape(-1, k).to(hidden.device)
+            logits, weights, ids = routed_router_forward(router, hidden, forced, forced_gates)
+            if record:
+                log[layer].append((ids.to(torch.int16), weights.detach().float()))
+            if keep:
+                kept[layer] = ids
             return logits, weights, ids
 
         return forward
 
-    previous = [vars(router).get("forward") for router in routers]  # an enclosing replay's (or a library's) forward
+    previous = [vars(router).get("forward") if router is not None else None for router in routers]
     for layer, router in enumerate(routers):
-        router.forward = forward_of(layer, router)  # an instance attribute: nn.Module.__call__ (and its hooks) use it
+        if router is not None:  # an instance attribute: nn.Module.__call__ (and its hooks) use it
+            router.forward = forward_of(layer, router)
     try:
         yield log
     finally:
-        for router, forward in zip(routers, previous):
-            del router.forward
-            if forward is not None:
-                router.forward = forward
+        for layer, (router, forward) in enumerate(zip(routers, previous)):
+            if router is not None:
+                del router.forward
+                forward = _recompute_forward(router, kept[layer], forward) if layer in kept else forward
+                if forward is not None:
+                    router.forward = forward
 
 
-def stack_routes(log: list[list[torch.Tensor]], batch: int) -> torch.Tensor | None:
-    """replay_routes' log as (B, S, L, k) int16, calls concatenated along positions (KV-cache decoding: the
-    prompt, then one position per step). None for a dense model."""
-    if not log:
+def stack_routes(log: list[list[tuple]], batch: int, part: int = 0) -> torch.Tensor | None:
+    """replay_routes' log as (B, S, L, k) on the CPU: the ids (part 0, int16, -1 at a dense layer) or the gate
+    weights (part 1, fp32, nan there), calls concatenated along positions (KV-cache decoding: the prompt, then one
+    position per step). None for a dense model (or nothing recorded)."""
+    if not any(log):
         return None
-    layers = [torch.cat([ids.reshape(batch, -1, ids.shape[-1]) for ids in calls], 1) for calls in log]  # (B, S, k)
-    return torch.stack(layers, 2)
+    layers = [torch.cat([c[part].reshape(batch, -1, c[part].shape[-1]) for c in calls], 1) if calls else None
+              for calls in log]  # (B, S, k) each
+    some = next(x for x in layers if x is not None)
+    fill = -1 if part == 0 else math.nan
+    return torch.stack([x if x is not None else torch.full_like(some, fill) for x in layers], 2).cpu()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -2022,9 +2112,9 @@ def expert_usage(model, tokenizer, problems) -> list[list[float]]:
     ids, mask = left_pad(seqs, tokenizer.pad_id, next(model.parameters()).device)
     with replay_routes(model) as log:
         model(input_ids=ids, attention_mask=mask.long(), position_ids=_positions(mask))
-    routes = stack_routes(log, ids.shape[0])[mask].long()  # (N, L, k) real tokens only
+    routes = stack_routes(log, ids.shape[0])[mask.cpu()].long()  # (N, L, k) real tokens only
     counts = [torch.bincount(routes[:, layer].flatten(), minlength=moe_routers(model)[0].num_experts)
-              for layer in range(routes.shape[1])]
+              for layer in range(routes.shape[1]) if routes[0, layer, 0] >= 0]  # MoE layers only
     return [[round(float(c / row.sum()), 4) for c in row] for row in counts]
 
 
@@ -2066,10 +2156,13 @@ class Rollout:
     entropy: torch.Tensor | None = None  # (B, T) float32, entropy of the sampled distribution (None: not recorded)
     routed_experts: torch.Tensor | None = None  # (B, P + T, L, k) int16: the experts each MoE layer's router chose at
     # each position of prompt + response, -1 where none (the last sampled token is never fed); None: dense or unknown
+    routed_weights: torch.Tensor | None = None  # (B, P + T, L, k) float32: their gate weights (nan: none; torch only)
 
     def to(self, device) -> Rollout:
-        """The same rollout with every tensor on `device` (vLLM returns CPU tensors; the trainer may be on a GPU)."""
-        return Rollout(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()})
+        """The same rollout with every tensor on `device` (vLLM returns CPU tensors; the trainer may be on a GPU), the
+        routes kept on the CPU (each replayed forward moves its layer's)."""
+        return Rollout(**{k: v.to(device) if isinstance(v, torch.Tensor) and not k.startswith("routed_") else v
+                          for k, v in vars(self).items()})
 
 
 def _entropy(logprobs: torch.Tensor) -> torch.Tensor:
@@ -2154,9 +2247,10 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
             inputs, attention = token[:, None], torch.cat([attention, attention.new_ones(attention.shape[0], 1)], 1)
     response_ids = torch.stack(ids, 1)  # (B, T)
     B, T = response_ids.shape
-    routes = stack_routes(route_log, B)  # (B, P + T - 1, L, k): every position but the last was fed
+    routes, gates = stack_routes(route_log, B), stack_routes(route_log, B, 1)  # (B, P + T - 1, L, k): all but the last
     if routes is not None:
         routes = torch.nn.functional.pad(routes, (0, 0, 0, 0, 0, 1), value=-1)  # (B, P + T, L, k)
+        gates = torch.nn.functional.pad(gates, (0, 0, 0, 0, 0, 1), value=math.nan)
     kept_ids = torch.stack(_pad_last(kept, -1), 1) if kept else None  # (B, T, S), -1 pads
     decode_text = decode_text or (lambda row: " ".join(map(str, row)))
     no_topk = torch.zeros(B, T, 0, device=device)
@@ -2165,7 +2259,7 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
         logp_infer=torch.stack(logps, 1),
         topk_ids=torch.stack([t.indices for t in tops], 1) if tops else no_topk.long(),  # (B, T, K)
         logp_topk_infer=torch.stack([t.values for t in tops], 1) if tops else no_topk,
-        kept_ids=kept_ids, entropy=torch.stack(entropies, 1), routed_experts=routes,
+        kept_ids=kept_ids, entropy=torch.stack(entropies, 1), routed_experts=routes, routed_weights=gates,
         texts=[decode_text(row) for row in response_ids.tolist()])
 
 
@@ -2192,8 +2286,10 @@ class Forward(NamedTuple):
 
 
 def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: dict | None = None,
-                      routes: torch.Tensor | None = None) -> Forward:
-    """One full forward over prompt + response, an MoE model's routers forced to `routes` (None: live).
+                      routes: torch.Tensor | None = None, gates: torch.Tensor | None = None,
+                      record: bool = True) -> Forward:
+    """One full forward over prompt + response, an MoE model's routers forced to `routes` (None: live) and to the
+    gate weights `gates`; the experts used are returned when `record` (else routes None: no copy).
 
     The head runs on the T response positions only (logits_to_keep): no (B, P + T, V) logits for the prompt.
     """
@@ -2203,13 +2299,13 @@ def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: 
     keep = torch.arange(P - 1, P + T - 1, device=input_ids.device)  # position t predicts response token t
     kwargs = {"input_ids": input_ids, "attention_mask": attention, "position_ids": _positions(attention),
                   "output_hidden_states": True, "logits_to_keep": keep}
-    with replay_routes(model, routes) as route_log:
+    with replay_routes(model, routes, gates, record) as route_log:
         out = model(**kwargs) if params is None else torch.func.functional_call(model, params, args=(), kwargs=kwargs)
     logits = out.logits  # (B, T, V)
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     hidden = out.hidden_states[-1][:, P - 1 : P + T - 1]
-    return Forward(logits, hidden, stack_routes(route_log, input_ids.shape[0]))
+    return Forward(logits, hidden, stack_routes(route_log, input_ids.shape[0]) if record else None)
 
 
 def logprobs_on_support(logits: torch.Tensor, rollout: Rollout, topk_ids: torch.Tensor | None = None):
@@ -2241,7 +2337,7 @@ def support_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_ids
     Returns (log p~ (B, T), log p~ of the top-K ids (B, T, K) or None, hidden, log S (B, T) or None). Without a
     kept support (kept_ids None: the sampler kept every token) it is sequence_logprobs, log S None.
     """
-    logits, hidden, _ = response_forward(model, rollout, temperature, params, routes)  # (B, T, V), (B, T, H)
+    logits, hidden, _ = response_forward(model, rollout, temperature, params, routes, record=False)  # (B, T, V)
     logp, logp_topk, log_s = logprobs_on_support(logits, rollout, topk_ids)
     return logp, logp_topk, hidden, log_s
 
@@ -2582,7 +2678,9 @@ class Behaviour(NamedTuple):
     rebuilt: torch.Tensor | None
     logp_old_sampler_routes: torch.Tensor | None = None
     routes: torch.Tensor | None = None
-    update_routes: torch.Tensor | None = None  # what the update replays: None (live), R2 `routes`, R3 the sampler's
+    update_routes: torch.Tensor | None = None  # what the update replays: None (live), R2 the current policy's, R3 the
+    # sampler's (on the CPU)
+    logp_old_sampler_gates: torch.Tensor | None = None  # the sampler's experts and gate weights replayed (torch only)
 
 
 EXPORT_STAT_ELEMENTS = 1 << 22  # the visible update fraction's fp64 sums run on slices of 4M elements (32 MiB)
@@ -2649,11 +2747,13 @@ class Trainer:
                            routing_replay: str = "none") -> Behaviour:
         """The trainer engine on the served weights / on the master at export, renormalised on the kept support
         (Behaviour). One forward per model; an MoE model with the sampler's routes gets a second one on the served
-        weights, so that the ledger can split routing from numerics.
+        weights (and a third with its gate weights), so that the ledger can split routing / gates / numerics; R2 one
+        on the current weights (the experts the update replays).
 
         truncation = (top_p, top_k, min_p): the kept support is also rebuilt from the behaviour logits of that same
         forward (kept_support_from_logits) and used where the sampler returned none (rollout.kept_ids None).
-        routing_replay: none (logp_old on the trainer's own experts) | r2 (the same; the update replays them) | r3
+        routing_replay: none (logp_old on the trainer's own experts) | r2 (the same; the update replays the experts the
+        policy being updated, the trainer's current weights, chooses before it: verl's compute_log_prob) | r3
         (logp_old on the sampler's experts, replayed; the update replays those too).
         """
         sampler_routes = rollout.routed_experts if moe_routers(self.behaviour) else None
@@ -2665,20 +2765,28 @@ class Trainer:
             rollout = dataclasses.replace(rollout, kept_ids=rebuilt)
         logp_old, own_routes = logprobs_on_support(forward.logits, rollout)[0], forward.routes
         del forward  # before the next forward's logits
-        logp_old_sampler_routes = None
+        logp_old_sampler_routes = logp_old_sampler_gates = None
         if sampler_routes is not None:  # TIM: the same weights on the sampler's experts: routing vs numerics
-            replayed = response_forward(self.behaviour, rollout, temperature, routes=sampler_routes)
+            replayed = response_forward(self.behaviour, rollout, temperature, routes=sampler_routes, record=False)
             logp_old_sampler_routes = logprobs_on_support(replayed.logits, rollout)[0]
             del replayed
+            if rollout.routed_weights is not None:  # TIM: and on the sampler's gate weights: gates vs numerics
+                replayed = response_forward(self.behaviour, rollout, temperature, routes=sampler_routes,
+                                            gates=rollout.routed_weights, record=False)
+                logp_old_sampler_gates = logprobs_on_support(replayed.logits, rollout)[0]
             if routing_replay == "r3":  # TIM: R3: the trainer's policy runs on the sampler's experts from here on
                 logp_old = logp_old_sampler_routes
-        # TIM: the experts the update's forwards are forced to: R2 the trainer's own here, R3 the sampler's
-        update_routes = {"none": None, "r2": own_routes, "r3": sampler_routes}[routing_replay]
+        # TIM: the experts the update's forwards are forced to: R2 the policy being updated's own, R3 the sampler's
+        updated = self.behaviour if self.loss_on_served else self.model  # the weights the update's forward runs on
+        current_routes = response_forward(updated, rollout, temperature).routes if routing_replay == "r2" else None
+        update_routes = {"none": None, "r2": current_routes, "r3": sampler_routes}[routing_replay]
         logp_master_old = None
         if self.master_at_export is not None:  # on the experts the update will use
-            logits_master = response_forward(self.master_at_export, rollout, temperature, routes=update_routes)[0]
+            logits_master = response_forward(self.master_at_export, rollout, temperature, routes=update_routes,
+                                             record=False)[0]
             logp_master_old = logprobs_on_support(logits_master, rollout)[0]
-        return Behaviour(logp_old, logp_master_old, rebuilt, logp_old_sampler_routes, own_routes, update_routes)
+        return Behaviour(logp_old, logp_master_old, rebuilt, logp_old_sampler_routes, own_routes, update_routes,
+                         logp_old_sampler_gates)
 
     def grad_leaves(self) -> list[torch.Tensor]:
         """The tensors the last forward ran on: the served leaves under loss_on_served, else the master."""
@@ -2688,6 +2796,7 @@ class Trainer:
         """Backward and one optimizer step on the fp32 master; returns the gradient norm."""
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        release_routes(self.model)  # the routes kept for activation checkpointing's recompute
         if self._served_leaves is not None:
             for name, p in self.model.named_parameters():
                 p.grad = self._served_leaves[name].grad
@@ -3047,7 +3156,7 @@ def rl_step(cfg: RLConfig, step: int, rs: RunState) -> dict:
             extra["support_differs"] = support_differs(ro.kept_ids, behaviour.rebuilt, ro.mask)
     if ro.routed_experts is not None and behaviour.routes is not None:  # same weights, two engines' experts
         # over every real token fed: prompt and response, (B, P + T)
-        flips = routing_flip_rate(ro.routed_experts, behaviour.routes, torch.cat([ro.prompt_mask, ro.mask], 1))
+        flips = routing_flip_rate(ro.routed_experts, behaviour.routes, torch.cat([ro.prompt_mask, ro.mask], 1).cpu())
         extra |= {f"route_flip_{name}": share for name, share in flips.items()}
     routes = behaviour.update_routes  # TIM: R2 / R3: the experts every forward of the update is forced to
     lap("recompute")
@@ -3086,7 +3195,7 @@ def rl_step(cfg: RLConfig, step: int, rs: RunState) -> dict:
 
     # 6) ledger and metrics: the first update's log-probs, before any step on this batch
     ledger = mismatch_ledger(first.logp_kept, logp_old, ro.logp_infer, ro.mask, logp_master_old, first.log_s,
-                             behaviour.logp_old_sampler_routes)
+                             behaviour.logp_old_sampler_routes, behaviour.logp_old_sampler_gates)
     record = {"step": step, "reward": float(rewards.mean()), "synced": resync, "visible_update_fraction": vuf,
               "staleness": rs.since_sync}
     for key in ("loss", "grad_norm", "frac_zeroed", "frac_zeroed_neg_adv"):  # mean over the updates (nan: no token)
@@ -3108,12 +3217,13 @@ def setup_run(cfg: RLConfig) -> RunState:
     tokenizer = load_tokenizer(model_dir)
     device = resolve_device(cfg.device)
     model = load_model(model_dir, trust_remote_code=cfg.trust_remote_code).to(device)
-    if cfg.sampler == "vllm" and moe_routers(model):  # measured: RESULTS.md, section moe
+    if cfg.sampler == "vllm" and is_moe(model):  # measured: RESULTS.md, section moe
         raise UsageError("--sampler vllm with an MoE model: an in-place sync breaks vLLM 0.32's experts (its "
                          "own weights reloaded: mean |Δlogp| 4e-7 -> 2.3); use --sampler torch")
     if cfg.routing_replay != "none" and not moe_routers(model):
         raise UsageError(f"--routing-replay {cfg.routing_replay} replays MoE routers' experts, but {cfg.model} has no "
-                         "router tim_rl replays (REPLAYABLE_ROUTERS; --model runs/base-moe is the tiny MoE)")
+                         "router tim_rl replays (REPLAYABLE_ROUTERS; --model runs/base-moe is the tiny MoE)" +
+                         (f"; its router is {router_class(model)}" if is_moe(model) else ""))
     value_head = torch.nn.Linear(model.config.hidden_size, 1).to(device) if cfg.correction == "copc" else None
     trainer = Trainer(model, cfg.lr, cfg.optimizer, export_dtype=cfg.dtype, loss_on_served=cfg.loss_on_served,
                       extra_params=value_head.parameters() if value_head is not None else ())
