@@ -1221,12 +1221,14 @@ LENGTH_PRETRAIN = ("length", {"ops": "s", "digits": 2, "mixed_digits": ",".join(
 LENGTH_DELTA = 0.002  # δ, stated before the runs: x*(T) is where the fitted harm reaches 0.002 nats per answer token
 LENGTH_CANDIDATES = (0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6)  # the pilot's ladder of relative sampler noise s
 LENGTH_PILOT_SEEDS = (10, 11)  # disjoint from the preset's seeds (noise draws 1244, 1245)
+LENGTH_KL_SEEDS = (0, 1)  # the grid levels' KL, measured on the base model with the noise draws of runs 0 and 1
 LENGTH_X_LOW, LENGTH_X_HIGH, LENGTH_X_FLOOR = 0.25, 2.0, 0.2  # the level targets' ends (LENGTH_PILOT_RULE)
 LENGTH_LEVELS = 4  # none's noise levels per length
 LENGTH_CORRECTED_LEVEL = 2  # the corrections run at the third of the four levels
 # the corrections at that level; cispo joins by itself once it is a tim_rl correction
 LENGTH_CORRECTIONS = tuple(c for c in ("tis", "seq_tis", "cispo") if c in tr.CORRECTIONS)
 LENGTH_SIDE = 3.0  # the prediction's side levels: x*/3 and 3 x*
+LENGTH_BOOT = 1000  # bootstrap resamples of the seeds behind every interval of the fit
 PC_FLOOR = 1e-30  # log pc of a run whose pc underflowed: a very large harm, not a missing value
 LENGTH_PREDICTION = Path(__file__).parent / "predictions" / "length.json"  # committed before the prediction's runs
 LENGTH_PILOT_RULE = (
@@ -1531,7 +1533,7 @@ def length_verdict(prediction: dict, points: list[tuple[float, list[float]]], le
 
 def level_measurements(model_dir: Path, levels: dict[int, list[float]], seeds: tuple[int, ...], out: Path,
                        smoke: bool = False) -> dict:
-    """mismatch_at_level at every grid level (the base model, the preset's first two seeds), cached in
+    """mismatch_at_level at every grid level (the base model, LENGTH_KL_SEEDS' noise draws), cached in
     out/levels.json by the model's mtime and the levels. -> {(digits, s): {x, kl_max, kl_mean, reward}}."""
     stamp = (Path(model_dir) / "model.safetensors").stat().st_mtime
     key = json.dumps({"stamp": stamp, "levels": {str(n): ss for n, ss in levels.items()}, "seeds": list(seeds)})
@@ -1675,12 +1677,12 @@ def preset_length(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     clipped = [f"T={answer_tokens(n)} s={s:g}" for n in digits for s, c in picked[n] if c]
     base = _preset_base(pc, model=str(model))
     runs = run_arms(base, length_arms(levels), seeds, out)
-    measured = level_measurements(model, levels, tuple(seeds[:2]), out, pc.smoke)
+    measured = level_measurements(model, levels, LENGTH_KL_SEEDS[: 1 if pc.smoke else None], out, pc.smoke)
     sections, rows, interval, notes = length_law_report(runs, levels, seeds, measured,
                                                         tuple(map(answer_tokens, digits)) + (T_predict,),
-                                                        100 if pc.smoke else 1000)
+                                                        100 if pc.smoke else LENGTH_BOOT)
     path = out / "prediction.json" if pc.smoke else LENGTH_PREDICTION
-    status = ""
+    status = "" if len(seeds) >= 5 or pc.smoke or path.exists() else "no prediction: it is written from >= 5 seeds"
     if not path.exists() and interval is not None and (len(seeds) >= 5 or pc.smoke):
         star, low, high = (float(v[-1]) for v in (interval.x_star, interval.x_low, interval.x_high))
         side = [star / LENGTH_SIDE, star, star * LENGTH_SIDE]

@@ -3919,6 +3919,7 @@ def test_length_preset_publishes_grid_fit_prediction_then_its_verdict_from_fake_
     monkeypatch.setattr(ex, "numerics_fingerprint", lambda cache=None: "f")
     monkeypatch.setattr(ex, "LENGTH_PREDICTION", tmp_path / "predictions" / "length.json")
     monkeypatch.setattr(ex, "prediction_commit", lambda path: None)
+    monkeypatch.setattr(ex, "LENGTH_BOOT", 100)  # seconds: the intervals are tested above
     pc = ex.PresetConfig(preset="length", out_dir=str(tmp_path / "compare"), publish=True)
     ex.run_preset(pc)
     prediction = json.loads(ex.LENGTH_PREDICTION.read_text())
@@ -3941,3 +3942,14 @@ def test_length_preset_publishes_grid_fit_prediction_then_its_verdict_from_fake_
     assert next(r for r in rows if r["claim"].startswith("(c)"))["verdict"].startswith("held")
     corrections = [r for r in rows if r["claim"].startswith("(d)")]
     assert [r["claim"].split()[1] for r in corrections] == [f"{c}:" for c in ex.LENGTH_CORRECTIONS]
+
+
+def test_mismatch_at_level_measures_x_and_the_whole_distribution_kl(tmp_path):
+    tr.build_tiny_model(max_positions=32).save_pretrained(str(tmp_path), safe_serialization=True)
+    tr.CharTokenizer().save(tmp_path)
+    (tmp_path / "pretrain.json").write_text('{"digits": 2, "ops": "s"}')
+    clean = ex.mismatch_at_level(tmp_path, 2, 0.0, (0,), n_prompts=4, n=2)
+    noisy = ex.mismatch_at_level(tmp_path, 2, 0.5, (0, 1), n_prompts=4, n=2)
+    assert clean["x"] < 1e-5 and abs(clean["kl_max"]) < 1e-5, "no noise: the fp32 sampler is the trainer"
+    assert noisy["x"] > 100 * clean["x"] and noisy["kl_max"] >= noisy["kl_mean"] > 1e-4
+    assert set(noisy) == {"x", "kl_max", "kl_mean", "reward"} and 0 <= noisy["reward"] <= 1

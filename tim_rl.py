@@ -1387,13 +1387,16 @@ def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+",
     return out
 
 
-def mixed_arithmetic_task(n: int, digits: tuple[int, ...], seed: int = 0, ops: str = "+", split: str = "pretrain"):
-    """n problems over several operand digit counts, in turn (digits[i % len(digits)] for the i-th): one base model
-    for several answer lengths. Each count draws from make_arithmetic_task's own pools, so they stay disjoint."""
-    if not digits:
-        raise ValueError("digits must name at least one digit count")
-    per = [make_arithmetic_task(-(-n // len(digits)), d, seed, ops, split) for d in digits]
-    return [per[i % len(digits)][i // len(digits)] for i in range(n)]
+def mixed_arithmetic_task(n: int, digits: tuple[int, ...], seed: int = 0, ops: str = "+", split: str = "pretrain",
+                          block: int = 1):
+    """n problems over several operand digit counts, `block` at a time in turn (the i-th has digits[(i // block) %
+    len(digits)]; block = the batch: one length per batch, padded to its own length): one base model for several
+    answer lengths. Each count draws from make_arithmetic_task's own pools, so they stay disjoint."""
+    if not digits or block < 1:
+        raise ValueError(f"digits must name at least one digit count and block be >= 1, got {digits!r}, {block!r}")
+    turn = [(i // block) % len(digits) for i in range(n)]  # which count the i-th problem has
+    per = [iter(make_arithmetic_task(turn.count(k), d, seed, ops, split)) for k, d in enumerate(digits)]
+    return [next(per[k]) for k in turn]
 
 
 # Word problems for chat models: (text, op); {a} and {b} are drawn, a - b only with b <= a (answers >= 0).
@@ -1619,7 +1622,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / cfg.steps))))
     mixed = tuple(int(d) for d in cfg.mixed_digits.split(",") if d)  # several answer lengths in one model
-    problems = mixed_arithmetic_task(cfg.steps * cfg.batch, mixed or (cfg.digits,), cfg.seed, cfg.ops, "pretrain")
+    problems = mixed_arithmetic_task(cfg.steps * cfg.batch, mixed or (cfg.digits,), cfg.seed, cfg.ops, "pretrain",
+                                     block=cfg.batch)
     t0 = time.time()
     for step in tqdm(range(cfg.steps), desc="pretrain", mininterval=2):
         batch = problems[step * cfg.batch : (step + 1) * cfg.batch]
