@@ -3842,7 +3842,7 @@ def test_law_support_and_x_star_read_the_fit():
 
 def test_length_verdict_judges_the_committed_prediction_by_its_rule():
     prediction = {"harm": 0.002, "x_star": 0.015, "x_low": 0.01, "x_high": 0.025}
-    seeds = lambda d: [d - 1e-4, d, d + 1e-4]  # noqa: E731
+    seeds = lambda d: [d - 1e-4, d, d + 1e-4]
     crossing = [(0.005, seeds(-0.0005)), (0.016, seeds(-0.0025)), (0.05, seeds(-0.008))]
     held = ex.length_verdict(prediction, crossing, True)
     assert held["verdict"] == "held" and 0.01 < held["x_obs"] < 0.016
@@ -3864,7 +3864,7 @@ def test_a_prediction_is_written_once_and_counts_only_once_committed(tmp_path):
     with pytest.raises(FileExistsError):
         ex.write_prediction(path, {"x_star": 0.02})
     assert ex.prediction_commit(path) is None, "not in a repository"
-    git = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)  # noqa: E731
+    git = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
     git("init", "-q")
     assert ex.prediction_commit(path) is None, "not committed"
     git("add", ".")
