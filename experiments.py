@@ -1213,11 +1213,14 @@ RL_PRESETS = {
 # prediction x*(T_predict) is written once (write_prediction) and must be committed before its runs
 # (prediction_commit); length_verdict judges it from that file, never from a re-fit.
 
-LENGTH_DIGITS = (2, 4, 8, 16)  # swap operand digits of the fitted grid: T = 5, 9, 17, 33
-LENGTH_PREDICT_DIGITS = 32  # the prediction's length T = 65 (prompt + answer: 4 n + 4 = 132 tokens)
-# the base: every length in turn, positions for the longest (4 x 32 + 4 = 132, rounded up to a multiple of 8)
-LENGTH_PRETRAIN = ("length", {"ops": "s", "digits": 2, "mixed_digits": ",".join(map(str, LENGTH_DIGITS + (32,))),
-                              "max_positions": 136, "steps": 400, "lr": 2e-3})
+# The budget's cut (LENGTH_BUDGET): the issue's T = 4..32 -> 64 shifted down one octave, the grid T = 5, 9, 17 and
+# the prediction at T = 33; the full design is LENGTH_DIGITS = (2, 4, 8, 16), LENGTH_PREDICT_DIGITS = 32
+LENGTH_DIGITS = (2, 4, 8)  # swap operand digits of the fitted grid: T = 5, 9, 17
+LENGTH_PREDICT_DIGITS = 16  # the prediction's length T = 33 (prompt + answer: 4 n + 4 = 68 tokens)
+# the base: every length in turn, positions for the longest prompt + answer (4 n + 4) rounded up to a multiple of 8
+LENGTH_PRETRAIN = ("length", {"ops": "s", "digits": 2,
+                              "mixed_digits": ",".join(map(str, LENGTH_DIGITS + (LENGTH_PREDICT_DIGITS,))),
+                              "max_positions": -(-(4 * LENGTH_PREDICT_DIGITS + 4) // 8) * 8, "steps": 800, "lr": 2e-3})
 LENGTH_DELTA = 0.002  # δ, stated before the runs: x*(T) is where the fitted harm reaches 0.002 nats per answer token
 LENGTH_CANDIDATES = (0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6)  # the pilot's ladder of relative sampler noise s
 LENGTH_PILOT_SEEDS = (10, 11)  # disjoint from the preset's seeds (noise draws 1244, 1245)
@@ -1246,11 +1249,12 @@ LENGTH_PILOT_RULE = (
     f"levels are x*/{LENGTH_SIDE:g} and {LENGTH_SIDE:g} x*, chosen by the same interpolation at its length.")
 LENGTH_VERDICT_RULE = (
     "Verdict rule, written before the prediction's runs: the mean paired Δ of the three prediction levels, in "
-    "order of their measured x, is interpolated linearly in log x; x_obs is where it first reaches -δ. The "
-    "prediction held when x_obs lies inside the committed interval; it did not when x_obs lies outside it (also "
-    "when every level is past -δ and the lowest x is below the interval, or none is and the highest x is above "
-    "it); otherwise not resolved. Invalid testbed when that length's control did not learn. Nothing is re-fitted "
-    "after these runs: the prediction is read from its committed file.")
+    "order of their measured x, is interpolated linearly in log x; x_obs is where it first reaches -δ, with an "
+    "interval from a bootstrap over the seeds (as the fit's; open on a side where more than 2.5% of resamples do "
+    "not cross there; beyond the first or last level when the mean does not cross). The prediction held when "
+    "x_obs's interval is closed and overlaps the committed one; it did not when the two intervals are disjoint; "
+    "otherwise (an open interval that overlaps) not resolved. Invalid testbed when that length's control did not learn. Nothing is "
+    "re-fitted after these runs: the prediction is read from its committed file.")
 
 
 def answer_tokens(digits: int) -> int:
@@ -1501,34 +1505,58 @@ def prediction_commit(path: Path) -> str | None:
     return commit if commit and clean else None
 
 
-def length_verdict(prediction: dict, points: list[tuple[float, list[float]]], learned: bool) -> dict:
-    """LENGTH_VERDICT_RULE: points = (measured x, per-seed paired Δ) of the prediction's levels. -> {verdict, x_obs,
-    text}; reads the prediction (x_star, low, high, harm) and nothing fitted since."""
-    harm, low, high = prediction["harm"], prediction["x_low"], prediction["x_high"]
-    means = sorted((x, _mean(ds)) for x, ds in points)
-    if not learned:
-        return {"verdict": "invalid testbed", "x_obs": math.nan, "text": "the control did not learn"}
-    if not means or not all(math.isfinite(v) for pair in means for v in pair):
-        return {"verdict": "not resolved", "x_obs": math.nan, "text": "a level was not measured"}
-    x_obs, where = math.nan, ""
-    for (x0, d0), (x1, d1) in itertools.pairwise(means):
+def crossing_x(xs: list[float], deltas: list[float], harm: float) -> float:
+    """The x where deltas (at xs, ascending), linear in log x between levels, first reach -harm; -inf when the
+    first level is already there, inf when no level is, nan when they are not finite."""
+    if not all(map(math.isfinite, xs + deltas)):
+        return math.nan
+    if deltas[0] <= -harm:
+        return -math.inf
+    for (x0, d0), (x1, d1) in itertools.pairwise(zip(xs, deltas)):
         if d0 > -harm >= d1:
             t = (-harm - d0) / (d1 - d0)
-            x_obs = math.exp(math.log(x0) + t * (math.log(x1) - math.log(x0)))
-            break
-    if math.isfinite(x_obs):
-        verdict = "held" if low <= x_obs <= high else "not held"
-        where = f"x_obs {x_obs:.3g}"
-    elif means[0][1] <= -harm:  # every level already harmed: x_obs below the lowest x
-        verdict = "not held" if means[0][0] < low else "not resolved"
-        where = f"x_obs < {means[0][0]:.3g}"
-    elif means[-1][1] > -harm:  # no level harmed: x_obs above the highest x
-        verdict = "not held" if means[-1][0] > high else "not resolved"
-        where = f"x_obs > {means[-1][0]:.3g}"
+            return math.exp(math.log(x0) + t * (math.log(x1) - math.log(x0)))
+    return math.inf
+
+
+def length_verdict(prediction: dict, points: list[tuple[float, list[float]]], learned: bool,
+                   n_boot: int = 1000, level: float = 0.95) -> dict:
+    """LENGTH_VERDICT_RULE: points = (measured x, per-seed paired Δ, seeds in one order) of the prediction's levels.
+    x_obs = crossing_x of the mean Δ; its interval: the same over n_boot resamples of the seeds (Student-t on the
+    bootstrap SE of log x_obs, as bootstrap_length_law; open on a side where over 2.5% of resamples do not cross
+    there). -> {verdict, x_obs, low, high, text}; reads the prediction (x_low, x_high, harm), nothing fitted since."""
+    harm, low, high = prediction["harm"], prediction["x_low"], prediction["x_high"]
+    points = sorted(points)
+    xs = [x for x, _ in points]
+    per_seed = torch.tensor([ds for _, ds in points], dtype=torch.float64)  # (levels, S)
+    result = {"verdict": "not resolved", "x_obs": math.nan, "low": math.nan, "high": math.nan}
+    if not learned:
+        return result | {"verdict": "invalid testbed", "text": "the control did not learn"}
+    x_obs = crossing_x(xs, per_seed.mean(1).tolist(), harm)
+    if math.isnan(x_obs) or per_seed.shape[1] < 2:
+        return result | {"text": "a level was not measured (or one seed)"}
+    S = per_seed.shape[1]
+    draws = torch.randint(0, S, (n_boot, S), generator=torch.Generator().manual_seed(0))
+    boot = torch.tensor([crossing_x(xs, per_seed[:, d].mean(1).tolist(), harm) for d in draws.tolist()])
+    below, above = float((boot == -math.inf).double().mean()), float((boot == math.inf).double().mean())
+    finite = boot[torch.isfinite(boot)].log()
+    if math.isfinite(x_obs) and len(finite) > 1:
+        half = student_t_quantile((1 + level) / 2, S - 1) * math.sqrt(S / (S - 1)) * float(finite.std())
+        obs_low = 0.0 if below > 0.025 else x_obs * math.exp(-half)
+        obs_high = math.inf if above > 0.025 else x_obs * math.exp(half)
+    else:  # the mean crosses nowhere in the grid: the observed threshold lies beyond its first or last level
+        obs_low, obs_high = (0.0, xs[0]) if x_obs == -math.inf else (xs[-1], math.inf)
+    if obs_high < low or obs_low > high:
+        verdict = "not held"
+    elif obs_low > 0 and math.isfinite(obs_high):  # a closed interval that overlaps the prediction's
+        verdict = "held"
     else:
-        verdict, where = "not resolved", "Δ does not cross -δ in order of x"
-    return {"verdict": verdict, "x_obs": x_obs, "text": (f"{where}; predicted x* {prediction['x_star']:.3g} "
-                                                         f"[{low:.3g}, {high:.3g}]")}
+        verdict = "not resolved"
+    shown = f"x_obs {x_obs:.3g}" if math.isfinite(x_obs) else ("x_obs < " if x_obs < 0 else "x_obs > ") + (
+        f"{xs[0]:.3g}" if x_obs < 0 else f"{xs[-1]:.3g}")
+    return {"verdict": verdict, "x_obs": x_obs, "low": obs_low, "high": obs_high,
+            "text": (f"{shown} [{obs_low:.3g}, {obs_high:.3g}]; predicted x* {prediction['x_star']:.3g} "
+                     f"[{low:.3g}, {high:.3g}]")}
 
 
 def level_measurements(model_dir: Path, levels: dict[int, list[float]], seeds: tuple[int, ...], out: Path,
@@ -1571,7 +1599,8 @@ def length_law_report(runs: dict, levels: dict[int, list[float]], seeds: list[in
                 xs = [seed_value(rs, "mm_abs_diff", "steps") for rs in runs[label]]
                 low, high = paired_ci(ds)
                 tests[a, T, s, "trails control"] = paired_p(ds)
-                row = {"T": T, "arm": a, "s": s, "x": _mean(xs), "x T": _mean(xs) * T,
+                max_abs = _mean([seed_value(rs, "mm_max_abs_diff", "steps") for rs in runs[label]])
+                row = {"T": T, "arm": a, "s": s, "x": _mean(xs), "x T": _mean(xs) * T, "max |Δlogp|": max_abs,
                        "Δ vs control": f"{_mean(ds):+.2g} [{low:+.2g}, {high:+.2g}]", "Δ vs none": "-"}
                 if a != "none":
                     vs_none = [d - e for d, e in zip(ds, length_deltas(runs, length_label("none", T, s), T))]
