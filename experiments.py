@@ -1257,6 +1257,29 @@ LENGTH_VERDICT_RULE = (
     "re-fitted after these runs: the prediction is read from its committed file.")
 
 
+# Measured before any run of this preset (branch issue39, base pre-trained on the swap task; one 80-step run =
+# setup + 5 evaluations on 512 problems + 80 steps of 16 prompts x 8, timed on 4 steps with getrusage, one thread):
+LENGTH_RUN_CPU_S = {5: 28, 9: 42, 17: 76, 33: 153, 65: 365}  # CPU seconds per run, by answer length T
+LENGTH_BUDGET = (
+    "Time (measured before any run: one 80-step run timed on 4 RL steps + one evaluation per length, one thread; "
+    "CPU seconds, which a shared machine stretches: at load 6.5 on 2 cores the same runs took 2.2-5.5x as long "
+    "in wall time): T=5 28 s, T=9 42 s, T=17 76 s, T=33 153 s, T=65 365 s per run (~linear in T). The issue's "
+    "design (grid T = 5, 9, 17, 33 with the control, 4 none levels and tis + seq_tis: 140 runs, 174 CPU-min; the "
+    "prediction at T = 65: control + 3 levels x 5 seeds, 122 CPU-min; pilot + level KL ~5 CPU-min) needs ~300 "
+    "CPU-min: 150 min on two processes only with a whole core each and no margin. Cut, before any run: the longest "
+    "length (never seeds): grid T = 5, 9, 17 (105 runs, 85 CPU-min) and the prediction at T = 33 (20 runs, 51 "
+    "CPU-min), ~140 CPU-min with the pilot: ~70 min on two whole cores, within 150 min up to ~2x contention. "
+    "(Cutting a none level instead would save 25 CPU-min of the 300.) The base is pre-trained on every length "
+    "used (2, 4, 8, 16 digits).")
+
+
+def length_cpu_minutes(digits: tuple = LENGTH_DIGITS, predict: int = LENGTH_PREDICT_DIGITS, seeds: int = 5) -> float:
+    """CPU minutes of the preset's RL runs by LENGTH_RUN_CPU_S: per grid length the control, LENGTH_LEVELS none
+    levels and the corrections; the prediction's control and 3 levels; every arm on `seeds` seeds."""
+    grid = sum((1 + LENGTH_LEVELS + len(LENGTH_CORRECTIONS)) * LENGTH_RUN_CPU_S[answer_tokens(n)] for n in digits)
+    return seeds * (grid + 4 * LENGTH_RUN_CPU_S[answer_tokens(predict)]) / 60
+
+
 def answer_tokens(digits: int) -> int:
     """T of the swap task: 2 x digits answer tokens and <eos>."""
     return 2 * digits + 1
@@ -1769,7 +1792,7 @@ def preset_length(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     _write_results(out, "length: the harmful per-token mismatch against answer length (swap task)", sections + [
         (f"Pilot (seeds {', '.join(map(str, LENGTH_PILOT_SEEDS))}), the base model at each candidate level:",
          pilot_rows)],
-        "\n\n".join([text, status, LENGTH_PILOT_RULE, LENGTH_VERDICT_RULE] + list(notes.values())))
+        "\n\n".join([text, status, LENGTH_PILOT_RULE, LENGTH_VERDICT_RULE, LENGTH_BUDGET] + list(notes.values())))
     return rows
 
 

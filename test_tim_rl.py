@@ -3959,3 +3959,10 @@ def test_mismatch_at_level_measures_x_and_the_whole_distribution_kl(tmp_path):
     assert clean["x"] < 1e-5 and abs(clean["kl_max"]) < 1e-5, "no noise: the fp32 sampler is the trainer"
     assert noisy["x"] > 100 * clean["x"] and noisy["kl_max"] >= noisy["kl_mean"] > 1e-4
     assert set(noisy) == {"x", "kl_max", "kl_mean", "reward"} and 0 <= noisy["reward"] <= 1
+
+
+def test_length_preset_as_cut_fits_two_processes_and_the_full_design_would_not():
+    assert ex.length_cpu_minutes() <= 150, "the cut: ~70 min on two processes, each a whole core"
+    assert ex.length_cpu_minutes((2, 4, 8, 16), 32) > 280, "the twin: the issue's design needs ~300 CPU-min"
+    assert ex.length_cpu_minutes(seeds=10) == pytest.approx(2 * ex.length_cpu_minutes()), "seeds are never cut"
+    assert f"{ex.length_cpu_minutes((2, 4, 8, 16), 32):.0f}" in "296" and "Cut, before any run" in ex.LENGTH_BUDGET
