@@ -1268,7 +1268,8 @@ LENGTH_BUDGET = (
     "prediction at T = 65: control + 3 levels x 5 seeds, 122 CPU-min; the pilot: 1.3 CPU-min measured for T = 5-33, "
     "the levels' KL less) needs ~300 CPU-min: 150 min on two processes only with a whole core each and no "
     "margin. Cut, before any run: the longest length (never seeds): grid T = 5, 9, 17 (105 runs, 85 CPU-min) "
-    "and the prediction at T = 33 (20 runs, 51 CPU-min), ~140 CPU-min with the pilot: ~70 min on two whole cores, within 150 min up to ~2x contention. "
+    "and the prediction at T = 33 (20 runs, 51 CPU-min), ~140 CPU-min with the pilot: ~70 min on two whole "
+    "cores, within 150 min up to ~2x contention. "
     "(Cutting a none level instead would save 25 CPU-min of the 300.) The base is pre-trained on every length "
     "used (2, 4, 8, 16 digits).")
 
