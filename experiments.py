@@ -1409,7 +1409,615 @@ RL_PRESETS = {
 }
 
 
-PRESETS = {"precision": preset_precision, "real-lm": preset_real_lm} | {
+# ---------------------------------------------------------------------------------------------------------------
+# ---- the length law: how the harmful per-token mismatch falls with answer length ----
+# One task family whose only parameter is the answer's length: swap two n-digit numbers, T = 2n + 1 answer tokens
+# (<eos> included: what the sampler generates and pc scores), on ONE base model pre-trained on every n (its pools
+# per n are make_arithmetic_task's, disjoint). Per length: the synced control, none at 4 sampler-noise levels chosen
+# by LENGTH_PILOT_RULE, the corrections at one of them. Harm h = paired Δ of mean-over-evaluations log pc / T
+# against that length's control. The law Δ(x, T) = -b (x T^a)^γ is fitted to none's per-seed Δ (fit_length_law),
+# its uncertainty by a bootstrap over seeds (bootstrap_length_law); x*(T) is where it reaches -LENGTH_DELTA. The
+# prediction x*(T_predict) is written once (write_prediction) and must be committed before its runs
+# (prediction_commit); length_verdict judges it from that file, never from a re-fit.
+
+# The budget's cut (LENGTH_BUDGET): the issue's T = 4..32 -> 64 shifted down one octave, the grid T = 5, 9, 17 and
+# the prediction at T = 33; the full design is LENGTH_DIGITS = (2, 4, 8, 16), LENGTH_PREDICT_DIGITS = 32
+LENGTH_DIGITS = (2, 4, 8)  # swap operand digits of the fitted grid: T = 5, 9, 17
+LENGTH_PREDICT_DIGITS = 16  # the prediction's length T = 33 (prompt + answer: 4 n + 4 = 68 tokens)
+# the base: every length in turn, positions for the longest prompt + answer (4 n + 4) rounded up to a multiple of 8
+LENGTH_PRETRAIN = ("length", {"ops": "s", "digits": 2,
+                              "mixed_digits": ",".join(map(str, LENGTH_DIGITS + (LENGTH_PREDICT_DIGITS,))),
+                              "max_positions": -(-(4 * LENGTH_PREDICT_DIGITS + 4) // 8) * 8, "steps": 800, "lr": 2e-3})
+LENGTH_DELTA = 0.002  # δ, stated before the runs: x*(T) is where the fitted harm reaches 0.002 nats per answer token
+LENGTH_CANDIDATES = (0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6)  # the pilot's ladder of relative sampler noise s
+LENGTH_PILOT_SEEDS = (10, 11)  # disjoint from the preset's seeds (noise draws 1244, 1245)
+LENGTH_KL_SEEDS = (0, 1)  # the grid levels' KL, measured on the base model with the noise draws of runs 0 and 1
+LENGTH_X_LOW, LENGTH_X_HIGH, LENGTH_X_FLOOR = 0.25, 2.0, 0.2  # the level targets' ends (LENGTH_PILOT_RULE)
+LENGTH_LEVELS = 4  # none's noise levels per length
+LENGTH_CORRECTED_LEVEL = 2  # the corrections run at the third of the four levels
+# the corrections at that level; cispo joins by itself once it is a tim_rl correction
+LENGTH_CORRECTIONS = tuple(c for c in ("tis", "seq_tis", "cispo") if c in tr.CORRECTIONS)
+LENGTH_SIDE = 3.0  # the prediction's side levels: x*/3 and 3 x*
+LENGTH_BOOT = 1000  # bootstrap resamples of the seeds behind every interval of the fit
+PC_FLOOR = 1e-30  # log pc of a run whose pc underflowed: a very large harm, not a missing value
+LENGTH_PREDICTION = Path(__file__).parent / "predictions" / "length.json"  # committed before the prediction's runs
+LENGTH_PILOT_RULE = (
+    "Pilot rule, written before any run of this preset (it fixes how the levels are chosen, not the levels): for "
+    "each length T, the base model samples 64 RL-pool prompts x 8 with sampler noise s at every s of "
+    f"{LENGTH_CANDIDATES}, on pilot seeds {', '.join(map(str, LENGTH_PILOT_SEEDS))} (disjoint from the preset's); "
+    "x(s) = the mean over the two seeds of mean |logp - logp_infer| on the sampled tokens. The four targets are "
+    f"log-spaced from x T = {LENGTH_X_LOW} (below any harm seen so far, per token or per sequence) to x = max("
+    f"{LENGTH_X_HIGH} / T, {LENGTH_X_FLOOR}) (harmful in both earlier dose maps whether the threshold is a "
+    "per-token or a per-sequence budget), so each length's grid straddles both a = 0 and a = 1; each level is the s "
+    "at which log x(s), interpolated linearly in log s, meets its target (2 significant digits; clipped to the "
+    "ladder, and said so). The corrections run at the third level, harmful under both hypotheses. Harm δ = "
+    f"{LENGTH_DELTA} nats per answer token (the short dose map's first harm was ~0.01 per token at pc 0.49, the "
+    "12-token one's ~0.001 at pc 0.27; δ between them, where the grid resolves it). The prediction's two side "
+    f"levels are x*/{LENGTH_SIDE:g} and {LENGTH_SIDE:g} x*, chosen by the same interpolation at its length.")
+LENGTH_VERDICT_RULE = (
+    "Verdict rule, written before the prediction's runs: the mean paired Δ of the three prediction levels, in "
+    "order of their measured x, is interpolated linearly in log x; x_obs is where it first reaches -δ, with an "
+    "interval from a bootstrap over the seeds (as the fit's; open on a side where more than 2.5% of resamples do "
+    "not cross there; beyond the first or last level when the mean does not cross). The prediction held when "
+    "x_obs's interval is closed and overlaps the committed one; it did not when the two intervals are disjoint; "
+    "otherwise (an open interval that overlaps) not resolved. Invalid testbed when that length's control did not "
+    "learn. Nothing is re-fitted after these runs: the prediction is read from its committed file.")
+
+
+# Measured before any run of this preset (branch issue39, base pre-trained on the swap task; one 80-step run =
+# setup + 5 evaluations on 512 problems + 80 steps of 16 prompts x 8, timed on 4 steps with getrusage, one thread):
+LENGTH_RUN_CPU_S = {5: 28, 9: 42, 17: 76, 33: 153, 65: 365}  # CPU seconds per run, by answer length T
+LENGTH_BUDGET = (
+    "Time (measured before any run: one 80-step run timed on 4 RL steps + one evaluation per length, one thread; "
+    "CPU seconds, which a shared machine stretches: at load 6.5 on 2 cores the same runs took 2.2-5.5x as long "
+    "in wall time): T=5 28 s, T=9 42 s, T=17 76 s, T=33 153 s, T=65 365 s per run (~linear in T). The issue's "
+    "design (grid T = 5, 9, 17, 33 with the control, 4 none levels and tis + seq_tis: 140 runs, 174 CPU-min; the "
+    "prediction at T = 65: control + 3 levels x 5 seeds, 122 CPU-min; the pilot: 1.3 CPU-min measured for T = 5-33, "
+    "the levels' KL less) needs ~300 CPU-min: 150 min on two processes only with a whole core each and no "
+    "margin. Cut, before any run: the longest length (never seeds): grid T = 5, 9, 17 (105 runs, 85 CPU-min) "
+    "and the prediction at T = 33 (20 runs, 51 CPU-min), ~140 CPU-min with the pilot: ~70 min on two whole "
+    "cores, within 150 min up to ~2x contention. "
+    "(Cutting a none level instead would save 25 CPU-min of the 300.) The base is pre-trained on every length "
+    "used (2, 4, 8, 16 digits).")
+
+
+LENGTH_BASE_NOTE = (
+    "Base (measured before any run, LENGTH_PRETRAIN: 800 steps of 64 problems, every length in turn, 10 min wall "
+    "on the shared machine): held-out pc 0.97 / 0.93 / 0.04 / 0.94 and greedy exact match 0.99 / 0.97 / 0.09 / "
+    "0.98 at T = 5 / 9 / 17 / 33. One length per batch instead pre-trained only T = 5 in 800 steps (pc 0.93, 0.09, "
+    "6e-6, 2e-14); with T = 65 in the mix (400 steps) T = 17 and 33 stayed near 0 while T = 65 learned (pc 0.55): "
+    "the tiny model learns the lengths unevenly, so each length's testbed is checked by its own control "
+    "(control_learned) and a length whose control did not learn is left out of the fit, said so. A 20-step control "
+    "at T = 17 (seed 0, 256 problems) raised pc 0.040 -> 0.054: room to learn. The pilot on this base picked "
+    "s 0.2-0.46 (T=5), 0.12-0.37 (9), 0.03-0.29 (17), 0.28-0.64 (33; the confident length needs more noise for "
+    "the same x), none clipped; its sampled reward at the top level 0.4-0.8.")
+
+
+def length_cpu_minutes(digits: tuple = LENGTH_DIGITS, predict: int = LENGTH_PREDICT_DIGITS, seeds: int = 5) -> float:
+    """CPU minutes of the preset's RL runs by LENGTH_RUN_CPU_S: per grid length the control, LENGTH_LEVELS none
+    levels and the corrections; the prediction's control and 3 levels; every arm on `seeds` seeds."""
+    grid = sum((1 + LENGTH_LEVELS + len(LENGTH_CORRECTIONS)) * LENGTH_RUN_CPU_S[answer_tokens(n)] for n in digits)
+    return seeds * (grid + 4 * LENGTH_RUN_CPU_S[answer_tokens(predict)]) / 60
+
+
+def answer_tokens(digits: int) -> int:
+    """T of the swap task: 2 x digits answer tokens and <eos>."""
+    return 2 * digits + 1
+
+
+def level_targets(T: int, levels: int = LENGTH_LEVELS) -> list[float]:
+    """The pilot rule's target x for each level: log-spaced from LENGTH_X_LOW / T to max(LENGTH_X_HIGH / T,
+    LENGTH_X_FLOOR)."""
+    low, high = LENGTH_X_LOW / T, max(LENGTH_X_HIGH / T, LENGTH_X_FLOOR)
+    return [low * (high / low) ** (i / (levels - 1)) for i in range(levels)]
+
+
+def pick_levels(pilot: dict[float, float], targets: list[float]) -> list[tuple[float, bool]]:
+    """(s, clipped) per target: the noise s at which log x(s), linear in log s between the pilot's points, meets
+    the target; 2 significant digits; clipped to the ladder's ends when x(s) never reaches it there."""
+    points = sorted((s, x) for s, x in pilot.items() if x > 0 and math.isfinite(x))
+    if len(points) < 2:
+        raise ValueError(f"the pilot measured fewer than two levels: {pilot}")
+    picked = []
+    for target in targets:
+        below = [(s, x) for s, x in points if x <= target]
+        above = [(s, x) for s, x in points if x >= target]
+        if not below or not above:
+            picked.append((points[0][0] if not below else points[-1][0], True))
+            continue
+        (s0, x0), (s1, x1) = below[-1], above[0]
+        t = 0.0 if x1 == x0 else (math.log(target) - math.log(x0)) / (math.log(x1) - math.log(x0))
+        s = math.exp(math.log(s0) + t * (math.log(s1) - math.log(s0)))
+        picked.append((float(f"{s:.2g}"), False))
+    return picked
+
+
+def mismatch_at_level(model_dir: str | Path, digits: int, noise: float, seeds: tuple[int, ...], n_prompts: int = 64,
+                      n: int = 8) -> dict:
+    """The base model's sampler at relative noise `noise` (noise seed = seed + 1234, as in a run) on n_prompts
+    RL-pool swap problems x n samples per seed: x = mean |logp - logp_infer|, the max and mean over tokens of the
+    per-token KL(q || p) between the sampler's and the trainer's whole distributions, and the sampled reward; means
+    over the seeds (the KL max: the max)."""
+    model_dir = Path(model_dir)
+    tokenizer, model = tr.load_tokenizer(model_dir), tr.load_model(model_dir).eval()
+    rows = []
+    for seed in seeds:
+        sampler = tr.TorchSampler(model, tr.EngineSpec(noise=noise, noise_seed=seed + 1234), tokenizer)
+        problems = tr.make_arithmetic_task(n_prompts, digits, seed, "s", split="rl")
+        prompts, answers = tr.encode_problems(tokenizer, problems)
+        ro = sampler.sample(prompts, n, answer_tokens(digits), 1.0, 0, torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            logp, logp_all, _ = tr.sequence_logprobs(model, ro, topk_ids=ro.topk_ids)  # (B, T), (B, T, V)
+        q_all = ro.logp_topk_infer  # (B, T, V): the sampler's whole distribution (topk 0 records every id)
+        kl = (q_all.exp() * (q_all - logp_all)).sum(-1)[ro.mask]  # (N,) KL(q || p) per sampled position
+        reward = sum(tr.verify(t, answers[i // n]) for i, t in enumerate(ro.texts)) / len(ro.texts)
+        rows.append({"x": float((logp - ro.logp_infer)[ro.mask].abs().mean()), "kl_max": float(kl.max()),
+                     "kl_mean": float(kl.mean()), "reward": reward})
+    return {key: (max if key == "kl_max" else _mean)([r[key] for r in rows]) for key in rows[0]}
+
+
+def length_pilot(model_dir: Path, digits: tuple[int, ...], out: Path, smoke: bool = False) -> dict:
+    """LENGTH_PILOT_RULE's measurements {digits: {s: x}}, cached in out/pilot.json (keyed by the model's weights'
+    mtime: a re-trained base re-runs it)."""
+    stamp = (Path(model_dir) / "model.safetensors").stat().st_mtime
+    cache = out / "pilot.json"
+    known = json.loads(cache.read_text()) if cache.is_file() else {}
+    if known.get("stamp") != stamp or known.get("digits") != list(digits):
+        ladder = LENGTH_CANDIDATES[::3] if smoke else LENGTH_CANDIDATES
+        measured = {str(n): {str(s): mismatch_at_level(model_dir, n, s, LENGTH_PILOT_SEEDS[: 1 if smoke else None],
+                                                       8 if smoke else 64, 2 if smoke else 8)
+                             for s in ladder} for n in digits}
+        known = {"stamp": stamp, "digits": list(digits), "measured": measured}
+        tr.write_atomic(cache, json.dumps(known, indent=1))
+    return {int(n): {float(s): m for s, m in row.items()} for n, row in known["measured"].items()}
+
+
+def length_label(arm: str, T: int, noise: float | None = None) -> str:
+    """'control @ T=9' or 'none @ T=9, s=0.12'."""
+    return f"{arm} @ T={T}" + (f", s={noise:g}" if noise is not None else "")
+
+
+def length_arms(levels: dict[int, list[float]], corrections: tuple = LENGTH_CORRECTIONS,
+                corrected: int = LENGTH_CORRECTED_LEVEL) -> tuple:
+    """The grid: per digit count n (T = 2n + 1), the synced control, none at every level, each correction at
+    levels[n][corrected]; every arm on that length's task (task_digits, max_new_tokens = T)."""
+    arms = []
+    for n, noises in levels.items():
+        T = answer_tokens(n)
+        task = {"task_digits": n, "max_new_tokens": T}
+        arms.append((length_label("control", T), CONTROL | task))
+        arms += [(length_label("none", T, s), {"correction": "none", "noise": s} | task) for s in noises]
+        at = noises[min(corrected, len(noises) - 1)]  # fewer levels (two targets clipped to one): the last
+        arms += [(length_label(c, T, at), {"correction": c, "noise": at} | task) for c in corrections]
+    return tuple(arms)
+
+
+def per_token_log_pc(records: list[dict], T: int) -> float:
+    """Mean over a run's evaluations of log pc_trainer / T (pc floored at PC_FLOOR); nan without evaluations."""
+    values = [math.log(max(r["pc_trainer"], PC_FLOOR)) / T for r in records if "reward" not in r and "pc_trainer" in r]
+    return _mean(values)
+
+
+def length_deltas(runs: dict, arm: str, T: int) -> list[float]:
+    """Per seed: per_token_log_pc of arm minus that of the length's control (same seed)."""
+    control = runs[length_label("control", T)]
+    if len(runs[arm]) != len(control):
+        raise ValueError(f"{arm!r} and its control ran on different seeds")
+    return [per_token_log_pc(a, T) - per_token_log_pc(c, T) for a, c in zip(runs[arm], control)]
+
+
+class LawFit(NamedTuple):
+    """Δ(x, T) = -b (x T^a)^γ fitted by least squares; tensors shaped like the fit's leading dimensions."""
+
+    a: torch.Tensor
+    gamma: torch.Tensor
+    b: torch.Tensor
+    sse: torch.Tensor
+
+
+# the fit's grid: a in [-0.5, 1.5] by 0.02 (1/2 and 1 and 0 on it), γ log-spaced in [1/4, 4]; b is solved at each point
+LAW_A = torch.linspace(-0.5, 1.5, 101, dtype=torch.float64)
+LAW_GAMMA = torch.logspace(math.log10(0.25), math.log10(4.0), 33, dtype=torch.float64)
+LAW_CHUNK = 1 << 22  # (rows x grid points) per block of the fit's matrix products: 32 MiB of float64
+
+
+def fit_length_law(x: torch.Tensor, T: torch.Tensor, delta: torch.Tensor,
+                   weights: torch.Tensor | None = None) -> LawFit:
+    """Least squares of delta = -b (x T^a)^γ with b >= 0 over the grid LAW_A x LAW_GAMMA, b in closed form at each
+    grid point (b = max(0, -Σ w d z / Σ w z²), z = (x T^a)^γ). Reconstructed form: issue 39's power law.
+
+    x, T: (N,) positive; delta: (..., N) per-seed paired Δ; weights: (..., N) or (N,), e.g. a bootstrap's seed
+    counts (None: 1). Every leading row is fitted at once. -> LawFit of (...) tensors.
+    """
+    x, T = torch.as_tensor(x, dtype=torch.float64), torch.as_tensor(T, dtype=torch.float64)
+    delta = torch.as_tensor(delta, dtype=torch.float64)
+    if x.dim() != 1 or x.shape != T.shape or delta.shape[-1] != x.shape[0] or not (x > 0).all() or not (T > 0).all():
+        raise ValueError(f"x and T must be (N,) and positive, delta (..., N): got {tuple(x.shape)}, "
+                         f"{tuple(T.shape)}, {tuple(delta.shape)}")
+    weights = torch.ones_like(delta) if weights is None else torch.as_tensor(weights, dtype=torch.float64)
+    a, gamma = (g.reshape(-1) for g in torch.meshgrid(LAW_A, LAW_GAMMA, indexing="ij"))  # (G,)
+    z = torch.exp(gamma[:, None] * (x.log() + a[:, None] * T.log()))  # (G, N)
+    lead = delta.shape[:-1]
+    d = delta.reshape(-1, x.shape[0])  # (M, N)
+    w = weights.expand(*lead, x.shape[0]).reshape(-1, x.shape[0])  # (M, N)
+    best, b_best, sse_best = [], [], []
+    rows = max(1, LAW_CHUNK // z.shape[0])
+    for i in range(0, d.shape[0], rows):
+        dc, wc = d[i : i + rows], w[i : i + rows]
+        szz = wc @ (z * z).T  # (m, G)
+        szd = (wc * dc) @ z.T  # (m, G)
+        b = (-szd / szz).clamp(min=0.0)
+        sse = (wc * dc * dc).sum(-1, keepdim=True) + 2 * b * szd + b * b * szz  # (m, G)
+        k = sse.argmin(-1)  # (m,)
+        best.append(k)
+        b_best.append(b.gather(1, k[:, None])[:, 0])
+        sse_best.append(sse.gather(1, k[:, None])[:, 0])
+    k, b, sse = torch.cat(best), torch.cat(b_best), torch.cat(sse_best)
+    return LawFit(a[k].reshape(lead), gamma[k].reshape(lead), b.reshape(lead), sse.reshape(lead))
+
+
+def x_star(fit: LawFit, T, harm: float = LENGTH_DELTA) -> torch.Tensor:
+    """x*(T) = (harm / b)^(1/γ) / T^a: where the fitted Δ reaches -harm (inf where b = 0: no harm fitted)."""
+    T = torch.as_tensor(T, dtype=torch.float64)
+    log_x = (math.log(harm) - fit.b.log()[..., None]) / fit.gamma[..., None] - fit.a[..., None] * T.log()
+    return log_x.exp()  # (..., len(T))
+
+
+class LawInterval(NamedTuple):
+    """The law fitted on every seed, and bootstrap intervals over seeds (level, Student-t on the bootstrap SE)."""
+
+    fit: LawFit
+    a_low: torch.Tensor
+    a_high: torch.Tensor
+    T: torch.Tensor  # (L,) the lengths x* is given at
+    x_star: torch.Tensor  # (..., L)
+    x_low: torch.Tensor  # (..., L)
+    x_high: torch.Tensor  # (..., L)
+
+
+def bootstrap_length_law(x, T, delta, seed_of, at_T, harm: float = LENGTH_DELTA, n_boot: int = 1000,
+                         level: float = 0.95, generator: torch.Generator | None = None) -> LawInterval:
+    """fit_length_law on all seeds, and on n_boot resamples of the S seeds (each seed's points together: the
+    pairing with a shared control makes them one unit). Interval = estimate -+ t_{(1+level)/2, S-1} x the bootstrap
+    SD x sqrt(S / (S - 1)) (the bootstrap's variance of a mean is (S-1)/S of the unbiased one): paired_ci's interval
+    when the statistic is a mean. a's interval is on a; x*'s on log x* (inf when any resample fits no harm).
+
+    x, T, seed_of: (N,) (seed_of in 0..S-1); delta (..., N): several replicates are fitted at once.
+    """
+    seed_of = torch.as_tensor(seed_of)
+    S = int(seed_of.max()) + 1
+    if S < 2:
+        raise ValueError("a bootstrap over seeds needs at least two seeds")
+    at_T = torch.as_tensor(at_T, dtype=torch.float64)
+    delta = torch.as_tensor(delta, dtype=torch.float64)
+    fit = fit_length_law(x, T, delta)
+    draws = torch.randint(0, S, (n_boot, S), generator=generator)  # (n_boot, S) resampled seeds
+    counts = torch.nn.functional.one_hot(draws, S).sum(1).double()  # (n_boot, S)
+    weights = counts[:, seed_of]  # (n_boot, N)
+    boot = fit_length_law(x, T, delta[..., None, :].expand(*delta.shape[:-1], n_boot, delta.shape[-1]), weights)
+    t = student_t_quantile((1 + level) / 2, S - 1) * math.sqrt(S / (S - 1))
+    half_a = t * boot.a.std(-1)
+    log_star = x_star(boot, at_T, harm).log()  # (..., n_boot, L)
+    finite = torch.isfinite(log_star).all(-2)  # (..., L)
+    half_x = torch.where(finite, t * log_star.std(-2), torch.full_like(finite, math.inf, dtype=torch.float64))
+    star = x_star(fit, at_T, harm)  # (..., L)
+    return LawInterval(fit, fit.a - half_a, fit.a + half_a, at_T, star, star * (-half_x).exp(),
+                       star * half_x.exp())
+
+
+LAW_EXPONENTS = ((1.0, "a per-sequence budget: x T constant"), (0.5, "x sqrt(T) constant"),
+                 (0.0, "a per-token budget: x constant"))
+
+
+def law_support(low: float, high: float) -> str:
+    """Which of a = 1, 1/2, 0 the interval [low, high] of a contains: the one it supports, or those it cannot tell
+    apart, or none."""
+    inside = [(a, meaning) for a, meaning in LAW_EXPONENTS if low <= a <= high]
+    if not all(map(math.isfinite, (low, high))):
+        return "not measured"
+    if len(inside) == 1:
+        return f"a ≈ {inside[0][0]:g} ({inside[0][1]}); excludes " + ", ".join(
+            f"{a:g}" for a, _ in LAW_EXPONENTS if a != inside[0][0])
+    if inside:
+        return "not resolved between a = " + " and ".join(f"{a:g}" for a, _ in inside)
+    return f"none of a = 1, 1/2, 0 (interval [{low:.2f}, {high:.2f}])"
+
+
+def write_prediction(path: Path, prediction: dict) -> None:
+    """Write the prediction file once: an existing one is never replaced (delete it by hand to predict again, which
+    the section then shows as a new commit)."""
+    if path.exists():
+        raise FileExistsError(f"{path} exists: a prediction is written once, before its runs")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tr.write_atomic(path, json.dumps(prediction, indent=1) + "\n")
+
+
+def prediction_commit(path: Path) -> str | None:
+    """The git commit that last changed `path`, when the working copy's file is that commit's (else None: not
+    committed, or edited since)."""
+    import subprocess
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        """git in the file's directory."""
+        return subprocess.run(["git", *args], cwd=path.parent, capture_output=True, text=True, check=False)
+
+    if not path.is_file():
+        return None
+    commit = git("log", "-1", "--format=%H", "--", path.name).stdout.strip()
+    clean = git("diff", "--quiet", "HEAD", "--", path.name).returncode == 0
+    return commit if commit and clean else None
+
+
+def crossing_x(xs: list[float], deltas: list[float], harm: float) -> float:
+    """The x where deltas (at xs, ascending), linear in log x between levels, first reach -harm; -inf when the
+    first level is already there, inf when no level is, nan when they are not finite."""
+    if not all(map(math.isfinite, xs + deltas)):
+        return math.nan
+    if deltas[0] <= -harm:
+        return -math.inf
+    for (x0, d0), (x1, d1) in itertools.pairwise(zip(xs, deltas)):
+        if d0 > -harm >= d1:
+            t = (-harm - d0) / (d1 - d0)
+            return math.exp(math.log(x0) + t * (math.log(x1) - math.log(x0)))
+    return math.inf
+
+
+def length_verdict(prediction: dict, points: list[tuple[float, list[float]]], learned: bool,
+                   n_boot: int = 1000, level: float = 0.95) -> dict:
+    """LENGTH_VERDICT_RULE: points = (measured x, per-seed paired Δ, seeds in one order) of the prediction's levels.
+    x_obs = crossing_x of the mean Δ; its interval: the same over n_boot resamples of the seeds (Student-t on the
+    bootstrap SE of log x_obs, as bootstrap_length_law; open on a side where over 2.5% of resamples do not cross
+    there). -> {verdict, x_obs, low, high, text}; reads the prediction (x_low, x_high, harm), nothing fitted since."""
+    harm, low, high = prediction["harm"], prediction["x_low"], prediction["x_high"]
+    points = sorted(points)
+    xs = [x for x, _ in points]
+    per_seed = torch.tensor([ds for _, ds in points], dtype=torch.float64)  # (levels, S)
+    result = {"verdict": "not resolved", "x_obs": math.nan, "low": math.nan, "high": math.nan}
+    if not learned:
+        return result | {"verdict": "invalid testbed", "text": "the control did not learn"}
+    x_obs = crossing_x(xs, per_seed.mean(1).tolist(), harm)
+    if math.isnan(x_obs) or per_seed.shape[1] < 2:
+        return result | {"text": "a level was not measured (or one seed)"}
+    S = per_seed.shape[1]
+    draws = torch.randint(0, S, (n_boot, S), generator=torch.Generator().manual_seed(0))
+    boot = torch.tensor([crossing_x(xs, per_seed[:, d].mean(1).tolist(), harm) for d in draws.tolist()])
+    below, above = float((boot == -math.inf).double().mean()), float((boot == math.inf).double().mean())
+    finite = boot[torch.isfinite(boot)].log()
+    if math.isfinite(x_obs) and len(finite) > 1:
+        half = student_t_quantile((1 + level) / 2, S - 1) * math.sqrt(S / (S - 1)) * float(finite.std())
+        obs_low = 0.0 if below > 0.025 else x_obs * math.exp(-half)
+        obs_high = math.inf if above > 0.025 else x_obs * math.exp(half)
+    else:  # the mean crosses nowhere in the grid: the observed threshold lies beyond its first or last level
+        obs_low, obs_high = (0.0, xs[0]) if x_obs == -math.inf else (xs[-1], math.inf)
+    if obs_high < low or obs_low > high:
+        verdict = "not held"
+    elif obs_low > 0 and math.isfinite(obs_high):  # a closed interval that overlaps the prediction's
+        verdict = "held"
+    else:
+        verdict = "not resolved"
+    shown = f"x_obs {x_obs:.3g}" if math.isfinite(x_obs) else ("x_obs < " if x_obs < 0 else "x_obs > ") + (
+        f"{xs[0]:.3g}" if x_obs < 0 else f"{xs[-1]:.3g}")
+    return {"verdict": verdict, "x_obs": x_obs, "low": obs_low, "high": obs_high,
+            "text": (f"{shown} [{obs_low:.3g}, {obs_high:.3g}]; predicted x* {prediction['x_star']:.3g} "
+                     f"[{low:.3g}, {high:.3g}]")}
+
+
+def level_measurements(model_dir: Path, levels: dict[int, list[float]], seeds: tuple[int, ...], out: Path,
+                       smoke: bool = False) -> dict:
+    """mismatch_at_level at every grid level (the base model, LENGTH_KL_SEEDS' noise draws), cached in
+    out/levels.json by the model's mtime and the levels. -> {(digits, s): {x, kl_max, kl_mean, reward}}."""
+    stamp = (Path(model_dir) / "model.safetensors").stat().st_mtime
+    key = json.dumps({"stamp": stamp, "levels": {str(n): ss for n, ss in levels.items()}, "seeds": list(seeds)})
+    cache = out / "levels.json"
+    known = json.loads(cache.read_text()) if cache.is_file() else {}
+    if known.get("key") != key:
+        measured = {f"{n} {s}": mismatch_at_level(model_dir, n, s, seeds, 8 if smoke else 64, 2 if smoke else 8)
+                    for n, ss in levels.items() for s in ss}
+        known = {"key": key, "measured": measured}
+        tr.write_atomic(cache, json.dumps(known, indent=1))
+    return {(int(k.split()[0]), float(k.split()[1])): m for k, m in known["measured"].items()}
+
+
+def _law_row(claim: str, verdict: str, shown: str = "-", ci: str = "-", p: str = "-", seeds: int = 0) -> dict:
+    """One statement of the length section; every row has these keys in this order."""
+    return {"claim": claim, "verdict": verdict, "Δ": shown, "95% CI": ci, "p (Holm)": p,
+            "metric": "mean log pc / T (auc)", "seeds": seeds}
+
+
+def length_law_report(runs: dict, levels: dict[int, list[float]], seeds: list[int], measured: dict | None = None,
+                      at_T: tuple = (), n_boot: int = 1000) -> tuple[list, list[dict], LawInterval | None, dict]:
+    """The grid's statements (one Holm family over every paired test in the section), its table, and the law
+    fitted to none's per-seed Δ at the lengths whose control learned. -> (sections, rows, interval or None, notes)."""
+    lengths = {answer_tokens(n): n for n in levels}
+    learned = {T: control_learned(runs, "pc_trainer", length_label("control", T)) for T in lengths}
+    tests, table, fit_points = {}, [], []
+    corrections = [c for c in LENGTH_CORRECTIONS if any(length_label(c, T, s) in runs for T, n in lengths.items()
+                                                        for s in levels[n])]
+    for T, n in lengths.items():
+        for s in levels[n]:
+            arms = [a for a in ["none"] + corrections if length_label(a, T, s) in runs]
+            for a in arms:
+                label = length_label(a, T, s)
+                ds = length_deltas(runs, label, T)
+                xs = [seed_value(rs, "mm_abs_diff", "steps") for rs in runs[label]]
+                low, high = paired_ci(ds)
+                tests[a, T, s, "trails control"] = paired_p(ds)
+                max_abs = _mean([seed_value(rs, "mm_max_abs_diff", "steps") for rs in runs[label]])
+                row = {"T": T, "arm": a, "s": s, "x": _mean(xs), "x T": _mean(xs) * T, "max |Δlogp|": max_abs,
+                       "Δ vs control": f"{_mean(ds):+.2g} [{low:+.2g}, {high:+.2g}]", "Δ vs none": "-"}
+                if a != "none":
+                    vs_none = [d - e for d, e in zip(ds, length_deltas(runs, length_label("none", T, s), T))]
+                    tests[a, T, s, "beats none"] = 1 - paired_p(vs_none)
+                    low, high = paired_ci(vs_none)
+                    row["Δ vs none"] = f"{_mean(vs_none):+.2g} [{low:+.2g}, {high:+.2g}]"
+                elif learned[T][0]:
+                    fit_points += [(T, x, seeds.index(seed), d) for seed, x, d in zip(seeds, xs, ds)
+                                   if math.isfinite(x) and math.isfinite(d) and x > 0]
+                if measured and (n, s) in measured:
+                    m = measured[n, s]
+                    row |= {"pilot x": m["x"], "KL max": m["kl_max"], "KL mean": m["kl_mean"]}
+                table.append(row)
+    adjusted = holm(tests)
+
+    def named(arm: str, kind: str) -> list[str]:
+        """The lengths where the family names `arm`'s test of this kind."""
+        return [f"T={T}" for (a, T, _, k), p in adjusted.items() if a == arm and k == kind and p <= DOSE_ALPHA]
+
+    rows = []
+    interval = None
+    if len({T for T, *_ in fit_points}) >= 2 and len({i for _, _, i, _ in fit_points}) >= 2:
+        T_, x_, i_, d_ = (torch.tensor(v) for v in zip(*fit_points))
+        interval = bootstrap_length_law(x_.double(), T_.double(), d_.double(), i_, at_T or tuple(lengths),
+                                        n_boot=n_boot, generator=torch.Generator().manual_seed(0))
+        a, lo, hi = float(interval.fit.a), float(interval.a_low), float(interval.a_high)
+        rows.append(_law_row(f"(a) the length exponent a of Δ = -b (x T^a)^γ (γ {float(interval.fit.gamma):.2g}, "
+                             f"b {float(interval.fit.b):.2g}; {len(fit_points)} per-seed Δ of none)",
+                             law_support(lo, hi), f"{a:+.2f}", f"[{lo:+.2f}, {hi:+.2f}]", seeds=len(seeds)))
+        stars = ", ".join(f"T={int(T)}: {float(s):.3g} [{float(l):.3g}, {float(h):.3g}]" for T, s, l, h in
+                          zip(interval.T, interval.x_star, interval.x_low, interval.x_high))
+        rows.append(_law_row(f"(b) x*(T), where the fit reaches Δ = -{LENGTH_DELTA:g} per token", stars,
+                             seeds=len(seeds)))
+    else:
+        rows.append(_law_row("(a) the length exponent a", "not measured (fewer than two lengths whose control "
+                             "learned, or fewer than two seeds)", seeds=len(seeds)))
+    for c in corrections:
+        rows.append(_law_row(f"(d) {c}: beats none at; still trails the control at", (
+            f"{', '.join(named(c, 'beats none')) or 'nowhere'}; {', '.join(named(c, 'trails control')) or 'nowhere'}"),
+            seeds=len(seeds)))
+    harmed = ", ".join(f"T={T} s={s:g}" for (a, T, s, k), p in adjusted.items() if a == "none" and p <= DOSE_ALPHA)
+    rows.append(_law_row("(e) none trails its length's control at", harmed or "nowhere", seeds=len(seeds)))
+    if not all(ok for ok, _ in learned.values()):
+        lost = [T for T, (ok, _) in learned.items() if not ok]
+        left_out = f" (left out: T={lost}, whose control did not learn)"
+        rows = [r | {"verdict": r["verdict"] + left_out} if r["claim"].startswith(("(a)", "(b)")) else r
+                for r in rows]
+    notes = {T: note for T, (_, note) in learned.items()}
+    sections = [(("Statements, computed from the paired seeds: one family over every paired one-sided test of "
+                  f"this section (Holm, {DOSE_ALPHA}); a and x* intervals: bootstrap over seeds, Student-t on its SE:"),
+                 rows),
+                (("Grid (Δ = paired difference of mean log pc / T over evaluations; x = none's per-step mean "
+                  "|logp - logp_infer|; KL: per-token KL(sampler || trainer) of the base model at the level):"),
+                 table)]
+    return sections, rows, interval, notes
+
+
+def _plot_length_law(path: Path, interval: LawInterval | None, table: list[dict], prediction: dict | None,
+                     verdict: dict | None) -> None:
+    """x*(T) against T (log-log): the fit with its bootstrap interval at each length, the grid's levels (filled:
+    none harmed past -δ on average), the committed prediction and, once run, the observed threshold."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
+    nones = [r for r in table if r["arm"] == "none" and math.isfinite(r["x"])]
+    for harmed in (False, True):
+        pts = [r for r in nones if (float(r["Δ vs control"].split()[0]) <= -LENGTH_DELTA) == harmed]
+        ax.scatter([r["T"] for r in pts], [r["x"] for r in pts], marker="o", s=18, facecolors="C3" if harmed else
+                   "none", edgecolors="C3", label=f"grid level, mean Δ {'<=' if harmed else '>'} -δ")
+    if interval is not None:
+        T, star = interval.T.tolist(), interval.x_star.tolist()
+        ax.plot(T, star, "k-", lw=1.5, label=f"fit: x* ∝ T^-{float(interval.fit.a):.2f}")
+        ax.fill_between(T, interval.x_low.tolist(), interval.x_high.tolist(), color="k", alpha=0.12,
+                        label="95% interval (bootstrap over seeds)")
+    if prediction is not None:
+        lo, hi = prediction["x_star"] - prediction["x_low"], prediction["x_high"] - prediction["x_star"]
+        ax.errorbar([prediction["T"]], [prediction["x_star"]], yerr=[[lo], [hi]], fmt="bs", ms=6,
+                    label=f"prediction, committed {prediction.get('commit', '')[:8]}")
+    if verdict is not None and math.isfinite(verdict["x_obs"]):
+        ax.plot([prediction["T"]], [verdict["x_obs"]], "g*", ms=12, label=f"observed ({verdict['verdict']})")
+    ax.set(xscale="log", yscale="log", xlabel="answer tokens T (<eos> included)",
+           ylabel="per-token mismatch x = mean |Δlogp|",
+           title=f"the length law: x*(T) at Δ = -{LENGTH_DELTA:g} nats/token")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def preset_length(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
+    """The length law: pilot (LENGTH_PILOT_RULE) -> grid -> fit -> the prediction, written once and committed
+    before its runs -> its verdict (LENGTH_VERDICT_RULE). --smoke: 2 lengths, its own prediction file, no commit."""
+    suffix, change = LENGTH_PRETRAIN
+    model = tr.ensure_base_model(f"{Path(pc.model)}-{suffix}{'-smoke' * pc.smoke}",
+                                 **change | ({"steps": 5} if pc.smoke else {}))
+    digits = LENGTH_DIGITS[:2] if pc.smoke else LENGTH_DIGITS
+    predict = LENGTH_DIGITS[2] if pc.smoke else LENGTH_PREDICT_DIGITS
+    T_predict = answer_tokens(predict)
+    pilot = length_pilot(model, digits + (predict,), out, pc.smoke)
+    x_of = {n: {s: m["x"] for s, m in pilot[n].items()} for n in pilot}
+    picked = {n: pick_levels(x_of[n], level_targets(answer_tokens(n))) for n in digits}
+    levels = {n: list(dict.fromkeys(s for s, _ in picked[n])) for n in digits}  # a clipped pair: one level
+    clipped = [f"T={answer_tokens(n)} s={s:g}" for n in digits for s, c in picked[n] if c]
+    base = _preset_base(pc, model=str(model))
+    runs = run_arms(base, length_arms(levels), seeds, out)
+    measured = level_measurements(model, levels, LENGTH_KL_SEEDS[: 1 if pc.smoke else None], out, pc.smoke)
+    sections, rows, interval, notes = length_law_report(runs, levels, seeds, measured,
+                                                        tuple(map(answer_tokens, digits)) + (T_predict,),
+                                                        100 if pc.smoke else LENGTH_BOOT)
+    path = out / "prediction.json" if pc.smoke else LENGTH_PREDICTION
+    status = "" if len(seeds) >= 5 or pc.smoke or path.exists() else "no prediction: it is written from >= 5 seeds"
+    if not path.exists() and interval is not None and (len(seeds) >= 5 or pc.smoke):
+        star, low, high = (float(v[-1]) for v in (interval.x_star, interval.x_low, interval.x_high))
+        side = [star / LENGTH_SIDE, star, star * LENGTH_SIDE]
+        write_prediction(path, {
+            "T": T_predict, "digits": predict, "harm": LENGTH_DELTA, "x_star": star, "x_low": low, "x_high": high,
+            "a": float(interval.fit.a), "a_low": float(interval.a_low), "a_high": float(interval.a_high),
+            "gamma": float(interval.fit.gamma), "b": float(interval.fit.b), "seeds": seeds,
+            "levels": [s for s, _ in pick_levels(x_of[predict], side)], "targets": side,
+            "clipped": [c for _, c in pick_levels(x_of[predict], side)],
+            "numerics": numerics_fingerprint(), "rule": LENGTH_VERDICT_RULE})
+        status = f"prediction written to {path}: commit it, then run this command again to test it"
+    prediction = json.loads(path.read_text()) if path.exists() else None
+    verdict, p_rows = None, []
+    if prediction is not None:
+        commit = "smoke (not committed)" if pc.smoke else prediction_commit(path)
+        prediction["commit"] = commit or ""
+        if commit:
+            task = {"task_digits": predict, "max_new_tokens": T_predict}
+            p_levels = list(dict.fromkeys(prediction["levels"]))
+            p_arms = [(length_label("control", T_predict), CONTROL | task)] + [
+                (length_label("none", T_predict, s), {"correction": "none", "noise": s} | task) for s in p_levels]
+            p_runs = run_arms(base, p_arms, seeds, out / "prediction")
+            reused = sum(float((d / "reused_seconds").read_text()) for d in (out, out / "prediction"))
+            (out / "reused_seconds").write_text(f"{reused:.1f}\n")
+            counts = [json.loads((d / "numerics.json").read_text()) for d in (out, out / "prediction")]
+            read = {k: sum(c["read"].get(k, 0) for c in counts) for c in counts for k in c["read"]}
+            (out / "numerics.json").write_text(json.dumps({"current": counts[0]["current"], "read": read}))
+            learned_p, note_p = control_learned(p_runs, "pc_trainer", length_label("control", T_predict))
+            notes[T_predict] = note_p
+            labels = [length_label("none", T_predict, s) for s in p_levels]
+            points = [(_mean([seed_value(rs, "mm_abs_diff", "steps") for rs in p_runs[label]]),
+                       length_deltas(p_runs, label, T_predict)) for label in labels]
+            verdict = length_verdict(prediction, points, learned_p)
+            for s, target, (x, ds) in zip(p_levels, prediction["targets"], points):
+                low, high = paired_ci(ds)
+                p_rows.append({"T": T_predict, "s": s, "target x": target, "x": x, "x T": x * T_predict,
+                               "Δ vs control": f"{_mean(ds):+.2g} [{low:+.2g}, {high:+.2g}]"})
+            status = f"prediction tested on its committed file ({commit[:12]})"
+        elif not status:
+            status = f"{path} is not committed (or edited since): commit it before its runs"
+    claim = (f"(c) the prediction x*({T_predict}) = {prediction['x_star']:.3g} [{prediction['x_low']:.3g}, "
+             f"{prediction['x_high']:.3g}] (commit {prediction['commit'][:12] or 'none yet'}) holds"
+             if prediction else f"(c) the prediction x*({T_predict})")
+    after_fit = next(i for i, r in enumerate(rows) if r["claim"].startswith(("(d)", "(e)")))
+    rows.insert(after_fit, _law_row(claim, verdict["verdict"] + f" ({verdict['text']})" if verdict else
+                            (status or "no prediction: the grid's fit is not measured"), seeds=len(seeds)))
+    plot = out / "plot.png"
+    _plot_length_law(plot, interval, sections[1][1], prediction, verdict)
+    text = (f"Levels (pilot rule; clipped to the ladder: {', '.join(clipped) or 'none'}): "
+            + "; ".join(f"T={answer_tokens(n)}: s " + ", ".join(f"{s:g}" for s in levels[n]) for n in digits))
+    pilot_rows = [{"T": answer_tokens(n), "s": s, "pilot x": m["x"], "x T": m["x"] * answer_tokens(n),
+                   "KL max": m["kl_max"], "reward": m["reward"]} for n in pilot for s, m in pilot[n].items()]
+    if p_rows:
+        sections.append((f"The prediction's runs at T={T_predict} (levels fixed in its committed file):", p_rows))
+    _write_results(out, "length: the harmful per-token mismatch against answer length (swap task)", sections + [
+        (f"Pilot (seeds {', '.join(map(str, LENGTH_PILOT_SEEDS))}), the base model at each candidate level:",
+         pilot_rows)],
+        "\n\n".join([text, status, LENGTH_PILOT_RULE, LENGTH_VERDICT_RULE, LENGTH_BUDGET, LENGTH_BASE_NOTE]
+                    + list(notes.values())))
+    return rows
+
+
+PRESETS = {"precision": preset_precision, "real-lm": preset_real_lm, "length": preset_length} | {
     name: functools.partial(rl_preset, p) for name, p in RL_PRESETS.items()}
 
 

@@ -4716,3 +4716,245 @@ def test_each_update_forward_is_forced_to_the_right_experts_r2_the_policy_being_
     if replay == "r2":
         assert not torch.equal(seen[3][2][:, :-1], seen[3][1][:, :-1]), "the post-step live choice differs"
         assert not torch.equal(behaviour_routes[1][:, :-1], seen[2][1][:, :-1]), "under lag: not the behaviour's"
+
+
+# =================================================================================================================
+# the lab: the length law (one swap-task base for every answer length, the fitted law, the committed prediction)
+
+
+def test_mixed_digits_pretrain_every_length_in_turn_from_disjoint_pools():
+    mixed = tr.mixed_arithmetic_task(9, (2, 4, 16), seed=3, ops="s")
+    assert [len(p.split("s")[0]) for p, _ in mixed] == [2, 4, 16] * 3, "each length in turn"
+    assert all(a == p[:-1].split("s")[1] + p.split("s")[0] for p, a in mixed), "the swap's answer"
+    pools = {split: {p for p, _ in tr.mixed_arithmetic_task(600, (2, 4, 32), 0, "s", split)}
+             for split in ("pretrain", "rl")} | {"eval": {p for p, _ in tr.mixed_arithmetic_task(300, (2, 4, 32), 0, "s",
+                                                                                              "eval")}}
+    assert not pools["pretrain"] & pools["rl"] and not pools["pretrain"] & pools["eval"] and not pools["rl"] & pools[
+        "eval"]
+    assert all(tr._split_of(*map(int, p[:-1].split("s")), "s") == split for split, ps in pools.items() for p in ps)
+    # the twin: one length is make_arithmetic_task itself (the default pre-training's problems, bit for bit)
+    assert tr.mixed_arithmetic_task(50, (2,), 7) == tr.make_arithmetic_task(50, 2, 7)
+    assert tr.make_arithmetic_task(2, tr.MAX_DIGITS, ops="s") and tr.MAX_DIGITS == 32
+    with pytest.raises(ValueError, match="digits"):
+        tr.make_arithmetic_task(2, tr.MAX_DIGITS + 1, ops="s")
+    with pytest.raises(ValueError, match="digits"):
+        tr.mixed_arithmetic_task(2, ())
+
+
+def test_task_digits_picks_one_length_of_a_mixed_base(tmp_path):
+    (tmp_path / "pretrain.json").write_text('{"digits": 2, "ops": "s"}')
+    cfg = tr.RLConfig(model=str(tmp_path), task_digits=8, max_new_tokens=17, out_dir=str(tmp_path / "runs"))
+    assert tr.run_task_kwargs(cfg, tmp_path) == {"digits": 8, "ops": "s"}
+    assert tr.run_task_kwargs(tr.RLConfig(), tmp_path) == {"digits": 2, "ops": "s"}, "0: the model's own"
+    tr._check_run_config(cfg)
+    with pytest.raises(ValueError, match="max-new-tokens 9 cannot hold"):
+        tr._check_run_config(tr.RLConfig(model=str(tmp_path), task_digits=8, max_new_tokens=9))
+    with pytest.raises(ValueError, match="task-digits"):
+        tr._check_values(tr.RLConfig(task_digits=-1))
+
+
+def test_length_base_holds_the_longest_prompt_and_answer_in_its_positions():
+    _, change = ex.LENGTH_PRETRAIN
+    mixed = [int(d) for d in change["mixed_digits"].split(",")]
+    assert set(ex.LENGTH_DIGITS) | {ex.LENGTH_PREDICT_DIGITS} == set(mixed), "one base for every length run"
+    longest = max(len(tr.CharTokenizer().encode(p + a)) + 1 for p, a in tr.make_arithmetic_task(4, max(mixed), ops="s"))
+    assert longest == 4 * max(mixed) + 4 <= change["max_positions"] < longest + 8
+    assert longest > tr.PretrainConfig().max_positions, "the twin: the default positions would not hold it"
+    assert ex.answer_tokens(16) == 33 and change["ops"] == "s"
+
+
+def test_length_levels_meet_the_pilot_rules_targets():
+    targets = ex.level_targets(33)
+    assert targets[0] * 33 == pytest.approx(ex.LENGTH_X_LOW) and targets[-1] == pytest.approx(ex.LENGTH_X_FLOOR)
+    assert ex.level_targets(5)[-1] == pytest.approx(ex.LENGTH_X_HIGH / 5)
+    pilot = {s: 0.3 * s**1.5 for s in ex.LENGTH_CANDIDATES}  # x(s) a power of s: log-log interpolation is exact
+    for (s, clipped), target in zip(ex.pick_levels(pilot, [0.01, 0.05, 0.2]), [0.01, 0.05, 0.2]):
+        assert not clipped and 0.3 * s**1.5 == pytest.approx(target, rel=0.08)  # s to 2 digits: <= 5% of s
+    assert ex.pick_levels(pilot, [1e-6, 100.0]) == [(0.025, True), (1.6, True)], "outside the ladder: clipped"
+    arms = dict(ex.length_arms({2: [0.1, 0.2, 0.4, 0.8], 16: [0.05, 0.1, 0.2, 0.3]}, ("tis",)))
+    assert len(arms) == 2 * (1 + 4 + 1)
+    assert arms["tis @ T=33, s=0.2"] == {"correction": "tis", "noise": 0.2, "task_digits": 16, "max_new_tokens": 33}
+    assert arms["control @ T=5"]["noise"] == 0.0 and arms["control @ T=5"]["task_digits"] == 2
+    assert "tis @ T=5, s=0.4" in arms and "tis @ T=5, s=0.8" not in arms, "the corrections at the third level"
+    assert set(ex.LENGTH_CORRECTIONS) >= {"tis", "seq_tis"} and set(ex.LENGTH_CORRECTIONS) <= set(tr.CORRECTIONS)
+
+
+def _law_grid(a: float, gamma: float, replicates: int, generator, seeds: int = 5, noise: float = 5e-4,
+              control_noise: float = 3e-4):
+    """Synthetic per-seed paired Δ of the length preset's grid: -b (x T^a)^γ at the pilot rule's targets (b puts
+    the harm δ mid-grid), plus a per-(length, seed) control term shared by that length's levels and noise per arm."""
+    Ts = [ex.answer_tokens(n) for n in ex.LENGTH_DIGITS]
+    points = [(T, x, s) for T in Ts for x in ex.level_targets(T) for s in range(seeds)]
+    T, x = (torch.tensor([p[i] for p in points], dtype=torch.float64) for i in (0, 1))
+    seed_of = torch.tensor([p[2] for p in points])
+    b = ex.LENGTH_DELTA / (x * T**a).log().mean().exp() ** gamma
+    length_of = torch.tensor([Ts.index(int(t)) for t in T])
+    control = torch.randn(replicates, len(Ts), seeds, generator=generator, dtype=torch.float64) * control_noise
+    delta = -b * (x * T**a) ** gamma + control[:, length_of, seed_of]
+    delta = delta + torch.randn(replicates, len(points), generator=generator, dtype=torch.float64) * noise
+    return x, T, seed_of, delta, float(b)
+
+
+def test_length_law_fit_covers_the_true_exponent_in_90_percent_of_200_replicates():
+    g = torch.Generator().manual_seed(0)
+    x, T, seed_of, delta, b = _law_grid(0.5, 1.0, 200, g)
+    law = ex.bootstrap_length_law(x, T, delta, seed_of, (5, 65), n_boot=50, generator=g)
+    covered = ((law.a_low <= 0.5) & (0.5 <= law.a_high)).double().mean()
+    assert covered >= 0.9, f"coverage {covered}"
+    assert (law.fit.a - 0.5).abs().median() < 0.05 and (law.fit.b / b).log().abs().median() < 0.3
+    # the twin: the intervals are not vacuous, they exclude both rival exponents
+    assert ((law.a_low > 0) & (law.a_high < 1)).double().mean() >= 0.9
+    noiseless = ex.fit_length_law(x, T, -b * (x * T**0.5) ** 1.0)
+    assert float(noiseless.a) == pytest.approx(0.5) and float(noiseless.gamma) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("a, excluded", [(1.0, 0.0), (0.0, 1.0)])
+def test_length_law_interval_of_a_per_sequence_law_excludes_a_per_token_one_and_back(a, excluded):
+    g = torch.Generator().manual_seed(1)
+    x, T, seed_of, delta, _ = _law_grid(a, 1.5, 20, g)
+    law = ex.bootstrap_length_law(x, T, delta, seed_of, (65,), n_boot=100, generator=g)
+    outside = ((law.a_high < excluded) | (law.a_low > excluded)).double().mean()
+    assert outside >= 0.9, f"{excluded} inside the interval in {1 - outside:.0%} of replicates"
+    assert ((law.a_low <= a) & (a <= law.a_high)).double().mean() >= 0.8, "the twin: the true a is inside"
+    assert ex.law_support(float(law.a_low[0]), float(law.a_high[0])).startswith(f"a ≈ {a:g}")
+
+
+def test_law_support_and_x_star_read_the_fit():
+    assert ex.law_support(0.8, 1.2).startswith("a ≈ 1 (a per-sequence budget") and "excludes 0.5, 0" in \
+        ex.law_support(0.8, 1.2)
+    assert ex.law_support(-0.1, 0.2).startswith("a ≈ 0 (a per-token budget")
+    assert ex.law_support(0.3, 1.1) == "not resolved between a = 1 and 0.5"
+    assert ex.law_support(1.3, 1.5).startswith("none of") and ex.law_support(math.nan, 1) == "not measured"
+    fit = ex.LawFit(*(torch.tensor(v, dtype=torch.float64) for v in (0.7, 1.3, 0.01, 0.0)))
+    star = ex.x_star(fit, [5, 65], 0.002)
+    harm = fit.b * (star * torch.tensor([5.0, 65.0]) ** fit.a) ** fit.gamma
+    assert torch.allclose(harm, torch.full((2,), 0.002, dtype=torch.float64))
+    assert math.isinf(float(ex.x_star(fit._replace(b=torch.tensor(0.0, dtype=torch.float64)), [5])[0]))
+
+
+def test_length_verdict_judges_the_committed_prediction_by_its_rule():
+    prediction = {"harm": 0.002, "x_star": 0.015, "x_low": 0.01, "x_high": 0.025}
+    seeds = lambda d: [d - 1e-4, d, d + 1e-4]
+    crossing = [(0.005, seeds(-0.0005)), (0.016, seeds(-0.0025)), (0.05, seeds(-0.008))]
+    held = ex.length_verdict(prediction, crossing, True)
+    assert held["verdict"] == "held" and 0.01 < held["x_obs"] < 0.016
+    late = [(0.005, seeds(0.0)), (0.016, seeds(-0.0005)), (0.05, seeds(-0.0025))]
+    assert ex.length_verdict(prediction, late, True)["verdict"] == "not held", "crossing at ~0.037 > 0.025"
+    harmless = [(x, seeds(0.0)) for x in (0.005, 0.016, 0.05)]
+    assert ex.length_verdict(prediction, harmless, True)["verdict"] == "not held", "no harm up to 0.05 > x_high"
+    assert ex.length_verdict(prediction, harmless[:2], True)["verdict"] == "not resolved", "0.016 < x_high"
+    harmed = [(x, seeds(-0.01)) for x in (0.005, 0.016, 0.05)]
+    assert ex.length_verdict(prediction, harmed, True)["verdict"] == "not held", "harmed below x_low"
+    assert ex.length_verdict(prediction, crossing, False)["verdict"] == "invalid testbed"
+    # seeds that disagree: the observed threshold's interval reaches the prediction's, or is open
+    noisy = [(0.005, [0.002, 0.0, -0.002]), (0.016, [-0.003, -0.001, 0.001]), (0.05, [-0.005, -0.003, -0.001])]
+    judged = ex.length_verdict(prediction, noisy, True)
+    assert judged["verdict"] == "not resolved" and judged["low"] < 0.025 < judged["x_obs"], judged
+    assert held["low"] <= held["x_obs"] <= held["high"] < 0.025, "the twin: agreeing seeds pin it"
+
+
+def test_a_prediction_is_written_once_and_counts_only_once_committed(tmp_path):
+    import subprocess
+
+    path = tmp_path / "predictions" / "length.json"
+    ex.write_prediction(path, {"x_star": 0.01})
+    with pytest.raises(FileExistsError):
+        ex.write_prediction(path, {"x_star": 0.02})
+    assert ex.prediction_commit(path) is None, "not in a repository"
+    git = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+    git("init", "-q")
+    assert ex.prediction_commit(path) is None, "not committed"
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "predict")
+    commit = ex.prediction_commit(path)
+    assert commit and len(commit) == 40
+    path.write_text('{"x_star": 0.03}')
+    assert ex.prediction_commit(path) is None, "edited since its commit"
+
+
+def _fake_length_runs(a: float = 1.0, x_per_s: float = 0.3, seeds: int = 5):
+    """run_arms for the length preset on synthetic records: h = mean log pc / T of an arm is the control's minus
+    δ (x T^a) (x = x_per_s * s; tis and seq_tis repair it), per-seed noise 2e-4; the control gains 0.01 per token."""
+    import json
+    import random
+
+    def fake(base, arms, seed_list, out):
+        out.mkdir(parents=True, exist_ok=True)
+        runs = {}
+        for label, change in arms:
+            T = change["max_new_tokens"]
+            x = x_per_s * change["noise"]
+            harm = 0.0 if change["correction"] != "none" else ex.LENGTH_DELTA * x * T**a
+            rng = random.Random(label)
+            per_seed = []
+            for s in seed_list:
+                noise = 0.0 if label.startswith("control") else 2e-4 * rng.gauss(0, 1)
+                start = -0.3 + 0.001 * s
+                end = start + 0.01 - 2 * (harm - noise)  # the mean of start and end: control - harm + noise
+                per_seed.append([{"step": 0, "pc_trainer": math.exp(T * start)},
+                                 {"step": 0, "reward": 0.5, "mm_abs_diff": x or 1e-8},
+                                 {"step": 1, "pc_trainer": math.exp(T * end)}])
+            runs[label] = per_seed
+        (out / "reused_seconds").write_text("0\n")
+        (out / "numerics.json").write_text(json.dumps({"current": "f", "read": {"f": len(arms) * len(seed_list)}}))
+        return runs
+
+    return fake
+
+
+def test_length_preset_publishes_grid_fit_prediction_then_its_verdict_from_fake_runs(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "README.md").write_text("# r\n")
+    monkeypatch.setattr(tr, "ensure_base_model", lambda path, **change: tmp_path)
+    pilot = {n: {s: {"x": 0.3 * s, "kl_max": 0.1 * s, "kl_mean": 0.01 * s, "reward": 0.5}
+                 for s in ex.LENGTH_CANDIDATES} for n in ex.LENGTH_DIGITS + (ex.LENGTH_PREDICT_DIGITS,)}
+    monkeypatch.setattr(ex, "length_pilot", lambda *args, **kw: pilot)
+    monkeypatch.setattr(ex, "level_measurements", lambda *args, **kw: {})
+    monkeypatch.setattr(ex, "run_arms", _fake_length_runs(a=1.0))
+    monkeypatch.setattr(ex, "numerics_fingerprint", lambda cache=None: "f")
+    monkeypatch.setattr(ex, "LENGTH_PREDICTION", tmp_path / "predictions" / "length.json")
+    monkeypatch.setattr(ex, "prediction_commit", lambda path: None)
+    monkeypatch.setattr(ex, "LENGTH_BOOT", 100)  # seconds: the intervals are tested above
+    pc = ex.PresetConfig(preset="length", out_dir=str(tmp_path / "compare"), publish=True)
+    ex.run_preset(pc)
+    prediction = json.loads(ex.LENGTH_PREDICTION.read_text())
+    T_predict = ex.answer_tokens(ex.LENGTH_PREDICT_DIGITS)
+    assert prediction["T"] == T_predict and prediction["x_low"] < prediction["x_star"] < prediction["x_high"]
+    assert abs(prediction["a"] - 1.0) <= 0.1 and prediction["a_low"] > 0.5, "the fake law's a = 1"
+    assert prediction["x_star"] == pytest.approx(1 / T_predict, rel=0.15), "δ (x T) = δ at x = 1/T"
+    section = (tmp_path / "RESULTS.md").read_text()
+    assert "## length" in section and "commit it, then run this command again" in section
+    assert "a ≈ 1 (a per-sequence budget" in section and (tmp_path / "figures" / "length.png").exists()
+    # committed: the prediction's runs and verdict; the committed file is read, never re-fitted or rewritten
+    monkeypatch.setattr(ex, "prediction_commit", lambda path: "c0ffee" * 6 + "beef")
+    monkeypatch.setattr(ex, "run_arms", _fake_length_runs(a=0.0))  # a later grid of another law changes nothing
+    rows = ex.run_preset(pc) and ex.published_rows((tmp_path / "RESULTS.md").read_text())
+    assert json.loads(ex.LENGTH_PREDICTION.read_text()) == prediction
+    held = next(r for r in rows if r["claim"].startswith("(c)"))
+    assert "c0ffeec0ffee" in held["claim"] and held["verdict"].split()[0] in ("held", "not")
+    # the twin: with the prediction's length following the fitted law (a = 1), the verdict is `held`
+    monkeypatch.setattr(ex, "run_arms", _fake_length_runs(a=1.0))
+    rows = ex.run_preset(pc) and ex.published_rows((tmp_path / "RESULTS.md").read_text())
+    assert next(r for r in rows if r["claim"].startswith("(c)"))["verdict"].startswith("held")
+    corrections = [r for r in rows if r["claim"].startswith("(d)")]
+    assert [r["claim"].split()[1] for r in corrections] == [f"{c}:" for c in ex.LENGTH_CORRECTIONS]
+
+
+def test_mismatch_at_level_measures_x_and_the_whole_distribution_kl(tmp_path):
+    tr.build_tiny_model(max_positions=32).save_pretrained(str(tmp_path), safe_serialization=True)
+    tr.CharTokenizer().save(tmp_path)
+    (tmp_path / "pretrain.json").write_text('{"digits": 2, "ops": "s"}')
+    clean = ex.mismatch_at_level(tmp_path, 2, 0.0, (0,), n_prompts=4, n=2)
+    noisy = ex.mismatch_at_level(tmp_path, 2, 0.5, (0, 1), n_prompts=4, n=2)
+    assert clean["x"] < 1e-5 and abs(clean["kl_max"]) < 1e-5, "no noise: the fp32 sampler is the trainer"
+    assert noisy["x"] > 100 * clean["x"] and noisy["kl_max"] >= noisy["kl_mean"] > 1e-4
+    assert set(noisy) == {"x", "kl_max", "kl_mean", "reward"} and 0 <= noisy["reward"] <= 1
+
+
+def test_length_preset_as_cut_fits_two_processes_and_the_full_design_would_not():
+    assert ex.length_cpu_minutes() <= 150, "the cut: ~70 min on two processes, each a whole core"
+    assert ex.length_cpu_minutes((2, 4, 8, 16), 32) > 280, "the twin: the issue's design needs ~300 CPU-min"
+    assert ex.length_cpu_minutes(seeds=10) == pytest.approx(2 * ex.length_cpu_minutes()), "seeds are never cut"
+    assert f"{ex.length_cpu_minutes((2, 4, 8, 16), 32):.0f}" in "296" and "Cut, before any run" in ex.LENGTH_BUDGET

@@ -1819,6 +1819,7 @@ def _eval_pool_size(digits: int, ops: str) -> int:
 
 
 OPS = "+-*s"  # s: swap, "ab s cd=" -> "cdab": a long answer (2 x digits tokens) whose every token is a copy
+MAX_DIGITS = MAX_NUMBER_CHARS // 2  # a product's or a swap's answer (2 x digits) must stay a number verify reads
 
 
 def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+", split: str = "pretrain"):
@@ -1830,8 +1831,8 @@ def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+",
     """
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a non-negative int, got {n!r}")
-    if not isinstance(digits, int) or not 1 <= digits <= 9:
-        raise ValueError(f"digits must be an int in [1, 9], got {digits!r}")
+    if not isinstance(digits, int) or not 1 <= digits <= MAX_DIGITS:
+        raise ValueError(f"digits must be an int in [1, {MAX_DIGITS}], got {digits!r}")
     if not ops or set(ops) - set(OPS):
         raise ValueError(f"ops must be a non-empty string over {OPS!r}, got {ops!r}")
     _check_choice("split", split, SPLITS)
@@ -1851,6 +1852,18 @@ def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+",
         answer = a + b if op == "+" else a - b if op == "-" else a * b if op == "*" else f"{b}{a}"
         out.append((f"{a}{op}{b}=", str(answer)))
     return out
+
+
+def mixed_arithmetic_task(n: int, digits: tuple[int, ...], seed: int = 0, ops: str = "+", split: str = "pretrain",
+                          block: int = 1):
+    """n problems over several operand digit counts, `block` at a time in turn (the i-th has digits[(i // block) %
+    len(digits)]; block = the batch: one length per batch, padded to its own length): one base model for several
+    answer lengths. Each count draws from make_arithmetic_task's own pools, so they stay disjoint."""
+    if not digits or block < 1:
+        raise ValueError(f"digits must name at least one digit count and block be >= 1, got {digits!r}, {block!r}")
+    turn = [(i // block) % len(digits) for i in range(n)]  # which count the i-th problem has
+    per = [iter(make_arithmetic_task(turn.count(k), d, seed, ops, split)) for k, d in enumerate(digits)]
+    return [next(per[k]) for k in turn]
 
 
 # Word problems for chat models: (text, op); {a} and {b} are drawn, a - b only with b <= a (answers >= 0).
@@ -2070,11 +2083,14 @@ def pretrain(cfg: PretrainConfig) -> dict:
     from tqdm.auto import tqdm
 
     tokenizer = CharTokenizer()
-    model = (build_tiny_moe_model if cfg.moe else build_tiny_model)(vocab_size=tokenizer.vocab_size, seed=cfg.seed)
+    model = (build_tiny_moe_model if cfg.moe else build_tiny_model)(vocab_size=tokenizer.vocab_size, seed=cfg.seed,
+                                                                   max_positions=cfg.max_positions)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / cfg.steps))))
-    problems = make_arithmetic_task(cfg.steps * cfg.batch, cfg.digits, cfg.seed, cfg.ops, split="pretrain")
+    mixed = tuple(int(d) for d in cfg.mixed_digits.split(",") if d)  # several answer lengths in one model
+    # mixed batches: one length per batch (block = batch) pre-trained 2-digit swap only (800 steps; measured)
+    problems = mixed_arithmetic_task(cfg.steps * cfg.batch, mixed or (cfg.digits,), cfg.seed, cfg.ops, "pretrain")
     t0 = time.time()
     for step in tqdm(range(cfg.steps), desc="pretrain", mininterval=2):
         batch = problems[step * cfg.batch : (step + 1) * cfg.batch]
@@ -2097,6 +2113,10 @@ def pretrain(cfg: PretrainConfig) -> dict:
     tokenizer.save(out)
     info = {"greedy_accuracy_eval": acc, "seconds": time.time() - t0, "steps": cfg.steps, "digits": cfg.digits,
             "ops": cfg.ops, "params": sum(p.numel() for p in model.parameters())}
+    if mixed:  # held-out greedy exact match of each length (256 problems each)
+        info["mixed_digits"] = {d: greedy_accuracy(model, tokenizer, make_arithmetic_task(256, d, 0, cfg.ops,
+                                                                                          split="eval"), 2 * d + 1)
+                                for d in mixed}
     if cfg.moe:
         info["expert_usage"] = expert_usage(model, tokenizer, make_arithmetic_task(256, cfg.digits, 0, cfg.ops,
                                                                                      split="eval"))
@@ -3240,7 +3260,7 @@ def setup_run(cfg: RLConfig) -> RunState:
 def task_problems(cfg: RLConfig, model_dir: Path, tokenizer) -> tuple[list, list]:
     """(RL problems, held-out problems) of cfg.task; word problems go through the tokenizer's chat template."""
     if cfg.task == "arithmetic":
-        task = task_kwargs(model_dir)
+        task = run_task_kwargs(cfg, model_dir)
         return (make_arithmetic_task(cfg.steps * cfg.prompts, seed=cfg.seed, split="rl", **task),
                 make_arithmetic_task(cfg.eval_n, seed=0, split="eval", **task))
     rl, held_out = make_word_problems(cfg.steps * cfg.prompts, cfg.seed), make_word_problems(cfg.eval_n, 0, "eval")
@@ -3520,6 +3540,10 @@ class PretrainConfig:
     seed: int = cli_field(0, "seed of init and data")
     moe: bool = cli_field(False, "pre-train a tiny Qwen3-MoE (8 experts, top-2, load-balancing loss) instead of "
                                  "the Llama")
+    mixed_digits: str = cli_field("", "comma-separated operand digit counts pre-trained on in turn (e.g. 2,4,8; '' "
+                                      "= --digits alone): one base for several answer lengths")
+    max_positions: int = cli_field(64, "the model's max_position_embeddings (prompt + answer tokens; the swap task "
+                                       "needs 4 x digits + 4)")
 
 
 @dataclass
@@ -3601,6 +3625,8 @@ class RLConfig:
                                             "only)")
     task: str = cli_field("arithmetic", "arithmetic (the tiny model's) | words (chat word problems, --model a "
                                         "chat model)")
+    task_digits: int = cli_field(0, "arithmetic task's operand digits (0: the model's own, its pretrain.json; a "
+                                    "base pre-trained with --mixed-digits serves each of its counts)")
     routing_replay: str = cli_field("none", "MoE models: none | r2 (the update replays the experts the trainer's "
                                             "behaviour pass chose) | r3 (it replays the experts the sampler "
                                             "chose; torch sampler)")
@@ -3610,6 +3636,11 @@ def engine_spec(cfg: RLConfig) -> EngineSpec:
     """The torch sampler's engine a run's flags describe (its noise seeded apart from the run's seed)."""
     return EngineSpec(dtype=cfg.dtype, quant=cfg.quant, noise=cfg.noise, noise_seed=cfg.seed + 1234, exact=cfg.exact,
                       router_noise=cfg.router_noise)
+
+
+def run_task_kwargs(cfg: RLConfig, model_dir: str | Path) -> dict:
+    """The arithmetic task a run trains and evaluates on: the model's own (task_kwargs), --task-digits if set."""
+    return task_kwargs(model_dir) | ({"digits": cfg.task_digits} if cfg.task_digits else {})
 
 
 def _truncates(cfg: RLConfig) -> bool:
@@ -3717,7 +3748,7 @@ def _flag(name: str) -> str:
 # config checks the ones it has (batch, digits: PretrainConfig; repeats: experiments.py's BenchConfig).
 _CONFIG_MIN = {"steps": 1, "prompts": 1, "group": 1, "max_new_tokens": 1, "eval_every": 1, "eval_n": 1,
                "sync_every": 1, "updates_per_batch": 1, "checkpoint_every": 0, "topk": 0, "temperature": 0,
-               "batch": 1, "digits": 1, "repeats": 1}
+               "batch": 1, "digits": 1, "repeats": 1, "task_digits": 0}
 _CONFIG_POSITIVE = ("lr", "tis_cap", "seq_tis_cap", "dlc_lag_cap", "mis_high", "dppo_delta", "vllm_gpu_memory")
 
 
@@ -3767,7 +3798,7 @@ def _check_run_config(cfg: RLConfig) -> None:
     group_relative = cfg.baseline == "group" and cfg.correction != "copc"
     vllm = cfg.sampler == "vllm"
     # its longest answer and <eos>: a product or a swap has 2 x digits, else digits + 1
-    task = task_kwargs(cfg.model)
+    task = run_task_kwargs(cfg, cfg.model)
     longest = 1 + max(2 * task["digits"] if op in "*s" else task["digits"] + 1 for op in task["ops"])
     mistakes = [
         (cfg.task == "arithmetic" and cfg.max_new_tokens < longest, (f"--max-new-tokens {cfg.max_new_tokens} "
