@@ -537,7 +537,8 @@ class PresetConfig:
 
 def _preset_base(pc: PresetConfig, **change) -> tr.RLConfig:
     """The RL settings every training preset starts from; --smoke shrinks them to seconds."""
-    base = {"model": pc.model, "steps": PRESET_STEPS, "progress": False, "checkpoint_every": 0} | change
+    # topk 0: the score-centering arms' published runs recorded all V (RLConfig's default K is bounded since)
+    base = {"model": pc.model, "steps": PRESET_STEPS, "progress": False, "checkpoint_every": 0, "topk": 0} | change
     # 5 evaluations: before the first step, 3 between, after
     base.setdefault("eval_every", base["steps"] // 4)
     if pc.smoke:
@@ -1546,7 +1547,7 @@ def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, de
 
 def bench_rl_step(model_dir: Path, steps: int, out_dir: str, device: torch.device) -> list[dict]:
     """Shares of one RL step (demo settings: lag 8, SC + TIS over the whole vocabulary) per phase."""
-    cfg = tr.RLConfig(name="bench_step", model=str(model_dir), steps=steps, sync_every=8, correction="sc_tis",
+    cfg = tr.RLConfig(name="bench_step", model=str(model_dir), steps=steps, sync_every=8, correction="sc_tis", topk=0,
                    eval_every=10**9, out_dir=out_dir, progress=False, device=device.type)
     recs = [r for r in tr.run(cfg) if "reward" in r][1:]  # RL steps (evaluations aside); the first warms up
     totals = {phase: sum(r[f"sec_{phase}"] for r in recs) for phase in tr.STEP_PHASES}
