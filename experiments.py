@@ -1388,6 +1388,8 @@ def _logprob_call(which: str, x: torch.Tensor, ids: torch.Tensor) -> torch.Tenso
         return tr.token_logprobs(x, ids)
     elif which == "TRL selective_log_softmax":
         return _selective_log_softmax(x.view(8, -1, x.shape[-1]), ids.view(8, -1))
+    elif which == "token_logprobs of logits[:, :-1]":  # the TRL / verl idiom: a strided slice of (8, L, V)
+        return tr.token_logprobs(x.view(8, -1, x.shape[-1])[:, :-1], ids.view(8, -1)[:, :-1])
     raise ValueError(f"which must be one of {LOGPROB_CALLS}, got {which!r}")
 
 
@@ -1447,6 +1449,10 @@ def bench_token_logprobs(rows: int, V: int, repeats: int, device: torch.device, 
                  (logits.numel() * logits.element_size()), "<= "
                                                            "0.05" if what == "token_logprobs" else "report")
             for what in peaked]
+    if dtype == torch.float32:  # a strided slice: its blocks are views (no reshape copy)
+        sliced = "token_logprobs of logits[:, :-1]"
+        out.append(_row(f"{sliced}{label} peak extra memory", "the slice's bytes", _peak_extra_bytes(
+            sliced, logits, ids) / (logits.numel() * 4 * (1 - 8 / rows)), "<= 0.3"))
     if with_backward:  # the trainer's path: values and their gradient w.r.t. the logits
         def with_grad(f):
             """A timed call: f's log-probs and their gradient w.r.t. the logits."""
@@ -1558,7 +1564,8 @@ def bench_rl_step(model_dir: Path, steps: int, out_dir: str, device: torch.devic
                  "< 0.05" if phase == "loss" else "report") for phase in tr.STEP_PHASES]
 
 
-def _rl_step_peak_child(correction: str, topk: int, V: int, prompts: int, out_dir: str) -> dict:
+def _rl_step_peak_child(correction: str, topk: int, V: int, prompts: int, out_dir: str,
+                        temperature: float = 1.0) -> dict:
     """One RL step's peak memory above what the run already holds (Linux; run in a fresh process by
     bench_rl_step_memory): a random tiny model whose head has V tokens, `prompts` x 8 samples, 5 tokens each."""
     directory = Path(out_dir) / f"tiny-v{V}"
@@ -1566,7 +1573,8 @@ def _rl_step_peak_child(correction: str, topk: int, V: int, prompts: int, out_di
         tr.build_tiny_model(vocab_size=V).save_pretrained(str(directory), safe_serialization=True)
         tr.CharTokenizer(V).save(directory)
     cfg = tr.RLConfig(name=f"peak-{correction}", model=str(directory), correction=correction, topk=topk,
-                   prompts=prompts, group=8, max_new_tokens=5, steps=2, eval_n=16, progress=False, device="cpu",
+                   temperature=temperature, prompts=prompts, group=8, max_new_tokens=5, steps=2, eval_n=16,
+                   progress=False, device="cpu",
                    out_dir=out_dir, checkpoint_every=0)
     rs = tr.setup_run(cfg)
     tr.rl_step(cfg, 0, rs)  # warm-up: the optimizer's moments and the allocator's pools are built here
@@ -1586,17 +1594,58 @@ def bench_rl_step_memory(quick: bool, out_dir: str) -> list[dict]:
 
     V, prompts = (32_000, 4) if quick else (151_936, 16)
     rows = []
-    for correction, topk in (("tis", 0), ("sc_tis", 32)):
+    default_k = tr.RLConfig().topk  # score centering's default K (bounded; 0 = all V is a choice)
+    for correction, topk, temperature in (("tis", 0, 1.0), ("sc_tis", 32, 1.0), ("tis", 0, 0.7),
+                                          ("sc_tis", default_k, 1.0)):
         code = (f"import json, experiments; print(json.dumps(experiments._rl_step_peak_child({correction!r}, "
-                f"{topk}, {V}, {prompts}, {str(out_dir)!r})))")
+                f"{topk}, {V}, {prompts}, {str(out_dir)!r}, {temperature})))")
         child = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True,
                                text=True, check=True)
         peak = json.loads(child.stdout.strip().splitlines()[-1])
         label = f"K = {topk}" if correction.startswith("sc") else "no top-K recorded"
+        label += f", temperature {temperature}" if temperature != 1 else ""
         rows.append(_row(f"RL step peak memory ({correction}, {label}, V = {V:,}, B = {prompts * 8}, T = 5, "
                          "cpu)",
                          f"one batch's fp32 response logits ({peak['logits_bytes'] / 2**20:.0f} MiB)",
                          peak["extra_bytes"] / peak["logits_bytes"], "<= 3"))
+    return rows
+
+
+def _eval_peak_child(V: int, n: int, top_p: float, out_dir: str) -> dict:
+    """Peak resident memory of answer_logprobs over n held-out problems (batches of 256) with a random tiny model
+    whose head has V tokens, above what the process held before (Linux; run in a fresh process by
+    bench_eval_memory); top_p < 1: the truncated policy's pc, at temperature 0.7."""
+    model, tokenizer = tr.build_tiny_model(vocab_size=V).eval(), tr.CharTokenizer(V)
+    problems = tr.make_arithmetic_task(n, split="eval")
+    truncation = (top_p, 0, 0.0) if top_p < 1 else None
+    with torch.no_grad():
+        tr.answer_logprobs(model, tokenizer, problems[:2], truncation=truncation)  # warm-up: library code paged in
+        gc.collect()
+        Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
+        before = _proc_status_bytes("VmRSS")
+        tr.answer_logprobs(model, tokenizer, problems, truncation=truncation, temperature=0.7)
+        extra = _proc_status_bytes("VmHWM") - before
+    T = 1 + max(len(tokenizer.encode(a, bos=False)) for _, a in problems[:256])
+    return {"extra_bytes": extra, "logits_bytes": min(n, 256) * T * V * 4}
+
+
+def bench_eval_memory(quick: bool, out_dir: str) -> list[dict]:
+    """Evaluation's peak memory (answer_logprobs, eval_n = 512: two batches of 256) at Qwen's V = 151,936, plain and
+    under top-p 0.9, over one batch's fp32 (256, T, V) logits, each in a fresh child process (quick: V = 32,000)."""
+    import subprocess
+
+    V = 32_000 if quick else 151_936
+    rows = []
+    for top_p in (1.0, 0.9):
+        code = (f"import json, experiments; print(json.dumps(experiments._eval_peak_child({V}, 512, {top_p}, "
+                f"{str(out_dir)!r})))")
+        child = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True,
+                               text=True, check=True)
+        peak = json.loads(child.stdout.strip().splitlines()[-1])
+        what = "top-p 0.9, temperature 0.7" if top_p < 1 else "plain"
+        rows.append(_row(f"evaluation peak memory (answer_logprobs, eval_n = 512, {what}, V = {V:,}, cpu)",
+                         f"one batch's fp32 (256, T, V) logits ({peak['logits_bytes'] / 2**20:.0f} MiB)",
+                         peak["extra_bytes"] / peak["logits_bytes"], "<= 1.5"))
     return rows
 
 
@@ -1641,6 +1690,7 @@ def bench(cfg: BenchConfig) -> list[dict]:
     rows += done("samplers", bench_samplers(model_dir, 4 if q else 16, 8, cfg.repeats, device))
     rows += done("RL step", bench_rl_step(model_dir, 6 if q else 40, cfg.out, device))
     rows += done("RL step memory", bench_rl_step_memory(q, cfg.out))
+    rows += done("evaluation memory", bench_eval_memory(q, cfg.out))
     rows += done("verifier", bench_verifier(cfg.repeats))
     table = _markdown_table(rows)
     Path(cfg.out).mkdir(parents=True, exist_ok=True)

@@ -1459,6 +1459,7 @@ def _copy_calls():
     logits, ids = torch.randn(B, T, V, generator=g).requires_grad_(), torch.randint(V, (B, T), generator=g)
     logp_grad = a.clone().requires_grad_(True)
     routes_a, routes_b = (torch.randint(-1, 4, (B, T, 2, 2), generator=g) for _ in range(2))  # (B, S, L, k), -1 gaps
+    kept = torch.randint(0, 3, (B, T, 3), generator=g)  # kept ids, rows whose first id is 0 emptied (merge_support)
     weight_calls = {n: lambda f: f(a, b, mask) for n in (
         "tis_weights", "mis_weights", "seq_tis_weights", "seq_mask_weights", "geo_mask_weights", "cis_weights",
         "dlc_weights", "copc_mask", "copc_residual_weights", "mismatch_metrics")}
@@ -1469,6 +1470,8 @@ def _copy_calls():
                                                                                               generator=g), mask),
         "drift_signal_norms": lambda f: _drift_call(f, head, head_infer, b, adv, mask),
         "chunked_token_logprobs": lambda f: f(logits.reshape(-1, V), ids.reshape(-1, 1), 2),
+        "logprobs_by_blocks": lambda f: f(logits[:, 1:], ids[:, 1:, None], 2),
+        "merge_support": lambda f: f(kept.masked_fill(kept[..., :1] == 0, -1), kept[..., :2], mask),
         "log1mexp": lambda f: f(a),
         "mismatch_ledger": lambda f: f(a, b, c, mask, d),
         "routing_flip_rate": lambda f: f(routes_a, routes_b, mask),
@@ -3965,8 +3968,9 @@ def test_train_gradient_checkpointing_flag_runs_the_same_numbers(base_model_dir,
     cache, and every logged number equals the run without it."""
     args = tr._parser().parse_args(["train", "--gradient-checkpointing"])
     assert args.gradient_checkpointing is True
-    common = dict(model=str(base_model_dir), steps=2, prompts=4, group=4, eval_every=2, eval_n=16, progress=False,
-                  checkpoint_every=0, device="cpu", out_dir=str(tmp_path), correction="tis", sync_every=2)
+    common = {"model": str(base_model_dir), "steps": 2, "prompts": 4, "group": 4, "eval_every": 2, "eval_n": 16,
+              "progress": False, "checkpoint_every": 0, "device": "cpu", "out_dir": str(tmp_path),
+              "correction": "tis", "sync_every": 2}
     rs = tr.setup_run(tr.RLConfig(name="gc0", gradient_checkpointing=True, **common))
     assert rs.trainer.model.is_gradient_checkpointing and rs.trainer.model.training
     runs = [tr.run(tr.RLConfig(name=f"gc{on}", gradient_checkpointing=bool(on), **common)) for on in (0, 1)]
@@ -4029,8 +4033,8 @@ def test_rl_step_renormalises_beyond_k_positions_on_the_rebuilt_support(base_mod
     """A sampler whose kept rows are empty at some generated positions (a bounded vLLM request whose K entries were all
     finite): rl_step fills them with the trainer's rebuilt support, counts them (support_beyond_k), warns, and logs
     what the step with the sampler's full support logs."""
-    common = dict(model=str(base_model_dir), steps=1, prompts=4, group=4, eval_n=16, progress=False,
-                  checkpoint_every=0, device="cpu", out_dir=str(tmp_path), top_p=0.9, correction="tis")
+    common = {"model": str(base_model_dir), "steps": 1, "prompts": 4, "group": 4, "eval_n": 16, "progress": False,
+              "checkpoint_every": 0, "device": "cpu", "out_dir": str(tmp_path), "top_p": 0.9, "correction": "tis"}
     records, emptied = [], []
     for empty in (False, True):
         cfg = tr.RLConfig(name=f"beyond{empty}", **common)

@@ -1254,7 +1254,8 @@ def chunked_token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: 
 
     needs: _TokenLogprobs, _chunked_logprobs, _compiled, _logprobs_pass, _logprobs_grad_pass, _two_or_more,
     _fused_inputs, _fused_logprobs, _fused_logprobs_grad, _logprobs_probe, _cuda_index, _gpu_compiles,
-    _default_chunk_rows, CHUNK_BYTES, GPU_CHUNK_BYTES, FUSED_CHUNK_ELEMENTS, _COMPILED, _COMPILE_WORKS
+    _default_chunk_rows, _lse_tail, CHUNK_BYTES, GPU_CHUNK_BYTES, FUSED_CHUNK_ELEMENTS, FAR_FROM_ZERO, _COMPILED,
+    _COMPILE_WORKS
     """
     fused = _gpu_compiles(logits.device, _logprobs_probe) if fused is None else fused
     if chunk_rows is None:
@@ -1267,15 +1268,18 @@ def chunked_token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: 
 def logprobs_by_blocks(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | None = None,
                        fused: bool | None = None) -> torch.Tensor:
     """chunked_token_logprobs on (..., V) logits, (..., K) ids -> (..., K): logits with no flat (N, V) view (a strided
-    slice such as logits[:, :-1], which a reshape would copy) go by the blocks of their leading index, each a view.
+    slice such as logits[:, :-1], which a reshape would copy) go by the blocks of their leading index: for (B, T, V)
+    logits each (T, V) block is a view, so nothing is copied.
 
     needs: chunked_token_logprobs
     """
+    V = logits.shape[-1]
     try:
-        flat = logits.view(-1, logits.shape[-1])  # (N, V): a view, or a RuntimeError
-    except RuntimeError:  # no flat view: each block of the leading index is one (no copy)
-        return torch.stack([logprobs_by_blocks(x, i, chunk_rows, fused) for x, i in zip(logits, ids)])
-    return chunked_token_logprobs(flat, ids.reshape(flat.shape[0], -1), chunk_rows, fused).view(ids.shape)
+        blocks = [(logits.view(-1, V), ids)]  # (N, V): a view, or a RuntimeError
+    except RuntimeError:  # no flat view: the leading index's blocks
+        blocks = list(zip(logits, ids))
+    out = [chunked_token_logprobs(x.reshape(-1, V), i.reshape(-1, i.shape[-1]), chunk_rows, fused) for x, i in blocks]
+    return torch.stack(out).view(ids.shape)
 
 
 def hash_noise16(shape: tuple[int, ...], seed: torch.Tensor) -> torch.Tensor:
