@@ -1405,7 +1405,7 @@ def _peak_rss_child(rows: int, V: int, which: str) -> int:
     _peak_extra_bytes in a fresh process)."""
     logits, ids = torch.ones(rows, V), torch.zeros(rows, dtype=torch.long)  # (N, V) fp32, every page touched
     # warm-up: the first call pages in library code, not the call's memory
-    _logprob_call(which, logits[:2], ids[:2])
+    _logprob_call(which, logits[:16], ids[:16])  # 16 rows: the (8, L, V) calls' smallest
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
     before = _proc_status_bytes("VmRSS")
     _logprob_call(which, logits, ids)
@@ -1564,6 +1564,22 @@ def bench_rl_step(model_dir: Path, steps: int, out_dir: str, device: torch.devic
                  "< 0.05" if phase == "loss" else "report") for phase in tr.STEP_PHASES]
 
 
+def bench_gradient_checkpointing(model_dir: Path, steps: int, out_dir: str) -> list[dict]:
+    """The update's time per RL step (recompute + loss + optimizer phases, median over steps after the first) with
+    --gradient-checkpointing vs without, the two runs alternated twice so that machine noise hits both."""
+    seconds = {False: [], True: []}
+    for repeat in range(2):
+        for on in (False, True):
+            cfg = tr.RLConfig(name=f"bench_gc{int(on)}{repeat}", model=str(model_dir), steps=steps, correction="tis",
+                              eval_every=10**9, out_dir=out_dir, progress=False, device="cpu", checkpoint_every=0,
+                              gradient_checkpointing=on)
+            seconds[on] += [sum(r[f"sec_{p}"] for p in ("recompute", "loss", "optimizer"))
+                            for r in tr.run(cfg) if "reward" in r][1:]
+    off, on = (sorted(seconds[k])[len(seconds[k]) // 2] for k in (False, True))
+    return [_row(f"RL step update with --gradient-checkpointing (cpu; {on * 1e3:.0f} ms)", f"without ({off * 1e3:.0f} "
+                 "ms)", on / off, "report")]
+
+
 def _rl_step_peak_child(correction: str, topk: int, V: int, prompts: int, out_dir: str,
                         temperature: float = 1.0) -> dict:
     """One RL step's peak memory above what the run already holds (Linux; run in a fresh process by
@@ -1588,21 +1604,21 @@ def _rl_step_peak_child(correction: str, topk: int, V: int, prompts: int, out_di
 
 
 def bench_rl_step_memory(quick: bool, out_dir: str) -> list[dict]:
-    """Peak memory of one RL step at Qwen's V = 151,936 (tis, and sc_tis at K = 32), B = 128, T = 5, over one batch's
-    fp32 response logits B T V 4 bytes, each in a fresh child process (quick: V = 32,000, B = 32)."""
+    """Peak memory of one RL step at Qwen's V = 151,936 (tis; sc_tis at its default K; tis at temperature 0.7), B = 128,
+    T = 5, over one batch's fp32 response logits B T V 4 bytes, each in a fresh child process (quick: V = 32,000,
+    B = 32)."""
     import subprocess
 
     V, prompts = (32_000, 4) if quick else (151_936, 16)
     rows = []
     default_k = tr.RLConfig().topk  # score centering's default K (bounded; 0 = all V is a choice)
-    for correction, topk, temperature in (("tis", 0, 1.0), ("sc_tis", 32, 1.0), ("tis", 0, 0.7),
-                                          ("sc_tis", default_k, 1.0)):
+    for correction, topk, temperature in (("tis", 0, 1.0), ("sc_tis", default_k, 1.0), ("tis", 0, 0.7)):
         code = (f"import json, experiments; print(json.dumps(experiments._rl_step_peak_child({correction!r}, "
                 f"{topk}, {V}, {prompts}, {str(out_dir)!r}, {temperature})))")
         child = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True,
                                text=True, check=True)
         peak = json.loads(child.stdout.strip().splitlines()[-1])
-        label = f"K = {topk}" if correction.startswith("sc") else "no top-K recorded"
+        label = f"K = {topk}, the default" if correction.startswith("sc") else "no top-K recorded"
         label += f", temperature {temperature}" if temperature != 1 else ""
         rows.append(_row(f"RL step peak memory ({correction}, {label}, V = {V:,}, B = {prompts * 8}, T = 5, "
                          "cpu)",
@@ -1690,6 +1706,7 @@ def bench(cfg: BenchConfig) -> list[dict]:
     rows += done("samplers", bench_samplers(model_dir, 4 if q else 16, 8, cfg.repeats, device))
     rows += done("RL step", bench_rl_step(model_dir, 6 if q else 40, cfg.out, device))
     rows += done("RL step memory", bench_rl_step_memory(q, cfg.out))
+    rows += done("gradient checkpointing", bench_gradient_checkpointing(model_dir, 6 if q else 20, cfg.out))
     rows += done("evaluation memory", bench_eval_memory(q, cfg.out))
     rows += done("verifier", bench_verifier(cfg.repeats))
     table = _markdown_table(rows)

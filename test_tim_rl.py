@@ -2275,7 +2275,7 @@ def test_top_k_is_recorded_only_for_the_arms_that_read_it_and_entropy_at_samplin
     the configured K for score centering and the drift diagnostics; the entropy is the full distribution's."""
     assert tr.recorded_topk(tr.RLConfig(correction="tis")) is None
     assert tr.recorded_topk(tr.RLConfig(correction="sc_tis", topk=32)) == 32
-    assert tr.recorded_topk(tr.RLConfig(correction="tis", diagnose_drift=True)) == 0
+    assert tr.recorded_topk(tr.RLConfig(correction="tis", diagnose_drift=True)) == tr.RLConfig().topk == 32
     model = tr.load_model(base_model_dir).eval()
     tok = tr.CharTokenizer()
     prompts = [tok.encode(p) for p, _ in tr.make_arithmetic_task(8, split="eval")]
