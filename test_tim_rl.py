@@ -849,7 +849,8 @@ def test_token_logprobs_compiled_pass_matches_log_softmax_and_its_gradient():
     assert tr._logprobs_pass in tr._COMPILED, "anti-vacuity: the compiled passes ran"
     x = logits[0].clone().requires_grad_(True)  # anti-vacuity: the same check sees a backward with a wrong lse
     (ref0,) = torch.autograd.grad((torch.log_softmax(x, -1).gather(-1, ids[0]) * upstream[0]).sum(), x)
-    assert not torch.allclose(tr._logprobs_grad_pass(logits[0], ids[0], torch.zeros(5, 1), upstream[0]), ref0, atol=1e-3)
+    wrong = tr._logprobs_grad_pass(logits[0], ids[0], torch.zeros(5, 1), torch.zeros(5, 1), upstream[0])
+    assert not torch.allclose(wrong, ref0, atol=1e-3)
 
 
 def test_token_logprobs_bf16_logits_and_gradient():

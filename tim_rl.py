@@ -1112,9 +1112,10 @@ def _logprobs_pass(logits: torch.Tensor, ids: torch.Tensor):
     return logits.gather(-1, ids).float() - lse, _lse_tail(lse, m, torch.exp(z - m).sum(-1, keepdim=True).log())
 
 
-def _logprobs_grad_pass(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, g: torch.Tensor):
+def _logprobs_grad_pass(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, tail: torch.Tensor,
+                        g: torch.Tensor):
     """sum_k g_k (onehot(ids_k) - softmax(logits)) in the logits' dtype: the backward in one pass. -> (n, V)."""
-    dense = torch.exp(logits.float() - lse[:, :1] - lse[:, 1:]) * -g.sum(-1, keepdim=True)  # (n, V) float32
+    dense = torch.exp(logits.float() - lse - tail) * -g.sum(-1, keepdim=True)  # (n, V) float32
     return dense.scatter_add(-1, ids, g).to(logits.dtype)
 
 
@@ -1148,9 +1149,10 @@ def _fused_logprobs_grad(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Ten
     rows, both = _fused_inputs(logits, ids)
     # a .sum()'s g has stride 0
     g_2 = g.contiguous() if K > 1 else torch.cat([g, torch.full_like(g, -0.0)], 1)
-    lse_2 = _two_or_more(lse, 0).clone()  # not a view: a view of the (N, 1) lse makes dynamo guard on N too
+    # (n, 1) each, not views: a view of the (N, 2) lse makes dynamo guard on N too (and its 2 on K = 2)
+    lse_2, tail_2 = (_two_or_more(lse[:, k : k + 1], 0).clone() for k in (0, 1))
     with torch.no_grad():
-        grad = _compiled(_logprobs_grad_pass)(rows, both, lse_2, _two_or_more(g_2, 0))
+        grad = _compiled(_logprobs_grad_pass)(rows, both, lse_2, tail_2, _two_or_more(g_2, 0))
     return grad[:n]
 
 
