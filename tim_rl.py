@@ -1891,7 +1891,7 @@ def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: 
     P, T = rollout.prompt_ids.shape[1], rollout.response_ids.shape[1]
     keep = torch.arange(P - 1, P + T - 1, device=input_ids.device)  # position t predicts response token t
     kwargs = {"input_ids": input_ids, "attention_mask": attention, "position_ids": _positions(attention),
-                  "output_hidden_states": True, "logits_to_keep": keep}
+                  "output_hidden_states": True, "logits_to_keep": keep, "use_cache": False}  # no KV cache to keep
     with replay_routes(model, routes) as route_log:
         out = model(**kwargs) if params is None else torch.func.functional_call(model, params, args=(), kwargs=kwargs)
     logits = out.logits  # (B, T, V)
