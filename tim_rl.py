@@ -1749,7 +1749,8 @@ class Rollout:
     logp_topk_infer: torch.Tensor  # (B, T, K) float32, the sampler's log-probs of those ids
     texts: list[str]  # decoded responses
     kept_ids: torch.Tensor | None = None  # (B, T, S) long, -1 padded: the sampler's kept support (None: untruncated,
-    # or the engine cannot return it: the loop then rebuilds it from the trainer's logits, kept_support_from_logits)
+    # or the engine cannot return it: the loop then rebuilds it from the trainer's logits, kept_support_from_logits;
+    # an empty row at a generated token: unknown there, a bounded vLLM request's K all finite, rebuilt: merge_support)
     entropy: torch.Tensor | None = None  # (B, T) float32, entropy of the sampled distribution (None: not recorded)
     routed_experts: torch.Tensor | None = None  # (B, P + T, L, k) int16: the experts each MoE layer's router chose at
     # each position of prompt + response, -1 where none (the last sampled token is never fed); None: dense or unknown
