@@ -647,7 +647,8 @@ def parse_seeds(text: str) -> list[int]:
 
 def _preset_base(pc: PresetConfig, **change) -> tr.RLConfig:
     """The RL settings every training preset starts from; --smoke shrinks them to seconds."""
-    base = {"model": pc.model, "steps": PRESET_STEPS, "progress": False, "checkpoint_every": 0} | change
+    # topk 0: the score-centering arms' published runs recorded all V (RLConfig's default K is bounded since)
+    base = {"model": pc.model, "steps": PRESET_STEPS, "progress": False, "checkpoint_every": 0, "topk": 0} | change
     # 5 evaluations: before the first step, 3 between, after
     base.setdefault("eval_every", base["steps"] // 4)
     if pc.smoke:
@@ -2492,6 +2493,8 @@ def _logprob_call(which: str, x: torch.Tensor, ids: torch.Tensor) -> torch.Tenso
         return tr.token_logprobs(x, ids)
     elif which == "TRL selective_log_softmax":
         return _selective_log_softmax(x.view(8, -1, x.shape[-1]), ids.view(8, -1))
+    elif which == "token_logprobs of logits[:, :-1]":  # the TRL / verl idiom: a strided slice of (8, L, V)
+        return tr.token_logprobs(x.view(8, -1, x.shape[-1])[:, :-1], ids.view(8, -1)[:, :-1])
     raise ValueError(f"which must be one of {LOGPROB_CALLS}, got {which!r}")
 
 
@@ -2507,7 +2510,7 @@ def _peak_rss_child(rows: int, V: int, which: str) -> int:
     _peak_extra_bytes in a fresh process)."""
     logits, ids = torch.ones(rows, V), torch.zeros(rows, dtype=torch.long)  # (N, V) fp32, every page touched
     # warm-up: the first call pages in library code, not the call's memory
-    _logprob_call(which, logits[:2], ids[:2])
+    _logprob_call(which, logits[:16], ids[:16])  # 16 rows: the (8, L, V) calls' smallest
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
     before = _proc_status_bytes("VmRSS")
     _logprob_call(which, logits, ids)
@@ -2551,6 +2554,10 @@ def bench_token_logprobs(rows: int, V: int, repeats: int, device: torch.device, 
                  (logits.numel() * logits.element_size()), "<= "
                                                            "0.05" if what == "token_logprobs" else "report")
             for what in peaked]
+    if dtype == torch.float32:  # a strided slice: its blocks are views (no reshape copy)
+        sliced = "token_logprobs of logits[:, :-1]"
+        out.append(_row(f"{sliced}{label} peak extra memory", "the slice's bytes", _peak_extra_bytes(
+            sliced, logits, ids) / (logits.numel() * 4 * (1 - 8 / rows)), "<= 0.3"))
     if with_backward:  # the trainer's path: values and their gradient w.r.t. the logits
         def with_grad(f):
             """A timed call: f's log-probs and their gradient w.r.t. the logits."""
@@ -2651,7 +2658,7 @@ def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, de
 
 def bench_rl_step(model_dir: Path, steps: int, out_dir: str, device: torch.device) -> list[dict]:
     """Shares of one RL step (demo settings: lag 8, SC + TIS over the whole vocabulary) per phase."""
-    cfg = tr.RLConfig(name="bench_step", model=str(model_dir), steps=steps, sync_every=8, correction="sc_tis",
+    cfg = tr.RLConfig(name="bench_step", model=str(model_dir), steps=steps, sync_every=8, correction="sc_tis", topk=0,
                    eval_every=10**9, out_dir=out_dir, progress=False, device=device.type)
     recs = [r for r in tr.run(cfg) if "reward" in r][1:]  # RL steps (evaluations aside); the first warms up
     totals = {phase: sum(r[f"sec_{phase}"] for r in recs) for phase in tr.STEP_PHASES}
@@ -2662,7 +2669,24 @@ def bench_rl_step(model_dir: Path, steps: int, out_dir: str, device: torch.devic
                  "< 0.05" if phase == "loss" else "report") for phase in tr.STEP_PHASES]
 
 
-def _rl_step_peak_child(correction: str, topk: int, V: int, prompts: int, out_dir: str) -> dict:
+def bench_gradient_checkpointing(model_dir: Path, steps: int, out_dir: str) -> list[dict]:
+    """The update's time per RL step (recompute + loss + optimizer phases, median over steps after the first) with
+    --gradient-checkpointing vs without, the two runs alternated twice so that machine noise hits both."""
+    seconds = {False: [], True: []}
+    for repeat in range(2):
+        for on in (False, True):
+            cfg = tr.RLConfig(name=f"bench_gc{int(on)}{repeat}", model=str(model_dir), steps=steps, correction="tis",
+                              eval_every=10**9, out_dir=out_dir, progress=False, device="cpu", checkpoint_every=0,
+                              gradient_checkpointing=on)
+            seconds[on] += [sum(r[f"sec_{p}"] for p in ("recompute", "loss", "optimizer"))
+                            for r in tr.run(cfg) if "reward" in r][1:]
+    off, on = (sorted(seconds[k])[len(seconds[k]) // 2] for k in (False, True))
+    return [_row(f"RL step update with --gradient-checkpointing (cpu; {on * 1e3:.0f} ms)", f"without ({off * 1e3:.0f} "
+                 "ms)", on / off, "report")]
+
+
+def _rl_step_peak_child(correction: str, topk: int, V: int, prompts: int, out_dir: str,
+                        temperature: float = 1.0) -> dict:
     """One RL step's peak memory above what the run already holds (Linux; run in a fresh process by
     bench_rl_step_memory): a random tiny model whose head has V tokens, `prompts` x 8 samples, 5 tokens each."""
     directory = Path(out_dir) / f"tiny-v{V}"
@@ -2670,7 +2694,8 @@ def _rl_step_peak_child(correction: str, topk: int, V: int, prompts: int, out_di
         tr.build_tiny_model(vocab_size=V).save_pretrained(str(directory), safe_serialization=True)
         tr.CharTokenizer(V).save(directory)
     cfg = tr.RLConfig(name=f"peak-{correction}", model=str(directory), correction=correction, topk=topk,
-                   prompts=prompts, group=8, max_new_tokens=5, steps=2, eval_n=16, progress=False, device="cpu",
+                   temperature=temperature, prompts=prompts, group=8, max_new_tokens=5, steps=2, eval_n=16,
+                   progress=False, device="cpu",
                    out_dir=out_dir, checkpoint_every=0)
     rs = tr.setup_run(cfg)
     tr.rl_step(cfg, 0, rs)  # warm-up: the optimizer's moments and the allocator's pools are built here
@@ -2684,19 +2709,22 @@ def _rl_step_peak_child(correction: str, topk: int, V: int, prompts: int, out_di
 
 
 def bench_rl_step_memory(quick: bool, out_dir: str) -> list[dict]:
-    """Peak memory of one RL step at Qwen's V = 151,936 (tis, and sc_tis at K = 32), B = 128, T = 5, over one batch's
-    fp32 response logits B T V 4 bytes, each in a fresh child process (quick: V = 32,000, B = 32)."""
+    """Peak memory of one RL step at Qwen's V = 151,936 (tis; sc_tis at its default K; tis at temperature 0.7), B = 128,
+    T = 5, over one batch's fp32 response logits B T V 4 bytes, each in a fresh child process (quick: V = 32,000,
+    B = 32)."""
     import subprocess
 
     V, prompts = (32_000, 4) if quick else (151_936, 16)
     rows = []
-    for correction, topk in (("tis", 0), ("sc_tis", 32)):
+    default_k = tr.RLConfig().topk  # score centering's default K (bounded; 0 = all V is a choice)
+    for correction, topk, temperature in (("tis", 0, 1.0), ("sc_tis", default_k, 1.0), ("tis", 0, 0.7)):
         code = (f"import json, experiments; print(json.dumps(experiments._rl_step_peak_child({correction!r}, "
-                f"{topk}, {V}, {prompts}, {str(out_dir)!r})))")
+                f"{topk}, {V}, {prompts}, {str(out_dir)!r}, {temperature})))")
         child = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True,
                                text=True, check=True)
         peak = json.loads(child.stdout.strip().splitlines()[-1])
-        label = f"K = {topk}" if correction.startswith("sc") else "no top-K recorded"
+        label = f"K = {topk}, the default" if correction.startswith("sc") else "no top-K recorded"
+        label += f", temperature {temperature}" if temperature != 1 else ""
         rows.append(_row(f"RL step peak memory ({correction}, {label}, V = {V:,}, B = {prompts * 8}, T = 5, "
                          "cpu)",
                          f"one batch's fp32 response logits ({peak['logits_bytes'] / 2**20:.0f} MiB)",
@@ -2716,6 +2744,44 @@ def bench_route_bytes() -> list[dict]:
             _row(f"gate weights per token, tiny MoE ({L} layers x top-{k}, fp32)", "bytes", per_token[1], "report"),
             _row("route ids per token, Qwen3-30B-A3B shape (48 layers x top-8, int16)", "bytes",
                  48 * 8 * torch.empty((), dtype=torch.int16).element_size(), "report")]
+
+
+def _eval_peak_child(V: int, n: int, top_p: float, out_dir: str) -> dict:
+    """Peak resident memory of answer_logprobs over n held-out problems (batches of 256) with a random tiny model
+    whose head has V tokens, above what the process held before (Linux; run in a fresh process by
+    bench_eval_memory); top_p < 1: the truncated policy's pc, at temperature 0.7."""
+    model, tokenizer = tr.build_tiny_model(vocab_size=V).eval(), tr.CharTokenizer(V)
+    problems = tr.make_arithmetic_task(n, split="eval")
+    truncation = (top_p, 0, 0.0) if top_p < 1 else None
+    with torch.no_grad():
+        tr.answer_logprobs(model, tokenizer, problems[:2], truncation=truncation)  # warm-up: library code paged in
+        gc.collect()
+        Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
+        before = _proc_status_bytes("VmRSS")
+        tr.answer_logprobs(model, tokenizer, problems, truncation=truncation, temperature=0.7)
+        extra = _proc_status_bytes("VmHWM") - before
+    T = 1 + max(len(tokenizer.encode(a, bos=False)) for _, a in problems[:256])
+    return {"extra_bytes": extra, "logits_bytes": min(n, 256) * T * V * 4}
+
+
+def bench_eval_memory(quick: bool, out_dir: str) -> list[dict]:
+    """Evaluation's peak memory (answer_logprobs, eval_n = 512: two batches of 256) at Qwen's V = 151,936, plain and
+    under top-p 0.9, over one batch's fp32 (256, T, V) logits, each in a fresh child process (quick: V = 32,000)."""
+    import subprocess
+
+    V = 32_000 if quick else 151_936
+    rows = []
+    for top_p in (1.0, 0.9):
+        code = (f"import json, experiments; print(json.dumps(experiments._eval_peak_child({V}, 512, {top_p}, "
+                f"{str(out_dir)!r})))")
+        child = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True,
+                               text=True, check=True)
+        peak = json.loads(child.stdout.strip().splitlines()[-1])
+        what = "top-p 0.9, temperature 0.7" if top_p < 1 else "plain"
+        rows.append(_row(f"evaluation peak memory (answer_logprobs, eval_n = 512, {what}, V = {V:,}, cpu)",
+                         f"one batch's fp32 (256, T, V) logits ({peak['logits_bytes'] / 2**20:.0f} MiB)",
+                         peak["extra_bytes"] / peak["logits_bytes"], "<= 1.5"))
+    return rows
 
 
 def bench_verifier(repeats: int) -> list[dict]:
@@ -2759,6 +2825,8 @@ def bench(cfg: BenchConfig) -> list[dict]:
     rows += done("samplers", bench_samplers(model_dir, 4 if q else 16, 8, cfg.repeats, device))
     rows += done("RL step", bench_rl_step(model_dir, 6 if q else 40, cfg.out, device))
     rows += done("RL step memory", bench_rl_step_memory(q, cfg.out))
+    rows += done("gradient checkpointing", bench_gradient_checkpointing(model_dir, 6 if q else 20, cfg.out))
+    rows += done("evaluation memory", bench_eval_memory(q, cfg.out))
     rows += done("verifier", bench_verifier(cfg.repeats))
     rows += done("MoE route bytes", bench_route_bytes())
     table = _markdown_table(rows)

@@ -849,7 +849,8 @@ def test_token_logprobs_compiled_pass_matches_log_softmax_and_its_gradient():
     assert tr._logprobs_pass in tr._COMPILED, "anti-vacuity: the compiled passes ran"
     x = logits[0].clone().requires_grad_(True)  # anti-vacuity: the same check sees a backward with a wrong lse
     (ref0,) = torch.autograd.grad((torch.log_softmax(x, -1).gather(-1, ids[0]) * upstream[0]).sum(), x)
-    assert not torch.allclose(tr._logprobs_grad_pass(logits[0], ids[0], torch.zeros(5, 1), upstream[0]), ref0, atol=1e-3)
+    wrong = tr._logprobs_grad_pass(logits[0], ids[0], torch.zeros(5, 1), torch.zeros(5, 1), upstream[0])
+    assert not torch.allclose(wrong, ref0, atol=1e-3)
 
 
 def test_token_logprobs_bf16_logits_and_gradient():
@@ -976,7 +977,7 @@ def test_compile_probes_run_the_passes_they_guard(monkeypatch):
 
     monkeypatch.setattr(tr, "_compiled", recording_compiled)
     tr._logprobs_probe(torch.device("cpu"))
-    assert ran == [tr._logprobs_pass, tr._logprobs_grad_pass]
+    assert ran == [tr._logprobs_pass, tr._logprobs_grad_pass] * 2  # fp32, then bf16
     ran.clear()
     tr._export_probe(torch.device("cpu"))
     assert ran == [tr._sr_hashed, tr._ef_one_pass]
@@ -1485,6 +1486,7 @@ def _copy_calls():
     logits, ids = torch.randn(B, T, V, generator=g).requires_grad_(), torch.randint(V, (B, T), generator=g)
     logp_grad = a.clone().requires_grad_(True)
     routes_a, routes_b = (torch.randint(-1, 4, (B, T, 2, 2), generator=g) for _ in range(2))  # (B, S, L, k), -1 gaps
+    kept = torch.randint(0, 3, (B, T, 3), generator=g)  # kept ids, rows whose first id is 0 emptied (merge_support)
     weight_calls = {n: lambda f: f(a, b, mask) for n in (
         "tis_weights", "mis_weights", "seq_tis_weights", "seq_mask_weights", "geo_mask_weights", "cis_weights",
         "dlc_weights", "copc_mask", "copc_residual_weights", "mismatch_metrics", "divergence_mask_weights",
@@ -1502,6 +1504,8 @@ def _copy_calls():
                                                                                               generator=g), mask),
         "drift_signal_norms": lambda f: _drift_call(f, head, head_infer, b, adv, mask),
         "chunked_token_logprobs": lambda f: f(logits.reshape(-1, V), ids.reshape(-1, 1), 2),
+        "logprobs_by_blocks": lambda f: f(logits[:, 1:], ids[:, 1:, None], 2),
+        "merge_support": lambda f: f(kept.masked_fill(kept[..., :1] == 0, -1), kept[..., :2], mask),
         "log1mexp": lambda f: f(a),
         "mismatch_ledger": lambda f: f(a, b, c, mask, d),
         "routing_flip_rate": lambda f: f(routes_a, routes_b, mask),
@@ -2309,7 +2313,7 @@ def test_top_k_is_recorded_only_for_the_arms_that_read_it_and_entropy_at_samplin
     the configured K for score centering and the drift diagnostics; the entropy is the full distribution's."""
     assert tr.recorded_topk(tr.RLConfig(correction="tis")) is None
     assert tr.recorded_topk(tr.RLConfig(correction="sc_tis", topk=32)) == 32
-    assert tr.recorded_topk(tr.RLConfig(correction="tis", diagnose_drift=True)) == 0
+    assert tr.recorded_topk(tr.RLConfig(correction="tis", diagnose_drift=True)) == tr.RLConfig().topk == 32
     model = tr.load_model(base_model_dir).eval()
     tok = tr.CharTokenizer()
     prompts = [tok.encode(p) for p, _ in tr.make_arithmetic_task(8, split="eval")]
@@ -4958,3 +4962,354 @@ def test_length_preset_as_cut_fits_two_processes_and_the_full_design_would_not()
     assert ex.length_cpu_minutes((2, 4, 8, 16), 32) > 280, "the twin: the issue's design needs ~300 CPU-min"
     assert ex.length_cpu_minutes(seeds=10) == pytest.approx(2 * ex.length_cpu_minutes()), "seeds are never cut"
     assert f"{ex.length_cpu_minutes((2, 4, 8, 16), 32):.0f}" in "296" and "Cut, before any run" in ex.LENGTH_BUDGET
+
+
+# =================================================================================================================
+# The reference inside a real trainer: evaluation memory, gradient checkpointing, strided logits, gradients at any
+# row offset, bounded vLLM log-prob requests, temperature without a copy, a bounded default top-K
+
+
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of the storages ops allocate while the mode is on, live now and at their peak: a new storage counts
+    until the last tensor on it made under the mode is freed (weakref.finalize). Views of storages made before the
+    mode (the weights) count nothing. Deterministic, unlike RSS."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.refs, self.sizes = {}, {}
+
+    def _drop(self, key):
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            self.live -= self.sizes.pop(key)
+            del self.refs[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        aliased = {a.untyped_storage().data_ptr() for a in inputs}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() == 0 or any(t is a for a in inputs):
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key not in self.refs:
+                if key in aliased:  # a view of a storage made before the mode
+                    continue
+                self.refs[key], self.sizes[key] = 0, t.untyped_storage().nbytes()
+                self.live += self.sizes[key]
+                self.peak = max(self.peak, self.live)
+            self.refs[key] += 1
+            weakref.finalize(t, self._drop, key)
+        return out
+
+
+def _answer_logprobs_unchunked(model, tokenizer, problems, batch, truncation, temperature):
+    """answer_logprobs as it was: the whole batch masked at once (the pc values the chunked one must match)."""
+    out = []
+    for i in range(0, len(problems), batch):
+        chunk = problems[i : i + batch]
+        prompt_ids, prompt_mask = tr.left_pad([tokenizer.encode(p) for p, _ in chunk], tokenizer.pad_id)
+        answers = [tokenizer.encode(a, bos=False) + [tokenizer.eos_id] for _, a in chunk]
+        T = max(map(len, answers))
+        response_ids = torch.tensor([a + [tokenizer.pad_id] * (T - len(a)) for a in answers])
+        mask = torch.tensor([[1] * len(a) + [0] * (T - len(a)) for a in answers]).bool()
+        ro = tr.Rollout(prompt_ids, prompt_mask, response_ids, mask, *[torch.zeros(0)] * 3, [])
+        logits = model(input_ids=torch.cat([prompt_ids, response_ids], 1),
+                       attention_mask=torch.cat([prompt_mask, torch.ones_like(mask)], 1).long(),
+                       position_ids=tr._positions(torch.cat([prompt_mask, torch.ones_like(mask)], 1).long()),
+                       logits_to_keep=torch.arange(prompt_ids.shape[1] - 1, prompt_ids.shape[1] + T - 1)).logits
+        del ro
+        if truncation is not None:
+            logits = logits / temperature
+            logits = logits.masked_fill(~tr.truncation_mask(logits, *truncation), -math.inf)
+        logp = tr.token_logprobs(logits, response_ids)
+        out.append(torch.where(mask, logp, torch.zeros_like(logp)).sum(1))
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def test_evaluation_peak_is_within_1_5_batches_of_logits_plain_and_truncated(monkeypatch):
+    """answer_logprobs over 2 batches: peak live bytes <= 1.5 x one batch's (B, T, V) fp32 logits, plain and under
+    top-p / top-k / min-p at a temperature (no earlier batch alive in the next forward, truncation by row chunks),
+    and the same pc values as the unchunked computation, bitwise. Chunks shrunk to the test's scale."""
+    monkeypatch.setattr(tr, "CHUNK_BYTES", 1 << 17)
+    V, batch = 16384, 16
+    model, tokenizer = tr.build_tiny_model(vocab_size=V).eval(), tr.CharTokenizer(V)
+    problems = tr.make_arithmetic_task(2 * batch, split="eval")
+    T = max(len(a) for _, a in problems) + 1
+    one_batch = batch * T * V * 4
+    for truncation in (None, (0.9, 0, 0.0), (0.95, 50, 0.5)):  # min_p, then top_k, then top_p
+        temperature = 1.0 if truncation is None else 0.7
+        with _LiveBytes() as mem:
+            ours = tr.answer_logprobs(model, tokenizer, problems, batch, truncation, temperature)
+        assert mem.peak <= 1.5 * one_batch, (truncation, mem.peak / one_batch)
+        assert mem.peak >= 0.9 * one_batch, "anti-vacuity: the counter sees the logits"
+        reference = _answer_logprobs_unchunked(model, tokenizer, problems, batch, truncation, temperature)
+        assert torch.equal(ours, reference), truncation
+    with _LiveBytes() as mem:  # the twin: the unchunked computation holds far more
+        _answer_logprobs_unchunked(model, tokenizer, problems, batch, (0.9, 0, 0.0), 0.7)
+    assert mem.peak > 2 * one_batch
+
+
+def test_token_logprobs_of_a_strided_slice_copies_nothing_and_agrees_bitwise():
+    """token_logprobs(logits[:, :-1], ids), the TRL / verl idiom: <= 0.3 x the slice's bytes allocated during the
+    forward (a reshape would copy all of it, kept until backward); values and gradient bitwise those of a
+    contiguous copy of the slice, 0 gradient on the dropped column."""
+    g = torch.Generator().manual_seed(0)
+    B, L, V = 16, 9, 512
+    logits = torch.randn(B, L, V, generator=g).requires_grad_(True)
+    ids = torch.randint(0, V, (B, L - 1), generator=g)
+    weights = torch.randn(B, L - 1, generator=g)
+    sliced = logits[:, :-1]
+    assert not sliced.is_contiguous()
+    with _LiveBytes() as mem:
+        ours = tr.token_logprobs(sliced, ids)
+    slice_bytes = sliced.numel() * 4
+    assert mem.peak <= 0.3 * slice_bytes, mem.peak / slice_bytes
+    with _LiveBytes() as mem:  # the twin: a reshape of the slice copies it
+        sliced.reshape(-1, V)
+    assert mem.peak >= slice_bytes
+    (grad,) = torch.autograd.grad((ours * weights).sum(), logits)
+    copy = logits.detach()[:, :-1].contiguous().requires_grad_(True)
+    theirs = tr.token_logprobs(copy, ids)
+    (grad_copy,) = torch.autograd.grad((theirs * weights).sum(), copy)
+    assert torch.equal(ours, theirs) and torch.equal(grad[:, :-1], grad_copy) and not grad[:, -1].any()
+    topk = torch.randint(0, V, (B, L - 1, 3), generator=g)  # the K axis too
+    assert torch.equal(tr.token_logprobs(sliced, topk), tr.token_logprobs(copy, topk))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_token_logprobs_gradient_is_exact_at_any_row_offset(monkeypatch, fused):
+    """Rows shifted by -1e4 .. -1e7, +1e6, a row of finfo.min, and finfo.min-masked rows: the gradient within 1e-3
+    relative L1 of autograd's log_softmax (fp32) on every row, eager and fused (its passes run eagerly here); the
+    forward bitwise that of today's formula (log_softmax + gather; the fused pass's gather - logsumexp)."""
+    monkeypatch.setattr(tr, "_compiled", lambda fn: fn)
+    g = torch.Generator().manual_seed(0)
+    V = 300
+    tiny = torch.finfo(torch.float32).min
+    rows = [torch.randn(V, generator=g) * 3 + offset for offset in (0.0, -1e4, -1e5, -1e6, -1e7, 1e6)]
+    rows += [torch.full((V,), tiny), torch.randn(V, generator=g).masked_fill(torch.arange(V) % 3 > 0, tiny)]
+    logits = torch.stack(rows)  # (8, V)
+    ids = torch.randint(0, V, (len(rows), 2), generator=g)
+    upstream = torch.randn(ids.shape, generator=g)
+    leaf = logits.clone().requires_grad_(True)
+    ours = tr.token_logprobs(leaf, ids, fused=fused)
+    (grad,) = torch.autograd.grad((ours * upstream).sum(), leaf)
+    ref_leaf = logits.clone().requires_grad_(True)
+    ref = torch.log_softmax(ref_leaf, -1).gather(-1, ids)
+    (ref_grad,) = torch.autograd.grad((ref * upstream).sum(), ref_leaf)
+    rel_l1 = (grad - ref_grad).abs().sum(-1) / ref_grad.abs().sum(-1)
+    assert torch.isfinite(grad).all() and rel_l1.max() <= 1e-3, rel_l1
+    today = logits.gather(-1, ids) - torch.logsumexp(logits, -1, keepdim=True) if fused else ref.detach()
+    assert torch.equal(ours.detach(), today)
+    # anti-vacuity: the gradient from the rounded logsumexp alone (exp(z - lse)) is far off on these rows
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+    rounded = torch.zeros_like(logits).scatter_add(-1, ids, upstream) - torch.exp(logits - lse) * upstream.sum(-1, True)
+    assert ((rounded - ref_grad).abs().sum(-1) / ref_grad.abs().sum(-1)).max() > 0.1
+
+
+def test_logprobs_probe_compiles_the_bf16_pass_too(monkeypatch):
+    """_logprobs_probe runs the fused passes on fp32 and on bf16 logits (one graph per dtype), so a bf16 compile
+    failure makes _gpu_compiles fall back to eager as an fp32 one does."""
+    dtypes = []
+
+    def recording(fn):
+        def run(*args):
+            dtypes.append(args[0].dtype)
+            if args[0].dtype == torch.bfloat16 and fail:
+                raise RuntimeError("no bf16 kernel")
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(tr, "_compiled", recording)
+    fail = False
+    tr._logprobs_probe(torch.device("cpu"))
+    assert set(dtypes) == {torch.float32, torch.bfloat16}
+    fail = True
+    with pytest.raises(RuntimeError, match="bf16"):
+        tr._logprobs_probe(torch.device("cpu"))
+
+
+def _dropout_model(p: float = 0.5):
+    """The tiny Llama with attention dropout p (config and the layers' copies)."""
+    model = tr.build_tiny_model()
+    model.config.attention_dropout = p
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = p
+    return model
+
+
+def _small_rollout(model):
+    sampler = tr.TorchSampler(model, tr.EngineSpec())
+    prompts = [sampler.tokenizer.encode(p) for p, _ in tr.make_arithmetic_task(8, split="eval")]
+    return sampler.sample(prompts, 2, 5, 1.0, 0, torch.Generator().manual_seed(0))
+
+
+def test_trainer_keeps_training_mode_with_dropout_off_bitwise_eval():
+    """Trainer(model) stays in training mode (transformers checkpoints only there) with every dropout at 0: its
+    log-probs equal an eval-mode copy's bitwise; the twin: the same model in training mode with its dropout differs."""
+    ro = _small_rollout(tr.build_tiny_model())
+    torch.manual_seed(0)
+    noisy = _dropout_model().train()
+    assert not torch.equal(tr.sequence_logprobs(noisy, ro)[0], tr.sequence_logprobs(noisy, ro)[0]), "dropout bites"
+    trainer = tr.Trainer(_dropout_model())
+    assert trainer.model.training and trainer.model.config.attention_dropout == 0.0
+    train_mode = trainer.logprobs(ro)[0]
+    import copy
+
+    eval_copy = copy.deepcopy(trainer.model).eval()
+    assert torch.equal(train_mode, tr.sequence_logprobs(eval_copy, ro)[0])
+    assert torch.equal(tr.without_dropout(torch.nn.Dropout(0.3)).eval()(torch.ones(4)), torch.ones(4))
+
+
+def _saved_bytes(trainer, ro) -> int:
+    """Bytes the trainer's forward saves for backward, weights aside (saved-tensor hooks, each storage once)."""
+    weights = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
+    seen = {}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in weights:
+            seen[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp = trainer.logprobs(ro)[0]
+    logp.sum().backward()
+    return sum(seen.values())
+
+
+def test_trainer_keeps_gradient_checkpointing_effective():
+    """A model with transformers' gradient checkpointing on, wrapped by Trainer, saves <= half the bytes for backward
+    that it saves without (saved-tensor hooks); the gradient is the same, bitwise."""
+    ro = _small_rollout(tr.build_tiny_model())
+    plain = tr.Trainer(tr.build_tiny_model())
+    checkpointed_model = tr.build_tiny_model()
+    checkpointed_model.gradient_checkpointing_enable()
+    checkpointed = tr.Trainer(checkpointed_model)
+    without, with_checkpoints = _saved_bytes(plain, ro), _saved_bytes(checkpointed, ro)
+    assert with_checkpoints <= 0.5 * without, (with_checkpoints, without)
+    for a, b in zip(plain.model.parameters(), checkpointed.model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_train_gradient_checkpointing_flag_runs_the_same_numbers(base_model_dir, tmp_path):
+    """train --gradient-checkpointing: the run's model checkpoints, greedy evaluation still decodes with its KV
+    cache, and every logged number equals the run without it."""
+    args = tr._parser().parse_args(["train", "--gradient-checkpointing"])
+    assert args.gradient_checkpointing is True
+    common = {"model": str(base_model_dir), "steps": 2, "prompts": 4, "group": 4, "eval_every": 2, "eval_n": 16,
+              "progress": False, "checkpoint_every": 0, "device": "cpu", "out_dir": str(tmp_path),
+              "correction": "tis", "sync_every": 2}
+    rs = tr.setup_run(tr.RLConfig(name="gc0", gradient_checkpointing=True, **common))
+    assert rs.trainer.model.is_gradient_checkpointing and rs.trainer.model.training
+    runs = [tr.run(tr.RLConfig(name=f"gc{on}", gradient_checkpointing=bool(on), **common)) for on in (0, 1)]
+    strip = [[{k: v for k, v in r.items() if not k.startswith(("sec_", "peak_rss"))} for r in run] for run in runs]
+    assert strip[0] == strip[1] and any("pc_trainer" in r for r in strip[0])
+
+
+def test_vllm_under_truncation_requests_a_bounded_k():
+    """recorded_topk never asks for all V unless a flag is 0: vLLM under truncation requests --support-topk, the
+    score-centering arms --topk (default bounded; the presets pin the published all-V runs' topk=0)."""
+    vllm_top_p = tr.RLConfig(sampler="vllm", top_p=0.9)
+    assert tr.recorded_topk(vllm_top_p) == vllm_top_p.support_topk > 0
+    assert tr.recorded_topk(tr.RLConfig(sampler="vllm", top_p=0.9, support_topk=0)) == 0, "all V: asked for"
+    assert tr.recorded_topk(tr.RLConfig(sampler="vllm")) is None
+    assert tr.recorded_topk(tr.RLConfig(correction="sc_tis")) == tr.RLConfig().topk > 0
+    assert ex._preset_base(ex.PresetConfig()).topk == 0
+
+
+class _FakeVLLM:
+    """vllm.LLM.generate's output shape for VLLMSampler.sample: per prompt, completions with token ids and, per
+    token, {id: obj with .logprob} (the K requested and the sampled one). `rows`: one completion's positions."""
+
+    def __init__(self, rows):
+        self.rows, self.requested = rows, []
+
+    def generate(self, prompts, params, use_tqdm=False):
+        import types
+
+        self.requested += [p["logprobs"] for p in params]
+        lp = [{tok: types.SimpleNamespace(logprob=v) for tok, v in entries.items()} for _, entries in self.rows]
+        completion = types.SimpleNamespace(token_ids=[tok for tok, _ in self.rows], logprobs=lp)
+        return [types.SimpleNamespace(outputs=[completion]) for _ in prompts]
+
+
+def test_vllm_sampler_reads_the_support_from_a_bounded_request(monkeypatch):
+    """VLLMSampler.sample (vLLM faked) asks for K < V log-probs; a position where some of the K are -inf has its kept
+    support exactly (the finite ids); where all K are finite the row is empty, and merge_support fills it with the
+    rebuilt support and flags it."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: kw))
+    sampler = object.__new__(tr.VLLMSampler)
+    sampler.tokenizer, sampler.vocab_size = tr.CharTokenizer(), 128
+    inf = math.inf
+    sampler.llm = _FakeVLLM([(7, {7: -0.1, 9: -2.5, 11: -inf, 12: -inf}),  # support {7, 9}
+                             (5, {5: -0.7, 6: -1.0, 8: -2.0, 10: -3.0})])  # all 4 finite: maybe more kept
+    ro = sampler.sample([[1, 2]], 1, 2, 1.0, 4, None, top_p=0.9)
+    assert sampler.llm.requested == [4]
+    assert ro.kept_ids[0, 0].tolist() == [7, 9, -1, -1][: ro.kept_ids.shape[-1]] and ro.kept_ids.shape[-1] == 4
+    assert (ro.kept_ids[0, 1] < 0).all(), "K finite entries: the support is unknown there"
+    rebuilt = torch.tensor([[[7, 9, -1, -1, -1], [5, 6, 8, 10, 13]]])
+    merged, beyond = tr.merge_support(ro.kept_ids, rebuilt, ro.mask)
+    assert beyond.tolist() == [[False, True]] and merged[0, 1].tolist() == [5, 6, 8, 10, 13]
+    assert merged[0, 0].tolist()[:2] == [7, 9]
+    same, none = tr.merge_support(rebuilt, ro.kept_ids, ro.mask)  # the twin: a full support is kept as it is
+    assert same is rebuilt and not none.any()
+
+
+def test_rl_step_renormalises_beyond_k_positions_on_the_rebuilt_support(base_model_dir, tmp_path, monkeypatch):
+    """A sampler whose kept rows are empty at some generated positions (a bounded vLLM request whose K entries were all
+    finite): rl_step fills them with the trainer's rebuilt support, counts them (support_beyond_k), warns, and logs
+    what the step with the sampler's full support logs."""
+    common = {"model": str(base_model_dir), "steps": 1, "prompts": 4, "group": 4, "eval_n": 16, "progress": False,
+              "checkpoint_every": 0, "device": "cpu", "out_dir": str(tmp_path), "top_p": 0.9, "correction": "tis"}
+    records, emptied = [], []
+    for empty in (False, True):
+        cfg = tr.RLConfig(name=f"beyond{empty}", **common)
+        rs = tr.setup_run(cfg)
+        sample = rs.sampler.sample
+
+        def partial_support(*args, _sample=sample, _empty=empty, **kwargs):
+            ro = _sample(*args, **kwargs)
+            if _empty:
+                rows = ro.mask & (torch.arange(ro.mask.shape[1]) % 2 == 0)  # every other position
+                ro.kept_ids = ro.kept_ids.masked_fill(rows[..., None], -1)
+                emptied.append(int(rows.sum()))
+            return ro
+
+        rs.sampler.sample = partial_support
+        if empty:
+            with pytest.warns(UserWarning, match="support-topk"):
+                records.append(tr.rl_step(cfg, 0, rs))
+        else:
+            records.append(tr.rl_step(cfg, 0, rs))
+    full, partial = records
+    assert partial["support_beyond_k"] == emptied[0] > 0 and "support_beyond_k" not in full
+    for key in ("loss", "kept_mass", "ledger_total_abs", "mm_k1"):
+        assert math.isfinite(partial[key]) and abs(partial[key] - full[key]) <= 1e-4 * (1 + abs(full[key])), key
+
+
+def test_temperature_is_folded_in_without_a_copy():
+    """response_forward at temperature 0.7 allocates no second (B, T, V) tensor (the head's output divided in place);
+    logits and the gradient equal dividing a copy, bitwise."""
+    model = tr.build_tiny_model(vocab_size=4096)
+    ro = _small_rollout(tr.build_tiny_model(vocab_size=4096))
+    with torch.no_grad(), _LiveBytes() as at_one:
+        tr.response_forward(model, ro, 1.0)
+    with torch.no_grad(), _LiveBytes() as at_07:
+        logits = tr.response_forward(model, ro, 0.7).logits
+    assert at_07.peak - at_one.peak < 0.25 * logits.numel() * 4, (at_07.peak - at_one.peak) / (logits.numel() * 4)
+    head = model.get_output_embeddings().weight
+    ours = tr.token_logprobs(tr.response_forward(model, ro, 0.7).logits, ro.response_ids)
+    (grad,) = torch.autograd.grad(ours.sum(), head)
+    copied = tr.token_logprobs(tr.response_forward(model, ro, 1.0).logits / 0.7, ro.response_ids)
+    (grad_copied,) = torch.autograd.grad(copied.sum(), head)
+    assert torch.equal(ours, copied) and torch.equal(grad, grad_copied)
+    assert torch.equal(logits, tr.response_forward(model, ro, 1.0).logits.detach() / 0.7)

@@ -67,6 +67,7 @@ import random
 import re
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from fractions import Fraction
 from pathlib import Path
@@ -121,12 +122,14 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | No
 
     log p_v = z_v - logsumexp(z). `ids` may also carry a trailing K axis, (..., K) -> (..., K), for the sampler's
     top-k ids (one logsumexp serves all K). Differentiable w.r.t. logits; finite gradients wherever a row has one
-    finite logit (-inf ids included). Never materialises a second full-size float32 copy of the logits: the
-    computation is chunked_token_logprobs' (fast paths: row chunks, a hand-written backward, one compiled pass per
-    chunk on a GPU; chunk_rows and fused are its knobs). On CUDA, repeated ids make the gradient's scatter_add
-    order-dependent (atomics): bitwise reproducible on CPU only.
+    finite logit (-inf ids included), within 1e-6 relative L1 of autograd's log_softmax at any row offset
+    (finfo.min included; FAR_FROM_ZERO). Never materialises a second full-size float32 copy of the logits, a
+    strided slice such as logits[:, :-1] included (logprobs_by_blocks views its blocks): the computation is
+    chunked_token_logprobs' (fast paths: row chunks, a hand-written backward, one compiled pass per chunk on a GPU;
+    chunk_rows and fused are its knobs). On CUDA, repeated ids make the gradient's scatter_add order-dependent
+    (atomics): bitwise reproducible on CPU only.
 
-    needs: _check_tensor, _check_device, chunked_token_logprobs
+    needs: _check_tensor, _check_device, logprobs_by_blocks
     """
     _check_tensor("logits", logits)
     _check_tensor("ids", ids, floating=False)
@@ -138,16 +141,15 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | No
     if ids.shape != lead and (ids.dim() != logits.dim() or ids.shape[:-1] != lead):
         raise ValueError(f"ids must have shape {tuple(lead)} or {tuple(lead)} + (K,), got {tuple(ids.shape)}")
     V = logits.shape[-1]
-    flat_logits = logits.reshape(-1, V)  # (N, V)
-    N = flat_logits.shape[0]
+    N = math.prod(lead)
     if N == 0:
-        return flat_logits.new_zeros(ids.shape, dtype=torch.float32)
+        return logits.new_zeros(ids.shape, dtype=torch.float32)
     flat_ids = ids.reshape(N, -1)  # (N, 1) or (N, K)
     if flat_ids.numel() and bool(((flat_ids < 0) | (flat_ids >= V)).any()):  # one host sync per call
         raise ValueError(f"ids must be token ids in [0, {V}) (the logits' last axis), got min "
                          f"{int(flat_ids.min())}, max {int(flat_ids.max())}")
     # log p(ids) = z[ids] - logsumexp(z), by row chunks (fast paths): never a second (N, V) float32 tensor
-    return chunked_token_logprobs(flat_logits, flat_ids, chunk_rows, fused).reshape(ids.shape)
+    return logprobs_by_blocks(logits, flat_ids.view(*lead, -1), chunk_rows, fused).reshape(ids.shape)
 
 
 def log1mexp(logp: torch.Tensor) -> torch.Tensor:
@@ -256,6 +258,20 @@ def support_differs(kept_a: torch.Tensor, kept_b: torch.Tensor, mask: torch.Tens
     a, b = (kept.sort(-1).values for kept in _pad_last([kept_a, kept_b], -1))  # (B, T, S) each, one S
     differs = (a != b).any(-1)  # (B, T)
     return float(differs[mask].float().mean()) if mask.any() else 0.0
+
+
+def merge_support(kept: torch.Tensor | None, rebuilt: torch.Tensor, mask: torch.Tensor):
+    """(kept ids, beyond): the sampler's kept support ((B, T, S) ids, -1 pads; None: none returned) with `rebuilt` at
+    the masked positions where it is empty, beyond (B, T) bool: a bounded request's K entries were all finite there.
+
+    needs: _pad_last
+    """
+    if kept is None:
+        return rebuilt, torch.zeros_like(mask)
+    beyond = mask & (kept < 0).all(-1)  # (B, T): a sampled token is always kept, so an empty row is unknown
+    if not beyond.any():
+        return kept, beyond
+    return torch.where(beyond[..., None], *_pad_last([rebuilt, kept], -1)), beyond
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1506,6 +1522,9 @@ GPU_CHUNK_BYTES = 64 << 20
 # On a GPU token_logprobs runs one compiled pass per chunk of at most this many logits (2^28: 1 GiB of fp32, ~1 770
 # rows at V = 151 936): large enough to read at memory speed, small enough that a bf16 backward's fp32 chunk is not.
 FUSED_CHUNK_ELEMENTS = 1 << 28
+# A row whose largest logit m has |m| above this keeps what lse = m + s lost to rounding (s the shifted logsumexp):
+# exp(z - lse) would otherwise carry lse's rounding, ulp(m) / 2 (6e-5 at 1024, 0.25 at 1e7, all of it at finfo.min)
+FAR_FROM_ZERO = 1024.0
 
 
 # function -> torch.compile(function, dynamic=True), built on first use (seconds; needs a compiler)
@@ -1521,17 +1540,24 @@ def _compiled(fn):
     return _COMPILED[fn]
 
 
+def _lse_tail(lse: torch.Tensor, m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """(lse, tail): tail = s - (lse - m), what lse = m + s lost to rounding, where |m| > FAR_FROM_ZERO, else 0
+    (x - 0 is x: ordinary rows keep their bits). exp(z - lse - tail) is exact at any offset. (n, 1) each -> (n, 2)."""
+    return torch.cat([lse, torch.where(m.abs() > FAR_FROM_ZERO, s - (lse - m), torch.zeros_like(lse))], -1)
+
+
 def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int, fused: bool = False):
-    """(log softmax(logits)[ids], logsumexp(logits)) by row chunks: (N, V), (N, K) -> (N, K), (N, 1) float32.
+    """(log softmax(logits)[ids], (logsumexp(logits), its tail)) by row chunks: (N, V), (N, K) -> (N, K), (N, 2).
 
     One code path for every caller, with and without a gradient, so that the trainer's log-probs are bitwise the
     same whichever way they are computed (exact mode and a lag of exactly 0 rely on it). fused: each chunk in one
     compiled pass (_fused_logprobs), no (n, V) transient. The logsumexp is read off each row's largest logit m,
     lse = z_m - log_softmax(z)_m, where log_softmax(z)_m = -log sum exp(z - z_m) lies in [-log V, 0]: exact to one
-    rounding whatever the other logits are (-inf and finfo.min included). Rows of only -inf give nan, as log_softmax.
+    rounding whatever the other logits are (-inf and finfo.min included), its rounding kept apart (_lse_tail) where
+    the row is far from 0. Rows of only -inf give nan, as log_softmax.
     """
     out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(logits.shape[0], 1, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(logits.shape[0], 2, dtype=torch.float32, device=logits.device)
     for start in range(0, logits.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
         if fused:
@@ -1541,19 +1567,22 @@ def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int, 
         log_probs = torch.log_softmax(chunk, dim=-1)  # (n, V) transient: log_softmax's fused kernel
         out[rows] = log_probs.gather(-1, ids[rows])
         top = chunk.argmax(-1, keepdim=True)  # (n, 1): each row's largest logit
-        lse[rows] = chunk.gather(-1, top) - log_probs.gather(-1, top)  # logsumexp, read off the largest logit
+        m, log_p_m = chunk.gather(-1, top), log_probs.gather(-1, top)
+        lse[rows] = _lse_tail(m - log_p_m, m, -log_p_m)  # logsumexp, read off the largest logit
     return out, lse
 
 
 def _logprobs_pass(logits: torch.Tensor, ids: torch.Tensor):
-    """(logits[ids] - logsumexp(logits), logsumexp(logits)) in float32, one read of the logits. (n, V), (n, K)."""
-    lse = torch.logsumexp(logits.float(), -1, keepdim=True)  # (n, 1)
-    return logits.gather(-1, ids).float() - lse, lse
+    """(logits[ids] - logsumexp(logits), (logsumexp(logits), its tail)) in float32, one read of the logits."""
+    z = logits.float()
+    lse, m = torch.logsumexp(z, -1, keepdim=True), z.amax(-1, keepdim=True)  # (n, 1) each
+    return logits.gather(-1, ids).float() - lse, _lse_tail(lse, m, torch.exp(z - m).sum(-1, keepdim=True).log())
 
 
-def _logprobs_grad_pass(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, g: torch.Tensor):
+def _logprobs_grad_pass(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, tail: torch.Tensor,
+                        g: torch.Tensor):
     """sum_k g_k (onehot(ids_k) - softmax(logits)) in the logits' dtype: the backward in one pass. -> (n, V)."""
-    dense = torch.exp(logits.float() - lse) * -g.sum(-1, keepdim=True)  # (n, V) float32
+    dense = torch.exp(logits.float() - lse - tail) * -g.sum(-1, keepdim=True)  # (n, V) float32
     return dense.scatter_add(-1, ids, g).to(logits.dtype)
 
 
@@ -1572,7 +1601,7 @@ def _fused_inputs(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor
 
 
 def _fused_logprobs(logits: torch.Tensor, ids: torch.Tensor):
-    """_logprobs_pass compiled on _fused_inputs. (n, V), (n, K) -> (n, K), (n, 1)."""
+    """_logprobs_pass compiled on _fused_inputs. (n, V), (n, K) -> (n, K), (n, 2)."""
     n, K = ids.shape
     rows, both = _fused_inputs(logits, ids)
     with torch.no_grad():  # grad and no-grad callers meet one compiled version (dynamo guards on both)
@@ -1587,19 +1616,22 @@ def _fused_logprobs_grad(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Ten
     rows, both = _fused_inputs(logits, ids)
     # a .sum()'s g has stride 0
     g_2 = g.contiguous() if K > 1 else torch.cat([g, torch.full_like(g, -0.0)], 1)
-    lse_2 = _two_or_more(lse, 0).clone()  # not a view: a view of the (N, 1) lse makes dynamo guard on N too
+    # (n, 1) each, not views: a view of the (N, 2) lse makes dynamo guard on N too (and its 2 on K = 2)
+    lse_2, tail_2 = (_two_or_more(lse[:, k : k + 1], 0).clone() for k in (0, 1))
     with torch.no_grad():
-        grad = _compiled(_logprobs_grad_pass)(rows, both, lse_2, _two_or_more(g_2, 0))
+        grad = _compiled(_logprobs_grad_pass)(rows, both, lse_2, tail_2, _two_or_more(g_2, 0))
     return grad[:n]
 
 
 def _logprobs_probe(device: torch.device) -> None:
-    """Compile and run the passes token_logprobs' fused path runs, forward and backward, on a tiny fp32 input: sizes
-    3 x 7 with K = 2 all differ, so the graph it compiles is the one every fp32 chunk meets."""
-    logits = torch.zeros(3, 7, device=device)
-    ids = torch.zeros(3, 2, dtype=torch.long, device=device)
-    _, lse = _fused_logprobs(logits, ids)
-    _fused_logprobs_grad(logits, ids, lse, torch.ones(3, 2, device=device))
+    """Compile and run the passes token_logprobs' fused path runs, forward and backward, on tiny fp32 and bf16 inputs
+    (one graph per dtype; either failing means eager): sizes 3 x 7 with K = 2 all differ, so the graph it compiles
+    is the one every chunk of that dtype meets."""
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.zeros(3, 7, device=device, dtype=dtype)
+        ids = torch.zeros(3, 2, dtype=torch.long, device=device)
+        _, lse = _fused_logprobs(logits, ids)
+        _fused_logprobs_grad(logits, ids, lse, torch.ones(3, 2, device=device))
 
 
 def _cuda_index(device: torch.device) -> int:
@@ -1670,10 +1702,10 @@ class _TokenLogprobs(torch.autograd.Function):
                 continue
             fp32 = logits.dtype == torch.float32  # then work in the gradient's own rows: no temporary at all
             if fp32:
-                probs = torch.sub(logits[rows], lse[rows], out=grad[rows])
+                probs = torch.sub(logits[rows], lse[rows, :1], out=grad[rows])
             else:
-                probs = logits[rows].float() - lse[rows]
-            probs.exp_().mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, ids[rows], g)  # (n, V)
+                probs = logits[rows].float() - lse[rows, :1]
+            probs.sub_(lse[rows, 1:]).exp_().mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, ids[rows], g)  # (n, V)
             if not fp32:
                 grad[rows] = probs
         return grad, None, None, None
@@ -1691,7 +1723,8 @@ def chunked_token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: 
 
     needs: _TokenLogprobs, _chunked_logprobs, _compiled, _logprobs_pass, _logprobs_grad_pass, _two_or_more,
     _fused_inputs, _fused_logprobs, _fused_logprobs_grad, _logprobs_probe, _cuda_index, _gpu_compiles,
-    _default_chunk_rows, CHUNK_BYTES, GPU_CHUNK_BYTES, FUSED_CHUNK_ELEMENTS, _COMPILED, _COMPILE_WORKS
+    _default_chunk_rows, _lse_tail, CHUNK_BYTES, GPU_CHUNK_BYTES, FUSED_CHUNK_ELEMENTS, FAR_FROM_ZERO, _COMPILED,
+    _COMPILE_WORKS
     """
     fused = _gpu_compiles(logits.device, _logprobs_probe) if fused is None else fused
     if chunk_rows is None:
@@ -1699,6 +1732,23 @@ def chunked_token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: 
     if not (torch.is_grad_enabled() and logits.requires_grad):  # no graph to record
         return _chunked_logprobs(logits, ids, chunk_rows, fused)[0]
     return _TokenLogprobs.apply(logits, ids, chunk_rows, fused)
+
+
+def logprobs_by_blocks(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | None = None,
+                       fused: bool | None = None) -> torch.Tensor:
+    """chunked_token_logprobs on (..., V) logits, (..., K) ids -> (..., K): logits with no flat (N, V) view (a strided
+    slice such as logits[:, :-1], which a reshape would copy) go by the blocks of their leading index: for (B, T, V)
+    logits each (T, V) block is a view, so nothing is copied.
+
+    needs: chunked_token_logprobs
+    """
+    V = logits.shape[-1]
+    try:
+        blocks = [(logits.view(-1, V), ids)]  # (N, V): a view, or a RuntimeError
+    except RuntimeError:  # no flat view: the leading index's blocks
+        blocks = list(zip(logits, ids))
+    out = [chunked_token_logprobs(x.reshape(-1, V), i.reshape(-1, i.shape[-1]), chunk_rows, fused) for x, i in blocks]
+    return torch.stack(out).view(ids.shape)
 
 
 def hash_noise16(shape: tuple[int, ...], seed: torch.Tensor) -> torch.Tensor:
@@ -2155,6 +2205,20 @@ def resolve_model_dir(model: str) -> Path:
     return Path(model)
 
 
+def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """The model with every dropout at 0 in training mode too: nn.Dropout's p and every float attribute named
+    *dropout* or *jitter* of its modules and config (transformers copies attention_dropout into each layer).
+
+    Train mode then computes what eval mode does, bitwise, and transformers' gradient checkpointing stays on.
+    """
+    for part in [getattr(model, "config", None), *model.modules()]:
+        for name, value in list(vars(part).items()) if part is not None else ():
+            named = "dropout" in name or "jitter" in name or isinstance(part, torch.nn.Dropout)  # nn.Dropout: p
+            if isinstance(value, float) and named:
+                setattr(part, name, 0.0)
+    return model
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # ---- samplers (torch, vLLM) ----
 
@@ -2172,7 +2236,8 @@ class Rollout:
     logp_topk_infer: torch.Tensor  # (B, T, K) float32, the sampler's log-probs of those ids
     texts: list[str]  # decoded responses
     kept_ids: torch.Tensor | None = None  # (B, T, S) long, -1 padded: the sampler's kept support (None: untruncated,
-    # or the engine cannot return it: the loop then rebuilds it from the trainer's logits, kept_support_from_logits)
+    # or the engine cannot return it: the loop then rebuilds it from the trainer's logits, kept_support_from_logits;
+    # an empty row at a generated token: unknown there, a bounded vLLM request's K all finite, rebuilt: merge_support)
     entropy: torch.Tensor | None = None  # (B, T) float32, entropy of the sampled distribution (None: not recorded)
     routed_experts: torch.Tensor | None = None  # (B, P + T, L, k) int16: the experts each MoE layer's router chose at
     # each position of prompt + response, -1 where none (the last sampled token is never fed); None: dense or unknown
@@ -2236,7 +2301,8 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     finished = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=device)  # (B,)
     truncate = temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0)
     ids, masks, logps, entropies, tops, kept = [], [], [], [], [], []
-    with replay_routes(model) as route_log:  # an MoE model's routers record the experts they choose (R3's routes)
+    training = model.training  # a checkpointed model in training mode drops its KV cache (transformers): eval here
+    with replay_routes(model.eval()) as route_log:  # an MoE model's routers record their experts (R3)
         for _ in range(max_new_tokens):
             positions = _positions(attention)[:, -inputs.shape[1] :]
             out = model(input_ids=inputs, past_key_values=cache, use_cache=True, attention_mask=attention,
@@ -2265,6 +2331,7 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
             if done:
                 break
             inputs, attention = token[:, None], torch.cat([attention, attention.new_ones(attention.shape[0], 1)], 1)
+    model.train(training)
     response_ids = torch.stack(ids, 1)  # (B, T)
     B, T = response_ids.shape
     routes, gates = stack_routes(route_log, B), stack_routes(route_log, B, 1)  # (B, P + T - 1, L, k): all but the last
@@ -2318,12 +2385,12 @@ def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: 
     P, T = rollout.prompt_ids.shape[1], rollout.response_ids.shape[1]
     keep = torch.arange(P - 1, P + T - 1, device=input_ids.device)  # position t predicts response token t
     kwargs = {"input_ids": input_ids, "attention_mask": attention, "position_ids": _positions(attention),
-                  "output_hidden_states": True, "logits_to_keep": keep}
+                  "output_hidden_states": True, "logits_to_keep": keep, "use_cache": False}  # no KV cache to keep
     with replay_routes(model, routes, gates, record) as route_log:
         out = model(**kwargs) if params is None else torch.func.functional_call(model, params, args=(), kwargs=kwargs)
     logits = out.logits  # (B, T, V)
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
+    if temperature > 0 and temperature != 1.0:  # in place: the head's output is not saved for backward (no copy)
+        logits = logits.div_(temperature)
     hidden = out.hidden_states[-1][:, P - 1 : P + T - 1]
     return Forward(logits, hidden, stack_routes(route_log, input_ids.shape[0]) if record else None)
 
@@ -2411,11 +2478,22 @@ def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tu
         unused = torch.zeros(0, device=device)  # the sampler's fields: no sampler here
         ro = Rollout(prompt_ids, prompt_mask, response_ids, mask, unused, unused, unused, [])
         logits = response_forward(model, ro, 1.0 if truncation is None else temperature)[0]  # (B, T, V)
-        if truncation is not None:  # TIM: the truncated policy's probability of the answer
-            logits = logits.masked_fill(~truncation_mask(logits, *truncation), -math.inf)
-        logp = token_logprobs(logits, response_ids)  # (B, T), -inf where an answer token is dropped
+        logp = truncated_logprobs(logits, response_ids, truncation)  # (B, T), -inf where an answer token is dropped
+        del logits  # before the next batch's forward
         out.append(torch.where(mask, logp, torch.zeros_like(logp)).sum(1).cpu())
     return torch.cat(out)
+
+
+def truncated_logprobs(logits: torch.Tensor, ids: torch.Tensor, truncation: tuple | None = None) -> torch.Tensor:
+    """token_logprobs of the logits masked to -inf off truncation_mask(*truncation) (None: untruncated), by row chunks
+    of token_logprobs' size: a few chunks of transients, never (B, T, V) masks or a masked copy. (B, T, V) -> (B, T)."""
+    if truncation is None:
+        return token_logprobs(logits, ids)
+    flat, flat_ids = logits.reshape(-1, logits.shape[-1]), ids.reshape(-1)  # (N, V), (N,)
+    rows = _default_chunk_rows(logits.shape[-1], logits.device, fused=False)
+    parts = [token_logprobs(chunk.masked_fill(~truncation_mask(chunk, *truncation), -math.inf), i)  # TIM: p~
+             for chunk, i in zip(flat.split(rows), flat_ids.split(rows))]
+    return torch.cat(parts).view(ids.shape)
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -2582,9 +2660,9 @@ class VLLMSampler:
                min_p: float = 0.0) -> Rollout:
         """n samples per prompt (consecutive rows) with vLLM's log-probs of each token and of its top-K ids.
 
-        With truncation the kept support is the finite entries of the processed log-probs when topk = 0 (all V
-        requested); otherwise kept_ids is None and the loop rebuilds it (kept_support_from_logits). topk None: only
-        the sampled token's log-prob (K = 0).
+        With truncation the kept support is the finite entries of the K processed log-probs; a position whose K are
+        all finite (K < V: its support may be larger) gets an empty row, which the trainer fills with the support it
+        rebuilds (merge_support). topk None: only the sampled token's log-prob (K = 0, kept_ids None: rebuilt).
         """
         from vllm import SamplingParams
 
@@ -2616,9 +2694,10 @@ class VLLMSampler:
                 top_logp[i, t, : len(ranked)] = torch.tensor([v.logprob for _, v in ranked])
         prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], self.tokenizer.pad_id)
         kept = None  # TIM: processed log-probs are -inf exactly off the kept support
-        if temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0) and K == self.vocab_size:
-            finite = torch.zeros(B, T, self.vocab_size).scatter_add_(-1, top_ids, torch.isfinite(top_logp).float())
-            kept = support_ids((finite > 0) & mask[..., None])  # (B, T, S)
+        if temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0) and K > 0:
+            finite = torch.isfinite(top_logp) & mask[..., None]  # (B, T, K), ranked: the finite ones first
+            beyond = finite.all(-1, keepdim=True) & (K < self.vocab_size)  # the support may not end within K
+            kept = top_ids.masked_fill(~finite | beyond, -1)[..., : max(int(finite.sum(-1).max()), 1)]  # (B, T, S)
         entropy = _entropy(top_logp) if K == self.vocab_size else None  # the whole distribution came back
         texts = [self.tokenizer.decode(row.tolist()) for row in response_ids]
         return Rollout(prompt_ids, prompt_mask, response_ids, mask, logp, top_ids, top_logp, texts, kept_ids=kept,
@@ -2726,8 +2805,9 @@ class Trainer:
                  loss_on_served: bool = False, extra_params=()):
         _check_choice("export_dtype", export_dtype, sorted(_DTYPES))
         _check_choice("optimizer", optimizer, ("adamw", "sgd"))
-        # TIM: eval mode: dropout off, or every forward would differ from the last and show up as lag
-        self.model = model.float().eval()
+        # TIM: dropout off, or every forward would differ from the last and show up as lag; training mode kept, so
+        # gradient checkpointing (transformers checkpoints in training mode only) stays effective
+        self.model = without_dropout(model.float()).train()
         # The trainer engine on the weights the sampler holds: logp_old comes from here (kept when the sampler lags).
         # Its parameters are also the served copy (fp32 values of what the sampler holds): no second copy.
         self.behaviour = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -2781,8 +2861,8 @@ class Trainer:
         rebuilt = None
         if truncation is not None:
             rebuilt = kept_support_from_logits(forward.logits, rollout.response_ids, *truncation)  # (B, T, S)
-        if rollout.kept_ids is None and rebuilt is not None:
-            rollout = dataclasses.replace(rollout, kept_ids=rebuilt)
+        if rebuilt is not None:  # where the sampler returned none, or its K entries did not reach the support's end
+            rollout = dataclasses.replace(rollout, kept_ids=merge_support(rollout.kept_ids, rebuilt, rollout.mask)[0])
         logp_old, own_routes = logprobs_on_support(forward.logits, rollout)[0], forward.routes
         del forward  # before the next forward's logits
         logp_old_sampler_routes = logp_old_sampler_gates = None
@@ -3173,7 +3253,11 @@ def rl_step(cfg: RLConfig, step: int, rs: RunState) -> dict:
         if ro.kept_ids is None:
             ro.kept_ids = behaviour.rebuilt
         else:  # share of positions where the sampler's own support differs from the rebuilt one
-            extra["support_differs"] = support_differs(ro.kept_ids, behaviour.rebuilt, ro.mask)
+            ro.kept_ids, beyond = merge_support(ro.kept_ids, behaviour.rebuilt, ro.mask)  # TIM: past K: rebuilt
+            extra["support_differs"] = support_differs(ro.kept_ids, behaviour.rebuilt, ro.mask & ~beyond)
+            if beyond.any():  # logged where it happened (a torch sampler records its whole support: never)
+                extra["support_beyond_k"] = int(beyond.sum())
+                warnings.warn(SUPPORT_BEYOND_K, stacklevel=1)
     if ro.routed_experts is not None and behaviour.routes is not None:  # same weights, two engines' experts
         # over every real token fed: prompt and response, (B, P + T)
         flips = routing_flip_rate(ro.routed_experts, behaviour.routes, torch.cat([ro.prompt_mask, ro.mask], 1).cpu())
@@ -3237,6 +3321,8 @@ def setup_run(cfg: RLConfig) -> RunState:
     tokenizer = load_tokenizer(model_dir)
     device = resolve_device(cfg.device)
     model = load_model(model_dir, trust_remote_code=cfg.trust_remote_code).to(device)
+    if cfg.gradient_checkpointing:  # each layer recomputed in backward: the same numbers, less memory
+        model.gradient_checkpointing_enable()
     if cfg.sampler == "vllm" and is_moe(model):  # measured: RESULTS.md, section moe
         raise UsageError("--sampler vllm with an MoE model: an in-place sync breaks vLLM 0.32's experts (its "
                          "own weights reloaded: mean |Δlogp| 4e-7 -> 2.3); use --sampler torch")
@@ -3368,7 +3454,8 @@ def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: 
                  f"{len(seeds)} paired seeds: held-out trainer pc at step 0 -> after the last step, mean ± sd over "
                  f"the seeds (sd with Bessel's correction) ==")
     print("\n" + lines[-1])
-    base = RLConfig(steps=steps, sync_every=sync_every, eval_every=max(steps // 4, 1), progress=False, out_dir=out)
+    base = RLConfig(steps=steps, sync_every=sync_every, eval_every=max(steps // 4, 1), progress=False, out_dir=out,
+                    topk=0)  # sc_tis over all V, as README's demo output was run
     arms = [("synced control (k=1, none)", {"correction": "none", "sync_every": 1})]
     arms += [(f"{c} (k={sync_every})", {"correction": c}) for c in ("none", "tis", "sc_tis")]
     fig = Figure(figsize=(7.5, 4))
@@ -3575,9 +3662,12 @@ class RLConfig:
     renormalize: bool = cli_field(True, "with truncation, renormalise the trainer's log-probs on the sampler's "
                                         "kept support (off: full-vocabulary log-probs, every ratio biased by the "
                                         "kept mass S)")
-    topk: int = cli_field(0, "sampler top-K ids recorded for score centering (0 = whole vocabulary); recorded "
-                             "only for the arms that read them (sc, sc_tis, sc_mis, drift_only, "
-                             "--diagnose-drift)")
+    topk: int = cli_field(32, "sampler top-K ids recorded for score centering (0 = whole vocabulary, 12 V bytes "
+                              "per token; the published runs used 0); recorded only for the arms that read them "
+                              "(sc, sc_tis, sc_mis, drift_only, --diagnose-drift)")
+    support_topk: int = cli_field(64, "vLLM under truncation: log-probs requested per token, whose finite ones are "
+                                      "the kept support (0 = all V); where all K are finite the trainer's rebuilt "
+                                      "support is used (counted: support_beyond_k)")
     baseline: str = cli_field("group", "advantage baseline: group (GRPO mean, no std) | none (raw reward)")
     optimizer: str = cli_field("adamw", "adamw | sgd")
     lr: float = cli_field(3e-5, "learning rate; a larger one such as 1e-4 knocks the tiny model back in Adam's "
@@ -3630,6 +3720,8 @@ class RLConfig:
     routing_replay: str = cli_field("none", "MoE models: none | r2 (the update replays the experts the trainer's "
                                             "behaviour pass chose) | r3 (it replays the experts the sampler "
                                             "chose; torch sampler)")
+    gradient_checkpointing: bool = cli_field(False, "transformers' gradient checkpointing on the trainer's model: "
+                                                    "recomputes each layer in backward (README: its cost)")
 
 
 def engine_spec(cfg: RLConfig) -> EngineSpec:
@@ -3656,16 +3748,20 @@ def _reads_topk(cfg: RLConfig) -> bool:
     return cfg.correction in TOPK_READERS or cfg.diagnose_drift
 
 
-def recorded_topk(cfg: RLConfig) -> int | None:
-    """The top-K the sampler records: cfg.topk for the arms (and diagnostics) that read it, else None (K = 0).
+SUPPORT_BEYOND_K = ("vLLM returned --support-topk finite log-probs at some positions (the kept support may be "
+                    "larger): the trainer renormalises there on the support it rebuilds (metrics: support_beyond_k)")
 
-    At V = 151,936 all-V records would be 12 bytes x V per token; vLLM still returns all V under truncation on
-    the CPU, where its processed log-probs are the only way to read its kept support.
+
+def recorded_topk(cfg: RLConfig) -> int | None:
+    """The top-K the sampler records: cfg.topk for the arms (and diagnostics) that read it, else None (K = 0); vLLM
+    under truncation cfg.support_topk, the finite ones of which are its kept support.
+
+    At V = 151,936 all-V records would be 12 bytes x V per token: only a flag set to 0 asks for them.
     """
     if _reads_topk(cfg):
         return cfg.topk
     if cfg.sampler == "vllm" and _truncates(cfg):
-        return 0
+        return cfg.support_topk
     return None
 
 
