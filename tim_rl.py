@@ -2996,7 +2996,8 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f}, json.loads(f.metadata()["json"])
+        names = f.keys()  # a safe_open handle is not iterable
+        return {k: f.get_tensor(k) for k in names}, json.loads(f.metadata()["json"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
