@@ -1477,7 +1477,9 @@ LENGTH_BUDGET = (
     "the levels' KL less) needs ~300 CPU-min: 150 min on two processes only with a whole core each and no "
     "margin. Cut, before any run: the longest length (never seeds): grid T = 5, 9, 17 (105 runs, 85 CPU-min) "
     "and the prediction at T = 33 (20 runs, 51 CPU-min), ~140 CPU-min with the pilot: ~70 min on two whole "
-    "cores, within 150 min up to ~2x contention. "
+    "cores, within 150 min up to ~2x contention. With cispo landed (round 5) it joins tis and seq_tis at each "
+    "length's corrected level: +15 runs, ~148 CPU-min in all (length_cpu_minutes), still within the budget on two "
+    "whole cores. "
     "(Cutting a none level instead would save 25 CPU-min of the 300.) The base is pre-trained on every length "
     "used (2, 4, 8, 16 digits).")
 
