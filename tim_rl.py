@@ -3998,6 +3998,8 @@ def _parser():
     p_demo = sub.add_parser("demo", help="the default demo")
     p_demo.add_argument("--steps", type=int, default=80)
     p_demo.add_argument("--seeds", default="0,1,2,3,4")
+    # listed for --help; main() hands `doctor ...` to _doctor_main, whose own parser reads its arguments
+    sub.add_parser("doctor", help="why your trainer and sampler disagree, from your logged tensors: doctor FILE")
     return parser
 
 
