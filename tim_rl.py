@@ -3013,14 +3013,19 @@ RS_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}  # --rs-estimator -> the
 
 
 def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout, adv):
-    """The chosen correction as one loss (its per-token weight: effective_token_weights). Each branch is one call.
+    """The chosen correction as one loss (its per-token weight: effective_token_weights), plus --k2-coef's term.
 
     logp (grad) current trainer; logp_prox the trainer before this batch's first update; logp_old the trainer engine
     on the weights the sampler holds; ro.logp_infer the sampler. At the first update logp == logp_prox.
     """
+    loss = _arm_loss(cfg, logp, logp_topk, logp_prox, logp_old, ro, adv)
     if cfg.k2_coef > 0:  # TIM: any arm plus prime-rl's k2 pull toward the sampler
-        arm = policy_loss(dataclasses.replace(cfg, k2_coef=0.0), logp, logp_topk, logp_prox, logp_old, ro, adv)
-        return arm + k2_penalty(logp, ro.logp_infer, ro.mask, cfg.k2_coef)
+        loss = loss + k2_penalty(logp, ro.logp_infer, ro.mask, cfg.k2_coef)
+    return loss
+
+
+def _arm_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout, adv):
+    """The loss of cfg.correction alone (policy_loss's arguments). Each branch is one call."""
     m, q, topk_q = ro.mask, ro.logp_infer, ro.logp_topk_infer
     # TIM: REINFORCE has no trust region, so its weight covers the whole gap p / q = lag x numerics: the weight
     # functions get the current log-prob (detached) as their trainer side. The decoupled-PPO arms weight the
