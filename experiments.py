@@ -884,17 +884,23 @@ def routing_engines(router_noise: float = MOE_ROUTER_NOISE) -> list[tuple[str, t
             (f"torch bf16, router noise {router_noise}, R3", noisy, True)]
 
 
+VLLM_MOE_ENGINE = "vLLM bf16 (no routes: routing + numerics)"  # the CPU build returns no routed experts
+
+
 def routing_rows(model_dir: str | Path, seeds: tuple[int, ...] = (0,), n_prompts: int = 64, n: int = 4,
-                 router_noise: float = MOE_ROUTER_NOISE) -> list[dict]:
+                 router_noise: float = MOE_ROUTER_NOISE, vllm: bool = False) -> list[dict]:
     """Per (engine, seed): the fp32 trainer engine (Trainer.behaviour_logprobs, its own experts or, R3, the
     sampler's) against an MoE sampler on the tokens it sampled: the ledger's total, routing, gates and numerics parts
-    (mean |.| per token) and the share of fed positions whose experts differ, per layer and in any layer."""
+    (mean |.| per token) and the share of fed positions whose experts differ, per layer and in any layer. vllm (and
+    installed): a vLLM bf16 row too, its total alone (no routes, so routing and numerics cannot be split)."""
     model_dir = Path(model_dir)
     tokenizer, model = tr.load_tokenizer(model_dir), tr.load_model(model_dir).eval()
     trainer = tr.Trainer(model)  # nothing lags: its behaviour copy holds the sampler's (fp32) weights
     rows = []
-    for label, spec, r3 in routing_engines(router_noise):
-        sampler = tr.TorchSampler(model, spec, tokenizer)
+    engines = routing_engines(router_noise) + ([(VLLM_MOE_ENGINE, None, False)] if vllm and tr.vllm_available() else [])
+    for label, spec, r3 in engines:
+        sampler = (tr.TorchSampler(model, spec, tokenizer) if spec is not None else
+                   tr.VLLMSampler(model_dir, dtype="bf16", tokenizer=tokenizer))
         for seed in seeds:
             problems = tr.make_arithmetic_task(n_prompts, seed=seed, split="eval", **tr.task_kwargs(model_dir))
             ro = sampler.sample(tr.encode_problems(tokenizer, problems)[0], n, 5, 1.0, None,
@@ -903,6 +909,12 @@ def routing_rows(model_dir: str | Path, seeds: tuple[int, ...] = (0,), n_prompts
             ledger = tr.mismatch_ledger(behaviour.logp_old, behaviour.logp_old, ro.logp_infer, ro.mask,
                                         logp_old_sampler_routes=behaviour.logp_old_sampler_routes,
                                         logp_old_sampler_gates=behaviour.logp_old_sampler_gates)
+            if ro.routed_experts is None:  # no routes: the total is routing + gates + numerics, not split
+                nan = float("nan")
+                rows.append({"engine": label, "seed": seed, "tokens": int(ro.mask.sum()),
+                             "abs_diff": ledger["total_abs"], "routing_abs": nan, "gates_abs": nan,
+                             "numerics_abs": nan, "flip_any": nan})
+                continue
             used = ro.routed_experts if r3 else behaviour.routes  # TIM: the experts this trainer computes with
             flips = tr.routing_flip_rate(ro.routed_experts, used, torch.cat([ro.prompt_mask, ro.mask], 1))
             rows.append({"engine": label, "seed": seed, "tokens": int(ro.mask.sum()),
@@ -913,25 +925,28 @@ def routing_rows(model_dir: str | Path, seeds: tuple[int, ...] = (0,), n_prompts
 
 
 def routing_table(rows: list[dict]) -> list[dict]:
-    """routing_rows as one 'mean ± sd over seeds' row per engine."""
+    """routing_rows as one 'mean ± sd over seeds' row per engine ('-' where a part was not recorded)."""
+    def cell(values: list[float], fmt: str) -> str:
+        return "-" if any(math.isnan(v) for v in values) else _mean_sd(values, fmt)
+
     table = []
     for label in dict.fromkeys(r["engine"] for r in rows):
         rs = [r for r in rows if r["engine"] == label]
         row = {"engine": label, "seeds": len(rs), "tokens / seed": rs[0]["tokens"]}
-        row["mean abs Δlogp"] = _mean_sd([r["abs_diff"] for r in rs], "{:.3g}")
-        row["routing part"] = _mean_sd([r["routing_abs"] for r in rs], "{:.3g}")
-        row["gates part"] = _mean_sd([r["gates_abs"] for r in rs], "{:.3g}")
-        row["numerics part"] = _mean_sd([r["numerics_abs"] for r in rs], "{:.3g}")
-        row["flip any layer"] = _mean_sd([r["flip_any"] for r in rs], "{:.3f}")
-        for key in sorted(k for k in rs[0] if k.startswith("flip_layer")):
-            row[f"flip L{key[len('flip_layer'):]}"] = _mean_sd([r[key] for r in rs], "{:.3f}")
+        row["mean abs Δlogp"] = cell([r["abs_diff"] for r in rs], "{:.3g}")
+        row["routing part"] = cell([r["routing_abs"] for r in rs], "{:.3g}")
+        row["gates part"] = cell([r["gates_abs"] for r in rs], "{:.3g}")
+        row["numerics part"] = cell([r["numerics_abs"] for r in rs], "{:.3g}")
+        row["flip any layer"] = cell([r["flip_any"] for r in rs], "{:.3f}")
+        for key in sorted(k for k in rows[0] if k.startswith("flip_layer")):
+            row[f"flip L{key[len('flip_layer'):]}"] = cell([r.get(key, math.nan) for r in rs], "{:.3f}")
         table.append(row)
     return table
 
 
 def _routing_attribution(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dict]]:
     """The moe preset's measurement: routing_table on its base model, 64 (smoke: 8) prompts x 4 per seed."""
-    rows = routing_rows(pc.model, tuple(seeds), n_prompts=8 if pc.smoke else 64)  # the preset's own base model
+    rows = routing_rows(pc.model, tuple(seeds), n_prompts=8 if pc.smoke else 64, vllm=not pc.smoke)  # its own base
     return (("Where the MoE sampler's mismatch comes from (fp32 trainer on the same weights; parts are mean |.| per "
             "token: routing = own experts - the sampler's replayed, gates = the trainer's gate weights on them - the "
             "sampler's replayed too, numerics = both replayed - sampler; flip = share of "

@@ -1387,6 +1387,8 @@ CLI_MISTAKES = [  # (argv, words the one error line must contain); each fails be
     (["train", "--dtype", "fp16", "--export", "ef"], ["--export ef", "--dtype bf16", "fp16"]),
     (["compare", "--preset", "staleness", "--seeds", "x"], ["--seeds must be comma-separated integers", "'x'"]),
     (["demo", "--seeds", "0,,1"], ["--seeds must be comma-separated integers"]),
+    (["demo", "--seeds", "0,0"], ["--seeds must be comma-separated integers, each listed once", "'0,0'"]),
+    (["demo", "--seeds", "1,01"], ["each listed once", "'1,01'"]),
     (["train", "--temperature", "0"], ["--temperature 0", "every advantage is 0", "--baseline none"]),
     (["train", "--temperature", "-1"], ["--temperature must be >= 0"]),
     (["train", "--group", "1"], ["--group 1 with --baseline group", "every advantage is 0"]),
@@ -2651,6 +2653,46 @@ def test_vllm_fp32_matches_trainer_after_sync_bf16_differs(base_model_dir):
 
 @needs_vllm
 @pytest.mark.vllm
+def test_vllm_serves_the_moe_through_syncs_and_its_canary_catches_a_stale_sync(moe_base_dir, tmp_path, monkeypatch):
+    """vLLM 0.32's CPU build skips the experts' repack on a weight update; tim_rl repacks after each sync, so the fp32
+    engine equals torch to <= 1e-5 after two syncs of perturbed experts and routers. Without the repack (today's
+    vLLM path) the sync canary raises. An RL run with vLLM bf16 on the MoE and R2 trains."""
+    model = tr.load_model(moe_base_dir).eval()
+    tok = tr.load_tokenizer(moe_base_dir)
+    prompts = tr.encode_problems(tok, tr.make_arithmetic_task(16, split="eval", **tr.task_kwargs(moe_base_dir)))[0]
+    sampler = tr.VLLMSampler(moe_base_dir, dtype="fp32", seed=0, tokenizer=tok, reference=model)
+    noise = torch.Generator().manual_seed(0)
+
+    def perturb_experts_and_routers():
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".experts." in name or ".gate." in name:
+                    p.add_(0.05 * p.abs().mean() * torch.randn(p.shape, generator=noise))
+
+    for _ in range(2):
+        perturb_experts_and_routers()
+        sampler.load_weights({k: v.detach() for k, v in model.state_dict().items()})  # the canary passes
+        ro = sampler.sample(prompts, 4, 5, 1.0, 0, torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            logp = tr.sequence_logprobs(model, ro)[0]
+        assert (logp - ro.logp_infer)[ro.mask].abs().max() <= 1e-5
+    monkeypatch.setattr(tr, "_repack_cpu_experts", lambda worker: 0)
+    perturb_experts_and_routers()
+    with pytest.raises(RuntimeError, match="sync canary"):
+        sampler.load_weights({k: v.detach() for k, v in model.state_dict().items()})
+    del sampler
+    monkeypatch.undo()
+    cfg = tr.RLConfig(name="vllm-moe", model=str(moe_base_dir), sampler="vllm", dtype="bf16", routing_replay="r2",
+                      out_dir=str(tmp_path), **SMOKE)
+    recs = [r for r in tr.run(cfg) if "reward" in r]
+    assert len(recs) == 3 and all(math.isfinite(r["loss"]) for r in recs)
+    vllm_row = ex.routing_table(ex.routing_rows(moe_base_dir, n_prompts=4, n=2, vllm=True))[-1]
+    assert vllm_row["engine"] == ex.VLLM_MOE_ENGINE and vllm_row["routing part"] == vllm_row["flip any layer"] == "-"
+    assert float(vllm_row["mean abs Δlogp"].split(" ± ")[0]) > 1e-3  # bf16 vs the fp32 trainer: numerics at least
+
+
+@needs_vllm
+@pytest.mark.vllm
 def test_rl_steps_with_the_vllm_sampler(base_model_dir, tmp_path):
     cfg = tr.RLConfig(name="vllm", model=str(base_model_dir), sampler="vllm", dtype="bf16", correction="sc_tis",
                       out_dir=str(tmp_path), **SMOKE)
@@ -3027,8 +3069,9 @@ def test_moe_engine_numerics_reach_experts_and_routers_and_what_is_refused(moe_b
     assert kept.lm_head.weight.dtype == torch.float32 and kept.model.layers[2].mlp.gate.weight.dtype == torch.float32
     assert kept.model.layers[2].mlp.experts.down_proj.dtype == torch.bfloat16
     monkeypatch.setattr(tr, "vllm_available", lambda: True)  # the message, whether or not vLLM is installed here
-    vllm = tr.RLConfig(model=str(moe_base_dir), sampler="vllm", out_dir=str(tmp_path), progress=False)
-    with pytest.raises(ValueError, match="an in-place sync breaks vLLM 0.32.s experts"):
+    vllm = tr.RLConfig(model=str(moe_base_dir), sampler="vllm", routing_replay="r3", out_dir=str(tmp_path),
+                       progress=False)
+    with pytest.raises(ValueError, match="r3 replays the sampler's experts, but VLLMSampler returns none"):
         tr.run(vllm)  # refused before an engine is built
     dense = tr.RLConfig(model=str(base_model_dir), routing_replay="r2", out_dir=str(tmp_path), progress=False)
     with pytest.raises(ValueError, match="has no router tim_rl replays"):
@@ -4584,7 +4627,7 @@ def _tiny_mixtral(vocab_size=128):
 def test_replay_on_a_router_tim_rl_cannot_replay_is_an_error_and_moe_is_read_from_the_config(
         moe_base_dir, tmp_path, monkeypatch):
     """Mixtral routes otherwise: replaying routes on it raises, naming MixtralTopKRouter (no silent no-op), and so do
-    `--routing-replay r2` and `--sampler vllm` with it (an MoE by its config's num_experts_per_tok, whatever the
+    `--routing-replay r2` with either sampler (an MoE by its config's num_experts_per_tok, whatever the
     router); live recording on it is empty, as on a dense model."""
     import shutil
 
@@ -4600,8 +4643,8 @@ def test_replay_on_a_router_tim_rl_cannot_replay_is_an_error_and_moe_is_read_fro
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tr.Path(moe_base_dir) / f, tmp_path / "mixtral" / f)
     monkeypatch.setattr(tr, "vllm_available", lambda: True)
-    for flags, message in (({"sampler": "vllm"}, "--sampler vllm with an MoE model"),
-                           ({"routing_replay": "r2"}, "its router is MixtralTopKRouter")):
+    for flags, message in (({"routing_replay": "r2"}, "its router is MixtralTopKRouter"),
+                           ({"routing_replay": "r2", "sampler": "vllm"}, "its router is MixtralTopKRouter")):
         cfg = tr.RLConfig(model=str(tmp_path / "mixtral"), out_dir=str(tmp_path / "out"), progress=False, **flags)
         with pytest.raises(ValueError, match=message):
             tr.run(cfg)

