@@ -924,6 +924,57 @@ def routing_rows(model_dir: str | Path, seeds: tuple[int, ...] = (0,), n_prompts
     return rows
 
 
+# the trainer router's margin at a position: the gap between its k-th and (k+1)-th largest logit (nats); bins' edges
+MARGIN_EDGES = (0.0, 0.01, 0.03, 0.1, 0.3, 1.0, math.inf)
+
+
+def router_margins(model, rollout: tr.Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trainer engine's own routing on the rollout's tokens: (routes (B, S, L, k), margins (B, S, L)), margin =
+    its k-th minus (k+1)-th largest router logit at each fed position (nan at a dense layer)."""
+    routers = tr.decoder_routers(model)
+    logits = [[] for _ in routers]
+    hooks = [r.register_forward_hook(lambda _, __, out, layer=layer: logits[layer].append(out[0].detach()))
+             for layer, r in enumerate(routers) if r is not None]
+    try:
+        with torch.no_grad():
+            forward = tr.response_forward(model, rollout)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    B, S = forward.routes.shape[:2]
+    margins = torch.full((B, S, len(routers)), math.nan)
+    for layer, (router, calls) in enumerate(zip(routers, logits)):
+        if router is not None:
+            top = torch.cat(calls).float().topk(router.top_k + 1, dim=-1).values  # (B * S, k + 1)
+            margins[:, :, layer] = (top[:, -2] - top[:, -1]).reshape(B, S).cpu()
+    return forward.routes, margins
+
+
+def flips_by_margin(model_dir: str | Path, engines: list[tuple[str, tr.EngineSpec]], n_prompts: int = 64, n: int = 4,
+                    seed: int = 0) -> list[dict]:
+    """Per engine and margin bin (MARGIN_EDGES): the share of (position, MoE layer) pairs whose experts (as a set)
+    differ between the sampler and the fp32 trainer engine on the same weights, over the fed positions of one
+    sampled batch. Near-tie flips (bf16, router jitter) sit in the smallest bins; a different router (router noise)
+    flips at every margin."""
+    model_dir = Path(model_dir)
+    tokenizer, model = tr.load_tokenizer(model_dir), tr.load_model(model_dir).eval()
+    problems = tr.make_arithmetic_task(n_prompts, seed=seed, split="eval", **tr.task_kwargs(model_dir))
+    rows = []
+    for label, spec in engines:
+        ro = tr.TorchSampler(model, spec, tokenizer).sample(tr.encode_problems(tokenizer, problems)[0], n, 5, 1.0,
+                                                            None, torch.Generator().manual_seed(seed))
+        own, margins = router_margins(model, ro)
+        sampled = ro.routed_experts.to(own)
+        fed = torch.cat([ro.prompt_mask, ro.mask], 1)[..., None] & (sampled >= 0).all(-1) & (own >= 0).all(-1)
+        flipped = (sampled.sort(-1).values != own.sort(-1).values).any(-1)  # (B, S, L)
+        for low, high in itertools.pairwise(MARGIN_EDGES):
+            cell = fed & (margins >= low) & (margins < high)
+            count = int(cell.sum())
+            rows.append({"engine": label, "margin": f"[{low:g}, {high:g})", "pairs": count,
+                         "flip share": float(flipped[cell].double().mean()) if count else math.nan})
+    return rows
+
+
 def routing_table(rows: list[dict]) -> list[dict]:
     """routing_rows as one 'mean ± sd over seeds' row per engine ('-' where a part was not recorded)."""
     def cell(values: list[float], fmt: str) -> str:

@@ -1400,6 +1400,7 @@ CLI_MISTAKES = [  # (argv, words the one error line must contain); each fails be
     (["train", "--lr", "inf"], ["--lr must be a finite number"]),
     (["train", "--lr", "-1"], ["--lr must be > 0"]),
     (["train", "--tis-cap", "0"], ["--tis-cap must be > 0"]),
+    (["train", "--router-jitter", "-0.1"], ["--router-jitter must be >= 0"]),
     (["train", "--rs-estimator", "k4"], ["--rs-estimator must be one of k1 | k2 | k3"]),
 ] + ([(["train", "--device", "cuda"], ["--device cuda", "torch.cuda.is_available() is False"]),
       (["bench", "--device", "cuda"], ["--device cuda", "torch.cuda.is_available() is False"])]
@@ -3048,6 +3049,37 @@ def test_moe_run_ledger_sums_to_the_total_and_logs_flip_rates(moe_base_dir, tmp_
     assert (max(routing) == 0) == (replay == "r3"), routing
     assert any(r["ledger_lag_abs"] > 0 for r in steps), "the lagged steps have lag"
     assert all(r["ledger_gates_abs"] > r["ledger_numerics_abs"] for r in steps), "router noise: mostly gates"
+
+
+def test_router_jitter_is_fresh_per_forward_flips_near_ties_and_stays_on_the_sampler(moe_base_dir, base_model_dir,
+                                                                                       tmp_path):
+    """router_jitter: noise on the sampler's router logits drawn at every forward (two forwards of one batch route
+    differently; router_noise's fixed draw routes alike), only on the sampler's copy, and its flips sit at small
+    margins of the trainer's router (near-ties), where router noise flips at every margin up to 0.3."""
+    model = tr.load_model(moe_base_dir).eval()
+    tok = tr.load_tokenizer(moe_base_dir)
+    prompts = tr.encode_problems(tok, tr.make_arithmetic_task(16, split="eval", **tr.task_kwargs(moe_base_dir)))[0]
+    for spec, fresh in ((tr.EngineSpec(router_jitter=0.05), True), (tr.EngineSpec(router_noise=0.5), False)):
+        sampler = tr.TorchSampler(model, spec, tok)
+        ro = sampler.sample(prompts, 2, 5, 1.0, None, torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            first, second = (tr.response_forward(sampler.model, ro).routes for _ in range(2))
+        assert (not torch.equal(first, second)) == fresh
+    assert not any(hasattr(r, "logit_jitter") for r in tr.moe_routers(model)), "the trainer's routers stay exact"
+    rows = ex.flips_by_margin(moe_base_dir, [("jitter", tr.EngineSpec(router_jitter=0.05)),
+                                             ("noise", tr.EngineSpec(router_noise=0.5))], n_prompts=16, n=2)
+
+    def share(engine, low, high):  # flip share over the bins in [low, high)
+        cells = [r for r in rows if r["engine"] == engine and low <= float(r["margin"][1:].split(",")[0]) < high]
+        pairs = sum(r["pairs"] for r in cells)
+        return sum(r["pairs"] * r["flip share"] for r in cells if r["pairs"]) / max(pairs, 1)
+
+    assert share("jitter", 0, 0.03) > 0.2 > 0.01 > share("jitter", 0.3, math.inf)
+    assert share("noise", 0.1, 0.3) > 0.1 > share("jitter", 0.1, 0.3)
+    with pytest.raises(ValueError, match="--router-jitter 0.1 acts on MoE routers"):
+        tr.run(tr.RLConfig(model=str(base_model_dir), router_jitter=0.1, out_dir=str(tmp_path), progress=False))
+    with pytest.raises(ValueError, match="engine.exact"):
+        tr.TorchSampler(model, tr.EngineSpec(exact=True, router_jitter=0.1), tok)
 
 
 def test_moe_engine_numerics_reach_experts_and_routers_and_what_is_refused(moe_base_dir, base_model_dir,

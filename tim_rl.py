@@ -1405,6 +1405,8 @@ def routed_router_forward(router, hidden: torch.Tensor, forced: torch.Tensor | N
     """
     hidden = hidden.reshape(-1, router.hidden_dim)  # (N, H)
     logits = torch.nn.functional.linear(hidden, router.weight)  # (N, E)
+    if getattr(router, "logit_jitter", 0.0):  # TIM: a sampler's fresh per-forward router noise: near-tie flips
+        logits = logits + router.logit_jitter * torch.randn_like(logits)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     ids = torch.topk(probs, router.top_k, dim=-1).indices  # (N, k): the live routing
     has_route = torch.ones_like(ids[:, :1], dtype=torch.bool) if forced is None else (forced >= 0).all(-1, keepdim=True)
@@ -2528,6 +2530,8 @@ class TorchSampler:
         kept_fp32 += [head] if self.engine.head_fp32 else []
         for module in kept_fp32:  # TIM: fp32 weights, and fp32 inputs (a pre-hook), inside a bf16 / fp16 engine
             module.float().register_forward_pre_hook(lambda _, inputs: tuple(x.float() for x in inputs))
+        for router in moe_routers(self.model) if self.engine.router_jitter else []:
+            router.logit_jitter = self.engine.router_jitter  # read by routed_router_forward, this copy's routers only
         self.tokenizer = tokenizer or CharTokenizer(self.model.config.vocab_size)
         self.load_weights({k: v.detach() for k, v in source.state_dict().items()})
 
@@ -3358,8 +3362,10 @@ def setup_run(cfg: RLConfig) -> RunState:
     model = load_model(model_dir, trust_remote_code=cfg.trust_remote_code).to(device)
     if cfg.gradient_checkpointing:  # each layer recomputed in backward: the same numbers, less memory
         model.gradient_checkpointing_enable()
-    if cfg.routing_replay != "none" and not moe_routers(model):
-        raise UsageError(f"--routing-replay {cfg.routing_replay} replays MoE routers' experts, but {cfg.model} has no "
+    routers_flag = next((f"{_flag(n)} {getattr(cfg, n)}" for n in ("routing_replay", "router_noise", "router_jitter")
+                         if getattr(cfg, n) not in ("none", 0.0)), None)  # no silent no-op on a model without them
+    if routers_flag and not moe_routers(model):
+        raise UsageError(f"{routers_flag} acts on MoE routers' experts, but {cfg.model} has no "
                          "router tim_rl replays (REPLAYABLE_ROUTERS; --model runs/base-moe is the tiny MoE)" +
                          (f"; its router is {router_class(model)}" if is_moe(model) else ""))
     value_head = torch.nn.Linear(model.config.hidden_size, 1).to(device) if cfg.correction == "copc" else None
@@ -3630,18 +3636,15 @@ class EngineSpec:
     """The sampler engine's numerics: its own copy of the weights, stored and computed this way."""
 
     dtype: str = cli_field("fp32", "sampler weight/compute dtype: fp32 | bf16 | fp16")
-    quant: str = cli_field("none", "weight fake-quantisation of Linear layers (lm_head excluded): none | int8 | "
-                                   "fp8")
-    noise: float = cli_field(0.0, "relative weight noise s: w + s * N(0,1) * w, drawn once per run (SC paper's "
-                                  "control)")
+    quant: str = cli_field("none", "fake-quantised Linear weights (not lm_head): none | int8 | fp8")
+    noise: float = cli_field(0.0, "relative weight noise s: w + s * N(0,1) * w, one draw per run (SC paper)")
     noise_seed: int = cli_field(1234, "seed of that noise draw (the same draw is re-applied after every sync)")
     exact: bool = cli_field(False, "zero-mismatch limit: record log-probs with the trainer's own fp32 forward")
-    router_fp32: bool = cli_field(False, "MoE: keep the routers' weights and logits in fp32 in a bf16/fp16 "
-                                         "engine (slime)")
+    router_fp32: bool = cli_field(False, "MoE: routers' weights and logits in fp32 in a bf16/fp16 engine (slime)")
     router_noise: float = cli_field(0.0, "MoE: relative noise s on the routers' weights only (on top of "
                                          "--noise), drawn like it: a mismatch that flips experts")
-    head_fp32: bool = cli_field(False, "keep the lm_head and the logits in fp32 in a bf16/fp16 engine (TRL's "
-                                       "cast_lm_head_to_fp32)")
+    router_jitter: float = cli_field(0.0, "MoE: noise sigma * N(0, 1) on the routers' logits, fresh at every forward")
+    head_fp32: bool = cli_field(False, "lm_head and logits in fp32 in a bf16/fp16 engine (TRL cast_lm_head_to_fp32)")
 
 
 @dataclass
@@ -3649,20 +3652,15 @@ class PretrainConfig:
     """Supervised pre-training of the embedded tiny model on the arithmetic task."""
 
     out: str = cli_field("runs/base", "model directory written (safetensors + tokenizer)")
-    steps: int = cli_field(400, "AdamW steps (400: held-out greedy ~0.7, sampled reward ~0.4: room for RL to "
-                                "learn)")
+    steps: int = cli_field(400, "AdamW steps (400: held-out greedy ~0.7, sampled reward ~0.4: room for RL)")
     batch: int = cli_field(64, "problems per step")
     lr: float = cli_field(1e-3, "AdamW learning rate (cosine to 10%)")
     digits: int = cli_field(2, "operand digits")
-    ops: str = cli_field("+", "operators drawn from: + - * and s (swap: 'a s b=' -> 'ba', 2 x digits answer "
-                              "tokens)")
+    ops: str = cli_field("+", "operators drawn from: + - * and s (swap: 'a s b=' -> 'ba', 2 x digits tokens)")
     seed: int = cli_field(0, "seed of init and data")
-    moe: bool = cli_field(False, "pre-train a tiny Qwen3-MoE (8 experts, top-2, load-balancing loss) instead of "
-                                 "the Llama")
-    mixed_digits: str = cli_field("", "comma-separated operand digit counts pre-trained on in turn (e.g. 2,4,8; '' "
-                                      "= --digits alone): one base for several answer lengths")
-    max_positions: int = cli_field(64, "the model's max_position_embeddings (prompt + answer tokens; the swap task "
-                                       "needs 4 x digits + 4)")
+    moe: bool = cli_field(False, "a tiny Qwen3-MoE (8 experts, top-2, load-balancing loss), not the Llama")
+    mixed_digits: str = cli_field("", "comma-separated digit counts pre-trained in turn ('' = --digits alone)")
+    max_positions: int = cli_field(64, "max_position_embeddings (prompt + answer; the swap task: 4 x digits + 4)")
 
 
 @dataclass
@@ -3676,6 +3674,7 @@ class RLConfig:
     quant: str = cli_field("none", "sampler weight quantisation: none | int8 | fp8")
     noise: float = cli_field(0.0, "sampler relative weight noise s")
     router_noise: float = cli_field(0.0, "MoE sampler: relative noise on the routers' weights only (flips experts)")
+    router_jitter: float = cli_field(0.0, "MoE sampler: per-forward noise sigma on the routers' logits (near-ties)")
     exact: bool = cli_field(False, "exact mode: sampler log-probs from the trainer's forward (ratio 1)")
     correction: str = cli_field("none", " | ".join(CORRECTIONS) + " (drift_only: the drift alone, a positive control)")
     steps: int = cli_field(80, "optimizer steps")
@@ -3741,7 +3740,7 @@ class RLConfig:
 def engine_spec(cfg: RLConfig) -> EngineSpec:
     """The torch sampler's engine a run's flags describe (its noise seeded apart from the run's seed)."""
     return EngineSpec(dtype=cfg.dtype, quant=cfg.quant, noise=cfg.noise, noise_seed=cfg.seed + 1234, exact=cfg.exact,
-                      router_noise=cfg.router_noise)
+                      router_noise=cfg.router_noise, router_jitter=cfg.router_jitter)
 
 
 def run_task_kwargs(cfg: RLConfig, model_dir: str | Path) -> dict:
@@ -3858,7 +3857,7 @@ def _flag(name: str) -> str:
 # config checks the ones it has (batch, digits: PretrainConfig; repeats: experiments.py's BenchConfig).
 _CONFIG_MIN = {"steps": 1, "prompts": 1, "group": 1, "max_new_tokens": 1, "eval_every": 1, "eval_n": 1,
                "sync_every": 1, "updates_per_batch": 1, "checkpoint_every": 0, "topk": 0, "temperature": 0,
-               "batch": 1, "digits": 1, "repeats": 1, "task_digits": 0}
+               "batch": 1, "digits": 1, "repeats": 1, "task_digits": 0, "router_noise": 0, "router_jitter": 0}
 _CONFIG_POSITIVE = ("lr", "tis_cap", "seq_tis_cap", "dlc_lag_cap", "mis_high", "dppo_delta", "vllm_gpu_memory")
 
 
@@ -3892,7 +3891,8 @@ def _check_engine(engine: EngineSpec) -> None:
     """Raise ValueError, naming the field, for an EngineSpec no TorchSampler can build."""
     _check_choice("engine.dtype", engine.dtype, sorted(_DTYPES))
     _check_choice("engine.quant", engine.quant, QUANTS)
-    if engine.exact and (engine.dtype != "fp32" or engine.quant != "none" or engine.noise or engine.router_noise):
+    if engine.exact and (engine.dtype != "fp32" or engine.quant != "none" or engine.noise or engine.router_noise
+                         or engine.router_jitter):
         raise ValueError("engine.exact needs dtype fp32 without quantisation or noise")
 
 
@@ -3930,8 +3930,8 @@ def _check_run_config(cfg: RLConfig) -> None:
          "none)")),
         (vllm and not vllm_available(), ("--sampler vllm: vLLM is not installed in this environment (README: "
          "Set-up installs it in its own environment)")),
-        (vllm and (cfg.quant != "none" or cfg.noise or cfg.router_noise or cfg.exact), ("--sampler vllm takes "
-         "--dtype only (no --quant, --noise, --router-noise or --exact)")),
+        (vllm and (cfg.quant != "none" or cfg.noise or cfg.router_noise or cfg.router_jitter or cfg.exact), (
+         "--sampler vllm takes --dtype only (no --quant, --noise, --router-noise, --router-jitter or --exact)")),
         (vllm and cfg.routing_replay == "r3", ("--routing-replay r3 replays the sampler's experts, but "
          "VLLMSampler returns none (vLLM's CPU build records no routes): use --routing-replay r2 or --sampler torch")),
         (vllm and 0 < cfg.temperature < 0.01, (f"--sampler vllm with --temperature {cfg.temperature}: vLLM "
