@@ -592,7 +592,8 @@ def rl_preset(p: RLPreset, pc: PresetConfig, seeds: list[int], out: Path) -> lis
         base.model = str(tr.ensure_base_model(f"{Path(pc.model)}-{suffix}{'-smoke' * pc.smoke}",
                                            **change | ({"steps": 5} if pc.smoke else {})))
     # the measurement runs on the preset's model (its own base model, when it has one)
-    sections = [p.measure(replace(pc, model=base.model), seeds)] if p.measure else []
+    measured = p.measure(replace(pc, model=base.model), seeds) if p.measure else []
+    sections = measured if isinstance(measured, list) else [measured]  # one (caption, rows) or a list of them
     runs = run_arms(base, [(control, CONTROL | control_change)] + list(p.arms), seeds, out)
     learned, learned_note = control_learned(runs, p.control_key, control)
     if p.report:  # a map over settings: statements computed by its rules
@@ -995,14 +996,22 @@ def routing_table(rows: list[dict]) -> list[dict]:
     return table
 
 
-def _routing_attribution(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dict]]:
-    """The moe preset's measurement: routing_table on its base model, 64 (smoke: 8) prompts x 4 per seed."""
-    rows = routing_rows(pc.model, tuple(seeds), n_prompts=8 if pc.smoke else 64, vllm=not pc.smoke)  # its own base
-    return (("Where the MoE sampler's mismatch comes from (fp32 trainer on the same weights; parts are mean |.| per "
-            "token: routing = own experts - the sampler's replayed, gates = the trainer's gate weights on them - the "
-            "sampler's replayed too, numerics = both replayed - sampler; flip = share of "
-            "fed positions whose top-2 experts differ; under R3 the trainer uses the sampler's experts):"),
-            routing_table(rows))
+def _routing_attribution(pc: PresetConfig, seeds: list[int]) -> list[tuple[str, list[dict]]]:
+    """The moe preset's measurements: routing_table on its base model, 64 (smoke: 8) prompts x 4 per seed, and
+    flips_by_margin for bf16, router noise and router jitter (seed 0)."""
+    n_prompts = 8 if pc.smoke else 64
+    rows = routing_rows(pc.model, tuple(seeds), n_prompts=n_prompts, vllm=not pc.smoke)  # its own base
+    engines = [("torch bf16", tr.EngineSpec(dtype="bf16")),
+               (f"bf16, router noise {MOE_ROUTER_NOISE}", tr.EngineSpec(dtype="bf16", router_noise=MOE_ROUTER_NOISE)),
+               (f"bf16, router jitter {MOE_JITTER}", tr.EngineSpec(dtype="bf16", router_jitter=MOE_JITTER))]
+    return [(("Where the MoE sampler's mismatch comes from (fp32 trainer on the same weights; parts are mean |.| per "
+              "token: routing = own experts - the sampler's replayed, gates = the trainer's gate weights on them - "
+              "the sampler's replayed too, numerics = both replayed - sampler; flip = share of "
+              "fed positions whose top-2 experts differ; under R3 the trainer uses the sampler's experts):"),
+             routing_table(rows)),
+            (("Are the flips near-ties? Share of (position, MoE layer) pairs whose experts differ, by the fp32 "
+              "trainer router's margin (its 2nd minus 3rd largest logit), seed 0 (flips_by_margin):"),
+             flips_by_margin(pc.model, engines, n_prompts=n_prompts))]
 
 
 def _fair_cast_visibility(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dict]]:
@@ -1273,6 +1282,20 @@ MOE_R2_REVISED = ("R2's meaning changed after run 1 (round 5): run 1's R2 replay
                   "(not yet re-run: re-publication pending)")
 MOE_REVISED = (f"added after run 1, whose none arm at router noise {MOE_ROUTER_NOISE} did not trail the control on "
                "pc auc over 5 seeds (-0.0039 [-0.0087, +0.0009]); the pilot's second level")
+# round 5, stated before run 2: R3 optimises the served policy (pc_sampler), and it is meant for near-tie flips
+MOE_SERVED = ("added in round 5, before run 2: R3 trains the policy that samples, so it is judged on the sampler's "
+              "pc as well as the trainer's")
+MOE_JITTER = 0.02  # router_jitter sigma: its pilot (MOE_JITTER_PILOT) dialled the flips to 5-20% of positions
+MOE_LABEL_JITTER = f"(bf16, router jitter {MOE_JITTER})"
+MOE_JITTER_ADDED = ("added in round 5, before run 2: a near-tie routing source (fresh per-forward noise on the "
+                    "sampler routers' logits), the regime R3 is for; router noise makes a different router")
+MOE_JITTER_PILOT = (
+    "Jitter pilot (rule written before it ran: sigma from 0.01, 0.02, 0.05, 0.1 on the bf16 sampler, the largest "
+    "whose flip share in any layer, sampler vs the fp32 trainer on 64 prompts x 4 of pilot seeds 10 and 11, is at "
+    "most 20% on both): 0.01: 6.4% / 6.3%; 0.02: 14% / 16%; 0.05: 33% / 36%; 0.1: 55% / 61% -> 0.02 (bf16 alone: "
+    "~1.4%). Its flips sit at small margins of the trainer's router (flips_by_margin: 41% of pairs with a top-k "
+    "logit gap below 0.01 flip, 0.5% of those with a gap in [0.1, 0.3), none above 1); router noise 0.5 flips 29% "
+    "of the latter.")
 # the corrections-2026 preset: each arm at the staleness preset's lag and at the dose preset's first harmful level
 CORRECTIONS_2026 = ("rs", "rs_seq_max", "tis_sn", "opsm", "cispo", "none + k2")
 DOSE_HARMED = 0.2  # the dose preset's (a): none trails the synced control from s=0.2 (x 0.19) on
@@ -1450,7 +1473,10 @@ RL_PRESETS = {
          (f"R2 {MOE_LABEL}", {"correction": "none", "routing_replay": "r2"}),
          (f"none {MOE_LABEL_HIGH}", {"correction": "none", "router_noise": MOE_ROUTER_NOISE_HIGH}),
          (f"R3 {MOE_LABEL_HIGH}", {"correction": "none", "routing_replay": "r3",
-                                   "router_noise": MOE_ROUTER_NOISE_HIGH})),
+                                   "router_noise": MOE_ROUTER_NOISE_HIGH}),
+         *((f"{name} {MOE_LABEL_JITTER}", change | {"router_noise": 0.0, "router_jitter": MOE_JITTER}) for name, change in
+           (("none", {"correction": "none"}), ("tis", {"correction": "tis"}),
+            ("R3", {"correction": "none", "routing_replay": "r3"})))),
         (Claim(f"router noise {MOE_ROUTER_NOISE} hurts uncorrected REINFORCE", f"none {MOE_LABEL}", SYNCED_CONTROL,
                direction=-1),
          Claim("R3 (the sampler's experts replayed) beats no correction", f"R3 {MOE_LABEL}", f"none {MOE_LABEL}"),
@@ -1461,7 +1487,19 @@ RL_PRESETS = {
          Claim(f"router noise {MOE_ROUTER_NOISE_HIGH} hurts uncorrected REINFORCE", f"none {MOE_LABEL_HIGH}",
                SYNCED_CONTROL, direction=-1, revised=MOE_REVISED),
          Claim(f"R3 beats no correction at router noise {MOE_ROUTER_NOISE_HIGH}", f"R3 {MOE_LABEL_HIGH}",
-               f"none {MOE_LABEL_HIGH}", revised=MOE_REVISED)),
+               f"none {MOE_LABEL_HIGH}", revised=MOE_REVISED),
+         Claim("R3 beats no correction, on the sampler's pc", f"R3 {MOE_LABEL}", f"none {MOE_LABEL}",
+               metric="pc_sampler", revised=MOE_SERVED),
+         Claim("R3 + TIS beats TIS alone, on the sampler's pc", f"R3 + tis {MOE_LABEL}", f"tis {MOE_LABEL}",
+               metric="pc_sampler", revised=MOE_SERVED),
+         Claim(f"R3 beats no correction at router noise {MOE_ROUTER_NOISE_HIGH}, on the sampler's pc",
+               f"R3 {MOE_LABEL_HIGH}", f"none {MOE_LABEL_HIGH}", metric="pc_sampler", revised=MOE_SERVED),
+         Claim(f"router jitter {MOE_JITTER} hurts uncorrected REINFORCE", f"none {MOE_LABEL_JITTER}", SYNCED_CONTROL,
+               direction=-1, revised=MOE_JITTER_ADDED),
+         *(Claim(f"{arm} beats no correction at router jitter {MOE_JITTER}" + (", on the sampler's pc" if m != "pc_trainer"
+                                                                              else ""),
+                 f"{arm} {MOE_LABEL_JITTER}", f"none {MOE_LABEL_JITTER}", metric=m, revised=MOE_JITTER_ADDED)
+           for arm in ("R3", "tis") for m in ("pc_trainer", "pc_sampler"))),
         base={"dtype": "bf16", "router_noise": MOE_ROUTER_NOISE}, pretrain=("moe", {"moe": True}),
         measure=_routing_attribution,
         extra={"flip any": ("route_flip_any", "steps"), "routing": ("ledger_routing_abs", "steps"),
@@ -1472,7 +1510,7 @@ RL_PRESETS = {
                "attribution table), too few to matter, so router-targeted noise is added. Router noise 0.5: none "
                "-0.004 and -0.010 auc against the control (flips in any layer on 0.73-0.76 of positions; R3 -0.015 and "
                "-0.007 against none); 1.0: -0.020 and -0.010. -> 0.5. The claims are the routing-replay paper's, "
-               "stated before this run although R3 trailed none in the pilot.")),
+               "stated before this run although R3 trailed none in the pilot.\n\n" + MOE_JITTER_PILOT)),
 }
 
 
