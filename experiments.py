@@ -882,7 +882,8 @@ def routing_engines(router_noise: float = MOE_ROUTER_NOISE) -> list[tuple[str, t
             ("torch bf16, head fp32", tr.EngineSpec(dtype="bf16", head_fp32=True), False),
             ("torch bf16, R3 in the trainer", bf16, True),
             (f"torch bf16, router noise {router_noise}", noisy, False),
-            (f"torch bf16, router noise {router_noise}, R3", noisy, True)]
+            (f"torch bf16, router noise {router_noise}, R3", noisy, True),
+            (f"torch bf16, router jitter {MOE_JITTER}", tr.EngineSpec(dtype="bf16", router_jitter=MOE_JITTER), False)]
 
 
 VLLM_MOE_ENGINE = "vLLM bf16 (no routes: routing + numerics)"  # the CPU build returns no routed experts
