@@ -3616,8 +3616,7 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
     if trainer.use_vllm and generation is not None and generation.mode == "colocate" and _vllm_on_cpu():
         # vLLM's CPU build repacks Linear weights, which breaks TRL's per-parameter sync; on a GPU TRL's own sync
         # (PEFT merge, ZeRO-3 gather, sleep-mode wake-up) stays in charge
-        generation.sync_weights = lambda: reload_vllm_weights(generation.llm,
-                                                              trainer.model.named_parameters())
+        generation.sync_weights = lambda: reload_vllm_weights(generation.llm, trainer.model.named_parameters())
     return trainer
 
 
@@ -3912,22 +3911,19 @@ def _check_run_config(cfg: RLConfig) -> None:
     longest = 1 + max(2 * task["digits"] if op in "*s" else task["digits"] + 1 for op in task["ops"])
     mistakes = [
         (cfg.task == "arithmetic" and cfg.max_new_tokens < longest, (f"--max-new-tokens {cfg.max_new_tokens} "
-         f"cannot hold this model's answers ({task['digits']}-digit {task['ops']!r}: up to {longest} tokens "
-         "with <eos>)")),
+         f"cannot hold this model's answers ({task['digits']}-digit {task['ops']!r}: up to {longest} tokens)")),
         (_truncates(cfg) and not cfg.renormalize and cfg.correction in ("dlc", "calibrated", "sc", "sc_tis", "sc_mis",
                                                                          "drift_only"),
          (f"--no-renormalize applies to the current trainer's sampled-token log-probs only; --correction "
          f"{cfg.correction} also reads logp_old or the top-K log-probs: run it with --renormalize")),
         (cfg.loss_on_served and (cfg.sync_every, cfg.updates_per_batch) != (1, 1), ("--loss-on-served needs "
-         "--sync-every 1 and --updates-per-batch 1 (the loss runs on the copy the sampler holds, fixed "
-         "until a sync)")),
+         "--sync-every 1 and --updates-per-batch 1 (the loss runs on the copy the sampler holds until a sync)")),
         (cfg.export != "rtn" and cfg.dtype != "bf16", (f"--export {cfg.export} rounds the fp32 master to "
          f"bf16: it needs --dtype bf16 (the sampler is {cfg.dtype}; rtn is the only export to fp32 / fp16)")),
         (group_relative and cfg.group == 1, ("--group 1 with --baseline group: each sample is its own group "
          "mean, so every advantage is 0 and nothing trains (use --group >= 2, or --baseline none)")),
         (group_relative and cfg.temperature == 0, ("--temperature 0 samples greedily: a group's samples are "
-         "identical, so every advantage is 0 and nothing trains (use --temperature > 0, or --baseline "
-         "none)")),
+         "identical, so every advantage is 0 (use --temperature > 0, or --baseline none)")),
         (vllm and not vllm_available(), ("--sampler vllm: vLLM is not installed in this environment (README: "
          "Set-up installs it in its own environment)")),
         (vllm and (cfg.quant != "none" or cfg.noise or cfg.router_noise or cfg.router_jitter or cfg.exact), (
@@ -3937,8 +3933,7 @@ def _check_run_config(cfg: RLConfig) -> None:
         (vllm and 0 < cfg.temperature < 0.01, (f"--sampler vllm with --temperature {cfg.temperature}: vLLM "
          "samples at 0.01 while the trainer would score the requested value (use 0.01 or more)")),
         (Path(cfg.out_dir, cfg.name).resolve() == Path(cfg.model).resolve(), (f"--out-dir {cfg.out_dir} "
-         f"--name {cfg.name}: that run directory is the --model directory (a run writes its own config.json "
-         "there)")),
+         f"--name {cfg.name}: that run directory is the --model directory (a run writes config.json there)")),
         (cfg.task == "words" and not _has_chat_template(cfg.model), ("--task words needs a chat model "
          f"(--model DIR with a chat template): {cfg.model} has no chat template")),
     ]
