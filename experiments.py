@@ -570,7 +570,7 @@ class RLPreset:
     control: tuple = (SYNCED_CONTROL, {})  # the synced control's label and its overrides on top of CONTROL
     extra: dict = field(default_factory=dict)  # arm-table column -> (record key, summary)
     control_key: str = "pc_trainer"  # the testbed is valid when the control raised this (control_learned)
-    measure: object = None  # (pc, seeds) -> (caption, rows): a measurement written above the RL results
+    measure: object = None  # (pc, seeds) -> (caption, rows) or a list of them: measurements above the RL results
     notes: str = ""  # settings chosen by a pilot: which, how, written before the run
     # (suffix, PretrainConfig overrides): the preset's own base model, <--model>-<suffix>
     pretrain: tuple = ()
@@ -955,8 +955,8 @@ def router_margins(model, rollout: tr.Rollout) -> tuple[torch.Tensor, torch.Tens
 def flips_by_margin(model_dir: str | Path, engines: list[tuple[str, tr.EngineSpec]], n_prompts: int = 64, n: int = 4,
                     seed: int = 0) -> list[dict]:
     """Per engine and margin bin (MARGIN_EDGES): the share of (position, MoE layer) pairs whose experts (as a set)
-    differ between the sampler and the fp32 trainer engine on the same weights, over the fed positions of one
-    sampled batch. Near-tie flips (bf16, router jitter) sit in the smallest bins; a different router (router noise)
+    differ between the sampler and the fp32 trainer engine on the fp32 weights (a bf16 sampler's rounding of them
+    included), over the fed positions of one sampled batch. Near-tie flips (bf16, router jitter) sit in the smallest bins; a different router (router noise)
     flips at every margin."""
     model_dir = Path(model_dir)
     tokenizer, model = tr.load_tokenizer(model_dir), tr.load_model(model_dir).eval()
@@ -1281,6 +1281,8 @@ MOE_R2_REVISED = ("R2's meaning changed after run 1 (round 5): run 1's R2 replay
                   "sampler's weights, which lag), not those of the policy being updated; at 1 update per batch the "
                   "corrected R2 forces the live router's own choice (it equals none), so the claim moved to 2 "
                   "updates per batch, where the second update forces the pre-update routes")
+MOE_R2_ADDED = ("added in round 5, before run 2: R2 (GSPO's routing replay) against no replay, where it can differ "
+                "from it (2 updates per batch)")
 MOE_UPDATES = 2  # R2's arms: optimizer steps per batch (MOE_R2_PILOT)
 MOE_LABEL_UPDATES = f"(bf16, router noise {MOE_ROUTER_NOISE}, {MOE_UPDATES} updates per batch)"
 MOE_R2_PILOT = (
@@ -1300,10 +1302,10 @@ MOE_JITTER_ADDED = ("added in round 5, before run 2: a near-tie routing source (
 MOE_JITTER_PILOT = (
     "Jitter pilot (rule written before it ran: sigma from 0.01, 0.02, 0.05, 0.1 on the bf16 sampler, the largest "
     "whose flip share in any layer, sampler vs the fp32 trainer on 64 prompts x 4 of pilot seeds 10 and 11, is at "
-    "most 20% on both): 0.01: 6.4% / 6.3%; 0.02: 14% / 16%; 0.05: 33% / 36%; 0.1: 55% / 61% -> 0.02 (bf16 alone: "
-    "~1.4%). Its flips sit at small margins of the trainer's router (flips_by_margin: 41% of pairs with a top-k "
-    "logit gap below 0.01 flip, 0.5% of those with a gap in [0.1, 0.3), none above 1); router noise 0.5 flips 29% "
-    "of the latter.")
+    "most 20% on both): 0.01: 6.6% / 7.0%; 0.02: 12% / 14%; 0.05: 31% / 34%; 0.1: 54% / 58% -> 0.02 (bf16 alone: "
+    "~1.4%). Its flips sit at small margins of the trainer's router (flips_by_margin, seed 0: 45% of the pairs "
+    "with a top-k logit gap below 0.01 flip, 0.3% of those in [0.1, 0.3), none above 0.3); router noise 0.5 flips "
+    "27% of the latter.")
 # the corrections-2026 preset: each arm at the staleness preset's lag and at the dose preset's first harmful level
 CORRECTIONS_2026 = ("rs", "rs_seq_max", "tis_sn", "opsm", "cispo", "none + k2")
 DOSE_HARMED = 0.2  # the dose preset's (a): none trails the synced control from s=0.2 (x 0.19) on
@@ -1497,7 +1499,7 @@ RL_PRESETS = {
                f"{MOE_UPDATES} updates per batch", f"R3 {MOE_LABEL_UPDATES}", f"R2 {MOE_LABEL_UPDATES}",
                revised=MOE_R2_REVISED),
          Claim(f"R2 beats no correction at {MOE_UPDATES} updates per batch", f"R2 {MOE_LABEL_UPDATES}",
-               f"none {MOE_LABEL_UPDATES}", revised=MOE_R2_REVISED),
+               f"none {MOE_LABEL_UPDATES}", revised=MOE_R2_ADDED),
          Claim("TIS beats no correction", f"tis {MOE_LABEL}", f"none {MOE_LABEL}"),
          Claim(f"router noise {MOE_ROUTER_NOISE_HIGH} hurts uncorrected REINFORCE", f"none {MOE_LABEL_HIGH}",
                SYNCED_CONTROL, direction=-1, revised=MOE_REVISED),

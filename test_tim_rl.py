@@ -2654,7 +2654,7 @@ def test_vllm_fp32_matches_trainer_after_sync_bf16_differs(base_model_dir):
 
 @needs_vllm
 @pytest.mark.vllm
-def test_vllm_serves_the_moe_through_syncs_and_its_canary_catches_a_stale_sync(moe_base_dir, tmp_path, monkeypatch):
+def test_vllm_serves_the_moe_through_syncs_and_its_canary_catches_a_mispacked_sync(moe_base_dir, tmp_path, monkeypatch):
     """vLLM 0.32's CPU build skips the experts' repack on a weight update; tim_rl repacks after each sync, so the fp32
     engine equals torch to <= 1e-5 after two syncs of perturbed experts and routers. Without the repack (today's
     vLLM path) the sync canary raises. An RL run with vLLM bf16 on the MoE and R2 trains."""
@@ -3104,7 +3104,7 @@ def test_moe_engine_numerics_reach_experts_and_routers_and_what_is_refused(moe_b
     monkeypatch.setattr(tr, "vllm_available", lambda: True)  # the message, whether or not vLLM is installed here
     vllm = tr.RLConfig(model=str(moe_base_dir), sampler="vllm", routing_replay="r3", out_dir=str(tmp_path),
                        progress=False)
-    with pytest.raises(ValueError, match="r3 replays the sampler's experts, but VLLMSampler returns none"):
+    with pytest.raises(ValueError, match="r3 replays the sampler's experts, but VLLMSampler records none"):
         tr.run(vllm)  # refused before an engine is built
     dense = tr.RLConfig(model=str(base_model_dir), routing_replay="r2", out_dir=str(tmp_path), progress=False)
     with pytest.raises(ValueError, match="has no router tim_rl replays"):
