@@ -5,6 +5,7 @@ notebook. Run: `pytest -q` (profile `ci`, derandomised, is the default; `HYPOTHE
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import sys
@@ -1436,7 +1437,7 @@ def test_what_only_the_loaded_model_shows_is_still_one_error_line(base_model_dir
     with pytest.raises(SystemExit) as exit_:
         tr.main(["train", "--model", str(base_model_dir), "--routing-replay", "r2", "--out-dir", str(tmp_path)])
     lines = capsys.readouterr().err.splitlines()
-    assert exit_.value.code == 2 and lines[-1].startswith("tim_rl: error: --routing-replay r2 replays"), lines
+    assert exit_.value.code == 2 and lines[-1].startswith("tim_rl: error: --routing-replay r2 acts on MoE routers"), lines
     assert not any("Traceback" in line for line in lines)
 
 
@@ -4464,9 +4465,22 @@ def test_doctor_numbers_are_the_shares_users_act_on():
     assert numbers["sequences outside [0.5, 2] (IcePop)"] == pytest.approx(1.0)
     assert numbers["max |log p/q|"] == pytest.approx(math.log(3))
     assert numbers["per-sequence sum log p/q, q0"] == pytest.approx(math.log(0.4))
+    x = (math.log(3) - math.log(0.4)) / 5  # mean |log p/q| over the 5 tokens; answers of 2 and 3 tokens: T = 2.5
+    law = f"x T^a, a = {tr.LENGTH_LAW_A:g} (tiny-model harm from {tr.LENGTH_LAW_BUDGET:g})"
+    assert numbers[law] == pytest.approx(x * 2.5**tr.LENGTH_LAW_A)
     assert "cause:" in str(tr.diagnose_mismatch(logp_train, logp_infer, mask))
     with pytest.raises(ValueError, match="logp_infer must have shape"):
         tr.diagnose_mismatch(logp_train, logp_infer[:, :2], mask)
+
+
+def test_the_doctors_length_law_is_the_committed_fit():
+    """LENGTH_LAW_A and LENGTH_LAW_BUDGET are predictions/length.json's a and (δ / b)^(1/γ), to the digits shown:
+    the doctor's x T^a comes from the length preset's fit, not from a hand-typed number."""
+    prediction = json.loads((tr.Path(tr.__file__).parent / "predictions" / "length.json").read_text())
+    assert tr.LENGTH_LAW_A == round(prediction["a"], 2)
+    budget = (prediction["harm"] / prediction["b"]) ** (1 / prediction["gamma"])
+    assert tr.LENGTH_LAW_BUDGET == round(budget, 2)
+    assert budget / prediction["T"] ** prediction["a"] == pytest.approx(prediction["x_star"], rel=1e-6)
 
 
 def _doctor_cli(argv, capsys) -> tuple[int, str, str]:

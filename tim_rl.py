@@ -412,6 +412,10 @@ def log_odds_displacement(logp_train: torch.Tensor, logp_infer: torch.Tensor) ->
 # on the usable tokens; each signature is a small function of d. The thresholds were tuned on the lab's seeds 0-1
 # and checked on seeds 2-4 (experiments.py doctor-eval; RESULTS.md has its confusion table and detection floors).
 
+# The tiny model's length law (experiments.py compare --preset length; RESULTS.md, section length, and the committed
+# predictions/length.json): uncorrected REINFORCE lost 0.002 nats per answer token from x T^a ~ LENGTH_LAW_BUDGET on,
+# x its mean |log p/q| per token, T the answer length. A 0.9 M-parameter model's scale for x T^a, not a real threshold
+LENGTH_LAW_A, LENGTH_LAW_BUDGET = 1.46, 1.14
 DOCTOR_CAUSES = ("clean", "numerics", "truncation", "temperature", "misaligned", "padding", "lag", "outliers",
                  "routing")
 DOCTOR_ADVICE = {
@@ -547,10 +551,12 @@ def _routing_signature(d, ok, routes) -> dict:
 
 
 def _mismatch_numbers(d, ok) -> dict[str, float]:
-    """Mean / max |d| per token, quantiles of the per-sequence Σ_t d, the shares of tokens and sequences beyond the
-    TIS cap 2 and outside the IcePop band [0.5, 2]."""
+    """Mean / max |d| per token (x), x T^a (T: mean answer length; the length law's LENGTH_LAW_A), quantiles of the
+    per-sequence Σ_t d, the shares of tokens and sequences beyond the TIS cap 2 and outside the IcePop band [0.5, 2]."""
     seq = torch.where(ok, d, torch.zeros_like(d)).sum(1)[ok.any(1)].double()  # (B',)
     out = {"mean |log p/q| per token": float(d[ok].abs().mean()), "max |log p/q|": float(d[ok].abs().max())}
+    law = f"x T^a, a = {LENGTH_LAW_A:g} (tiny-model harm from {LENGTH_LAW_BUDGET:g})"  # T: the mean answer length
+    out[law] = out["mean |log p/q| per token"] * float(ok.sum(1)[ok.any(1)].double().mean()) ** LENGTH_LAW_A
     for q in (0.0, 0.05, 0.5, 0.95, 1.0):
         out[f"per-sequence sum log p/q, q{q:g}"] = float(seq.quantile(q))
     for what, x in (("tokens", d[ok].double()), ("sequences", seq)):
