@@ -3589,7 +3589,7 @@ def test_a_response_cap_shorter_than_the_models_answers_is_refused(tmp_path):
     model = tmp_path / "swap"
     model.mkdir()
     (model / "pretrain.json").write_text(tr.json.dumps({"digits": 6, "ops": "s"}))
-    with pytest.raises(ValueError, match="--max-new-tokens 5 cannot hold this model's answers .*up to 13 tokens"):
+    with pytest.raises(ValueError, match="--max-new-tokens 5 cannot hold this model's answers .*up to 13 with <eos>"):
         tr._check_run_config(tr.RLConfig(model=str(model)))
     tr._check_run_config(tr.RLConfig(model=str(model), max_new_tokens=13))  # the twin: enough room
     tr._check_run_config(tr.RLConfig())  # the default 2-digit model: answers of <= 3 digits and <eos> fit in 5

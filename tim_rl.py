@@ -3919,7 +3919,7 @@ def _check_run_config(cfg: RLConfig) -> None:
     longest = 1 + max(2 * task["digits"] if op in "*s" else task["digits"] + 1 for op in task["ops"])
     mistakes = [
         (cfg.task == "arithmetic" and cfg.max_new_tokens < longest, (f"--max-new-tokens {cfg.max_new_tokens} "
-         f"cannot hold this model's answers ({task['digits']}-digit {task['ops']!r}: {longest} tokens with <eos>)")),
+         f"cannot hold this model's answers ({task['digits']}-digit {task['ops']!r}: up to {longest} with <eos>)")),
         (_truncates(cfg) and not cfg.renormalize and cfg.correction in ("dlc", "calibrated", "sc", "sc_tis", "sc_mis",
                                                                          "drift_only"),
          (f"--no-renormalize applies to the current trainer's sampled-token log-probs only; --correction "
