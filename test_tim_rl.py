@@ -1606,7 +1606,7 @@ def _copy_source(name: str) -> str:
 
     module = inspect.getsource(_home(name))
     assigned = [n for n in ast.parse(module).body if isinstance(n, ast.Assign) and
-                any(isinstance(t, ast.Name) and t.id == name for t in n.targets)]
+                any(name in {e.id for e in ast.walk(t) if isinstance(e, ast.Name)} for t in n.targets)]  # a, b = ...
     return ast.get_source_segment(module, assigned[0]) if assigned else inspect.getsource(getattr(_home(name), name))
 
 

@@ -578,7 +578,7 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP,
     Diagnosis, DOCTOR_ADVICE, _signature, _padding_signature, _misaligned_signature, _routing_signature,
     _lag_signature, _outliers_signature, _truncation_signature, _temperature_signature, _numerics_signature,
-    _mismatch_numbers
+    _mismatch_numbers, LENGTH_LAW_A, LENGTH_LAW_BUDGET
     """
     _check_bt(mask, logp_train=logp_train, logp_infer=logp_infer)
     logp_train, logp_infer = logp_train.detach().float(), logp_infer.detach().float()
