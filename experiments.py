@@ -977,6 +977,13 @@ def flips_by_margin(model_dir: str | Path, engines: list[tuple[str, tr.EngineSpe
     return rows
 
 
+def flip_share(rows: list[dict], engine: str, low: float, high: float) -> float:
+    """flips_by_margin's flip share for one engine, pooled over the bins whose lower edge lies in [low, high)."""
+    lower = {f"[{a:g}, {b:g})": a for a, b in itertools.pairwise(MARGIN_EDGES)}
+    cells = [r for r in rows if r["engine"] == engine and low <= lower[r["margin"]] < high and r["pairs"]]
+    return sum(r["pairs"] * r["flip share"] for r in cells) / max(sum(r["pairs"] for r in cells), 1)
+
+
 def routing_table(rows: list[dict]) -> list[dict]:
     """routing_rows as one 'mean ± sd over seeds' row per engine ('-' where a part was not recorded)."""
     def cell(values: list[float], fmt: str) -> str:

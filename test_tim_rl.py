@@ -3069,15 +3069,10 @@ def test_router_jitter_is_fresh_per_forward_flips_near_ties_and_stays_on_the_sam
     assert not any(hasattr(r, "logit_jitter") for r in tr.moe_routers(model)), "the trainer's routers stay exact"
     rows = ex.flips_by_margin(moe_base_dir, [("jitter", tr.EngineSpec(router_jitter=0.05)),
                                              ("noise", tr.EngineSpec(router_noise=0.5))], n_prompts=16, n=2)
-
-    def share(engine, low, high):  # flip share over the bins in [low, high)
-        cells = [r for r in rows if r["engine"] == engine and low <= float(r["margin"][1:].split(",")[0]) < high]
-        pairs = sum(r["pairs"] for r in cells)
-        return sum(r["pairs"] * r["flip share"] for r in cells if r["pairs"]) / max(pairs, 1)
-
-    assert share("jitter", 0, 0.03) > 0.2
-    assert share("jitter", 0.3, math.inf) < 0.01
-    assert share("noise", 0.1, 0.3) > 0.1 > share("jitter", 0.1, 0.3)
+    assert ex.flip_share(rows, "jitter", 0, 0.03) > 0.2
+    assert ex.flip_share(rows, "jitter", 0.3, math.inf) < 0.01
+    assert ex.flip_share(rows, "noise", 0.1, 0.3) > 0.1 > ex.flip_share(rows, "jitter", 0.1, 0.3)
+    assert ex.flip_share(rows, "absent", 0, math.inf) == 0  # no pairs: 0, not a division by zero
     with pytest.raises(ValueError, match="--router-jitter 0.1 acts on MoE routers"):
         tr.run(tr.RLConfig(model=str(base_model_dir), router_jitter=0.1, out_dir=str(tmp_path), progress=False))
     with pytest.raises(ValueError, match="engine.exact"):
