@@ -2655,10 +2655,13 @@ def test_vllm_fp32_matches_trainer_after_sync_bf16_differs(base_model_dir):
 
 @needs_vllm
 @pytest.mark.vllm
-def test_vllm_serves_the_moe_through_syncs_and_its_canary_catches_a_mispacked_sync(moe_base_dir, tmp_path, monkeypatch):
+def test_vllm_serves_the_moe_through_syncs_and_its_canary_catches_a_mispacked_sync(moe_base_dir, base_model_dir,
+                                                                                    tmp_path, monkeypatch):
     """vLLM 0.32's CPU build skips the experts' repack on a weight update; tim_rl repacks after each sync, so the fp32
     engine equals torch to <= 1e-5 after two syncs of perturbed experts and routers. Without the repack (today's
-    vLLM path) the sync canary raises. An RL run with vLLM bf16 on the MoE and R2 trains."""
+    vLLM path) the sync canary raises. An RL run with vLLM bf16 on the MoE and R2 trains. A dense engine is built
+    first: vLLM then has no expert-parallel group, which VLLMSampler adds (else the MoE engine fails to start)."""
+    tr.VLLMSampler(base_model_dir, dtype="fp32", seed=0)
     model = tr.load_model(moe_base_dir).eval()
     tok = tr.load_tokenizer(moe_base_dir)
     prompts = tr.encode_problems(tok, tr.make_arithmetic_task(16, split="eval", **tr.task_kwargs(moe_base_dir)))[0]

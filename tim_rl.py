@@ -1665,8 +1665,7 @@ def _gpu_compiles(device: torch.device, probe) -> bool:
             _COMPILE_WORKS[key] = True
         # any compiler failure (no C compiler, no Python headers...): the eager paths instead
         except Exception as e:  # noqa: BLE001 (any compiler failure means: the eager path)
-            print(f"[tim_rl] torch.compile failed on {device} ({type(e).__name__}): eager "
-                  "fallbacks", file=sys.stderr)
+            print(f"[tim_rl] torch.compile failed on {device} ({type(e).__name__}): eager fallbacks", file=sys.stderr)
             _COMPILE_WORKS[key] = False
     return _COMPILE_WORKS[key]
 
@@ -1971,8 +1970,7 @@ def chat_prompt(tokenizer, question: str) -> str:
     """The question plus BOXED_INSTRUCTION as one user turn of the tokenizer's chat template, up to the answer."""
     tok = getattr(tokenizer, "tok", tokenizer)  # HFTokenizer wraps the transformers tokenizer
     if not getattr(tok, "chat_template", None):
-        raise ValueError(f"tokenizer: {type(tok).__name__} has no chat template (task words needs a chat "
-                         "model)")
+        raise ValueError(f"tokenizer: {type(tok).__name__} has no chat template (task words needs a chat model)")
     return tok.apply_chat_template([{"role": "user", "content": f"{question} {BOXED_INSTRUCTION}"}],
                                    add_generation_prompt=True, tokenize=False)
 
@@ -2676,6 +2674,11 @@ class VLLMSampler:
         self.reference = reference  # a torch model holding what each sync loads (Trainer.behaviour): the canary
         # colocated with the trainer on one GPU: vLLM takes this share of its memory (the CPU build has its own knob)
         on_gpu = {} if _vllm_on_cpu() else {"gpu_memory_utilization": gpu_memory}
+        from vllm.distributed import parallel_state as ps  # vLLM 0.32 makes the expert-parallel group only for
+        if ps.model_parallel_is_initialized() and ps._EP is None:  # a process's first engine: add it after a dense one
+            world = ps.get_world_group()
+            ps._EP = ps.init_model_parallel_group([list(range(world.world_size))], world.local_rank,
+                                                  torch.distributed.get_backend(world.device_group), group_name="ep")
         self.llm = LLM(model=str(model_dir), dtype=_VLLM_DTYPES[dtype], enforce_eager=True, block_size=32, seed=seed,
                        max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,
                        logprobs_mode="processed_logprobs", max_logprobs=-1, **on_gpu)
@@ -3556,8 +3559,7 @@ def trl_weights(correction: str, old_per_token_logps: torch.Tensor, sampling_per
 def check_trl_args(args) -> None:
     """Refuse GRPOConfig settings under which a tim_rl weight would be silently wrong or ignored (TRL 1.16)."""
     if not getattr(args, "use_vllm", False):
-        raise ValueError("use_vllm=False: TRL then has no sampler log-probs, so no tim_rl weight would be "
-                         "applied")
+        raise ValueError("use_vllm=False: TRL then has no sampler log-probs, so no tim_rl weight would be applied")
     if getattr(args, "loss_type", None) == "vespo":
         raise ValueError("loss_type='vespo' takes log(importance_sampling_ratio) and sums it over unmasked "
                          "padding: tim_rl's weights are 0 there (and where a mask drops a token); use "
@@ -3966,8 +3968,7 @@ def check_cli(args) -> RLConfig | None:
     resume = getattr(args, "resume", "")
     for need in ("config.json", "checkpoint.safetensors") if resume else ():
         if not (Path(resume) / need).is_file():
-            raise UsageError(f"--resume {resume}: no {need} there (expected a run directory written by "
-                             "train)")
+            raise UsageError(f"--resume {resume}: no {need} there (expected a run directory written by train)")
     if args.cmd not in ("train", "compare") or getattr(args, "preset", ""):
         return None
     # resume: its config
@@ -4012,8 +4013,7 @@ def _parser():
     add_config_flags(sub.add_parser("pretrain", help="pre-train the embedded tiny model"), PretrainConfig)
     p_train = add_config_flags(sub.add_parser("train", help="one RL run"), RLConfig)
     p_train.add_argument("--resume", metavar="RUN_DIR", default="",
-                         help="continue runs/<name> from its checkpoint, with its config.json (other flags "
-                              "ignored)")
+                         help="continue runs/<name> from its checkpoint, with its config.json (other flags ignored)")
     p_demo = sub.add_parser("demo", help="the default demo")
     p_demo.add_argument("--steps", type=int, default=80)
     p_demo.add_argument("--seeds", default="0,1,2,3,4")
@@ -4049,8 +4049,7 @@ def main(argv: list[str] | None = None) -> None:
         return _doctor_main(argv[1:])
     parser = _parser()
     if argv[:1] and argv[0] in MOVED:  # one line, not argparse's list of choices
-        parser.exit(2, f"tim_rl: error: {argv[0]} moved to experiments.py: python experiments.py {argv[0]} "
-                       "--help\n")
+        parser.exit(2, f"tim_rl: error: {argv[0]} moved to experiments.py: python experiments.py {argv[0]} --help\n")
     args = parser.parse_args(argv)
     try:
         cfg = check_cli(args)
