@@ -2472,6 +2472,22 @@ def doctor_cases(seed: int, models: dict, n_prompts: int = 64, n: int = 4) -> li
     return cases
 
 
+def doctor_sample(out: Path, model: str = "runs/base", seed: int = 0) -> Path:
+    """README's sample for `python tim_rl.py doctor FILE`: a real batch, the tiny model's fp32 trainer log-probs vs
+    its bf16 TorchSampler's (32 held-out prompts x 4 samples), GRPO advantages, under TRL's GRPOTrainer names."""
+    from safetensors.torch import save_file
+
+    model_dir = tr.resolve_model_dir(model)
+    problems = tr.make_arithmetic_task(32, seed=seed, split="eval", **tr.task_kwargs(model_dir))
+    ro, logp, adv = _doctor_rollout(tr.load_model(model_dir).eval(), tr.CharTokenizer(), tr.EngineSpec(dtype="bf16"),
+                                    problems, 4, 5, seed)
+    tensors = {"old_per_token_logps": logp, "completion_mask": ro.mask.int(), "advantages": adv.float(),
+               "sampling_per_token_logps": torch.where(ro.mask, ro.logp_infer, torch.zeros_like(logp))}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out))
+    return out
+
+
 def doctor_rows(seeds, models: dict | None = None) -> list[dict]:
     """One row per labelled case and seed: its causes, level, the doctor's cause and the causes it found present."""
     models = models or _doctor_models()
@@ -2978,9 +2994,7 @@ def bench(cfg: BenchConfig) -> list[dict]:
 
 def _parser():
     """The argparse parser of compare and bench, flags built from the config dataclasses (tim_rl's helpers)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="experiments", description="The lab around tim_rl: paper claims "
+    parser = tr.OneLineParser(prog="experiments", description="The lab around tim_rl: paper claims "
                                      "on paired seeds (compare) and speed / memory ratios (bench).")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_cmp = tr.add_config_flags(sub.add_parser("compare", help="several corrections side by side (plus a synced "
@@ -3006,6 +3020,9 @@ def _parser():
     p_doc.add_argument("--seeds", default=",".join(map(str, DOCTOR_EVAL_SEEDS)),
                        help=f"comma-separated seeds (the thresholds were tuned on {DOCTOR_TUNE_SEEDS})")
     p_doc.add_argument("--publish", action="store_true", help="write its section of RESULTS.md")
+    p_sample = sub.add_parser("doctor-sample", help="write README's sample batch for `tim_rl.py doctor FILE`")
+    p_sample.add_argument("--out", type=Path, default=Path("examples/doctor_batch.safetensors"))
+    p_sample.add_argument("--model", default="runs/base", help="the base model (built there if missing)")
     return parser
 
 
@@ -3029,6 +3046,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.cmd == "doctor-eval":
         print(doctor_eval(tuple(int(s) for s in args.seeds.split(",")), args.publish))
+        return
+    if args.cmd == "doctor-sample":
+        print(f"wrote {doctor_sample(args.out, args.model)}")
         return
     try:
         cfg = check_cli(args)

@@ -55,6 +55,7 @@ References
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import dataclasses
@@ -3866,7 +3867,8 @@ def _flag(name: str) -> str:
 # config checks the ones it has (batch, digits: PretrainConfig; repeats: experiments.py's BenchConfig).
 _CONFIG_MIN = {"steps": 1, "prompts": 1, "group": 1, "max_new_tokens": 1, "eval_every": 1, "eval_n": 1,
                "sync_every": 1, "updates_per_batch": 1, "checkpoint_every": 0, "topk": 0, "temperature": 0,
-               "batch": 1, "digits": 1, "repeats": 1, "task_digits": 0, "router_noise": 0, "router_jitter": 0}
+               "batch": 1, "digits": 1, "repeats": 1, "task_digits": 0, "noise": 0, "router_noise": 0,
+               "router_jitter": 0}
 _CONFIG_POSITIVE = ("lr", "tis_cap", "seq_tis_cap", "dlc_lag_cap", "mis_high", "dppo_delta", "vllm_gpu_memory")
 
 
@@ -3965,6 +3967,11 @@ def check_cli(args) -> RLConfig | None:
         found = "a directory without config.json" if Path(model).is_dir() else "no model directory there"
         raise UsageError(f"--model {model}: {found} (expected a Hugging Face causal-LM directory with "
                          "config.json; omit --model to use the embedded tiny model)")
+    for flag in ("out", "out_dir"):  # a file where a directory goes: refused before any training
+        path = Path(getattr(args, flag, None) or ".")
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        if not existing.is_dir():
+            raise UsageError(f"{_flag(flag)} {path}: {existing} is a file, not a directory")
     resume = getattr(args, "resume", "")
     for need in ("config.json", "checkpoint.safetensors") if resume else ():
         if not (Path(resume) / need).is_file():
@@ -3984,8 +3991,6 @@ def check_cli(args) -> RLConfig | None:
 
 def add_config_flags(parser, cls):
     """One --flag per dataclass field, its help text from the field's metadata. Returns the parser."""
-    import argparse
-
     for f in fields(cls):
         help_text = f.metadata.get("help")
         if f.type in ("bool", bool):
@@ -4002,11 +4007,16 @@ def config_from_args(cls, args):
     return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose mistakes are one line and exit status 2 (no usage block before them)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def _parser():
     """The argparse parser of every subcommand, flags built from the config dataclasses."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="tim_rl", description="RL under training-inference mismatch. No "
+    parser = OneLineParser(prog="tim_rl", description="RL under training-inference mismatch. No "
                                      "subcommand: the default demo (~5 min; first pre-trains the tiny model "
                                      "if needed, ~20 s).")
     sub = parser.add_subparsers(dest="cmd")
@@ -4075,10 +4085,6 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(130, f"tim_rl: interrupted (the last checkpoint is kept{where})\n")
 
 
-if __name__ == "__main__":
-    main()
-
-
 DOCTOR_KEYS = (("old_per_token_logps", "sampling_per_token_logps", "completion_mask"),  # TRL's GRPOTrainer
                ("old_log_probs", "rollout_log_probs", "response_mask"))  # verl's DataProto batch
 
@@ -4104,12 +4110,11 @@ def _read_doctor_file(path: Path) -> dict:
 def _doctor_main(argv: list[str]) -> None:
     """`python tim_rl.py doctor FILE [--keys TRAIN,INFER,MASK]`: diagnose_mismatch on a file's tensors, printed;
     an unreadable file, a missing key, a bad shape or dtype is one error line and exit status 2."""
-    import argparse
     import pickle
 
     from safetensors import SafetensorError
 
-    parser = argparse.ArgumentParser(prog="tim_rl doctor", description="Why trainer and sampler log-probs disagree "
+    parser = OneLineParser(prog="tim_rl doctor", description="Why trainer and sampler log-probs disagree "
                                      "(TRL / verl tensor names, or --keys; an 'advantages' tensor enables lag).")
     parser.add_argument("file", type=Path, help=".pt, .safetensors or .jsonl")
     parser.add_argument("--keys", default="", help="TRAIN,INFER,MASK: the names of the trainer's log-probs, the "
@@ -4133,3 +4138,7 @@ def _doctor_main(argv: list[str]) -> None:
     except (OSError, ValueError, TypeError, RuntimeError, pickle.UnpicklingError, SafetensorError) as e:
         read_as = f" (read {', '.join(keys)} as logp_train, logp_infer, mask)" if keys else ""
         parser.exit(2, f"tim_rl doctor: error: {args.file}: {str(e).splitlines()[0]}{read_as}\n")
+
+
+if __name__ == "__main__":
+    main()
