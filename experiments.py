@@ -2,9 +2,9 @@
 
 tim_rl.py is the reference: read it and copy from it. This module runs it: `compare --preset NAME` (one paper
 claim per preset, every arm on the same seeds, verdicts from paired Student-t intervals), the engine and
-truncation tables, the numerics fingerprint that stamps every run, `--publish` (RESULTS.md and README's verdict
-table are written from here, never typed by hand) and `bench` (speed and memory as ratios against baselines timed
-side by side). It calls the reference as `tr.NAME`; the reference never imports it.
+truncation tables, the numerics fingerprint that stamps every run, `--publish` (RESULTS.md's preset sections and
+its verdict table are written from here, never typed by hand) and `bench` (speed and memory as ratios against
+baselines timed side by side). It calls the reference as `tr.NAME`; the reference never imports it.
 
     python experiments.py compare --preset NAME [--seeds 0,1,2,3,4] [--smoke] [--publish] [--accept-numerics]
     python experiments.py compare --corrections none,tis,sc_tis --sync-every 16   # several corrections, paired
@@ -626,8 +626,8 @@ class PresetConfig:
     model: str = tr.cli_field("runs/base", "the tiny model (built if missing)")
     out_dir: str = tr.cli_field("runs/compare",
                                 "writes <out_dir>/<preset>/results.md and plot.png (CLI: <--out-dir>/compare)")
-    publish: bool = tr.cli_field(False, "also rewrite the preset's section of RESULTS.md and its rows of "
-                                        "README's verdicts")
+    publish: bool = tr.cli_field(False, "also rewrite the preset's section and its rows of the verdict table "
+                                        "in RESULTS.md")
     accept_numerics: bool = tr.cli_field(False, "publish runs read back from code of other numerics (another "
                                                 "fingerprint); RESULTS.md says how many")
 
@@ -2270,34 +2270,42 @@ def changelog(old_rows: list[dict], new_rows: list[dict]) -> list[str]:
     return lines
 
 
-def _write_verdicts(readme: Path, readme_text: str, results_text: str) -> None:
-    """README's verdict table from every preset's rows in RESULTS.md; 'adjusted p' is the row's family-adjusted p,
-    or 'one at a time' for a row published before the family rule."""
+VERDICTS_HEADING = "## Verdicts (every preset)"
+
+
+def _with_verdicts(results_text: str) -> str:
+    """results_text with its verdict table (the block <!-- verdicts --> ... <!-- /verdicts -->) rebuilt from every
+    preset's rows; a text without the block gets it, under VERDICTS_HEADING, before its first preset section.
+    'adjusted p' is the row's family-adjusted p, or 'one at a time' for a row published before the family rule.
+    README.md has no verdict table: it links to this one."""
     table = published_rows(results_text)
+    if not table:
+        return results_text
     columns = ("preset", "claim", "verdict", "Δ", "95% CI")  # each preset's command: RESULTS.md, its section
-    if table:
-        tr.write_atomic(readme, _replace_block(readme_text, "verdicts", _markdown_table(
-            [{c: r[c] for c in columns} | {"adjusted p": r.get("p (Holm)", r.get("p (adjusted)", "-"))
-                                          if r.get("judged") == JUDGED else "one at a time"} for r in table])))
+    body = _markdown_table([{c: r[c] for c in columns}
+                            | {"adjusted p": r.get("p (Holm)", r.get("p (adjusted)", "-"))
+                               if r.get("judged") == JUDGED else "one at a time"} for r in table])
+    if re.search(r"^<!-- verdicts -->$", results_text, re.MULTILINE) is None:
+        first = re.search(r"^<!-- preset:", results_text, re.MULTILINE)  # publish has written one by now
+        block = f"{VERDICTS_HEADING}\n\n<!-- verdicts -->\n<!-- /verdicts -->\n\n"
+        results_text = results_text[: first.start()] + block + results_text[first.start() :]
+    return _replace_block(results_text, "verdicts", body)
 
 
 def refresh_published(root: Path = Path(".")) -> None:
-    """Re-apply publish's marks to what is already published: ONE_AT_A_TIME under older sections of RESULTS.md,
-    README's verdict table rebuilt. Changes no verdict."""
-    path, readme = root / "RESULTS.md", root / "README.md"
-    readme_text = readme.read_text()
-    text = _mark_one_at_a_time(path.read_text())
-    tr.write_atomic(path, text)
-    _write_verdicts(readme, readme_text, text)
+    """Re-apply publish's marks to what is already published in RESULTS.md: ONE_AT_A_TIME under older sections, the
+    verdict table rebuilt. Changes no verdict and writes nothing else (README.md has no verdict table)."""
+    path = root / "RESULTS.md"
+    tr.write_atomic(path, _with_verdicts(_mark_one_at_a_time(path.read_text())))
 
 
 def publish(name: str, results: str, verdicts: list[dict], command: str, seconds: float, root: Path = Path("."),
             plot: Path | None = None, numerics: str = "") -> list[str]:
     """Copy a preset's results.md (and its plot, to figures/<name>.png) into RESULTS.md, its rows stamped JUDGED,
-    with a changelog against the section it replaces; mark older sections judged one at a time; rebuild README's
-    verdict table from every preset there. Returns the changelog lines."""
-    path, readme = root / "RESULTS.md", root / "README.md"
-    readme_text = readme.read_text()  # before anything is written: a missing README fails first
+    with a changelog against the section it replaces; mark older sections judged one at a time; rebuild RESULTS.md's
+    verdict table from every preset there. Writes RESULTS.md and the figure only (never README.md). Returns the
+    changelog lines."""
+    path = root / "RESULTS.md"
     text = path.read_text() if path.exists() else (
         "# Results\n\nEvery section is written by the command above it (`--publish`); nothing here is typed "
         "by hand.\n")
@@ -2316,9 +2324,7 @@ def publish(name: str, results: str, verdicts: list[dict], command: str, seconds
                + "\n".join(changes)) if changes else ""
     body = (f"<!-- rows {json.dumps(rows)} -->\n## {name}\n\n`{command}` ({minutes}){changed}\n\n"
             + results.split("\n", 1)[1].lstrip("\n").replace("\n# ", "\n### ").rstrip("\n") + figure)
-    text = _mark_one_at_a_time(_replace_block(text, f"preset:{name}", body))
-    tr.write_atomic(path, text)
-    _write_verdicts(readme, readme_text, text)
+    tr.write_atomic(path, _with_verdicts(_mark_one_at_a_time(_replace_block(text, f"preset:{name}", body))))
     return changes
 
 
@@ -3007,8 +3013,8 @@ def _parser():
                        "(writes runs/compare/<preset>/; the RL flags above are ignored)")
     p_cmp.add_argument("--smoke", action="store_true", help="with --preset: seconds-sized runs (CI)")
     p_cmp.add_argument("--publish", action="store_true",
-                       help="with --preset: rewrite its section of RESULTS.md and its rows of README's "
-                            "verdict table")
+                       help="with --preset: rewrite its section and its rows of the verdict table in "
+                            "RESULTS.md")
     p_cmp.add_argument("--accept-numerics", action="store_true",
                        help="with --publish: publish runs read back from code of other numerics (RESULTS.md "
                             "says so)")

@@ -1678,8 +1678,11 @@ def test_vllm_duplicate_prompts_get_independent_groups(base_model_dir):
 
 
 def test_publish_rewrites_only_its_blocks(tmp_path):
-    (tmp_path / "README.md").write_text("# x\n\nsee `<!-- verdicts -->` in prose\n<!-- verdicts -->\nold\n"
-                                        "<!-- /verdicts -->\n\ntail\n")
+    """publish writes RESULTS.md (its preset's block, the verdict table) and the figure, never README.md: README has
+    no verdict table, and one with an old <!-- verdicts --> block, or none at all, is left as it is."""
+    readme = "# x\n\n<!-- verdicts -->\nold\n<!-- /verdicts -->\n\ntail\n"
+    (tmp_path / "README.md").write_text(readme)
+    (tmp_path / "RESULTS.md").write_text("# Results\n\nsee `<!-- verdicts -->` in prose\n")
     row = {"claim": "a | b", "metric": "m", "Δ": "+1", "95% CI": "[+1, +2]", "seeds": 5, "verdict": "reproduced"}
     ex.publish("staleness", "# t\n\nfirst\n", [row], "cmd", 60.0, tmp_path)
     ex.publish("staleness", "# t\n\nsecond\n# sub\n", [row | {"verdict": "not resolved"}], "cmd", 60.0, tmp_path)
@@ -1687,11 +1690,19 @@ def test_publish_rewrites_only_its_blocks(tmp_path):
     ex.publish("real-lm", "# r\n\nmeasured\n", [], "cmd2", 60.0, tmp_path, plot=tmp_path / "plot.png")
     assert (tmp_path / "figures" / "real-lm.png").read_bytes() == b"\x89PNG fake"
     assert "](figures/real-lm.png)" in (tmp_path / "RESULTS.md").read_text()
-    readme, results = (tmp_path / "README.md").read_text(), (tmp_path / "RESULTS.md").read_text()
-    assert "old" not in readme and readme.endswith("tail\n") and "see `<!-- verdicts -->` in prose" in readme
-    assert readme.count("| staleness |") == 1 and "not resolved" in readme and "a \\| b" in readme
+    assert (tmp_path / "README.md").read_text() == readme, "publish never writes README.md"
+    results = (tmp_path / "RESULTS.md").read_text()
+    table = results.split("\n<!-- verdicts -->\n")[1].split("<!-- /verdicts -->")[0]
+    assert results.count("\n<!-- verdicts -->\n") == 1 and "see `<!-- verdicts -->` in prose" in results
+    assert results.index(ex.VERDICTS_HEADING) < results.index(table) < results.index("<!-- preset:staleness -->")
+    assert table.count("| staleness |") == 1 and "not resolved" in table and "a \\| b" in table
     assert "first" not in results and "second" in results and "### sub" in results and "measured" in results
     assert results.count("<!-- preset:staleness -->") == 1
+    ex.refresh_published(tmp_path)
+    assert (tmp_path / "RESULTS.md").read_text() == results, "rebuilding what is published changes nothing"
+    (tmp_path / "README.md").unlink()
+    ex.publish("staleness", "# t\n\nthird\n", [row], "cmd", 60.0, tmp_path)
+    assert not (tmp_path / "README.md").exists() and "third" in (tmp_path / "RESULTS.md").read_text()
     with pytest.raises(ValueError, match="no closing"):
         ex._replace_block("<!-- verdicts -->\nno end\n", "verdicts", "x")
 
@@ -2564,7 +2575,7 @@ def test_a_seed_list_is_counted_once_or_refused_in_one_line(capsys):
 def test_publish_marks_older_sections_one_at_a_time_and_writes_a_changelog(tmp_path):
     import json
 
-    (tmp_path / "README.md").write_text("<!-- verdicts -->\n<!-- /verdicts -->\n")
+    (tmp_path / "README.md").write_text("# r\n")  # no verdict table: publish leaves README alone
     old = [{"preset": "drift", "claim": c, "verdict": v, "Δ": "+1", "95% CI": "[+1, +2]"}
            for c, v in (("SC beats none", "reproduced"), ("TIS beats none", "not resolved"))]
     (tmp_path / "RESULTS.md").write_text(f"# Results\n\n<!-- preset:drift -->\n<!-- rows {json.dumps(old)} -->\n"
@@ -2575,11 +2586,12 @@ def test_publish_marks_older_sections_one_at_a_time_and_writes_a_changelog(tmp_p
     assert ex.publish("dose", "# t\n\nfirst\n", [row], "python experiments.py compare --preset dose", 60.0,
                       tmp_path) == [], "a first publication: nothing to compare with"
     ex.publish("dose", "# t\n\nsecond\n", [row], "python experiments.py compare --preset dose", 60.0, tmp_path)
-    results, readme = (tmp_path / "RESULTS.md").read_text(), (tmp_path / "README.md").read_text()
+    results = (tmp_path / "RESULTS.md").read_text()
+    assert (tmp_path / "README.md").read_text() == "# r\n", "the verdict table lives in RESULTS.md only"
     assert results.count(ex.ONE_AT_A_TIME) == 1, "the older two-claim section, marked once whatever the publications"
     assert results.index("(1 min)") < results.index(ex.ONE_AT_A_TIME) < results.index("table")
-    assert "| drift | SC beats none | reproduced | +1 | [+1, +2] | one at a time |" in readme
-    assert "| dose | (b) tis: beats none at; still trails | s=0.2 (x 0.19); nowhere | +1 | [+1, +2] | 0.01 |" in readme
+    assert "| drift | SC beats none | reproduced | +1 | [+1, +2] | one at a time |" in results
+    assert "| dose | (b) tis: beats none at; still trails | s=0.2 (x 0.19); nowhere | +1 | [+1, +2] | 0.01 |" in results
     assert "Changed since" not in results, "the same verdicts: no changelog"
     changes = ex.publish("dose", "# t\n\nthird\n", [row | {"verdict": "nowhere; nowhere"}],
                          "python experiments.py compare --preset dose", 60.0, tmp_path)
@@ -3191,6 +3203,7 @@ def test_length_preset_publishes_grid_fit_prediction_then_its_verdict_from_fake_
     assert next(r for r in rows if r["claim"].startswith("(c)"))["verdict"].startswith("held")
     corrections = [r for r in rows if r["claim"].startswith("(d)")]
     assert [r["claim"].split()[1] for r in corrections] == [f"{c}:" for c in ex.LENGTH_CORRECTIONS]
+    assert (tmp_path / "README.md").read_text() == "# r\n", "publish writes RESULTS.md, never README.md"
 
 
 def test_mismatch_at_level_measures_x_and_the_whole_distribution_kl(tmp_path):
