@@ -262,15 +262,91 @@ def test_degenerate_settings_pass_where_they_still_train_and_few_evaluations_war
     assert len(range(0, 30, 7)) + 1 >= 5
 
 
-def test_cli_mistake_from_a_fresh_process_is_one_line_with_status_2():
+FRESH_MISTAKES = [  # typed as a new user would: each refused in one line before any work
+    (["train", "--top-p", "1.5"], "tim_rl: error: --top-p must be in (0, 1], got 1.5"),
+    (["train", "--noise", "-0.1"], "tim_rl: error: --noise must be >= 0, got -0.1"),
+    (["pretrain", "--out", "a_file"], "tim_rl: error: --out a_file: a_file is a file, not a directory"),
+    (["train", "--out-dir", "a_file/x"], "tim_rl: error: --out-dir a_file/x: a_file is a file, not a directory"),
+    (["train", "--steps", "ten"], "tim_rl train: error: argument --steps: invalid int value: 'ten'"),
+]
+
+
+@pytest.mark.parametrize("argv,line", FRESH_MISTAKES, ids=[" ".join(a) for a, _ in FRESH_MISTAKES])
+def test_cli_mistake_from_a_fresh_process_is_one_line_with_status_2(argv, line, tmp_path):
     import subprocess
     import sys
 
-    here = os.path.dirname(os.path.abspath(tr.__file__))
-    out = subprocess.run([sys.executable, "tim_rl.py", "train", "--top-p", "1.5"], cwd=here, capture_output=True,
-                         text=True, timeout=60, check=False)
-    assert out.returncode == 2 and out.stderr.splitlines() == ["tim_rl: error: --top-p must be in (0, 1], got 1.5"]
-    assert out.stdout == ""
+    (tmp_path / "a_file").write_text("not a directory")
+    script = tr.Path(tr.__file__).resolve()
+    out = subprocess.run([sys.executable, str(script), *argv], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert (out.returncode, out.stderr.splitlines(), out.stdout) == (2, [line], "")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"], "nothing was built or written"
+
+
+@pytest.mark.parametrize("module", ["tim_rl.py", "experiments.py"])
+def test_the_main_guard_is_the_modules_last_statement(module):
+    """`python tim_rl.py doctor FILE` crashed when the guard ran main() before the doctor's CLI was defined."""
+    import ast
+
+    tree = ast.parse((tr.Path(tr.__file__).parent / module).read_text())
+    last = tree.body[-1]
+    assert isinstance(last, ast.If) and ast.unparse(last.test) == "__name__ == '__main__'"
+    assert [ast.unparse(s) for s in last.body] == ["main()"]
+
+
+# README's Run block as a user types it, each line a subprocess, with tiny sizes appended where it trains
+# (argparse keeps the last value of a repeated flag). The lab's --publish / bench lines print their --help only:
+# their runs are tested in smoke size (test_every_compare_preset_runs_in_smoke_size) and bench in .ci/run.
+TINY_RUN = ["--steps", "1", "--prompts", "2", "--group", "2", "--eval-n", "8", "--eval-every", "1",
+            "--checkpoint-every", "1"]
+
+
+def _readme_run_commands() -> list[list[str]]:
+    """The `python ...` lines of README's first bash block under '## Run', comments stripped, split like a shell."""
+    import shlex
+
+    readme = (tr.Path(tr.__file__).parent / "README.md").read_text()
+    block = readme.split("\n## Run")[1].split("```bash\n")[1].split("```")[0]
+    lines = [line.split("#")[0].strip() for line in block.splitlines()]
+    return [shlex.split(line) for line in lines if line.startswith("python ")]
+
+
+def _tiny(argv: list[str], tmp: tr.Path) -> list[str]:
+    """argv with tiny sizes appended where it trains, writing under tmp."""
+    script, rest = argv[1], argv[2:]
+    if script == "tim_rl.py" and not rest:
+        return argv + ["demo", "--steps", "1", "--seeds", "0"]
+    if script == "tim_rl.py" and rest[0] == "pretrain":
+        return argv + ["--steps", "2", "--out", str(tmp / "pretrained")]
+    if script == "tim_rl.py" and rest[0] == "train" and "--resume" not in rest:
+        return argv + TINY_RUN
+    if script == "experiments.py" and rest[0] == "compare" and "--preset" not in rest:
+        return argv + TINY_RUN + ["--seeds", "0"]
+    if script == "experiments.py":
+        return argv[:3] + ["--help"]
+    return argv
+
+
+@pytest.mark.slow
+def test_readme_run_commands_work_as_a_user_types_them(base_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    here = tr.Path(tr.__file__).resolve().parent
+    commands = _readme_run_commands()
+    assert {"doctor", "train", "pretrain"} <= {c[2] for c in commands if len(c) > 2}, "the block was found"
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "base").symlink_to(tr.Path(base_model_dir).resolve())
+    (tmp_path / "examples").symlink_to(here / "examples")
+    for argv in commands:
+        full = _tiny(argv, tmp_path)
+        full[1] = str(here / full[1])  # the repository's script, run from a fresh directory
+        out = subprocess.run([sys.executable, *full[1:]], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=300, check=False)
+        assert out.returncode == 0, (argv, out.stderr[-2000:])
+        if "doctor" in argv:
+            assert out.stdout.startswith("cause: "), out.stdout
 
 
 # =================================================================================================================
@@ -3563,3 +3639,43 @@ def test_tutorial_notebook_executes(base_model_dir, moe_base_dir, tmp_path, monk
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute()  # raises CellExecutionError on the first failing cell (an assert included)
     assert (tmp_path / "runs" / "tutorial" / "compare_lag16" / "results.md").exists()
+
+
+def test_arms_is_the_one_table_the_loop_asks():
+    """At most 2 lines read cfg.correction; no comparison against an arm's name anywhere in tim_rl.py."""
+    import ast
+
+    tree = ast.parse(tr.Path(tr.__file__).read_text())
+    reads = {n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "correction"
+             and isinstance(n.value, ast.Name) and n.value.id == "cfg"}
+    assert 1 <= len(reads) <= 2, sorted(reads)
+    names = set(tr.ARMS) - {"none"}  # "none" is also --quant's and --routing-replay's off value
+    compared = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Compare)
+                and any(isinstance(c, ast.Constant) and c.value in names for c in ast.walk(n))]
+    assert compared == []
+    assert tr.CORRECTIONS == tuple(tr.ARMS)
+
+
+def test_each_arm_reads_what_its_row_says():
+    """An arm whose row says it does not read the top-K (or logp_old) computes its loss without them; the twin:
+    the arms that say they do fail without them."""
+    g = torch.Generator().manual_seed(0)
+    B, T, K = 4, 3, 2
+    logp = (-torch.rand(B, T, generator=g)).requires_grad_()
+    q, old = (-torch.rand(B, T, generator=g) for _ in range(2))
+    mask = torch.ones(B, T, dtype=torch.bool)
+    adv = torch.tensor([[1.0], [-1.0], [0.5], [-0.5]])
+    topk, topk_q = (-torch.rand(B, T, K, generator=g) - 1 for _ in range(2))
+    cfg = tr.RLConfig()
+    for name, arm in tr.ARMS.items():
+        full = tr.LossInputs(logp, logp.detach(), logp.detach(), old, q, topk, topk_q, adv, mask)
+        assert torch.isfinite(arm.loss(cfg, full)), name
+        bare = full._replace(logp_topk=None, logp_topk_infer=None, logp_old=None)
+        if arm.renormalized:  # reads logp_old or the top-K
+            with pytest.raises((TypeError, AttributeError)):
+                arm.loss(cfg, bare)
+        else:
+            assert torch.isfinite(arm.loss(cfg, bare)), name
+        if arm.reads_topk:
+            with pytest.raises((TypeError, AttributeError)):
+                arm.loss(cfg, full._replace(logp_topk=None, logp_topk_infer=None))

@@ -3049,12 +3049,125 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
 # ---- experiment loop and ledger ----
 
 
-CORRECTIONS = ("none", "tis", "mis", "seq_tis", "geo", "cis", "ppo", "ppo_infer", "dppo", "sc", "sc_tis", "sc_mis",
-               "dlc", "copc", "calibrated", "drift_only",  # drift_only: a positive control, not a correction
-               "rs", "rs_seq_max", "rs_seq_mean", "rs_seq_sum", "tis_sn", "opsm", "cispo")  # the 2026 ones
 RS_ARMS = {"rs": divergence_mask_weights, "rs_seq_max": divergence_seq_max_mask,
            "rs_seq_mean": divergence_seq_mean_mask, "rs_seq_sum": divergence_seq_sum_mask}  # verl rollout_rs
 RS_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}  # --rs-estimator -> the per-token estimate
+
+
+class LossInputs(NamedTuple):
+    """What an arm's loss reads. (B, T) log-probs of the sampled tokens; (B, T, K) at the sampler's top-K ids."""
+
+    logp: torch.Tensor  # current trainer, carries gradient
+    logp_now: torch.Tensor  # logp detached: the trainer side of REINFORCE's weights
+    logp_prox: torch.Tensor  # the trainer before this batch's first update, detached
+    logp_old: torch.Tensor  # the trainer engine on the weights the sampler holds, detached
+    logp_infer: torch.Tensor  # the sampler's, recorded while sampling
+    logp_topk: torch.Tensor | None  # (B, T, K) trainer, carries gradient
+    logp_topk_infer: torch.Tensor | None  # (B, T, K) the sampler's
+    adv: torch.Tensor  # (B, T) or (B, 1)
+    mask: torch.Tensor
+
+
+class Arm(NamedTuple):
+    """One --correction: its loss, and what the loop must give it besides the sampled tokens' log-probs."""
+
+    loss: object  # (cfg, LossInputs) -> scalar loss
+    reads_topk: bool = False  # the sampler's top-K log-probs (recorded only for these arms)
+    renormalized: bool = False  # reads logp_old or the top-K: needs the trainer renormalised on the kept support
+    critic: bool = False  # COPC: a value head gives (B, T) advantages
+    resync: bool = False  # DLC: its lag trigger may sync before --sync-every
+    shares: object = None  # (cfg, LossInputs) -> {metric: share} of what the arm drops or clips
+
+
+def _pg(x: LossInputs, weights=None):
+    """REINFORCE on the batch, each token's term times its weight."""
+    return pg_loss(x.logp, x.adv, x.mask, weights)
+
+
+def _ppo(cfg, x: LossInputs, weights=None):
+    """Decoupled PPO: the update p / p_prox clipped, the behaviour gap p_prox / q in `weights`."""
+    return ppo_loss(x.logp, x.logp_prox, x.adv, x.mask, weights, cfg.eps_low, cfg.eps_high)  # TIM
+
+
+def _sc(x: LossInputs, cap=None, band=None):
+    """Score centering on the sampler's top-K head (with a TIS cap or an MIS band)."""
+    return score_centering_loss(x.logp, x.logp_topk, x.logp_infer, x.logp_topk_infer, x.adv, x.mask, cap, band)
+
+
+def _calibrated(cfg, x: LossInputs):
+    """TIM: ppo_infer with FP8-calibrated bounds [7]; the ratio p/q is the IS weight, no TIS on top."""
+    ratio_low, ratio_ref = (x.logp_now - x.logp_infer).exp(), (x.logp_now - x.logp_old).exp()
+    lo, hi = calibrated_clip_bounds(ratio_low, ratio_ref, x.adv, x.mask, cfg.eps_low, cfg.eps_high)
+    return ppo_loss(x.logp, x.logp_infer, x.adv, x.mask, eps_low=1 - lo, eps_high=hi - 1)
+
+
+def _dropped(touched, mask, kind="masked") -> dict[str, float]:
+    """Shares of the generated tokens and of the sequences that `touched` (B, T) bool marks."""
+    touched = mask & touched
+    return {f"frac_{kind}_tokens": float(touched.sum() / mask.sum().clamp(min=1)),
+            f"frac_{kind}_seqs": float(touched.any(dim=1).sum() / mask.any(dim=1).sum().clamp(min=1))}
+
+
+def _rs_arm(divergence_weights) -> Arm:
+    """A verl rollout_rs arm: rejection only, kept tokens weigh 1 (rollout_rs without rollout_is)."""
+    def weights(cfg, x):
+        """The arm's keep mask (1 kept, 0 dropped) on the batch."""
+        estimator = RS_ESTIMATORS[cfg.rs_estimator]
+        return divergence_weights(x.logp_now, x.logp_infer, x.mask, cfg.rs_threshold, estimator)
+
+    return Arm(lambda c, x: _pg(x, weights(c, x)), shares=lambda c, x: _dropped(weights(c, x) == 0, x.mask))
+
+
+def _tis_sn(cfg, x: LossInputs):
+    """TIM: truncate, then self-normalise (verl rollout_is_batch_normalize)."""
+    return self_normalize_weights(tis_weights(x.logp_now, x.logp_infer, x.mask, cfg.tis_cap), x.mask)
+
+
+def _opsm(cfg, x: LossInputs):
+    """OPSM's keep mask on the batch."""
+    return opsm_mask(x.logp_now, x.logp_infer, x.adv, x.mask, cfg.opsm_delta)
+
+
+# Every correction (--correction NAME). TIM: REINFORCE has no trust region, so its weight covers the whole gap
+# p / q = lag x numerics: the weight gets the current log-prob (detached). The decoupled-PPO arms weight the
+# behaviour gap p_prox / q and leave the update p / p_prox to the clip.
+ARMS = {
+    "none": Arm(lambda c, x: _pg(x)),
+    "tis": Arm(lambda c, x: _pg(x, tis_weights(x.logp_now, x.logp_infer, x.mask, c.tis_cap))),
+    "mis": Arm(lambda c, x: _pg(x, mis_weights(x.logp_now, x.logp_infer, x.mask, c.mis_low, c.mis_high))),
+    "seq_tis": Arm(lambda c, x: _pg(x, seq_tis_weights(x.logp_now, x.logp_infer, x.mask, c.seq_tis_cap))),
+    "geo": Arm(lambda c, x: _pg(x, geo_mask_weights(x.logp_now, x.logp_infer, x.mask))),
+    "cis": Arm(lambda c, x: _ppo(c, x, cis_weights(x.logp_prox, x.logp_infer, x.mask))),
+    "ppo": Arm(lambda c, x: _ppo(c, x, tis_weights(x.logp_prox, x.logp_infer, x.mask, c.tis_cap))),
+    # TIM: the sampler's log-probs as pi_old: the whole gap clipped
+    "ppo_infer": Arm(lambda c, x: ppo_loss(x.logp, x.logp_infer, x.adv, x.mask, None, c.eps_low, c.eps_high)),
+    "dppo": Arm(lambda c, x: dppo_loss(x.logp, x.logp_infer, x.adv, x.mask, delta=c.dppo_delta)),
+    "sc": Arm(lambda c, x: _sc(x), reads_topk=True, renormalized=True),
+    "sc_tis": Arm(lambda c, x: _sc(x, cap=c.tis_cap), reads_topk=True, renormalized=True),
+    "sc_mis": Arm(lambda c, x: _sc(x, band=(c.mis_low, c.mis_high)), reads_topk=True, renormalized=True),
+    "dlc": Arm(lambda c, x: dlc_loss(x.logp, x.logp_old, x.logp_infer, x.adv, x.mask, c.eps_low, c.eps_high,
+                                     logp_prox=x.logp_prox, lag_cap=c.dlc_lag_cap),
+               renormalized=True, resync=True),
+    "copc": Arm(lambda c, x: _ppo(c, x, copc_mask(x.logp_prox, x.logp_infer, x.mask)), critic=True),
+    "calibrated": Arm(_calibrated, renormalized=True),
+    # a positive control [2], not a correction: REINFORCE minus its signal part = the drift alone
+    "drift_only": Arm(lambda c, x: _pg(x) - _sc(x), reads_topk=True, renormalized=True),
+    **{name: _rs_arm(weights) for name, weights in RS_ARMS.items()},
+    "tis_sn": Arm(lambda c, x: _pg(x, _tis_sn(c, x)),
+                  shares=lambda c, x: {"sn_mean_weight": float(masked_mean(tis_weights(
+                      x.logp_now, x.logp_infer, x.mask, c.tis_cap), x.mask))}),
+    "opsm": Arm(lambda c, x: _pg(x, _opsm(c, x)), shares=lambda c, x: _dropped(_opsm(c, x) == 0, x.mask)),
+    # TIM: r = p / q, see cispo_loss; clipped tokens keep their gradient, scaled down
+    "cispo": Arm(lambda c, x: cispo_loss(x.logp, x.logp_infer, x.adv, x.mask, c.eps_high),
+                 shares=lambda c, x: _dropped(x.logp_now - x.logp_infer > math.log1p(c.eps_high), x.mask,
+                                              "clipped")),
+}
+CORRECTIONS = tuple(ARMS)
+
+
+def arm_of(cfg) -> Arm:
+    """The run's arm: the one place that reads cfg.correction."""
+    return ARMS[cfg.correction]
 
 
 def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout, adv):
@@ -3063,91 +3176,23 @@ def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout
     logp (grad) current trainer; logp_prox the trainer before this batch's first update; logp_old the trainer engine
     on the weights the sampler holds; ro.logp_infer the sampler. At the first update logp == logp_prox.
     """
-    loss = _arm_loss(cfg, logp, logp_topk, logp_prox, logp_old, ro, adv)
+    x = LossInputs(logp, logp.detach(), logp_prox, logp_old, ro.logp_infer, logp_topk, ro.logp_topk_infer, adv,
+                   ro.mask)
+    loss = arm_of(cfg).loss(cfg, x)
     if cfg.k2_coef > 0:  # TIM: any arm plus prime-rl's k2 pull toward the sampler
         loss = loss + k2_penalty(logp, ro.logp_infer, ro.mask, cfg.k2_coef)
     return loss
 
 
-def _arm_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout, adv):
-    """The loss of cfg.correction alone (policy_loss's arguments). Each branch is one call."""
-    m, q, topk_q = ro.mask, ro.logp_infer, ro.logp_topk_infer
-    # TIM: REINFORCE has no trust region, so its weight covers the whole gap p / q = lag x numerics: the weight
-    # functions get the current log-prob (detached) as their trainer side. The decoupled-PPO arms weight the
-    # behaviour gap p_prox / q and leave the update p / p_prox to the clip.
-    logp_now, eps = logp.detach(), {"eps_low": cfg.eps_low, "eps_high": cfg.eps_high}
-    pg = functools.partial(pg_loss, logp, adv, m)  # (weights=None)
-    ppo = functools.partial(ppo_loss, logp, logp_prox, adv, m, **eps)  # (weights) TIM: decoupled PPO
-    sc = functools.partial(score_centering_loss, logp, logp_topk, q, topk_q, adv, m)  # (cap=None, band=None)
-
-    def calibrated():
-        """TIM: ppo_infer with FP8-calibrated bounds [7]; the ratio p/q is the IS weight, no TIS on top."""
-        ratio_low, ratio_ref = (logp_now - q).exp(), (logp_now - logp_old).exp()
-        lo, hi = calibrated_clip_bounds(ratio_low, ratio_ref, adv, m, cfg.eps_low, cfg.eps_high)
-        return ppo_loss(logp, q, adv, m, eps_low=1 - lo, eps_high=hi - 1)
-
-    c = cfg.correction
-    if c == "none":
-        return pg()
-    elif c == "tis":
-        return pg(tis_weights(logp_now, q, m, cfg.tis_cap))
-    elif c == "mis":
-        return pg(mis_weights(logp_now, q, m, cfg.mis_low, cfg.mis_high))
-    elif c == "seq_tis":
-        return pg(seq_tis_weights(logp_now, q, m, cfg.seq_tis_cap))
-    elif c == "geo":
-        return pg(geo_mask_weights(logp_now, q, m))
-    elif c == "ppo":
-        return ppo(tis_weights(logp_prox, q, m, cfg.tis_cap))
-    elif c == "cis":
-        return ppo(cis_weights(logp_prox, q, m))
-    elif c == "copc":
-        return ppo(copc_mask(logp_prox, q, m))
-    elif c == "ppo_infer":
-        return ppo_loss(logp, q, adv, m, **eps)  # TIM: sampler's log-probs as pi_old: all clipped
-    elif c == "calibrated":
-        return calibrated()
-    elif c == "dppo":
-        return dppo_loss(logp, q, adv, m, delta=cfg.dppo_delta)
-    elif c == "sc":
-        return sc()
-    elif c == "sc_tis":
-        return sc(cap=cfg.tis_cap)
-    elif c == "sc_mis":
-        return sc(band=(cfg.mis_low, cfg.mis_high))
-    elif c == "drift_only":
-        return pg() - sc()  # positive control [2]: REINFORCE minus its signal part = the drift alone
-    elif c == "dlc":
-        return dlc_loss(logp, logp_old, q, adv, m, **eps, logp_prox=logp_prox, lag_cap=cfg.dlc_lag_cap)
-    elif c in RS_ARMS:  # TIM: rejection only, kept tokens weigh 1 (verl rollout_rs without rollout_is)
-        return pg(RS_ARMS[c](logp_now, q, m, cfg.rs_threshold, RS_ESTIMATORS[cfg.rs_estimator]))
-    elif c == "tis_sn":
-        return pg(self_normalize_weights(tis_weights(logp_now, q, m, cfg.tis_cap), m))  # TIM: truncate, then normalise
-    elif c == "opsm":
-        return pg(opsm_mask(logp_now, q, adv, m, cfg.opsm_delta))
-    elif c == "cispo":
-        return cispo_loss(logp, q, adv, m, cfg.eps_high)  # TIM: r = p / q, see cispo_loss
-    raise ValueError(f"correction must be one of {CORRECTIONS}, got {cfg.correction!r}")
-
-
 def correction_shares(cfg: RLConfig, logp_now, logp_infer, adv, mask) -> dict[str, float]:
-    """What a 2026 arm drops (frac_masked_*) or clips (frac_clipped_*): shares of generated tokens and of sequences
-    it touches; tis_sn's normaliser; the k2 term. {} for the other arms (their frac_zeroed is in the record)."""
+    """What an arm drops (frac_masked_*) or clips (frac_clipped_*): shares of generated tokens and of sequences;
+    tis_sn's normaliser; the k2 term. {} for the other arms (their frac_zeroed is in the record)."""
     out = {"k2_penalty": float(k2_penalty(logp_now, logp_infer, mask, cfg.k2_coef))} if cfg.k2_coef > 0 else {}
-    c, kind = cfg.correction, "masked"
-    if c in RS_ARMS:
-        touched = RS_ARMS[c](logp_now, logp_infer, mask, cfg.rs_threshold, RS_ESTIMATORS[cfg.rs_estimator]) == 0
-    elif c == "opsm":
-        touched = opsm_mask(logp_now, logp_infer, adv, mask, cfg.opsm_delta) == 0
-    elif c == "cispo":  # r = p / q above the cap: the gradient kept, scaled down
-        touched, kind = logp_now - logp_infer > math.log1p(cfg.eps_high), "clipped"
-    elif c == "tis_sn":
-        return out | {"sn_mean_weight": float(masked_mean(tis_weights(logp_now, logp_infer, mask, cfg.tis_cap), mask))}
-    else:
+    shares = arm_of(cfg).shares
+    if shares is None:
         return out
-    touched = mask & touched
-    return out | {f"frac_{kind}_tokens": float(touched.sum() / mask.sum().clamp(min=1)),
-                  f"frac_{kind}_seqs": float(touched.any(dim=1).sum() / mask.any(dim=1).sum().clamp(min=1))}
+    x = LossInputs(logp_now, logp_now, logp_now, None, logp_infer, None, None, adv, mask)
+    return out | shares(cfg, x)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -3242,7 +3287,7 @@ def update_on_batch(cfg: RLConfig, rs: RunState, ro: Rollout, rewards, logp_old,
         logp = logp + log_s
         logp_topk = None if logp_topk is None else logp_topk + log_s[..., None]
     logp_prox = logp.detach() if first else logp_prox  # TIM: the proximal policy: the trainer before the first update
-    if cfg.correction == "copc":  # COPC's critic: (B, T) advantages and its own loss
+    if arm_of(cfg).critic:  # COPC's critic: (B, T) advantages and its own loss
         values = torch.sigmoid(rs.value_head(hidden.detach()).squeeze(-1))  # (B, T), bounded to [0, 1] rewards
         adv, targets = copc_advantages(values, rewards, logp, ro.logp_infer, ro.mask)
         critic_loss = 0.5 * masked_mean((values - targets).square(), ro.mask)
@@ -3267,101 +3312,131 @@ def update_on_batch(cfg: RLConfig, rs: RunState, ro: Rollout, rewards, logp_old,
                   seconds)
 
 
+class Timer:
+    """Seconds per phase of one step: sec_<phase> in metrics.jsonl."""
+
+    def __init__(self):
+        self.sec, self.last = dict.fromkeys(STEP_PHASES, 0.0), time.perf_counter()
+
+    def lap(self, phase: str | None) -> None:
+        """Add the time since the previous lap to `phase` (None: to no phase)."""
+        now = time.perf_counter()
+        if phase is not None:
+            self.sec[phase] += now - self.last
+        self.last = now
+
+
+def sample_batch(cfg: RLConfig, step: int, rs: RunState) -> tuple[Rollout, list[str]]:
+    """This step's prompts, G samples each, on the trainer's device; and their answers."""
+    problems = rs.train_set[step * cfg.prompts : (step + 1) * cfg.prompts]
+    prompts, answers = encode_problems(rs.tokenizer, problems)
+    device = next(rs.trainer.model.parameters()).device
+    ro = rs.sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, recorded_topk(cfg), rs.gen,
+                           cfg.top_p, cfg.top_k, cfg.min_p)
+    return ro.to(device), answers
+
+
+def merge_kept_support(ro: Rollout, rebuilt) -> dict:
+    """Truncated sampling: the sampler's kept support, the trainer's rebuilt one where it has none; metrics."""
+    extra = {"support_rebuilt": ro.kept_ids is None}
+    if ro.kept_ids is None:
+        ro.kept_ids = rebuilt
+        return extra
+    ro.kept_ids, beyond = merge_support(ro.kept_ids, rebuilt, ro.mask)  # TIM: past K: the rebuilt support
+    extra["support_differs"] = support_differs(ro.kept_ids, rebuilt, ro.mask & ~beyond)
+    if beyond.any():  # logged where it happened (a torch sampler records its whole support: never)
+        extra["support_beyond_k"] = int(beyond.sum())
+        warnings.warn(SUPPORT_BEYOND_K, stacklevel=1)
+    return extra
+
+
+def route_flips(ro: Rollout, behaviour) -> dict:
+    """MoE: share of fed positions (prompt and response) whose experts differ between sampler and trainer."""
+    fed = torch.cat([ro.prompt_mask, ro.mask], 1).cpu()  # (B, P + T)
+    flips = routing_flip_rate(ro.routed_experts, behaviour.routes, fed)
+    return {f"route_flip_{name}": share for name, share in flips.items()}
+
+
+def sync_due(cfg: RLConfig, rs: RunState, ro: Rollout, behaviour) -> bool:
+    """Every sync_every steps (policy lag k - 1), or when DLC's lag trigger fires."""
+    rs.since_sync += 1
+    if rs.since_sync >= cfg.sync_every:
+        return True
+    if not arm_of(cfg).resync or (cfg.dlc_max_lag <= 0 and cfg.dlc_max_staleness <= 0):
+        return False
+    # TIM: DLC's trigger: the lag the next batch would be sampled with, the updated trainer vs the sampler's
+    # weights on this batch's tokens, measured from the master at export when it was rounded (rounding is no lag)
+    with torch.no_grad():
+        routes = behaviour.update_routes
+        logp_next = support_logprobs(rs.trainer.model, ro, cfg.temperature, routes=routes)[0]
+    anchor = behaviour.logp_old if behaviour.logp_master_old is None else behaviour.logp_master_old
+    return dlc_should_resync(logp_next, anchor, ro.mask, rs.since_sync, cfg.dlc_max_staleness, cfg.dlc_max_lag)
+
+
+def sync_sampler(cfg: RLConfig, rs: RunState, timer: Timer) -> float | None:
+    """Export the master (rounding it) into the sampler; returns the visible update fraction."""
+    state, vuf = rs.trainer.export(cfg.export, generator=rs.gen)
+    timer.lap("export")
+    rs.sampler.load_weights(state)  # TIM: the trainer's weights (and its drift) enter the sampler
+    rs.since_sync = 0
+    return vuf
+
+
+def step_record(cfg: RLConfig, step: int, rs: RunState, ro: Rollout, rewards, behaviour, updates: list[Update],
+                synced: bool, vuf, extra: dict) -> dict:
+    """One metrics.jsonl line: mismatch metrics and ledger of the first update's log-probs (before any step on this
+    batch), loss and grad_norm as means over the updates, what the arm dropped."""
+    first = updates[0]
+    ledger = mismatch_ledger(first.logp_kept, behaviour.logp_old, ro.logp_infer, ro.mask, behaviour.logp_master_old,
+                             first.log_s, behaviour.logp_old_sampler_routes, behaviour.logp_old_sampler_gates)
+    record = {"step": step, "reward": float(rewards.mean()), "synced": synced, "visible_update_fraction": vuf,
+              "staleness": rs.since_sync}
+    for key in ("loss", "grad_norm", "frac_zeroed", "frac_zeroed_neg_adv"):  # nan: no token
+        values = [getattr(u, key) for u in updates if math.isfinite(getattr(u, key))]
+        record[key] = sum(values) / len(values) if values else None
+    record |= {f"mm_{k}": v for k, v in mismatch_metrics(first.logp_prox, ro.logp_infer, ro.mask).items()}
+    record |= correction_shares(cfg, first.logp_prox, ro.logp_infer, first.adv, ro.mask)
+    record |= {f"ledger_{k}": v for k, v in ledger.items()} | extra | first.extra | {"peak_rss_mb": peak_rss_mb()}
+    if ro.entropy is not None:  # recorded by the sampler, which had the whole distribution
+        record["entropy"] = float(masked_mean(ro.entropy, ro.mask))
+    return record
+
+
 def rl_step(cfg: RLConfig, step: int, rs: RunState) -> dict:
-    """One step: sample -> score -> behaviour pass -> (correct -> optimizer) x updates -> export/sync -> record.
-
-    The record (one metrics.jsonl line): reward, what the arm zeroed, loss and grad_norm (means over the updates on
-    the batch), mismatch metrics and ledger (of the first: logp before any update on this batch), the drift split
-    and kept mass, entropy, seconds per phase.
-    """
-    trainer, sampler, gen = rs.trainer, rs.sampler, rs.gen
-    sec, laps = dict.fromkeys(STEP_PHASES, 0.0), [time.perf_counter()]
-
-    def lap(phase: str) -> None:
-        """Add the time since the previous lap to `phase`."""
-        laps.append(time.perf_counter())
-        sec[phase] += laps[-1] - laps[-2]
-
+    """One step: sample -> score -> behaviour pass -> (correct -> optimizer) x updates -> export/sync -> record."""
+    timer = Timer()
     # 1) sample
-    prompts, answers = encode_problems(rs.tokenizer, rs.train_set[step * cfg.prompts : (step + 1) * cfg.prompts])
-    device = next(trainer.model.parameters()).device
-    ro = sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, recorded_topk(cfg), gen, cfg.top_p,
-                        cfg.top_k, cfg.min_p).to(device)
-    lap("sample")
-
+    ro, answers = sample_batch(cfg, step, rs)
+    timer.lap("sample")
     # 2) score: the verifier's reward per sequence
-    rewards = torch.tensor([verify(text, answers[i // cfg.group]) for i, text in enumerate(ro.texts)], device=device)
-
-    # 3) behaviour pass: the trainer engine on the weights the sampler holds, and on the master; with truncation the
-    # same forward rebuilds the kept support, used where the sampler returned none (an MoE model: also on the
-    # sampler's experts, and the experts the trainer engine chose itself)
+    rewards = [verify(text, answers[i // cfg.group]) for i, text in enumerate(ro.texts)]
+    rewards = torch.tensor(rewards, device=ro.mask.device)
+    # 3) behaviour pass: the trainer engine on the weights the sampler holds, and on the master (with truncation
+    # the same forward rebuilds the kept support; an MoE model: also on the sampler's experts)
     truncation = (cfg.top_p, cfg.top_k, cfg.min_p) if _truncates(cfg) else None
-    behaviour = trainer.behaviour_logprobs(ro, cfg.temperature, truncation, cfg.routing_replay)
-    logp_old, logp_master_old = behaviour.logp_old, behaviour.logp_master_old
-    extra = {}
-    if truncation is not None:
-        extra["support_rebuilt"] = ro.kept_ids is None
-        if ro.kept_ids is None:
-            ro.kept_ids = behaviour.rebuilt
-        else:  # share of positions where the sampler's own support differs from the rebuilt one
-            ro.kept_ids, beyond = merge_support(ro.kept_ids, behaviour.rebuilt, ro.mask)  # TIM: past K: rebuilt
-            extra["support_differs"] = support_differs(ro.kept_ids, behaviour.rebuilt, ro.mask & ~beyond)
-            if beyond.any():  # logged where it happened (a torch sampler records its whole support: never)
-                extra["support_beyond_k"] = int(beyond.sum())
-                warnings.warn(SUPPORT_BEYOND_K, stacklevel=1)
-    if ro.routed_experts is not None and behaviour.routes is not None:  # same weights, two engines' experts
-        # over every real token fed: prompt and response, (B, P + T)
-        flips = routing_flip_rate(ro.routed_experts, behaviour.routes, torch.cat([ro.prompt_mask, ro.mask], 1).cpu())
-        extra |= {f"route_flip_{name}": share for name, share in flips.items()}
-    routes = behaviour.update_routes  # TIM: R2 / R3: the experts every forward of the update is forced to
-    lap("recompute")
-
-    # 4) weights and update(s): policy_loss applies the correction, updates_per_batch optimizer steps on the batch
+    behaviour = rs.trainer.behaviour_logprobs(ro, cfg.temperature, truncation, cfg.routing_replay)
+    extra = merge_kept_support(ro, behaviour.rebuilt) if truncation else {}
+    if behaviour.routes is not None and ro.routed_experts is not None:  # MoE: same weights, two engines' experts
+        extra |= route_flips(ro, behaviour)
+    timer.lap("recompute")
+    # 4) update(s): the arm's loss, updates_per_batch optimizer steps on the batch
     updates = []
     logp_prox = None  # TIM: the proximal policy, the trainer before this batch's first update
     for _ in range(cfg.updates_per_batch):
-        update = update_on_batch(cfg, rs, ro, rewards, logp_old, logp_prox, routes)
+        # TIM: R2 / R3: update_routes are the experts every forward of the update is forced to
+        update = update_on_batch(cfg, rs, ro, rewards, behaviour.logp_old, logp_prox, behaviour.update_routes)
         logp_prox = update.logp_prox
         updates.append(update)
         for phase, seconds in update.seconds.items():
-            sec[phase] += seconds
-    laps.append(time.perf_counter())
-    first = updates[0]
-    extra |= first.extra
-
-    # 5) export / sync every sync_every steps (policy lag), or when DLC's lag trigger fires
-    rs.since_sync += 1
-    resync = rs.since_sync >= cfg.sync_every
-    if not resync and cfg.correction == "dlc" and (cfg.dlc_max_lag > 0 or cfg.dlc_max_staleness > 0):
-        # TIM: DLC's trigger: the lag the next batch would be sampled with, the updated trainer vs the sampler's
-        # weights on this batch's tokens, measured from the master at export when it was rounded (rounding is no lag)
-        with torch.no_grad():
-            logp_next = support_logprobs(trainer.model, ro, cfg.temperature, routes=routes)[0]
-        lag_anchor = logp_old if logp_master_old is None else logp_master_old
-        resync = dlc_should_resync(logp_next, lag_anchor, ro.mask, rs.since_sync, cfg.dlc_max_staleness,
-                                   cfg.dlc_max_lag)
-    vuf = None
-    if resync:
-        state, vuf = trainer.export(cfg.export, generator=gen)
-        lap("export")
-        sampler.load_weights(state)  # TIM: the trainer's weights (and its drift) enter the sampler
-        rs.since_sync = 0
-    lap("sync")
-
-    # 6) ledger and metrics: the first update's log-probs, before any step on this batch
-    ledger = mismatch_ledger(first.logp_kept, logp_old, ro.logp_infer, ro.mask, logp_master_old, first.log_s,
-                             behaviour.logp_old_sampler_routes, behaviour.logp_old_sampler_gates)
-    record = {"step": step, "reward": float(rewards.mean()), "synced": resync, "visible_update_fraction": vuf,
-              "staleness": rs.since_sync}
-    for key in ("loss", "grad_norm", "frac_zeroed", "frac_zeroed_neg_adv"):  # mean over the updates (nan: no token)
-        values = [getattr(u, key) for u in updates if math.isfinite(getattr(u, key))]
-        record[key] = sum(values) / len(values) if values else None
-    record |= {f"mm_{k}": v for k, v in mismatch_metrics(logp_prox, ro.logp_infer, ro.mask).items()}
-    record |= correction_shares(cfg, first.logp_prox, ro.logp_infer, first.adv, ro.mask)  # what a 2026 arm dropped
-    record |= {f"ledger_{k}": v for k, v in ledger.items()} | extra | {"peak_rss_mb": peak_rss_mb()}
-    if ro.entropy is not None:  # recorded by the sampler, which had the whole distribution
-        record["entropy"] = float(masked_mean(ro.entropy, ro.mask))
-    return record | {f"sec_{phase}": sec[phase] for phase in STEP_PHASES}
+            timer.sec[phase] += seconds
+    timer.lap(None)
+    # 5) export / sync
+    synced = sync_due(cfg, rs, ro, behaviour)
+    vuf = sync_sampler(cfg, rs, timer) if synced else None
+    timer.lap("sync")
+    # 6) ledger and metrics
+    record = step_record(cfg, step, rs, ro, rewards, behaviour, updates, synced, vuf, extra)
+    return record | {f"sec_{phase}": seconds for phase, seconds in timer.sec.items()}
 
 
 def setup_run(cfg: RLConfig) -> RunState:
@@ -3380,7 +3455,7 @@ def setup_run(cfg: RLConfig) -> RunState:
         raise UsageError(f"{routers_flag} acts on MoE routers, but {cfg.model} has no "
                          "router tim_rl replays (REPLAYABLE_ROUTERS; --model runs/base-moe is the tiny MoE)" +
                          (f"; its router is {router_class(model)}" if is_moe(model) else ""))
-    value_head = torch.nn.Linear(model.config.hidden_size, 1).to(device) if cfg.correction == "copc" else None
+    value_head = torch.nn.Linear(model.config.hidden_size, 1).to(device) if arm_of(cfg).critic else None
     trainer = Trainer(model, cfg.lr, cfg.optimizer, export_dtype=cfg.dtype, loss_on_served=cfg.loss_on_served,
                       extra_params=value_head.parameters() if value_head is not None else ())
     if cfg.sampler == "vllm":  # --dtype only (_check_run_config refused --quant, --noise and --exact)
@@ -3504,7 +3579,7 @@ def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: 
                  f"{len(seeds)} paired seeds: held-out trainer pc at step 0 -> after the last step, mean ± sd over "
                  f"the seeds (sd with Bessel's correction) ==")
     print("\n" + lines[-1])
-    base = RLConfig(steps=steps, sync_every=sync_every, eval_every=max(steps // 4, 1), progress=False, out_dir=out,
+    base = RLConfig(steps=steps, sync_every=sync_every, eval_every=max(steps // 4, 1), out_dir=out,
                     topk=0)  # sc_tis over all V, as README's demo output was run
     arms = [("synced control (k=1, none)", {"correction": "none", "sync_every": 1})]
     arms += [(f"{c} (k={sync_every})", {"correction": c}) for c in ("none", "tis", "sc_tis")]
@@ -3763,12 +3838,9 @@ def _truncates(cfg: RLConfig) -> bool:
     return cfg.temperature > 0 and (cfg.top_p < 1 or cfg.top_k > 0 or cfg.min_p > 0)
 
 
-TOPK_READERS = ("sc", "sc_tis", "sc_mis", "drift_only")  # the arms whose loss reads the top-K log-probs
-
-
 def _reads_topk(cfg: RLConfig) -> bool:
     """Whether the run's loss or diagnostics read the sampler's top-K log-probs."""
-    return cfg.correction in TOPK_READERS or cfg.diagnose_drift
+    return arm_of(cfg).reads_topk or cfg.diagnose_drift
 
 
 SUPPORT_BEYOND_K = ("vLLM returned --support-topk finite log-probs at some positions (the kept support may be "
@@ -3916,7 +3988,7 @@ def _check_run_config(cfg: RLConfig) -> None:
     except ValueError as e:
         raise ValueError("--" + str(e).replace("_", "-", 1)) from None
     # COPC's advantages come from its critic
-    group_relative = cfg.baseline == "group" and cfg.correction != "copc"
+    group_relative = cfg.baseline == "group" and not arm_of(cfg).critic
     vllm = cfg.sampler == "vllm"
     # its longest answer and <eos>: a product or a swap has 2 x digits, else digits + 1
     task = run_task_kwargs(cfg, cfg.model)
@@ -3924,8 +3996,7 @@ def _check_run_config(cfg: RLConfig) -> None:
     mistakes = [
         (cfg.task == "arithmetic" and cfg.max_new_tokens < longest, (f"--max-new-tokens {cfg.max_new_tokens} "
          f"cannot hold this model's answers ({task['digits']}-digit {task['ops']!r}: up to {longest} with <eos>)")),
-        (_truncates(cfg) and not cfg.renormalize and cfg.correction in ("dlc", "calibrated", "sc", "sc_tis", "sc_mis",
-                                                                         "drift_only"),
+        (_truncates(cfg) and not cfg.renormalize and arm_of(cfg).renormalized,
          (f"--no-renormalize applies to the current trainer's sampled-token log-probs only; --correction "
          f"{cfg.correction} also reads logp_old or the top-K log-probs: run it with --renormalize")),
         (cfg.loss_on_served and (cfg.sync_every, cfg.updates_per_batch) != (1, 1), ("--loss-on-served needs "
@@ -4011,6 +4082,7 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse whose mistakes are one line and exit status 2 (no usage block before them)."""
 
     def error(self, message):
+        """Print `prog: error: message` alone and exit with status 2."""
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
