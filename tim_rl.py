@@ -3819,7 +3819,7 @@ class RLConfig:
                                     "base pre-trained with --mixed-digits serves each of its counts)")
     routing_replay: str = cli_field("none", "MoE: none | r2 (the update replays the experts the policy being "
                                             "updated chose before it) | r3 (the sampler's; torch sampler)")
-    gradient_checkpointing: bool = cli_field(False, "transformers' gradient checkpointing (README: its cost)")
+    gradient_checkpointing: bool = cli_field(False, "transformers' gradient checkpointing (its cost: RESULTS.md)")
 
 
 def engine_spec(cfg: RLConfig) -> EngineSpec:
