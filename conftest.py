@@ -21,7 +21,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 FP32_ATOL = 1e-5  # token_logprobs against log_softmax in float32 (V up to 1000, logits up to 30)
 # the banner of tim_rl.py's fast-path section: the copy-tests and the reading order both name it
-FAST_PATHS = "fast paths (fused / compiled / chunked passes, GPU probes)"
+FAST_PATHS = "fast paths (chunked log-probs)"
 
 
 def pytest_collection_modifyitems(items):

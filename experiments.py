@@ -14,6 +14,7 @@ baselines timed side by side). It calls the reference as `tr.NAME`; the referenc
 
 from __future__ import annotations
 
+import argparse
 import copy
 import functools
 import gc
@@ -29,6 +30,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import NamedTuple
 
+import machinery
 import tim_rl as tr
 from tim_rl import torch  # the reference's torch: loaded after its OpenMP choice for a shared machine, in any order
 
@@ -2618,10 +2620,10 @@ def bench_export(n: int, repeats: int, device: torch.device) -> list[dict]:
     residual, gen = torch.zeros_like(x), torch.Generator(device).manual_seed(0)
     return _ratio_rows([
         ("RTN", lambda: x.to(torch.bfloat16), ""), ("clone", lambda: x.clone(), "(floor)"),
-        ("stochastic_round_bf16_fused", lambda: tr.stochastic_round_bf16_fused(x, tr.draw_seed(None)), "<= 1.5"),
+        ("stochastic_round_bf16_fused", lambda: machinery.stochastic_round_bf16_fused(x, tr.draw_seed(None)), "<= 1.5"),
         (("stochastic_round_bf16, torch "
          "RNG"), lambda: tr.stochastic_round_bf16(x, generator=gen), "(reference)"),
-        ("error_feedback_round_bf16_fused", lambda: tr.error_feedback_round_bf16_fused(x, residual), "<= 2.5"),
+        ("error_feedback_round_bf16_fused", lambda: machinery.error_feedback_round_bf16_fused(x, residual), "<= 2.5"),
         ("error_feedback_round_bf16", lambda: tr.error_feedback_round_bf16(x, residual), "(reference)"),
     ], repeats, f" ({n / 2**20:.0f}M fp32, {device.type})")
 
@@ -3027,8 +3029,9 @@ def _parser():
                        help=f"comma-separated seeds (the thresholds were tuned on {DOCTOR_TUNE_SEEDS})")
     p_doc.add_argument("--publish", action="store_true", help="write its section of RESULTS.md")
     p_sample = sub.add_parser("doctor-sample", help="write README's sample batch for `tim_rl.py doctor FILE`")
-    p_sample.add_argument("--out", type=Path, default=Path("examples/doctor_batch.safetensors"))
-    p_sample.add_argument("--model", default="runs/base", help="the base model (built there if missing)")
+    p_sample.add_argument("--out", type=Path, default=Path("examples/doctor_batch.safetensors"),
+                          help="the .safetensors file written")
+    p_sample.add_argument("--model", default="runs/base", help="the base model (runs/base is pre-trained if missing)")
     return parser
 
 
@@ -3054,6 +3057,12 @@ def main(argv: list[str] | None = None) -> None:
         print(doctor_eval(tuple(int(s) for s in args.seeds.split(",")), args.publish))
         return
     if args.cmd == "doctor-sample":
+        if args.out.suffix != ".safetensors" or args.out.is_dir():
+            parser.exit(2, f"experiments: error: --out {args.out}: expected a .safetensors file path\n")
+        try:
+            tr.check_cli(argparse.Namespace(cmd="doctor-sample", out=str(args.out.parent), model=args.model))
+        except ValueError as e:
+            parser.exit(2, f"experiments: error: {e}\n")
         print(f"wrote {doctor_sample(args.out, args.model)}")
         return
     try:

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import experiments as ex
+import machinery
 import tim_rl as tr
 from conftest import FAST_PATHS, FP32_ATOL, HostFactoryWatch, _arm_weights, _doctor_tensors
 
@@ -101,13 +102,13 @@ def _chi2_per_dof(values: torch.Tensor, bins: int = 256) -> float:
 
 @pytest.mark.parametrize("seed", [0, 1, 2**31 - 1])
 def test_hash_noise_is_uniform_on_16_bits(seed):
-    noise = tr.hash_noise16((1 << 20,), torch.tensor(seed, dtype=torch.int32))
+    noise = machinery.hash_noise16((1 << 20,), torch.tensor(seed, dtype=torch.int32))
     assert noise.dtype == torch.int32 and int(noise.min()) >= 0 and int(noise.max()) < 1 << 16
     # high byte and low byte each uniform over 256 bins: chi2/dof ~ 1 +- 0.09 for 2^20 draws
     assert _chi2_per_dof(noise >> 8) < 1.5 and _chi2_per_dof(noise & 255) < 1.5
     # anti-vacuity: the same check rejects noise that misses its top bit (i.e. a biased rounding)
     assert _chi2_per_dof((noise & 0x7FFF) >> 8) > 10
-    other = tr.hash_noise16((1 << 20,), torch.tensor(seed ^ 1, dtype=torch.int32))
+    other = machinery.hash_noise16((1 << 20,), torch.tensor(seed ^ 1, dtype=torch.int32))
     assert float((noise == other).double().mean()) < 1e-3, "another seed, other noise"
 
 
@@ -118,8 +119,8 @@ def test_fused_stochastic_round_equals_the_reference_with_its_noise(compile_):
                    torch.tensor([math.inf, -math.inf, math.nan, 0.0, -0.0, 1e-45, 3.4e38]),
                    torch.tensor([-1], dtype=torch.int32).view(torch.float32)])  # a NaN that overflows int32
     x = x.reshape(8, -1)  # (8, 626): a 2-D parameter
-    fused = tr.stochastic_round_bf16_fused(x, seed=123, compile=compile_)
-    ref = tr.stochastic_round_bf16(x, noise=tr.hash_noise16(tuple(x.reshape(-1).shape), torch.tensor(123,
+    fused = machinery.stochastic_round_bf16_fused(x, seed=123, compile=compile_)
+    ref = tr.stochastic_round_bf16(x, noise=machinery.hash_noise16(tuple(x.reshape(-1).shape), torch.tensor(123,
                                    dtype=torch.int32)).reshape(x.shape))
     assert fused.shape == x.shape and fused.dtype == torch.bfloat16
     assert torch.equal(fused.view(torch.int16), ref.view(torch.int16)), "bit for bit, NaNs included"
@@ -127,7 +128,7 @@ def test_fused_stochastic_round_equals_the_reference_with_its_noise(compile_):
 
 def test_fused_stochastic_round_is_unbiased_rtn_is_not():
     x = torch.full((1 << 20,), 1.0 + 2.0**-9)  # a quarter of a bf16 cell (2^-7) above 1
-    means = [float(tr.stochastic_round_bf16_fused(x, seed=s, compile=False).double().mean()) for s in range(4)]
+    means = [float(machinery.stochastic_round_bf16_fused(x, seed=s, compile=False).double().mean()) for s in range(4)]
     sd = 2.0**-7 * math.sqrt(0.25 * 0.75 / x.numel())
     assert all(abs(m - (1.0 + 2.0**-9)) < 5 * sd for m in means)
     assert float(tr.round_nearest_bf16(x).double().mean()) == 1.0, "RTN: the quarter cell is gone"
@@ -207,7 +208,7 @@ def test_fused_error_feedback_equals_the_reference_bit_for_bit(compile_):
     residual[:3] = torch.tensor([math.inf, -math.inf, 3.4e38])  # inf - inf, and a finite sum that overflows
     x, residual = x.reshape(10, -1), residual.reshape(10, -1)  # (10, 501): a 2-D parameter
     for _ in range(2):  # the second export feeds the first one's residual back
-        served, new = tr.error_feedback_round_bf16_fused(x, residual, compile=compile_)
+        served, new = machinery.error_feedback_round_bf16_fused(x, residual, compile=compile_)
         ref_served, ref_new = tr.error_feedback_round_bf16(x, residual)
         assert served.shape == x.shape and served.dtype == torch.bfloat16 and new.dtype == torch.float32
         assert torch.equal(served.view(torch.int16), ref_served.view(torch.int16)), "served, NaNs included"
@@ -840,10 +841,10 @@ def test_token_logprobs_compiled_pass_matches_log_softmax_and_its_gradient():
         (grad,) = torch.autograd.grad((ours * upstream).sum(), leaf)
         (ref_grad,) = torch.autograd.grad((ref * upstream).sum(), leaf)
         assert grad.dtype == dtype and torch.allclose(grad.float(), ref_grad.float(), atol=atol)
-    assert tr._logprobs_pass in tr._COMPILED, "anti-vacuity: the compiled passes ran"
+    assert machinery._logprobs_pass in machinery._COMPILED, "anti-vacuity: the compiled passes ran"
     x = logits[0].clone().requires_grad_(True)  # anti-vacuity: the same check sees a backward with a wrong lse
     (ref0,) = torch.autograd.grad((torch.log_softmax(x, -1).gather(-1, ids[0]) * upstream[0]).sum(), x)
-    wrong = tr._logprobs_grad_pass(logits[0], ids[0], torch.zeros(5, 1), torch.zeros(5, 1), upstream[0])
+    wrong = machinery._logprobs_grad_pass(logits[0], ids[0], torch.zeros(5, 1), torch.zeros(5, 1), upstream[0])
     assert not torch.allclose(wrong, ref0, atol=1e-3)
 
 
@@ -917,7 +918,7 @@ def test_token_logprobs_gradient_is_exact_at_any_row_offset(monkeypatch, fused):
     """Rows shifted by -1e4 .. -1e7, +1e6, a row of finfo.min, and finfo.min-masked rows: the gradient within 1e-3
     relative L1 of autograd's log_softmax (fp32) on every row, eager and fused (its passes run eagerly here); the
     forward bitwise that of today's formula (log_softmax + gather; the fused pass's gather - logsumexp)."""
-    monkeypatch.setattr(tr, "_compiled", lambda fn: fn)
+    monkeypatch.setattr(machinery, "_compiled", lambda fn: fn)
     g = torch.Generator().manual_seed(0)
     V = 300
     tiny = torch.finfo(torch.float32).min
@@ -1281,10 +1282,7 @@ def _copy_calls():
         "log_odds_displacement": lambda f: f(a, b),
         "round_nearest_bf16": lambda f: f(x),
         "stochastic_round_bf16": lambda f: f(x, generator=torch.Generator().manual_seed(1)),
-        "hash_noise16": lambda f: f((4, 5), torch.tensor(7, dtype=torch.int32)),
-        "stochastic_round_bf16_fused": lambda f: f(x, 7, compile=False),
         "error_feedback_round_bf16": lambda f: f(x, dx),
-        "error_feedback_round_bf16_fused": lambda f: f(x, dx, compile=False),
         "visible_update_fraction": lambda f: f(x, x + dx, x.bfloat16().float(), (x + dx).bfloat16().float()),
         "grpo_advantages": lambda f: f(torch.rand(6, generator=torch.Generator().manual_seed(2)), 3, True),
         "copc_advantages": lambda f: f(c, d[:, 0].exp(), a, b, mask),
@@ -1444,7 +1442,7 @@ def test_the_factory_watch_catches_host_built_tensors():
             old()
         assert watch.found and watch.found[0].startswith(("arange", "randint")), watch.found
     with HostFactoryWatch() as watch:
-        tr.hash_noise16((4, 5), seed), tr.stochastic_round_bf16(x, generator=torch.Generator())
+        machinery.hash_noise16((4, 5), seed), tr.stochastic_round_bf16(x, generator=torch.Generator())
     assert watch.found == []
 
 
@@ -1469,7 +1467,7 @@ def test_arguments_on_two_devices_are_a_value_error_naming_both():
              lambda: tr.score_centering_loss(a, a[..., None], a, meta[..., None], a[:, :1], mask),
              lambda: tr.copc_advantages(a, meta[:, 0], a, a, mask), lambda: tr.visible_update_fraction(a, a, meta, a),
              lambda: tr.renormalize_on_support(a, meta[..., None]), lambda: tr.log_odds_displacement(a, meta),
-             lambda: tr.error_feedback_round_bf16_fused(a, meta, compile=False)]
+             lambda: machinery.error_feedback_round_bf16_fused(a, meta, compile=False)]
     for call in calls:
         with pytest.raises(ValueError, match=r"(on meta.*on cpu|on cpu.*on meta)"):
             call()

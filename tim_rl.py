@@ -69,6 +69,7 @@ import re
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from fractions import Fraction
 from pathlib import Path
@@ -1517,11 +1518,10 @@ def stack_routes(log: list[list[tuple]], batch: int, part: int = 0) -> torch.Ten
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# ---- fast paths (fused / compiled / chunked passes, GPU probes) ----
-# What makes the math above fast at a real vocabulary (V = 151,936) without changing one bit on the CPU: row-chunked
-# log-probs with a hand-written backward (no second (B, T, V) float32 tensor), torch.compile'd single-read passes
-# on a GPU, and the fused bf16 export. Nothing here is needed to understand a formula; every function above reads
-# the same without it. The GPU passes are probed once per device and fall back to the eager paths when they fail.
+# ---- fast paths (chunked log-probs) ----
+# What keeps token_logprobs' memory small at a real vocabulary (V = 151,936): row chunks with a hand-written
+# backward, never a second (B, T, V) float32 tensor. The compiled single-read GPU passes and the fused bf16 export
+# live in machinery.py, imported only where they run (a GPU); on a CPU these eager paths are the reference.
 
 # token_logprobs works on row chunks of at most this many fp32 bytes (4 MiB: ~32 rows at V = 32 000, ~6 at
 # V = 151 936), so its transient memory is a few chunks, not a fraction of the (B, T, V) logits.
@@ -1529,25 +1529,9 @@ CHUNK_BYTES = 4 << 20
 # The same on a GPU without the compiled pass (64 MiB: ~110 rows at V = 151 936): 6-row chunks would leave a GPU
 # waiting on kernel launches; 64 MiB of transients is nothing beside the (B, T, V) logits there.
 GPU_CHUNK_BYTES = 64 << 20
-# On a GPU token_logprobs runs one compiled pass per chunk of at most this many logits (2^28: 1 GiB of fp32, ~1 770
-# rows at V = 151 936): large enough to read at memory speed, small enough that a bf16 backward's fp32 chunk is not.
-FUSED_CHUNK_ELEMENTS = 1 << 28
 # A row whose largest logit m has |m| above this keeps what lse = m + s lost to rounding (s the shifted logsumexp):
 # exp(z - lse) would otherwise carry lse's rounding, ulp(m) / 2 (6e-5 at 1024, 0.25 at 1e7, all of it at finfo.min)
 FAR_FROM_ZERO = 1024.0
-
-
-# function -> torch.compile(function, dynamic=True), built on first use (seconds; needs a compiler)
-_COMPILED = {}
-# (probe name, CUDA device index) -> whether torch.compile compiled and ran the probe's passes
-_COMPILE_WORKS = {}
-
-
-def _compiled(fn):
-    """torch.compile(fn, dynamic=True), one per function: a kernel for every shape, compiled on the first call."""
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=True)
-    return _COMPILED[fn]
 
 
 def _lse_tail(lse: torch.Tensor, m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -1561,7 +1545,7 @@ def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int, 
 
     One code path for every caller, with and without a gradient, so that the trainer's log-probs are bitwise the
     same whichever way they are computed (exact mode and a lag of exactly 0 rely on it). fused: each chunk in one
-    compiled pass (_fused_logprobs), no (n, V) transient. The logsumexp is read off each row's largest logit m,
+    compiled pass (machinery._fused_logprobs), no (n, V) transient. The logsumexp is read off each row's largest logit m,
     lse = z_m - log_softmax(z)_m, where log_softmax(z)_m = -log sum exp(z - z_m) lies in [-log V, 0]: exact to one
     rounding whatever the other logits are (-inf and finfo.min included), its rounding kept apart (_lse_tail) where
     the row is far from 0. Rows of only -inf give nan, as log_softmax.
@@ -1570,7 +1554,9 @@ def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int, 
     lse = torch.empty(logits.shape[0], 2, dtype=torch.float32, device=logits.device)
     for start in range(0, logits.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
-        if fused:
+        if fused:  # one compiled pass per chunk (a GPU)
+            from machinery import _fused_logprobs
+
             out[rows], lse[rows] = _fused_logprobs(logits[rows], ids[rows])
             continue
         chunk = logits[rows].float()  # (n, V), a copy only when logits are not fp32
@@ -1582,99 +1568,12 @@ def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int, 
     return out, lse
 
 
-def _logprobs_pass(logits: torch.Tensor, ids: torch.Tensor):
-    """(logits[ids] - logsumexp(logits), (logsumexp(logits), its tail)) in float32, one read of the logits."""
-    z = logits.float()
-    lse, m = torch.logsumexp(z, -1, keepdim=True), z.amax(-1, keepdim=True)  # (n, 1) each
-    return logits.gather(-1, ids).float() - lse, _lse_tail(lse, m, torch.exp(z - m).sum(-1, keepdim=True).log())
-
-
-def _logprobs_grad_pass(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, tail: torch.Tensor,
-                        g: torch.Tensor):
-    """sum_k g_k (onehot(ids_k) - softmax(logits)) in the logits' dtype: the backward in one pass. -> (n, V)."""
-    dense = torch.exp(logits.float() - lse - tail) * -g.sum(-1, keepdim=True)  # (n, V) float32
-    return dense.scatter_add(-1, ids, g).to(logits.dtype)
-
-
-def _two_or_more(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """t with a size-1 `dim` repeated to size 2 (torch.compile specialises sizes 1: a graph of their own), else t."""
-    return t if t.shape[dim] > 1 else torch.cat([t, t], dim)
-
-
-def _fused_inputs(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits, ids) alike for every chunk, so one compiled graph per logits dtype serves a run: detached, ids
-    contiguous, 1 row or K = 1 repeated to 2 (the copies' results are dropped). (n, V), (n, K) ->
-    (max(n, 2), V), (max(n, 2), max(K, 2))."""
-    rows = _two_or_more(logits.detach(), 0)  # a copy of one row only for a 1-row chunk
-    both = _two_or_more(_two_or_more(ids, 1), 0).contiguous()
-    return rows, both
-
-
-def _fused_logprobs(logits: torch.Tensor, ids: torch.Tensor):
-    """_logprobs_pass compiled on _fused_inputs. (n, V), (n, K) -> (n, K), (n, 2)."""
-    n, K = ids.shape
-    rows, both = _fused_inputs(logits, ids)
-    with torch.no_grad():  # grad and no-grad callers meet one compiled version (dynamo guards on both)
-        out, lse = _compiled(_logprobs_pass)(rows, both)
-    return out[:n, :K], lse[:n]
-
-
-def _fused_logprobs_grad(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, g: torch.Tensor):
-    """_logprobs_grad_pass compiled on _fused_inputs; g (n, K) contiguous, its K = 1 padded with a -0.0 column
-    (x + -0.0 = x bitwise: the padded id adds nothing). -> (n, V)."""
-    n, K = ids.shape
-    rows, both = _fused_inputs(logits, ids)
-    # a .sum()'s g has stride 0
-    g_2 = g.contiguous() if K > 1 else torch.cat([g, torch.full_like(g, -0.0)], 1)
-    # (n, 1) each, not views: a view of the (N, 2) lse makes dynamo guard on N too (and its 2 on K = 2)
-    lse_2, tail_2 = (_two_or_more(lse[:, k : k + 1], 0).clone() for k in (0, 1))
-    with torch.no_grad():
-        grad = _compiled(_logprobs_grad_pass)(rows, both, lse_2, tail_2, _two_or_more(g_2, 0))
-    return grad[:n]
-
-
-def _logprobs_probe(device: torch.device) -> None:
-    """Compile and run the passes token_logprobs' fused path runs, forward and backward, on tiny fp32 and bf16 inputs
-    (one graph per dtype; either failing means eager): sizes 3 x 7 with K = 2 all differ, so the graph it compiles
-    is the one every chunk of that dtype meets."""
-    for dtype in (torch.float32, torch.bfloat16):
-        logits = torch.zeros(3, 7, device=device, dtype=dtype)
-        ids = torch.zeros(3, 2, dtype=torch.long, device=device)
-        _, lse = _fused_logprobs(logits, ids)
-        _fused_logprobs_grad(logits, ids, lse, torch.ones(3, 2, device=device))
-
-
-def _cuda_index(device: torch.device) -> int:
-    """The index of a CUDA device: torch.device('cuda') is the current device, the same GPU as 'cuda:<current>'."""
-    device = torch.device(device)
-    return torch.cuda.current_device() if device.index is None else device.index
-
-
-def _gpu_compiles(device: torch.device, probe) -> bool:
-    """True on a CUDA device where torch.compile works: Triton present and probe(device), which compiles and runs the
-    passes the caller would use, ran (once per probe and device index; the answer is kept in _COMPILE_WORKS)."""
-    import importlib.util
-    import sys
-
-    device = torch.device(device)
-    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
-        return False
-    key = (probe.__name__, _cuda_index(device))
-    if key not in _COMPILE_WORKS:
-        try:
-            probe(torch.device("cuda", key[1]))
-            _COMPILE_WORKS[key] = True
-        # any compiler failure (no C compiler, no Python headers...): the eager paths instead
-        except Exception as e:  # noqa: BLE001 (any compiler failure means: the eager path)
-            print(f"[tim_rl] torch.compile failed on {device} ({type(e).__name__}): eager fallbacks", file=sys.stderr)
-            _COMPILE_WORKS[key] = False
-    return _COMPILE_WORKS[key]
-
-
 def _default_chunk_rows(V: int, device: torch.device, fused: bool) -> int:
-    """Rows per chunk of token_logprobs: FUSED_CHUNK_ELEMENTS logits fused, else GPU_CHUNK_BYTES of fp32 on CUDA
-    and CHUNK_BYTES elsewhere. At least 1."""
+    """Rows per chunk of token_logprobs: machinery.FUSED_CHUNK_ELEMENTS logits fused, else GPU_CHUNK_BYTES of fp32
+    on CUDA and CHUNK_BYTES elsewhere. At least 1."""
     if fused:
+        from machinery import FUSED_CHUNK_ELEMENTS
+
         return max(1, FUSED_CHUNK_ELEMENTS // V)
     budget = GPU_CHUNK_BYTES if torch.device(device).type == "cuda" else CHUNK_BYTES
     return max(1, budget // (4 * V))
@@ -1707,6 +1606,8 @@ class _TokenLogprobs(torch.autograd.Function):
             rows = slice(start, start + ctx.chunk_rows)
             g = grad_out[rows].float()  # (n, K)
             if ctx.fused:  # one compiled pass
+                from machinery import _fused_logprobs_grad
+
                 grad[rows] = _fused_logprobs_grad(logits[rows], ids[rows], lse[rows], g)
                 continue
             fp32 = logits.dtype == torch.float32  # then work in the gradient's own rows: no temporary at all
@@ -1725,17 +1626,16 @@ def chunked_token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: 
     """token_logprobs on flat rows, (N, V), (N, K) -> (N, K) float32: each chunk of rows upcast and reduced on its own.
 
     Default chunk: as many rows as fit in CHUNK_BYTES of float32 (GPU_CHUNK_BYTES on CUDA); the backward writes the
-    logits' gradient chunk by chunk (_TokenLogprobs). fused (default: on CUDA when torch.compile has Triton and
-    _logprobs_probe compiles and runs there) runs each chunk of FUSED_CHUNK_ELEMENTS as one torch.compile'd pass,
-    gather - logsumexp forward and g (onehot - softmax) backward, so the logits are read once; one graph per logits
-    dtype serves every chunk (_fused_logprobs).
+    logits' gradient chunk by chunk (_TokenLogprobs). fused (default: on CUDA where torch.compile works) runs each
+    chunk as one compiled pass that reads the logits once (machinery.py).
 
-    needs: _TokenLogprobs, _chunked_logprobs, _compiled, _logprobs_pass, _logprobs_grad_pass, _two_or_more,
-    _fused_inputs, _fused_logprobs, _fused_logprobs_grad, _logprobs_probe, _cuda_index, _gpu_compiles,
-    _default_chunk_rows, _lse_tail, CHUNK_BYTES, GPU_CHUNK_BYTES, FUSED_CHUNK_ELEMENTS, FAR_FROM_ZERO, _COMPILED,
-    _COMPILE_WORKS
+    needs: _TokenLogprobs, _chunked_logprobs, _default_chunk_rows, _lse_tail, CHUNK_BYTES, GPU_CHUNK_BYTES,
+    FAR_FROM_ZERO
     """
-    fused = _gpu_compiles(logits.device, _logprobs_probe) if fused is None else fused
+    if fused is None and logits.device.type == "cuda":  # compiled passes where torch.compile works there
+        from machinery import _gpu_compiles, _logprobs_probe
+
+        fused = _gpu_compiles(logits.device, _logprobs_probe)
     if chunk_rows is None:
         chunk_rows = _default_chunk_rows(logits.shape[-1], logits.device, fused)
     if not (torch.is_grad_enabled() and logits.requires_grad):  # no graph to record
@@ -1758,87 +1658,6 @@ def logprobs_by_blocks(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int 
         blocks = list(zip(logits, ids))
     out = [chunked_token_logprobs(x.reshape(-1, V), i.reshape(-1, i.shape[-1]), chunk_rows, fused) for x, i in blocks]
     return torch.stack(out).view(ids.shape)
-
-
-def hash_noise16(shape: tuple[int, ...], seed: torch.Tensor) -> torch.Tensor:
-    """Counter-based uniform noise in [0, 2^16): 32-bit integer hash of (element index, seed). int32, `shape`.
-
-    Deterministic given the seed (no generator state), so a compiler can fuse it with the rounding into one pass; on
-    the seed's device. The hash is lowbias32 (C. Wellons' hash-prospector) of index * 0x9E3779B1 + seed; int32
-    products wrap, shifts are made logical by masking.
-
-    needs: nothing
-    """
-    index = torch.arange(math.prod(shape), dtype=torch.int32, device=seed.device).reshape(shape)
-    h = index * -1640531535 + seed
-    h = h ^ ((h >> 16) & 0xFFFF)
-    h = h * 0x7FEB352D
-    h = h ^ ((h >> 15) & 0x1FFFF)
-    h = h * -2073254261  # 0x846CA68B as int32
-    h = h ^ ((h >> 16) & 0xFFFF)
-    return h & 0xFFFF
-
-
-def _sr_hashed(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-    """Stochastic bf16 rounding, hash_noise16(seed) as noise; non-finite values cast as is."""
-    bits = (x.view(torch.int32) + hash_noise16(tuple(x.shape), seed)) & ~((1 << BF16_DROPPED_BITS) - 1)
-    return torch.where(torch.isfinite(x), bits.view(torch.float32).to(torch.bfloat16), x.to(torch.bfloat16))
-
-
-def stochastic_round_bf16_fused(x: torch.Tensor, seed: int, compile: bool = True) -> torch.Tensor:
-    """stochastic_round_bf16 with hash_noise16(seed) as its noise, fused by torch.compile into one pass. Same shape.
-
-    Bitwise equal to stochastic_round_bf16(x, noise=hash_noise16(x.shape, seed)), so E[SR(x)] = x holds as far as
-    the hash is uniform (tested). Use a fresh seed per export. For large models: the reference draws 2^16-valued
-    noise with torch's generator in a separate pass; this runs at close to the speed of x.to(torch.bfloat16).
-    compile=False runs the same code eagerly (slow; for machines without a compiler).
-
-    needs: _check_fp32, _check_tensor, hash_noise16, _sr_hashed, _compiled, BF16_DROPPED_BITS, _COMPILED
-    """
-    _check_fp32("x", x)
-    seed_t = torch.tensor(seed & 0x7FFFFFFF, dtype=torch.int32, device=x.device)
-    flat = x.contiguous().reshape(-1)  # one compiled kernel for every parameter shape
-    return (_compiled(_sr_hashed) if compile else _sr_hashed)(flat, seed_t).reshape(x.shape)
-
-
-def _ef_one_pass(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """error_feedback_round_bf16 with round-to-nearest-even on the fp32 bits. Flat fp32 -> (bf16, fp32).
-
-    Written on the bits because torch.compile drops the rounding from `target - target.to(bf16).float()`.
-    """
-    target = x + residual
-    bits = target.view(torch.int32)
-    half = (1 << (BF16_DROPPED_BITS - 1)) - 1 + ((bits >> BF16_DROPPED_BITS) & 1)  # ties to even
-    served = ((bits + half) & ~((1 << BF16_DROPPED_BITS) - 1)).view(torch.float32)  # RNE, exact in fp32
-    bad = ~torch.isfinite(target)  # where the reference's target - served is nan
-    new_residual = torch.where(bad, torch.zeros_like(target), target - served)
-    return torch.where(bad, x, served).to(torch.bfloat16), new_residual
-
-
-def error_feedback_round_bf16_fused(x: torch.Tensor, residual: torch.Tensor, compile: bool = True):
-    """error_feedback_round_bf16 as one pass fused by torch.compile, bitwise equal to it. (served bf16, e' fp32).
-
-    The reference walks memory four times (add, cast, subtract, NaN check); this reads x and e once and writes
-    served and e' once. compile=False runs the same code eagerly (slow; for machines without a compiler).
-
-    needs: _check_fp32, _check_tensor, _check_device, _ef_one_pass, _compiled, BF16_DROPPED_BITS, _COMPILED
-    """
-    _check_fp32("x", x)
-    _check_fp32("residual", residual)
-    _check_device("residual", residual, "x", x)
-    if residual.shape != x.shape:
-        raise ValueError(f"residual must have shape {tuple(x.shape)} like x, got {tuple(residual.shape)}")
-    # one kernel for every shape
-    flat_x, flat_e = x.contiguous().reshape(-1), residual.contiguous().reshape(-1)
-    served, new_residual = (_compiled(_ef_one_pass) if compile else _ef_one_pass)(flat_x, flat_e)
-    return served.reshape(x.shape), new_residual.reshape(x.shape)
-
-
-def _export_probe(device: torch.device) -> None:
-    """Compile and run the passes of Trainer.export's fused SR and EF exports on a tiny fp32 input (_gpu_compiles)."""
-    x = torch.zeros(7, device=device)
-    stochastic_round_bf16_fused(x, seed=1)
-    error_feedback_round_bf16_fused(x, torch.zeros_like(x))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -2963,17 +2782,21 @@ class Trainer:
         if mode != "rtn" and self.export_dtype != "bf16":
             raise ValueError(f"export mode {mode!r} rounds to bf16, but the sampler dtype is {self.export_dtype}")
         state, dot, norm2 = {}, 0.0, 0.0
-        fast = _gpu_compiles(next(self.model.parameters()).device, _export_probe)
+        device = next(self.model.parameters()).device
+        sr = functools.partial(stochastic_round_bf16, generator=generator)
+        ef = error_feedback_round_bf16
+        if device.type == "cuda":  # fused passes, SR's noise hashed from one host draw per tensor (machinery.py)
+            from machinery import gpu_rounding
+
+            sr, ef = gpu_rounding(device, generator)
         for name, p in self.model.named_parameters():
             master = p.detach()
             if self.export_dtype == "fp32":
                 served = master.clone()
-            elif mode == "sr":  # TIM: Fair Cast, unbiased rounding (off the CPU hash noise: one host draw per tensor)
-                served = (stochastic_round_bf16(master, generator=generator) if master.device.type == "cpu" else
-                          stochastic_round_bf16_fused(master, draw_seed(generator), compile=fast))
+            elif mode == "sr":  # TIM: Fair Cast, unbiased rounding
+                served = sr(master)
             elif mode == "ef":  # TIM: Fair Cast, error feedback
-                served, self.residual[name] = (error_feedback_round_bf16_fused if fast else error_feedback_round_bf16)(
-                    master, self.residual.get(name, torch.zeros_like(master)))
+                served, self.residual[name] = ef(master, self.residual.get(name, torch.zeros_like(master)))
             else:  # TIM: round-to-nearest swallows updates below half a cell
                 served = master.to(_DTYPES[self.export_dtype])
             served_before = self.behaviour.get_parameter(name)
@@ -3069,14 +2892,15 @@ class LossInputs(NamedTuple):
 
 
 class Arm(NamedTuple):
-    """One --correction: its loss, and what the loop must give it besides the sampled tokens' log-probs."""
+    """One --correction: its loss, what the loop must give it besides the sampled tokens' log-probs, its metrics."""
 
-    loss: object  # (cfg, LossInputs) -> scalar loss
+    loss: Callable  # (cfg, LossInputs) -> scalar loss
     reads_topk: bool = False  # the sampler's top-K log-probs (recorded only for these arms)
     renormalized: bool = False  # reads logp_old or the top-K: needs the trainer renormalised on the kept support
     critic: bool = False  # COPC: a value head gives (B, T) advantages
-    resync: bool = False  # DLC: its lag trigger may sync before --sync-every
-    shares: object = None  # (cfg, LossInputs) -> {metric: share} of what the arm drops or clips
+    resync: bool = False  # DLC: its lag or staleness trigger may sync before --sync-every
+    shares: Callable | None = None  # (cfg, LossInputs) -> {metric: share} of what it drops or clips; reads
+    # logp_now, logp_infer, adv and mask only (correction_shares gives it those of the first update)
 
 
 def _pg(x: LossInputs, weights=None):
@@ -3167,6 +2991,8 @@ CORRECTIONS = tuple(ARMS)
 
 def arm_of(cfg) -> Arm:
     """The run's arm: the one place that reads cfg.correction."""
+    if cfg.correction not in ARMS:
+        raise ValueError(f"correction must be one of {' | '.join(ARMS)}, got {cfg.correction!r}")
     return ARMS[cfg.correction]
 
 
@@ -3358,7 +3184,8 @@ def route_flips(ro: Rollout, behaviour) -> dict:
 
 
 def sync_due(cfg: RLConfig, rs: RunState, ro: Rollout, behaviour) -> bool:
-    """Every sync_every steps (policy lag k - 1), or when DLC's lag trigger fires."""
+    """Counts the step since the last sync; True every sync_every steps (policy lag k - 1), or when DLC's lag or
+    staleness trigger fires."""
     rs.since_sync += 1
     if rs.since_sync >= cfg.sync_every:
         return True
@@ -4038,11 +3865,15 @@ def check_cli(args) -> RLConfig | None:
         found = "a directory without config.json" if Path(model).is_dir() else "no model directory there"
         raise UsageError(f"--model {model}: {found} (expected a Hugging Face causal-LM directory with "
                          "config.json; omit --model to use the embedded tiny model)")
-    for flag in ("out", "out_dir"):  # a file where a directory goes: refused before any training
-        path = Path(getattr(args, flag, None) or ".")
-        existing = next(p for p in (path, *path.parents) if p.exists())
+    out_dirs = [("out", getattr(args, "out", None)), ("out_dir", getattr(args, "out_dir", None))]
+    if getattr(args, "out_dir", None) and args.cmd == "train":  # the run's own directory
+        out_dirs.append(("name", Path(args.out_dir, args.name)))
+    for flag, path in out_dirs:  # a file where a directory goes: refused before any training
+        path = Path(path or ".")
+        existing = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
         if not existing.is_dir():
-            raise UsageError(f"{_flag(flag)} {path}: {existing} is a file, not a directory")
+            what = "a link to nowhere" if existing.is_symlink() and not existing.exists() else "a file"
+            raise UsageError(f"{_flag(flag)} {path}: {existing} is {what}, not a directory")
     resume = getattr(args, "resume", "")
     for need in ("config.json", "checkpoint.safetensors") if resume else ():
         if not (Path(resume) / need).is_file():
