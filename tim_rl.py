@@ -554,7 +554,8 @@ def _routing_signature(d, ok, routes) -> dict:
 
 def _mismatch_numbers(d, ok) -> dict[str, float]:
     """Mean / max |d| per token (x), x T^a (T: mean answer length; the length law's LENGTH_LAW_A), quantiles of the
-    per-sequence Σ_t d, the shares of tokens and sequences beyond the TIS cap 2 and outside the IcePop band [0.5, 2]."""
+    per-sequence Σ_t d, the shares of tokens and sequences beyond the TIS cap 2 and outside the IcePop band
+    [0.5, 2]."""
     seq = torch.where(ok, d, torch.zeros_like(d)).sum(1)[ok.any(1)].double()  # (B',)
     out = {"mean |log p/q| per token": float(d[ok].abs().mean()), "max |log p/q|": float(d[ok].abs().max())}
     law = f"x T^a, a = {LENGTH_LAW_A:g} (tiny-model harm from {LENGTH_LAW_BUDGET:g})"  # T: the mean answer length
@@ -1545,7 +1546,8 @@ def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int, 
 
     One code path for every caller, with and without a gradient, so that the trainer's log-probs are bitwise the
     same whichever way they are computed (exact mode and a lag of exactly 0 rely on it). fused: each chunk in one
-    compiled pass (machinery._fused_logprobs), no (n, V) transient. The logsumexp is read off each row's largest logit m,
+    compiled pass (machinery._fused_logprobs), no (n, V) transient. The logsumexp is read off each row's largest
+    logit m,
     lse = z_m - log_softmax(z)_m, where log_softmax(z)_m = -log sum exp(z - z_m) lies in [-log V, 0]: exact to one
     rounding whatever the other logits are (-inf and finfo.min included), its rounding kept apart (_lse_tail) where
     the row is far from 0. Rows of only -inf give nan, as log_softmax.
@@ -1974,7 +1976,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
         seqs = [(tokenizer.encode(p), tokenizer.encode(a, bos=False) + [EOS_ID]) for p, a in batch]
         L = max(len(p) + len(a) for p, a in seqs)
         ids = torch.tensor([p + a + [PAD_ID] * (L - len(p) - len(a)) for p, a in seqs])  # (B, L) right-padded
-        labels = torch.tensor([[-100] * len(p) + a + [-100] * (L - len(p) - len(a)) for p, a in seqs])  # the answer only
+        # the answer only
+        labels = torch.tensor([[-100] * len(p) + a + [-100] * (L - len(p) - len(a)) for p, a in seqs])
         # an MoE model adds router_aux_loss_coef x its load-balancing loss
         loss = model(input_ids=ids, labels=labels, **({"output_router_logits": True} if cfg.moe else {})).loss
         opt.zero_grad(set_to_none=True)
@@ -2991,9 +2994,10 @@ CORRECTIONS = tuple(ARMS)
 
 def arm_of(cfg) -> Arm:
     """The run's arm: the one place that reads cfg.correction."""
-    if cfg.correction not in ARMS:
-        raise ValueError(f"correction must be one of {' | '.join(ARMS)}, got {cfg.correction!r}")
-    return ARMS[cfg.correction]
+    name = cfg.correction
+    if name not in ARMS:
+        raise ValueError(f"correction must be one of {' | '.join(ARMS)}, got {name!r}")
+    return ARMS[name]
 
 
 def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout, adv):
@@ -3486,7 +3490,8 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
     """trl.GRPOTrainer(**trainer_kwargs) whose vLLM importance weight is a tim_rl correction; logs tim_rl/* metrics.
 
     - The weight multiplies TRL's per-token loss (clipped PPO on p / p_old, p_old TRL's proximal log-probs), i.e.
-      it covers p_old / q as in tim_rl's decoupled-PPO arms. Needs GRPOConfig(use_vllm=True, vllm_importance_sampling_mode="token_truncate" or
+      it covers p_old / q as in tim_rl's decoupled-PPO arms. Needs GRPOConfig(use_vllm=True,
+      vllm_importance_sampling_mode="token_truncate" or
       "token_mask"); TRL's own sampling/importance_sampling_ratio/* metrics describe TRL's ratio, not this weight.
     - mismatch_metrics(old_per_token_logps, sampling_per_token_logps) are logged as tim_rl/k1, tim_rl/k3, ...
     - vllm_dtype ("fp32" | "bf16" | "fp16") sets vLLM's dtype, which GRPOConfig cannot.
@@ -3625,8 +3630,8 @@ class RLConfig:
                                           "exceeds this (verl's K3-RS preset: 0.01)")
     rs_estimator: str = cli_field("k3", "rs arms' per-token estimate of KL(q || p) from log rho: k1 (-log rho) | k2 "
                                         "((log rho)^2 / 2) | k3 (rho - 1 - log rho)")
-    opsm_delta: float = cli_field(1e-4, "opsm: drop A < 0 sequences whose mean(logp_infer - logp) exceeds this (slime's "
-                                        "--opsm-delta default)")
+    opsm_delta: float = cli_field(1e-4, "opsm: drop A < 0 sequences whose mean(logp_infer - logp) exceeds this "
+                                        "(slime's --opsm-delta default)")
     k2_coef: float = cli_field(0.0, "add k2_coef * mean((logp - logp_infer)^2 / 2) to the loss (prime-rl: 1e-3)")
     dlc_max_staleness: int = cli_field(0, "DLC: resync once this many steps passed without one (0 = off)")
     dlc_max_lag: float = cli_field(0.0, "DLC: resync when mean |logp - logp at the last sync| exceeds this (0 = off)")
