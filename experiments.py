@@ -2354,7 +2354,12 @@ DOCTOR_NOTES = (
     "with noise >= 0.05 the experts of a quarter or more of the tokens flip and the noisy gates move every token, "
     "so |d| after a row's first flip is not much larger than before it and the doctor says numerics (in a "
     "seed-0 pilot the ledger's routing and numerics parts were of one size there: 0.004 and 0.0045 at noise 0.05, "
-    "0.015 and 0.009 at 0.1).")
+    "0.015 and 0.009 at 0.1).\n\n"
+    "Changelog. Round 6: the lag test's unit is the sequence (a Welch t over the rows' mean residual; it counted "
+    "tokens, which read any per-row gap as lag: under a null of per-row gaps, 21-44 % false alarms at B = 16, now "
+    "<= 5 %, test_doctor_lag_counts_rows_not_tokens); re-published on the same seeds. On the tuning seeds 0-1 the "
+    "change named two more cases wrongly (a sampler at temperature 1.05 and 1.25 read as lag, t 3.2 and 3.4: the "
+    "residual is confounded with a row's correctness there, which the unit does not remove).")
 DOCTOR_LAG_LR = 3e-5  # the lag cases' AdamW learning rate: RLConfig's
 
 

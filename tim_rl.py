@@ -64,6 +64,7 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import random
 import re
 import sys
@@ -414,15 +415,12 @@ def log_odds_displacement(logp_train: torch.Tensor, logp_infer: torch.Tensor) ->
 # on the usable tokens; each signature is a small function of d. The thresholds were tuned on the lab's seeds 0-1
 # and checked on seeds 2-4 (experiments.py doctor-eval; RESULTS.md has its confusion table and detection floors).
 
-# The tiny model's length law (experiments.py compare --preset length; RESULTS.md, section length, and the committed
-# predictions/length.json): uncorrected REINFORCE lost 0.002 nats per answer token from x T^a ~ LENGTH_LAW_BUDGET on,
-# x its mean |log p/q| per token, T the answer length. A 0.9 M-parameter model's scale for x T^a, not a real threshold
-LENGTH_LAW_A, LENGTH_LAW_BUDGET = 1.46, 1.14
 DOCTOR_CAUSES = ("clean", "numerics", "truncation", "temperature", "misaligned", "padding", "lag", "outliers",
                  "routing")
 DOCTOR_ADVICE = {
     "clean": "nothing to correct: the gap is at fp32 kernel level",
-    "numerics": "engine numerics: a token-level correction (tis / mis / icepop) or an fp16 sampler (FP16 paper)",
+    "numerics": "engine numerics (dtype, kernels, quantised weights): a token-level correction (tis / mis / icepop); "
+                "a bf16 engine's share shrinks with an fp16 sampler (FP16 paper), a quantised one's does not",
     "truncation": "top-p / top-k renormalised by the sampler only: renormalize_on_support, or raw sampler log-probs",
     "temperature": "the sampling temperature is applied on one side only: divide the trainer's logits by it too",
     "misaligned": "log-probs are shifted by one position: check the logits[:, :-1] / labels[:, 1:] slicing",
@@ -444,12 +442,16 @@ class Diagnosis:
         self.numbers = numbers  # mean / max |d| per token, quantiles of sum_t log p/q per sequence, shares beyond caps
 
     def __str__(self) -> str:
-        untested = [s["name"] for s in self.evidence if s["verdict"].startswith("cannot")]
-        maybe = ", ".join(c if c not in untested else f"{c} (not tested)" for c in self.also_possible)
+        maybe = ", ".join(self.also_possible)
         out = [f"cause: {self.cause}" + (f"   (also possible: {maybe})" if maybe else ""), f"advice: {self.advice}"]
-        out += ["evidence:"] + [f"  {s['name']:<12} {s['measures']:<52} {s['statistic']:10.4g} vs "
-                                f"{s['threshold']:<7.3g} {s['verdict']}" for s in self.evidence]
-        return "\n".join(out + ["numbers:"] + [f"  {k:<36} {v:.4g}" for k, v in self.numbers.items()])
+        out += ["", f"  {'signature':<12} {'statistic':<54} {'value':>10}  {'threshold':>9}  verdict"]
+        for s in self.evidence:
+            value = "-" if math.isnan(s["statistic"]) else f"{s['statistic']:.4g}"
+            out.append(f"  {s['name']:<12} {s['measures']:<54} {value:>10}  {s['threshold']:>9.3g}  {s['verdict']}")
+        out += ["", f"  {'number':<44} {'value':>10}  what your dashboard calls it"]
+        for key, value in self.numbers.items():
+            out.append(f"  {key:<44} {value:>10.4g}  {DOCTOR_METRIC_NAMES.get(key, '')}")
+        return "\n".join(out)
 
     __repr__ = __str__
 
@@ -517,18 +519,23 @@ def _padding_signature(d, ok) -> dict:
 
 def _lag_signature(logp_infer, d, ok, advantages) -> dict:
     """A trainer some steps ahead of its sampler moved toward positive-advantage tokens: at equal log q, d is larger
-    where A > 0 than where A < 0 (a t statistic; numerics and temperature do not know the advantages)."""
+    in rows with A > 0 than in rows with A < 0. GRPO's advantage is one number per sequence, so the row is the unit:
+    a Welch t over the rows' mean residual (counting tokens would read any per-row gap as lag)."""
+    measures = "t over rows of mean(d - fit on log q), A > 0 vs < 0"
     if advantages is None:
-        return _signature("lag", "t of (d - fit on log q) | A > 0 vs A < 0", math.nan, 3.0,
-                          "cannot tell without advantages")
+        return _signature("lag", measures, math.nan, 3.0, "cannot tell without advantages")
     q, x = logp_infer[ok].double(), d[ok].double()
     slope = ((q - q.mean()) * (x - x.mean())).sum() / (q - q.mean()).square().sum().clamp(min=1e-12)
-    residual = x - slope * q
-    up, down = residual[advantages[ok] > 0], residual[advantages[ok] < 0]
+    residual = torch.zeros(ok.shape, dtype=torch.float64, device=ok.device)
+    residual[ok] = x - slope * q
+    tokens = ok.sum(1)  # (B,)
+    row_residual = residual.sum(1) / tokens.clamp(min=1)  # (B,)
+    row_adv = torch.where(ok, advantages.double(), 0.0).sum(1) / tokens.clamp(min=1)  # (B,)
+    up, down = row_residual[(tokens > 0) & (row_adv > 0)], row_residual[(tokens > 0) & (row_adv < 0)]
     if min(up.numel(), down.numel()) < 2:
-        return _signature("lag", "t of (d - fit on log q) | A > 0 vs A < 0", math.nan, 3.0)
-    t = float((up.mean() - down.mean()) / (up.var() / up.numel() + down.var() / down.numel()).sqrt())
-    return _signature("lag", "t of (d - fit on log q) | A > 0 vs A < 0", t, 3.0)
+        return _signature("lag", measures, math.nan, 3.0, "cannot tell with fewer than 2 rows each side")
+    spread = (up.var() / up.numel() + down.var() / down.numel()).sqrt().clamp(min=1e-12)
+    return _signature("lag", measures, float((up.mean() - down.mean()) / spread), 3.0)
 
 
 def _outliers_signature(d, ok) -> dict:
@@ -552,16 +559,19 @@ def _routing_signature(d, ok, routes) -> dict:
     return _signature("routing", "mean |d| after a flip / before", float(after / before.clamp(min=1e-9)), 3.0)
 
 
+# What the doctor's numbers are called on a dashboard, where one equals them (TRL GRPOTrainer, one process)
+DOCTOR_METRIC_NAMES = {"mean |log p/q| per token": "TRL sampling/sampling_logp_difference/mean",
+                       "max |log p/q|": "TRL sampling/sampling_logp_difference/max"}
+
+
 def _mismatch_numbers(d, ok) -> dict[str, float]:
-    """Mean / max |d| per token (x), x T^a (T: mean answer length; the length law's LENGTH_LAW_A), quantiles of the
-    per-sequence Σ_t d, the shares of tokens and sequences beyond the TIS cap 2 and outside the IcePop band
-    [0.5, 2]."""
+    """Mean / max |d| per token, the mean answer length T, percentiles of the per-sequence sum_t d, the shares of
+    tokens and sequences beyond the TIS cap 2 and outside the IcePop band [0.5, 2]."""
     seq = torch.where(ok, d, torch.zeros_like(d)).sum(1)[ok.any(1)].double()  # (B',)
-    out = {"mean |log p/q| per token": float(d[ok].abs().mean()), "max |log p/q|": float(d[ok].abs().max())}
-    law = f"x T^a, a = {LENGTH_LAW_A:g} (tiny-model harm from {LENGTH_LAW_BUDGET:g})"  # T: the mean answer length
-    out[law] = out["mean |log p/q| per token"] * float(ok.sum(1)[ok.any(1)].double().mean()) ** LENGTH_LAW_A
+    out = {"mean |log p/q| per token": float(d[ok].abs().mean()), "max |log p/q|": float(d[ok].abs().max()),
+           "T, mean answer length (tokens)": float(ok.sum(1)[ok.any(1)].double().mean())}
     for q in (0.0, 0.05, 0.5, 0.95, 1.0):
-        out[f"per-sequence sum log p/q, q{q:g}"] = float(seq.quantile(q))
+        out[f"per-sequence sum log p/q, {q:.0%} percentile"] = float(seq.quantile(q))
     for what, x in (("tokens", d[ok].double()), ("sequences", seq)):
         out[f"{what} with p/q > 2 (TIS cap)"] = float((x > math.log(2)).double().mean())
         out[f"{what} outside [0.5, 2] (IcePop)"] = float((x.abs() > math.log(2)).double().mean())
@@ -581,7 +591,7 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP,
     Diagnosis, DOCTOR_ADVICE, _signature, _padding_signature, _misaligned_signature, _routing_signature,
     _lag_signature, _outliers_signature, _truncation_signature, _temperature_signature, _numerics_signature,
-    _mismatch_numbers, LENGTH_LAW_A, LENGTH_LAW_BUDGET
+    _mismatch_numbers, DOCTOR_METRIC_NAMES
     """
     _check_bt(mask, logp_train=logp_train, logp_infer=logp_infer)
     logp_train, logp_infer = logp_train.detach().float(), logp_infer.detach().float()
@@ -600,7 +610,9 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     present = [] if clean else [s["name"] for s in evidence if s["verdict"] == "present"]
     cause = present[0] if present else ("clean" if clean else "numerics")  # numerics: a gap no signature explains
     untested = [s["name"] for s in evidence if s["verdict"].startswith("cannot")] if cause != "clean" else []
-    return Diagnosis(cause, present[1:] + untested, evidence, DOCTOR_ADVICE[cause], _mismatch_numbers(d, ok))
+    advice = "; ".join(DOCTOR_ADVICE[c] for c in [cause, *present[1:]])  # every cause present gets its advice
+    also = present[1:] + [f"{name} (not tested)" for name in untested]
+    return Diagnosis(cause, also, evidence, advice, _mismatch_numbers(d, ok))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -3995,31 +4007,45 @@ def main(argv: list[str] | None = None) -> None:
 
 DOCTOR_KEYS = (("old_per_token_logps", "sampling_per_token_logps", "completion_mask"),  # TRL's GRPOTrainer
                ("old_log_probs", "rollout_log_probs", "response_mask"))  # verl's DataProto batch
+JSONL_KEYS = tuple((train, infer, "mask") for train, infer, _ in DOCTOR_KEYS)  # a .jsonl without a mask key
 
 
 def _read_doctor_file(path: Path) -> dict:
-    """name -> tensor from .pt (a dict, torch.load weights_only=True), .safetensors or .jsonl (one JSON object per
-    sequence, each key a list over its tokens; rows padded with mask False)."""
+    """name -> tensor from .pt (a dict of tensors, torch.load weights_only=True), .safetensors or .jsonl (one JSON
+    object per sequence, each key a list over its tokens; rows padded with mask False, and without a mask key each
+    row's length is its mask)."""
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
         return load_file(str(path))
     if path.suffix == ".pt":
-        tensors = torch.load(path, map_location="cpu", weights_only=True)
-        return tensors if isinstance(tensors, dict) else {}
+        if path.is_file() and path.stat().st_size == 0:
+            raise ValueError("the file is empty")
+        try:
+            with warnings.catch_warnings():  # torch's own notes on the pickle protocol: the error below says it
+                warnings.simplefilter("ignore")
+                tensors = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            raise ValueError("not a dict of tensors torch.load(weights_only=True) reads (a pickled object? save "
+                             "{name: tensor})") from None
+        if not isinstance(tensors, dict):
+            raise ValueError(f"holds a {type(tensors).__name__}, not a dict of named tensors")
+        return tensors
     if path.suffix != ".jsonl":
         raise ValueError("expected a .pt, .safetensors or .jsonl file")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     T = max((len(v) for row in rows for v in row.values() if isinstance(v, list)), default=0)
     padded = {k: [row.get(k, []) + [0] * (T - len(row.get(k, []))) for row in rows] for k in (rows or [{}])[0]}
-    return {k: torch.tensor(v) for k, v in padded.items()}
+    tensors = {k: torch.tensor(v) for k, v in padded.items()}
+    if rows and not any(name[2] in tensors for name in DOCTOR_KEYS):  # no mask: each row's own length
+        lengths = torch.tensor([max(len(v) for v in row.values() if isinstance(v, list)) for row in rows])
+        tensors["mask"] = torch.arange(T) < lengths[:, None]  # (B, T)
+    return tensors
 
 
 def _doctor_main(argv: list[str]) -> None:
     """`python tim_rl.py doctor FILE [--keys TRAIN,INFER,MASK]`: diagnose_mismatch on a file's tensors, printed;
     an unreadable file, a missing key, a bad shape or dtype is one error line and exit status 2."""
-    import pickle
-
     from safetensors import SafetensorError
 
     parser = OneLineParser(prog="tim_rl doctor", description="Why trainer and sampler log-probs disagree "
@@ -4031,19 +4057,20 @@ def _doctor_main(argv: list[str]) -> None:
     keys = None
     try:
         tensors = _read_doctor_file(args.file)
-        names = [tuple(args.keys.split(","))] if args.keys else DOCTOR_KEYS
+        names = [tuple(args.keys.split(","))] if args.keys else [*DOCTOR_KEYS, *JSONL_KEYS]
         if len(names[0]) != 3:
             raise ValueError(f"--keys takes three names, TRAIN,INFER,MASK, got {args.keys!r}")
         keys = next((k for k in names if set(k) <= set(tensors)), None)
         if keys is None:
-            raise ValueError(f"no tensors named {' or '.join(','.join(k) for k in names)} (found: "
+            named = names if args.keys else DOCTOR_KEYS
+            raise ValueError(f"no tensors named {' or '.join(','.join(k) for k in named)} (found: "
                              f"{', '.join(sorted(tensors)) or 'none'}; --keys TRAIN,INFER,MASK names them)")
         train, infer, mask = (tensors[k] for k in keys)
         _check_tensor(f"mask ({keys[2]})", mask, floating=False)
         if mask.dtype != torch.bool and torch.isin(mask, torch.tensor([0, 1])).all():  # TRL / verl keep 0 / 1 ints
             mask = mask.bool()
         print(diagnose_mismatch(train, infer, mask, advantages=tensors.get("advantages")))
-    except (OSError, ValueError, TypeError, RuntimeError, pickle.UnpicklingError, SafetensorError) as e:
+    except (OSError, ValueError, TypeError, RuntimeError, EOFError, SafetensorError) as e:
         read_as = f" (read {', '.join(keys)} as logp_train, logp_infer, mask)" if keys else ""
         parser.exit(2, f"tim_rl doctor: error: {args.file}: {str(e).splitlines()[0]}{read_as}\n")
 
