@@ -2356,10 +2356,11 @@ DOCTOR_NOTES = (
     "seed-0 pilot the ledger's routing and numerics parts were of one size there: 0.004 and 0.0045 at noise 0.05, "
     "0.015 and 0.009 at 0.1).\n\n"
     "Changelog. Round 6: the lag test's unit is the sequence (a Welch t over the rows' mean residual; it counted "
-    "tokens, which read any per-row gap as lag: under a null of per-row gaps, 21-44 % false alarms at B = 16, now "
-    "<= 5 %, test_doctor_lag_counts_rows_not_tokens); re-published on the same seeds. On the tuning seeds 0-1 the "
-    "change named two more cases wrongly (a sampler at temperature 1.05 and 1.25 read as lag, t 3.2 and 3.4: the "
-    "residual is confounded with a row's correctness there, which the unit does not remove).")
+    "tokens, which read any per-row gap as lag: under a null of per-row gaps, 12-41 % false alarms at B = 16, now "
+    "<= 5 %, test_doctor_lag_counts_rows_not_tokens), and its fit takes the row's mean log q too (on the tuning "
+    "seeds 0-1 the row-level t without it read samplers at temperature 1.05 and 1.25 as lag, t 3.2 and 3.4: correct "
+    "rows are surer; with it every temperature case has |t| < 1.6, the lag cases 2.8-7.5); re-published on the "
+    "same seeds.")
 DOCTOR_LAG_LR = 3e-5  # the lag cases' AdamW learning rate: RLConfig's
 
 

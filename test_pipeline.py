@@ -3682,3 +3682,17 @@ def test_each_arm_reads_what_its_row_says():
         if arm.reads_topk:
             with pytest.raises((TypeError, AttributeError)):
                 arm.loss(cfg, full._replace(logp_topk=None, logp_topk_infer=None))
+
+
+def test_what_a_learner_reads_is_defined_in_the_reference():
+    """The samplers, the trainer, the verifier, every correction, the doctor and the RL step live in tim_rl.py
+    (machinery.py holds only what a GPU run needs; the lab imports both)."""
+    names = ["TorchSampler", "VLLMSampler", "Trainer", "verify", "extract_answer", "diagnose_mismatch", "rl_step",
+             "run", "policy_loss", "mismatch_metrics", "mismatch_ledger", "token_logprobs", "pg_loss", "ppo_loss",
+             "score_centering_loss", "dlc_loss", "dppo_loss", "cispo_loss", "k2_penalty", "tis_weights",
+             "mis_weights", "seq_tis_weights", "seq_mask_weights", "geo_mask_weights", "cis_weights", "dlc_weights",
+             "copc_mask", "copc_advantages", "opsm_mask", "divergence_mask_weights", "self_normalize_weights",
+             "stochastic_round_bf16", "error_feedback_round_bf16", "replay_routes"]
+    assert [n for n in names if getattr(tr, n).__module__ != tr.__name__] == []
+    for name, arm in tr.ARMS.items():
+        assert arm.loss.__module__ == tr.__name__, name

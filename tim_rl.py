@@ -520,15 +520,18 @@ def _padding_signature(d, ok) -> dict:
 def _lag_signature(logp_infer, d, ok, advantages) -> dict:
     """A trainer some steps ahead of its sampler moved toward positive-advantage tokens: at equal log q, d is larger
     in rows with A > 0 than in rows with A < 0. GRPO's advantage is one number per sequence, so the row is the unit:
-    a Welch t over the rows' mean residual (counting tokens would read any per-row gap as lag)."""
+    a Welch t over the rows' mean residual of d on (1, log q, the row's mean log q). Counting tokens would read any
+    per-row gap as lag; without the row's mean log q, a row's confidence (correct rows are surer) would."""
     measures = "t over rows of mean(d - fit on log q), A > 0 vs < 0"
     if advantages is None:
         return _signature("lag", measures, math.nan, 3.0, "cannot tell without advantages")
-    q, x = logp_infer[ok].double(), d[ok].double()
-    slope = ((q - q.mean()) * (x - x.mean())).sum() / (q - q.mean()).square().sum().clamp(min=1e-12)
-    residual = torch.zeros(ok.shape, dtype=torch.float64, device=ok.device)
-    residual[ok] = x - slope * q
     tokens = ok.sum(1)  # (B,)
+    q = logp_infer.double()
+    row_q = torch.where(ok, q, 0.0).sum(1) / tokens.clamp(min=1)  # (B,)
+    X = torch.stack([torch.ones_like(q[ok]), q[ok], row_q[:, None].expand_as(q)[ok]], 1)  # (N, 3)
+    fit = X @ torch.linalg.lstsq(X, d[ok].double()[:, None]).solution  # (N, 1)
+    residual = torch.zeros(ok.shape, dtype=torch.float64, device=ok.device)
+    residual[ok] = d[ok].double() - fit[:, 0]
     row_residual = residual.sum(1) / tokens.clamp(min=1)  # (B,)
     row_adv = torch.where(ok, advantages.double(), 0.0).sum(1) / tokens.clamp(min=1)  # (B,)
     up, down = row_residual[(tokens > 0) & (row_adv > 0)], row_residual[(tokens > 0) & (row_adv < 0)]
