@@ -1653,6 +1653,7 @@ def chunked_token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: 
         from machinery import _gpu_compiles, _logprobs_probe
 
         fused = _gpu_compiles(logits.device, _logprobs_probe)
+    fused = bool(fused)  # None off CUDA: the eager chunks
     if chunk_rows is None:
         chunk_rows = _default_chunk_rows(logits.shape[-1], logits.device, fused)
     if not (torch.is_grad_enabled() and logits.requires_grad):  # no graph to record
