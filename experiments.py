@@ -437,7 +437,7 @@ def _fingerprint_digest(runs: tuple = FINGERPRINT_RUNS, pretrain_steps: int | No
     try:
         with tempfile.TemporaryDirectory() as tmp:
             steps = FINGERPRINT_PRETRAIN["steps"] if pretrain_steps is None else pretrain_steps
-            base = tr.pretrain(tr.PretrainConfig(out=f"{tmp}/base", **FINGERPRINT_PRETRAIN | {"steps": steps}))
+            base = tr.pretrain(machinery.PretrainConfig(out=f"{tmp}/base", **FINGERPRINT_PRETRAIN | {"steps": steps}))
             records = [{k: v for k, v in base.items() if k != "seconds"}]
             for i, change in enumerate(runs):
                 cfg = tr.RLConfig(**{"model": f"{tmp}/base", "name": f"f{i}", "out_dir": tmp, "steps": 4,
@@ -3052,7 +3052,7 @@ def check_cli(args) -> tr.RLConfig | None:
         tr.resolve_device(args.device)  # --device cuda without a GPU: one error line, as train gives
     if getattr(args, "seeds", None) is not None:
         parse_seeds(args.seeds)  # a repeated or malformed seed list: one error line, before any run
-    return tr.check_cli(args)
+    return machinery.check_cli(args)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -3066,7 +3066,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.out.suffix != ".safetensors" or args.out.is_dir():
             parser.exit(2, f"experiments: error: --out {args.out}: expected a .safetensors file path\n")
         try:
-            tr.check_cli(argparse.Namespace(cmd="doctor-sample", out=str(args.out.parent), model=args.model))
+            machinery.check_cli(argparse.Namespace(cmd="doctor-sample", out=str(args.out.parent), model=args.model))
         except ValueError as e:
             parser.exit(2, f"experiments: error: {e}\n")
         print(f"wrote {doctor_sample(args.out, args.model)}")
@@ -3075,8 +3075,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg = check_cli(args)
     except ValueError as e:  # UsageError, or _check_run_config's
         parser.exit(2, f"experiments: error: {e}\n")
-    if cfg is not None and tr.eval_warning(cfg):
-        print(tr.eval_warning(cfg), file=sys.stderr)
+    if cfg is not None and machinery.eval_warning(cfg):
+        print(machinery.eval_warning(cfg), file=sys.stderr)
     seeds = getattr(args, "seeds", None) or "0,1,2,3,4"
     if args.cmd == "compare" and args.preset:
         pc = PresetConfig(preset=args.preset, seeds=seeds, smoke=args.smoke, model=args.model, publish=args.publish,

@@ -210,7 +210,7 @@ CLI_MISTAKES = [  # (argv, words the one error line must contain); each fails be
 
 @pytest.mark.parametrize("argv,words", CLI_MISTAKES, ids=[" ".join(a) for a, _ in CLI_MISTAKES])
 def test_cli_mistake_is_one_error_line_with_status_2(argv, words, capsys):
-    module = ex if argv[0] in tr.MOVED else tr  # compare and bench are the lab's: python experiments.py compare
+    module = ex if argv[0] in ("compare", "bench") else tr  # the lab's: python experiments.py compare
     with pytest.raises(SystemExit) as exit_:  # in-process (a second of torch import saved per case); the process
         module.main(argv)  # itself is checked once below
     out = capsys.readouterr()
@@ -221,14 +221,15 @@ def test_cli_mistake_is_one_error_line_with_status_2(argv, words, capsys):
     assert all(w in lines[0] for w in words), lines[0]
 
 
-@pytest.mark.parametrize("command", tr.MOVED)
-def test_a_lab_subcommand_of_tim_rl_says_where_it_moved_in_one_line(command, capsys):
+@pytest.mark.parametrize("command", ["compare", "bench"])
+def test_a_lab_subcommand_of_tim_rl_is_argparses_one_line_error(command, capsys):
+    """The lab's subcommands are experiments.py's: tim_rl refuses them as any unknown subcommand, in one line."""
     with pytest.raises(SystemExit) as exit_:
         tr.main([command, "--preset", "dose"])
     out = capsys.readouterr()
     assert exit_.value.code == 2 and out.out == ""
-    assert out.err.splitlines() == [(f"tim_rl: error: {command} moved to experiments.py: "
-                                    f"python experiments.py {command} --help")]
+    line = f"tim_rl: error: argument cmd: invalid choice: {command!r} (choose from 'pretrain', 'train', 'demo', 'doctor')"
+    assert out.err.splitlines() == [line]
 
 
 def test_what_only_the_loaded_model_shows_is_still_one_error_line(base_model_dir, tmp_path, capsys):
@@ -249,16 +250,16 @@ def test_a_run_directory_that_is_the_model_directory_is_refused(tmp_path, capsys
         tr.main(["train", "--model", str(model), "--out-dir", str(tmp_path), "--name", "m"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "run directory is the --model directory" in err and len(err.splitlines()) == 1
-    tr._check_run_config(tr.RLConfig(model=str(model), out_dir=str(tmp_path), name="m-rl"))  # another name passes
+    machinery.check_run_config(tr.RLConfig(model=str(model), out_dir=str(tmp_path), name="m-rl"))  # another name passes
 
 
 def test_degenerate_settings_pass_where_they_still_train_and_few_evaluations_warn_in_one_line():
     """--group 1 / --temperature 0 are refused only with group-relative advantages; too few evaluations warn."""
     for ok in ({"group": 1, "baseline": "none"}, {"temperature": 0.0, "baseline": "none"}, {"group": 1, "correction": "copc"}):
-        tr._check_run_config(tr.RLConfig(**ok))
-    warning = tr.eval_warning(tr.RLConfig(steps=30, eval_every=25))
+        machinery.check_run_config(tr.RLConfig(**ok))
+    warning = machinery.eval_warning(tr.RLConfig(steps=30, eval_every=25))
     assert "--eval-every 25 gives 3 evaluations" in warning and "--eval-every 7" in warning and "\n" not in warning
-    assert tr.eval_warning(tr.RLConfig()) is None and tr.eval_warning(tr.RLConfig(steps=3, eval_every=2)) is None
+    assert machinery.eval_warning(tr.RLConfig()) is None and machinery.eval_warning(tr.RLConfig(steps=3, eval_every=2)) is None
     assert len(range(0, 30, 7)) + 1 >= 5
 
 
@@ -292,7 +293,9 @@ def test_the_main_guard_is_the_modules_last_statement(module):
     tree = ast.parse((tr.Path(tr.__file__).parent / module).read_text())
     last = tree.body[-1]
     assert isinstance(last, ast.If) and ast.unparse(last.test) == "__name__ == '__main__'"
-    assert [ast.unparse(s) for s in last.body] == ["main()"]
+    # tim_rl.py registers itself as `tim_rl`, so that machinery's `import tim_rl` gets this same module
+    body = {"tim_rl.py": ["sys.modules['tim_rl'] = sys.modules[__name__]", "main()"], "experiments.py": ["main()"]}
+    assert [ast.unparse(s) for s in last.body] == body[module]
 
 
 # README's Run block as a user types it, each line a subprocess, with tiny sizes appended where it trains
@@ -484,7 +487,7 @@ def base_model_dir(tmp_path_factory):
     if given_dir:
         return tr.Path(given_dir)
     out = tmp_path_factory.mktemp("base")
-    info = tr.pretrain(tr.PretrainConfig(out=str(out)))
+    info = tr.pretrain(machinery.PretrainConfig(out=str(out)))
     assert 0.3 <= info["greedy_accuracy_eval"] <= 0.95, f"pre-training must leave a usable model, got {info}"
     return out
 
@@ -944,12 +947,12 @@ def test_trl_truncated_sampling_is_refused():
 
     ok = {"use_vllm": True, "loss_type": "dapo", "vllm_importance_sampling_correction": True, "top_p": 1.0, "top_k": 0,
               "min_p": None}
-    tr.check_trl_args(SimpleNamespace(**ok))
+    machinery.check_trl_args(SimpleNamespace(**ok))
     for change in ({"top_p": 0.9}, {"top_k": 50}, {"min_p": 0.05}, {"generation_kwargs": {"top_p": 0.9}},
                    {"generation_kwargs": '{"min_p": 0.1}'}):
         with pytest.raises(ValueError, match="kept mass"):
-            tr.check_trl_args(SimpleNamespace(**(ok | change)))
-    tr.check_trl_args(SimpleNamespace(**(ok | {"generation_kwargs": {"max_tokens": 8}})))
+            machinery.check_trl_args(SimpleNamespace(**(ok | change)))
+    machinery.check_trl_args(SimpleNamespace(**(ok | {"generation_kwargs": {"max_tokens": 8}})))
 
 
 def test_teacher_forced_answer_probability(base_model_dir):
@@ -1038,7 +1041,7 @@ def test_the_cli_lets_openmp_threads_sleep_only_beside_busy_processes(tmp_path, 
 
 
 def test_demo_writes_its_tables_and_a_plot_with_the_seed_spread(base_model_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(tr, "ensure_base_model", lambda path, **change: tr.Path(base_model_dir))
+    monkeypatch.setattr(machinery, "ensure_base_model", lambda path, **change: tr.Path(base_model_dir))
     monkeypatch.setattr(tr, "vllm_available", lambda: False)
     import dataclasses
 
@@ -1408,7 +1411,7 @@ def moe_base_dir(tmp_path_factory):
     if given_dir:
         return tr.Path(given_dir)
     out = tmp_path_factory.mktemp("base-moe")
-    info = tr.pretrain(tr.PretrainConfig(out=str(out), moe=True))
+    info = tr.pretrain(machinery.PretrainConfig(out=str(out), moe=True))
     assert 0.3 <= info["greedy_accuracy_eval"] <= 0.95, f"pre-training must leave a usable model, got {info}"
     for shares in info["expert_usage"]:  # one row per MoE layer: shares of the routed slots, summing to 1
         assert len(shares) == 8 and math.isclose(sum(shares), 1.0, abs_tol=1e-3)
@@ -1678,7 +1681,7 @@ def test_trl_grpo_trainer_with_colocated_vllm_and_a_tim_rl_correction(base_model
                               max_steps=steps, learning_rate=1e-3, logging_steps=1, report_to="none", use_cpu=True,
                               bf16=False, seed=0, save_strategy="no", beta=0.0, temperature=1.0,
                               vllm_importance_sampling_mode="token_truncate")
-        trainer = tr.trl_grpo_trainer("tis", vllm_dtype=dtype, model=tr.load_model(base_model_dir),
+        trainer = machinery.trl_grpo_trainer("tis", vllm_dtype=dtype, model=tr.load_model(base_model_dir),
                                       reward_funcs=reward, args=args, train_dataset=dataset,
                                       processing_class=AutoTokenizer.from_pretrained(base_model_dir))
         seen, compute_loss = [], trainer._compute_loss
@@ -1698,7 +1701,7 @@ def test_trl_grpo_trainer_with_colocated_vllm_and_a_tim_rl_correction(base_model
     gaps = [h["tim_rl/abs_diff"] for h in trainer.state.log_history if "tim_rl/abs_diff" in h]
     assert len(gaps) == 3 and max(gaps) < 1e-4, gaps
     last = seen[-1]
-    expected = tr.trl_weights("tis", last["old_per_token_logps"], last["sampling_per_token_logps"],
+    expected = machinery.trl_weights("tis", last["old_per_token_logps"], last["sampling_per_token_logps"],
                               last["completion_mask"])
     assert torch.equal(last["importance_sampling_ratio"], expected), "TRL's loss gets tim_rl's weight"
     del trainer
@@ -1723,13 +1726,13 @@ def test_trl_settings_that_would_drop_the_weight_are_refused():
     from types import SimpleNamespace
 
     ok = {"use_vllm": True, "loss_type": "dapo", "vllm_importance_sampling_correction": True}
-    tr.check_trl_args(SimpleNamespace(**ok))
+    machinery.check_trl_args(SimpleNamespace(**ok))
     with pytest.raises(ValueError, match="vespo"):
-        tr.check_trl_args(SimpleNamespace(**(ok | {"loss_type": "vespo"})))
+        machinery.check_trl_args(SimpleNamespace(**(ok | {"loss_type": "vespo"})))
     with pytest.raises(ValueError, match="vllm_importance_sampling_correction"):
-        tr.check_trl_args(SimpleNamespace(**(ok | {"vllm_importance_sampling_correction": False})))
+        machinery.check_trl_args(SimpleNamespace(**(ok | {"vllm_importance_sampling_correction": False})))
     with pytest.raises(ValueError, match="use_vllm"):
-        tr.check_trl_args(SimpleNamespace(**(ok | {"use_vllm": False})))
+        machinery.check_trl_args(SimpleNamespace(**(ok | {"use_vllm": False})))
 
 
 @needs_vllm
@@ -2121,9 +2124,9 @@ def test_a_response_cap_shorter_than_the_models_answers_is_refused(tmp_path):
     model.mkdir()
     (model / "pretrain.json").write_text(tr.json.dumps({"digits": 6, "ops": "s"}))
     with pytest.raises(ValueError, match="--max-new-tokens 5 cannot hold this model's answers .*up to 13 with <eos>"):
-        tr._check_run_config(tr.RLConfig(model=str(model)))
-    tr._check_run_config(tr.RLConfig(model=str(model), max_new_tokens=13))  # the twin: enough room
-    tr._check_run_config(tr.RLConfig())  # the default 2-digit model: answers of <= 3 digits and <eos> fit in 5
+        machinery.check_run_config(tr.RLConfig(model=str(model)))
+    machinery.check_run_config(tr.RLConfig(model=str(model), max_new_tokens=13))  # the twin: enough room
+    machinery.check_run_config(tr.RLConfig())  # the default 2-digit model: answers of <= 3 digits and <eos> fit in 5
     with pytest.raises(ValueError, match="digits >= 2"):
         tr.make_arithmetic_task(3, digits=1, ops="s")
 
@@ -2136,7 +2139,7 @@ READING_ORDER = ["log-space helpers", "sampling transforms (top-p / top-k / min-
                  "the mismatch doctor", "weight export (fp32 master -> bf16 served copy)", "advantages", "correction weights", "losses",
                  "MoE routing: record and replay (R2 / R3)", FAST_PATHS, "task and reward verifier",
                  "model and tokenizer", "samplers (torch, vLLM)", "trainer", "experiment loop and ledger",
-                 "interop: TRL", "config dataclasses and input checks", "CLI"]
+                 "config dataclasses and input checks", "CLI"]
 
 
 MATH_SECTIONS = READING_ORDER[:READING_ORDER.index(FAST_PATHS) + 1]  # the math and its fast paths
@@ -3088,11 +3091,11 @@ def test_task_digits_picks_one_length_of_a_mixed_base(tmp_path):
     cfg = tr.RLConfig(model=str(tmp_path), task_digits=8, max_new_tokens=17, out_dir=str(tmp_path / "runs"))
     assert tr.run_task_kwargs(cfg, tmp_path) == {"digits": 8, "ops": "s"}
     assert tr.run_task_kwargs(tr.RLConfig(), tmp_path) == {"digits": 2, "ops": "s"}, "0: the model's own"
-    tr._check_run_config(cfg)
+    machinery.check_run_config(cfg)
     with pytest.raises(ValueError, match="max-new-tokens 9 cannot hold"):
-        tr._check_run_config(tr.RLConfig(model=str(tmp_path), task_digits=8, max_new_tokens=9))
+        machinery.check_run_config(tr.RLConfig(model=str(tmp_path), task_digits=8, max_new_tokens=9))
     with pytest.raises(ValueError, match="task-digits"):
-        tr._check_values(tr.RLConfig(task_digits=-1))
+        machinery.check_values(tr.RLConfig(task_digits=-1))
 
 
 def test_length_base_holds_the_longest_prompt_and_answer_in_its_positions():
@@ -3101,7 +3104,7 @@ def test_length_base_holds_the_longest_prompt_and_answer_in_its_positions():
     assert set(ex.LENGTH_DIGITS) | {ex.LENGTH_PREDICT_DIGITS} == set(mixed), "one base for every length run"
     longest = max(len(tr.CharTokenizer().encode(p + a)) + 1 for p, a in tr.make_arithmetic_task(4, max(mixed), ops="s"))
     assert longest == 4 * max(mixed) + 4 <= change["max_positions"] < longest + 8
-    assert longest > tr.PretrainConfig().max_positions, "the twin: the default positions would not hold it"
+    assert longest > machinery.PretrainConfig().max_positions, "the twin: the default positions would not hold it"
     assert ex.answer_tokens(16) == 33 and change["ops"] == "s"
 
 
@@ -3249,7 +3252,7 @@ def test_length_preset_publishes_grid_fit_prediction_then_its_verdict_from_fake_
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "README.md").write_text("# r\n")
-    monkeypatch.setattr(tr, "ensure_base_model", lambda path, **change: tmp_path)
+    monkeypatch.setattr(machinery, "ensure_base_model", lambda path, **change: tmp_path)
     pilot = {n: {s: {"x": 0.3 * s, "kl_max": 0.1 * s, "kl_mean": 0.01 * s, "reward": 0.5}
                  for s in ex.LENGTH_CANDIDATES} for n in ex.LENGTH_DIGITS + (ex.LENGTH_PREDICT_DIGITS,)}
     monkeypatch.setattr(ex, "length_pilot", lambda *args, **kw: pilot)

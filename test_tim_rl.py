@@ -1735,7 +1735,7 @@ def test_trl_adapter_carries_the_fixed_2026_weights(name):
     q[1, 2] = math.nan  # a position vLLM gave no log-prob
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
     own = tr.RS_ARMS.get(name) or (lambda a, b, m: tr.self_normalize_weights(tr.tis_weights(a, b, m), m))
-    assert torch.equal(tr.trl_weights(name, p_old, q, mask), own(p_old, q, mask.bool()))
+    assert torch.equal(machinery.trl_weights(name, p_old, q, mask), own(p_old, q, mask.bool()))
 
 
 # =================================================================================================================

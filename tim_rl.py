@@ -64,7 +64,6 @@ import hashlib
 import json
 import math
 import os
-import pickle
 import random
 import re
 import sys
@@ -2891,13 +2890,13 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
 # ---- experiment loop and ledger ----
 
 
-RS_ARMS = {"rs": divergence_mask_weights, "rs_seq_max": divergence_seq_max_mask,
-           "rs_seq_mean": divergence_seq_mean_mask, "rs_seq_sum": divergence_seq_sum_mask}  # verl rollout_rs
+RS_ARMS = {"rs": divergence_mask_weights, "rs_seq_max": divergence_seq_max_mask,  # verl rollout_rs
+           "rs_seq_mean": divergence_seq_mean_mask, "rs_seq_sum": divergence_seq_sum_mask}
 RS_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}  # --rs-estimator -> the per-token estimate
 
 
 class LossInputs(NamedTuple):
-    """What an arm's loss reads. (B, T) log-probs of the sampled tokens; (B, T, K) at the sampler's top-K ids."""
+    """What an arm's loss reads. (B, T) log-probs of the sampled tokens; (B, T, K) at the top-K ids."""
 
     logp: torch.Tensor  # current trainer, carries gradient
     logp_now: torch.Tensor  # logp detached: the trainer side of REINFORCE's weights
@@ -2911,15 +2910,16 @@ class LossInputs(NamedTuple):
 
 
 class Arm(NamedTuple):
-    """One --correction: its loss, what the loop must give it besides the sampled tokens' log-probs, its metrics."""
+    """One --correction: its loss, what the loop must give it besides the sampled log-probs, its metrics."""
 
     loss: Callable  # (cfg, LossInputs) -> scalar loss
     reads_topk: bool = False  # the sampler's top-K log-probs (recorded only for these arms)
-    renormalized: bool = False  # reads logp_old or the top-K: needs the trainer renormalised on the kept support
+    renormalized: bool = False  # reads logp_old or the top-K: needs the trainer renormalised on the support
     critic: bool = False  # COPC: a value head gives (B, T) advantages
     resync: bool = False  # DLC: its lag or staleness trigger may sync before --sync-every
-    shares: Callable | None = None  # (cfg, LossInputs) -> {metric: share} of what it drops or clips; reads
-    # logp_now, logp_infer, adv and mask only (correction_shares gives it those of the first update)
+    # (cfg, LossInputs) -> {metric: share} of what it drops or clips; reads logp_now, logp_infer, adv and
+    # mask only (correction_shares gives it those of the first update)
+    shares: Callable | None = None
 
 
 def _pg(x: LossInputs, weights=None):
@@ -2934,7 +2934,8 @@ def _ppo(cfg, x: LossInputs, weights=None):
 
 def _sc(x: LossInputs, cap=None, band=None):
     """Score centering on the sampler's top-K head (with a TIS cap or an MIS band)."""
-    return score_centering_loss(x.logp, x.logp_topk, x.logp_infer, x.logp_topk_infer, x.adv, x.mask, cap, band)
+    topk, topk_infer = x.logp_topk, x.logp_topk_infer
+    return score_centering_loss(x.logp, topk, x.logp_infer, topk_infer, x.adv, x.mask, cap, band)
 
 
 def _calibrated(cfg, x: LossInputs):
@@ -2947,8 +2948,9 @@ def _calibrated(cfg, x: LossInputs):
 def _dropped(touched, mask, kind="masked") -> dict[str, float]:
     """Shares of the generated tokens and of the sequences that `touched` (B, T) bool marks."""
     touched = mask & touched
-    return {f"frac_{kind}_tokens": float(touched.sum() / mask.sum().clamp(min=1)),
-            f"frac_{kind}_seqs": float(touched.any(dim=1).sum() / mask.any(dim=1).sum().clamp(min=1))}
+    tokens = touched.sum() / mask.sum().clamp(min=1)
+    seqs = touched.any(dim=1).sum() / mask.any(dim=1).sum().clamp(min=1)
+    return {f"frac_{kind}_tokens": float(tokens), f"frac_{kind}_seqs": float(seqs)}
 
 
 def _rs_arm(divergence_weights) -> Arm:
@@ -2961,9 +2963,14 @@ def _rs_arm(divergence_weights) -> Arm:
     return Arm(lambda c, x: _pg(x, weights(c, x)), shares=lambda c, x: _dropped(weights(c, x) == 0, x.mask))
 
 
+def _tis(cfg, x: LossInputs, logp=None):
+    """TIS weights of `logp` (default: the current trainer) against the sampler, capped at --tis-cap."""
+    return tis_weights(x.logp_now if logp is None else logp, x.logp_infer, x.mask, cfg.tis_cap)
+
+
 def _tis_sn(cfg, x: LossInputs):
     """TIM: truncate, then self-normalise (verl rollout_is_batch_normalize)."""
-    return self_normalize_weights(tis_weights(x.logp_now, x.logp_infer, x.mask, cfg.tis_cap), x.mask)
+    return self_normalize_weights(_tis(cfg, x), x.mask)
 
 
 def _opsm(cfg, x: LossInputs):
@@ -2971,39 +2978,45 @@ def _opsm(cfg, x: LossInputs):
     return opsm_mask(x.logp_now, x.logp_infer, x.adv, x.mask, cfg.opsm_delta)
 
 
+def _dlc(c, x: LossInputs):
+    """DLC: the lag p_prox / p_old and the numerics p_old / q corrected apart."""
+    return dlc_loss(x.logp, x.logp_old, x.logp_infer, x.adv, x.mask, c.eps_low, c.eps_high,
+                    logp_prox=x.logp_prox, lag_cap=c.dlc_lag_cap)
+
+
+def _cispo_clipped(c, x: LossInputs):
+    """Shares of the tokens CISPO clips (r > 1 + eps_high)."""
+    return _dropped(x.logp_now - x.logp_infer > math.log1p(c.eps_high), x.mask, "clipped")
+
+
 # Every correction (--correction NAME). TIM: REINFORCE has no trust region, so its weight covers the whole gap
 # p / q = lag x numerics: the weight gets the current log-prob (detached). The decoupled-PPO arms weight the
 # behaviour gap p_prox / q and leave the update p / p_prox to the clip.
 ARMS = {
     "none": Arm(lambda c, x: _pg(x)),
-    "tis": Arm(lambda c, x: _pg(x, tis_weights(x.logp_now, x.logp_infer, x.mask, c.tis_cap))),
+    "tis": Arm(lambda c, x: _pg(x, _tis(c, x))),
     "mis": Arm(lambda c, x: _pg(x, mis_weights(x.logp_now, x.logp_infer, x.mask, c.mis_low, c.mis_high))),
     "seq_tis": Arm(lambda c, x: _pg(x, seq_tis_weights(x.logp_now, x.logp_infer, x.mask, c.seq_tis_cap))),
     "geo": Arm(lambda c, x: _pg(x, geo_mask_weights(x.logp_now, x.logp_infer, x.mask))),
     "cis": Arm(lambda c, x: _ppo(c, x, cis_weights(x.logp_prox, x.logp_infer, x.mask))),
-    "ppo": Arm(lambda c, x: _ppo(c, x, tis_weights(x.logp_prox, x.logp_infer, x.mask, c.tis_cap))),
+    "ppo": Arm(lambda c, x: _ppo(c, x, _tis(c, x, x.logp_prox))),
     # TIM: the sampler's log-probs as pi_old: the whole gap clipped
     "ppo_infer": Arm(lambda c, x: ppo_loss(x.logp, x.logp_infer, x.adv, x.mask, None, c.eps_low, c.eps_high)),
     "dppo": Arm(lambda c, x: dppo_loss(x.logp, x.logp_infer, x.adv, x.mask, delta=c.dppo_delta)),
     "sc": Arm(lambda c, x: _sc(x), reads_topk=True, renormalized=True),
     "sc_tis": Arm(lambda c, x: _sc(x, cap=c.tis_cap), reads_topk=True, renormalized=True),
     "sc_mis": Arm(lambda c, x: _sc(x, band=(c.mis_low, c.mis_high)), reads_topk=True, renormalized=True),
-    "dlc": Arm(lambda c, x: dlc_loss(x.logp, x.logp_old, x.logp_infer, x.adv, x.mask, c.eps_low, c.eps_high,
-                                     logp_prox=x.logp_prox, lag_cap=c.dlc_lag_cap),
-               renormalized=True, resync=True),
+    "dlc": Arm(_dlc, renormalized=True, resync=True),
     "copc": Arm(lambda c, x: _ppo(c, x, copc_mask(x.logp_prox, x.logp_infer, x.mask)), critic=True),
     "calibrated": Arm(_calibrated, renormalized=True),
     # a positive control [2], not a correction: REINFORCE minus its signal part = the drift alone
     "drift_only": Arm(lambda c, x: _pg(x) - _sc(x), reads_topk=True, renormalized=True),
     **{name: _rs_arm(weights) for name, weights in RS_ARMS.items()},
     "tis_sn": Arm(lambda c, x: _pg(x, _tis_sn(c, x)),
-                  shares=lambda c, x: {"sn_mean_weight": float(masked_mean(tis_weights(
-                      x.logp_now, x.logp_infer, x.mask, c.tis_cap), x.mask))}),
+                  shares=lambda c, x: {"sn_mean_weight": float(masked_mean(_tis(c, x), x.mask))}),
     "opsm": Arm(lambda c, x: _pg(x, _opsm(c, x)), shares=lambda c, x: _dropped(_opsm(c, x) == 0, x.mask)),
     # TIM: r = p / q, see cispo_loss; clipped tokens keep their gradient, scaled down
-    "cispo": Arm(lambda c, x: cispo_loss(x.logp, x.logp_infer, x.adv, x.mask, c.eps_high),
-                 shares=lambda c, x: _dropped(x.logp_now - x.logp_infer > math.log1p(c.eps_high), x.mask,
-                                              "clipped")),
+    "cispo": Arm(lambda c, x: cispo_loss(x.logp, x.logp_infer, x.adv, x.mask, c.eps_high), shares=_cispo_clipped),
 }
 CORRECTIONS = tuple(ARMS)
 
@@ -3019,11 +3032,11 @@ def arm_of(cfg) -> Arm:
 def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout, adv):
     """The chosen correction as one loss (its per-token weight: effective_token_weights), plus --k2-coef's term.
 
-    logp (grad) current trainer; logp_prox the trainer before this batch's first update; logp_old the trainer engine
-    on the weights the sampler holds; ro.logp_infer the sampler. At the first update logp == logp_prox.
+    logp (grad) current trainer; logp_prox the trainer before this batch's first update; logp_old the trainer
+    engine on the weights the sampler holds; ro.logp_infer the sampler. At the first update logp == logp_prox.
     """
-    x = LossInputs(logp, logp.detach(), logp_prox, logp_old, ro.logp_infer, logp_topk, ro.logp_topk_infer, adv,
-                   ro.mask)
+    x = LossInputs(logp, logp.detach(), logp_prox, logp_old, ro.logp_infer, logp_topk, ro.logp_topk_infer,
+                   adv, ro.mask)
     loss = arm_of(cfg).loss(cfg, x)
     if cfg.k2_coef > 0:  # TIM: any arm plus prime-rl's k2 pull toward the sampler
         loss = loss + k2_penalty(logp, ro.logp_infer, ro.mask, cfg.k2_coef)
@@ -3031,9 +3044,11 @@ def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout
 
 
 def correction_shares(cfg: RLConfig, logp_now, logp_infer, adv, mask) -> dict[str, float]:
-    """What an arm drops (frac_masked_*) or clips (frac_clipped_*): shares of generated tokens and of sequences;
-    tis_sn's normaliser; the k2 term. {} for the other arms (their frac_zeroed is in the record)."""
-    out = {"k2_penalty": float(k2_penalty(logp_now, logp_infer, mask, cfg.k2_coef))} if cfg.k2_coef > 0 else {}
+    """What an arm drops (frac_masked_*) or clips (frac_clipped_*) of tokens and sequences; tis_sn's
+    normaliser; the k2 term. {} for the other arms (their frac_zeroed is in the record)."""
+    out = {}
+    if cfg.k2_coef > 0:
+        out["k2_penalty"] = float(k2_penalty(logp_now, logp_infer, mask, cfg.k2_coef))
     shares = arm_of(cfg).shares
     if shares is None:
         return out
@@ -3042,31 +3057,18 @@ def correction_shares(cfg: RLConfig, logp_now, logp_infer, adv, mask) -> dict[st
 
 
 def resolve_device(device: str) -> torch.device:
-    """auto -> cuda when torch sees a GPU, else cpu; cuda without a GPU is a clear error (naming --device)."""
+    """auto -> cuda when torch sees a GPU, else cpu; cuda without a GPU is an error naming --device."""
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be auto | cpu | cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' (--device cuda) but torch.cuda.is_available() is False: no GPU or a CPU "
-                         "build of torch; use --device cpu or auto")
-    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-
-
-def _has_chat_template(model_dir: str | Path) -> bool:
-    """Whether the tokenizer saved in model_dir has a chat template (read off its files; nothing is loaded)."""
-    d = Path(model_dir)
-    config = d / "tokenizer_config.json"
-    return (d / "chat_template.jinja").is_file() or (config.is_file() and "chat_template" in json.loads(
-        config.read_text()))
+        raise ValueError("device='cuda' (--device cuda) but torch.cuda.is_available() is False: no GPU or a "
+                         "CPU build of torch; use --device cpu or auto")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
 
 
 STEP_PHASES = ("sample", "recompute", "loss", "optimizer", "export", "sync")  # sec_<phase> in metrics.jsonl
-
-
-def peak_rss_mb() -> float:
-    """Peak resident memory of this process so far, MiB (getrusage: Linux reports KiB)."""
-    import resource  # Unix only
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 @dataclass
@@ -3083,46 +3085,60 @@ class RunState:
     since_sync: int = 0
 
 
-def evaluate(step: int, rs: RunState, cfg: RLConfig) -> dict:
-    """Held-out greedy exact match (acc_) and probability of the exact answer (pc_), of trainer and sampler engine;
+def evaluate(step: int, state: RunState, cfg: RLConfig) -> dict:
+    """Held-out greedy exact match (acc_) and probability of the exact answer (pc_), of trainer and sampler;
     with truncated sampling also pct_trainer, that probability under the policy the sampler draws from."""
-    model, problems = rs.trainer.model, rs.eval_set
-    tokens = max(6, cfg.max_new_tokens) if cfg.task == "arithmetic" else cfg.max_new_tokens  # greedy answer length
-    record = {"step": step, "acc_trainer": greedy_accuracy(model, rs.tokenizer, problems, tokens),
-              "acc_sampler": rs.sampler.greedy_accuracy(problems, tokens),
-              "pc_trainer": float(answer_logprobs(model, rs.tokenizer, problems).exp().mean()),
-              "pc_sampler": float(rs.sampler.answer_logprobs(problems).exp().mean())}
+    model, tokenizer, problems = state.trainer.model, state.tokenizer, state.eval_set
+    tokens = max(6, cfg.max_new_tokens) if cfg.task == "arithmetic" else cfg.max_new_tokens  # greedy length
+    record = {"step": step, "acc_trainer": greedy_accuracy(model, tokenizer, problems, tokens),
+              "acc_sampler": state.sampler.greedy_accuracy(problems, tokens),
+              "pc_trainer": float(answer_logprobs(model, tokenizer, problems).exp().mean()),
+              "pc_sampler": float(state.sampler.answer_logprobs(problems).exp().mean())}
     if _truncates(cfg):  # what a truncated sampler would draw: the objective truncated RL optimises
-        record["pct_trainer"] = float(answer_logprobs(model, rs.tokenizer, problems, temperature=cfg.temperature,
-                                                      truncation=(cfg.top_p, cfg.top_k, cfg.min_p)).exp().mean())
+        truncation = (cfg.top_p, cfg.top_k, cfg.min_p)
+        logp = answer_logprobs(model, tokenizer, problems, temperature=cfg.temperature, truncation=truncation)
+        record["pct_trainer"] = float(logp.exp().mean())
     return record
 
 
 class Update(NamedTuple):
-    """One optimizer step on a rollout batch: what the step records, and the log-probs it saw before stepping."""
+    """One optimizer step on a rollout batch: what it records, and the log-probs it saw before stepping."""
 
     loss: float
     grad_norm: float
     frac_zeroed: float  # share of the tokens with A != 0 whose gradient the clip, mask or weight zeroed
     frac_zeroed_neg_adv: float  # the same among the tokens with A < 0
     logp_kept: torch.Tensor  # (B, T) detached, before the step: the trainer renormalised on the kept support
-    logp_prox: torch.Tensor  # (B, T) the proximal policy the loss used: at the first update, its own logp detached
+    logp_prox: torch.Tensor  # (B, T) the proximal policy the loss used (first update: its own logp, detached)
     adv: torch.Tensor  # (B, T) or (B, 1), the advantages the loss used
     log_s: torch.Tensor | None  # (B, T) log kept mass under truncation, else None
     extra: dict  # first update only: kept_mass, the drift / signal split
     seconds: dict  # recompute / loss / optimizer
 
 
-def update_on_batch(cfg: RLConfig, rs: RunState, ro: Rollout, rewards, logp_old, logp_prox, routes=None) -> Update:
+def _advantages(cfg: RLConfig, state: RunState, rewards, logp, hidden, ro: Rollout):
+    """(advantages, critic loss): COPC's critic gives (B, T) ones and its own loss; else (B, 1) GRPO or
+    raw-reward advantages and 0."""
+    if not arm_of(cfg).critic:
+        adv = grpo_advantages(rewards, cfg.group) if cfg.baseline == "group" else rewards
+        return adv[:, None], 0.0
+    values = torch.sigmoid(state.value_head(hidden.detach()).squeeze(-1))  # (B, T), bounded like the rewards
+    adv, targets = copc_advantages(values, rewards, logp, ro.logp_infer, ro.mask)
+    return adv, 0.5 * masked_mean((values - targets).square(), ro.mask)
+
+
+def update_on_batch(cfg: RLConfig, state: RunState, ro: Rollout, rewards, logp_old, logp_prox,
+                    routes=None) -> Update:
     """One optimizer step of the chosen correction on the whole batch.
 
-    logp_prox None: this is the batch's first update, and its own log-probs are the proximal policy. routes: the
-    MoE experts the forward replays (R2 / R3; None: live routing).
+    logp_prox None: this is the batch's first update, and its own log-probs are the proximal policy. routes:
+    the MoE experts the forward replays (R2 / R3; None: live routing).
     """
+    trainer = state.trainer
     clock = [time.perf_counter()]
-    # TIM: with truncation the current trainer's log-probs are renormalised on the sampler's kept support: p~, not p
-    topk_ids = ro.topk_ids if _reads_topk(cfg) and ro.topk_ids.shape[-1] > 0 else None  # gathered only where read
-    logp, logp_topk, hidden, log_s = rs.trainer.support_logprobs(ro, topk_ids, cfg.temperature, routes)
+    # TIM: with truncation the current trainer's log-probs are renormalised on the kept support: p~, not p
+    topk_ids = ro.topk_ids if _reads_topk(cfg) and ro.topk_ids.shape[-1] > 0 else None  # only where read
+    logp, logp_topk, hidden, log_s = trainer.support_logprobs(ro, topk_ids, cfg.temperature, routes)
     clock.append(time.perf_counter())
     first = logp_prox is None
     logp_kept = logp.detach()
@@ -3132,30 +3148,25 @@ def update_on_batch(cfg: RLConfig, rs: RunState, ro: Rollout, rewards, logp_old,
     if log_s is not None and not cfg.renormalize:  # TIM: full-vocabulary log-probs: the ratio is biased by S
         logp = logp + log_s
         logp_topk = None if logp_topk is None else logp_topk + log_s[..., None]
-    logp_prox = logp.detach() if first else logp_prox  # TIM: the proximal policy: the trainer before the first update
-    if arm_of(cfg).critic:  # COPC's critic: (B, T) advantages and its own loss
-        values = torch.sigmoid(rs.value_head(hidden.detach()).squeeze(-1))  # (B, T), bounded to [0, 1] rewards
-        adv, targets = copc_advantages(values, rewards, logp, ro.logp_infer, ro.mask)
-        critic_loss = 0.5 * masked_mean((values - targets).square(), ro.mask)
-    else:  # (B, 1) GRPO or raw-reward advantages
-        adv = (grpo_advantages(rewards, cfg.group) if cfg.baseline == "group" else rewards)[:, None]
-        critic_loss = 0.0
+    if first:  # TIM: the proximal policy: the trainer before the batch's first update
+        logp_prox = logp.detach()
+    adv, critic_loss = _advantages(cfg, state, rewards, logp, hidden, ro)
     loss = policy_loss(cfg, logp, logp_topk, logp_prox, logp_old, ro, adv)
     w_eff = effective_token_weights(loss, logp, adv, ro.mask)  # what the arm did to each token
     if first and cfg.diagnose_drift:
-        extra |= drift_signal_norms(rs.trainer.grad_leaves(), logp, logp_topk, ro.logp_infer, ro.logp_topk_infer,
+        extra |= drift_signal_norms(trainer.grad_leaves(), logp, logp_topk, ro.logp_infer, ro.logp_topk_infer,
                                     adv, ro.mask)
     clock.append(time.perf_counter())
-    grad_norm = rs.trainer.step(loss + critic_loss)
+    grad_norm = trainer.step(loss + critic_loss)
     clock.append(time.perf_counter())
     live = torch.isfinite(w_eff)  # masked tokens with A != 0
     negative = live & (adv.expand_as(w_eff) < 0)
     zeroed = live & (w_eff == 0)
     frac_zeroed = float(zeroed.sum() / live.sum()) if live.any() else math.nan
-    frac_zeroed_neg_adv = float((zeroed & negative).sum() / negative.sum()) if negative.any() else math.nan
+    frac_zeroed_neg = float((zeroed & negative).sum() / negative.sum()) if negative.any() else math.nan
     seconds = {phase: clock[k + 1] - clock[k] for k, phase in enumerate(("recompute", "loss", "optimizer"))}
-    return Update(loss.item(), grad_norm, frac_zeroed, frac_zeroed_neg_adv, logp_kept, logp_prox, adv, log_s, extra,
-                  seconds)
+    return Update(loss.item(), grad_norm, frac_zeroed, frac_zeroed_neg, logp_kept, logp_prox, adv, log_s,
+                  extra, seconds)
 
 
 class Timer:
@@ -3172,18 +3183,18 @@ class Timer:
         self.last = now
 
 
-def sample_batch(cfg: RLConfig, step: int, rs: RunState) -> tuple[Rollout, list[str]]:
+def sample_batch(cfg: RLConfig, step: int, state: RunState) -> tuple[Rollout, list[str]]:
     """This step's prompts, G samples each, on the trainer's device; and their answers."""
-    problems = rs.train_set[step * cfg.prompts : (step + 1) * cfg.prompts]
-    prompts, answers = encode_problems(rs.tokenizer, problems)
-    device = next(rs.trainer.model.parameters()).device
-    ro = rs.sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, recorded_topk(cfg), rs.gen,
-                           cfg.top_p, cfg.top_k, cfg.min_p)
+    problems = state.train_set[step * cfg.prompts : (step + 1) * cfg.prompts]
+    prompts, answers = encode_problems(state.tokenizer, problems)
+    device = next(state.trainer.model.parameters()).device
+    ro = state.sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, recorded_topk(cfg),
+                              state.gen, cfg.top_p, cfg.top_k, cfg.min_p)
     return ro.to(device), answers
 
 
 def merge_kept_support(ro: Rollout, rebuilt) -> dict:
-    """Truncated sampling: the sampler's kept support, the trainer's rebuilt one where it has none; metrics."""
+    """Truncated sampling: the sampler's kept support, else the trainer's rebuilt one; metrics."""
     extra = {"support_rebuilt": ro.kept_ids is None}
     if ro.kept_ids is None:
         ro.kept_ids = rebuilt
@@ -3203,67 +3214,78 @@ def route_flips(ro: Rollout, behaviour) -> dict:
     return {f"route_flip_{name}": share for name, share in flips.items()}
 
 
-def sync_due(cfg: RLConfig, rs: RunState, ro: Rollout, behaviour) -> bool:
-    """Counts the step since the last sync; True every sync_every steps (policy lag k - 1), or when DLC's lag or
-    staleness trigger fires."""
-    rs.since_sync += 1
-    if rs.since_sync >= cfg.sync_every:
+def sync_due(cfg: RLConfig, state: RunState, ro: Rollout, behaviour) -> bool:
+    """Counts the step since the last sync; True every sync_every steps (policy lag k - 1), or when DLC's lag
+    or staleness trigger fires."""
+    state.since_sync += 1
+    if state.since_sync >= cfg.sync_every:
         return True
     if not arm_of(cfg).resync or (cfg.dlc_max_lag <= 0 and cfg.dlc_max_staleness <= 0):
         return False
     # TIM: DLC's trigger: the lag the next batch would be sampled with, the updated trainer vs the sampler's
-    # weights on this batch's tokens, measured from the master at export when it was rounded (rounding is no lag)
+    # weights on this batch's tokens, measured from the master at export (rounding is no lag)
     with torch.no_grad():
         routes = behaviour.update_routes
-        logp_next = support_logprobs(rs.trainer.model, ro, cfg.temperature, routes=routes)[0]
+        logp_next = support_logprobs(state.trainer.model, ro, cfg.temperature, routes=routes)[0]
     anchor = behaviour.logp_old if behaviour.logp_master_old is None else behaviour.logp_master_old
-    return dlc_should_resync(logp_next, anchor, ro.mask, rs.since_sync, cfg.dlc_max_staleness, cfg.dlc_max_lag)
+    return dlc_should_resync(logp_next, anchor, ro.mask, state.since_sync, cfg.dlc_max_staleness,
+                             cfg.dlc_max_lag)
 
 
-def sync_sampler(cfg: RLConfig, rs: RunState, timer: Timer) -> float | None:
+def sync_sampler(cfg: RLConfig, state: RunState, timer: Timer) -> float | None:
     """Export the master (rounding it) into the sampler; returns the visible update fraction."""
-    state, vuf = rs.trainer.export(cfg.export, generator=rs.gen)
+    served, visible = state.trainer.export(cfg.export, generator=state.gen)
     timer.lap("export")
-    rs.sampler.load_weights(state)  # TIM: the trainer's weights (and its drift) enter the sampler
-    rs.since_sync = 0
-    return vuf
+    state.sampler.load_weights(served)  # TIM: the trainer's weights (and its drift) enter the sampler
+    state.since_sync = 0
+    return visible
 
 
-def step_record(cfg: RLConfig, step: int, rs: RunState, ro: Rollout, rewards, behaviour, updates: list[Update],
-                synced: bool, vuf, extra: dict) -> dict:
-    """One metrics.jsonl line: mismatch metrics and ledger of the first update's log-probs (before any step on this
-    batch), loss and grad_norm as means over the updates, what the arm dropped."""
+def _mean_finite(updates: list[Update], key: str) -> float | None:
+    """The mean of an Update field over the updates where it is finite (nan: no token); None if none is."""
+    values = [getattr(u, key) for u in updates if math.isfinite(getattr(u, key))]
+    return sum(values) / len(values) if values else None
+
+
+def step_record(cfg: RLConfig, step: int, state: RunState, ro: Rollout, rewards, behaviour,
+                updates: list[Update], synced: bool, visible, extra: dict) -> dict:
+    """One metrics.jsonl line: mismatch metrics and ledger of the first update's log-probs (before any step
+    on this batch), loss and grad_norm as means over the updates, what the arm dropped."""
+    import machinery  # peak_rss_mb
+
     first = updates[0]
-    ledger = mismatch_ledger(first.logp_kept, behaviour.logp_old, ro.logp_infer, ro.mask, behaviour.logp_master_old,
-                             first.log_s, behaviour.logp_old_sampler_routes, behaviour.logp_old_sampler_gates)
-    record = {"step": step, "reward": float(rewards.mean()), "synced": synced, "visible_update_fraction": vuf,
-              "staleness": rs.since_sync}
-    for key in ("loss", "grad_norm", "frac_zeroed", "frac_zeroed_neg_adv"):  # nan: no token
-        values = [getattr(u, key) for u in updates if math.isfinite(getattr(u, key))]
-        record[key] = sum(values) / len(values) if values else None
-    record |= {f"mm_{k}": v for k, v in mismatch_metrics(first.logp_prox, ro.logp_infer, ro.mask).items()}
+    ledger = mismatch_ledger(first.logp_kept, behaviour.logp_old, ro.logp_infer, ro.mask,
+                             behaviour.logp_master_old, first.log_s, behaviour.logp_old_sampler_routes,
+                             behaviour.logp_old_sampler_gates)
+    record = {"step": step, "reward": float(rewards.mean()), "synced": synced,
+              "visible_update_fraction": visible, "staleness": state.since_sync}
+    for key in ("loss", "grad_norm", "frac_zeroed", "frac_zeroed_neg_adv"):
+        record[key] = _mean_finite(updates, key)
+    metrics = mismatch_metrics(first.logp_prox, ro.logp_infer, ro.mask)
+    record |= {f"mm_{k}": v for k, v in metrics.items()}
     record |= correction_shares(cfg, first.logp_prox, ro.logp_infer, first.adv, ro.mask)
-    record |= {f"ledger_{k}": v for k, v in ledger.items()} | extra | first.extra | {"peak_rss_mb": peak_rss_mb()}
+    record |= {f"ledger_{k}": v for k, v in ledger.items()} | extra | first.extra
+    record["peak_rss_mb"] = machinery.peak_rss_mb()
     if ro.entropy is not None:  # recorded by the sampler, which had the whole distribution
         record["entropy"] = float(masked_mean(ro.entropy, ro.mask))
     return record
 
 
-def rl_step(cfg: RLConfig, step: int, rs: RunState) -> dict:
-    """One step: sample -> score -> behaviour pass -> (correct -> optimizer) x updates -> export/sync -> record."""
+def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
+    """One step: sample -> score -> behaviour pass -> (correct -> optimizer) x updates -> sync -> record."""
     timer = Timer()
     # 1) sample
-    ro, answers = sample_batch(cfg, step, rs)
+    ro, answers = sample_batch(cfg, step, state)
     timer.lap("sample")
     # 2) score: the verifier's reward per sequence
     rewards = [verify(text, answers[i // cfg.group]) for i, text in enumerate(ro.texts)]
     rewards = torch.tensor(rewards, device=ro.mask.device)
-    # 3) behaviour pass: the trainer engine on the weights the sampler holds, and on the master (with truncation
-    # the same forward rebuilds the kept support; an MoE model: also on the sampler's experts)
+    # 3) behaviour pass: the trainer engine on the weights the sampler holds, and on the master (with
+    # truncation the same forward rebuilds the kept support; an MoE model: also on the sampler's experts)
     truncation = (cfg.top_p, cfg.top_k, cfg.min_p) if _truncates(cfg) else None
-    behaviour = rs.trainer.behaviour_logprobs(ro, cfg.temperature, truncation, cfg.routing_replay)
+    behaviour = state.trainer.behaviour_logprobs(ro, cfg.temperature, truncation, cfg.routing_replay)
     extra = merge_kept_support(ro, behaviour.rebuilt) if truncation else {}
-    if behaviour.routes is not None and ro.routed_experts is not None:  # MoE: same weights, two engines' experts
+    if behaviour.routes is not None and ro.routed_experts is not None:  # MoE: two engines' experts
         extra |= route_flips(ro, behaviour)
     timer.lap("recompute")
     # 4) update(s): the arm's loss, updates_per_batch optimizer steps on the batch
@@ -3271,24 +3293,26 @@ def rl_step(cfg: RLConfig, step: int, rs: RunState) -> dict:
     logp_prox = None  # TIM: the proximal policy, the trainer before this batch's first update
     for _ in range(cfg.updates_per_batch):
         # TIM: R2 / R3: update_routes are the experts every forward of the update is forced to
-        update = update_on_batch(cfg, rs, ro, rewards, behaviour.logp_old, logp_prox, behaviour.update_routes)
+        update = update_on_batch(cfg, state, ro, rewards, behaviour.logp_old, logp_prox, behaviour.update_routes)
         logp_prox = update.logp_prox
         updates.append(update)
         for phase, seconds in update.seconds.items():
             timer.sec[phase] += seconds
     timer.lap(None)
     # 5) export / sync
-    synced = sync_due(cfg, rs, ro, behaviour)
-    vuf = sync_sampler(cfg, rs, timer) if synced else None
+    synced = sync_due(cfg, state, ro, behaviour)
+    visible = sync_sampler(cfg, state, timer) if synced else None
     timer.lap("sync")
     # 6) ledger and metrics
-    record = step_record(cfg, step, rs, ro, rewards, behaviour, updates, synced, vuf, extra)
+    record = step_record(cfg, step, state, ro, rewards, behaviour, updates, synced, visible, extra)
     return record | {f"sec_{phase}": seconds for phase, seconds in timer.sec.items()}
 
 
 def setup_run(cfg: RLConfig) -> RunState:
     """Model, trainer, sampler (holding the first served copy), data; all seeded from cfg.seed."""
-    _check_run_config(cfg)
+    import machinery  # the config rules
+
+    machinery.check_run_config(cfg)
     torch.manual_seed(cfg.seed)
     model_dir = resolve_model_dir(cfg.model)
     tokenizer = load_tokenizer(model_dir)
@@ -3296,81 +3320,55 @@ def setup_run(cfg: RLConfig) -> RunState:
     model = load_model(model_dir, trust_remote_code=cfg.trust_remote_code).to(device)
     if cfg.gradient_checkpointing:  # each layer recomputed in backward: the same numbers, less memory
         model.gradient_checkpointing_enable()
-    routers_flag = next((f"{_flag(n)} {getattr(cfg, n)}" for n in ("routing_replay", "router_noise", "router_jitter")
-                         if getattr(cfg, n) not in ("none", 0.0)), None)  # no silent no-op on a model without them
-    if routers_flag and not moe_routers(model):
-        raise UsageError(f"{routers_flag} acts on MoE routers, but {cfg.model} has no "
-                         "router tim_rl replays (REPLAYABLE_ROUTERS; --model runs/base-moe is the tiny MoE)" +
-                         (f"; its router is {router_class(model)}" if is_moe(model) else ""))
+    machinery.check_model_routers(cfg, model)
     value_head = torch.nn.Linear(model.config.hidden_size, 1).to(device) if arm_of(cfg).critic else None
+    extra_params = value_head.parameters() if value_head is not None else ()
     trainer = Trainer(model, cfg.lr, cfg.optimizer, export_dtype=cfg.dtype, loss_on_served=cfg.loss_on_served,
-                      extra_params=value_head.parameters() if value_head is not None else ())
-    if cfg.sampler == "vllm":  # --dtype only (_check_run_config refused --quant, --noise and --exact)
+                      extra_params=extra_params)
+    if cfg.sampler == "vllm":  # --dtype only (check_run_config refused --quant, --noise and --exact)
         sampler = VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer,
                               gpu_memory=cfg.vllm_gpu_memory, reference=trainer.behaviour)
     else:
         sampler = TorchSampler(trainer.model, engine_spec(cfg), tokenizer)
     gen = torch.Generator().manual_seed(cfg.seed)
-    sampler.load_weights(trainer.export(cfg.export, generator=gen)[0])  # it starts from the master's served copy
-    return RunState(trainer, sampler, tokenizer, gen, value_head, *task_problems(cfg, model_dir, tokenizer))
+    sampler.load_weights(trainer.export(cfg.export, generator=gen)[0])  # the master's first served copy
+    train_set, eval_set = task_problems(cfg, model_dir, tokenizer)
+    return RunState(trainer, sampler, tokenizer, gen, value_head, train_set, eval_set)
 
 
 def task_problems(cfg: RLConfig, model_dir: Path, tokenizer) -> tuple[list, list]:
-    """(RL problems, held-out problems) of cfg.task; word problems go through the tokenizer's chat template."""
+    """(RL problems, held-out problems) of cfg.task; word problems go through the chat template."""
+    import machinery  # the testbed's task generators
+
+    n = cfg.steps * cfg.prompts
     if cfg.task == "arithmetic":
         task = run_task_kwargs(cfg, model_dir)
-        return (make_arithmetic_task(cfg.steps * cfg.prompts, seed=cfg.seed, split="rl", **task),
-                make_arithmetic_task(cfg.eval_n, seed=0, split="eval", **task))
-    rl, held_out = make_word_problems(cfg.steps * cfg.prompts, cfg.seed), make_word_problems(cfg.eval_n, 0, "eval")
-    return [[(chat_prompt(tokenizer, q), a) for q, a in problems] for problems in (rl, held_out)]
-
-
-def _save_run_checkpoint(out: Path, rs: RunState, next_step: int) -> None:
-    """out/checkpoint.safetensors: the trainer, the random streams and where to resume (atomic)."""
-    tensors, meta = trainer_state(rs.trainer, {"value_head": rs.value_head})
-    tensors |= {"rng.generator": rs.gen.get_state(), "rng.torch": torch.get_rng_state()}
-    meta |= {"next_step": next_step, "since_sync": rs.since_sync}
-    save_checkpoint(out / "checkpoint.safetensors", tensors, meta)
-
-
-def _resume_run(out: Path, rs: RunState) -> tuple[int, list[dict]]:
-    """Restore the checkpoint into rs; keep metrics.jsonl lines of the steps it covers (drop later or torn ones)."""
-    if not (out / "checkpoint.safetensors").exists():
-        raise FileNotFoundError(f"resume: no checkpoint.safetensors in {out}")
-    tensors, meta = load_checkpoint(out / "checkpoint.safetensors")
-    load_trainer_state(rs.trainer, tensors, meta, {"value_head": rs.value_head})
-    rs.sampler.load_weights(rs.trainer.served)  # the sampler holds the served copy of the last sync
-    rs.gen.set_state(tensors["rng.generator"])
-    torch.set_rng_state(tensors["rng.torch"])
-    rs.since_sync, start = meta["since_sync"], meta["next_step"]
-    records = []
-    for line in (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line torn by the kill
-            continue
-        if record.get("step", start) < start:  # an evaluation at `start` runs again
-            records.append(record)
-    return start, records
+        return (machinery.make_arithmetic_task(n, seed=cfg.seed, split="rl", **task),
+                machinery.make_arithmetic_task(cfg.eval_n, seed=0, split="eval", **task))
+    rl, held_out = machinery.make_word_problems(n, cfg.seed), machinery.make_word_problems(cfg.eval_n, 0, "eval")
+    return [[(machinery.chat_prompt(tokenizer, q), a) for q, a in problems] for problems in (rl, held_out)]
 
 
 def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
-    """RL under mismatch: sample -> verify -> advantages -> recompute + ledger -> correct -> step -> export/sync.
+    """RL under mismatch: sample -> verify -> advantages -> recompute + ledger -> correct -> step -> sync.
 
-    Writes one JSON line per step to runs/<name>/metrics.jsonl, a checkpoint every cfg.checkpoint_every steps and at
-    the end, and returns the records. resume=True continues from runs/<name>/checkpoint.safetensors (bit for bit
-    the run that was interrupted, on the same machine and thread count).
+    Writes one JSON line per step to runs/<name>/metrics.jsonl, a checkpoint every cfg.checkpoint_every steps
+    and at the end, and returns the records. resume=True continues from runs/<name>/checkpoint.safetensors
+    (bit for bit the run that was interrupted, on the same machine and thread count).
     """
     from tqdm.auto import tqdm
 
-    rs = setup_run(cfg)
+    import machinery  # checkpoints and resume
+
+    state = setup_run(cfg)
     out = Path(cfg.out_dir) / cfg.name
     out.mkdir(parents=True, exist_ok=True)
-    start, records = _resume_run(out, rs) if resume else (0, [])
+    start, records = machinery.resume_run(out, state) if resume else (0, [])
     if resume:
         print(f"[tim_rl] resuming {out} at step {start} of {cfg.steps} (its checkpoint)", file=sys.stderr)
-    write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))  # steps covered, once
-    write_atomic(out / "config.json", json.dumps(asdict(cfg), indent=1))  # after: never beside older metrics
+    covered = "".join(json.dumps(r) + "\n" for r in records)
+    machinery.write_atomic(out / "metrics.jsonl", covered)  # the steps the checkpoint covers, once
+    machinery.write_atomic(out / "config.json", json.dumps(asdict(cfg), indent=1))  # never beside older metrics
     with open(out / "metrics.jsonl", "a") as log:
         def write(record: dict) -> None:
             """Keep the record and append it to metrics.jsonl (flushed: a kill loses at most this line)."""
@@ -3378,14 +3376,16 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
             log.write(json.dumps(record) + "\n")
             log.flush()
 
-        for step in tqdm(range(start, cfg.steps), desc=cfg.name, disable=not cfg.progress, mininterval=2,
-                         initial=start, total=cfg.steps):
+        steps = tqdm(range(start, cfg.steps), desc=cfg.name, disable=not cfg.progress, mininterval=2,
+                     initial=start, total=cfg.steps)
+        for step in steps:
             if step % cfg.eval_every == 0:  # before the step's update: step 0 is the model RL starts from
-                write(evaluate(step, rs, cfg))
-            write(rl_step(cfg, step, rs))
-            if step == cfg.steps - 1 or (cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0):
-                _save_run_checkpoint(out, rs, step + 1)
-        write(evaluate(cfg.steps, rs, cfg))  # after the last update
+                write(evaluate(step, state, cfg))
+            write(rl_step(cfg, step, state))
+            every = cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0
+            if step == cfg.steps - 1 or every:
+                machinery.save_run_checkpoint(out, state, step + 1)
+        write(evaluate(cfg.steps, state, cfg))  # after the last update
     return records
 
 
@@ -3398,160 +3398,68 @@ def vllm_available() -> bool:
 
 def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: int = 16,
          out: str = "runs/demo") -> None:
-    """The default command: mismatch of every engine, then policy lag hurting and being repaired (mean ± sd over
-    paired seeds; `python experiments.py compare` adds the paired intervals and verdicts). Writes <out>/demo.md
-    (both tables) and <out>/demo.png (trainer pc per arm, mean and ± 1 sd band over the seeds)."""
+    """The default command: mismatch of every engine, then policy lag hurting and being repaired (mean ± sd
+    over paired seeds; `python experiments.py compare` adds paired intervals and verdicts). Writes
+    <out>/demo.md (both tables) and <out>/demo.png (trainer pc per arm, mean and ± 1 sd over the seeds)."""
     from matplotlib.figure import Figure  # no pyplot: a notebook's backend is left alone
 
-    model_dir = ensure_base_model("runs/base")
+    import machinery  # the testbed: base model, task, atomic writes
+
+    lines = []
+
+    def say(line: str, gap: bool = False) -> None:
+        """Print the line (after a blank one when `gap`) and keep it for demo.md."""
+        lines.append(line)
+        print("\n" * gap + line)
+
+    model_dir = machinery.ensure_base_model("runs/base")
     model, tokenizer = load_model(model_dir).eval(), load_tokenizer(model_dir)
-    prompts = encode_problems(tokenizer, make_arithmetic_task(64, seed=0, split="eval", **task_kwargs(model_dir)))[0]
-    engines = [("torch fp32 (KV cache)", EngineSpec()), ("torch fp32 exact", EngineSpec(exact=True)),
-               ("torch fp16", EngineSpec(dtype="fp16")), ("torch bf16", EngineSpec(dtype="bf16")),
-               ("torch int8 weights", EngineSpec(quant="int8")), ("torch fp8-e4m3 weights", EngineSpec(quant="fp8"))]
-    engines += [("vLLM fp32", "fp32"), ("vLLM bf16", "bf16")] if vllm_available() else []
-    lines = ["== 1. measured mismatch of each sampler engine vs the fp32 trainer (64 prompts x 4 samples) =="]
-    print("\n" + lines[0])
-    for label, spec in engines:
-        sampler = (TorchSampler(model, spec, tokenizer) if isinstance(spec, EngineSpec)
-                   else VLLMSampler(model_dir, dtype=spec, seed=0, tokenizer=tokenizer))
+    problems = machinery.make_arithmetic_task(64, seed=0, split="eval", **task_kwargs(model_dir))
+    prompts = encode_problems(tokenizer, problems)[0]
+    engines = {"torch fp32 (KV cache)": EngineSpec(), "torch fp32 exact": EngineSpec(exact=True),
+               "torch fp16": EngineSpec(dtype="fp16"), "torch bf16": EngineSpec(dtype="bf16"),
+               "torch int8 weights": EngineSpec(quant="int8"), "torch fp8-e4m3 weights": EngineSpec(quant="fp8")}
+    if vllm_available():
+        engines |= {"vLLM fp32": "fp32", "vLLM bf16": "bf16"}
+    say("== 1. measured mismatch of each sampler engine vs the fp32 trainer (64 prompts x 4 samples) ==", True)
+    for label, spec in engines.items():
+        if isinstance(spec, EngineSpec):
+            sampler = TorchSampler(model, spec, tokenizer)
+        else:
+            sampler = VLLMSampler(model_dir, dtype=spec, seed=0, tokenizer=tokenizer)
         ro = sampler.sample(prompts, 4, 5, 1.0, None, torch.Generator().manual_seed(0))
         del sampler  # vLLM: one engine per process at a time
         with torch.no_grad():
-            m = mismatch_metrics(sequence_logprobs(model, ro)[0], ro.logp_infer, ro.mask)  # TIM: the same tokens
-        lines.append(f"{label:<24} k3 {m['k3']:<9.3g} mean |Δlogp| {m['abs_diff']:<9.3g} "
-                     f"max |Δlogp| {m['max_abs_diff']:.3g}")
-        print(lines[-1])
-    lines.append(f"== 2. policy lag: sampler synced every {sync_every} steps vs every step, {steps} steps, "
-                 f"{len(seeds)} paired seeds: held-out trainer pc at step 0 -> after the last step, mean ± sd over "
-                 f"the seeds (sd with Bessel's correction) ==")
-    print("\n" + lines[-1])
-    base = RLConfig(steps=steps, sync_every=sync_every, eval_every=max(steps // 4, 1), out_dir=out,
-                    topk=0)  # sc_tis over all V, as README's demo output was run
-    arms = [("synced control (k=1, none)", {"correction": "none", "sync_every": 1})]
-    arms += [(f"{c} (k={sync_every})", {"correction": c}) for c in ("none", "tis", "sc_tis")]
+            m = mismatch_metrics(sequence_logprobs(model, ro)[0], ro.logp_infer, ro.mask)  # TIM: same tokens
+        say(f"{label:<24} k3 {m['k3']:<9.3g} mean |Δlogp| {m['abs_diff']:<9.3g} "
+            f"max |Δlogp| {m['max_abs_diff']:.3g}")
+    say(f"== 2. policy lag: sampler synced every {sync_every} steps vs every step, {steps} steps, "
+        f"{len(seeds)} paired seeds: held-out trainer pc at step 0 -> after the last step, mean ± sd over "
+        f"the seeds (sd with Bessel's correction) ==", True)
+    # sc_tis over all V (topk=0), as README's demo output was run
+    base = RLConfig(steps=steps, sync_every=sync_every, eval_every=max(steps // 4, 1), out_dir=out, topk=0)
+    arms = {"synced control (k=1, none)": {"correction": "none", "sync_every": 1}}
+    arms |= {f"{c} (k={sync_every})": {"correction": c} for c in ("none", "tis", "sc_tis")}
     fig = Figure(figsize=(7.5, 4))
     ax = fig.subplots()
-    for i, (label, change) in enumerate(arms):
+    for i, (label, change) in enumerate(arms.items()):
         runs = [run(dataclasses.replace(base, name=f"arm{i}_s{s}", seed=s, **change)) for s in seeds]
-        evals = [[r for r in rs if "pc_trainer" in r] for rs in runs]
+        evals = [[r for r in records if "pc_trainer" in r] for records in runs]
         pc = torch.tensor([[r["pc_trainer"] for r in e] for e in evals], dtype=torch.float64)  # (seeds, evals)
         sd = pc.std(0) if len(seeds) > 1 else torch.zeros(pc.shape[1], dtype=torch.float64)
-        lines.append(f"{label:<28} pc {float(pc[:, 0].mean()):.3f} -> {float(pc[:, -1].mean()):.3f} "
-                     f"± {float(sd[-1]):.3f}")
-        print(lines[-1])
-        x = [r["step"] for r in evals[0]]
-        ax.plot(x, pc.mean(0), marker="o", ms=3, label=label)
-        ax.fill_between(x, pc.mean(0) - sd, pc.mean(0) + sd, alpha=0.15)
+        say(f"{label:<28} pc {float(pc[:, 0].mean()):.3f} -> {float(pc[:, -1].mean()):.3f} ± {float(sd[-1]):.3f}")
+        x, mean = [r["step"] for r in evals[0]], pc.mean(0)
+        ax.plot(x, mean, marker="o", ms=3, label=label)
+        ax.fill_between(x, mean - sd, mean + sd, alpha=0.15)
     ax.set(title=f"policy lag k={sync_every}: mean and ± 1 sd over {len(seeds)} seeds", xlabel="optimizer step",
            ylabel="held-out probability of the exact answer (pc)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     Path(out).mkdir(parents=True, exist_ok=True)
     fig.savefig(Path(out) / "demo.png", dpi=110)
-    write_atomic(Path(out) / "demo.md", "\n".join(lines) + "\n")
+    machinery.write_atomic(Path(out) / "demo.md", "\n".join(lines) + "\n")
     print(f"\nwrote {out}/demo.md, {out}/demo.png and {out}/arm<i>_s<seed>/; paired intervals and verdicts: "
           "python experiments.py compare --help")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# ---- interop: TRL ----
-# The weight-style corrections ride through TRL's GRPOTrainer, which multiplies its per-token PPO loss by
-# inputs["importance_sampling_ratio"] (TRL 1.16, vLLM on, a token_* mode). Score centering cannot: it needs the
-# sampler's top-k log-probs, which TRL does not request from vLLM. COPC cannot: it needs a critic. DPPO cannot: its
-# mask depends on the current log-prob's gradient direction, not on a weight fixed at generation time. OPSM and
-# CISPO are TRL's own (off_policy_mask_threshold, loss_type="cispo"); the k2 term is a loss, not a weight.
-
-TRL_CORRECTIONS = {"tis": tis_weights, "mis": mis_weights, "seq_tis": seq_tis_weights,
-                   "seq_mask": seq_mask_weights, "geo": geo_mask_weights, "cis": cis_weights, "dlc": dlc_weights,
-                   "tis_sn": lambda p_old, q, m: self_normalize_weights(tis_weights(p_old, q, m), m)} | RS_ARMS
-
-
-def trl_weights(correction: str, old_per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor,
-                completion_mask: torch.Tensor) -> torch.Tensor:
-    """A tim_rl weight from TRL's tensors (trainer-engine p_old, vLLM's q, int mask). (B, T) -> (B, T) detached.
-
-    TRL pads sampling log-probs with 0 and marks positions vLLM gave none with NaN: those get the correction's
-    documented value for a non-finite token.
-    """
-    _check_choice("correction", correction, sorted(TRL_CORRECTIONS))  # the weights that ride through TRL
-    return TRL_CORRECTIONS[correction](old_per_token_logps.detach().float(), sampling_per_token_logps.float(),
-                                       completion_mask.bool())
-
-
-def check_trl_args(args) -> None:
-    """Refuse GRPOConfig settings under which a tim_rl weight would be silently wrong or ignored (TRL 1.16)."""
-    if not getattr(args, "use_vllm", False):
-        raise ValueError("use_vllm=False: TRL then has no sampler log-probs, so no tim_rl weight would be applied")
-    if getattr(args, "loss_type", None) == "vespo":
-        raise ValueError("loss_type='vespo' takes log(importance_sampling_ratio) and sums it over unmasked "
-                         "padding: tim_rl's weights are 0 there (and where a mask drops a token); use "
-                         "another loss_type")
-    # TRL merges these into vLLM's sampling settings last
-    extra = getattr(args, "generation_kwargs", None) or {}
-    extra = json.loads(extra) if isinstance(extra, str) else extra
-    top_p, top_k, min_p = (extra.get(k, getattr(args, k, None)) for k in ("top_p", "top_k", "min_p"))
-    if (top_p if top_p is not None else 1.0) < 1 or (top_k or 0) > 0 or (min_p or 0) > 0:
-        raise ValueError("top_p / top_k / min_p truncate sampling: vLLM returns log-probs renormalised over "
-                         "the kept tokens, TRL 1.16 computes the trainer's over the full vocabulary, so "
-                         "every weight would carry the kept mass S (TRL #6789), and vLLM 0.32 gives TRL no "
-                         "kept support to renormalise on; set top_p=1.0, top_k=0, min_p=None (or use "
-                         "tim_rl's loop: --top-p, renormalised)")
-    if not getattr(args, "vllm_importance_sampling_correction", True):
-        raise ValueError("vllm_importance_sampling_correction=False: TRL would compute the tim_rl weight "
-                         "and never apply it; set it to True")
-
-
-def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **trainer_kwargs):
-    """trl.GRPOTrainer(**trainer_kwargs) whose vLLM importance weight is a tim_rl correction; logs tim_rl/* metrics.
-
-    - The weight multiplies TRL's per-token loss (clipped PPO on p / p_old, p_old TRL's proximal log-probs), i.e.
-      it covers p_old / q as in tim_rl's decoupled-PPO arms. Needs GRPOConfig(use_vllm=True,
-      vllm_importance_sampling_mode="token_truncate" or
-      "token_mask"); TRL's own sampling/importance_sampling_ratio/* metrics describe TRL's ratio, not this weight.
-    - mismatch_metrics(old_per_token_logps, sampling_per_token_logps) are logged as tim_rl/k1, tim_rl/k3, ...
-    - vllm_dtype ("fp32" | "bf16" | "fp16") sets vLLM's dtype, which GRPOConfig cannot.
-    - On vLLM's CPU build a colocated vLLM is synced with reload_vllm_weights (TRL's per-parameter sync breaks
-      there); on a GPU TRL's own sync is kept. loss_type="vespo" and a disabled correction are refused.
-    """
-    import unittest.mock
-
-    import trl.generation.vllm_generation as trl_vllm
-    from trl import GRPOTrainer
-
-    _check_choice("correction", correction, sorted(TRL_CORRECTIONS))  # the weights that ride through TRL
-    if "args" in trainer_kwargs:
-        check_trl_args(trainer_kwargs["args"])
-
-    class TimRLGRPOTrainer(GRPOTrainer):
-        def _generate_and_score_completions(self, inputs):
-            """TRL's rollout with its importance_sampling_ratio from trl_weights."""
-            out = super()._generate_and_score_completions(inputs)
-            p_old, q = out.get("old_per_token_logps"), out.get("sampling_per_token_logps")
-            if p_old is None or q is None:  # no vLLM, or TRL's correction off: nothing to weight
-                return out
-            mask = out["completion_mask"]
-            out["importance_sampling_ratio"] = trl_weights(correction, p_old, q, mask)  # TIM
-            mode = "train" if self.model.training else "eval"
-            for key, value in mismatch_metrics(p_old, q, out["completion_mask"].bool()).items():
-                self._metrics[mode][f"tim_rl/{key}"].append(value)
-            return out
-
-    if vllm_dtype is not None:
-        _check_choice("vllm_dtype", vllm_dtype, sorted(_VLLM_DTYPES))
-    threads = _vllm_environment()
-    # vLLM's class as TRL imported it; with vllm_dtype, pinned for this call
-    llm = getattr(trl_vllm, "LLM", None)
-    llm = llm if vllm_dtype is None else functools.partial(llm, dtype=_VLLM_DTYPES[vllm_dtype])
-    with unittest.mock.patch.object(trl_vllm, "LLM", llm, create=True):
-        trainer = TimRLGRPOTrainer(**trainer_kwargs)
-    torch.set_num_threads(threads)
-    generation = getattr(trainer, "vllm_generation", None)
-    if trainer.use_vllm and generation is not None and generation.mode == "colocate" and _vllm_on_cpu():
-        # vLLM's CPU build repacks Linear weights, which breaks TRL's per-parameter sync; on a GPU TRL's own sync
-        # (PEFT merge, ZeRO-3 gather, sleep-mode wake-up) stays in charge
-        generation.sync_weights = lambda: reload_vllm_weights(generation.llm, trainer.model.named_parameters())
-    return trainer
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -3571,29 +3479,12 @@ class EngineSpec:
     dtype: str = cli_field("fp32", "sampler weight/compute dtype: fp32 | bf16 | fp16")
     quant: str = cli_field("none", "fake-quantised Linear weights (not lm_head): none | int8 | fp8")
     noise: float = cli_field(0.0, "relative weight noise s: w + s * N(0,1) * w, one draw per run (SC paper)")
-    noise_seed: int = cli_field(1234, "seed of that noise draw (the same draw is re-applied after every sync)")
-    exact: bool = cli_field(False, "zero-mismatch limit: record log-probs with the trainer's own fp32 forward")
-    router_fp32: bool = cli_field(False, "MoE: routers' weights and logits in fp32 in a bf16/fp16 engine (slime)")
-    router_noise: float = cli_field(0.0, "MoE: relative noise s on the routers' weights only (on top of "
-                                         "--noise), drawn like it: a mismatch that flips experts")
-    router_jitter: float = cli_field(0.0, "MoE: noise sigma * N(0, 1) on the routers' logits, fresh at every forward")
-    head_fp32: bool = cli_field(False, "lm_head and logits in fp32 in a bf16/fp16 engine (TRL cast_lm_head_to_fp32)")
-
-
-@dataclass
-class PretrainConfig:
-    """Supervised pre-training of the embedded tiny model on the arithmetic task."""
-
-    out: str = cli_field("runs/base", "model directory written (safetensors + tokenizer)")
-    steps: int = cli_field(400, "AdamW steps (400: held-out greedy ~0.7, sampled reward ~0.4: room for RL)")
-    batch: int = cli_field(64, "problems per step")
-    lr: float = cli_field(1e-3, "AdamW learning rate (cosine to 10%)")
-    digits: int = cli_field(2, "operand digits")
-    ops: str = cli_field("+", "operators drawn from: + - * and s (swap: 'a s b=' -> 'ba', 2 x digits tokens)")
-    seed: int = cli_field(0, "seed of init and data")
-    moe: bool = cli_field(False, "a tiny Qwen3-MoE (8 experts, top-2, load-balancing loss), not the Llama")
-    mixed_digits: str = cli_field("", "comma-separated digit counts pre-trained in turn ('' = --digits alone)")
-    max_positions: int = cli_field(64, "max_position_embeddings (prompt + answer; the swap task: 4 x digits + 4)")
+    noise_seed: int = cli_field(1234, "seed of that noise draw (re-applied after every sync)")
+    exact: bool = cli_field(False, "zero-mismatch limit: log-probs from the trainer's own fp32 forward")
+    router_fp32: bool = cli_field(False, "MoE: routers' weights and logits in fp32 in a bf16/fp16 engine")
+    router_noise: float = cli_field(0.0, "MoE: relative noise s on the routers' weights only (flips experts)")
+    router_jitter: float = cli_field(0.0, "MoE: noise sigma * N(0, 1) on the routers' logits at every forward")
+    head_fp32: bool = cli_field(False, "lm_head and logits in fp32 in a bf16/fp16 engine (TRL's option)")
 
 
 @dataclass
@@ -3606,32 +3497,26 @@ class RLConfig:
     dtype: str = cli_field("fp32", "sampler dtype: fp32 | bf16 | fp16")
     quant: str = cli_field("none", "sampler weight quantisation: none | int8 | fp8")
     noise: float = cli_field(0.0, "sampler relative weight noise s")
-    router_noise: float = cli_field(0.0, "MoE sampler: relative noise on the routers' weights only (flips experts)")
-    router_jitter: float = cli_field(0.0, "MoE sampler: per-forward noise sigma on the routers' logits (near-ties)")
+    router_noise: float = cli_field(0.0, "MoE sampler: relative noise on the routers' weights only")
+    router_jitter: float = cli_field(0.0, "MoE sampler: per-forward noise sigma on the routers' logits")
     exact: bool = cli_field(False, "exact mode: sampler log-probs from the trainer's forward (ratio 1)")
-    correction: str = cli_field("none", " | ".join(CORRECTIONS) + " (drift_only: the drift alone, a positive control)")
+    correction: str = cli_field("none", " | ".join(CORRECTIONS) + " (drift_only: a positive control)")
     steps: int = cli_field(80, "optimizer steps")
     prompts: int = cli_field(16, "prompts per step")
     group: int = cli_field(8, "samples per prompt (G)")
     max_new_tokens: int = cli_field(5, "response length cap")
-    temperature: float = cli_field(1.0, "temperature of sampler and trainer (with vLLM (0, 0.01) is refused)")
+    temperature: float = cli_field(1.0, "temperature of sampler and trainer (vLLM: 0 or >= 0.01)")
     top_p: float = cli_field(1.0, "sampler nucleus truncation (vLLM's rule; 1 = off)")
     top_k: int = cli_field(0, "sampler top-k truncation (0 = off; not the recorded --topk)")
     min_p: float = cli_field(0.0, "sampler min-p truncation: keep p >= min_p * max p (0 = off)")
-    renormalize: bool = cli_field(True, "with truncation, renormalise the trainer's log-probs on the sampler's "
-                                        "kept support (off: full-vocabulary log-probs, every ratio biased by the "
-                                        "kept mass S)")
-    topk: int = cli_field(32, "sampler top-K ids recorded for score centering (0 = whole vocabulary, 12 V bytes "
-                              "per token; the published runs used 0); recorded only for the arms that read them "
-                              "(sc, sc_tis, sc_mis, drift_only, --diagnose-drift)")
-    support_topk: int = cli_field(64, "vLLM under truncation: log-probs requested per token, whose finite ones are "
-                                      "the kept support (0 = all V); where all K are finite the trainer's rebuilt "
-                                      "support is used (counted: support_beyond_k)")
+    renormalize: bool = cli_field(True, "with truncation, the trainer's log-probs on the kept support")
+    topk: int = cli_field(32, "top-K sampler log-probs recorded for the arms that read them (0 = all V)")
+    support_topk: int = cli_field(64, "vLLM under truncation: log-probs per token giving its kept support")
     baseline: str = cli_field("group", "advantage baseline: group (GRPO mean, no std) | none (raw reward)")
     optimizer: str = cli_field("adamw", "adamw | sgd")
     lr: float = cli_field(3e-5, "learning rate (1e-4 knocks the tiny model back in Adam's first steps)")
     sync_every: int = cli_field(1, "copy trainer weights into the sampler every k steps (policy lag k - 1)")
-    updates_per_batch: int = cli_field(1, "optimizer steps per rollout batch (verl ppo_epochs, TRL num_iterations)")
+    updates_per_batch: int = cli_field(1, "optimizer steps per rollout batch (verl ppo_epochs)")
     export: str = cli_field("rtn", "fp32 -> bf16/fp16 export rounding: rtn | sr | ef")
     loss_on_served: bool = cli_field(False, "Fair Cast: forward on the served weights, step the fp32 master")
     tis_cap: float = cli_field(2.0, "TIS cap C of the token-level weights (tis, ppo, sc_tis)")
@@ -3642,42 +3527,36 @@ class RLConfig:
     eps_low: float = cli_field(0.2, "PPO clip low")
     eps_high: float = cli_field(0.28, "PPO clip high")
     dppo_delta: float = cli_field(0.2, "DPPO trust region on |p - q|")
-    rs_threshold: float = cli_field(0.01, "rs, rs_seq_max, rs_seq_mean, rs_seq_sum: drop where the divergence estimate "
-                                          "exceeds this (verl's K3-RS preset: 0.01)")
-    rs_estimator: str = cli_field("k3", "rs arms' per-token estimate of KL(q || p) from log rho: k1 (-log rho) | k2 "
-                                        "((log rho)^2 / 2) | k3 (rho - 1 - log rho)")
-    opsm_delta: float = cli_field(1e-4, "opsm: drop A < 0 sequences whose mean(logp_infer - logp) exceeds this "
-                                        "(slime's --opsm-delta default)")
-    k2_coef: float = cli_field(0.0, "add k2_coef * mean((logp - logp_infer)^2 / 2) to the loss (prime-rl: 1e-3)")
-    dlc_max_staleness: int = cli_field(0, "DLC: resync once this many steps passed without one (0 = off)")
-    dlc_max_lag: float = cli_field(0.0, "DLC: resync when mean |logp - logp at the last sync| exceeds this (0 = off)")
+    rs_threshold: float = cli_field(0.01, "rs arms: drop where the divergence estimate exceeds this")
+    rs_estimator: str = cli_field("k3", "rs arms' estimate of KL(q || p) per token: k1 | k2 | k3")
+    opsm_delta: float = cli_field(1e-4, "opsm: drop A < 0 sequences whose mean(logp_infer - logp) > this")
+    k2_coef: float = cli_field(0.0, "add k2_coef * mean((logp - logp_infer)^2 / 2) to the loss")
+    dlc_max_staleness: int = cli_field(0, "DLC: resync after this many steps without one (0 = off)")
+    dlc_max_lag: float = cli_field(0.0, "DLC: resync when mean |logp - logp at the last sync| > this (0 = off)")
     eval_every: int = cli_field(20, "evaluate at step 0, every N steps and after the last (N <= steps/4)")
     eval_n: int = cli_field(512, "distinct held-out problems per evaluation")
     diagnose_drift: bool = cli_field(False, "log the gradient's drift and signal norms (extra backwards)")
     seed: int = cli_field(0, "seed of sampling, data and noise")
     out_dir: str = cli_field("runs", "parent directory of runs")
-    checkpoint_every: int = cli_field(10, "write runs/<name>/checkpoint.safetensors every N steps (0: at the end "
-                                          "only); --resume continues from the last one")
-    trust_remote_code: bool = cli_field(False, "let transformers run Python code shipped in --model (off: never)")
+    checkpoint_every: int = cli_field(10, "checkpoint every N steps (0: at the end only); --resume reads it")
+    trust_remote_code: bool = cli_field(False, "let transformers run Python code shipped in --model")
     progress: bool = cli_field(True, "show a tqdm bar")
-    device: str = cli_field("auto", "trainer, TorchSampler and evaluation: auto (cuda if available) | cpu | cuda")
+    device: str = cli_field("auto", "trainer, TorchSampler and evaluation: auto | cpu | cuda")
     vllm_gpu_memory: float = cli_field(0.3, "share of GPU memory vLLM takes beside the trainer (GPU only)")
-    task: str = cli_field("arithmetic", "arithmetic (the tiny model's) | words (chat word problems, a chat model)")
-    task_digits: int = cli_field(0, "arithmetic task's operand digits (0: the model's own, its pretrain.json; a "
-                                    "base pre-trained with --mixed-digits serves each of its counts)")
-    routing_replay: str = cli_field("none", "MoE: none | r2 (the update replays the experts the policy being "
-                                            "updated chose before it) | r3 (the sampler's; torch sampler)")
-    gradient_checkpointing: bool = cli_field(False, "transformers' gradient checkpointing (its cost: RESULTS.md)")
+    task: str = cli_field("arithmetic", "arithmetic (the tiny model's) | words (chat word problems)")
+    task_digits: int = cli_field(0, "arithmetic task's operand digits (0: the model's own)")
+    routing_replay: str = cli_field("none", "MoE: none | r2 (the policy's own experts) | r3 (the sampler's)")
+    gradient_checkpointing: bool = cli_field(False, "transformers' gradient checkpointing (less memory)")
 
 
 def engine_spec(cfg: RLConfig) -> EngineSpec:
     """The torch sampler's engine a run's flags describe (its noise seeded apart from the run's seed)."""
-    return EngineSpec(dtype=cfg.dtype, quant=cfg.quant, noise=cfg.noise, noise_seed=cfg.seed + 1234, exact=cfg.exact,
-                      router_noise=cfg.router_noise, router_jitter=cfg.router_jitter)
+    return EngineSpec(dtype=cfg.dtype, quant=cfg.quant, noise=cfg.noise, noise_seed=cfg.seed + 1234,
+                      exact=cfg.exact, router_noise=cfg.router_noise, router_jitter=cfg.router_jitter)
 
 
 def run_task_kwargs(cfg: RLConfig, model_dir: str | Path) -> dict:
-    """The arithmetic task a run trains and evaluates on: the model's own (task_kwargs), --task-digits if set."""
+    """The arithmetic task a run trains and evaluates on: the model's own (task_kwargs), or --task-digits."""
     return task_kwargs(model_dir) | ({"digits": cfg.task_digits} if cfg.task_digits else {})
 
 
@@ -3692,12 +3571,12 @@ def _reads_topk(cfg: RLConfig) -> bool:
 
 
 SUPPORT_BEYOND_K = ("vLLM returned --support-topk finite log-probs at some positions (the kept support may be "
-                    "larger): the trainer renormalises there on the support it rebuilds (metrics: support_beyond_k)")
+                    "larger): the trainer renormalises there on the support it rebuilds (support_beyond_k)")
 
 
 def recorded_topk(cfg: RLConfig) -> int | None:
-    """The top-K the sampler records: cfg.topk for the arms (and diagnostics) that read it, else None (K = 0); vLLM
-    under truncation cfg.support_topk, the finite ones of which are its kept support.
+    """The top-K the sampler records: cfg.topk for the arms (and diagnostics) that read it, else None; vLLM
+    under truncation cfg.support_topk, whose finite ones are its kept support.
 
     At V = 151,936 all-V records would be 12 bytes x V per token: only a flag set to 0 asks for them.
     """
@@ -3708,8 +3587,7 @@ def recorded_topk(cfg: RLConfig) -> int | None:
     return None
 
 
-# Tensor checks: every public function validates cheaply and names the argument; nothing here is on the hot
-# path's inner loop.
+# Tensor checks: every public function validates cheaply and names the argument.
 def _check_tensor(name: str, x, *, floating: bool = True) -> None:
     """A TypeError naming the argument unless x is a torch.Tensor (of a floating dtype when `floating`)."""
     if not isinstance(x, torch.Tensor):
@@ -3727,55 +3605,50 @@ def _check_choice(name: str, value, choices) -> None:
 def _check_mask(mask) -> None:
     """A TypeError or ValueError unless mask is a non-empty (B, T) bool tensor."""
     _check_tensor("mask", mask, floating=False)
+    shape = tuple(mask.shape)
     if mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor (True on generated tokens), got dtype {mask.dtype}")
     if mask.dim() != 2:
-        raise ValueError(f"mask must have shape (B, T), got {tuple(mask.shape)}")
+        raise ValueError(f"mask must have shape (B, T), got {shape}")
     if mask.numel() == 0:
-        raise ValueError(f"mask is empty (shape {tuple(mask.shape)}): need B >= 1 and T >= 1")
+        raise ValueError(f"mask is empty (shape {shape}): need B >= 1 and T >= 1")
 
 
 def _check_device(name: str, x, ref_name: str, ref) -> None:
-    """x (a tensor or a generator; None passes) must be on ref's device: mixing devices is a ValueError naming both."""
+    """x (a tensor or a generator; None passes) must be on ref's device, else a ValueError naming both."""
     if x is not None and (x.device.type, x.device.index or 0) != (ref.device.type, ref.device.index or 0):
         raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}: put both on one device")
 
 
 def _check_bt(mask, **tensors) -> None:
-    """Check the mask and that every named tensor is float with the mask's (B, T) shape, on the mask's device."""
+    """Check the mask and that every named tensor is float with the mask's (B, T) shape and device."""
     _check_mask(mask)
     for name, x in tensors.items():
         _check_tensor(name, x)
         if x.shape != mask.shape:
-            raise ValueError(f"{name} must have shape (B, T) = {tuple(mask.shape)} like mask, got "
-                             f"{tuple(x.shape)}")
+            shapes = f"{tuple(mask.shape)} like mask, got {tuple(x.shape)}"
+            raise ValueError(f"{name} must have shape (B, T) = {shapes}")
         _check_device(name, x, "mask", mask)
 
 
 def _check_adv(adv, mask) -> torch.Tensor:
-    """Advantages may be (B, T), (B, 1) or (B,); returned as a detached (B, T) float tensor, non-finite -> 0."""
+    """Advantages (B, T), (B, 1) or (B,), returned as a detached (B, T) float tensor, non-finite -> 0."""
     _check_tensor("adv", adv)
     _check_device("adv", adv, "mask", mask)
     B, T = mask.shape
     if adv.shape == (B,):
         adv = adv[:, None]
     if adv.shape not in ((B, T), (B, 1)):
-        raise ValueError(f"adv must have shape (B, T) = {(B, T)} or (B, 1) = {(B, 1)}, got "
-                         f"{tuple(adv.shape)}")
+        raise ValueError(f"adv must have shape (B, T) = {(B, T)} or (B, 1) = {(B, 1)}, got {tuple(adv.shape)}")
     adv = adv.detach().float().expand(B, T)
     return torch.where(torch.isfinite(adv), adv, torch.zeros_like(adv))
 
 
-# Run settings: every rule of RLConfig, PretrainConfig and EngineSpec, checked before anything is built, so a user's
-# mistake is one line, not a traceback. _check_values: one value at a time (UsageError); _check_run_config: the
-# combinations and what the run would reject later (ValueError); check_cli: the flags that are not config fields
-# (--seeds, --model's files, --resume); _check_engine: EngineSpec.
-# EngineSpec.quant / RLConfig.quant: weight fake-quantisation (fake_quantize)
-QUANTS = ("none", "int8", "fp8")
+QUANTS = ("none", "int8", "fp8")  # EngineSpec.quant / RLConfig.quant: weight fake-quantisation
 
 
 class UsageError(ValueError):
-    """A mistake on the command line: main() prints it as one `tim_rl: error: ...` line and exits with status 2."""
+    """A mistake on the command line: main() prints it as one `tim_rl: error: ...` line, exit status 2."""
 
 
 def _flag(name: str) -> str:
@@ -3783,129 +3656,13 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-# Smallest value allowed, and the fields that must be finite and > 0. Keys are config field names; a subcommand or
-# config checks the ones it has (batch, digits: PretrainConfig; repeats: experiments.py's BenchConfig).
-_CONFIG_MIN = {"steps": 1, "prompts": 1, "group": 1, "max_new_tokens": 1, "eval_every": 1, "eval_n": 1,
-               "sync_every": 1, "updates_per_batch": 1, "checkpoint_every": 0, "topk": 0, "temperature": 0,
-               "batch": 1, "digits": 1, "repeats": 1, "task_digits": 0, "noise": 0, "router_noise": 0,
-               "router_jitter": 0}
-_CONFIG_POSITIVE = ("lr", "tis_cap", "seq_tis_cap", "dlc_lag_cap", "mis_high", "dppo_delta", "vllm_gpu_memory")
-
-
-def _config_choices() -> dict[str, tuple]:
-    """The allowed values of each choice field (a function: _DTYPES, TASKS, CORRECTIONS come later)."""
-    return {"sampler": ("torch", "vllm"), "dtype": tuple(_DTYPES), "quant": QUANTS, "correction": CORRECTIONS,
-            "baseline": ("group", "none"), "optimizer": ("adamw", "sgd"), "export": ("rtn", "sr", "ef"),
-            "device": ("auto", "cpu", "cuda"), "task": TASKS, "routing_replay": ("none", "r2", "r3"),
-            "rs_estimator": tuple(RS_ESTIMATORS)}
-
-
-def _check_values(obj) -> None:
-    """Raise UsageError, naming the flag, for a value below its minimum or not among its choices (args or config),
-    a float flag that is not finite, or a learning rate / cap / band that is not positive."""
-    for f in fields(RLConfig):
-        value = getattr(obj, f.name, None)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UsageError(f"{_flag(f.name)} must be a finite number, got {value}")
-        if f.name in _CONFIG_POSITIVE and value is not None and value <= 0:
-            raise UsageError(f"{_flag(f.name)} must be > 0, got {value}")
-    for name, low in _CONFIG_MIN.items():
-        if getattr(obj, name, low) < low:
-            raise UsageError(f"{_flag(name)} must be >= {low}, got {getattr(obj, name)}")
-    for name, choices in _config_choices().items():
-        if getattr(obj, name, choices[0]) not in choices:
-            shown = " | ".join(c for c in choices if c)
-            raise UsageError(f"{_flag(name)} must be one of {shown}, got {getattr(obj, name)!r}")
-
-
 def _check_engine(engine: EngineSpec) -> None:
     """Raise ValueError, naming the field, for an EngineSpec no TorchSampler can build."""
     _check_choice("engine.dtype", engine.dtype, sorted(_DTYPES))
     _check_choice("engine.quant", engine.quant, QUANTS)
-    if engine.exact and (engine.dtype != "fp32" or engine.quant != "none" or engine.noise or engine.router_noise
-                         or engine.router_jitter):
+    perturbed = engine.quant != "none" or engine.noise or engine.router_noise or engine.router_jitter
+    if engine.exact and (engine.dtype != "fp32" or perturbed):
         raise ValueError("engine.exact needs dtype fp32 without quantisation or noise")
-
-
-def _check_run_config(cfg: RLConfig) -> None:
-    """Raise ValueError naming the flag(s) for a setting the run would reject later, or that would train nothing."""
-    _check_values(cfg)
-    resolve_device(cfg.device)
-    try:
-        _check_truncation(cfg.top_p, cfg.top_k, cfg.min_p)
-    except ValueError as e:
-        raise ValueError("--" + str(e).replace("_", "-", 1)) from None
-    # COPC's advantages come from its critic
-    group_relative = cfg.baseline == "group" and not arm_of(cfg).critic
-    vllm = cfg.sampler == "vllm"
-    # its longest answer and <eos>: a product or a swap has 2 x digits, else digits + 1
-    task = run_task_kwargs(cfg, cfg.model)
-    longest = 1 + max(2 * task["digits"] if op in "*s" else task["digits"] + 1 for op in task["ops"])
-    mistakes = [
-        (cfg.task == "arithmetic" and cfg.max_new_tokens < longest, (f"--max-new-tokens {cfg.max_new_tokens} "
-         f"cannot hold this model's answers ({task['digits']}-digit {task['ops']!r}: up to {longest} with <eos>)")),
-        (_truncates(cfg) and not cfg.renormalize and arm_of(cfg).renormalized,
-         (f"--no-renormalize applies to the current trainer's sampled-token log-probs only; --correction "
-         f"{cfg.correction} also reads logp_old or the top-K log-probs: run it with --renormalize")),
-        (cfg.loss_on_served and (cfg.sync_every, cfg.updates_per_batch) != (1, 1), ("--loss-on-served needs "
-         "--sync-every 1 and --updates-per-batch 1 (the loss runs on the copy the sampler holds until a sync)")),
-        (cfg.export != "rtn" and cfg.dtype != "bf16", (f"--export {cfg.export} rounds the fp32 master to "
-         f"bf16: it needs --dtype bf16 (the sampler is {cfg.dtype}; rtn is the only export to fp32 / fp16)")),
-        (group_relative and cfg.group == 1, ("--group 1 with --baseline group: each sample is its own group "
-         "mean, so every advantage is 0 and nothing trains (use --group >= 2, or --baseline none)")),
-        (group_relative and cfg.temperature == 0, ("--temperature 0 samples greedily: a group's samples are "
-         "identical, so every advantage is 0 (use --temperature > 0, or --baseline none)")),
-        (vllm and not vllm_available(), ("--sampler vllm: vLLM is not installed in this environment (README: "
-         "Set-up installs it in its own environment)")),
-        (vllm and (cfg.quant != "none" or cfg.noise or cfg.router_noise or cfg.router_jitter or cfg.exact), (
-         "--sampler vllm takes --dtype only (no --quant, --noise, --router-noise, --router-jitter or --exact)")),
-        (vllm and cfg.routing_replay == "r3", ("--routing-replay r3 replays the sampler's experts, but "
-         "VLLMSampler records none (the CPU build returns no routes): use --routing-replay r2 or --sampler torch")),
-        (vllm and 0 < cfg.temperature < 0.01, (f"--sampler vllm with --temperature {cfg.temperature}: vLLM "
-         "samples at 0.01 while the trainer would score the requested value (use 0.01 or more)")),
-        (Path(cfg.out_dir, cfg.name).resolve() == Path(cfg.model).resolve(), (f"--out-dir {cfg.out_dir} "
-         f"--name {cfg.name}: that run directory is the --model directory (a run writes config.json there)")),
-        (cfg.task == "words" and not _has_chat_template(cfg.model), ("--task words needs a chat model "
-         f"(--model DIR with a chat template): {cfg.model} has no chat template")),
-    ]
-    for bad, message in mistakes:
-        if bad:
-            raise ValueError(message)
-
-
-def check_cli(args) -> RLConfig | None:
-    """Raise ValueError, naming the flag(s), for a value or combination the run would reject later (or with a
-    traceback, or that would train nothing); returns the RL config train (or experiments.py compare) will run."""
-    _check_values(args)
-    seeds = getattr(args, "seeds", None) or "0"
-    if not re.fullmatch(r"-?\d+(,-?\d+)*", seeds) or len({int(s) for s in seeds.split(",")}) <= seeds.count(","):
-        raise UsageError(f"--seeds must be comma-separated integers, each listed once, got {seeds!r}")
-    model = getattr(args, "model", "runs/base")
-    # runs/base is built when missing
-    if model != "runs/base" and not (Path(model) / "config.json").is_file():
-        found = "a directory without config.json" if Path(model).is_dir() else "no model directory there"
-        raise UsageError(f"--model {model}: {found} (expected a Hugging Face causal-LM directory with "
-                         "config.json; omit --model to use the embedded tiny model)")
-    out_dirs = [("out", getattr(args, "out", None)), ("out_dir", getattr(args, "out_dir", None))]
-    if getattr(args, "out_dir", None) and args.cmd == "train":  # the run's own directory
-        out_dirs.append(("name", Path(args.out_dir, args.name)))
-    for flag, path in out_dirs:  # a file where a directory goes: refused before any training
-        path = Path(path or ".")
-        existing = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
-        if not existing.is_dir():
-            what = "a link to nowhere" if existing.is_symlink() and not existing.exists() else "a file"
-            raise UsageError(f"{_flag(flag)} {path}: {existing} is {what}, not a directory")
-    resume = getattr(args, "resume", "")
-    for need in ("config.json", "checkpoint.safetensors") if resume else ():
-        if not (Path(resume) / need).is_file():
-            raise UsageError(f"--resume {resume}: no {need} there (expected a run directory written by train)")
-    if args.cmd not in ("train", "compare") or getattr(args, "preset", ""):
-        return None
-    # resume: its config
-    saved = json.loads((Path(resume) / "config.json").read_text()) if resume else vars(args)
-    cfg = RLConfig(**{f.name: saved[f.name] for f in fields(RLConfig) if f.name in saved})
-    _check_run_config(cfg)
-    return cfg
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -3940,28 +3697,21 @@ class OneLineParser(argparse.ArgumentParser):
 
 def _parser():
     """The argparse parser of every subcommand, flags built from the config dataclasses."""
-    parser = OneLineParser(prog="tim_rl", description="RL under training-inference mismatch. No "
-                                     "subcommand: the default demo (~5 min; first pre-trains the tiny model "
-                                     "if needed, ~20 s).")
+    import machinery  # PretrainConfig
+
+    parser = OneLineParser(prog="tim_rl", description="RL under training-inference mismatch. No subcommand: "
+                           "the demo (~5 min; first pre-trains the tiny model if needed, ~20 s).")
     sub = parser.add_subparsers(dest="cmd")
-    add_config_flags(sub.add_parser("pretrain", help="pre-train the embedded tiny model"), PretrainConfig)
+    add_config_flags(sub.add_parser("pretrain", help="pre-train the embedded tiny model"), machinery.PretrainConfig)
     p_train = add_config_flags(sub.add_parser("train", help="one RL run"), RLConfig)
     p_train.add_argument("--resume", metavar="RUN_DIR", default="",
-                         help="continue runs/<name> from its checkpoint, with its config.json (other flags ignored)")
+                         help="continue runs/<name> from its checkpoint and config.json (other flags ignored)")
     p_demo = sub.add_parser("demo", help="the default demo")
     p_demo.add_argument("--steps", type=int, default=80)
     p_demo.add_argument("--seeds", default="0,1,2,3,4")
     # listed for --help; main() hands `doctor ...` to _doctor_main, whose own parser reads its arguments
     sub.add_parser("doctor", help="why your trainer and sampler disagree, from your logged tensors: doctor FILE")
     return parser
-
-
-def eval_warning(cfg: RLConfig) -> str | None:
-    """One line when --eval-every gives fewer than 5 evaluations although --steps allows 5 (a coarse pc curve)."""
-    count = len(range(0, cfg.steps, cfg.eval_every)) + 1
-    if count < 5 <= cfg.steps + 1:
-        return (f"tim_rl: warning: --steps {cfg.steps} --eval-every {cfg.eval_every} gives {count} "
-                f"evaluations (--eval-every {max(cfg.steps // 4, 1)} gives 5 or more)")
 
 
 def _train_summary(records: list[dict], out: Path) -> str:
@@ -3973,34 +3723,32 @@ def _train_summary(records: list[dict], out: Path) -> str:
     return f"evaluations (first -> last): {evals}\nstep {step['step']}: {now}\nwrote {files}"
 
 
-MOVED = ("compare", "bench")  # the lab's subcommands: experiments.py
-
-
 def main(argv: list[str] | None = None) -> None:
-    """`python tim_rl.py [pretrain|train|demo] --help`; no subcommand runs the demo."""
+    """`python tim_rl.py [pretrain|train|demo|doctor] --help`; no subcommand runs the demo."""
+    import machinery  # the CLI's rules: config combinations, paths, seeds
+
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["doctor"]:  # the mismatch doctor: its own parser (_doctor_main)
+    if argv[:1] == ["doctor"]:  # the mismatch doctor: its own parser
         return _doctor_main(argv[1:])
     parser = _parser()
-    if argv[:1] and argv[0] in MOVED:  # one line, not argparse's list of choices
-        parser.exit(2, f"tim_rl: error: {argv[0]} moved to experiments.py: python experiments.py {argv[0]} --help\n")
     args = parser.parse_args(argv)
     try:
-        cfg = check_cli(args)
-    except ValueError as e:  # UsageError, or _check_run_config's
+        cfg = machinery.check_cli(args)
+    except ValueError as e:  # a UsageError, or a combination check_run_config refuses
         parser.exit(2, f"tim_rl: error: {e}\n")
-    if cfg is not None and eval_warning(cfg):
-        print(eval_warning(cfg), file=sys.stderr)
-    seeds = getattr(args, "seeds", None) or "0,1,2,3,4"  # demo's
+    warning = cfg and machinery.eval_warning(cfg)
+    if warning:
+        print(warning, file=sys.stderr)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # no "Loading weights" bar per engine between ours
     try:
         if args.cmd == "pretrain":
-            print(json.dumps(pretrain(config_from_args(PretrainConfig, args))))
+            print(json.dumps(machinery.pretrain(config_from_args(machinery.PretrainConfig, args))))
         elif args.cmd == "train":
             print(_train_summary(run(cfg, resume=bool(args.resume)), Path(cfg.out_dir) / cfg.name))
         else:
+            seeds = getattr(args, "seeds", None) or "0,1,2,3,4"
             demo(steps=getattr(args, "steps", 80), seeds=tuple(int(s) for s in seeds.split(",")))
     except UsageError as e:  # found once the model is loaded (setup_run): still before anything is built
         parser.exit(2, f"tim_rl: error: {e}\n")
@@ -4009,69 +3757,34 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(130, f"tim_rl: interrupted (the last checkpoint is kept{where})\n")
 
 
-DOCTOR_KEYS = (("old_per_token_logps", "sampling_per_token_logps", "completion_mask"),  # TRL's GRPOTrainer
-               ("old_log_probs", "rollout_log_probs", "response_mask"))  # verl's DataProto batch
-JSONL_KEYS = tuple((train, infer, "mask") for train, infer, _ in DOCTOR_KEYS)  # a .jsonl without a mask key
-
-
-def _read_doctor_file(path: Path) -> dict:
-    """name -> tensor from .pt (a dict of tensors, torch.load weights_only=True), .safetensors or .jsonl (one JSON
-    object per sequence, each key a list over its tokens; rows padded with mask False, and without a mask key each
-    row's length is its mask)."""
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
-    if path.suffix == ".pt":
-        if path.is_file() and path.stat().st_size == 0:
-            raise ValueError("the file is empty")
-        try:
-            with warnings.catch_warnings():  # torch's own notes on the pickle protocol: the error below says it
-                warnings.simplefilter("ignore")
-                tensors = torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError:
-            raise ValueError("not a dict of tensors torch.load(weights_only=True) reads (a pickled object? save "
-                             "{name: tensor})") from None
-        if not isinstance(tensors, dict):
-            raise ValueError(f"holds a {type(tensors).__name__}, not a dict of named tensors")
-        return tensors
-    if path.suffix != ".jsonl":
-        raise ValueError("expected a .pt, .safetensors or .jsonl file")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    T = max((len(v) for row in rows for v in row.values() if isinstance(v, list)), default=0)
-    padded = {k: [row.get(k, []) + [0] * (T - len(row.get(k, []))) for row in rows] for k in (rows or [{}])[0]}
-    tensors = {k: torch.tensor(v) for k, v in padded.items()}
-    if rows and not any(name[2] in tensors for name in DOCTOR_KEYS):  # no mask: each row's own length
-        lengths = torch.tensor([max(len(v) for v in row.values() if isinstance(v, list)) for row in rows])
-        tensors["mask"] = torch.arange(T) < lengths[:, None]  # (B, T)
-    return tensors
-
-
 def _doctor_main(argv: list[str]) -> None:
-    """`python tim_rl.py doctor FILE [--keys TRAIN,INFER,MASK]`: diagnose_mismatch on a file's tensors, printed;
-    an unreadable file, a missing key, a bad shape or dtype is one error line and exit status 2."""
+    """`python tim_rl.py doctor FILE [--keys TRAIN,INFER,MASK]`: diagnose_mismatch on a file's tensors; an
+    unreadable file, a missing key, a bad shape or dtype is one error line and exit status 2."""
     from safetensors import SafetensorError
 
+    import machinery  # reading .pt / .safetensors / .jsonl files
+
     parser = OneLineParser(prog="tim_rl doctor", description="Why trainer and sampler log-probs disagree "
-                                     "(TRL / verl tensor names, or --keys; an 'advantages' tensor enables lag).")
+                           "(TRL / verl tensor names, or --keys; an 'advantages' tensor enables lag).")
     parser.add_argument("file", type=Path, help=".pt, .safetensors or .jsonl")
-    parser.add_argument("--keys", default="", help="TRAIN,INFER,MASK: the names of the trainer's log-probs, the "
-                        "sampler's and the mask (default: TRL's or verl's names)")
+    parser.add_argument("--keys", default="", help="TRAIN,INFER,MASK: the names of the trainer's log-probs, "
+                        "the sampler's and the mask (default: TRL's or verl's names)")
     args = parser.parse_args(argv)
     keys = None
+    known = machinery.DOCTOR_KEYS
     try:
-        tensors = _read_doctor_file(args.file)
-        names = [tuple(args.keys.split(","))] if args.keys else [*DOCTOR_KEYS, *JSONL_KEYS]
+        tensors = machinery.read_doctor_file(args.file)
+        names = [tuple(args.keys.split(","))] if args.keys else [*known, *machinery.JSONL_KEYS]
         if len(names[0]) != 3:
             raise ValueError(f"--keys takes three names, TRAIN,INFER,MASK, got {args.keys!r}")
         keys = next((k for k in names if set(k) <= set(tensors)), None)
         if keys is None:
-            named = names if args.keys else DOCTOR_KEYS
-            raise ValueError(f"no tensors named {' or '.join(','.join(k) for k in named)} (found: "
-                             f"{', '.join(sorted(tensors)) or 'none'}; --keys TRAIN,INFER,MASK names them)")
+            wanted = " or ".join(",".join(k) for k in (names if args.keys else known))
+            found = ", ".join(sorted(tensors)) or "none"
+            raise ValueError(f"no tensors named {wanted} (found: {found}; --keys TRAIN,INFER,MASK names them)")
         train, infer, mask = (tensors[k] for k in keys)
         _check_tensor(f"mask ({keys[2]})", mask, floating=False)
-        if mask.dtype != torch.bool and torch.isin(mask, torch.tensor([0, 1])).all():  # TRL / verl keep 0 / 1 ints
+        if mask.dtype != torch.bool and torch.isin(mask, torch.tensor([0, 1])).all():  # TRL / verl: 0 / 1 ints
             mask = mask.bool()
         print(diagnose_mismatch(train, infer, mask, advantages=tensors.get("advantages")))
     except (OSError, ValueError, TypeError, RuntimeError, EOFError, SafetensorError) as e:
@@ -4080,4 +3793,5 @@ def _doctor_main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    sys.modules["tim_rl"] = sys.modules[__name__]  # machinery's `import tim_rl` gets this same module
     main()
