@@ -2896,7 +2896,8 @@ RS_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}  # --rs-estimator -> the
 
 
 class LossInputs(NamedTuple):
-    """What an arm's loss reads. (B, T) log-probs of the sampled tokens; (B, T, K) at the top-K ids."""
+    """What an arm's loss reads. (B, T) log-probs of the sampled tokens; (B, T, K) at the top-K
+    ids."""
 
     logp: torch.Tensor  # current trainer, carries gradient
     logp_now: torch.Tensor  # logp detached: the trainer side of REINFORCE's weights
@@ -2910,15 +2911,17 @@ class LossInputs(NamedTuple):
 
 
 class Arm(NamedTuple):
-    """One --correction: its loss, what the loop must give it besides the sampled log-probs, its metrics."""
+    """One --correction: its loss, what the loop must give it besides the sampled log-probs, its
+    metrics."""
 
     loss: Callable  # (cfg, LossInputs) -> scalar loss
     reads_topk: bool = False  # the sampler's top-K log-probs (recorded only for these arms)
-    renormalized: bool = False  # reads logp_old or the top-K: needs the trainer renormalised on the support
+    # reads logp_old or the top-K: needs the trainer renormalised on the support
+    renormalized: bool = False
     critic: bool = False  # COPC: a value head gives (B, T) advantages
     resync: bool = False  # DLC: its lag or staleness trigger may sync before --sync-every
-    # (cfg, LossInputs) -> {metric: share} of what it drops or clips; reads logp_now, logp_infer, adv and
-    # mask only (correction_shares gives it those of the first update)
+    # (cfg, LossInputs) -> {metric: share} of what it drops or clips; reads logp_now, logp_infer,
+    # adv and mask only (correction_shares gives it those of the first update)
     shares: Callable | None = None
 
 
@@ -2939,7 +2942,8 @@ def _sc(x: LossInputs, cap=None, band=None):
 
 
 def _calibrated(cfg, x: LossInputs):
-    """TIM: ppo_infer with FP8-calibrated bounds [7]; the ratio p/q is the IS weight, no TIS on top."""
+    """TIM: ppo_infer with FP8-calibrated bounds [7]; the ratio p/q is the IS weight, no TIS on
+    top."""
     ratio_low, ratio_ref = (x.logp_now - x.logp_infer).exp(), (x.logp_now - x.logp_old).exp()
     lo, hi = calibrated_clip_bounds(ratio_low, ratio_ref, x.adv, x.mask, cfg.eps_low, cfg.eps_high)
     return ppo_loss(x.logp, x.logp_infer, x.adv, x.mask, eps_low=1 - lo, eps_high=hi - 1)
@@ -2954,7 +2958,8 @@ def _dropped(touched, mask, kind="masked") -> dict[str, float]:
 
 
 def _rs_arm(divergence_weights) -> Arm:
-    """A verl rollout_rs arm: rejection only, kept tokens weigh 1 (rollout_rs without rollout_is)."""
+    """A verl rollout_rs arm: rejection only, kept tokens weigh 1 (rollout_rs without
+    rollout_is)."""
     def weights(cfg, x):
         """The arm's keep mask (1 kept, 0 dropped) on the batch."""
         estimator = RS_ESTIMATORS[cfg.rs_estimator]
@@ -2964,7 +2969,8 @@ def _rs_arm(divergence_weights) -> Arm:
 
 
 def _tis(cfg, x: LossInputs, logp=None):
-    """TIS weights of `logp` (default: the current trainer) against the sampler, capped at --tis-cap."""
+    """TIS weights of `logp` (default: the current trainer) against the sampler, capped at
+    --tis-cap."""
     return tis_weights(x.logp_now if logp is None else logp, x.logp_infer, x.mask, cfg.tis_cap)
 
 
@@ -2989,9 +2995,10 @@ def _cispo_clipped(c, x: LossInputs):
     return _dropped(x.logp_now - x.logp_infer > math.log1p(c.eps_high), x.mask, "clipped")
 
 
-# Every correction (--correction NAME). TIM: REINFORCE has no trust region, so its weight covers the whole gap
-# p / q = lag x numerics: the weight gets the current log-prob (detached). The decoupled-PPO arms weight the
-# behaviour gap p_prox / q and leave the update p / p_prox to the clip.
+# Every correction (--correction NAME). TIM: REINFORCE has no trust region, so its weight covers the
+# whole gap p / q = lag x numerics: the weight gets the current log-prob (detached). The
+# decoupled-PPO arms weight the behaviour gap p_prox / q and leave the update p / p_prox to the
+# clip.
 ARMS = {
     "none": Arm(lambda c, x: _pg(x)),
     "tis": Arm(lambda c, x: _pg(x, _tis(c, x))),
@@ -3030,11 +3037,12 @@ def arm_of(cfg) -> Arm:
 
 
 def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout, adv):
-    """The chosen correction as one loss (its per-token weight: effective_token_weights), plus --k2-coef's term.
+    """The chosen correction as one loss (its per-token weight: effective_token_weights), plus
+    --k2-coef's term.
 
-    logp (grad) current trainer; logp_prox the trainer before this batch's first update; logp_old the trainer
-    engine on the weights the sampler holds; ro.logp_infer the sampler. At the first update logp == logp_prox.
-    """
+    logp (grad) current trainer; logp_prox the trainer before this batch's first update; logp_old
+    the trainer engine on the weights the sampler holds; ro.logp_infer the sampler. At the first
+    update logp == logp_prox."""
     x = LossInputs(logp, logp.detach(), logp_prox, logp_old, ro.logp_infer, logp_topk, ro.logp_topk_infer,
                    adv, ro.mask)
     loss = arm_of(cfg).loss(cfg, x)
@@ -3057,7 +3065,8 @@ def correction_shares(cfg: RLConfig, logp_now, logp_infer, adv, mask) -> dict[st
 
 
 def resolve_device(device: str) -> torch.device:
-    """auto -> cuda when torch sees a GPU, else cpu; cuda without a GPU is an error naming --device."""
+    """auto -> cuda when torch sees a GPU, else cpu; cuda without a GPU is an error naming
+    --device."""
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be auto | cpu | cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -3068,17 +3077,20 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-STEP_PHASES = ("sample", "recompute", "loss", "optimizer", "export", "sync")  # sec_<phase> in metrics.jsonl
+# sec_<phase> in metrics.jsonl
+STEP_PHASES = ("sample", "recompute", "loss", "optimizer", "export", "sync")
 
 
 @dataclass
 class RunState:
-    """What one RL run holds between steps (everything a checkpoint must restore, plus the fixed data)."""
+    """What one RL run holds between steps (everything a checkpoint must restore, plus the fixed
+    data)."""
 
     trainer: Trainer
     sampler: object
     tokenizer: object
-    gen: torch.Generator  # the run's random stream: sampling and SR export (router jitter: the sampler's own)
+    # the run's random stream: sampling and SR export (router jitter: the sampler's own)
+    gen: torch.Generator
     value_head: torch.nn.Module | None  # COPC's critic
     train_set: list
     eval_set: list
@@ -3086,10 +3098,12 @@ class RunState:
 
 
 def evaluate(step: int, state: RunState, cfg: RLConfig) -> dict:
-    """Held-out greedy exact match (acc_) and probability of the exact answer (pc_), of trainer and sampler;
-    with truncated sampling also pct_trainer, that probability under the policy the sampler draws from."""
+    """Held-out greedy exact match (acc_) and probability of the exact answer (pc_), of trainer
+    and sampler; with truncated sampling also pct_trainer, that probability under the policy the
+    sampler draws from."""
     model, tokenizer, problems = state.trainer.model, state.tokenizer, state.eval_set
-    tokens = max(6, cfg.max_new_tokens) if cfg.task == "arithmetic" else cfg.max_new_tokens  # greedy length
+    # greedy length
+    tokens = max(6, cfg.max_new_tokens) if cfg.task == "arithmetic" else cfg.max_new_tokens
     record = {"step": step, "acc_trainer": greedy_accuracy(model, tokenizer, problems, tokens),
               "acc_sampler": state.sampler.greedy_accuracy(problems, tokens),
               "pc_trainer": float(answer_logprobs(model, tokenizer, problems).exp().mean()),
@@ -3102,14 +3116,18 @@ def evaluate(step: int, state: RunState, cfg: RLConfig) -> dict:
 
 
 class Update(NamedTuple):
-    """One optimizer step on a rollout batch: what it records, and the log-probs it saw before stepping."""
+    """One optimizer step on a rollout batch: what it records, and the log-probs it saw before
+    stepping."""
 
     loss: float
     grad_norm: float
-    frac_zeroed: float  # share of the tokens with A != 0 whose gradient the clip, mask or weight zeroed
+    # share of the tokens with A != 0 whose gradient the clip, mask or weight zeroed
+    frac_zeroed: float
     frac_zeroed_neg_adv: float  # the same among the tokens with A < 0
-    logp_kept: torch.Tensor  # (B, T) detached, before the step: the trainer renormalised on the kept support
-    logp_prox: torch.Tensor  # (B, T) the proximal policy the loss used (first update: its own logp, detached)
+    # (B, T) detached, before the step: the trainer renormalised on the kept support
+    logp_kept: torch.Tensor
+    # (B, T) the proximal policy the loss used (first update: its own logp, detached)
+    logp_prox: torch.Tensor
     adv: torch.Tensor  # (B, T) or (B, 1), the advantages the loss used
     log_s: torch.Tensor | None  # (B, T) log kept mass under truncation, else None
     extra: dict  # first update only: kept_mass, the drift / signal split
@@ -3117,12 +3135,13 @@ class Update(NamedTuple):
 
 
 def _advantages(cfg: RLConfig, state: RunState, rewards, logp, hidden, ro: Rollout):
-    """(advantages, critic loss): COPC's critic gives (B, T) ones and its own loss; else (B, 1) GRPO or
-    raw-reward advantages and 0."""
+    """(advantages, critic loss): COPC's critic gives (B, T) ones and its own loss; else (B, 1)
+    GRPO or raw-reward advantages and 0."""
     if not arm_of(cfg).critic:
         adv = grpo_advantages(rewards, cfg.group) if cfg.baseline == "group" else rewards
         return adv[:, None], 0.0
-    values = torch.sigmoid(state.value_head(hidden.detach()).squeeze(-1))  # (B, T), bounded like the rewards
+    # (B, T), bounded like the rewards
+    values = torch.sigmoid(state.value_head(hidden.detach()).squeeze(-1))
     adv, targets = copc_advantages(values, rewards, logp, ro.logp_infer, ro.mask)
     return adv, 0.5 * masked_mean((values - targets).square(), ro.mask)
 
@@ -3131,13 +3150,14 @@ def update_on_batch(cfg: RLConfig, state: RunState, ro: Rollout, rewards, logp_o
                     routes=None) -> Update:
     """One optimizer step of the chosen correction on the whole batch.
 
-    logp_prox None: this is the batch's first update, and its own log-probs are the proximal policy. routes:
-    the MoE experts the forward replays (R2 / R3; None: live routing).
-    """
+    logp_prox None: this is the batch's first update, and its own log-probs are the proximal
+    policy. routes: the MoE experts the forward replays (R2 / R3; None: live routing)."""
     trainer = state.trainer
     clock = [time.perf_counter()]
-    # TIM: with truncation the current trainer's log-probs are renormalised on the kept support: p~, not p
-    topk_ids = ro.topk_ids if _reads_topk(cfg) and ro.topk_ids.shape[-1] > 0 else None  # only where read
+    # TIM: with truncation the current trainer's log-probs are renormalised on the kept support: p~,
+    # not p
+    # only where read
+    topk_ids = ro.topk_ids if _reads_topk(cfg) and ro.topk_ids.shape[-1] > 0 else None
     logp, logp_topk, hidden, log_s = trainer.support_logprobs(ro, topk_ids, cfg.temperature, routes)
     clock.append(time.perf_counter())
     first = logp_prox is None
@@ -3145,7 +3165,8 @@ def update_on_batch(cfg: RLConfig, state: RunState, ro: Rollout, rewards, logp_o
     extra = {}
     if first and log_s is not None:
         extra["kept_mass"] = float(masked_mean(log_s.detach().exp(), ro.mask))
-    if log_s is not None and not cfg.renormalize:  # TIM: full-vocabulary log-probs: the ratio is biased by S
+    # TIM: full-vocabulary log-probs: the ratio is biased by S
+    if log_s is not None and not cfg.renormalize:
         logp = logp + log_s
         logp_topk = None if logp_topk is None else logp_topk + log_s[..., None]
     if first:  # TIM: the proximal policy: the trainer before the batch's first update
@@ -3199,7 +3220,8 @@ def merge_kept_support(ro: Rollout, rebuilt) -> dict:
     if ro.kept_ids is None:
         ro.kept_ids = rebuilt
         return extra
-    ro.kept_ids, beyond = merge_support(ro.kept_ids, rebuilt, ro.mask)  # TIM: past K: the rebuilt support
+    # TIM: past K: the rebuilt support
+    ro.kept_ids, beyond = merge_support(ro.kept_ids, rebuilt, ro.mask)
     extra["support_differs"] = support_differs(ro.kept_ids, rebuilt, ro.mask & ~beyond)
     if beyond.any():  # logged where it happened (a torch sampler records its whole support: never)
         extra["support_beyond_k"] = int(beyond.sum())
@@ -3208,22 +3230,24 @@ def merge_kept_support(ro: Rollout, rebuilt) -> dict:
 
 
 def route_flips(ro: Rollout, behaviour) -> dict:
-    """MoE: share of fed positions (prompt and response) whose experts differ between sampler and trainer."""
+    """MoE: share of fed positions (prompt and response) whose experts differ between sampler and
+    trainer."""
     fed = torch.cat([ro.prompt_mask, ro.mask], 1).cpu()  # (B, P + T)
     flips = routing_flip_rate(ro.routed_experts, behaviour.routes, fed)
     return {f"route_flip_{name}": share for name, share in flips.items()}
 
 
 def sync_due(cfg: RLConfig, state: RunState, ro: Rollout, behaviour) -> bool:
-    """Counts the step since the last sync; True every sync_every steps (policy lag k - 1), or when DLC's lag
-    or staleness trigger fires."""
+    """Counts the step since the last sync; True every sync_every steps (policy lag k - 1), or
+    when DLC's lag or staleness trigger fires."""
     state.since_sync += 1
     if state.since_sync >= cfg.sync_every:
         return True
     if not arm_of(cfg).resync or (cfg.dlc_max_lag <= 0 and cfg.dlc_max_staleness <= 0):
         return False
-    # TIM: DLC's trigger: the lag the next batch would be sampled with, the updated trainer vs the sampler's
-    # weights on this batch's tokens, measured from the master at export (rounding is no lag)
+    # TIM: DLC's trigger: the lag the next batch would be sampled with, the updated trainer vs the
+    # sampler's weights on this batch's tokens, measured from the master at export (rounding is no
+    # lag)
     with torch.no_grad():
         routes = behaviour.update_routes
         logp_next = support_logprobs(state.trainer.model, ro, cfg.temperature, routes=routes)[0]
@@ -3236,21 +3260,24 @@ def sync_sampler(cfg: RLConfig, state: RunState, timer: Timer) -> float | None:
     """Export the master (rounding it) into the sampler; returns the visible update fraction."""
     served, visible = state.trainer.export(cfg.export, generator=state.gen)
     timer.lap("export")
-    state.sampler.load_weights(served)  # TIM: the trainer's weights (and its drift) enter the sampler
+    # TIM: the trainer's weights (and its drift) enter the sampler
+    state.sampler.load_weights(served)
     state.since_sync = 0
     return visible
 
 
 def _mean_finite(updates: list[Update], key: str) -> float | None:
-    """The mean of an Update field over the updates where it is finite (nan: no token); None if none is."""
+    """The mean of an Update field over the updates where it is finite (nan: no token); None if
+    none is."""
     values = [getattr(u, key) for u in updates if math.isfinite(getattr(u, key))]
     return sum(values) / len(values) if values else None
 
 
 def step_record(cfg: RLConfig, step: int, state: RunState, ro: Rollout, rewards, behaviour,
                 updates: list[Update], synced: bool, visible, extra: dict) -> dict:
-    """One metrics.jsonl line: mismatch metrics and ledger of the first update's log-probs (before any step
-    on this batch), loss and grad_norm as means over the updates, what the arm dropped."""
+    """One metrics.jsonl line: mismatch metrics and ledger of the first update's log-probs
+    (before any step on this batch), loss and grad_norm as means over the updates, what the arm
+    dropped."""
     import machinery  # peak_rss_mb
 
     first = updates[0]
@@ -3272,7 +3299,8 @@ def step_record(cfg: RLConfig, step: int, state: RunState, ro: Rollout, rewards,
 
 
 def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
-    """One step: sample -> score -> behaviour pass -> (correct -> optimizer) x updates -> sync -> record."""
+    """One step: sample -> score -> behaviour pass -> (correct -> optimizer) x updates -> sync ->
+    record."""
     timer = Timer()
     # 1) sample
     ro, answers = sample_batch(cfg, step, state)
@@ -3280,8 +3308,9 @@ def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
     # 2) score: the verifier's reward per sequence
     rewards = [verify(text, answers[i // cfg.group]) for i, text in enumerate(ro.texts)]
     rewards = torch.tensor(rewards, device=ro.mask.device)
-    # 3) behaviour pass: the trainer engine on the weights the sampler holds, and on the master (with
-    # truncation the same forward rebuilds the kept support; an MoE model: also on the sampler's experts)
+    # 3) behaviour pass: the trainer engine on the weights the sampler holds, and on the master
+    # (with truncation the same forward rebuilds the kept support; an MoE model: also on the
+    # sampler's experts)
     truncation = (cfg.top_p, cfg.top_k, cfg.min_p) if _truncates(cfg) else None
     behaviour = state.trainer.behaviour_logprobs(ro, cfg.temperature, truncation, cfg.routing_replay)
     extra = merge_kept_support(ro, behaviour.rebuilt) if truncation else {}
@@ -3318,20 +3347,23 @@ def setup_run(cfg: RLConfig) -> RunState:
     tokenizer = load_tokenizer(model_dir)
     device = resolve_device(cfg.device)
     model = load_model(model_dir, trust_remote_code=cfg.trust_remote_code).to(device)
-    if cfg.gradient_checkpointing:  # each layer recomputed in backward: the same numbers, less memory
+    # each layer recomputed in backward: the same numbers, less memory
+    if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     machinery.check_model_routers(cfg, model)
     value_head = torch.nn.Linear(model.config.hidden_size, 1).to(device) if arm_of(cfg).critic else None
     extra_params = value_head.parameters() if value_head is not None else ()
     trainer = Trainer(model, cfg.lr, cfg.optimizer, export_dtype=cfg.dtype, loss_on_served=cfg.loss_on_served,
                       extra_params=extra_params)
-    if cfg.sampler == "vllm":  # --dtype only (check_run_config refused --quant, --noise and --exact)
+    # --dtype only (check_run_config refused --quant, --noise and --exact)
+    if cfg.sampler == "vllm":
         sampler = VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer,
                               gpu_memory=cfg.vllm_gpu_memory, reference=trainer.behaviour)
     else:
         sampler = TorchSampler(trainer.model, engine_spec(cfg), tokenizer)
     gen = torch.Generator().manual_seed(cfg.seed)
-    sampler.load_weights(trainer.export(cfg.export, generator=gen)[0])  # the master's first served copy
+    # the master's first served copy
+    sampler.load_weights(trainer.export(cfg.export, generator=gen)[0])
     train_set, eval_set = task_problems(cfg, model_dir, tokenizer)
     return RunState(trainer, sampler, tokenizer, gen, value_head, train_set, eval_set)
 
@@ -3350,12 +3382,13 @@ def task_problems(cfg: RLConfig, model_dir: Path, tokenizer) -> tuple[list, list
 
 
 def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
-    """RL under mismatch: sample -> verify -> advantages -> recompute + ledger -> correct -> step -> sync.
+    """RL under mismatch: sample -> verify -> advantages -> recompute + ledger -> correct -> step ->
+    sync.
 
-    Writes one JSON line per step to runs/<name>/metrics.jsonl, a checkpoint every cfg.checkpoint_every steps
-    and at the end, and returns the records. resume=True continues from runs/<name>/checkpoint.safetensors
-    (bit for bit the run that was interrupted, on the same machine and thread count).
-    """
+    Writes one JSON line per step to runs/<name>/metrics.jsonl, a checkpoint every
+    cfg.checkpoint_every steps and at the end, and returns the records. resume=True continues
+    from runs/<name>/checkpoint.safetensors (bit for bit the run that was interrupted, on the
+    same machine and thread count)."""
     from tqdm.auto import tqdm
 
     import machinery  # checkpoints and resume
@@ -3368,10 +3401,12 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
         print(f"[tim_rl] resuming {out} at step {start} of {cfg.steps} (its checkpoint)", file=sys.stderr)
     covered = "".join(json.dumps(r) + "\n" for r in records)
     machinery.write_atomic(out / "metrics.jsonl", covered)  # the steps the checkpoint covers, once
-    machinery.write_atomic(out / "config.json", json.dumps(asdict(cfg), indent=1))  # never beside older metrics
+    # never beside older metrics
+    machinery.write_atomic(out / "config.json", json.dumps(asdict(cfg), indent=1))
     with open(out / "metrics.jsonl", "a") as log:
         def write(record: dict) -> None:
-            """Keep the record and append it to metrics.jsonl (flushed: a kill loses at most this line)."""
+            """Keep the record and append it to metrics.jsonl (flushed: a kill loses at most this
+            line)."""
             records.append(record)
             log.write(json.dumps(record) + "\n")
             log.flush()
@@ -3379,7 +3414,8 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
         steps = tqdm(range(start, cfg.steps), desc=cfg.name, disable=not cfg.progress, mininterval=2,
                      initial=start, total=cfg.steps)
         for step in steps:
-            if step % cfg.eval_every == 0:  # before the step's update: step 0 is the model RL starts from
+            # before the step's update: step 0 is the model RL starts from
+            if step % cfg.eval_every == 0:
                 write(evaluate(step, state, cfg))
             write(rl_step(cfg, step, state))
             every = cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0
@@ -3398,9 +3434,10 @@ def vllm_available() -> bool:
 
 def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: int = 16,
          out: str = "runs/demo") -> None:
-    """The default command: mismatch of every engine, then policy lag hurting and being repaired (mean ± sd
-    over paired seeds; `python experiments.py compare` adds paired intervals and verdicts). Writes
-    <out>/demo.md (both tables) and <out>/demo.png (trainer pc per arm, mean and ± 1 sd over the seeds)."""
+    """The default command: mismatch of every engine, then policy lag hurting and being repaired
+    (mean ± sd over paired seeds; `python experiments.py compare` adds paired intervals and
+    verdicts). Writes <out>/demo.md (both tables) and <out>/demo.png (trainer pc per arm, mean
+    and ± 1 sd over the seeds)."""
     from matplotlib.figure import Figure  # no pyplot: a notebook's backend is left alone
 
     import machinery  # the testbed: base model, task, atomic writes
@@ -3430,7 +3467,8 @@ def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: 
         ro = sampler.sample(prompts, 4, 5, 1.0, None, torch.Generator().manual_seed(0))
         del sampler  # vLLM: one engine per process at a time
         with torch.no_grad():
-            m = mismatch_metrics(sequence_logprobs(model, ro)[0], ro.logp_infer, ro.mask)  # TIM: same tokens
+            # TIM: same tokens
+            m = mismatch_metrics(sequence_logprobs(model, ro)[0], ro.logp_infer, ro.mask)
         say(f"{label:<24} k3 {m['k3']:<9.3g} mean |Δlogp| {m['abs_diff']:<9.3g} "
             f"max |Δlogp| {m['max_abs_diff']:.3g}")
     say(f"== 2. policy lag: sampler synced every {sync_every} steps vs every step, {steps} steps, "
@@ -3445,7 +3483,8 @@ def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: 
     for i, (label, change) in enumerate(arms.items()):
         runs = [run(dataclasses.replace(base, name=f"arm{i}_s{s}", seed=s, **change)) for s in seeds]
         evals = [[r for r in records if "pc_trainer" in r] for records in runs]
-        pc = torch.tensor([[r["pc_trainer"] for r in e] for e in evals], dtype=torch.float64)  # (seeds, evals)
+        # (seeds, evals)
+        pc = torch.tensor([[r["pc_trainer"] for r in e] for e in evals], dtype=torch.float64)
         sd = pc.std(0) if len(seeds) > 1 else torch.zeros(pc.shape[1], dtype=torch.float64)
         say(f"{label:<28} pc {float(pc[:, 0].mean()):.3f} -> {float(pc[:, -1].mean()):.3f} ± {float(sd[-1]):.3f}")
         x, mean = [r["step"] for r in evals[0]], pc.mean(0)
@@ -3462,13 +3501,14 @@ def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: 
           "python experiments.py compare --help")
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ---- config dataclasses and input checks ----
 # One flat dataclass per concern; every field has a help text, and the CLI builds its flags from them.
 
 
 def cli_field(default, help: str):
-    """A dataclass field with this default and its --help text in the metadata (the CLI reads it)."""
+    """A dataclass field with this default and its --help text in the metadata (the CLI reads
+    it)."""
     return field(default=default, metadata={"help": help})
 
 
@@ -3550,18 +3590,21 @@ class RLConfig:
 
 
 def engine_spec(cfg: RLConfig) -> EngineSpec:
-    """The torch sampler's engine a run's flags describe (its noise seeded apart from the run's seed)."""
+    """The torch sampler's engine a run's flags describe (its noise seeded apart from the run's
+    seed)."""
     return EngineSpec(dtype=cfg.dtype, quant=cfg.quant, noise=cfg.noise, noise_seed=cfg.seed + 1234,
                       exact=cfg.exact, router_noise=cfg.router_noise, router_jitter=cfg.router_jitter)
 
 
 def run_task_kwargs(cfg: RLConfig, model_dir: str | Path) -> dict:
-    """The arithmetic task a run trains and evaluates on: the model's own (task_kwargs), or --task-digits."""
+    """The arithmetic task a run trains and evaluates on: the model's own (task_kwargs), or
+    --task-digits."""
     return task_kwargs(model_dir) | ({"digits": cfg.task_digits} if cfg.task_digits else {})
 
 
 def _truncates(cfg: RLConfig) -> bool:
-    """Whether the run samples from a truncated distribution (top-p, top-k or min-p at a temperature > 0)."""
+    """Whether the run samples from a truncated distribution (top-p, top-k or min-p at a
+    temperature > 0)."""
     return cfg.temperature > 0 and (cfg.top_p < 1 or cfg.top_k > 0 or cfg.min_p > 0)
 
 
@@ -3575,11 +3618,11 @@ SUPPORT_BEYOND_K = ("vLLM returned --support-topk finite log-probs at some posit
 
 
 def recorded_topk(cfg: RLConfig) -> int | None:
-    """The top-K the sampler records: cfg.topk for the arms (and diagnostics) that read it, else None; vLLM
-    under truncation cfg.support_topk, whose finite ones are its kept support.
+    """The top-K the sampler records: cfg.topk for the arms (and diagnostics) that read it, else
+    None; vLLM under truncation cfg.support_topk, whose finite ones are its kept support.
 
-    At V = 151,936 all-V records would be 12 bytes x V per token: only a flag set to 0 asks for them.
-    """
+    At V = 151,936 all-V records would be 12 bytes x V per token: only a flag set to 0 asks for
+    them."""
     if _reads_topk(cfg):
         return cfg.topk
     if cfg.sampler == "vllm" and _truncates(cfg):
@@ -3589,7 +3632,8 @@ def recorded_topk(cfg: RLConfig) -> int | None:
 
 # Tensor checks: every public function validates cheaply and names the argument.
 def _check_tensor(name: str, x, *, floating: bool = True) -> None:
-    """A TypeError naming the argument unless x is a torch.Tensor (of a floating dtype when `floating`)."""
+    """A TypeError naming the argument unless x is a torch.Tensor (of a floating dtype when
+    `floating`)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if floating and not x.is_floating_point():
@@ -3615,13 +3659,15 @@ def _check_mask(mask) -> None:
 
 
 def _check_device(name: str, x, ref_name: str, ref) -> None:
-    """x (a tensor or a generator; None passes) must be on ref's device, else a ValueError naming both."""
+    """x (a tensor or a generator; None passes) must be on ref's device, else a ValueError naming
+    both."""
     if x is not None and (x.device.type, x.device.index or 0) != (ref.device.type, ref.device.index or 0):
         raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}: put both on one device")
 
 
 def _check_bt(mask, **tensors) -> None:
-    """Check the mask and that every named tensor is float with the mask's (B, T) shape and device."""
+    """Check the mask and that every named tensor is float with the mask's (B, T) shape and
+    device."""
     _check_mask(mask)
     for name, x in tensors.items():
         _check_tensor(name, x)
@@ -3632,7 +3678,8 @@ def _check_bt(mask, **tensors) -> None:
 
 
 def _check_adv(adv, mask) -> torch.Tensor:
-    """Advantages (B, T), (B, 1) or (B,), returned as a detached (B, T) float tensor, non-finite -> 0."""
+    """Advantages (B, T), (B, 1) or (B,), returned as a detached (B, T) float tensor, non-finite
+    -> 0."""
     _check_tensor("adv", adv)
     _check_device("adv", adv, "mask", mask)
     B, T = mask.shape
@@ -3648,7 +3695,8 @@ QUANTS = ("none", "int8", "fp8")  # EngineSpec.quant / RLConfig.quant: weight fa
 
 
 class UsageError(ValueError):
-    """A mistake on the command line: main() prints it as one `tim_rl: error: ...` line, exit status 2."""
+    """A mistake on the command line: main() prints it as one `tim_rl: error: ...` line, exit
+    status 2."""
 
 
 def _flag(name: str) -> str:
@@ -3665,19 +3713,21 @@ def _check_engine(engine: EngineSpec) -> None:
         raise ValueError("engine.exact needs dtype fp32 without quantisation or noise")
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ---- CLI ----
 
 
 def add_config_flags(parser, cls):
-    """One --flag per dataclass field, its help text from the field's metadata. Returns the parser."""
+    """One --flag per dataclass field, its help text from the field's metadata. Returns the
+    parser."""
     for f in fields(cls):
         help_text = f.metadata.get("help")
         if f.type in ("bool", bool):
             kind = {"action": argparse.BooleanOptionalAction}
         else:
             kind = {"type": {"int": int, "float": float, "str": str}.get(f.type, type(f.default))}
-            help_text = help_text.replace("%", "%%") + " (default: %(default)s)"  # argparse formats %
+            # argparse formats %
+            help_text = help_text.replace("%", "%%") + " (default: %(default)s)"
         parser.add_argument(_flag(f.name), default=f.default, help=help_text, **kind)
     return parser
 
@@ -3709,13 +3759,15 @@ def _parser():
     p_demo = sub.add_parser("demo", help="the default demo")
     p_demo.add_argument("--steps", type=int, default=80)
     p_demo.add_argument("--seeds", default="0,1,2,3,4")
-    # listed for --help; main() hands `doctor ...` to _doctor_main, whose own parser reads its arguments
+    # listed for --help; main() hands `doctor ...` to _doctor_main, whose own parser reads its
+    # arguments
     sub.add_parser("doctor", help="why your trainer and sampler disagree, from your logged tensors: doctor FILE")
     return parser
 
 
 def _train_summary(records: list[dict], out: Path) -> str:
-    """A few numbers of a finished run (first and last evaluation, last step) and the files it wrote."""
+    """A few numbers of a finished run (first and last evaluation, last step) and the files it
+    wrote."""
     step, first, last = [r for r in records if "reward" in r][-1], records[0], records[-1]
     evals = "  ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in ("acc_trainer", "pc_trainer", "pc_sampler"))
     now = "  ".join(f"{k} {step[k]:.3g}" for k in ("reward", "mm_abs_diff", "grad_norm") if step[k] is not None)
@@ -3750,7 +3802,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             seeds = getattr(args, "seeds", None) or "0,1,2,3,4"
             demo(steps=getattr(args, "steps", 80), seeds=tuple(int(s) for s in seeds.split(",")))
-    except UsageError as e:  # found once the model is loaded (setup_run): still before anything is built
+    # found once the model is loaded (setup_run): still before anything is built
+    except UsageError as e:
         parser.exit(2, f"tim_rl: error: {e}\n")
     except KeyboardInterrupt:
         where = f"; python tim_rl.py train --resume {Path(cfg.out_dir) / cfg.name}" if args.cmd == "train" else ""
@@ -3758,8 +3811,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _doctor_main(argv: list[str]) -> None:
-    """`python tim_rl.py doctor FILE [--keys TRAIN,INFER,MASK]`: diagnose_mismatch on a file's tensors; an
-    unreadable file, a missing key, a bad shape or dtype is one error line and exit status 2."""
+    """`python tim_rl.py doctor FILE [--keys TRAIN,INFER,MASK]`: diagnose_mismatch on a file's
+    tensors; an unreadable file, a missing key, a bad shape or dtype is one error line and exit
+    status 2."""
     from safetensors import SafetensorError
 
     import machinery  # reading .pt / .safetensors / .jsonl files
@@ -3784,7 +3838,8 @@ def _doctor_main(argv: list[str]) -> None:
             raise ValueError(f"no tensors named {wanted} (found: {found}; --keys TRAIN,INFER,MASK names them)")
         train, infer, mask = (tensors[k] for k in keys)
         _check_tensor(f"mask ({keys[2]})", mask, floating=False)
-        if mask.dtype != torch.bool and torch.isin(mask, torch.tensor([0, 1])).all():  # TRL / verl: 0 / 1 ints
+        # TRL / verl: 0 / 1 ints
+        if mask.dtype != torch.bool and torch.isin(mask, torch.tensor([0, 1])).all():
             mask = mask.bool()
         print(diagnose_mismatch(train, infer, mask, advantages=tensors.get("advantages")))
     except (OSError, ValueError, TypeError, RuntimeError, EOFError, SafetensorError) as e:
@@ -3793,5 +3848,6 @@ def _doctor_main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.modules["tim_rl"] = sys.modules[__name__]  # machinery's `import tim_rl` gets this same module
+    # machinery's `import tim_rl` gets this same module
+    sys.modules["tim_rl"] = sys.modules[__name__]
     main()
