@@ -1681,8 +1681,8 @@ def logprobs_by_blocks(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int 
 # Model text is data, never code: the verifier uses regular expressions and fractions.Fraction only.
 # The task generators (the testbed) live in machinery.py.
 
-MAX_VERIFY_CHARS = 10_000  # extract_answer reads the last 10 000 characters: final answers come last
-MAX_NUMBER_CHARS = 64  # a longer digit run is not an answer here (and int() of huge strings is slow)
+MAX_VERIFY_CHARS = 10_000  # extract_answer reads the last 10 000 characters: answers come last
+MAX_NUMBER_CHARS = 64  # a longer digit run is no answer here (and int() of huge strings is slow)
 # ASCII digits only; no nested quantifiers, so every scan is linear time. A candidate may carry an
 # exponent so that "4.7e1" is one candidate (then rejected), not the number 1.
 _CANDIDATE = re.compile(r"[-+]?[0-9][0-9,]*(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?(?:/[0-9]+)?")
@@ -1691,7 +1691,8 @@ _THOUSANDS = re.compile(r"[-+]?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?(?:/[0-9]+)?
 
 
 def _last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} with balanced braces, or None (one scan from the last opener)."""
+    """Content of the last \\boxed{...} with balanced braces, or None (one scan from the last
+    opener)."""
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
@@ -1707,7 +1708,8 @@ def extract_answer(text: str) -> str | None:
     """The last \\boxed{...} (balanced), else the number after the last ####, else the last number.
 
     Reads the last MAX_VERIFY_CHARS characters; linear time. A "number" is a candidate of _CANDIDATE
-    (digits, sign, commas, decimals, a/b, an exponent); _parse_number decides whether it is acceptable.
+    (digits, sign, commas, decimals, a/b, an exponent); _parse_number decides whether it is
+    acceptable.
     """
     if not isinstance(text, str):
         return None
@@ -1737,13 +1739,14 @@ def _parse_number(s: str) -> Fraction | None:
 
 
 def verify(text: str, answer: str) -> float:
-    """1.0 iff extract_answer(text) equals `answer` as a number, else 0.0. Never raises; never runs code.
+    """1.0 iff extract_answer(text) equals `answer` as a number, else 0.0. Never raises; never runs
+    code.
 
     Where: the last \\boxed{...}, else the first number after the last "####", else the last number.
     Accepted: integers, a leading + or -, decimals (47.0 == 47), thousands groups (1,234), fractions
-    a/b as values (6/8 == 0.75), leading zeros (047 == 47); "47.", "47%", "47 apples", "$47" read 47.
-    Rejected (reward 0): 4.7e1, 12,34, unicode digits (٤٧, full-width), numbers over MAX_NUMBER_CHARS,
-    a/0, a non-str text or answer. "4 7" reads as its last number, 7.
+    a/b as values (6/8 == 0.75), leading zeros (047 == 47); "47.", "47%", "47 apples", "$47" read
+    47. Rejected (reward 0): 4.7e1, 12,34, unicode digits (٤٧, full-width), numbers over
+    MAX_NUMBER_CHARS, a/0, a non-str text or answer. "4 7" reads as its last number, 7.
     """
     extracted = extract_answer(text)  # None for a non-str text
     if extracted is None or not isinstance(answer, str):
@@ -1759,15 +1762,16 @@ def verify(text: str, answer: str) -> float:
 
 
 def load_model(path: str | Path, trust_remote_code: bool = False):
-    """Load an HF causal LM from a local directory in fp32 (safetensors; no remote code unless asked)."""
+    """Load an HF causal LM from a local directory in fp32 (safetensors; no remote code unless
+    asked)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, use_safetensors=True,
-                                                trust_remote_code=trust_remote_code,
-                                                local_files_only=True)
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                use_safetensors=True, local_files_only=True,
+                                                trust_remote_code=trust_remote_code)
 
 
-END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")  # ChatML (SmolLM2, Qwen), Llama 3, Gemma
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")  # ChatML (Qwen), Llama 3, Gemma
 
 
 class HFTokenizer:
@@ -1779,7 +1783,8 @@ class HFTokenizer:
         self.tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         template, vocab = self.tok.chat_template or "", self.tok.get_vocab()
         turn_end = next((t for t in END_OF_TURN if t in template and t in vocab), None)
-        # a chat model ends its answer with the template's end-of-turn token, not always EOS (Llama 3)
+        # a chat model ends its answer with the template's end-of-turn token, not always EOS (Llama
+        # 3)
         self.eos_id = vocab[turn_end] if turn_end else self.tok.eos_token_id
         pad_id = self.tok.pad_token_id
         self.pad_id = pad_id if pad_id is not None else self.eos_id
@@ -1798,7 +1803,8 @@ class HFTokenizer:
 
 
 def load_tokenizer(directory: str | Path):
-    """machinery.CharTokenizer when the directory holds it (pretrain.json), else its HF tokenizer."""
+    """machinery.CharTokenizer when the directory holds it (pretrain.json), else its HF tokenizer.
+    """
     import machinery
 
     if (Path(directory) / "pretrain.json").exists():
@@ -1829,9 +1835,9 @@ def resolve_model_dir(model: str) -> Path:
 
 
 def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
-    """The model with every dropout at 0, in training mode too: nn.Dropout's p and every float attribute
-    named *dropout* or *jitter* of its modules and config. Train mode then computes what eval mode does,
-    bitwise, and transformers' gradient checkpointing stays on."""
+    """The model with every dropout at 0, in training mode too: nn.Dropout's p and every float
+    attribute named *dropout* or *jitter* of its modules and config. Train mode then computes what
+    eval mode does, bitwise, and transformers' gradient checkpointing stays on."""
     for part in [getattr(model, "config", None), *model.modules()]:
         for name, value in list(vars(part).items()) if part is not None else ():
             is_dropout = isinstance(part, torch.nn.Dropout)  # nn.Dropout: p
@@ -1858,16 +1864,18 @@ class Rollout:
     logp_topk_infer: torch.Tensor  # (B, T, K) float32, the sampler's log-probs of those ids
     texts: list[str]  # decoded responses
     # (B, T, S) long, -1 padded: the sampler's kept support. None: untruncated, or the engine cannot
-    # return it (the loop rebuilds it from the trainer's logits); an empty row: rebuilt (merge_support)
+    # return it (the loop rebuilds it from the trainer's logits); an empty row: rebuilt
+    # (merge_support)
     kept_ids: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None  # (B, T) float32, of the sampled distribution (None: unknown)
-    # (B, P + T, L, k) int16: the experts each MoE layer's router chose at each position, -1 where none
-    # (the last sampled token is never fed); None: a dense model, or unknown
+    entropy: torch.Tensor | None = None  # (B, T) float32, the sampled one's (None: unknown)
+    # (B, P + T, L, k) int16: the experts each MoE layer's router chose at each position, -1 where
+    # none (the last sampled token is never fed); None: a dense model, or unknown
     routed_experts: torch.Tensor | None = None
     routed_weights: torch.Tensor | None = None  # (B, P + T, L, k) float32 gate weights (nan: none)
 
     def to(self, device) -> Rollout:
-        """The rollout with every tensor on `device`, the routes kept on the CPU (moved per layer)."""
+        """The rollout with every tensor on `device`, the routes kept on the CPU (moved per layer).
+        """
         moved = {}
         for name, value in vars(self).items():
             on_device = isinstance(value, torch.Tensor) and not name.startswith("routed_")
@@ -1876,7 +1884,8 @@ class Rollout:
 
 
 def _entropy(logprobs: torch.Tensor) -> torch.Tensor:
-    """-sum_v p_v log p_v over the last axis, 0 * -inf read as 0 (truncated tokens). (..., V) -> (...)."""
+    """-sum_v p_v log p_v over the last axis, 0 * -inf read as 0 (truncated tokens). (..., V) ->
+    (...)."""
     return -(logprobs.exp() * logprobs.nan_to_num(neginf=0.0)).sum(-1)
 
 
@@ -1890,19 +1899,21 @@ def left_pad(prompts: list[list[int]], pad_id: int = 0,
 
 
 def _positions(attention: torch.Tensor) -> torch.Tensor:
-    """Position ids of a left-padded batch: 0 at each row's first real token (pads 0). (B, L) -> (B, L)."""
+    """Position ids of a left-padded batch: 0 at each row's first real token (pads 0). (B, L) -> (B,
+    L)."""
     return (attention.long().cumsum(1) - 1).clamp(min=0)
 
 
 def draw_seed(generator: torch.Generator | None) -> int:
-    """One draw in [0, 2^31 - 1) from `generator` (None: torch's default), e.g. to seed a GPU one."""
+    """One draw in [0, 2^31 - 1) from `generator` (None: torch's default), e.g. to seed a GPU one.
+    """
     device = generator.device if generator else "cpu"
     return int(torch.randint(0, 2**31 - 1, (), generator=generator, device=device))
 
 
 def _sampled_routes(route_log, B: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """decode's recorded experts and gate weights, (B, P + T, L, k) each; the last sampled token (never
-    fed) gets none: -1 and nan."""
+    """decode's recorded experts and gate weights, (B, P + T, L, k) each; the last sampled token
+    (never fed) gets none: -1 and nan."""
     routes = stack_routes(route_log, B)  # (B, P + T - 1, L, k)
     gates = stack_routes(route_log, B, 1)
     routes = torch.nn.functional.pad(routes, (0, 0, 0, 0, 0, 1), value=-1)  # (B, P + T, L, k)
@@ -1915,12 +1926,13 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
            topk: int | None = 0, generator: torch.Generator | None = None, decode_text=None,
            eos_id: int | None = None, pad_id: int | None = None, top_p: float = 1.0, top_k: int = 0,
            min_p: float = 0.0) -> Rollout:
-    """KV-cache sampling from softmax(logits / temperature) truncated by min_p, top_k, top_p (greedy at 0).
+    """KV-cache sampling from softmax(logits / temperature) truncated by min_p, top_k, top_p (greedy
+    at 0).
 
     Records, in float32, the log-probs of the distribution sampled from (temperature applied,
     renormalised over the kept tokens, -inf elsewhere: vLLM's processed log-probs), its entropy, the
-    kept support when truncated, and the K most probable ids (topk 0: all V; None: K = 0). A row stops
-    at eos_id (the mask includes it); pad_id fills. One host sync per token.
+    kept support when truncated, and the K most probable ids (topk 0: all V; None: K = 0). A row
+    stops at eos_id (the mask includes it); pad_id fills. One host sync per token.
     """
     from transformers import DynamicCache
 
@@ -1930,8 +1942,8 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
         config_pad = model.config.pad_token_id
         pad_id = eos_id if config_pad is None else config_pad
     device = next(model.parameters()).device
-    # TIM: a GPU's sampling noise differs from the CPU's: a generator on `device`, seeded by one host
-    # draw per call (not a host copy per token), keeps sampling reproducible for a seed
+    # TIM: a GPU's sampling noise differs from the CPU's: a generator on `device`, seeded by one
+    # host draw per call (not a host copy per token), keeps sampling reproducible for a seed
     if generator is not None and generator.device.type != device.type:
         generator = torch.Generator(device).manual_seed(draw_seed(generator))
     prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)
@@ -1944,7 +1956,8 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     training = model.training  # a checkpointed model in training mode drops its KV cache: eval here
     model.eval()
     moe = bool(moe_routers(model))
-    recording = replay_routes(model) if moe else contextlib.nullcontext()  # the routers' experts (R3)
+    # an MoE model's routers record their experts (R3)
+    recording = replay_routes(model) if moe else contextlib.nullcontext()
     with recording as route_log:
         for _ in range(max_new_tokens):
             positions = _positions(attention)[:, -inputs.shape[1] :]
@@ -1989,27 +2002,31 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     logp_topk = torch.stack([t.values for t in tops], 1) if tops else no_topk
     decode_text = decode_text or (lambda row: " ".join(map(str, row)))
     texts = [decode_text(row) for row in response_ids.tolist()]
-    return Rollout(prompt_ids, prompt_mask, response_ids, torch.stack(masks, 1), torch.stack(logps, 1),
-                   topk_ids, logp_topk, texts, kept_ids=kept_ids, entropy=torch.stack(entropies, 1),
-                   routed_experts=routes, routed_weights=gates)
+    mask = torch.stack(masks, 1)  # (B, T)
+    logp = torch.stack(logps, 1)  # (B, T)
+    return Rollout(prompt_ids, prompt_mask, response_ids, mask, logp, topk_ids, logp_topk, texts,
+                   kept_ids=kept_ids, entropy=torch.stack(entropies, 1), routed_experts=routes,
+                   routed_weights=gates)
 
 
 def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0,
                       topk_ids: torch.Tensor | None = None, params: dict | None = None,
                       routes: torch.Tensor | None = None):
-    """Trainer-engine log-probs of the rollout's tokens (and of its top-K ids) over the whole vocabulary:
-    one full forward, no KV cache (support_logprobs without a kept support).
+    """Trainer-engine log-probs of the rollout's tokens (and of its top-K ids) over the whole
+    vocabulary: one full forward, no KV cache (support_logprobs without a kept support).
 
-    -> (logp (B, T), logp_topk (B, T, K) or None, last hidden state (B, T, H)). `params` (name -> tensor)
-    runs other weights (torch.func.functional_call); `routes` (B, P + T, L, k) replays an MoE's experts.
+    -> (logp (B, T), logp_topk (B, T, K) or None, last hidden state (B, T, H)). `params` (name ->
+    tensor) runs other weights (torch.func.functional_call); `routes` (B, P + T, L, k) replays an
+    MoE's experts.
     """
     untruncated = dataclasses.replace(rollout, kept_ids=None)
     return support_logprobs(model, untruncated, temperature, topk_ids, params, routes)[:3]
 
 
 class Forward(NamedTuple):
-    """response_forward's result at the response positions: logits / temperature (B, T, V), last hidden
-    state (B, T, H), and the experts each MoE layer used (B, P + T, L, k) (None: a dense model)."""
+    """response_forward's result at the response positions: logits / temperature (B, T, V), last
+    hidden state (B, T, H), and the experts each MoE layer used (B, P + T, L, k) (None: a dense
+    model)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
@@ -2028,8 +2045,9 @@ def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: 
     attention = torch.cat([rollout.prompt_mask, torch.ones_like(rollout.mask)], 1).long()
     P, T = rollout.prompt_ids.shape[1], rollout.response_ids.shape[1]
     keep = torch.arange(P - 1, P + T - 1, device=input_ids.device)  # position t predicts token t
-    kwargs = {"input_ids": input_ids, "attention_mask": attention, "position_ids": _positions(attention),
-              "output_hidden_states": True, "logits_to_keep": keep, "use_cache": False}
+    kwargs = {"input_ids": input_ids, "attention_mask": attention,
+              "position_ids": _positions(attention), "output_hidden_states": True,
+              "logits_to_keep": keep, "use_cache": False}
     moe = routes is not None or bool(moe_routers(model))
     routing = replay_routes(model, routes, gates, record) if moe else contextlib.nullcontext()
     with routing as route_log:
@@ -2038,16 +2056,18 @@ def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: 
         else:
             out = torch.func.functional_call(model, params, args=(), kwargs=kwargs)
     logits = out.logits  # (B, T, V)
-    if temperature > 0 and temperature != 1.0:  # in place: the head's output is not saved for backward
+    if temperature > 0 and temperature != 1.0:  # in place: the head's output is not saved
         logits = logits.div_(temperature)
     hidden = out.hidden_states[-1][:, P - 1 : P + T - 1]  # (B, T, H)
     used = stack_routes(route_log, input_ids.shape[0]) if moe and record else None
     return Forward(logits, hidden, used)
 
 
-def logprobs_on_support(logits: torch.Tensor, rollout: Rollout, topk_ids: torch.Tensor | None = None):
-    """Response logits (B, T, V) -> (log p~ (B, T), log p~ of the top-K ids (B, T, K) or None, log S (B, T)
-    or None), renormalised on rollout.kept_ids (renormalize_on_support); without one, plain log-probs.
+def logprobs_on_support(logits: torch.Tensor, rollout: Rollout,
+                        topk_ids: torch.Tensor | None = None):
+    """Response logits (B, T, V) -> (log p~ (B, T), log p~ of the top-K ids (B, T, K) or None, log S
+    (B, T) or None), renormalised on rollout.kept_ids (renormalize_on_support); without one, plain
+    log-probs.
 
     Top-K ids off the support (-inf in logp_topk_infer) get -inf. One token_logprobs pass serves the
     sampled token, the K ids and the S kept ids.
@@ -2083,12 +2103,13 @@ def support_logprobs(model, rollout: Rollout, temperature: float = 1.0,
 
 
 @torch.no_grad()
-def kept_support_from_logits(logits: torch.Tensor, response_ids: torch.Tensor, top_p: float, top_k: int,
-                             min_p: float) -> torch.Tensor:
-    """The kept support of (B, T, V) logits by the sampler's rule, plus the sampled token: (B, T, S), -1 pads.
+def kept_support_from_logits(logits: torch.Tensor, response_ids: torch.Tensor, top_p: float,
+                             top_k: int, min_p: float) -> torch.Tensor:
+    """The kept support of (B, T, V) logits by the sampler's rule, plus the sampled token: (B, T,
+    S), -1 pads.
 
-    By row chunks of token_logprobs' size: truncation_mask's transients are a few chunks, never (B, T, V)
-    masks. One host sync per chunk (its kept count).
+    By row chunks of token_logprobs' size: truncation_mask's transients are a few chunks, never (B,
+    T, V) masks. One host sync per chunk (its kept count).
     """
     B, T, V = logits.shape
     flat, ids = logits.reshape(-1, V), response_ids.reshape(-1, 1)  # (N, V), (N, 1)
@@ -2107,7 +2128,8 @@ def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int = 6, batch: 
     texts = []
     for i in range(0, len(prompts), batch):
         rollout = decode(model, prompts[i : i + batch], max_new_tokens, temperature=0.0, topk=1,
-                         decode_text=tokenizer.decode, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+                         decode_text=tokenizer.decode, eos_id=tokenizer.eos_id,
+                         pad_id=tokenizer.pad_id)
         texts += rollout.texts
     return sum(map(verify, texts, answers)) / max(len(prompts), 1)
 
@@ -2115,11 +2137,12 @@ def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int = 6, batch: 
 @torch.no_grad()
 def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tuple | None = None,
                     temperature: float = 1.0) -> torch.Tensor:
-    """log P(answer + <eos> | prompt) under `model`, teacher-forced, one forward per batch. -> (N,) float32.
+    """log P(answer + <eos> | prompt) under `model`, teacher-forced, one forward per batch. -> (N,)
+    float32.
 
-    exp() of it is `pc`, the probability of the exact correct answer: far less noisy than greedy match.
-    truncation = (top_p, top_k, min_p): under the policy such a sampler draws from at `temperature`
-    (renormalised over the kept tokens; 0 when an answer token is not kept).
+    exp() of it is `pc`, the probability of the exact correct answer: far less noisy than greedy
+    match. truncation = (top_p, top_k, min_p): under the policy such a sampler draws from at
+    `temperature` (renormalised over the kept tokens; 0 when an answer token is not kept).
     """
     device, out = next(model.parameters()).device, []
     pad, eos = tokenizer.pad_id, tokenizer.eos_id
@@ -2128,8 +2151,10 @@ def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tu
         prompt_ids, prompt_mask = left_pad([tokenizer.encode(p) for p, _ in chunk], pad, device)
         answers = [tokenizer.encode(a, bos=False) + [eos] for _, a in chunk]
         T = max(map(len, answers))
-        response_ids = torch.tensor([a + [pad] * (T - len(a)) for a in answers], device=device)  # (B, T)
-        mask = torch.tensor([[1] * len(a) + [0] * (T - len(a)) for a in answers], device=device).bool()
+        padded = [a + [pad] * (T - len(a)) for a in answers]
+        response_ids = torch.tensor(padded, device=device)  # (B, T)
+        real = [[1] * len(a) + [0] * (T - len(a)) for a in answers]
+        mask = torch.tensor(real, device=device).bool()  # (B, T)
         unused = torch.zeros(0, device=device)  # the sampler's fields: no sampler here
         rollout = Rollout(prompt_ids, prompt_mask, response_ids, mask, unused, unused, unused, [])
         logits = response_forward(model, rollout, 1.0 if truncation is None else temperature).logits
@@ -2141,9 +2166,11 @@ def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tu
 
 def truncated_logprobs(logits: torch.Tensor, ids: torch.Tensor,
                        truncation: tuple | None = None) -> torch.Tensor:
-    """token_logprobs of the logits masked to -inf off truncation_mask(*truncation) (None: untruncated).
+    """token_logprobs of the logits masked to -inf off truncation_mask(*truncation) (None:
+    untruncated).
 
-    By row chunks of token_logprobs' size: never (B, T, V) masks or a masked copy. (B, T, V) -> (B, T).
+    By row chunks of token_logprobs' size: never (B, T, V) masks or a masked copy. (B, T, V) -> (B,
+    T).
     """
     if truncation is None:
         return token_logprobs(logits, ids)
@@ -2168,9 +2195,15 @@ def fake_quantize(w: torch.Tensor, quant: str) -> torch.Tensor:
         scale = w.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / INT8_MAX  # (..., O, 1)
         return (w / scale).round().clamp(-INT8_MAX, INT8_MAX) * scale
     if quant == "fp8":
-        scale = w.abs().amax(dim=(-2, -1), keepdim=True).clamp(min=1e-12) / FP8_E4M3_MAX  # (..., 1, 1)
+        amax = w.abs().amax(dim=(-2, -1), keepdim=True)  # (..., 1, 1)
+        scale = amax.clamp(min=1e-12) / FP8_E4M3_MAX
         return (w / scale).to(torch.float8_e4m3fn).float() * scale
     raise ValueError(f"quant must be 'int8' or 'fp8', got {quant!r}")
+
+
+def _inputs_to_fp32(module, inputs: tuple) -> tuple:
+    """A forward pre-hook: the module's inputs in fp32 (an fp32 module inside a bf16 engine)."""
+    return tuple(x.float() for x in inputs)
 
 
 def _moe_weight_names(model) -> tuple[set[str], set[str]]:
@@ -2198,14 +2231,14 @@ class TorchSampler:
         self.model = copy.deepcopy(source).eval().to(_DTYPES[self.engine.dtype])  # the engine dtype
         head = self.model.get_output_embeddings()
         if self.engine.head_fp32 and head.weight is self.model.get_input_embeddings().weight:
-            raise ValueError("engine.head_fp32 needs an untied output head (this model ties it to the "
-                             "embeddings)")
+            raise ValueError("engine.head_fp32 needs an untied output head "
+                             "(this model ties it to the embeddings)")
         routers = moe_routers(self.model)
         kept_fp32 = list(routers) if self.engine.router_fp32 else []
         kept_fp32 += [head] if self.engine.head_fp32 else []
-        for module in kept_fp32:  # TIM: fp32 weights and inputs (a pre-hook) in a bf16 / fp16 engine
-            module.float().register_forward_pre_hook(lambda _, inputs: tuple(x.float() for x in inputs))
-        if routers:  # read by routed_router_forward: this copy's routers only, the jitter's own stream
+        for module in kept_fp32:  # TIM: fp32 weights and inputs (a pre-hook) in a bf16 engine
+            module.float().register_forward_pre_hook(_inputs_to_fp32)
+        if routers:  # read by routed_router_forward: this copy's routers, the jitter's own stream
             jitter = torch.Generator(head.weight.device).manual_seed(self.engine.noise_seed)
             for router in routers:
                 router.logit_jitter, router.jitter_generator = self.engine.router_jitter, jitter
@@ -2218,8 +2251,8 @@ class TorchSampler:
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy exported weights in: the engine's numerics on each tensor in fp32 (quantisation, then noise,
-        the same draw every load), then one rounding to the engine dtype.
+        """Copy exported weights in: the engine's numerics on each tensor in fp32 (quantisation,
+        then noise, the same draw every load), then one rounding to the engine dtype.
 
         Which weights: every nn.Linear's but the lm_head, and an MoE model's routers and experts
         (_moe_weight_names; int8 scales per expert and output row, fp8 per expert).
@@ -2230,15 +2263,17 @@ class TorchSampler:
                      if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")}
         router_weights, expert_weights = _moe_weight_names(self.model)
         perturbed |= router_weights | expert_weights
-        # every name, a tied head's included, so a model's own state_dict loads (one tensor, 2 names)
-        params = dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers())
-        required = {n for n, _ in self.model.named_parameters()}  # each tensor under one name suffices
+        # every name, a tied head's included, so a model's own state_dict loads (one tensor, 2
+        # names)
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params |= dict(self.model.named_buffers())
+        required = {n for n, _ in self.model.named_parameters()}  # one name per tensor suffices
         missing = sorted(required - set(state_dict))
         unexpected = sorted(set(state_dict) - set(params))
         if missing or unexpected:
             raise ValueError(f"state_dict: missing {missing}, unexpected {unexpected}")
         quant = self.engine.quant
-        for name, target in params.items():  # named_modules order: the noise draws in one fixed order
+        for name, target in params.items():  # named_modules order: the noise draws in a fixed order
             if name not in state_dict:
                 continue
             w = state_dict[name].detach().to(device=target.device, dtype=torch.float32)  # a copy
@@ -2257,12 +2292,12 @@ class TorchSampler:
         """n samples per prompt (consecutive rows); log-probs, top-K and kept support as sampled."""
         expanded = [p for p in prompts for _ in range(n)]
         tok = self.tokenizer
-        rollout = decode(self.model, expanded, max_new_tokens, temperature, topk, generator, tok.decode,
-                         tok.eos_id, tok.pad_id, top_p, top_k, min_p)
+        rollout = decode(self.model, expanded, max_new_tokens, temperature, topk, generator,
+                         tok.decode, tok.eos_id, tok.pad_id, top_p, top_k, min_p)
         if self.engine.exact:
             # TIM: zero-mismatch limit: score the sampled tokens with the trainer's own fp32 forward
-            # (Trainer.logprobs' kernels, shapes and weights), so logp_infer == logp_old bitwise; an MoE
-            # model replays the experts the tokens were sampled with (what R3 replays)
+            # (Trainer.logprobs' kernels, shapes and weights), so logp_infer == logp_old bitwise; an
+            # MoE model replays the experts the tokens were sampled with (what R3 replays)
             with torch.no_grad():
                 scored = support_logprobs(self.model, rollout, temperature, rollout.topk_ids,
                                           routes=rollout.routed_experts)
@@ -2282,8 +2317,9 @@ class TorchSampler:
 _VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # vLLM 0.32 raises a temperature in (0, 0.01) to 0.01 (SamplingParams) and treats < 1e-5 as greedy
 VLLM_MIN_TEMPERATURE = 0.01
-# the sync canary's bound on one answer's |Δlogp| (VLLMSampler.load_weights). On the tiny MoE a correct
-# sync gives 5e-7 (fp32), 7e-3 (bf16: numerics); one that skipped the experts' repack > 2. CPU build only
+# the sync canary's bound on one answer's |Δlogp| (VLLMSampler.load_weights). On the tiny MoE a
+# correct sync gives 5e-7 (fp32), 7e-3 (bf16: numerics); one that skipped the experts' repack > 2.
+# CPU build only
 VLLM_SYNC_TOLERANCE = {"fp32": 1e-4, "bf16": 0.5, "fp16": 0.5}
 
 
@@ -2296,15 +2332,16 @@ def reload_vllm_weights(llm, named_tensors) -> None:
     import machinery
 
     weights = [(n, t.detach()) for n, t in named_tensors]
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})  # TIM: vLLM's kernels
+    # TIM: the served copy enters vLLM's own kernels here
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     if machinery._vllm_on_cpu():
         llm.collective_rpc(machinery._repack_cpu_experts)
     llm.reset_prefix_cache()
 
 
 def _completion_tensors(rows, K: int, pad_id: int):
-    """vLLM completions -> response_ids (B, T), mask (B, T), logp (B, T), and the top-K ids (B, T, K)
-    with their log-probs (B, T, K), ranked, -inf where fewer came back."""
+    """vLLM completions -> response_ids (B, T), mask (B, T), logp (B, T), and the top-K ids (B, T,
+    K) with their log-probs (B, T, K), ranked, -inf where fewer came back."""
     B, T = len(rows), max(len(c.token_ids) for c in rows)
     response_ids = torch.full((B, T), pad_id, dtype=torch.long)
     mask = torch.zeros(B, T, dtype=torch.bool)
@@ -2322,8 +2359,8 @@ def _completion_tensors(rows, K: int, pad_id: int):
 
 def _kept_from_topk(top_ids: torch.Tensor, top_logp: torch.Tensor, mask: torch.Tensor,
                     vocab_size: int) -> torch.Tensor:
-    """The kept support read off K processed log-probs: their finite entries, (B, T, S), -1 pads. A row
-    whose K are all finite (K < V: the support may go on) is empty: the trainer rebuilds it."""
+    """The kept support read off K processed log-probs: their finite entries, (B, T, S), -1 pads. A
+    row whose K are all finite (K < V: the support may go on) is empty: the trainer rebuilds it."""
     K = top_ids.shape[-1]
     finite = torch.isfinite(top_logp) & mask[..., None]  # (B, T, K), ranked: the finite ones first
     beyond = finite.all(-1, keepdim=True) & (K < vocab_size)
@@ -2332,12 +2369,13 @@ def _kept_from_topk(top_ids: torch.Tensor, top_logp: torch.Tensor, mask: torch.T
 
 
 class VLLMSampler:
-    """The same interface over vllm.LLM (vLLM's CPU build here, `vllm` on a GPU); weights synced in place.
+    """The same interface over vllm.LLM (vLLM's CPU build here, `vllm` on a GPU); weights synced in
+    place.
 
-    Log-probs come from SamplingParams(logprobs=K) with logprobs_mode="processed_logprobs": those of the
-    distribution sampled from (temperature, then top-p / top-k / min-p: -inf off the kept set). Prompts
-    go in as token ids, so no tokenizer can disagree. In-place sync: reload_vllm_weights, which needs
-    the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) to pass tensors.
+    Log-probs come from SamplingParams(logprobs=K) with logprobs_mode="processed_logprobs": those of
+    the distribution sampled from (temperature, then top-p / top-k / min-p: -inf off the kept set).
+    Prompts go in as token ids, so no tokenizer can disagree. In-place sync: reload_vllm_weights,
+    which needs the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) to pass tensors.
     """
 
     def __init__(self, model_dir: str | Path, dtype: str = "fp32", seed: int = 0, tokenizer=None,
@@ -2355,17 +2393,19 @@ class VLLMSampler:
         # colocated with the trainer on one GPU: vLLM takes this share of its memory
         on_gpu = {} if machinery._vllm_on_cpu() else {"gpu_memory_utilization": gpu_memory}
         machinery.add_expert_parallel_group()
-        self.llm = LLM(model=str(model_dir), dtype=_VLLM_DTYPES[dtype], enforce_eager=True, block_size=32,
-                       seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        self.llm = LLM(model=str(model_dir), dtype=_VLLM_DTYPES[dtype], enforce_eager=True,
+                       block_size=32, seed=seed, max_model_len=max_model_len,
+                       max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=4096, logprobs_mode="processed_logprobs",
                        max_logprobs=-1, **on_gpu)
         torch.set_num_threads(threads)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """In-place sync of exported weights (vLLM casts them). With a reference, the sync canary: one
-        held-out answer's log-prob from both engines; RuntimeError beyond VLLM_SYNC_TOLERANCE[dtype]
-        (mis-packed experts: > 2; in fp32 also a stale sync: one step moves it ~1e-3)."""
+        """In-place sync of exported weights (vLLM casts them). With a reference, the sync canary:
+        one held-out answer's log-prob from both engines; RuntimeError beyond
+        VLLM_SYNC_TOLERANCE[dtype] (mis-packed experts: > 2; in fp32 also a stale sync: one step
+        moves it ~1e-3)."""
         reload_vllm_weights(self.llm, state_dict.items())
         if self.reference is None:
             return
@@ -2376,14 +2416,15 @@ class VLLMSampler:
         gap = float((self.answer_logprobs(problem) - logp).abs())
         bound = VLLM_SYNC_TOLERANCE[self.dtype]
         if not gap <= bound:
-            raise RuntimeError(f"vLLM sync canary: after a weight sync vLLM ({self.dtype}) and torch "
-                               f"disagree by |Δlogp| {gap:.3g} > {bound:g} on one held-out answer: "
-                               "the engine does not serve the weights it was sent")
+            raise RuntimeError(f"vLLM sync canary: after a weight sync vLLM ({self.dtype}) and "
+                               f"torch disagree by |Δlogp| {gap:.3g} > {bound:g} on one held-out "
+                               "answer: the engine does not serve the weights it was sent")
 
     def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5,
                temperature: float = 1.0, topk: int = 0, generator: torch.Generator | None = None,
                top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Rollout:
-        """n samples per prompt (consecutive rows) with vLLM's log-probs of each token and its top-K ids.
+        """n samples per prompt (consecutive rows) with vLLM's log-probs of each token and its top-K
+        ids.
 
         With truncation the kept support is read off the K processed log-probs (_kept_from_topk).
         topk None: only the sampled token's log-prob (K = 0, kept_ids None: rebuilt by the trainer).
@@ -2391,16 +2432,17 @@ class VLLMSampler:
         from vllm import SamplingParams
 
         K = 0 if topk is None else (self.vocab_size if topk <= 0 else min(topk, self.vocab_size))
-        # one seed per prompt: vLLM seeds completion i of a request with seed + i, so one seed for all
-        # would give every prompt's i-th sample the same random stream
+        # one seed per prompt: vLLM seeds completion i of a request with seed + i, so one seed for
+        # all would give every prompt's i-th sample the same random stream
         seeds = [None] * len(prompts)
         if generator is not None:
             seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
         _check_truncation(top_p, top_k, min_p)
         if 0 < temperature < VLLM_MIN_TEMPERATURE:
-            raise ValueError(f"temperature {temperature} < {VLLM_MIN_TEMPERATURE}: vLLM would sample at "
-                             f"{VLLM_MIN_TEMPERATURE} while the trainer divides by {temperature}, so "
-                             "every ratio would compare two different distributions")
+            raise ValueError(f"temperature {temperature} < {VLLM_MIN_TEMPERATURE}: vLLM would "
+                             f"sample at {VLLM_MIN_TEMPERATURE} while the trainer divides by "
+                             f"{temperature}, so every ratio would compare two different "
+                             "distributions")
         sampling_top_k = top_k if temperature > 0 else 1
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=sampling_top_k,
                                  min_p=min_p, max_tokens=max_new_tokens, logprobs=K, seed=seed,
@@ -2408,7 +2450,7 @@ class VLLMSampler:
                   for seed in seeds]
         requests = [{"prompt_token_ids": p} for p in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
-        rows = [comp for out in outputs for comp in out.outputs]  # n completions per prompt, in order
+        rows = [comp for out in outputs for comp in out.outputs]  # n per prompt, in order
         pad_id = self.tokenizer.pad_id
         response_ids, mask, logp, top_ids, top_logp = _completion_tensors(rows, K, pad_id)
         prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], pad_id)
@@ -2432,13 +2474,15 @@ class VLLMSampler:
         from vllm import SamplingParams
 
         eos = self.tokenizer.eos_id
-        seqs = [(self.tokenizer.encode(p), self.tokenizer.encode(a, bos=False) + [eos]) for p, a in problems]
+        tok = self.tokenizer
+        seqs = [(tok.encode(p), tok.encode(a, bos=False) + [eos]) for p, a in problems]
         requests = [{"prompt_token_ids": p + a} for p, a in seqs]
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         totals = []
         for out, (p, a) in zip(outputs, seqs):
-            totals.append(sum(out.prompt_logprobs[len(p) + j][tok].logprob for j, tok in enumerate(a)))
+            answer = out.prompt_logprobs[len(p) :]  # one {id: Logprob} per answer token
+            totals.append(sum(answer[j][t].logprob for j, t in enumerate(a)))
         return torch.tensor(totals)
 
 
@@ -2447,24 +2491,25 @@ class VLLMSampler:
 
 
 class Behaviour(NamedTuple):
-    """Trainer.behaviour_logprobs' result: the trainer engine's (B, T) log-probs on the served weights
-    (logp_old) and on the unrounded master at export (None: an fp32 export); the kept support rebuilt
-    (None: untruncated); for an MoE model (else None) the log-probs with the sampler's experts (and gate
-    weights) replayed, and the experts (B, P + T, L, k) it chose itself and the update replays."""
+    """Trainer.behaviour_logprobs' result: the trainer engine's (B, T) log-probs on the served
+    weights (logp_old) and on the unrounded master at export (None: an fp32 export); the kept
+    support rebuilt (None: untruncated); for an MoE model (else None) the log-probs with the
+    sampler's experts (and gate weights) replayed, and the experts (B, P + T, L, k) it chose itself
+    and the update replays."""
 
     logp_old: torch.Tensor
     logp_master_old: torch.Tensor | None
     rebuilt: torch.Tensor | None
     logp_old_sampler_routes: torch.Tensor | None = None
     routes: torch.Tensor | None = None
-    update_routes: torch.Tensor | None = None  # None (live), R2 the current policy's, R3 the sampler's
-    logp_old_sampler_gates: torch.Tensor | None = None  # the sampler's experts and gates (torch only)
+    update_routes: torch.Tensor | None = None  # None: live; R2 the policy's; R3 the sampler's
+    logp_old_sampler_gates: torch.Tensor | None = None  # the sampler's experts and gates replayed
 
 
 EXPORT_STAT_ELEMENTS = 1 << 22  # the visible update fraction's fp64 sums run on 4M-element slices
 
 
-def _dot_and_norm2(master, master_before, served, served_before) -> tuple[torch.Tensor, torch.Tensor]:
+def _dot_and_norm2(master, master_before, served, served_before):
     """(<d served, d master>, |d master|^2) in fp64 over flat slices (no fp64 copy). -> 0-d, 0-d."""
     dot = torch.zeros((), dtype=torch.float64, device=master.device)
     norm2 = torch.zeros((), dtype=torch.float64, device=master.device)
@@ -2478,20 +2523,23 @@ def _dot_and_norm2(master, master_before, served, served_before) -> tuple[torch.
 
 
 class Trainer:
-    """fp32 master weights + optimizer; recomputes log-probs; exports the served copy the sampler holds."""
+    """fp32 master weights + optimizer; recomputes log-probs; exports the served copy the sampler
+    holds."""
 
-    def __init__(self, model, lr: float = 1e-4, optimizer: str = "adamw", export_dtype: str = "fp32",
-                 loss_on_served: bool = False, extra_params=()):
+    def __init__(self, model, lr: float = 1e-4, optimizer: str = "adamw",
+                 export_dtype: str = "fp32", loss_on_served: bool = False, extra_params=()):
         _check_choice("export_dtype", export_dtype, sorted(_DTYPES))
         _check_choice("optimizer", optimizer, ("adamw", "sgd"))
         # TIM: dropout off, or every forward would differ from the last and show up as lag; training
         # mode kept, so gradient checkpointing (in training mode only) stays effective
         self.model = without_dropout(model.float()).train()
         self.moe = bool(moe_routers(self.model))
-        # The trainer engine on the weights the sampler holds: logp_old comes from here. Its parameters
-        # are also the served copy (fp32 values of what the sampler holds): no second copy.
+        # The trainer engine on the weights the sampler holds: logp_old comes from here. Its
+        # parameters are also the served copy (fp32 values of what the sampler holds): no second
+        # copy.
         self.behaviour = copy.deepcopy(self.model).eval().requires_grad_(False)
-        # The unrounded master at the last export: splits export rounding off the ledger (bf16 / fp16)
+        # The unrounded master at the last export: splits export rounding off the ledger (bf16 /
+        # fp16)
         self.master_at_export = None
         if export_dtype != "fp32":
             self.master_at_export = copy.deepcopy(self.model).eval()
@@ -2513,35 +2561,39 @@ class Trainer:
         """None (the master), or under loss_on_served fresh leaves holding the served copy."""
         self._served_leaves = None
         if self.loss_on_served:
-            self._served_leaves = {n: v.clone().requires_grad_(True) for n, v in self.served.items()}
+            served = self.served.items()
+            self._served_leaves = {n: v.clone().requires_grad_(True) for n, v in served}
         return self._served_leaves
 
-    def logprobs(self, rollout: Rollout, topk_ids: torch.Tensor | None = None, temperature: float = 1.0,
-                 routes=None):
-        """(logp, logp_topk, hidden) under the current weights, with gradient. Fair Cast's loss_on_served
-        runs the forward on the served (rounded) copy and routes its gradient to the fp32 master
-        (straight-through); `routes` replays an MoE model's experts."""
+    def logprobs(self, rollout: Rollout, topk_ids: torch.Tensor | None = None,
+                 temperature: float = 1.0, routes=None):
+        """(logp, logp_topk, hidden) under the current weights, with gradient. Fair Cast's
+        loss_on_served runs the forward on the served (rounded) copy and routes its gradient to the
+        fp32 master (straight-through); `routes` replays an MoE model's experts."""
         params = self._params()
         return sequence_logprobs(self.model, rollout, temperature, topk_ids, params, routes)  # TIM
 
     def support_logprobs(self, rollout: Rollout, topk_ids: torch.Tensor | None = None,
                          temperature: float = 1.0, routes: torch.Tensor | None = None):
-        """logprobs renormalised on rollout.kept_ids, plus log S: (logp~, logp_topk~, hidden, log S)."""
+        """logprobs renormalised on rollout.kept_ids, plus log S: (logp~, logp_topk~, hidden, log
+        S)."""
         return support_logprobs(self.model, rollout, temperature, topk_ids, self._params(), routes)
 
     @torch.no_grad()
-    def behaviour_logprobs(self, rollout: Rollout, temperature: float = 1.0, truncation: tuple | None = None,
+    def behaviour_logprobs(self, rollout: Rollout, temperature: float = 1.0,
+                           truncation: tuple | None = None,
                            routing_replay: str = "none") -> Behaviour:
         """The trainer engine on the served weights and on the master at export, renormalised on the
         kept support (Behaviour); one forward per model, and an MoE model's replays (_moe_logprobs).
 
-        truncation = (top_p, top_k, min_p): the kept support is also rebuilt from the served forward's
-        logits (kept_support_from_logits), used where the sampler returned none (merge_support).
-        routing_replay: none | r2 | r3 (Config.routing_replay; r3: logp_old on the sampler's experts).
+        truncation = (top_p, top_k, min_p): the kept support is also rebuilt from the served
+        forward's logits (kept_support_from_logits), used where the sampler returned none
+        (merge_support). routing_replay: none | r2 | r3 (Config.routing_replay; r3: logp_old on the
+        sampler's experts).
         """
-        forward = response_forward(self.behaviour, rollout, temperature)  # (B, T, V); MoE: own experts
+        forward = response_forward(self.behaviour, rollout, temperature)  # MoE: its own experts
         rebuilt = None
-        if truncation is not None:  # where the sampler returned none, or its K ended before the support
+        if truncation is not None:  # for rows the sampler returned none, or its K ended early
             rebuilt = kept_support_from_logits(forward.logits, rollout.response_ids, *truncation)
             merged = merge_support(rollout.kept_ids, rebuilt, rollout.mask)[0]  # (B, T, S)
             rollout = dataclasses.replace(rollout, kept_ids=merged)
@@ -2556,15 +2608,16 @@ class Trainer:
                 logp_old = logp_sampler_routes  # TIM: R3: the policy runs on the sampler's experts
         logp_master_old = None
         if self.master_at_export is not None:  # on the experts the update will use
-            master = response_forward(self.master_at_export, rollout, temperature, routes=update_routes,
-                                      record=False)
+            master = response_forward(self.master_at_export, rollout, temperature,
+                                      routes=update_routes, record=False)
             logp_master_old = logprobs_on_support(master.logits, rollout)[0]
-        return Behaviour(logp_old, logp_master_old, rebuilt, logp_sampler_routes, own_routes, update_routes,
-                         logp_sampler_gates)
+        return Behaviour(logp_old, logp_master_old, rebuilt, logp_sampler_routes, own_routes,
+                         update_routes, logp_sampler_gates)
 
     def _moe_logprobs(self, rollout: Rollout, temperature: float, routing_replay: str):
-        """An MoE model's extra behaviour forwards -> (logp_old on the sampler's experts, and on its gate
-        weights too, or None; the experts the update replays: R2 the updated policy's, R3 the sampler's)."""
+        """An MoE model's extra behaviour forwards -> (logp_old on the sampler's experts, and on its
+        gate weights too, or None; the experts the update replays: R2 the updated policy's, R3 the
+        sampler's)."""
         sampler_routes = rollout.routed_experts
         logp_routes = logp_gates = None
         if sampler_routes is not None:  # TIM: the same weights on the sampler's experts: routing
@@ -2573,8 +2626,9 @@ class Trainer:
             logp_routes = logprobs_on_support(replayed.logits, rollout)[0]
             del replayed
             if rollout.routed_weights is not None:  # TIM: and on the sampler's gate weights: gates
-                replayed = response_forward(self.behaviour, rollout, temperature, routes=sampler_routes,
-                                            gates=rollout.routed_weights, record=False)
+                replayed = response_forward(self.behaviour, rollout, temperature,
+                                            routes=sampler_routes, gates=rollout.routed_weights,
+                                            record=False)
                 logp_gates = logprobs_on_support(replayed.logits, rollout)[0]
         # TIM: the experts the update's forwards are forced to
         update_routes = None
@@ -2586,7 +2640,8 @@ class Trainer:
         return logp_routes, logp_gates, update_routes
 
     def grad_leaves(self) -> list[torch.Tensor]:
-        """The tensors the last forward ran on: the served leaves under loss_on_served, else the master."""
+        """The tensors the last forward ran on: the served leaves under loss_on_served, else the
+        master."""
         if self._served_leaves is not None:
             return list(self._served_leaves.values())
         return list(self.model.parameters())
@@ -2601,7 +2656,8 @@ class Trainer:
             for name, p in self.model.named_parameters():
                 p.grad = self._served_leaves[name].grad
             self._served_leaves = None
-        grads = [p.grad for group in self.opt.param_groups for p in group["params"] if p.grad is not None]
+        params = [p for group in self.opt.param_groups for p in group["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
         norm = 0.0
         if grads:
             norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
@@ -2609,12 +2665,12 @@ class Trainer:
         return norm
 
     @torch.no_grad()
-    def export(self, mode: str = "rtn", generator: torch.Generator | None = None) -> tuple[dict, float]:
-        """Round the fp32 master to the sampler's dtype (rtn | sr | ef) -> (state dict, visible update
-        fraction); the behaviour copy moves to the served weights in place.
+    def export(self, mode: str = "rtn", generator: torch.Generator | None = None):
+        """Round the fp32 master to the sampler's dtype (rtn | sr | ef) -> (state dict, visible
+        update fraction); the behaviour copy moves to the served weights in place.
 
-        On the CPU the reference roundings, SR with `generator` itself; on a GPU fused passes, SR's noise
-        hash_noise16 seeded by one draw from `generator` per tensor (machinery.gpu_rounding).
+        On the CPU the reference roundings, SR with `generator` itself; on a GPU fused passes, SR's
+        noise hash_noise16 seeded by one draw from `generator` per tensor (machinery.gpu_rounding).
         """
         _check_choice("mode", mode, ("rtn", "sr", "ef"))
         if mode != "rtn" and self.export_dtype != "bf16":
@@ -2640,11 +2696,11 @@ class Trainer:
             else:  # TIM: round-to-nearest swallows updates below half a cell
                 served = master.to(_DTYPES[self.export_dtype])
             served_before = self.behaviour.get_parameter(name)
-            if self.master_at_export is not None:  # <d served, d master> / |d master|^2, on the device
+            if self.master_at_export is not None:  # <d served, d master> / |d master|^2
                 master_before = self.master_at_export.get_parameter(name)
                 moved = _dot_and_norm2(master, master_before, served, served_before)
                 dot, norm2 = dot + moved[0], norm2 + moved[1]
-            served_before.copy_(served)  # TIM: the behaviour copy holds exactly what the sampler will
+            served_before.copy_(served)  # TIM: the behaviour copy = what the sampler will hold
             state[name] = served
         if self.master_at_export is not None:
             self.master_at_export.load_state_dict(dict(self.model.named_parameters()), strict=False)
