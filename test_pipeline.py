@@ -1038,7 +1038,7 @@ def test_the_cli_lets_openmp_threads_sleep_only_beside_busy_processes(tmp_path, 
 
 
 def test_demo_writes_its_tables_and_a_plot_with_the_seed_spread(base_model_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(tr, "ensure_base_model", lambda path, **change: tr.Path(base_model_dir))
+    monkeypatch.setattr(machinery, "ensure_base_model", lambda path, **change: tr.Path(base_model_dir))
     monkeypatch.setattr(tr, "vllm_available", lambda: False)
     import dataclasses
 
@@ -1220,7 +1220,7 @@ def test_vllm_serves_the_moe_through_syncs_and_its_canary_catches_a_mispacked_sy
         with torch.no_grad():
             logp = tr.sequence_logprobs(model, ro)[0]
         assert (logp - ro.logp_infer)[ro.mask].abs().max() <= 1e-5
-    monkeypatch.setattr(tr, "_repack_cpu_experts", lambda worker: 0)
+    monkeypatch.setattr(machinery, "_repack_cpu_experts", lambda worker: 0)
     perturb_experts_and_routers()
     with pytest.raises(RuntimeError, match="sync canary"):
         sampler.load_weights({k: v.detach() for k, v in model.state_dict().items()})
@@ -3249,7 +3249,7 @@ def test_length_preset_publishes_grid_fit_prediction_then_its_verdict_from_fake_
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "README.md").write_text("# r\n")
-    monkeypatch.setattr(tr, "ensure_base_model", lambda path, **change: tmp_path)
+    monkeypatch.setattr(machinery, "ensure_base_model", lambda path, **change: tmp_path)
     pilot = {n: {s: {"x": 0.3 * s, "kl_max": 0.1 * s, "kl_mean": 0.01 * s, "reward": 0.5}
                  for s in ex.LENGTH_CANDIDATES} for n in ex.LENGTH_DIGITS + (ex.LENGTH_PREDICT_DIGITS,)}
     monkeypatch.setattr(ex, "length_pilot", lambda *args, **kw: pilot)
