@@ -1691,8 +1691,7 @@ _THOUSANDS = re.compile(r"[-+]?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?(?:/[0-9]+)?
 
 
 def _last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} with balanced braces, or None (one scan from the last
-    opener)."""
+    """Content of the last \\boxed{...} with balanced braces, or None (one scan from the opener)."""
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
@@ -1707,9 +1706,8 @@ def _last_boxed(text: str) -> str | None:
 def extract_answer(text: str) -> str | None:
     """The last \\boxed{...} (balanced), else the number after the last ####, else the last number.
 
-    Reads the last MAX_VERIFY_CHARS characters; linear time. A "number" is a candidate of _CANDIDATE
-    (digits, sign, commas, decimals, a/b, an exponent); _parse_number decides whether it is
-    acceptable.
+    Reads the last MAX_VERIFY_CHARS characters; linear time. A "number" is a _CANDIDATE match
+    (digits, sign, commas, decimals, a/b, an exponent); _parse_number decides if it is acceptable.
     """
     if not isinstance(text, str):
         return None
@@ -1739,8 +1737,7 @@ def _parse_number(s: str) -> Fraction | None:
 
 
 def verify(text: str, answer: str) -> float:
-    """1.0 iff extract_answer(text) equals `answer` as a number, else 0.0. Never raises; never runs
-    code.
+    """1.0 iff extract_answer(text) equals `answer` as a number, else 0.0. Never raises, runs code.
 
     Where: the last \\boxed{...}, else the first number after the last "####", else the last number.
     Accepted: integers, a leading + or -, decimals (47.0 == 47), thousands groups (1,234), fractions
@@ -1762,8 +1759,7 @@ def verify(text: str, answer: str) -> float:
 
 
 def load_model(path: str | Path, trust_remote_code: bool = False):
-    """Load an HF causal LM from a local directory in fp32 (safetensors; no remote code unless
-    asked)."""
+    """An HF causal LM from a local directory in fp32 (safetensors; no remote code unless asked)."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
@@ -1783,8 +1779,7 @@ class HFTokenizer:
         self.tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         template, vocab = self.tok.chat_template or "", self.tok.get_vocab()
         turn_end = next((t for t in END_OF_TURN if t in template and t in vocab), None)
-        # a chat model ends its answer with the template's end-of-turn token, not always EOS (Llama
-        # 3)
+        # a chat model ends its answer with the template's end-of-turn token (not EOS in Llama 3)
         self.eos_id = vocab[turn_end] if turn_end else self.tok.eos_token_id
         pad_id = self.tok.pad_token_id
         self.pad_id = pad_id if pad_id is not None else self.eos_id
@@ -1863,9 +1858,8 @@ class Rollout:
     topk_ids: torch.Tensor  # (B, T, K) long, the sampler's top-K ids at each position
     logp_topk_infer: torch.Tensor  # (B, T, K) float32, the sampler's log-probs of those ids
     texts: list[str]  # decoded responses
-    # (B, T, S) long, -1 padded: the sampler's kept support. None: untruncated, or the engine cannot
-    # return it (the loop rebuilds it from the trainer's logits); an empty row: rebuilt
-    # (merge_support)
+    # (B, T, S) long, -1 padded: the sampler's kept support. None: untruncated, or the engine
+    # cannot return it (the loop rebuilds it from the trainer's logits; an empty row too)
     kept_ids: torch.Tensor | None = None
     entropy: torch.Tensor | None = None  # (B, T) float32, the sampled one's (None: unknown)
     # (B, P + T, L, k) int16: the experts each MoE layer's router chose at each position, -1 where
@@ -1884,8 +1878,7 @@ class Rollout:
 
 
 def _entropy(logprobs: torch.Tensor) -> torch.Tensor:
-    """-sum_v p_v log p_v over the last axis, 0 * -inf read as 0 (truncated tokens). (..., V) ->
-    (...)."""
+    """-sum_v p_v log p_v over the last axis, 0 * -inf read as 0 (truncated). (..., V) -> (...)."""
     return -(logprobs.exp() * logprobs.nan_to_num(neginf=0.0)).sum(-1)
 
 
@@ -1899,8 +1892,7 @@ def left_pad(prompts: list[list[int]], pad_id: int = 0,
 
 
 def _positions(attention: torch.Tensor) -> torch.Tensor:
-    """Position ids of a left-padded batch: 0 at each row's first real token (pads 0). (B, L) -> (B,
-    L)."""
+    """Position ids of a left-padded batch: 0 at each row's first real token. (B, L) -> (B, L)."""
     return (attention.long().cumsum(1) - 1).clamp(min=0)
 
 
@@ -2025,8 +2017,7 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0,
 
 class Forward(NamedTuple):
     """response_forward's result at the response positions: logits / temperature (B, T, V), last
-    hidden state (B, T, H), and the experts each MoE layer used (B, P + T, L, k) (None: a dense
-    model)."""
+    hidden state (B, T, H), the experts each MoE layer used (B, P + T, L, k) or None (dense)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
@@ -2065,9 +2056,8 @@ def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: 
 
 def logprobs_on_support(logits: torch.Tensor, rollout: Rollout,
                         topk_ids: torch.Tensor | None = None):
-    """Response logits (B, T, V) -> (log p~ (B, T), log p~ of the top-K ids (B, T, K) or None, log S
-    (B, T) or None), renormalised on rollout.kept_ids (renormalize_on_support); without one, plain
-    log-probs.
+    """Response logits (B, T, V) -> log p~ (B, T), log p~ of the top-K ids (B, T, K) or None, and
+    log S (B, T) or None: renormalised on rollout.kept_ids (renormalize_on_support), else plain.
 
     Top-K ids off the support (-inf in logp_topk_infer) get -inf. One token_logprobs pass serves the
     sampled token, the K ids and the S kept ids.
@@ -2137,8 +2127,7 @@ def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int = 6, batch: 
 @torch.no_grad()
 def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tuple | None = None,
                     temperature: float = 1.0) -> torch.Tensor:
-    """log P(answer + <eos> | prompt) under `model`, teacher-forced, one forward per batch. -> (N,)
-    float32.
+    """log P(answer + <eos> | prompt) under `model`, teacher-forced, one forward a batch. -> (N,)
 
     exp() of it is `pc`, the probability of the exact correct answer: far less noisy than greedy
     match. truncation = (top_p, top_k, min_p): under the policy such a sampler draws from at
@@ -2166,8 +2155,7 @@ def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tu
 
 def truncated_logprobs(logits: torch.Tensor, ids: torch.Tensor,
                        truncation: tuple | None = None) -> torch.Tensor:
-    """token_logprobs of the logits masked to -inf off truncation_mask(*truncation) (None:
-    untruncated).
+    """token_logprobs of the logits masked to -inf off truncation_mask(*truncation) (None: none).
 
     By row chunks of token_logprobs' size: never (B, T, V) masks or a masked copy. (B, T, V) -> (B,
     T).
@@ -2263,8 +2251,7 @@ class TorchSampler:
                      if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")}
         router_weights, expert_weights = _moe_weight_names(self.model)
         perturbed |= router_weights | expert_weights
-        # every name, a tied head's included, so a model's own state_dict loads (one tensor, 2
-        # names)
+        # every name, a tied head's included, so a model's own state_dict loads
         params = dict(self.model.named_parameters(remove_duplicate=False))
         params |= dict(self.model.named_buffers())
         required = {n for n, _ in self.model.named_parameters()}  # one name per tensor suffices
@@ -2317,9 +2304,8 @@ class TorchSampler:
 _VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # vLLM 0.32 raises a temperature in (0, 0.01) to 0.01 (SamplingParams) and treats < 1e-5 as greedy
 VLLM_MIN_TEMPERATURE = 0.01
-# the sync canary's bound on one answer's |Δlogp| (VLLMSampler.load_weights). On the tiny MoE a
-# correct sync gives 5e-7 (fp32), 7e-3 (bf16: numerics); one that skipped the experts' repack > 2.
-# CPU build only
+# the sync canary's bound on one answer's |Δlogp| (VLLMSampler.load_weights), calibrated on the CPU
+# build: on the tiny MoE a correct sync gives 5e-7 (fp32), 7e-3 (bf16); a skipped repack > 2
 VLLM_SYNC_TOLERANCE = {"fp32": 1e-4, "bf16": 0.5, "fp16": 0.5}
 
 
@@ -2369,8 +2355,7 @@ def _kept_from_topk(top_ids: torch.Tensor, top_logp: torch.Tensor, mask: torch.T
 
 
 class VLLMSampler:
-    """The same interface over vllm.LLM (vLLM's CPU build here, `vllm` on a GPU); weights synced in
-    place.
+    """The same interface over vllm.LLM (the CPU build here, `vllm` on a GPU); in-place weight sync.
 
     Log-probs come from SamplingParams(logprobs=K) with logprobs_mode="processed_logprobs": those of
     the distribution sampled from (temperature, then top-p / top-k / min-p: -inf off the kept set).
@@ -2423,8 +2408,7 @@ class VLLMSampler:
     def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5,
                temperature: float = 1.0, topk: int = 0, generator: torch.Generator | None = None,
                top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Rollout:
-        """n samples per prompt (consecutive rows) with vLLM's log-probs of each token and its top-K
-        ids.
+        """n samples per prompt (consecutive rows), vLLM's log-probs of each token and top-K ids.
 
         With truncation the kept support is read off the K processed log-probs (_kept_from_topk).
         topk None: only the sampled token's log-prob (K = 0, kept_ids None: rebuilt by the trainer).
@@ -2523,8 +2507,7 @@ def _dot_and_norm2(master, master_before, served, served_before):
 
 
 class Trainer:
-    """fp32 master weights + optimizer; recomputes log-probs; exports the served copy the sampler
-    holds."""
+    """fp32 master weights + optimizer; recomputes log-probs; exports the copy the sampler holds."""
 
     def __init__(self, model, lr: float = 1e-4, optimizer: str = "adamw",
                  export_dtype: str = "fp32", loss_on_served: bool = False, extra_params=()):
@@ -2534,12 +2517,10 @@ class Trainer:
         # mode kept, so gradient checkpointing (in training mode only) stays effective
         self.model = without_dropout(model.float()).train()
         self.moe = bool(moe_routers(self.model))
-        # The trainer engine on the weights the sampler holds: logp_old comes from here. Its
-        # parameters are also the served copy (fp32 values of what the sampler holds): no second
-        # copy.
+        # the trainer engine on the weights the sampler holds: logp_old comes from here; its
+        # parameters are the served copy (fp32 values of what the sampler holds), no second copy
         self.behaviour = copy.deepcopy(self.model).eval().requires_grad_(False)
-        # The unrounded master at the last export: splits export rounding off the ledger (bf16 /
-        # fp16)
+        # the unrounded master at the last export: splits export rounding off the ledger
         self.master_at_export = None
         if export_dtype != "fp32":
             self.master_at_export = copy.deepcopy(self.model).eval()
@@ -2575,8 +2556,7 @@ class Trainer:
 
     def support_logprobs(self, rollout: Rollout, topk_ids: torch.Tensor | None = None,
                          temperature: float = 1.0, routes: torch.Tensor | None = None):
-        """logprobs renormalised on rollout.kept_ids, plus log S: (logp~, logp_topk~, hidden, log
-        S)."""
+        """logprobs renormalised on rollout.kept_ids: (logp~, logp_topk~, hidden, log S)."""
         return support_logprobs(self.model, rollout, temperature, topk_ids, self._params(), routes)
 
     @torch.no_grad()
@@ -2616,8 +2596,7 @@ class Trainer:
 
     def _moe_logprobs(self, rollout: Rollout, temperature: float, routing_replay: str):
         """An MoE model's extra behaviour forwards -> (logp_old on the sampler's experts, and on its
-        gate weights too, or None; the experts the update replays: R2 the updated policy's, R3 the
-        sampler's)."""
+        gate weights too, or None; the experts the update replays: R2 its own, R3 the sampler's)."""
         sampler_routes = rollout.routed_experts
         logp_routes = logp_gates = None
         if sampler_routes is not None:  # TIM: the same weights on the sampler's experts: routing
@@ -2640,8 +2619,7 @@ class Trainer:
         return logp_routes, logp_gates, update_routes
 
     def grad_leaves(self) -> list[torch.Tensor]:
-        """The tensors the last forward ran on: the served leaves under loss_on_served, else the
-        master."""
+        """The tensors the last forward ran on: the served leaves (loss_on_served) or the master."""
         if self._served_leaves is not None:
             return list(self._served_leaves.values())
         return list(self.model.parameters())
