@@ -3123,7 +3123,8 @@ def task_problems(cfg: RLConfig, model_dir: Path, tokenizer) -> tuple[list, list
         task = run_task_kwargs(cfg, model_dir)
         return (machinery.make_arithmetic_task(cfg.steps * cfg.prompts, seed=cfg.seed, split="rl", **task),
                 machinery.make_arithmetic_task(cfg.eval_n, seed=0, split="eval", **task))
-    rl, held_out = machinery.make_word_problems(cfg.steps * cfg.prompts, cfg.seed), machinery.make_word_problems(cfg.eval_n, 0, "eval")
+    rl = machinery.make_word_problems(cfg.steps * cfg.prompts, cfg.seed)
+    held_out = machinery.make_word_problems(cfg.eval_n, 0, "eval")
     return [[(machinery.chat_prompt(tokenizer, q), a) for q, a in problems] for problems in (rl, held_out)]
 
 
@@ -3215,7 +3216,8 @@ def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: 
 
     model_dir = machinery.ensure_base_model("runs/base")
     model, tokenizer = load_model(model_dir).eval(), load_tokenizer(model_dir)
-    prompts = encode_problems(tokenizer, machinery.make_arithmetic_task(64, seed=0, split="eval", **task_kwargs(model_dir)))[0]
+    problems = machinery.make_arithmetic_task(64, seed=0, split="eval", **task_kwargs(model_dir))
+    prompts = encode_problems(tokenizer, problems)[0]
     engines = [("torch fp32 (KV cache)", EngineSpec()), ("torch fp32 exact", EngineSpec(exact=True)),
                ("torch fp16", EngineSpec(dtype="fp16")), ("torch bf16", EngineSpec(dtype="bf16")),
                ("torch int8 weights", EngineSpec(quant="int8")), ("torch fp8-e4m3 weights", EngineSpec(quant="fp8"))]
