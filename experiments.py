@@ -51,7 +51,7 @@ def measure_engines(model_dir: str | Path, engines: list[tuple[str, object]], n_
                    tr.VLLMSampler(model_dir, dtype=spec.split("-")[1], seed=seeds[0], tokenizer=tokenizer,
                                   max_model_len=max_model_len))
         for seed in seeds:
-            problems = tr.make_arithmetic_task(n_prompts, seed=seed, split="eval", **tr.task_kwargs(model_dir))
+            problems = machinery.make_arithmetic_task(n_prompts, seed=seed, split="eval", **tr.task_kwargs(model_dir))
             ids = prompts if prompts is not None else tr.encode_problems(tokenizer, problems)[0]
             ro = sampler.sample(ids, n, max_new_tokens, 1.0, topk, torch.Generator().manual_seed(seed))
             with torch.no_grad():
@@ -437,7 +437,7 @@ def _fingerprint_digest(runs: tuple = FINGERPRINT_RUNS, pretrain_steps: int | No
     try:
         with tempfile.TemporaryDirectory() as tmp:
             steps = FINGERPRINT_PRETRAIN["steps"] if pretrain_steps is None else pretrain_steps
-            base = tr.pretrain(machinery.PretrainConfig(out=f"{tmp}/base", **FINGERPRINT_PRETRAIN | {"steps": steps}))
+            base = machinery.pretrain(machinery.PretrainConfig(out=f"{tmp}/base", **FINGERPRINT_PRETRAIN | {"steps": steps}))
             records = [{k: v for k, v in base.items() if k != "seconds"}]
             for i, change in enumerate(runs):
                 cfg = tr.RLConfig(**{"model": f"{tmp}/base", "name": f"f{i}", "out_dir": tmp, "steps": 4,
@@ -471,7 +471,7 @@ def numerics_fingerprint(cache: Path | None = None) -> str:
                                cwd=Path(__file__).parent, env=env, capture_output=True, text=True, check=True)
         known[key] = child.stdout.split()[-1]
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tr.write_atomic(cache, json.dumps(known, indent=1))
+        machinery.write_atomic(cache, json.dumps(known, indent=1))
     return known[key]
 
 
@@ -591,7 +591,7 @@ def rl_preset(p: RLPreset, pc: PresetConfig, seeds: list[int], out: Path) -> lis
     base = _preset_base(pc, **p.base)
     if p.pretrain:  # --smoke: a few pre-training steps, into a directory of its own
         suffix, change = p.pretrain
-        base.model = str(tr.ensure_base_model(f"{Path(pc.model)}-{suffix}{'-smoke' * pc.smoke}",
+        base.model = str(machinery.ensure_base_model(f"{Path(pc.model)}-{suffix}{'-smoke' * pc.smoke}",
                                            **change | ({"steps": 5} if pc.smoke else {})))
     # the measurement runs on the preset's model (its own base model, when it has one)
     measured = p.measure(replace(pc, model=base.model), seeds) if p.measure else []
@@ -855,7 +855,7 @@ def _cis_gap_by_confidence(pc: PresetConfig, seeds: list[int]) -> tuple[str, lis
     """Spread of the fp8 engine gap (log-odds and log-prob) by the trainer's confidence p, seed 0."""
     model_dir = tr.resolve_model_dir(pc.model)
     model, tokenizer = tr.load_model(model_dir).eval(), tr.load_tokenizer(model_dir)
-    prompts, _ = tr.encode_problems(tokenizer, tr.make_arithmetic_task(16 if pc.smoke else 128, split="eval",
+    prompts, _ = tr.encode_problems(tokenizer, machinery.make_arithmetic_task(16 if pc.smoke else 128, split="eval",
                                                                         **tr.task_kwargs(model_dir)))
     ro = tr.TorchSampler(model, tr.EngineSpec(quant="fp8"), tokenizer).sample(prompts, 8, 5, 1.0, 0,
                                                                         torch.Generator().manual_seed(0))
@@ -906,7 +906,7 @@ def routing_rows(model_dir: str | Path, seeds: tuple[int, ...] = (0,), n_prompts
         sampler = (tr.TorchSampler(model, spec, tokenizer) if spec is not None else
                    tr.VLLMSampler(model_dir, dtype="bf16", tokenizer=tokenizer))
         for seed in seeds:
-            problems = tr.make_arithmetic_task(n_prompts, seed=seed, split="eval", **tr.task_kwargs(model_dir))
+            problems = machinery.make_arithmetic_task(n_prompts, seed=seed, split="eval", **tr.task_kwargs(model_dir))
             ro = sampler.sample(tr.encode_problems(tokenizer, problems)[0], n, 5, 1.0, None,
                                 torch.Generator().manual_seed(seed))
             behaviour = trainer.behaviour_logprobs(ro, routing_replay="r3" if r3 else "none")
@@ -962,7 +962,7 @@ def flips_by_margin(model_dir: str | Path, engines: list[tuple[str, tr.EngineSpe
     flips at every margin."""
     model_dir = Path(model_dir)
     tokenizer, model = tr.load_tokenizer(model_dir), tr.load_model(model_dir).eval()
-    problems = tr.make_arithmetic_task(n_prompts, seed=seed, split="eval", **tr.task_kwargs(model_dir))
+    problems = machinery.make_arithmetic_task(n_prompts, seed=seed, split="eval", **tr.task_kwargs(model_dir))
     rows = []
     for label, spec in engines:
         ro = tr.TorchSampler(model, spec, tokenizer).sample(tr.encode_problems(tokenizer, problems)[0], n, 5, 1.0,
@@ -1042,7 +1042,7 @@ def _fair_cast_visibility(pc: PresetConfig, seeds: list[int]) -> tuple[str, list
 def _truncation_table(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dict]]:
     """truncation_table of the tiny model (vLLM's engines too when installed, outside --smoke)."""
     model_dir = tr.resolve_model_dir(pc.model)
-    prompts, _ = tr.encode_problems(tr.load_tokenizer(model_dir), tr.make_arithmetic_task(
+    prompts, _ = tr.encode_problems(tr.load_tokenizer(model_dir), machinery.make_arithmetic_task(
         16 if pc.smoke else 64, **tr.task_kwargs(model_dir), split="eval"))
     return ((f"Kept mass S and ratio bias, tiny model, {len(prompts)} prompts x 4 samples x 5 tokens, "
             "temperature 1, fp32 trainer:"), truncation_table(model_dir, prompts, 4, 5, vllm=not pc.smoke))
@@ -1677,7 +1677,7 @@ def mismatch_at_level(model_dir: str | Path, digits: int, noise: float, seeds: t
     rows = []
     for seed in seeds:
         sampler = tr.TorchSampler(model, tr.EngineSpec(noise=noise, noise_seed=seed + 1234), tokenizer)
-        problems = tr.make_arithmetic_task(n_prompts, digits, seed, "s", split="rl")
+        problems = machinery.make_arithmetic_task(n_prompts, digits, seed, "s", split="rl")
         prompts, answers = tr.encode_problems(tokenizer, problems)
         ro = sampler.sample(prompts, n, answer_tokens(digits), 1.0, 0, torch.Generator().manual_seed(seed))
         with torch.no_grad():
@@ -1702,7 +1702,7 @@ def length_pilot(model_dir: Path, digits: tuple[int, ...], out: Path, smoke: boo
                                                        8 if smoke else 64, 2 if smoke else 8)
                              for s in ladder} for n in digits}
         known = {"stamp": stamp, "digits": list(digits), "measured": measured}
-        tr.write_atomic(cache, json.dumps(known, indent=1))
+        machinery.write_atomic(cache, json.dumps(known, indent=1))
     return {int(n): {float(s): m for s, m in row.items()} for n, row in known["measured"].items()}
 
 
@@ -1863,7 +1863,7 @@ def write_prediction(path: Path, prediction: dict) -> None:
     if path.exists():
         raise FileExistsError(f"{path} exists: a prediction is written once, before its runs")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tr.write_atomic(path, json.dumps(prediction, indent=1) + "\n")
+    machinery.write_atomic(path, json.dumps(prediction, indent=1) + "\n")
 
 
 def prediction_commit(path: Path) -> str | None:
@@ -1948,7 +1948,7 @@ def level_measurements(model_dir: Path, levels: dict[int, list[float]], seeds: t
         measured = {f"{n} {s}": mismatch_at_level(model_dir, n, s, seeds, 8 if smoke else 64, 2 if smoke else 8)
                     for n, ss in levels.items() for s in ss}
         known = {"key": key, "measured": measured}
-        tr.write_atomic(cache, json.dumps(known, indent=1))
+        machinery.write_atomic(cache, json.dumps(known, indent=1))
     return {(int(k.split()[0]), float(k.split()[1])): m for k, m in known["measured"].items()}
 
 
@@ -2071,7 +2071,7 @@ def preset_length(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     """The length law: pilot (LENGTH_PILOT_RULE) -> grid -> fit -> the prediction, written once and committed
     before its runs -> its verdict (LENGTH_VERDICT_RULE). --smoke: 2 lengths, its own prediction file, no commit."""
     suffix, change = LENGTH_PRETRAIN
-    model = tr.ensure_base_model(f"{Path(pc.model)}-{suffix}{'-smoke' * pc.smoke}",
+    model = machinery.ensure_base_model(f"{Path(pc.model)}-{suffix}{'-smoke' * pc.smoke}",
                                  **change | ({"steps": 5} if pc.smoke else {}))
     digits = LENGTH_DIGITS[:2] if pc.smoke else LENGTH_DIGITS
     predict = LENGTH_DIGITS[2] if pc.smoke else LENGTH_PREDICT_DIGITS
@@ -2298,7 +2298,7 @@ def refresh_published(root: Path = Path(".")) -> None:
     """Re-apply publish's marks to what is already published in RESULTS.md: ONE_AT_A_TIME under older sections, the
     verdict table rebuilt. Changes no verdict and writes nothing else (README.md has no verdict table)."""
     path = root / "RESULTS.md"
-    tr.write_atomic(path, _with_verdicts(_mark_one_at_a_time(path.read_text())))
+    machinery.write_atomic(path, _with_verdicts(_mark_one_at_a_time(path.read_text())))
 
 
 def publish(name: str, results: str, verdicts: list[dict], command: str, seconds: float, root: Path = Path("."),
@@ -2326,7 +2326,7 @@ def publish(name: str, results: str, verdicts: list[dict], command: str, seconds
                + "\n".join(changes)) if changes else ""
     body = (f"<!-- rows {json.dumps(rows)} -->\n## {name}\n\n`{command}` ({minutes}){changed}\n\n"
             + results.split("\n", 1)[1].lstrip("\n").replace("\n# ", "\n### ").rstrip("\n") + figure)
-    tr.write_atomic(path, _with_verdicts(_mark_one_at_a_time(_replace_block(text, f"preset:{name}", body))))
+    machinery.write_atomic(path, _with_verdicts(_mark_one_at_a_time(_replace_block(text, f"preset:{name}", body))))
     return changes
 
 
@@ -2408,17 +2408,17 @@ def _stale_rollout(model, tokenizer, spec, problems, n, seed, k):
 
 def _doctor_models() -> dict:
     """The dense base, the MoE base, another checkpoint of the dense one and the long-answer (swap) base."""
-    dirs = {"dense": tr.resolve_model_dir("runs/base"), "moe": tr.resolve_model_dir(tr.MOE_BASE),
-            "other": tr.ensure_base_model(f"runs/base-{DOCTOR_OTHER[0]}", **DOCTOR_OTHER[1]),
-            "long": tr.ensure_base_model(f"runs/base-{DOCTOR_LONG[0]}", **DOCTOR_LONG[1])}
+    dirs = {"dense": tr.resolve_model_dir("runs/base"), "moe": tr.resolve_model_dir(machinery.MOE_BASE),
+            "other": machinery.ensure_base_model(f"runs/base-{DOCTOR_OTHER[0]}", **DOCTOR_OTHER[1]),
+            "long": machinery.ensure_base_model(f"runs/base-{DOCTOR_LONG[0]}", **DOCTOR_LONG[1])}
     return {name: (tr.load_model(d).eval(), tr.task_kwargs(d)) for name, d in dirs.items()}
 
 
 def doctor_cases(seed: int, models: dict, n_prompts: int = 64, n: int = 4) -> list[DoctorCase]:
     """The labelled cases of one seed: 64 held-out prompts x 4 samples each."""
-    tok = tr.CharTokenizer()
+    tok = machinery.CharTokenizer()
     model = models["dense"][0]
-    problems = tr.make_arithmetic_task(n_prompts, seed=seed, split="eval", **models["dense"][1])
+    problems = machinery.make_arithmetic_task(n_prompts, seed=seed, split="eval", **models["dense"][1])
     fp32, bf16 = tr.EngineSpec(), tr.EngineSpec(dtype="bf16")
     cases = []
 
@@ -2468,12 +2468,12 @@ def doctor_cases(seed: int, models: dict, n_prompts: int = 64, n: int = 4) -> li
         cases.append(_case(["outliers"], f"{m} of {n_prompts} prompts from another checkpoint", rank, *joined,
                            torch.cat([adv_o, adv[m * n:]])))
     long_model, long_task = models["long"]
-    long_problems = tr.make_arithmetic_task(n_prompts // 4, seed=seed, split="eval", **long_task)
+    long_problems = machinery.make_arithmetic_task(n_prompts // 4, seed=seed, split="eval", **long_task)
     for causes, label, spec in ((["clean"], "long answers, fp32", fp32), (["numerics"], "long answers, bf16", bf16)):
         ro_l, logp_l, adv_l = _doctor_rollout(long_model, tok, spec, long_problems, n, 13, seed)
         cases.append(_case(causes, label, 1, logp_l, ro_l.logp_infer, ro_l.mask, adv_l))
     moe_model, moe_task = models["moe"]
-    moe_problems = tr.make_arithmetic_task(n_prompts // 2, seed=seed, split="eval", **moe_task)
+    moe_problems = machinery.make_arithmetic_task(n_prompts // 2, seed=seed, split="eval", **moe_task)
     trainer = tr.Trainer(moe_model)
     for rank, noise in enumerate([0.0, 0.01, 0.02, 0.05, 0.1]):  # router weight noise only: experts flip
         ro_m, logp_m, adv_m = _doctor_rollout(moe_model, tok, tr.EngineSpec(router_noise=noise), moe_problems, n, 5,
@@ -2492,8 +2492,8 @@ def doctor_sample(out: Path, model: str = "runs/base", seed: int = 0) -> Path:
     from safetensors.torch import save_file
 
     model_dir = tr.resolve_model_dir(model)
-    problems = tr.make_arithmetic_task(32, seed=seed, split="eval", **tr.task_kwargs(model_dir))
-    ro, logp, adv = _doctor_rollout(tr.load_model(model_dir).eval(), tr.CharTokenizer(), tr.EngineSpec(dtype="bf16"),
+    problems = machinery.make_arithmetic_task(32, seed=seed, split="eval", **tr.task_kwargs(model_dir))
+    ro, logp, adv = _doctor_rollout(tr.load_model(model_dir).eval(), machinery.CharTokenizer(), tr.EngineSpec(dtype="bf16"),
                                     problems, 4, 5, seed)
     tensors = {"old_per_token_logps": logp, "completion_mask": ro.mask.int(), "advantages": adv.float(),
                "sampling_per_token_logps": torch.where(ro.mask, ro.logp_infer, torch.zeros_like(logp))}
@@ -2570,7 +2570,7 @@ def doctor_eval(seeds=DOCTOR_EVAL_SEEDS, publish: bool = False, root: Path = Pat
             + "\n\n" + DOCTOR_NOTES)
     if publish:
         path = root / "RESULTS.md"
-        tr.write_atomic(path, _replace_block(path.read_text(), "doctor-eval", text))
+        machinery.write_atomic(path, _replace_block(path.read_text(), "doctor-eval", text))
     return text
 
 
@@ -2783,7 +2783,7 @@ def bench_corrections(B: int, T: int, V: int, K: int, repeats: int) -> list[dict
 def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, device: torch.device) -> list[dict]:
     """Generated tokens/s of TorchSampler vs HF generate (same model, fp32, batch, max length, device), and vLLM's."""
     tokenizer, model = tr.load_tokenizer(model_dir), tr.load_model(model_dir).to(device).eval()
-    prompts, _ = tr.encode_problems(tokenizer, tr.make_arithmetic_task(prompts_n, split="eval",
+    prompts, _ = tr.encode_problems(tokenizer, machinery.make_arithmetic_task(prompts_n, split="eval",
                                                                         **tr.task_kwargs(model_dir)))
     gen = torch.Generator().manual_seed(0)
 
@@ -2795,8 +2795,8 @@ def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, de
         """One HF generate of the same batch; returns its token count."""
         ids, attention = tr.left_pad([p for p in prompts for _ in range(group)], device=device)
         out = model.generate(input_ids=ids, attention_mask=attention.long(), do_sample=True, max_new_tokens=5,
-                             temperature=1.0, top_k=0, top_p=1.0, pad_token_id=tr.PAD_ID, eos_token_id=tr.EOS_ID)
-        eos = (out[:, ids.shape[1]:] == tr.EOS_ID).long()  # (B, <= 5) the new tokens
+                             temperature=1.0, top_k=0, top_p=1.0, pad_token_id=machinery.PAD_ID, eos_token_id=machinery.EOS_ID)
+        eos = (out[:, ids.shape[1]:] == machinery.EOS_ID).long()  # (B, <= 5) the new tokens
         return int((eos.cumsum(1) - eos == 0).sum())  # tokens up to and including the first <eos>
 
     def tokens_per_second(fn):
@@ -2852,8 +2852,8 @@ def _rl_step_peak_child(correction: str, topk: int, V: int, prompts: int, out_di
     bench_rl_step_memory): a random tiny model whose head has V tokens, `prompts` x 8 samples, 5 tokens each."""
     directory = Path(out_dir) / f"tiny-v{V}"
     if not (directory / "config.json").is_file():
-        tr.build_tiny_model(vocab_size=V).save_pretrained(str(directory), safe_serialization=True)
-        tr.CharTokenizer(V).save(directory)
+        machinery.build_tiny_model(vocab_size=V).save_pretrained(str(directory), safe_serialization=True)
+        machinery.CharTokenizer(V).save(directory)
     cfg = tr.RLConfig(name=f"peak-{correction}", model=str(directory), correction=correction, topk=topk,
                    temperature=temperature, prompts=prompts, group=8, max_new_tokens=5, steps=2, eval_n=16,
                    progress=False, device="cpu",
@@ -2897,7 +2897,7 @@ def bench_route_bytes() -> list[dict]:
     """Bytes per token of the routes an MoE rollout carries from sampling to the update (kept on the CPU): the tiny
     MoE's, read off a rollout (expert ids and the torch sampler's gate weights), and Qwen3-30B-A3B's shape (48 decoder
     layers x top-8 int16 ids, as vLLM's routed_experts: 768 B, ~28 GB for 4,096 x 9k tokens)."""
-    ro = tr.TorchSampler(tr.build_tiny_moe_model()).sample([[1, 5, 6]], 1, 2, generator=torch.Generator().manual_seed(0))
+    ro = tr.TorchSampler(machinery.build_tiny_moe_model()).sample([[1, 5, 6]], 1, 2, generator=torch.Generator().manual_seed(0))
     L, k = ro.routed_experts.shape[2:]
     per_token = [ro.routed_experts[0, 0].numel() * ro.routed_experts.element_size(),
                  ro.routed_weights[0, 0].numel() * ro.routed_weights.element_size()]
@@ -2911,8 +2911,8 @@ def _eval_peak_child(V: int, n: int, top_p: float, out_dir: str) -> dict:
     """Peak resident memory of answer_logprobs over n held-out problems (batches of 256) with a random tiny model
     whose head has V tokens, above what the process held before (Linux; run in a fresh process by
     bench_eval_memory); top_p < 1: the truncated policy's pc, at temperature 0.7."""
-    model, tokenizer = tr.build_tiny_model(vocab_size=V).eval(), tr.CharTokenizer(V)
-    problems = tr.make_arithmetic_task(n, split="eval")
+    model, tokenizer = machinery.build_tiny_model(vocab_size=V).eval(), machinery.CharTokenizer(V)
+    problems = machinery.make_arithmetic_task(n, split="eval")
     truncation = (top_p, 0, 0.0) if top_p < 1 else None
     with torch.no_grad():
         tr.answer_logprobs(model, tokenizer, problems[:2], truncation=truncation)  # warm-up: library code paged in

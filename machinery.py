@@ -1,17 +1,27 @@
 """machinery: what only this repository's machinery needs, kept out of the reference a learner reads (tim_rl.py).
 
-The compiled single-read GPU passes behind tim_rl.token_logprobs and Trainer.export, and the probes that decide
-once per GPU whether torch.compile works there. On a CPU none of this runs: tim_rl.py's eager paths are the
-reference, and every pass here is tested bitwise against them. tim_rl.py imports this module only where it is used.
+- The compiled single-read GPU passes behind tim_rl.token_logprobs and Trainer.export, and the probes that
+  decide once per GPU whether torch.compile works there. On a CPU none of this runs: tim_rl.py's eager paths
+  are the reference, and every pass here is tested bitwise against them.
+- The testbed: the arithmetic and word-problem tasks, the character tokenizer, the tiny Llama and Qwen3-MoE
+  models and their pre-training.
+- vLLM CPU-build workarounds, and checkpoint / resume.
+
+tim_rl.py imports this module only inside the functions that use it.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import math
+import os
 import pickle
+import random
 import re
 import sys
+import time
 import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -594,7 +604,7 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
 
     if vllm_dtype is not None:
         tr._check_choice("vllm_dtype", vllm_dtype, sorted(tr._VLLM_DTYPES))
-    threads = tr._vllm_environment()
+    threads = _vllm_environment()
     # vLLM's class as TRL imported it; with vllm_dtype, pinned for this call
     llm = getattr(trl_vllm, "LLM", None)
     llm = llm if vllm_dtype is None else functools.partial(llm, dtype=tr._VLLM_DTYPES[vllm_dtype])
@@ -603,7 +613,7 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
     torch.set_num_threads(threads)
     generation = getattr(trainer, "vllm_generation", None)
     colocated = trainer.use_vllm and generation is not None and generation.mode == "colocate"
-    if colocated and tr._vllm_on_cpu():
+    if colocated and _vllm_on_cpu():
         # vLLM's CPU build repacks Linear weights, which breaks TRL's per-parameter sync; on a GPU TRL's own sync
         # (PEFT merge, ZeRO-3 gather, sleep-mode wake-up) stays in charge
         def sync_weights():
@@ -613,18 +623,438 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
         generation.sync_weights = sync_weights
     return trainer
 
+# ---------------------------------------------------------------------------------------------------------------
+# ---- testbed: task, tokenizer, tiny models ----
+# The arithmetic task, the character tokenizer and the tiny Llama / Qwen3-MoE the repository pre-trains: the
+# testbed, not the method. transformers is imported inside the functions that need it.
 
-# TEMP until h2 merges: the names h2 moves here from tim_rl.py (the lead deletes this block)
-from tim_rl import (  # noqa: F401
-    TASKS,
-    chat_prompt,
-    ensure_base_model,
-    load_checkpoint,
-    load_trainer_state,
-    make_arithmetic_task,
-    make_word_problems,
-    pretrain,
-    save_checkpoint,
-    trainer_state,
-    write_atomic,
-)
+SPLITS = ("pretrain", "rl", "eval")
+
+
+def _split_of(a: int, b: int, op: str) -> str:
+    """The pool of problem a op b, by a hash of its text, whatever the seed: 20 % eval, 20 % rl, 60 % pretrain.
+
+    A cryptographic hash, not a linear one: (7919 a + 104729 b) % 5 depends on (a + b) % 5 only, which put
+    every answer ending in 3 or 8 into the held-out pool (and none into training).
+    """
+    digest = hashlib.blake2b(f"{a}{op}{b}".encode(), digest_size=4).digest()
+    bucket = int.from_bytes(digest, "little") % 5
+    if bucket == 0:
+        return "eval"
+    return "rl" if bucket == 1 else "pretrain"
+
+
+@functools.cache
+def _eval_pool_size(digits: int, ops: str) -> int:
+    """How many distinct problems the eval pool holds (counted; about 1/5 of all; plenty beyond 3 digits)."""
+    if digits > 3:
+        return 10**9
+    lo = 0 if digits == 1 else 10 ** (digits - 1)
+    operands = range(lo, 10**digits)
+    return sum(_split_of(a, b, op) == "eval" for op in set(ops) for a in operands for b in operands)
+
+
+OPS = "+-*s"  # s: swap, "ab s cd=" -> "cdab": a long answer (2 x digits tokens), every token a copy
+MAX_DIGITS = tr.MAX_NUMBER_CHARS // 2  # a product's or a swap's answer (2 x digits) stays a number
+
+
+def _answer(a: int, b: int, op: str):
+    """a op b; the swap "s" gives the digits of b then a."""
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    if op == "*":
+        return a * b
+    return f"{b}{a}"
+
+
+def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+",
+                         split: str = "pretrain"):
+    """n (prompt, answer) pairs "ab+cd=" -> "e", operands of exactly `digits` digits, from one of 3 pools.
+
+    The pools pretrain | rl | eval are disjoint for every seed (a hash of the operands picks the pool): RL
+    never trains on a problem the base model saw, evaluation sees neither. eval draws distinct problems (at
+    most the pool's size); pretrain and rl draw with replacement.
+    """
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    if not isinstance(digits, int) or not 1 <= digits <= MAX_DIGITS:
+        raise ValueError(f"digits must be an int in [1, {MAX_DIGITS}], got {digits!r}")
+    if not ops or set(ops) - set(OPS):
+        raise ValueError(f"ops must be a non-empty string over {OPS!r}, got {ops!r}")
+    tr._check_choice("split", split, SPLITS)
+    if "s" in ops and digits < 2:
+        raise ValueError("ops 's' needs digits >= 2 (a 1-digit b can be 0, and verify reads '09' as 9)")
+    rng = random.Random(f"{seed}-{split}-{digits}-{ops}")
+    lo = 0 if digits == 1 else 10 ** (digits - 1)
+    hi = 10**digits - 1
+    if split == "eval" and n > _eval_pool_size(digits, ops):
+        raise ValueError(f"n = {n} distinct eval problems is more than the eval pool of {digits}-digit "
+                         f"{ops!r} holds ({_eval_pool_size(digits, ops)})")
+    out, seen = [], set()
+    while len(out) < n:
+        a, b, op = rng.randint(lo, hi), rng.randint(lo, hi), rng.choice(ops)
+        if _split_of(a, b, op) != split or (split == "eval" and (a, b, op) in seen):
+            continue
+        seen.add((a, b, op))
+        out.append((f"{a}{op}{b}=", str(_answer(a, b, op))))
+    return out
+
+
+def mixed_arithmetic_task(n: int, digits: tuple[int, ...], seed: int = 0, ops: str = "+",
+                          split: str = "pretrain", block: int = 1):
+    """n problems over several operand digit counts, `block` at a time in turn: the i-th has
+    digits[(i // block) % len(digits)]. Each count draws from make_arithmetic_task's own pools."""
+    if not digits or block < 1:
+        raise ValueError(f"digits must name at least one digit count and block be >= 1, "
+                         f"got {digits!r}, {block!r}")
+    turn = [(i // block) % len(digits) for i in range(n)]  # which count the i-th problem has
+    per = [iter(make_arithmetic_task(turn.count(k), d, seed, ops, split)) for k, d in enumerate(digits)]
+    return [next(per[k]) for k in turn]
+
+
+# Word problems for chat models: (text, op); {a} and {b} are drawn, a - b only with b <= a (answers >= 0).
+WORD_TEMPLATES = {
+    "apples+": ("Sam has {a} apples and buys {b} more. How many apples does Sam have now?", "+"),
+    "apples-": ("Sam has {a} apples and gives {b} of them away. How many apples does Sam have left?", "-"),
+    "distance+": (("A cyclist rides {a} km in the morning and {b} km in the afternoon. "
+                   "How many km does she ride?"), "+"),
+    "distance-": ("A trail is {a} km long and Mia has walked {b} km of it. How many km are left?", "-"),
+    "money+": ("Leo has {a} dollars and earns {b} dollars more. How many dollars does Leo have now?", "+"),
+    "money-": ("Leo has {a} dollars and spends {b} dollars. How many dollars does Leo have left?", "-"),
+    "books+": (("A shelf holds {a} books and {b} more books are put on it. "
+                "How many books are on the shelf?"), "+"),
+    "birds-": (("{a} birds sit on a wire and {b} of them fly away. "
+                "How many birds are still on the wire?"), "-"),
+}
+BOXED_INSTRUCTION = "Put the final answer in \\boxed{}."
+TASKS = ("arithmetic", "words")
+
+
+def make_word_problems(n: int, seed: int = 0, split: str = "rl",
+                       max_operand: int = 20) -> list[tuple[str, str]]:
+    """n (question, answer) word problems a + b or a - b, 0 <= a, b <= max_operand, answer >= 0.
+
+    Two pools, rl | eval, disjoint for every seed: _split_of's hash of (op, a, b) picks the pool, whatever
+    the wording, so no eval sum is an RL sum under another template. eval draws distinct problems.
+    """
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    if not isinstance(max_operand, int) or max_operand < 1:
+        raise ValueError(f"max_operand must be an int >= 1, got {max_operand!r}")
+    tr._check_choice("split", split, ("rl", "eval"))
+    pool = []
+    for name, (_, op) in WORD_TEMPLATES.items():
+        for a in range(max_operand + 1):
+            for b in range(max_operand + 1 if op == "+" else a + 1):
+                if (_split_of(a, b, op) == "eval") == (split == "eval"):
+                    pool.append((name, a, b))
+    rng = random.Random(f"{seed}-{split}-words-{max_operand}")
+    if split == "eval" and n > len(pool):
+        raise ValueError(f"n = {n} distinct eval word problems is more than the pool holds ({len(pool)})")
+    picks = rng.sample(pool, n) if split == "eval" else [rng.choice(pool) for _ in range(n)]
+    problems = []
+    for name, a, b in picks:
+        answer = a + b if name.endswith("+") else a - b
+        problems.append((WORD_TEMPLATES[name][0].format(a=a, b=b), str(answer)))
+    return problems
+
+
+def chat_prompt(tokenizer, question: str) -> str:
+    """The question plus BOXED_INSTRUCTION as one user turn of the tokenizer's chat template."""
+    tok = getattr(tokenizer, "tok", tokenizer)  # HFTokenizer wraps the transformers tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"tokenizer: {type(tok).__name__} has no chat template "
+                         "(task words needs a chat model)")
+    turn = [{"role": "user", "content": f"{question} {BOXED_INSTRUCTION}"}]
+    return tok.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+
+
+class CharTokenizer:
+    """One id per printable ASCII character, plus <pad> <bos> <eos> <unk>; vocab padded to `vocab_size`."""
+
+    def __init__(self, vocab_size: int = 128):
+        self.tokens = [*SPECIAL_TOKENS, *(chr(c) for c in range(32, 127))]
+        self.tokens += [f"<unused{i}>" for i in range(vocab_size - len(self.tokens))]
+        self.index = {t: i for i, t in enumerate(self.tokens)}
+        self.vocab_size = len(self.tokens)
+        self.eos_id, self.pad_id, self.bos_id = EOS_ID, PAD_ID, BOS_ID
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        """Token ids of `text`, <bos> first."""
+        return ([BOS_ID] if bos else []) + [self.index.get(c, UNK_ID) for c in text]
+
+    def decode(self, ids) -> str:
+        """Text up to the first <eos>; special tokens dropped."""
+        ids = [int(i) for i in ids]
+        ids = ids[: ids.index(EOS_ID)] if EOS_ID in ids else ids
+        chars = [self.tokens[i] if 0 <= i < len(self.tokens) else "" for i in ids]
+        return "".join(c for c in chars if len(c) == 1)
+
+    def save(self, directory: str | Path) -> None:
+        """Write an equivalent HF fast tokenizer, so transformers and vLLM load the directory offline."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+        from transformers import PreTrainedTokenizerFast
+
+        tok = Tokenizer(models.WordLevel(vocab=self.index, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one per character
+        tok.decoder = decoders.Fuse()
+        bos = [("<bos>", BOS_ID)]
+        tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=bos)
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                       pad_token="<pad>", unk_token="<unk>")
+        fast.save_pretrained(str(directory))
+
+
+def build_tiny_model(vocab_size: int = 128, hidden: int = 128, layers: int = 4, heads: int = 4,
+                     intermediate: int = 384, max_positions: int = 64, seed: int = 0):
+    """An untied Llama, head size 32 (vLLM CPU attention needs 32/64/...), ~0.9 M parameters.
+
+    Untied embeddings because vLLM's CPU build keeps a pre-packed copy of a tied output head across
+    in-place weight syncs: after a sync the head would still compute with the old weights.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=heads, head_dim=hidden // heads,
+                         max_position_embeddings=max_positions, tie_word_embeddings=False,
+                         rms_norm_eps=1e-5, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                         pad_token_id=PAD_ID, torch_dtype="float32")
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).float()
+
+
+MOE_BASE = "runs/base-moe"  # where `pretrain --moe` and the moe preset keep the tiny MoE model
+MOE_AUX_LOSS = 0.01  # pre-training's load-balancing loss coefficient (router_aux_loss_coef)
+
+
+def build_tiny_moe_model(vocab_size: int = 128, hidden: int = 128, layers: int = 4, heads: int = 4,
+                         experts: int = 8, top_k: int = 2, expert_intermediate: int = 96,
+                         max_positions: int = 64, seed: int = 0):
+    """A Qwen3-MoE (the family of Qwen3-30B-A3B): each layer's router picks top_k of `experts` experts
+    per token, weights renormalised over them; ~1.5 M parameters, untied embeddings."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=hidden,
+                            intermediate_size=expert_intermediate, num_hidden_layers=layers,
+                            num_attention_heads=heads, num_key_value_heads=heads,
+                            head_dim=hidden // heads, max_position_embeddings=max_positions,
+                            rms_norm_eps=1e-5, num_experts=experts, num_experts_per_tok=top_k,
+                            moe_intermediate_size=expert_intermediate, norm_topk_prob=True,
+                            decoder_sparse_step=1, router_aux_loss_coef=MOE_AUX_LOSS,
+                            tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                            pad_token_id=PAD_ID)
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(config).float()
+
+
+def _warmup_cosine(steps: int):
+    """The learning-rate factor at step s: 50 steps of linear warm-up, then cosine down to 0.1."""
+    def factor(s: int) -> float:
+        """min(1, (s + 1) / 50) x (0.1 + 0.9 x half a cosine)."""
+        return min(1.0, (s + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    return factor
+
+
+def _eval_accuracy(model, tokenizer, digits: int, ops: str, n: int = 512) -> float:
+    """Greedy exact match on n held-out problems; room for the longest answer (a product, a swap), <eos>."""
+    problems = make_arithmetic_task(n, digits, 0, ops, split="eval")
+    return tr.greedy_accuracy(model, tokenizer, problems, max(6, 2 * digits + 1))
+
+
+def pretrain(cfg: tr.PretrainConfig) -> dict:
+    """Supervised training of the tiny model on "prompt answer<eos>" (loss on the answer), saved to cfg.out."""
+    from tqdm.auto import tqdm
+
+    tokenizer = CharTokenizer()
+    build = build_tiny_moe_model if cfg.moe else build_tiny_model
+    model = build(vocab_size=tokenizer.vocab_size, seed=cfg.seed, max_positions=cfg.max_positions)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(cfg.steps))
+    mixed = tuple(int(d) for d in cfg.mixed_digits.split(",") if d)  # several answer lengths, one model
+    n = cfg.steps * cfg.batch
+    problems = mixed_arithmetic_task(n, mixed or (cfg.digits,), cfg.seed, cfg.ops, "pretrain")
+    router_logits = {"output_router_logits": True} if cfg.moe else {}  # MoE: + the balancing loss
+    t0 = time.time()
+    for step in tqdm(range(cfg.steps), desc="pretrain", mininterval=2):
+        batch = problems[step * cfg.batch : (step + 1) * cfg.batch]
+        seqs = [(tokenizer.encode(p), tokenizer.encode(a, bos=False) + [EOS_ID]) for p, a in batch]
+        L = max(len(p) + len(a) for p, a in seqs)
+        ids = torch.tensor([p + a + [PAD_ID] * (L - len(p) - len(a)) for p, a in seqs])  # (B, L)
+        labels = torch.tensor([[-100] * len(p) + a + [-100] * (L - len(p) - len(a)) for p, a in seqs])
+        loss = model(input_ids=ids, labels=labels, **router_logits).loss  # on the answer only
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+    model.eval()
+    acc = _eval_accuracy(model, tokenizer, cfg.digits, cfg.ops)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save(out)
+    params = sum(p.numel() for p in model.parameters())
+    info = {"greedy_accuracy_eval": acc, "seconds": time.time() - t0, "steps": cfg.steps,
+            "digits": cfg.digits, "ops": cfg.ops, "params": params}
+    if mixed:  # held-out greedy exact match of each length (256 problems each)
+        info["mixed_digits"] = {d: tr.greedy_accuracy(model, tokenizer,
+                                                       make_arithmetic_task(256, d, 0, cfg.ops, split="eval"),
+                                                       2 * d + 1)
+                                for d in mixed}
+    if cfg.moe:
+        held_out = make_arithmetic_task(256, cfg.digits, 0, cfg.ops, split="eval")
+        info["expert_usage"] = expert_usage(model, tokenizer, held_out)
+    (out / "pretrain.json").write_text(json.dumps(info, indent=1))
+    return info
+
+
+@torch.no_grad()
+def expert_usage(model, tokenizer, problems) -> list[list[float]]:
+    """Share of the routed (token, slot) pairs each expert gets, per MoE layer, over the problems' prompt +
+    answer tokens (a balanced router: 1 / experts each). -> [layers][experts]."""
+    seqs = [tokenizer.encode(p + a) for p, a in problems]
+    ids, mask = tr.left_pad(seqs, tokenizer.pad_id, next(model.parameters()).device)
+    with tr.replay_routes(model) as log:
+        model(input_ids=ids, attention_mask=mask.long(), position_ids=tr._positions(mask))
+    routes = tr.stack_routes(log, ids.shape[0])[mask.cpu()].long()  # (N, L, k) real tokens only
+    experts = tr.moe_routers(model)[0].num_experts
+    moe_layers = [layer for layer in range(routes.shape[1]) if routes[0, layer, 0] >= 0]
+    counts = [torch.bincount(routes[:, layer].flatten(), minlength=experts) for layer in moe_layers]
+    return [[round(float(c / row.sum()), 4) for c in row] for row in counts]
+
+
+def ensure_base_model(path: str | Path = "runs/base", **change) -> Path:
+    """Pre-train the tiny model (PretrainConfig with `change`) into `path` unless a model is there."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        print(f"[tim_rl] no model at {path}: pre-training the embedded tiny model (~20 s)",
+              file=sys.stderr)
+        pretrain(tr.PretrainConfig(out=str(path), **change))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ---- vLLM's CPU build ----
+
+
+def _vllm_environment() -> int:
+    """Settings vLLM must see before it is imported; returns torch's thread count (to restore after)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: tensors can be passed
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU build only
+    threads = torch.get_num_threads()
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # else vLLM drops torch to one thread
+    return threads
+
+
+def _vllm_on_cpu() -> bool:
+    """True on vLLM's CPU build (vllm-cpu), False on the GPU build."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _repack_cpu_experts(worker) -> int:
+    """Runs on vLLM 0.32's CPU worker after a reload: re-packs the experts for the CPU kernel.
+
+    A weight update copies the new experts into storage already packed and skips the repack (cpu_moe's
+    process_weights_after_loading runs on the first load only: |Δlogp| 4.4 after one sync). Returns the
+    MoE layers repacked (0 for a dense model). Reaches into vLLM's internals: vllm-cpu is pinned to 0.32.
+    """
+    layers = [m for m in worker.model_runner.model.modules()
+              if getattr(getattr(m, "quant_method", None), "moe_kernel", None) is not None]
+    for layer in layers:
+        layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+    return len(layers)
+
+
+def add_expert_parallel_group() -> None:
+    """vLLM 0.32 makes the expert-parallel group only for a process's first engine: add it after a dense one."""
+    from vllm.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized() and ps._EP is None:
+        world = ps.get_world_group()
+        backend = torch.distributed.get_backend(world.device_group)
+        ranks = [list(range(world.world_size))]
+        ps._EP = ps.init_model_parallel_group(ranks, world.local_rank, backend, group_name="ep")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ---- checkpoints ----
+
+
+def _trainer_modules(trainer: tr.Trainer, extra: dict | None) -> dict:
+    """The modules whose parameters a checkpoint holds, by prefix (None: absent)."""
+    return {"model": trainer.model, "master_at_export": trainer.master_at_export} | (extra or {})
+
+
+def trainer_state(trainer: tr.Trainer, extra: dict[str, torch.nn.Module] | None = None) -> tuple[dict, dict]:
+    """(tensors, metadata) that restore a Trainer bit for bit: master, served copy, EF residuals, master at
+    export, optimizer moments, and any extra modules (the COPC value head), prefixed by what they belong to."""
+    modules = _trainer_modules(trainer, extra)
+    tensors = {f"{m}.{n}": p.detach() for m, module in modules.items() if module is not None
+               for n, p in module.named_parameters()}
+    for part in ("served", "residual"):
+        tensors |= {f"{part}.{n}": v for n, v in getattr(trainer, part).items()}
+    opt = trainer.opt.state_dict()
+    for i, slots in opt["state"].items():
+        tensors |= {f"opt.{i}.{key}": torch.as_tensor(v) for key, v in slots.items()}
+    slot_names = {i: list(v) for i, v in opt["state"].items()}
+    return tensors, {"param_groups": opt["param_groups"], "opt_slots": slot_names}
+
+
+@torch.no_grad()
+def load_trainer_state(trainer: tr.Trainer, tensors: dict, meta: dict, extra: dict | None = None) -> None:
+    """Inverse of trainer_state (the behaviour copy is rebuilt from the served weights)."""
+    def part(name: str) -> dict:
+        """The tensors under prefix `name.`, the prefix dropped."""
+        return {n[len(name) + 1 :]: v for n, v in tensors.items() if n.startswith(name + ".")}
+
+    device = next(trainer.model.parameters()).device
+    trainer.residual = {n: v.to(device, copy=True) for n, v in part("residual").items()}
+    trainer.behaviour.load_state_dict(part("served"), strict=False)  # the served copy is the behaviour's
+    for name, module in _trainer_modules(trainer, extra).items():
+        if module is not None:
+            module.load_state_dict(part(name), strict=False)  # buffers (rotary tables) are not saved
+    state = {int(i): {key: tensors[f"opt.{i}.{key}"].clone() for key in keys}
+             for i, keys in meta["opt_slots"].items()}
+    trainer.opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def write_atomic(path: Path, text: str, write=None) -> None:
+    """Write text (or call write(temporary path)) to a temporary file next to `path`, fsync it, then
+    rename it over `path` (all or nothing)."""
+    tmp = path.with_name(path.name + ".tmp")
+    if write is None:
+        tmp.write_text(text)
+    else:
+        write(tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Atomic safetensors write (write_atomic): a crash leaves the previous checkpoint or the new one.
+
+    `meta` is stored as JSON in the safetensors header (no pickle anywhere).
+    """
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
+    header = {"json": json.dumps(meta)}
+    write_atomic(Path(path), "", lambda tmp: save_file(tensors, str(tmp), metadata=header))
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, meta) from save_checkpoint's file. safetensors only: loading never executes code."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        names = f.keys()  # a safe_open handle is not iterable
+        return {k: f.get_tensor(k) for k in names}, json.loads(f.metadata()["json"])

