@@ -2,7 +2,9 @@
 
 The compiled single-read GPU passes behind tim_rl.token_logprobs and Trainer.export, and the probes that decide
 once per GPU whether torch.compile works there. On a CPU none of this runs: tim_rl.py's eager paths are the
-reference, and every pass here is tested bitwise against them. tim_rl.py imports this module only where it is used.
+reference, and every pass here is tested bitwise against them. tim_rl.py imports this module only where it is used,
+and first of all when run as a script: this module's top sets OpenMP's wait policy for a shared machine
+(_openmp_for_a_shared_machine) before torch loads.
 """
 
 from __future__ import annotations

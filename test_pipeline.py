@@ -2201,6 +2201,49 @@ def test_the_reference_reads_in_order_math_first():
     assert "def _openmp_for_a_shared_machine" in inspect.getsource(machinery), "the OpenMP shim is machinery's"
 
 
+def test_token_logprobs_copies_in_at_most_80_code_lines():
+    """A user copying token_logprobs with every name its needs: lines reach (the CPU path: machinery.py's
+    compiled pass is imported only where it runs) copies at most 80 code lines (no blanks, comments or
+    docstrings), the memory-safe chunks and their hand-written backward included."""
+    import ast
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+
+    def needs(name):
+        obj = getattr(tr, name)
+        doc = (obj.__doc__ or "") if callable(obj) else ""
+        tail = doc.rpartition("needs:")[2].strip() if "needs:" in doc else "nothing"
+        return [] if tail == "nothing" else [n.strip() for n in tail.split(",")]
+
+    def code_lines(name):
+        obj = getattr(tr, name)
+        if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+            return 1  # a constant's one assignment
+        source = textwrap.dedent(inspect.getsource(obj))
+        docs = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and ast.get_docstring(node) is not None:
+                docs |= set(range(node.body[0].lineno, node.body[0].end_lineno + 1))
+        skip = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
+        code = set()
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type not in skip:
+                code |= set(range(tok.start[0], tok.end[0] + 1))
+        return len(code - docs)
+
+    copied, todo = [], ["token_logprobs"]
+    while todo:
+        name = todo.pop(0)
+        if name not in copied:
+            copied.append(name)
+            todo += needs(name)
+    assert {"chunked_token_logprobs", "_TokenLogprobs", "_check_tensor"} <= set(copied), "the count sees the path"
+    total = sum(code_lines(name) for name in copied)
+    assert total <= 80, {name: code_lines(name) for name in copied}
+
+
 def test_one_rl_step_is_its_phases_in_order_and_opens_at_most_15_functions_outside_the_math():
     """rl_step (<= 40 lines) calls its phases in reading order: sample, score, behaviour pass, update(s), sync,
     record. Following the step from run to Trainer.step opens at most 15 functions outside the math, fast-path and

@@ -227,8 +227,7 @@ def support_ids(keep: torch.Tensor, size: int | None = None) -> torch.Tensor:
     needs: nothing
     """
     S = size if size is not None else (max(int(keep.sum(-1).max()), 1) if keep.numel() else 1)
-    kept_first = torch.sort(keep.to(torch.uint8), dim=-1, descending=True, stable=True).indices
-    order = kept_first[..., :S]
+    order = torch.sort(keep.to(torch.uint8), dim=-1, descending=True, stable=True).indices[..., :S]
     return torch.where(keep.gather(-1, order), order, torch.full_like(order, -1))
 
 
@@ -353,12 +352,10 @@ def mismatch_ledger(logp, logp_old, logp_infer, mask, logp_master_old=None, log_
         parts["rounding"] = (logp_master_old, logp_old)
     if log_kept_mass is not None:
         parts["truncation"] = (logp_full, logp)
-    if routes is not None:
-        parts["routing"] = (logp_old, routes)
-    if routes is not None and gates is None:  # the trainer's own gates: router noise lands here
-        parts["gates_and_numerics"] = (routes, logp_infer)
+    if routes is not None and gates is None:  # the trainer's own gates: router noise lands there
+        parts |= {"routing": (logp_old, routes), "gates_and_numerics": (routes, logp_infer)}
     if gates is not None:
-        parts["gates"] = (routes, gates)
+        parts |= {"routing": (logp_old, routes), "gates": (routes, gates)}
         parts["numerics"] = (gates, logp_infer)
     ok = mask
     for a, b in parts.values():
@@ -1633,8 +1630,7 @@ def _lse_tail(lse: torch.Tensor, m: torch.Tensor, s: torch.Tensor) -> torch.Tens
 
 
 def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int):
-    """(log softmax(logits)[ids], (logsumexp, its tail)) by row chunks. (N, V), (N, K) -> (N, K),
-    (N, 2).
+    """(log softmax(logits)[ids], (lse, tail)) by row chunks. (N, V), (N, K) -> (N, K), (N, 2).
 
     One code path with and without a gradient, so the trainer's log-probs are bitwise the same
     either way. lse = z_m - log_softmax(z)_m at each row's largest logit m: exact to one rounding
@@ -1666,8 +1662,7 @@ def _default_chunk_rows(V: int, device: torch.device, fused: bool = False) -> in
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """log softmax(logits)[ids] by row chunks; the backward writes the (N, V) gradient chunk by
-    chunk.
+    """log softmax(logits)[ids] by row chunks; the backward fills the (N, V) gradient by chunks.
 
     d/dz_v = 1[v in ids] g - softmax(z)_v sum_k g_k. Saves (logits, ids, lse), no (N, V) tensor:
     autograd's own backward would allocate several. A -inf logit's id gets the same finite gradient
@@ -1698,8 +1693,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
 
 def chunked_token_logprobs(logits, ids, chunk_rows: int | None = None, fused: bool | None = None):
-    """token_logprobs on flat rows by chunks, each upcast on its own. (N, V), (N, K) -> (N, K)
-    float32.
+    """token_logprobs on flat rows by chunks, each upcast on its own. (N, V), (N, K) -> (N, K).
 
     Default chunk: CHUNK_BYTES of float32 (GPU_CHUNK_BYTES on CUDA). fused (default: on CUDA where
     torch.compile works) runs each chunk as one compiled pass that reads the logits once
