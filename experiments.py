@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import machinery
 import tim_rl as tr
-from tim_rl import torch  # the reference's torch: loaded after its OpenMP choice for a shared machine, in any order
+from tim_rl import torch  # loaded after machinery's OpenMP choice for a shared machine
 
 
 def measure_engines(model_dir: str | Path, engines: list[tuple[str, object]], n_prompts: int = 64, n: int = 4,

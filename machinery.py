@@ -5,7 +5,9 @@
   are the reference, and every pass here is tested bitwise against them.
 - The testbed: the arithmetic and word-problem tasks, the character tokenizer, the tiny Llama and Qwen3-MoE
   models and their pre-training.
-- vLLM CPU-build workarounds, and checkpoint / resume.
+- vLLM CPU-build workarounds, checkpoint / resume, the config rules, the doctor's file reader, TRL's adapter.
+- OpenMP's wait policy for a shared machine (_openmp_for_a_shared_machine), set at this module's top before
+  torch loads: `python tim_rl.py` imports this module first, experiments.py imports it before tim_rl.
 
 tim_rl.py imports this module only inside the functions that use it.
 """
@@ -25,6 +27,22 @@ import time
 import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
+
+
+def _openmp_for_a_shared_machine() -> None:
+    """OMP_WAIT_POLICY=PASSIVE (waiting threads sleep) when other tasks kept running over 3 looks 20 ms apart."""
+    looks = []
+    for _ in range(3):  # runnable tasks besides this one: /proc/loadavg's 4th field, "running/total"
+        looks.append(int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]) - 1)
+        time.sleep(0.02)
+    if min(looks) >= 1 and "OMP_WAIT_POLICY" not in os.environ:  # an explicit choice is kept
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
+# A command-line run sets it here, before torch loads OpenMP (which reads the policy once): `python tim_rl.py`
+# imports this module before its own torch, experiments.py imports it before tim_rl.
+if Path(sys.argv[0]).name in ("tim_rl.py", "experiments.py") and Path("/proc/loadavg").is_file():
+    _openmp_for_a_shared_machine()
 
 import torch
 
@@ -149,6 +167,52 @@ def _gpu_compiles(device: torch.device, probe) -> bool:
             print(f"[tim_rl] torch.compile failed on {device} ({type(e).__name__}): eager fallbacks", file=sys.stderr)
             _COMPILE_WORKS[key] = False
     return _COMPILE_WORKS[key]
+
+
+
+def _fused_chunks(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int):
+    """tim_rl._chunked_logprobs with each chunk one compiled pass. (N, V), (N, K) -> (N, K), (N, 2)."""
+    out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(logits.shape[0], 2, dtype=torch.float32, device=logits.device)
+    for start in range(0, logits.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        out[rows], lse[rows] = _fused_logprobs(logits[rows], ids[rows])
+    return out, lse
+
+
+class _FusedTokenLogprobs(torch.autograd.Function):
+    """tim_rl._TokenLogprobs with both directions by compiled passes, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, chunk_rows):  # (N, V), (N, K) -> (N, K) float32
+        """The fused chunks; saves (logits, ids, lse) for backward, no (N, V) tensor."""
+        out, lse = _fused_chunks(logits, ids, chunk_rows)
+        ctx.save_for_backward(logits, ids, lse)
+        ctx.chunk_rows = chunk_rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # (N, K)
+        """The (N, V) logits gradient, one compiled pass per chunk."""
+        logits, ids, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)  # (N, V), the only full-size tensor
+        for start in range(0, logits.shape[0], ctx.chunk_rows):
+            rows = slice(start, start + ctx.chunk_rows)
+            grad[rows] = _fused_logprobs_grad(logits[rows], ids[rows], lse[rows], grad_out[rows].float())
+        return grad, None, None
+
+
+def fused_token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | None = None,
+                         probe: bool = False) -> torch.Tensor:
+    """tim_rl.chunked_token_logprobs with fused=True: chunks of FUSED_CHUNK_ELEMENTS logits by default.
+
+    probe: only where torch.compile works on this GPU (_gpu_compiles), else tim_rl's eager chunks.
+    """
+    if probe and not _gpu_compiles(logits.device, _logprobs_probe):
+        return tr.chunked_token_logprobs(logits, ids, chunk_rows, fused=False)
+    if chunk_rows is None:
+        chunk_rows = tr._default_chunk_rows(logits.shape[-1], logits.device, fused=True)
+    return _FusedTokenLogprobs.apply(logits, ids, chunk_rows)  # without a graph to record: the forward alone
 
 
 

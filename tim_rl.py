@@ -1,14 +1,15 @@
 """tim_rl: LLM reinforcement learning under training-inference mismatch (TIM), in one readable file.
 
-In RL for language models the tokens are sampled by an inference engine (vLLM, SGLang, a bf16 or quantised copy of
-the weights, a copy that is some steps old) while the gradient is computed by a training engine (fp32 master
-weights in torch). The two assign different probabilities to the same tokens. That gap biases the policy gradient,
-and the bias compounds because every weight sync copies the biased trainer back into the sampler. This module
-measures the gap, splits it into its sources, and implements every published correction as a short pure function
-of tensors that you can copy into your own trainer. Around the math: a torch and a vLLM sampler, an fp32 trainer with
-atomic checkpoints, the RL loop and an adapter that runs the weight corrections inside TRL's GRPOTrainer. The lab
-(experiments.py: `compare --preset`, one paper claim per preset on paired seeds, and `bench`) imports this module;
-this module never imports it.
+In RL for language models the tokens are sampled by an inference engine (vLLM, SGLang, a bf16 or
+quantised copy of the weights, a copy that is some steps old) while the gradient is computed by a
+training engine (fp32 master weights in torch). The two assign different probabilities to the same
+tokens. That gap biases the policy gradient, and the bias compounds because every weight sync
+copies the biased trainer back into the sampler. This module measures the gap, splits it into its
+sources, and implements every published correction as a short pure function of tensors that you
+can copy into your own trainer. Around the math: a torch and a vLLM sampler, an fp32 trainer with
+atomic checkpoints, the RL loop and an adapter that runs the weight corrections inside TRL's
+GRPOTrainer. The lab (experiments.py: `compare --preset`, one paper claim per preset on paired
+seeds, and `bench`) imports this module; this module never imports it.
 
 Shape letters
     B  sequences in the batch (prompts x samples per prompt)
@@ -17,40 +18,50 @@ Shape letters
     K  top-k token ids recorded by the sampler at each position (K = V allowed)
     V  vocabulary size
 
-Log-prob sources (every per-token tensor is (B, T) float32 over response tokens; `mask` (B, T) bool)
+Log-prob sources (each per-token tensor is (B, T) float32 over response tokens; `mask` (B, T) bool)
     logp        trainer, current weights, carries gradient
     logp_prox   trainer, proximal weights (before the first update on this rollout batch), detached
-    logp_old    trainer engine, behaviour weights (the ones the sampler held when it sampled), detached
+    logp_old    trainer engine, behaviour weights (those the sampler held when it sampled), detached
     logp_infer  recorded by the sampler while sampling, detached
     logp_topk / logp_topk_infer   (B, T, K) trainer / sampler log-probs at the sampler's top-k ids
 
     log(p / q) = (logp - logp_old)  +  (logp_old - logp_infer)
-                  policy lag             engine numerics (dtype, kernels, quantisation, export rounding)
+                  policy lag           engine numerics (dtype, kernels, quantisation, rounding)
 
 Simplifications (deliberate; each is said again where it matters)
-    1. Losses are token means over the whole batch, sum(x * mask) / max(sum(mask), 1) (the "token-mean" of DAPO).
-    2. The score-centering baseline uses the sampler's top-k head and models the tail as the trainer distribution
-       rescaled to the sampler's tail mass (Marek & Ryabinin, Appendix A); with K = V it is exact.
-    3. DLC, Fair Cast, the details of COPC and FP8 calibrated clipping are reconstructed from the papers'
-       abstracts plus related public work; their docstrings say so. No number of those papers is reproduced here.
-    4. Non-finite log-probs are never allowed to produce a NaN loss: each function documents whether such a token
-       gets weight 0 (dropped) or 1 (left uncorrected).
+    1. Losses are token means over the whole batch, sum(x * mask) / max(sum(mask), 1) (the
+       "token-mean" of DAPO).
+    2. The score-centering baseline uses the sampler's top-k head and models the tail as the
+       trainer distribution rescaled to the sampler's tail mass (Marek & Ryabinin, Appendix A);
+       with K = V it is exact.
+    3. DLC, Fair Cast, the details of COPC and FP8 calibrated clipping are reconstructed from the
+       papers' abstracts plus related public work; their docstrings say so. No number of those
+       papers is reproduced here.
+    4. Non-finite log-probs are never allowed to produce a NaN loss: each function documents
+       whether such a token gets weight 0 (dropped) or 1 (left uncorrected).
 
 References
-    [1] Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training" (token TIS).
+    [1] Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"
+        (token TIS).
     [2] Marek & Ryabinin, "Score Centering Stabilizes Off-policy RL", arXiv:2609.20807.
-    [3] Li, Zhou & Lan, "On the Origin and Evolution of Training-Inference Mismatch in LLM RL" (DLC; abstract only).
-    [4] Gao & Gao, "bf16 Rounding Silently Discards Most RL Policy Updates" (Fair Cast; abstract only).
-    [5] Hu et al., "COPC: Coupled Off-Policy Correction for Asynchronous LLM RL", arXiv:2610.09597 (abstract only).
+    [3] Li, Zhou & Lan, "On the Origin and Evolution of Training-Inference Mismatch in LLM RL"
+        (DLC; abstract only).
+    [4] Gao & Gao, "bf16 Rounding Silently Discards Most RL Policy Updates" (Fair Cast; abstract
+        only).
+    [5] Hu et al., "COPC: Coupled Off-Policy Correction for Asynchronous LLM RL",
+        arXiv:2610.09597 (abstract only).
     [6] Yu et al., "Rethinking Training-Inference Mismatch in LLM RL", arXiv:2609.32444 (CIS).
-    [7] Chen et al., "Towards Full Pipeline FP8 RL", arXiv:2609.22870 (calibrated clipping; details reconstructed).
+    [7] Chen et al., "Towards Full Pipeline FP8 RL", arXiv:2609.22870 (calibrated clipping;
+        details reconstructed).
     [8] Qi et al., "Rethinking the Trust Region in LLM RL", arXiv:2602.04879 (DPPO).
     [9] Qi et al., "Defeating the Training-Inference Mismatch via FP16", arXiv:2510.26788.
-    [10] Hilton, Cobbe & Schulman 2021, "Batch size-invariance for policy optimization" (decoupled PPO); AReaL.
+    [10] Hilton, Cobbe & Schulman 2021, "Batch size-invariance for policy optimization"
+         (decoupled PPO); AReaL.
     [11] Team IcePop / MIS: masked importance sampling, weight rho * 1[lo <= rho <= hi].
-    [12] 2026 framework corrections: verl rollout_rs / rollout_is_batch_normalize; Li et al., "Trust Region Masking
-         for Long-Horizon LLM RL", arXiv:2512.23075; DeepSeek-V3.2's off-policy sequence masking (TRL, slime);
-         MiniMax-M1's CISPO, arXiv:2506.13585; prime-rl's k2 term toward the sampler.
+    [12] Framework corrections: verl rollout_rs / rollout_is_batch_normalize; Li et al., "Trust
+         Region Masking for Long-Horizon LLM RL", arXiv:2512.23075; DeepSeek-V3.2's off-policy
+         sequence masking (TRL, slime); MiniMax-M1's CISPO, arXiv:2506.13585; prime-rl's k2 term
+         toward the sampler.
 """
 
 from __future__ import annotations
@@ -62,7 +73,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -73,35 +83,26 @@ from fractions import Fraction
 from pathlib import Path
 from typing import NamedTuple
 
-
-def _openmp_for_a_shared_machine() -> None:
-    """OMP_WAIT_POLICY=PASSIVE (waiting threads sleep) when other tasks kept running over 3 looks 20 ms apart."""
-    looks = []
-    for _ in range(3):  # runnable tasks besides this one: /proc/loadavg's 4th field, "running/total"
-        looks.append(int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]) - 1)
-        time.sleep(0.02)
-    if min(looks) >= 1 and "OMP_WAIT_POLICY" not in os.environ:  # an explicit choice is kept
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-if Path(sys.argv[0]).name in ("tim_rl.py", "experiments.py") and Path("/proc/loadavg").is_file():  # CLI, pre-torch
-    _openmp_for_a_shared_machine()
+if __name__ == "__main__":  # a command-line run: machinery.py sets OpenMP's policy before torch
+    import machinery  # noqa: F401
 
 import torch
 
-# Log-ratios are clamped to +-LOG_RATIO_CLAMP before exp: exp(20) ~ 4.9e8 is far beyond any cap or band used
-# here, so the clamp never changes a kept weight, but it keeps exp() finite and its gradient bounded.
+# Log-ratios are clamped to +-LOG_RATIO_CLAMP before exp: exp(20) ~ 4.9e8 is far beyond any cap or
+# band used here, so the clamp never changes a kept weight, but keeps exp() and its gradient finite.
 LOG_RATIO_CLAMP = 20.0
-# Tail masses of the score-centering top-k estimator are floored here (Marek & Ryabinin, Appendix A).
+# Tail masses of the score-centering top-k estimator are floored here (Marek & Ryabinin, App. A).
 TAIL_FLOOR = 1e-6
 # Bits of an fp32 number that bf16 drops: the low 16 of the 32.
 BF16_DROPPED_BITS = 16
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ---- log-space helpers ----
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """sum(x * mask) / max(sum(mask), 1); values outside the mask (even nan) are ignored. (B, T) -> scalar.
+    """sum(x * mask) / max(sum(mask), 1); values off the mask (even nan) are ignored. (B, T) -> ().
 
     needs: nothing
     """
@@ -109,47 +110,47 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return total / mask.sum().clamp(min=1)
 
 
-def _finite_log_ratio(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Tensor):
-    """(log a/b clamped to +-LOG_RATIO_CLAMP with 0 where unusable, ok) where ok = mask & both finite. (B, T)."""
-    ok = mask & torch.isfinite(logp_a) & torch.isfinite(logp_b)
-    log_ratio = torch.where(ok, logp_a - logp_b, torch.zeros_like(logp_a))
-    return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), ok
+def _log_ratio(mask: torch.Tensor, **pair: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log a/b, ok) for pair = {name_a: a, name_b: b}, checked like _check_bt, detached. (B, T).
+
+    ok = mask & both finite. The log-ratio is 0 where not ok, else raw: a caller clamps it to
+    +-LOG_RATIO_CLAMP where it takes exp.
+
+    needs: _check_bt, _check_device, _check_mask, _check_tensor
+    """
+    _check_bt(mask, **pair)
+    a, b = (x.detach() for x in pair.values())
+    ok = mask & torch.isfinite(a) & torch.isfinite(b)
+    return torch.where(ok, a - b, torch.zeros_like(a)), ok
 
 
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | None = None,
-                   fused: bool | None = None) -> torch.Tensor:
-    """log softmax(logits)[ids] in float32, over row chunks. (..., V), (...) -> (...).
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows=None, fused=None):
+    """log_softmax(logits.float(), -1).gather(-1, ids) in float32. (..., V), (...) -> (...).
 
-    log p_v = z_v - logsumexp(z). `ids` may also carry a trailing K axis, (..., K) -> (..., K), for the sampler's
-    top-k ids (one logsumexp serves all K). Differentiable w.r.t. logits; finite gradients wherever a row has one
-    finite logit (-inf ids included), within 1e-6 relative L1 of autograd's log_softmax at any row offset
-    (finfo.min included; FAR_FROM_ZERO). Never materialises a second full-size float32 copy of the logits, a
-    strided slice such as logits[:, :-1] included (logprobs_by_blocks views its blocks): the computation is
-    chunked_token_logprobs' (fast paths: row chunks, a hand-written backward, one compiled pass per chunk on a GPU;
-    chunk_rows and fused are its knobs). On CUDA, repeated ids make the gradient's scatter_add order-dependent
-    (atomics): bitwise reproducible on CPU only.
+    log p_v = z_v - logsumexp(z). ids may carry a trailing K axis, (..., K) -> (..., K), for the
+    sampler's top-k ids. Differentiable w.r.t. logits, with finite gradients wherever a row has a
+    finite logit. Computed by row chunks (fast paths: chunked_token_logprobs, whose knobs are
+    chunk_rows and fused), so no second full-size float32 copy of the logits is ever made, not even
+    for a strided slice such as logits[:, :-1]. On CUDA, repeated ids make the gradient's
+    scatter_add order-dependent: bitwise reproducible on CPU only.
 
     needs: _check_tensor, _check_device, logprobs_by_blocks
     """
     _check_tensor("logits", logits)
     _check_tensor("ids", ids, floating=False)
+    _check_device("ids", ids, "logits", logits)
     if ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"ids must be an int64 or int32 tensor of token ids, got dtype {ids.dtype}")
-    ids = ids.long()
-    _check_device("ids", ids, "logits", logits)
-    lead = logits.shape[:-1]
+    lead, V = logits.shape[:-1], logits.shape[-1]
     if ids.shape != lead and (ids.dim() != logits.dim() or ids.shape[:-1] != lead):
-        raise ValueError(f"ids must have shape {tuple(lead)} or {tuple(lead)} + (K,), got {tuple(ids.shape)}")
-    V = logits.shape[-1]
-    N = math.prod(lead)
-    if N == 0:
-        return logits.new_zeros(ids.shape, dtype=torch.float32)
-    flat_ids = ids.reshape(N, -1)  # (N, 1) or (N, K)
-    if flat_ids.numel() and bool(((flat_ids < 0) | (flat_ids >= V)).any()):  # one host sync per call
+        raise ValueError(f"ids must have shape {tuple(lead)} or {tuple(lead)} + (K,), "
+                         f"got {tuple(ids.shape)}")
+    ids_k = ids.long()[..., None] if ids.shape == lead else ids.long()  # (..., K); one id: K = 1
+    if bool(((ids_k < 0) | (ids_k >= V)).any()):  # one host sync per call
         raise ValueError(f"ids must be token ids in [0, {V}) (the logits' last axis), got min "
-                         f"{int(flat_ids.min())}, max {int(flat_ids.max())}")
-    # log p(ids) = z[ids] - logsumexp(z), by row chunks (fast paths): never a second (N, V) float32 tensor
-    return logprobs_by_blocks(logits, flat_ids.view(*lead, -1), chunk_rows, fused).reshape(ids.shape)
+                         f"{int(ids_k.min())}, max {int(ids_k.max())}")
+    # the formula above by row chunks, log p(ids) = z[ids] - logsumexp(z): no second (N, V) copy
+    return logprobs_by_blocks(logits, ids_k, chunk_rows, fused).reshape(ids.shape)
 
 
 def log1mexp(logp: torch.Tensor) -> torch.Tensor:
@@ -158,38 +159,41 @@ def log1mexp(logp: torch.Tensor) -> torch.Tensor:
     needs: nothing
     """
     logp = logp.clamp(max=0.0)
-    return torch.where(logp > -math.log(2.0), torch.log(-torch.expm1(logp)), torch.log1p(-torch.exp(logp)))
+    near_zero = logp > -math.log(2.0)
+    return torch.where(near_zero, torch.log(-torch.expm1(logp)), torch.log1p(-torch.exp(logp)))
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ---- sampling transforms (top-p / top-k / min-p) ----
-# vLLM's processed log-probs are log(p_v / S) over the tokens that survive truncation, S their mass under the
-# untruncated p; a full-vocabulary trainer log-softmax gives log p_v. Their ratio is S at every position: a bias,
-# not a policy change (TRL issue #6789). The fix is to renormalise the trainer on the sampler's kept support.
+# vLLM's processed log-probs are log(p_v / S) over the tokens that survive truncation, S their mass
+# under the untruncated p; a full-vocabulary trainer log-softmax gives log p_v. Their ratio is S at
+# every position: a bias, not a policy change (TRL issue #6789). The fix is to renormalise the
+# trainer on the sampler's kept support.
 
 
-def truncation_mask(logits: torch.Tensor, top_p: float = 1.0, top_k: int = 0,
-                    min_p: float = 0.0) -> torch.Tensor:
-    """Tokens kept after min_p, then top_k, then top_p, on logits already divided by the temperature. (..., V) bool.
+def truncation_mask(logits: torch.Tensor, top_p=1.0, top_k=0, min_p=0.0) -> torch.Tensor:
+    """Tokens kept after min_p, top_k, then top_p, on logits already divided by the temperature.
 
-    vLLM 0.32's PyTorch path, step for step (MinPLogitsProcessor, apply_top_k_top_p_pytorch): min_p keeps
-    p_v >= min_p * max p; the min_p-masked logits are sorted ascending once; top_k keeps those >= the k-th largest
-    (ties kept); top_p drops a token when the mass of it and every smaller one is <= 1 - top_p (in float32, as
-    vLLM), the largest always kept; ties fall on the side the same sort puts them. -inf logits are never kept.
-    vLLM's GPU Triton kernel keeps exactly k tokens at a top-k tie and searches the top-p cut approximately.
+    vLLM 0.32's PyTorch path, step for step (MinPLogitsProcessor, apply_top_k_top_p_pytorch): min_p
+    keeps p_v >= min_p * max p; the min_p-masked logits are sorted ascending once; top_k keeps those
+    >= the k-th largest (ties kept); top_p drops a token when the mass of it and every smaller one
+    is <= 1 - top_p (in float32, as vLLM), the largest always kept; ties fall on the side the same
+    sort puts them. -inf logits are never kept. vLLM's GPU Triton kernel keeps exactly k tokens at a
+    top-k tie and searches the top-p cut approximately. (..., V) -> (..., V) bool.
 
     needs: _check_tensor, _check_truncation
     """
     _check_tensor("logits", logits)
     _check_truncation(top_p, top_k, min_p)
     x = logits.float()
+    V = x.shape[-1]
     if min_p > 0:
         probs = x.softmax(-1)
         x = x.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), -math.inf)
-    if 0 < top_k < x.shape[-1] or top_p < 1:
+    if 0 < top_k < V or top_p < 1:
         x_sorted, order = x.sort(dim=-1)  # ascending, as vLLM sorts
-        if 0 < top_k < x.shape[-1]:
-            kth = x_sorted[..., x.shape[-1] - top_k : x.shape[-1] - top_k + 1]  # the k-th largest
+        if 0 < top_k < V:
+            kth = x_sorted[..., V - top_k : V - top_k + 1]  # the k-th largest
             x_sorted = x_sorted.masked_fill(x_sorted < kth, -math.inf)
         if top_p < 1:
             drop = x_sorted.softmax(-1).cumsum(-1) <= 1 - torch.tensor(top_p, dtype=torch.float32)
@@ -210,25 +214,26 @@ def _check_truncation(top_p: float, top_k: int, min_p: float) -> None:
 
 
 def support_ids(keep: torch.Tensor, size: int | None = None) -> torch.Tensor:
-    """The kept ids of a (..., V) bool mask, padded with -1 to the largest kept count S. (..., V) -> (..., S) long.
+    """The kept ids of a bool mask, -1 padded to the largest kept count S. (..., V) -> (..., S).
 
-    Costs 8 S bytes per position instead of V for the mask: far less whenever truncation bites (S << V / 8).
-    size: S when the caller knows it (decode reads it in its one host sync per token); else counted here.
+    Costs 8 S bytes per position instead of V for the mask: far less whenever truncation bites
+    (S << V / 8). size: S when the caller knows it (decode reads it in its one host sync per
+    token); else counted here.
 
     needs: nothing
     """
     S = size if size is not None else (max(int(keep.sum(-1).max()), 1) if keep.numel() else 1)
-    # kept first
     order = torch.sort(keep.to(torch.uint8), dim=-1, descending=True, stable=True).indices[..., :S]
     return torch.where(keep.gather(-1, order), order, torch.full_like(order, -1))
 
 
-def renormalize_on_support(logp: torch.Tensor, logp_kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p~, log S): log p~ = log p - log S, S = sum_{v kept} p_v; the trainer's log-prob of the truncated policy.
+def renormalize_on_support(logp: torch.Tensor, logp_kept: torch.Tensor):
+    """(log p~, log S): log p~ = log p - log S, S = sum_{v kept} p_v: the truncated policy.
 
-    The sampler's processed log-prob is log q~ = log q - log S_q on the same support, so p~ / q~ has no truncation
-    bias (TRL PR #7269, NeMo-RL PR #2053). Gradient flows through both terms: it is the truncated policy's score.
-    The support must contain the sampled token. logp (B, T); logp_kept (B, T, S) with -inf on padding.
+    The sampler's processed log-prob is log q~ = log q - log S_q on the same support, so p~ / q~ has
+    no truncation bias (TRL PR #7269, NeMo-RL PR #2053). Gradient flows through both terms: it is
+    the truncated policy's score. The support must contain the sampled token. logp (B, T);
+    logp_kept (B, T, S) with -inf on padding.
 
     needs: _check_tensor, _check_device
     """
@@ -236,9 +241,9 @@ def renormalize_on_support(logp: torch.Tensor, logp_kept: torch.Tensor) -> tuple
     _check_tensor("logp_kept", logp_kept)
     _check_device("logp_kept", logp_kept, "logp", logp)
     if logp_kept.dim() != logp.dim() + 1 or logp_kept.shape[:-1] != logp.shape:
-        raise ValueError(f"logp_kept must have shape {tuple(logp.shape)} + (S,), got "
-                         f"{tuple(logp_kept.shape)}")
-    log_s = torch.logsumexp(logp_kept, dim=-1).clamp(max=0.0)  # (B, T); all -inf (no support) gives -inf
+        raise ValueError(f"logp_kept must have shape {tuple(logp.shape)} + (S,), "
+                         f"got {tuple(logp_kept.shape)}")
+    log_s = torch.logsumexp(logp_kept, dim=-1).clamp(max=0.0)  # (B, T); no support gives -inf
     return logp - log_s, log_s
 
 
@@ -249,154 +254,143 @@ def _pad_last(tensors: list[torch.Tensor], value: int) -> list[torch.Tensor]:
 
 
 def support_differs(kept_a: torch.Tensor, kept_b: torch.Tensor, mask: torch.Tensor) -> float:
-    """Share of masked positions whose two kept supports ((B, T, S) ids, -1 pads) are not the same set.
+    """Share of masked positions whose kept supports ((B, T, S) ids, -1 pads) differ as sets.
 
     Compares the sorted id lists (padded to one S): (B, T, S) work, no (B, T, V) mask.
 
     needs: _pad_last
     """
-    a, b = (kept.sort(-1).values for kept in _pad_last([kept_a, kept_b], -1))  # (B, T, S) each, one S
+    a, b = (kept.sort(-1).values for kept in _pad_last([kept_a, kept_b], -1))  # (B, T, S) each
     differs = (a != b).any(-1)  # (B, T)
     return float(differs[mask].float().mean()) if mask.any() else 0.0
 
 
 def merge_support(kept: torch.Tensor | None, rebuilt: torch.Tensor, mask: torch.Tensor):
-    """(kept ids, beyond): the sampler's kept support ((B, T, S) ids, -1 pads; None: none returned) with `rebuilt` at
-    the masked positions where it is empty, beyond (B, T) bool: a bounded request's K entries were all finite there.
+    """(kept ids, beyond): the sampler's kept support with `rebuilt` where it is empty. (B, T, S).
+
+    kept: (B, T, S) ids, -1 pads (None: the sampler returned none). beyond (B, T) bool: the masked
+    positions where it was empty, i.e. a bounded request's K entries were all finite there.
 
     needs: _pad_last
     """
     if kept is None:
         return rebuilt, torch.zeros_like(mask)
-    beyond = mask & (kept < 0).all(-1)  # (B, T): a sampled token is always kept, so an empty row is unknown
+    beyond = mask & (kept < 0).all(-1)  # (B, T): a sampled token is always kept
     if not beyond.any():
         return kept, beyond
     return torch.where(beyond[..., None], *_pad_last([rebuilt, kept], -1)), beyond
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ---- mismatch metrics ----
 
 
-def mismatch_metrics(logp_train: torch.Tensor, logp_infer: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """KL estimators and ratio statistics of r = p_train / q_infer over masked tokens sampled from q. (B, T) -> dict.
+def mismatch_metrics(logp_train, logp_infer, mask: torch.Tensor) -> dict[str, float]:
+    """KL estimators and ratio statistics of r = p_train / q_infer on masked tokens y ~ q. (B, T).
 
-    k1 = mean(-log r), k2 = mean((log r)^2 / 2), k3 = mean(r - 1 - log r) (all estimate KL(q || p) under y ~ q;
-    Schulman's estimators), chi2 = mean(r^2) - 1, ess = (sum r)^2 / (N sum r^2) in (0, 1], abs_diff = mean |log r|.
-    Non-finite log-probs inside the mask are left out and counted in frac_nonfinite. Computed in float64.
+    k1 = mean(-log r), k2 = mean((log r)^2 / 2), k3 = mean(r - 1 - log r) (Schulman's estimators of
+    KL(q || p) under y ~ q), chi2 = mean(r^2) - 1, ess = (sum r)^2 / (N sum r^2) in (0, 1],
+    abs_diff = mean |log r|. Non-finite log-probs inside the mask are left out and counted in
+    frac_nonfinite. Computed in float64.
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _log_ratio, LOG_RATIO_CLAMP
     """
-    _check_bt(mask, logp_train=logp_train, logp_infer=logp_infer)
-    log_ratio, ok = _finite_log_ratio(logp_train.detach(), logp_infer.detach(), mask)
+    log_ratio, ok = _log_ratio(mask, logp_train=logp_train, logp_infer=logp_infer)
     n_mask = int(mask.sum())
-    lr = log_ratio[ok].double()  # (N,)
+    lr = log_ratio[ok].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).double()  # (N,)
     n = lr.numel()
     out = {"n_tokens": float(n_mask), "frac_nonfinite": (n_mask - n) / max(n_mask, 1)}
     if n == 0:
-        zero = {k: 0.0 for k in ("k1", "k2", "k3", "abs_diff", "max_abs_diff", "chi2", "mean_log_ratio")}
-        return out | zero | {"ess": 1.0, "ratio_min": 1.0, "ratio_max": 1.0}
+        names = ("k1", "k2", "k3", "abs_diff", "max_abs_diff", "chi2", "mean_log_ratio")
+        return out | dict.fromkeys(names, 0.0) | {"ess": 1.0, "ratio_min": 1.0, "ratio_max": 1.0}
     r = lr.exp()
-    out |= {
-        "k1": float((-lr).mean()),
-        "k2": float((lr.square() / 2).mean()),
-        "k3": float((r - 1 - lr).mean()),
-        "abs_diff": float(lr.abs().mean()),
-        "max_abs_diff": float(lr.abs().max()),
-        "mean_log_ratio": float(lr.mean()),
-        "chi2": float(r.square().mean() - 1),
-        "ess": float(r.sum().square() / (n * r.square().sum())),
-        "ratio_min": float(r.min()),
-        "ratio_max": float(r.max()),
-    }
+    ess = r.sum().square() / (n * r.square().sum())
+    out |= {"k1": float((-lr).mean()), "k2": float((lr.square() / 2).mean()),
+            "k3": float((r - 1 - lr).mean()), "abs_diff": float(lr.abs().mean()),
+            "max_abs_diff": float(lr.abs().max()), "mean_log_ratio": float(lr.mean()),
+            "chi2": float(r.square().mean() - 1), "ess": float(ess),
+            "ratio_min": float(r.min()), "ratio_max": float(r.max())}
     return out
 
 
-def mismatch_ledger(
-    logp: torch.Tensor,
-    logp_old: torch.Tensor,
-    logp_infer: torch.Tensor,
-    mask: torch.Tensor,
-    logp_master_old: torch.Tensor | None = None,
-    log_kept_mass: torch.Tensor | None = None,
-    logp_old_sampler_routes: torch.Tensor | None = None,
-    logp_old_sampler_gates: torch.Tensor | None = None,
-) -> dict[str, float]:
-    """Split total = log p - log q into lag + numerics (+ rounding) (+ truncation) (+ routing); mean, mean |.| of each.
+def mismatch_ledger(logp, logp_old, logp_infer, mask, logp_master_old=None, log_kept_mass=None,
+                    logp_old_sampler_routes=None, logp_old_sampler_gates=None) -> dict[str, float]:
+    """total = log p - log q split into lag + numerics (+ rounding, truncation, routing, gates).
 
-    numerics = logp_old - logp_infer (same weights, different engines), and without logp_master_old
-    lag = logp - logp_old. With logp_master_old (trainer engine on the unrounded fp32 master the served copy was
-    exported from) the master-vs-served part is split off: rounding = logp_master_old - logp_old and
-    lag = logp - logp_master_old. With log_kept_mass (log S of the current trainer on the sampler's kept support,
-    renormalize_on_support) the trainer log-probs are the renormalised ones, total = logp + log S - logp_infer
-    and truncation = log S (under lag S is the current trainer's mass on the stale sampler's support, so it also
-    moves with the lag). With logp_old_sampler_routes (an MoE model: the trainer engine on the served weights with
-    the sampler's experts replayed, while logp_old has the experts logp has) routing = logp_old -
-    logp_old_sampler_routes and numerics = logp_old_sampler_routes - logp_infer (under R3 logp_old is that replay:
-    routing 0); with logp_old_sampler_gates (the sampler's gate weights replayed too) gates =
-    logp_old_sampler_routes - logp_old_sampler_gates and numerics = logp_old_sampler_gates - logp_infer; without it
-    that part is named gates_and_numerics (the trainer's gates are its own router's: router noise lands there).
-    lag + rounding + routing + gates + numerics + truncation == total token by token. (B, T) -> dict.
-    Tokens where any input is non-finite are left out of every part.
+    numerics = logp_old - logp_infer (same weights, two engines); lag = logp - logp_old.
+    logp_master_old (the trainer engine on the unrounded fp32 master the served copy was exported
+    from) splits off rounding = logp_master_old - logp_old, and lag = logp - logp_master_old.
+    log_kept_mass (log S of the current trainer on the sampler's kept support, from
+    renormalize_on_support) makes the trainer side the renormalised log-prob: total = logp + log S
+    - logp_infer and truncation = log S (under lag, S also moves with the lag).
+    logp_old_sampler_routes (an MoE model: the trainer engine on the served weights with the
+    sampler's experts replayed; logp_old has logp's experts) splits off routing = logp_old -
+    logp_old_sampler_routes (0 under R3, where logp_old is that replay); the rest is
+    gates_and_numerics, or with logp_old_sampler_gates (the sampler's gate weights replayed too)
+    gates = logp_old_sampler_routes - logp_old_sampler_gates and numerics = logp_old_sampler_gates
+    - logp_infer. The parts sum to total token by token. Tokens where an input is non-finite are
+    left out of every part. (B, T) -> {part_mean, part_abs (mean |.|)}.
 
     needs: _check_bt, _check_device, _check_mask, _check_tensor
     """
-    _check_bt(mask, logp=logp, logp_old=logp_old, logp_infer=logp_infer)
+    routes = logp_old_sampler_routes
+    gates = None if routes is None else logp_old_sampler_gates  # gates split the routes' part
+    given = {"logp_master_old": logp_master_old, "log_kept_mass": log_kept_mass,
+             "logp_old_sampler_routes": routes, "logp_old_sampler_gates": gates}
+    given = {name: x for name, x in given.items() if x is not None}
+    _check_bt(mask, logp=logp, logp_old=logp_old, logp_infer=logp_infer, **given)
     anchor = logp_old if logp_master_old is None else logp_master_old
     logp_full = logp if log_kept_mass is None else logp + log_kept_mass
-    parts = {"total": (logp_full, logp_infer), "lag": (logp, anchor), "numerics": (logp_old, logp_infer)}
-    ok = mask & torch.isfinite(logp_full) & torch.isfinite(logp_old) & torch.isfinite(logp_infer)
+    parts = {"total": (logp_full, logp_infer), "lag": (logp, anchor)}
+    if routes is None:
+        parts["numerics"] = (logp_old, logp_infer)
     if logp_master_old is not None:
-        _check_bt(mask, logp_master_old=logp_master_old)
         parts["rounding"] = (logp_master_old, logp_old)
-        ok = ok & torch.isfinite(logp_master_old)
     if log_kept_mass is not None:
-        _check_bt(mask, log_kept_mass=log_kept_mass)
         parts["truncation"] = (logp_full, logp)
-        ok = ok & torch.isfinite(logp)
-    if logp_old_sampler_routes is not None:
-        _check_bt(mask, logp_old_sampler_routes=logp_old_sampler_routes)
-        parts["routing"] = (logp_old, logp_old_sampler_routes)
-        del parts["numerics"]  # the trainer's own gates on the sampler's experts: gates and numerics
-        parts["gates_and_numerics"] = (logp_old_sampler_routes, logp_infer)
-        ok = ok & torch.isfinite(logp_old_sampler_routes)
-    if logp_old_sampler_routes is not None and logp_old_sampler_gates is not None:
-        _check_bt(mask, logp_old_sampler_gates=logp_old_sampler_gates)
-        parts["gates"] = (logp_old_sampler_routes, logp_old_sampler_gates)
-        del parts["gates_and_numerics"]
-        parts["numerics"] = (logp_old_sampler_gates, logp_infer)
-        ok = ok & torch.isfinite(logp_old_sampler_gates)
+    if routes is not None and gates is None:  # the trainer's own gates: router noise lands there
+        parts |= {"routing": (logp_old, routes), "gates_and_numerics": (routes, logp_infer)}
+    if gates is not None:
+        parts |= {"routing": (logp_old, routes), "gates": (routes, gates)}
+        parts["numerics"] = (gates, logp_infer)
+    ok = mask
+    for a, b in parts.values():
+        ok = ok & torch.isfinite(a) & torch.isfinite(b)
+    n = ok.sum().clamp(min=1)
     out = {}
     for name, (a, b) in parts.items():
-        diff = torch.where(ok, a.detach().double() - b.detach().double(), ok.new_zeros((), dtype=torch.float64))
-        out[f"{name}_mean"] = float(diff.sum() / ok.sum().clamp(min=1))
-        out[f"{name}_abs"] = float(diff.abs().sum() / ok.sum().clamp(min=1))
+        diff = torch.where(ok, a.detach().double() - b.detach().double(), 0.0)
+        out[f"{name}_mean"] = float(diff.sum() / n)
+        out[f"{name}_abs"] = float(diff.abs().sum() / n)
     return out
 
 
-def routing_flip_rate(routes_a: torch.Tensor, routes_b: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """Share of positions whose k experts (as a set) differ between two routings, per MoE layer ("layer0", ...) and
-    in any layer ("any"). routes (B, S, L, k) int, -1: no route (left out; -1 everywhere: a dense layer, skipped);
-    mask (B, S) bool, True where counted.
+def routing_flip_rate(routes_a, routes_b, mask: torch.Tensor) -> dict[str, float]:
+    """Share of positions whose k experts (as a set) differ between two routings, per MoE layer.
+
+    routes (B, S, L, k) int, -1: no route (left out; -1 everywhere: a dense layer, skipped); mask
+    (B, S) bool, True where counted. -> {"layer0": ..., one per MoE layer, "any": in any layer}.
 
     needs: _check_tensor
     """
     _check_tensor("routes_a", routes_a, floating=False)
     _check_tensor("routes_b", routes_b, floating=False)
     if routes_a.shape != routes_b.shape or routes_a.shape[:2] != mask.shape:
-        raise ValueError(f"routes_a {tuple(routes_a.shape)} and routes_b {tuple(routes_b.shape)} must have one shape "
-                         f"(B, S, L, k) with (B, S) = mask's {tuple(mask.shape)}")
-    layers = [n for n in range(routes_a.shape[2]) if (routes_a[:, :, n] >= 0).any() or (routes_b[:, :, n] >= 0).any()]
-    routes_a, routes_b = routes_a[:, :, layers], routes_b[:, :, layers]  # the MoE layers
+        raise ValueError(f"routes_a {tuple(routes_a.shape)} and routes_b {tuple(routes_b.shape)} "
+                         f"must have one shape (B, S, L, k), (B, S) = mask's {tuple(mask.shape)}")
+    routed_a, routed_b = (routes_a >= 0).any((0, 1, 3)), (routes_b >= 0).any((0, 1, 3))  # (L,)
+    layers = [n for n in range(routes_a.shape[2]) if routed_a[n] or routed_b[n]]  # the MoE layers
+    routes_a, routes_b = routes_a[:, :, layers], routes_b[:, :, layers]
     routed = mask & (routes_a >= 0).all(-1).all(-1) & (routes_b >= 0).all(-1).all(-1)  # (B, S)
-    flipped = (routes_a.sort(-1).values != routes_b.sort(-1).values).any(-1)[routed].double()  # (N, L) 0 / 1
+    differs = routes_a.sort(-1).values != routes_b.sort(-1).values  # (B, S, L, k)
+    flipped = differs.any(-1)[routed].double()  # (N, L) 0 / 1
     n = max(flipped.shape[0], 1)
     per_layer = {f"layer{layer}": float(flipped[:, i].sum() / n) for i, layer in enumerate(layers)}
     return per_layer | {"any": float(flipped.amax(-1).sum() / n)}
 
 
 def log_odds_displacement(logp_train: torch.Tensor, logp_infer: torch.Tensor) -> torch.Tensor:
-    """eps = logit p - logit q, so that p / q = p + (1 - p) e^eps (Yu et al. [6], the CIS identity). Same shape.
+    """eps = logit p - logit q, so that p / q = p + (1 - p) e^eps (CIS identity, Yu et al. [6]).
 
     needs: _check_tensor, _check_device, log1mexp
     """
@@ -406,45 +400,62 @@ def log_odds_displacement(logp_train: torch.Tensor, logp_infer: torch.Tensor) ->
     return (logp_train - log1mexp(logp_train)) - (logp_infer - log1mexp(logp_infer))
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ---- the mismatch doctor ----
-# From the (B, T) tensors a trainer already logs, name why trainer and sampler disagree. d = logp_train - logp_infer
-# on the usable tokens; each signature is a small function of d. The thresholds were tuned on the lab's seeds 0-1
-# and checked on seeds 2-4 (experiments.py doctor-eval; RESULTS.md has its confusion table and detection floors).
+# From the (B, T) tensors a trainer already logs, name why trainer and sampler disagree.
+# d = logp_train - logp_infer on the usable tokens; each signature is a small function of d. The
+# thresholds were tuned on the lab's seeds 0-1 and checked on seeds 2-4 (experiments.py
+# doctor-eval; RESULTS.md has its confusion table and detection floors).
 
-DOCTOR_CAUSES = ("clean", "numerics", "truncation", "temperature", "misaligned", "padding", "lag", "outliers",
-                 "routing")
+DOCTOR_CAUSES = ("clean", "numerics", "truncation", "temperature", "misaligned", "padding", "lag",
+                 "outliers", "routing")
 DOCTOR_ADVICE = {
     "clean": "nothing to correct: the gap is at fp32 kernel level",
-    "numerics": "engine numerics (dtype, kernels, quantised weights): a token-level correction (tis / mis / icepop); "
-                "a bf16 engine's share shrinks with an fp16 sampler (FP16 paper), a quantised one's does not",
-    "truncation": "top-p / top-k renormalised by the sampler only: renormalize_on_support, or raw sampler log-probs",
-    "temperature": "the sampling temperature is applied on one side only: divide the trainer's logits by it too",
-    "misaligned": "log-probs are shifted by one position: check the logits[:, :-1] / labels[:, 1:] slicing",
-    "padding": "the gap sits at the mask's edge: the mask is off by one (prompt token or pad counted)",
-    "lag": "the policy moved since sampling: sync more often, or a lag-aware correction (ppo ratio, dppo, mis)",
-    "outliers": "a few sequences carry the gap (another checkpoint, a stale request?): seq_mask / seq_tis",
+    "numerics": "engine numerics (dtype, kernels, quantised weights): a token-level correction "
+                "(tis / mis / icepop); a bf16 engine's share shrinks with an fp16 sampler (FP16 "
+                "paper), a quantised one's does not",
+    "truncation": "top-p / top-k renormalised by the sampler only: renormalize_on_support, or raw "
+                  "sampler log-probs",
+    "temperature": "the sampling temperature is applied on one side only: divide the trainer's "
+                   "logits by it too",
+    "misaligned": "log-probs are shifted by one position: check the logits[:, :-1] / labels[:, 1:] "
+                  "slicing",
+    "padding": "the gap sits at the mask's edge: the mask is off by one (prompt token or pad "
+               "counted)",
+    "lag": "the policy moved since sampling: sync more often, or a lag-aware correction (ppo "
+           "ratio, dppo, mis)",
+    "outliers": "a few sequences carry the gap (another checkpoint, a stale request?): seq_mask / "
+                "seq_tis",
     "routing": "MoE experts flip where the gap is largest: routing replay (r3) or fp32 routers",
 }
+# What the doctor's numbers are called on a dashboard where one equals them (TRL GRPOTrainer)
+DOCTOR_METRIC_NAMES = {"mean |log p/q| per token": "TRL sampling/sampling_logp_difference/mean",
+                       "max |log p/q|": "TRL sampling/sampling_logp_difference/max"}
 
 
 class Diagnosis:
-    """diagnose_mismatch's answer (a plain class: it copies with torch and math alone). evidence: one dict per
-    signature (name, measures, statistic, threshold, verdict: present | absent | cannot tell without <input>)."""
+    """diagnose_mismatch's answer (a plain class: it copies with torch and math alone).
+
+    evidence: one dict per signature (name, measures, statistic, threshold, verdict: present |
+    absent | cannot tell without <input>).
+    """
 
     def __init__(self, cause: str, also_possible: list, evidence: list, advice: str, numbers: dict):
         self.cause = cause  # the most likely cause, one of DOCTOR_CAUSES
-        self.also_possible = also_possible  # the causes it cannot rule out: present, or untestable with these inputs
+        self.also_possible = also_possible  # not ruled out: present, or untestable here
         self.evidence, self.advice = evidence, advice
-        self.numbers = numbers  # mean / max |d| per token, quantiles of sum_t log p/q per sequence, shares beyond caps
+        self.numbers = numbers  # |d| per token, quantiles of sum_t log p/q per sequence, shares
 
     def __str__(self) -> str:
         maybe = ", ".join(self.also_possible)
-        out = [f"cause: {self.cause}" + (f"   (also possible: {maybe})" if maybe else ""), f"advice: {self.advice}"]
-        out += ["", f"  {'signature':<12} {'statistic':<54} {'value':>10}  {'threshold':>9}  verdict"]
+        out = [f"cause: {self.cause}" + (f"   (also possible: {maybe})" if maybe else "")]
+        out += [f"advice: {self.advice}", ""]
+        out.append(f"  {'signature':<12} {'statistic':<54} {'value':>10}  {'threshold':>9}"
+                   "  verdict")
         for s in self.evidence:
             value = "-" if math.isnan(s["statistic"]) else f"{s['statistic']:.4g}"
-            out.append(f"  {s['name']:<12} {s['measures']:<54} {value:>10}  {s['threshold']:>9.3g}  {s['verdict']}")
+            row = f"  {s['name']:<12} {s['measures']:<54} {value:>10}  {s['threshold']:>9.3g}"
+            out.append(f"{row}  {s['verdict']}")
         out += ["", f"  {'number':<44} {'value':>10}  what your dashboard calls it"]
         for key, value in self.numbers.items():
             out.append(f"  {key:<44} {value:>10.4g}  {DOCTOR_METRIC_NAMES.get(key, '')}")
@@ -453,72 +464,96 @@ class Diagnosis:
     __repr__ = __str__
 
 
-def _signature(name: str, measures: str, statistic: float, threshold: float, verdict: str = "") -> dict:
-    """One signature: verdict present iff statistic > threshold (nan: absent), unless a verdict is given."""
+def _signature(name: str, measures: str, statistic: float, threshold: float, verdict="") -> dict:
+    """One signature: present iff statistic > threshold (nan: absent), unless a verdict is given."""
     verdict = verdict or ("present" if statistic > threshold else "absent")
-    return {"name": name, "measures": measures, "statistic": statistic, "threshold": threshold, "verdict": verdict}
+    return {"name": name, "measures": measures, "statistic": statistic, "threshold": threshold,
+            "verdict": verdict}
 
 
 def _numerics_signature(d, ok) -> dict:
-    """Engine numerics are symmetric (rounding moves log q both ways) and grow with entropy: 2 mean(max(d, 0))
-    estimates mean |d| from the upward side alone, which one-sided causes (renormalised truncation) leave at 0."""
-    return _signature("numerics", "2 mean(max(d, 0)), d = log p - log q", float(2 * d[ok].clamp(min=0).mean()), 5e-4)
+    """Engine numerics are symmetric (rounding moves log q both ways) and grow with entropy.
+
+    2 mean(max(d, 0)) estimates mean |d| from the upward side alone, which one-sided causes
+    (renormalised truncation) leave at 0.
+    """
+    upward = float(2 * d[ok].clamp(min=0).mean())
+    return _signature("numerics", "2 mean(max(d, 0)), d = log p - log q", upward, 5e-4)
 
 
 def _truncation_signature(d, ok, logp_train_topk=None) -> dict:
-    """A sampler renormalised on its top-p / top-k support records q = p / S on the kept tokens, so p / q = S <= 1 on
-    every token and mean(p / q) = the kept mass; every other cause keeps E_q[p / q] = 1 (an importance weight). With
-    the trainer's top-K log-probs (B, T, K), exactly: the share of tokens with p / q < 1 whose p / q is the trainer's
-    mass on a prefix of its sorted top-K (top-k and top-p keep such a prefix; engines of one numerics)."""
+    """A sampler renormalised on its top-p / top-k support records q = p / S on the kept tokens.
+
+    Then p / q = S <= 1 on every token and mean(p / q) = the kept mass; every other cause keeps
+    E_q[p / q] = 1 (an importance weight). With the trainer's top-K log-probs (B, T, K), exactly:
+    the share of tokens with p / q < 1 whose p / q is the trainer's mass on a prefix of its sorted
+    top-K (top-k and top-p keep such a prefix; engines of one numerics).
+    """
     if logp_train_topk is not None:
-        log_s = logp_train_topk.detach().float().sort(-1, descending=True).values.logcumsumexp(-1)  # (B, T, K)
+        top = logp_train_topk.detach().float().sort(-1, descending=True).values  # (B, T, K)
+        log_s = top.logcumsumexp(-1)  # the mass of each prefix
         below = ok & (d < -1e-3)
-        hit = below & ((log_s - d[..., None]).abs().amin(-1) < 2e-4)  # fp32 rounding of log S: ~1e-6
-        return _signature("truncation", "share of p/q < 1 equal to a top-K prefix mass",
-                          float(hit.sum() / below.sum().clamp(min=1)), 0.5)
+        hit = below & ((log_s - d[..., None]).abs().amin(-1) < 2e-4)  # log S rounds to ~1e-6
+        share = float(hit.sum() / below.sum().clamp(min=1))
+        return _signature("truncation", "share of p/q < 1 equal to a top-K prefix mass", share, 0.5)
     r = d[ok].exp()
     gap = 1 - float(r.mean())
     se = float(r.std() / math.sqrt(max(r.numel(), 1)))
-    return _signature("truncation", f"1 - mean(p/q) - 4 standard errors ({se:.2g})", gap - 4 * se, 0.005)
+    measures = f"1 - mean(p/q) - 4 standard errors ({se:.2g})"
+    return _signature("truncation", measures, gap - 4 * se, 0.005)
 
 
 def _temperature_signature(logp_train, logp_infer, ok) -> dict:
-    """An unapplied temperature tau makes log q = log p / tau + c (c per position): the least-squares slope of
-    log q on log p is 1 / tau instead of 1."""
+    """An unapplied temperature tau makes log q = log p / tau + c (c per position).
+
+    The least-squares slope of log q on log p is then 1 / tau instead of 1.
+    """
     p, q = logp_train[ok].double(), logp_infer[ok].double()
-    slope = float(((p - p.mean()) * (q - q.mean())).sum() / (p - p.mean()).square().sum().clamp(min=1e-12))
+    covariance = ((p - p.mean()) * (q - q.mean())).sum()
+    slope = float(covariance / (p - p.mean()).square().sum().clamp(min=1e-12))
     return _signature("temperature", "|slope of log q on log p - 1|", abs(slope - 1), 0.02)
 
 
 def _misaligned_signature(logp_train, logp_infer, ok) -> dict:
-    """Log-probs shifted by one position fit log q[t] to log p[t +- 1] far better than to log p[t]: the share of
-    rows (with a gap > 0.05 per token) whose shifted fit is 4x better than the aligned one."""
+    """Log-probs shifted by one position fit log q[t] to log p[t +- 1] far better than to log p[t].
+
+    The statistic: the share of rows (with a gap > 0.05 per token) whose shifted fit is 4x better
+    than the aligned one.
+    """
     both = (ok[:, 1:] & ok[:, :-1]).float()  # (B, T - 1): pairs (t, t + 1) inside the mask
     p, q = logp_train.nan_to_num(0.0, 0.0, 0.0), logp_infer.nan_to_num(0.0, 0.0, 0.0)
+    pairs = (((q - p)[:, :-1], q[:, :-1] - p[:, 1:]), ((q - p)[:, 1:], q[:, 1:] - p[:, :-1]))
     fits = []
-    for aligned, shifted in (((q - p)[:, :-1], q[:, :-1] - p[:, 1:]), ((q - p)[:, 1:], q[:, 1:] - p[:, :-1])):
+    for aligned, shifted in pairs:
         gap, fit = (aligned.abs() * both).sum(1), (shifted.abs() * both).sum(1)  # (B,)
         fits.append((fit < gap / 4) & (gap > 0.05 * both.sum(1)))
-    share = float((fits[0] | fits[1]).float().sum() / (both.sum(1) > 0).float().sum().clamp(min=1))
+    rows = (both.sum(1) > 0).float().sum().clamp(min=1)
+    share = float((fits[0] | fits[1]).float().sum() / rows)
     return _signature("misaligned", "share of rows fitting log p[t +- 1] 4x better", share, 0.1)
 
 
 def _padding_signature(d, ok) -> dict:
-    """A mask off by one counts a prompt token or a pad, where the two sides hold unrelated numbers: the gap sits
-    at each row's first or last masked token, not inside."""
+    """A mask off by one counts a prompt token or a pad, where the two sides hold unrelated numbers.
+
+    The gap then sits at each row's first or last masked token, not inside.
+    """
     idx = torch.arange(ok.shape[1], device=ok.device).expand_as(ok)
     first = idx == torch.where(ok, idx, ok.shape[1]).amin(1, keepdim=True)  # (B, T)
     last = idx == torch.where(ok, idx, -1).amax(1, keepdim=True)
     inner = d.abs()[ok & ~first & ~last].mean().nan_to_num(0.0) + 1e-3
     edge = max(float(d.abs()[ok & e].mean().nan_to_num(0.0)) for e in (first, last))
-    return _signature("padding", "edge mean |d| / (interior mean |d| + 1e-3)", edge / float(inner), 20.0)
+    measures = "edge mean |d| / (interior mean |d| + 1e-3)"
+    return _signature("padding", measures, edge / float(inner), 20.0)
 
 
 def _lag_signature(logp_infer, d, ok, advantages) -> dict:
-    """A trainer some steps ahead of its sampler moved toward positive-advantage tokens: at equal log q, d is larger
-    in rows with A > 0 than in rows with A < 0. GRPO's advantage is one number per sequence, so the row is the unit:
-    a Welch t over the rows' mean residual of d on (1, log q, the row's mean log q). Counting tokens would read any
-    per-row gap as lag; without the row's mean log q, a row's confidence (correct rows are surer) would."""
+    """A trainer some steps ahead of its sampler moved toward positive-advantage tokens.
+
+    So at equal log q, d is larger in rows with A > 0 than in rows with A < 0. GRPO's advantage is
+    one number per sequence, so the row is the unit: a Welch t over the rows' mean residual of d on
+    (1, log q, the row's mean log q). Counting tokens would read any per-row gap as lag; without the
+    row's mean log q, a row's confidence (correct rows are surer) would.
+    """
     measures = "t over rows of mean(d - fit on log q), A > 0 vs < 0"
     if advantages is None:
         return _signature("lag", measures, math.nan, 3.0, "cannot tell without advantages")
@@ -531,44 +566,51 @@ def _lag_signature(logp_infer, d, ok, advantages) -> dict:
     residual[ok] = d[ok].double() - fit[:, 0]
     row_residual = residual.sum(1) / tokens.clamp(min=1)  # (B,)
     row_adv = torch.where(ok, advantages.double(), 0.0).sum(1) / tokens.clamp(min=1)  # (B,)
-    up, down = row_residual[(tokens > 0) & (row_adv > 0)], row_residual[(tokens > 0) & (row_adv < 0)]
+    up = row_residual[(tokens > 0) & (row_adv > 0)]
+    down = row_residual[(tokens > 0) & (row_adv < 0)]
     if min(up.numel(), down.numel()) < 2:
-        return _signature("lag", measures, math.nan, 3.0, "cannot tell with fewer than 2 rows each side")
+        verdict = "cannot tell with fewer than 2 rows each side"
+        return _signature("lag", measures, math.nan, 3.0, verdict)
     spread = (up.var() / up.numel() + down.var() / down.numel()).sqrt().clamp(min=1e-12)
     return _signature("lag", measures, float((up.mean() - down.mean()) / spread), 3.0)
 
 
 def _outliers_signature(d, ok) -> dict:
-    """Sequences from another policy (a stale request, another checkpoint) concentrate |d| in a few rows: the share
-    of sum |d| carried by the worst 5 % of sequences."""
+    """Sequences from another policy (a stale request, another checkpoint) concentrate |d|.
+
+    The statistic: the share of sum |d| carried by the worst 5 % of sequences.
+    """
     rows = torch.where(ok, d.abs(), torch.zeros_like(d)).sum(1)  # (B,)
     worst = rows.topk(max(1, math.ceil(0.05 * rows.numel()))).values.sum()
-    return _signature("outliers", "share of sum |d| in the worst 5 % of sequences", float(worst / rows.sum()), 0.6)
+    measures = "share of sum |d| in the worst 5 % of sequences"
+    return _signature("outliers", measures, float(worst / rows.sum()), 0.6)
 
 
 def _routing_signature(d, ok, routes) -> dict:
-    """MoE experts that flip between the two sides make the largest gaps, at the flip and after it (attention reads
-    the flipped hidden states): mean |d| from a row's first flip on / mean |d| before it. Needs routes =
-    (routes_train, routes_infer), each (B, T, L, k) int: the experts of the forward position that predicts token t."""
+    """MoE experts that flip between the two sides make the largest gaps, at the flip and after.
+
+    (Attention reads the flipped hidden states.) The statistic: mean |d| from a row's first flip on
+    / mean |d| before it. routes = (routes_train, routes_infer), each (B, T, L, k) int: the experts
+    of the forward position that predicts token t.
+    """
+    measures = "mean |d| after a flip / before"
     if routes is None:
-        return _signature("routing", "mean |d| after a flip / before", math.nan, 3.0, "cannot tell without routes")
+        return _signature("routing", measures, math.nan, 3.0, "cannot tell without routes")
     if len(routes) != 2 or routes[0].shape != routes[1].shape or routes[0].shape[:2] != ok.shape:
-        raise ValueError(f"routes must be (routes_train, routes_infer), each (B, T, L, k), (B, T) = {tuple(ok.shape)}")
-    flipped = (routes[0].sort(-1).values != routes[1].sort(-1).values).any(-1).any(-1).cumsum(1) > 0  # (B, T)
+        raise ValueError("routes must be (routes_train, routes_infer), each (B, T, L, k), "
+                         f"(B, T) = {tuple(ok.shape)}")
+    differs = (routes[0].sort(-1).values != routes[1].sort(-1).values).any(-1).any(-1)  # (B, T)
+    flipped = differs.cumsum(1) > 0  # from the row's first flip on
     after, before = d.abs()[ok & flipped].mean(), d.abs()[ok & ~flipped].mean()
-    return _signature("routing", "mean |d| after a flip / before", float(after / before.clamp(min=1e-9)), 3.0)
-
-
-# What the doctor's numbers are called on a dashboard, where one equals them (TRL GRPOTrainer, one process)
-DOCTOR_METRIC_NAMES = {"mean |log p/q| per token": "TRL sampling/sampling_logp_difference/mean",
-                       "max |log p/q|": "TRL sampling/sampling_logp_difference/max"}
+    return _signature("routing", measures, float(after / before.clamp(min=1e-9)), 3.0)
 
 
 def _mismatch_numbers(d, ok) -> dict[str, float]:
-    """Mean / max |d| per token, the mean answer length T, percentiles of the per-sequence sum_t d, the shares of
-    tokens and sequences beyond the TIS cap 2 and outside the IcePop band [0.5, 2]."""
+    """Mean / max |d| per token, the mean answer length T, percentiles of per-sequence sum_t d, and
+    the shares of tokens and sequences beyond the TIS cap 2 and outside the IcePop band [0.5, 2]."""
     seq = torch.where(ok, d, torch.zeros_like(d)).sum(1)[ok.any(1)].double()  # (B',)
-    out = {"mean |log p/q| per token": float(d[ok].abs().mean()), "max |log p/q|": float(d[ok].abs().max()),
+    out = {"mean |log p/q| per token": float(d[ok].abs().mean()),
+           "max |log p/q|": float(d[ok].abs().max()),
            "T, mean answer length (tokens)": float(ok.sum(1)[ok.any(1)].double().mean())}
     for q in (0.0, 0.05, 0.5, 0.95, 1.0):
         out[f"per-sequence sum log p/q, {q:.0%} percentile"] = float(seq.quantile(q))
@@ -578,47 +620,54 @@ def _mismatch_numbers(d, ok) -> dict[str, float]:
     return out
 
 
-def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=None, logp_train_topk=None,
-                      topk_ids=None) -> Diagnosis:
-    """Why trainer (p) and sampler (q) disagree, from their per-token log-probs: every signature's statistic and
-    verdict, the first present one in DOCTOR_CAUSES' order of specificity as cause, the rest as also_possible.
+def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=None,
+                      logp_train_topk=None, topk_ids=None) -> Diagnosis:
+    """Why trainer (p) and sampler (q) disagree, from their per-token log-probs.
 
-    (B, T) float logp_train / logp_infer, (B, T) bool mask; advantages (B, T), (B, 1) or (B,) enables the lag
-    test, routes = (routes_train, routes_infer) (B, T, L, k) int the routing test, logp_train_topk (B, T, K) (the
-    trainer at the sampler's top-K ids topk_ids, which are only shape-checked) the exact truncation test.
-    Reconstruction: the rules are this project's, tuned on its own engines (experiments.py doctor-eval).
+    Every signature's statistic and verdict; the first present one in DOCTOR_CAUSES' order of
+    specificity is the cause, the rest also_possible. (B, T) float logp_train / logp_infer, (B, T)
+    bool mask; advantages (B, T), (B, 1) or (B,) enables the lag test; routes = (routes_train,
+    routes_infer), (B, T, L, k) int, the routing test; logp_train_topk (B, T, K) (the trainer at
+    the sampler's top-K ids topk_ids, only shape-checked) the exact truncation test.
+    Reconstruction: the rules are this project's, tuned on its own engines (experiments.py
+    doctor-eval).
 
-    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP,
-    Diagnosis, DOCTOR_ADVICE, _signature, _padding_signature, _misaligned_signature, _routing_signature,
-    _lag_signature, _outliers_signature, _truncation_signature, _temperature_signature, _numerics_signature,
-    _mismatch_numbers, DOCTOR_METRIC_NAMES
+    needs: _check_adv, _log_ratio, LOG_RATIO_CLAMP, Diagnosis, DOCTOR_ADVICE, _signature,
+    _padding_signature, _misaligned_signature, _routing_signature, _lag_signature,
+    _outliers_signature, _truncation_signature, _temperature_signature, _numerics_signature,
+    _mismatch_numbers, DOCTOR_METRIC_NAMES, _check_bt, _check_device, _check_mask, _check_tensor
     """
     _check_bt(mask, logp_train=logp_train, logp_infer=logp_infer)
     logp_train, logp_infer = logp_train.detach().float(), logp_infer.detach().float()
-    d, ok = _finite_log_ratio(logp_train, logp_infer, mask)
+    d, ok = _log_ratio(mask, logp_train=logp_train, logp_infer=logp_infer)
+    d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if not ok.any():
         raise ValueError("mask: no finite token to diagnose")
     adv = None if advantages is None else _check_adv(advantages, mask)
-    if logp_train_topk is not None and (logp_train_topk.shape[:2] != mask.shape or topk_ids is not None
-                                        and topk_ids.shape != logp_train_topk.shape):
-        raise ValueError(f"logp_train_topk / topk_ids must be (B, T, K) with (B, T) = {tuple(mask.shape)}")
+    topk = logp_train_topk
+    if topk is not None and (topk.shape[:2] != mask.shape or topk_ids is not None
+                             and topk_ids.shape != topk.shape):
+        raise ValueError("logp_train_topk / topk_ids must be (B, T, K) with (B, T) = "
+                         f"{tuple(mask.shape)}")
     evidence = [_padding_signature(d, ok), _misaligned_signature(logp_train, logp_infer, ok),
-                _routing_signature(d, ok, routes), _lag_signature(logp_infer, d, ok, adv), _outliers_signature(d, ok),
-                _truncation_signature(d, ok, logp_train_topk), _temperature_signature(logp_train, logp_infer, ok),
-                _numerics_signature(d, ok)]
+                _routing_signature(d, ok, routes), _lag_signature(logp_infer, d, ok, adv),
+                _outliers_signature(d, ok), _truncation_signature(d, ok, logp_train_topk),
+                _temperature_signature(logp_train, logp_infer, ok), _numerics_signature(d, ok)]
     clean = float(d[ok].abs().mean()) < 1e-4  # below every real engine seen (fp16: ~1e-3)
     present = [] if clean else [s["name"] for s in evidence if s["verdict"] == "present"]
-    cause = present[0] if present else ("clean" if clean else "numerics")  # numerics: a gap no signature explains
-    untested = [s["name"] for s in evidence if s["verdict"].startswith("cannot")] if cause != "clean" else []
-    advice = "; ".join(DOCTOR_ADVICE[c] for c in [cause, *present[1:]])  # every cause present gets its advice
-    also = present[1:] + [f"{name} (not tested)" for name in untested]
+    explained = present[0] if present else "numerics"  # numerics: a gap no signature explains
+    cause = "clean" if clean else explained
+    untested = [s["name"] for s in evidence if s["verdict"].startswith("cannot")]
+    advice = "; ".join(DOCTOR_ADVICE[c] for c in [cause, *present[1:]])  # every cause present
+    also = present[1:] + ([] if clean else [f"{name} (not tested)" for name in untested])
     return Diagnosis(cause, also, evidence, advice, _mismatch_numbers(d, ok))
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ---- weight export (fp32 master -> bf16 served copy) ----
-# Fair Cast [4] (reconstructed from the abstract): round-to-nearest silently drops every per-step update smaller
-# than half a bf16 cell (2^-8 of the weight's binade), so the sampler lags the master; unbiased rounding fixes it.
+# Fair Cast [4] (reconstructed from the abstract): round-to-nearest silently drops every per-step
+# update smaller than half a bf16 cell (2^-8 of the weight's binade), so the sampler lags the
+# master; unbiased rounding fixes it.
 
 
 def _check_fp32(name: str, x) -> None:
@@ -629,7 +678,7 @@ def _check_fp32(name: str, x) -> None:
 
 
 def round_nearest_bf16(x: torch.Tensor) -> torch.Tensor:
-    """Round-to-nearest-even fp32 -> bf16 (what `x.to(torch.bfloat16)` does in every framework). Same shape.
+    """Round-to-nearest-even fp32 -> bf16, what `x.to(torch.bfloat16)` does everywhere. Same shape.
 
     needs: _check_fp32, _check_tensor
     """
@@ -637,103 +686,104 @@ def round_nearest_bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
-def stochastic_round_bf16(
-    x: torch.Tensor, *, generator: torch.Generator | None = None, noise: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Unbiased rounding fp32 -> bf16: add uniform u in [0, 2^16) to the fp32 bits, drop the low 16. E[SR(x)] = x.
+def stochastic_round_bf16(x: torch.Tensor, *, generator=None, noise=None) -> torch.Tensor:
+    """Unbiased fp32 -> bf16: add uniform u in [0, 2^16) to the fp32 bits, drop the low 16 bits.
 
-    Fair Cast [4] (reconstructed): rounds away from zero with probability equal to x's position in its bf16 cell,
-    so E[SR(x)] = x exactly for every finite x whose neighbours are finite. `noise` (int32, shaped like x, values in
-    [0, 2^16)) replaces the random draw so that tests can enumerate all 65 536 draws. inf/nan pass through. The
-    noise is drawn on x's device, with `generator` (if given) on that device too.
+    Fair Cast [4] (reconstructed): rounds away from zero with probability equal to x's position in
+    its bf16 cell, so E[SR(x)] = x exactly for every finite x whose neighbours are finite. `noise`
+    (int32, shaped like x, values in [0, 2^16)) replaces the random draw so that tests can
+    enumerate all 65 536 draws. inf/nan pass through. The noise is drawn on x's device, with
+    `generator` (if given) on that device too. Same shape.
 
     needs: _check_fp32, _check_device, _check_tensor, BF16_DROPPED_BITS
     """
     _check_fp32("x", x)
+    cell = 1 << BF16_DROPPED_BITS
     if noise is None:
         _check_device("generator", generator, "x", x)
-        noise = torch.randint(0, 1 << BF16_DROPPED_BITS, x.shape, dtype=torch.int32, generator=generator,
+        noise = torch.randint(0, cell, x.shape, dtype=torch.int32, generator=generator,
                               device=x.device)
-    else:
+    else:  # a given draw (tests): checked
         _check_tensor("noise", noise, floating=False)
         _check_device("noise", noise, "x", x)
         if noise.dtype != torch.int32 or noise.shape != x.shape:
-            raise ValueError(f"noise must be int32 with shape {tuple(x.shape)}, got {noise.dtype} "
-                             f"{tuple(noise.shape)}")
-        if noise.numel() and (int(noise.min()) < 0 or int(noise.max()) >= 1 << BF16_DROPPED_BITS):
+            raise ValueError(f"noise must be int32 with shape {tuple(x.shape)}, got {noise.dtype}")
+        if noise.numel() and (int(noise.min()) < 0 or int(noise.max()) >= cell):
             raise ValueError("noise values must lie in [0, 2**16)")
-    # Sign-magnitude bits: adding to the magnitude's low bits and truncating rounds |x| up with the right odds.
-    bits = (x.contiguous().view(torch.int32) + noise) & ~((1 << BF16_DROPPED_BITS) - 1)
+    # sign-magnitude bits: adding to the magnitude's low bits and truncating rounds |x| up with the
+    # right odds
+    bits = (x.contiguous().view(torch.int32) + noise) & ~(cell - 1)
     rounded = bits.view(torch.float32).to(torch.bfloat16)  # exact: the low 16 bits are zero
     return torch.where(torch.isfinite(x), rounded, x.to(torch.bfloat16))
 
 
-def error_feedback_round_bf16(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sigma-delta export: served = RTN(x + e), e' = x + e - served. Returns (served bf16, e' fp32). Same shapes.
+def error_feedback_round_bf16(x: torch.Tensor, residual: torch.Tensor):
+    """Sigma-delta export: served = RTN(x + e), e' = x + e - served. -> (served bf16, e' fp32).
 
-    Fair Cast [4] (reconstructed): the rounding error is carried to the next export, so the running sum of served
-    values never leaves the running sum of masters by more than half a bf16 cell. Deterministic. A non-finite
-    master is served as-is and its residual reset to 0.
+    Fair Cast [4] (reconstructed): the rounding error is carried to the next export, so the running
+    sum of served values never leaves the running sum of masters by more than half a bf16 cell.
+    Deterministic. A non-finite master is served as-is and its residual reset to 0. Same shapes.
 
     needs: _check_fp32, _check_device, _check_tensor
     """
     _check_fp32("x", x)
     _check_fp32("residual", residual)
     if residual.shape != x.shape:
-        raise ValueError(f"residual must have shape {tuple(x.shape)} like x, got {tuple(residual.shape)}")
+        raise ValueError(f"residual must have shape {tuple(x.shape)} like x, "
+                         f"got {tuple(residual.shape)}")
     _check_device("residual", residual, "x", x)
     target = x + residual
     served = target.to(torch.bfloat16)
-    new_residual = target.sub_(served)  # exact (Sterbenz): served is within half a cell of target; in place
-    if torch.isnan(new_residual.sum()):  # only inf - inf or nan give nan; a sum is the cheapest check
+    new_residual = target.sub_(served)  # in place, exact (Sterbenz): within half a cell of target
+    if torch.isnan(new_residual.sum()):  # only inf - inf or nan give nan: one sum finds them
         bad = torch.isnan(new_residual)
         served = torch.where(bad, x.to(torch.bfloat16), served)
         new_residual = torch.where(bad, torch.zeros_like(new_residual), new_residual)
     return served, new_residual
 
 
-def visible_update_fraction(
-    master_before: torch.Tensor, master_after: torch.Tensor,
-    served_before: torch.Tensor, served_after: torch.Tensor,
-) -> float:
-    """<d_served, d_master> / |d_master|^2: the share of the master's move the sampler sees (Fair Cast [4]). Any shape.
+def visible_update_fraction(master_before, master_after, served_before, served_after) -> float:
+    """<d_served, d_master> / |d_master|^2: the share of the master's move the sampler sees [4].
 
-    1 for a lossless export, ~0 when round-to-nearest swallows the update; 0 when the master did not move.
+    1 for a lossless export, ~0 when round-to-nearest swallows the update; 0 when the master did
+    not move. Tensors of any one shape.
 
     needs: _check_tensor, _check_device
     """
-    for name, t in (("master_before", master_before), ("master_after", master_after),
-                    ("served_before", served_before), ("served_after", served_after)):
+    named = {"master_before": master_before, "master_after": master_after,
+             "served_before": served_before, "served_after": served_after}
+    for name, t in named.items():
         _check_tensor(name, t)
         _check_device(name, t, "master_before", master_before)
         if t.shape != master_before.shape:
-            raise ValueError(f"{name} must have shape {tuple(master_before.shape)}, got {tuple(t.shape)}")
+            raise ValueError(f"{name} must have shape {tuple(master_before.shape)}, "
+                             f"got {tuple(t.shape)}")
     d_master = master_after.double() - master_before.double()
     d_served = served_after.double() - served_before.double()
     denom = float(d_master.square().sum())
     return float((d_served * d_master).sum()) / denom if denom > 0 else 0.0
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ---- advantages ----
 
 
-def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = False) -> torch.Tensor:
-    """A_i = r_i - mean_group(r) (/ std_group(r) if normalize_std) over consecutive groups of G. (B,) -> (B,).
+def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std=False) -> torch.Tensor:
+    """A_i = r_i - mean_group(r) (/ std_group(r) if normalize_std), groups of G in a row. (B,).
 
-    GRPO (Shao et al. 2024); Dr. GRPO and the score-centering paper [2] drop the std. Groups with zero reward
-    variance get advantage 0 either way. Non-finite rewards count as 0.
+    GRPO (Shao et al. 2024); Dr. GRPO and the score-centering paper [2] drop the std. Groups with
+    zero reward variance get advantage 0 either way. Non-finite rewards count as 0.
 
     needs: _check_tensor
     """
     _check_tensor("rewards", rewards)
-    if rewards.dim() != 1 or rewards.numel() == 0:
+    B = rewards.numel()
+    if rewards.dim() != 1 or B == 0:
         raise ValueError(f"rewards must have shape (B,) with B >= 1, got {tuple(rewards.shape)}")
-    if not isinstance(group_size, int) or group_size < 1 or rewards.numel() % group_size:
-        raise ValueError(f"group_size must be a positive int dividing B = {rewards.numel()}, got "
-                         f"{group_size!r}")
-    # (B/G, G)
-    r = torch.nan_to_num(rewards.detach().float(), nan=0.0, posinf=0.0, neginf=0.0).view(-1, group_size)
+    if not isinstance(group_size, int) or group_size < 1 or B % group_size:
+        raise ValueError(f"group_size must be a positive int dividing B = {B}, got {group_size!r}")
+    r = torch.nan_to_num(rewards.detach().float(), nan=0.0, posinf=0.0, neginf=0.0)
+    r = r.view(-1, group_size)  # (B / G, G)
     adv = r - r.mean(dim=1, keepdim=True)
     if normalize_std and group_size > 1:
         std = r.std(dim=1, keepdim=True)  # unbiased, as GRPO / TRL
@@ -741,48 +791,39 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool 
     return adv.reshape(-1)
 
 
-def copc_residual_weights(logp: torch.Tensor, logp_infer: torch.Tensor, mask: torch.Tensor, eps: float = 0.2):
-    """c_t = clip(p / q, 1 - eps, 1 + eps), detached; 1 where non-finite, 0 outside the mask. COPC [5]. (B, T).
+def copc_residual_weights(logp, logp_infer, mask: torch.Tensor, eps: float = 0.2) -> torch.Tensor:
+    """c_t = clip(p / q, 1 - eps, 1 + eps), detached: COPC [5]. 1 where non-finite. (B, T).
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _log_ratio, LOG_RATIO_CLAMP
     """
-    _check_bt(mask, logp=logp, logp_infer=logp_infer)
-    log_ratio, _ok = _finite_log_ratio(logp.detach(), logp_infer.detach(), mask)
-    c = log_ratio.exp().clamp(1 - eps, 1 + eps)  # the log-ratio of non-finite tokens is 0, so c = 1 there
+    log_ratio, _ = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    c = ratio.clamp(1 - eps, 1 + eps)  # the log-ratio of non-finite tokens is 0, so c = 1 there
     return torch.where(mask, c, torch.zeros_like(c))
 
 
-def copc_advantages(
-    values: torch.Tensor,
-    rewards: torch.Tensor,
-    logp: torch.Tensor,
-    logp_infer: torch.Tensor,
-    mask: torch.Tensor,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    eps: float = 0.2,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A_t = sum_l (gamma lam)^l c_{t+l} delta_{t+l}, delta_t = r_t + gamma V_{t+1} - V_t; V_target = V + A. (B, T).
+def copc_advantages(values, rewards, logp, logp_infer, mask, gamma=1.0, lam=1.0, eps=0.2):
+    """A_t = sum_l (gamma lam)^l c_{t+l} delta_{t+l}, delta_t = r_t + gamma V_{t+1} - V_t. (B, T).
 
-    COPC [5], advantage side (reconstructed from the abstract): the TD residuals of GAE are weighted by the two-sided
-    clipped ratio c_t = clip(p / q, 1 - eps, 1 + eps), so stale continuations count less. With p == q it is plain
-    GAE(gamma, lambda). `rewards` is (B,) (paid at the last response token) or (B, T). The state after the last
-    masked token is terminal (value 0). Returns detached (advantages, value_targets), 0 outside the mask.
+    COPC [5], advantage side (reconstructed from the abstract): the TD residuals of GAE are weighted
+    by the two-sided clipped ratio c_t = clip(p / q, 1 - eps, 1 + eps), so stale continuations
+    count less. With p == q it is plain GAE(gamma, lambda). `rewards` is (B,) (paid at the last
+    response token) or (B, T). The state after the last masked token is terminal (value 0).
+    Returns detached (advantages, value targets V + A), 0 outside the mask.
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor, copc_residual_weights, _finite_log_ratio,
-    LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, copc_residual_weights
     """
     _check_bt(mask, values=values, logp=logp, logp_infer=logp_infer)
     _check_tensor("rewards", rewards)
     _check_device("rewards", rewards, "values", values)
     B, T = mask.shape
+    zero = mask.new_zeros(B, T, dtype=torch.float32)
     if rewards.shape == (B,):
-        last = (mask.cumsum(dim=1) == mask.sum(dim=1, keepdim=True)) & mask  # (B, T) last generated token
-        rewards = torch.where(last, rewards.float()[:, None], mask.new_zeros(B, T, dtype=torch.float32))
+        last = (mask.cumsum(dim=1) == mask.sum(dim=1, keepdim=True)) & mask  # (B, T) last token
+        rewards = torch.where(last, rewards.float()[:, None], zero)
     elif rewards.shape != (B, T):
         raise ValueError(f"rewards must have shape (B,) = {(B,)} or (B, T) = {(B, T)}, got "
                          f"{tuple(rewards.shape)}")
-    zero = mask.new_zeros(B, T, dtype=torch.float32)
     v = torch.where(mask, values.detach().float(), zero)
     r = torch.where(mask, torch.nan_to_num(rewards.detach().float()), zero)
     c = copc_residual_weights(logp, logp_infer, mask, eps)  # TIM: stale residuals are down-weighted
@@ -795,51 +836,56 @@ def copc_advantages(
     return adv, torch.where(mask, v + adv, zero)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ---- correction weights ----
-# Each returns a detached (B, T) float32 weight, 0 outside the mask. Detached because an importance weight changes
-# the measure the gradient is averaged under, not the objective: no gradient may flow through it.
-# rho = exp(logp_old - logp_infer) is a train/infer ratio; which trainer log-prob is passed as `logp_old` is the
-# loss's choice (policy_loss): the current p under REINFORCE, the proximal p_prox under decoupled PPO.
+# Each returns a detached (B, T) float32 weight, 0 outside the mask. Detached because an importance
+# weight changes the measure the gradient is averaged under, not the objective: no gradient may
+# flow through it. rho = exp(logp_old - logp_infer) is a train/infer ratio; which trainer log-prob
+# is passed as `logp_old` is the loss's choice (policy_loss): the current p under REINFORCE, the
+# proximal p_prox under decoupled PPO.
 
 
-def tis_weights(logp_old: torch.Tensor, logp_infer: torch.Tensor, mask: torch.Tensor, cap: float = 2.0):
-    """w = min(rho, C). Token-level truncated IS, Yao et al. 2025 [1]. Non-finite log-ratio -> 0. (B, T).
+def tis_weights(logp_old, logp_infer, mask: torch.Tensor, cap: float = 2.0) -> torch.Tensor:
+    """w = min(rho, C): token-level truncated IS, Yao et al. 2025 [1]. Non-finite -> 0. (B, T).
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _log_ratio, LOG_RATIO_CLAMP
     """
-    _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
-    log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
-    w = log_rho.exp().clamp(max=cap)
+    log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
+    w = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(max=cap)
     return torch.where(ok, w, torch.zeros_like(w))
 
 
 def mis_weights(logp_old, logp_infer, mask, low: float = 0.5, high: float = 5.0):
-    """w = rho * 1[low <= rho <= high]. Masked IS / IcePop [11]; band of [2] by default. Non-finite -> 0. (B, T).
+    """w = rho * 1[low <= rho <= high]: masked IS / IcePop [11], band of [2]. (B, T).
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    Non-finite -> 0.
+
+    needs: _log_ratio, LOG_RATIO_CLAMP
     """
-    _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
-    log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
-    rho = log_rho.exp()
+    log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
+    rho = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
     keep = ok & (rho >= low) & (rho <= high)
     return torch.where(keep, rho, torch.zeros_like(rho))
 
 
 def _sequence_log_ratio(logp_old, logp_infer, mask):
-    """(sum_t log rho_t clamped to +-LOG_RATIO_CLAMP, True where every generated token is finite), each (B, 1)."""
-    _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
-    log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
+    """(sum_t log rho_t within +-LOG_RATIO_CLAMP, True where every generated token is finite).
+
+    Each (B, 1); each token's log rho is clamped too, before the sum.
+    """
+    log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     seq_ok = (ok == mask).all(dim=1, keepdim=True)  # (B, 1)
-    return log_rho.sum(dim=1, keepdim=True).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), seq_ok  # (B, 1)
+    total = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).sum(dim=1, keepdim=True)  # (B, 1)
+    return total.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), seq_ok
 
 
 def seq_tis_weights(logp_old, logp_infer, mask, cap: float = 5.0):
-    """w_i = min(prod_t rho_it, C) on every token of sequence i. Sequence-level TIS. Non-finite -> 0 for the sequence.
+    """w_i = min(prod_t rho_it, C) on every token of sequence i: sequence-level TIS. (B, T).
 
-    Beware: the product shrinks long sequences towards 0 (TRL #5814); geo_mask_weights does not. (B, T).
+    Beware: the product shrinks long sequences towards 0 (TRL #5814); geo_mask_weights does not.
+    A non-finite token gives its whole sequence weight 0.
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
+    needs: _log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
     """
     seq_log_rho, seq_ok = _sequence_log_ratio(logp_old, logp_infer, mask)  # (B, 1) each
     w = seq_log_rho.exp().clamp(max=cap).expand(mask.shape)  # (B, T)
@@ -847,91 +893,89 @@ def seq_tis_weights(logp_old, logp_infer, mask, cap: float = 5.0):
 
 
 def seq_mask_weights(logp_old, logp_infer, mask, low: float = 0.0, high: float = 3.0):
-    """w_i = R_i * 1[low <= R_i <= high], R_i = prod_t rho_it, on every token of sequence i: sequence masked IS.
+    """w_i = R_i * 1[low <= R_i <= high], R_i = prod_t rho_it: sequence masked IS. (B, T).
 
-    TRL's GRPOTrainer default (1.16: vllm_importance_sampling_mode="sequence_mask", band [clip_min, clip_max] =
-    [None (no lower bound), 3.0], edges kept). Non-finite -> 0 for the sequence (TRL counts a NaN token as ratio 1).
-    The product shrinks long sequences like seq_tis_weights does. (B, T).
+    TRL's GRPOTrainer default (1.16: vllm_importance_sampling_mode="sequence_mask", band
+    [clip_min, clip_max] = [None (no lower bound), 3.0], edges kept). A non-finite token gives its
+    sequence 0 (TRL counts it as ratio 1). The product shrinks long sequences like seq_tis_weights.
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
+    needs: _log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
     """
     seq_log_rho, seq_ok = _sequence_log_ratio(logp_old, logp_infer, mask)
     seq_rho = seq_log_rho.exp()  # (B, 1)
     keep = mask & seq_ok & (seq_rho >= low) & (seq_rho <= high)  # (B, T)
-    return torch.where(keep, seq_rho.expand(mask.shape), torch.zeros_like(keep, dtype=torch.float32))
+    zero = torch.zeros_like(keep, dtype=torch.float32)
+    return torch.where(keep, seq_rho.expand(mask.shape), zero)
 
 
 def geo_mask_weights(logp_old, logp_infer, mask, low: float = 0.99, high: float = 1.01):
-    """w_i = 1[low <= exp(mean_t log rho_it) <= high] on every token of sequence i: geometric-mean sequence mask.
+    """w_i = 1[low <= exp(mean_t log rho_it) <= high] on every token of sequence i. (B, T).
 
-    Length-neutral replacement for the sequence product (TRL #5814, NeMo-RL #2269). Non-finite -> 0. (B, T).
+    The geometric-mean sequence mask: a length-neutral replacement for the sequence product
+    (TRL #5814, NeMo-RL #2269). Non-finite -> 0.
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _log_ratio, LOG_RATIO_CLAMP
     """
-    _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
-    log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
+    log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     seq_ok = (ok == mask).all(dim=1, keepdim=True)  # (B, 1)
-    geo = (log_rho.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)).exp()  # (B, 1)
-    keep = mask & seq_ok & (geo >= low) & (geo <= high)  # (B, T)
-    return keep.float()
+    total = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).sum(dim=1, keepdim=True)  # (B, 1)
+    geo = (total / mask.sum(dim=1, keepdim=True).clamp(min=1)).exp()
+    return (mask & seq_ok & (geo >= low) & (geo <= high)).float()
 
 
 def cis_weights(logp_old, logp_infer, mask, lam: float = 2.3, kappa: float = 5e-3):
-    """w = min(rho, 1 + lam * max(1 - p_old, kappa)): a cap on the log-odds shift, tighter as p grows. CIS [6], Sec. 4.
+    """w = min(rho, 1 + lam * max(1 - p_old, kappa)): CIS [6], Sec. 4. (B, T).
 
-    From rho = p + (1 - p) e^eps with eps = logit p - logit q, truncating eps gives a cap that tightens with
-    confidence. Upper side only. Non-finite log-ratio -> 1 (left uncorrected, as the official code does). (B, T).
+    From rho = p + (1 - p) e^eps with eps = logit p - logit q, truncating the log-odds shift eps
+    gives a cap that tightens with confidence. Upper side only. Non-finite log-ratio -> 1 (left
+    uncorrected, as the official code does).
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _log_ratio, LOG_RATIO_CLAMP
     """
-    _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
-    log_rho, _ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
+    log_rho, _ = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     p_old = torch.nan_to_num(logp_old.detach().float(), nan=0.0).clamp(max=0.0).exp()
     cap = 1 + lam * (1 - p_old).clamp(min=kappa)
-    w = torch.minimum(log_rho.exp(), cap)  # log_rho = 0 on non-finite tokens, so w = 1 there
+    rho = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    w = torch.minimum(rho, cap)  # log_rho = 0 on non-finite tokens, so w = 1 there
     return torch.where(mask, w, torch.zeros_like(w))
 
 
 def dlc_weights(logp_old, logp_infer, mask, clamp: float = 1.0):
-    """w = exp(clip(d - mean_mask(d), -c, c)), d = logp_old - logp_infer: centred numerical discrepancy. DLC [3].
+    """w = exp(clip(d - mean_mask(d), -c, c)), d = logp_old - logp_infer. DLC [3]. (B, T).
 
-    Reconstructed from the abstract of Li, Zhou & Lan ("centres numerical errors"): the persistent part of the engine
-    discrepancy (its batch mean) is removed, the rest is a bounded weight in [e^-c, e^c]. Non-finite -> 0. (B, T).
+    Reconstructed from the abstract of Li, Zhou & Lan ("centres numerical errors"): the persistent
+    part of the engine discrepancy (its batch mean) is removed, the rest is a bounded weight in
+    [e^-c, e^c]. Non-finite -> 0.
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, masked_mean, LOG_RATIO_CLAMP
+    needs: _log_ratio, masked_mean, LOG_RATIO_CLAMP
     """
-    _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
-    d, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
+    d, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
+    d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     centred = d - masked_mean(d, ok)
     w = centred.clamp(-clamp, clamp).exp()
     return torch.where(ok, w, torch.zeros_like(w))
 
 
 def copc_mask(logp_old, logp_infer, mask, low: float = 0.5, high: float = 2.0):
-    """m = 1[low <= rho <= high]: COPC's token-level ratio mask [5] (policy side; reconstructed). Non-finite -> 0.
+    """m = 1[low <= rho <= high]: COPC's token ratio mask [5] (policy side; reconstructed). (B, T).
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    Non-finite -> 0.
+
+    needs: _log_ratio, LOG_RATIO_CLAMP
     """
-    _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
-    log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
-    rho = log_rho.exp()
+    log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
+    rho = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
     return (ok & (rho >= low) & (rho <= high)).float()
 
 
-def calibrated_clip_bounds(
-    ratio_lowprec: torch.Tensor,
-    ratio_ref: torch.Tensor,
-    adv: torch.Tensor,
-    mask: torch.Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-) -> tuple[float, float]:
-    """PPO clip bounds (L, H) for low-precision ratios that clip like the high-precision reference does. FP8 [7].
+def calibrated_clip_bounds(ratio_lowprec, ratio_ref, adv, mask, eps_low=0.2, eps_high=0.28):
+    """PPO clip bounds (L, H) for low-precision ratios that clip as the reference does. FP8 [7].
 
-    Reconstructed from the abstract of Chen et al.: L is chosen so that the share of negative-advantage tokens with
-    r_lowprec < L equals the share with r_ref < 1 - eps_low; H so that P(H) / N(L) on the low-precision ratios
-    equals P(1 + eps_high) / N(1 - eps_low) on the reference, with P(H) = sum_{A>0, r<=H} A r and
-    N(L) = sum_{A<0, r>=L} |A| r. Falls back to (1 - eps_low, 1 + eps_high) when a side has no tokens. (B, T).
+    Reconstructed from the abstract of Chen et al.: L is chosen so that the share of
+    negative-advantage tokens with r_lowprec < L equals the share with r_ref < 1 - eps_low; H so
+    that P(H) / N(L) on the low-precision ratios equals P(1 + eps_high) / N(1 - eps_low) on the
+    reference, with P(H) = sum_{A>0, r<=H} A r and N(L) = sum_{A<0, r>=L} |A| r. Falls back to
+    (1 - eps_low, 1 + eps_high) when a side has no tokens. (B, T) -> (float, float).
 
     needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor
     """
@@ -966,13 +1010,13 @@ def calibrated_clip_bounds(
     return L, H
 
 
-# 2026 corrections (verl rollout_rs / rollout_is_batch_normalize, DeepSeek-V3.2's OPSM). The three per-token
-# estimators of KL(q || p_old) from log rho = logp_old - logp_infer on tokens y ~ q (Schulman's k1, k2, k3; the
-# divergence masks take one of them as `estimator`, a function, not a mode string).
+# Framework corrections (verl rollout_rs / rollout_is_batch_normalize, DeepSeek-V3.2's OPSM). The
+# three per-token estimators of KL(q || p_old) from log rho = logp_old - logp_infer on tokens
+# y ~ q, Schulman's k1, k2, k3; a divergence mask takes one as `estimator` (a function).
 
 
 def kl_k1(log_rho: torch.Tensor) -> torch.Tensor:
-    """k1 = -log rho: unbiased, signed (negative where the trainer is the more confident). Same shape.
+    """k1 = -log rho: unbiased, signed (negative where the trainer is more confident). Same shape.
 
     needs: nothing
     """
@@ -995,79 +1039,76 @@ def kl_k3(log_rho: torch.Tensor) -> torch.Tensor:
     return log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp() - 1 - log_rho
 
 
-def divergence_mask_weights(logp_old, logp_infer, mask, threshold: float = 0.01, estimator=None):
-    """m = 1[k(log rho) <= threshold] per token: verl rollout_rs="token_k1|k2|k3" (K3-RS preset 0.01). (B, T).
+def divergence_mask_weights(logp_old, logp_infer, mask, threshold=0.01, estimator=None):
+    """m = 1[k(log rho) <= threshold] per token: verl rollout_rs="token_k1|k2|k3". (B, T).
 
-    k = estimator(log rho): kl_k1, kl_k2 or kl_k3 (None: kl_k3). Rejection, not reweighting: kept tokens get weight 1.
-    Non-finite log-ratio -> 0.
+    k = estimator(log rho): kl_k1, kl_k2 or kl_k3 (None: kl_k3; K3-RS preset 0.01). Rejection, not
+    reweighting: kept tokens get weight 1. Non-finite log-ratio -> 0.
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, kl_k3, LOG_RATIO_CLAMP
+    needs: _log_ratio, kl_k3, LOG_RATIO_CLAMP
     """
-    _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
-    log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
-    estimate = (kl_k3 if estimator is None else estimator)(log_rho)
+    log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
+    estimate = (estimator or kl_k3)(log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     return (ok & (estimate <= threshold)).float()
 
 
 def _sequence_divergence(logp_old, logp_infer, mask, estimator=None):
-    """(per-token estimate (kl_k3 by default), -inf off the mask; True where every generated token is finite (B, 1))."""
-    _check_bt(mask, logp_old=logp_old, logp_infer=logp_infer)
-    log_rho, ok = _finite_log_ratio(logp_old.detach(), logp_infer.detach(), mask)
-    estimate = (kl_k3 if estimator is None else estimator)(log_rho)
+    """(per-token estimate, kl_k3 by default, -inf off the mask; (B, 1) True where every generated
+    token is finite)."""
+    log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
+    estimate = (estimator or kl_k3)(log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     estimate = torch.where(mask, estimate, torch.full_like(log_rho, -math.inf))  # (B, T)
     return estimate, (ok == mask).all(dim=1, keepdim=True)
 
 
-def divergence_seq_max_mask(logp_old, logp_infer, mask, threshold: float = 0.01, estimator=None):
-    """m_i = 1[max_t k(log rho_it) <= threshold] on every token of sequence i: the trust-region veto. (B, T).
+def divergence_seq_max_mask(logp_old, logp_infer, mask, threshold=0.01, estimator=None):
+    """m_i = 1[max_t k(log rho_it) <= threshold] on every token of sequence i: a veto. (B, T).
 
-    Trust Region Masking (Li et al., arXiv 2512.23075: the error bounds grow with the largest per-token divergence,
-    so a sequence with one token outside the region is dropped whole); verl rollout_rs="seq_max_k2|k3".
-    Non-finite -> 0 for the sequence.
+    Trust Region Masking (Li et al., arXiv 2512.23075: the error bounds grow with the largest
+    per-token divergence, so a sequence with one token outside the region is dropped whole); verl
+    rollout_rs="seq_max_k2|k3". Non-finite -> 0 for the sequence.
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, kl_k3, _sequence_divergence,
-    LOG_RATIO_CLAMP
+    needs: _log_ratio, kl_k3, _sequence_divergence, LOG_RATIO_CLAMP
     """
     estimate, seq_ok = _sequence_divergence(logp_old, logp_infer, mask, estimator)
     worst = estimate.amax(dim=1, keepdim=True)  # (B, 1)
     return (mask & seq_ok & (worst <= threshold)).float()
 
 
-def divergence_seq_mean_mask(logp_old, logp_infer, mask, threshold: float = 0.01, estimator=None):
-    """m_i = 1[mean_t k(log rho_it) <= threshold] on every token of sequence i: verl rollout_rs="seq_mean_k1|k2|k3".
+def divergence_seq_mean_mask(logp_old, logp_infer, mask, threshold=0.01, estimator=None):
+    """m_i = 1[mean_t k(log rho_it) <= threshold]: verl rollout_rs="seq_mean_k1|k2|k3". (B, T).
 
-    Length-neutral like geo_mask_weights (with kl_k1 it is a one-sided geometric-mean mask). Non-finite -> 0 for the
-    sequence. (B, T).
+    Length-neutral like geo_mask_weights (with kl_k1 it is a one-sided geometric-mean mask).
+    Non-finite -> 0 for the sequence.
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, kl_k3, _sequence_divergence,
-    LOG_RATIO_CLAMP
+    needs: _log_ratio, kl_k3, _sequence_divergence, LOG_RATIO_CLAMP
     """
     estimate, seq_ok = _sequence_divergence(logp_old, logp_infer, mask, estimator)
-    total = torch.where(mask, estimate, torch.zeros_like(estimate)).sum(dim=1, keepdim=True)  # (B, 1)
-    mean = total / mask.sum(dim=1, keepdim=True).clamp(min=1)
+    total = torch.where(mask, estimate, torch.zeros_like(estimate)).sum(dim=1, keepdim=True)
+    mean = total / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
     return (mask & seq_ok & (mean <= threshold)).float()
 
 
-def divergence_seq_sum_mask(logp_old, logp_infer, mask, threshold: float = 0.01, estimator=None):
-    """m_i = 1[sum_t k(log rho_it) <= threshold] on every token of sequence i: verl rollout_rs="seq_sum_k1|k2|k3".
+def divergence_seq_sum_mask(logp_old, logp_infer, mask, threshold=0.01, estimator=None):
+    """m_i = 1[sum_t k(log rho_it) <= threshold]: verl rollout_rs="seq_sum_k1|k2|k3". (B, T).
 
-    The sum grows with the length, so long sequences are dropped first (like the sequence product). Non-finite -> 0
-    for the sequence. (B, T).
+    The sum grows with the length, so long sequences are dropped first (like the sequence
+    product). Non-finite -> 0 for the sequence.
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, kl_k3, _sequence_divergence,
-    LOG_RATIO_CLAMP
+    needs: _log_ratio, kl_k3, _sequence_divergence, LOG_RATIO_CLAMP
     """
     estimate, seq_ok = _sequence_divergence(logp_old, logp_infer, mask, estimator)
-    total = torch.where(mask, estimate, torch.zeros_like(estimate)).sum(dim=1, keepdim=True)  # (B, 1)
+    total = torch.where(mask, estimate, torch.zeros_like(estimate)).sum(dim=1, keepdim=True)
     return (mask & seq_ok & (total <= threshold)).float()
 
 
 def self_normalize_weights(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """w / mean_mask(w): weights rescaled to mean 1 over the batch's valid tokens. verl rollout_is_batch_normalize.
+    """w / mean_mask(w): mean 1 over the batch's valid tokens. verl rollout_is_batch_normalize.
 
-    Self-normalised IS: trades a bias of order 1/N (the normaliser is itself an estimate) for less variance. Under
-    Adam it is nearly a no-op (one scale for the whole batch's gradient). Pass sequence weights through
-    self_normalize_seq_weights instead. Non-finite -> 0; all zero stays zero. (B, T).
+    Self-normalised IS trades a bias of order 1/N (the normaliser is itself an estimate) for less
+    variance. Under Adam it is nearly a no-op (one scale for the whole batch's gradient). Pass
+    sequence weights through self_normalize_seq_weights instead. Non-finite -> 0; all zero stays
+    zero. (B, T).
 
     needs: _check_bt, _check_device, _check_mask, _check_tensor
     """
@@ -1079,10 +1120,11 @@ def self_normalize_weights(weights: torch.Tensor, mask: torch.Tensor) -> torch.T
 
 
 def self_normalize_seq_weights(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """w_i / mean_i(w_i) for a weight constant along each sequence (seq_tis, seq_mask, geo): mean over sequences,
-    not tokens, so a long sequence is one vote. verl rollout_is="sequence" + rollout_is_batch_normalize. (B, T).
+    """w_i / mean_i(w_i) for a weight constant along each sequence (seq_tis, seq_mask, geo). (B, T).
 
-    A sequence's weight is read at its first generated token; non-finite -> 0.
+    The mean is over sequences, not tokens, so a long sequence is one vote: verl
+    rollout_is="sequence" + rollout_is_batch_normalize. A sequence's weight is read at its first
+    generated token; non-finite -> 0.
 
     needs: _check_bt, _check_device, _check_mask, _check_tensor
     """
@@ -1093,37 +1135,39 @@ def self_normalize_seq_weights(weights: torch.Tensor, mask: torch.Tensor) -> tor
     w_seq = torch.where(live, w_seq, torch.zeros_like(w_seq))
     mean = w_seq.sum() / live.sum().clamp(min=1)
     w_seq = torch.where(mean > 0, w_seq / mean, w_seq)
-    return torch.where(mask, w_seq.expand(mask.shape), torch.zeros_like(weights, dtype=torch.float32))
+    zero = torch.zeros_like(weights, dtype=torch.float32)
+    return torch.where(mask, w_seq.expand(mask.shape), zero)
 
 
 def opsm_mask(logp, logp_infer, adv, mask, delta: float = 1e-4):
-    """m_i = 0 iff A_i < 0 and mean_t(logp_infer - logp.detach()) > delta, on every token of sequence i: OPSM. (B, T).
+    """m_i = 0 iff A_i < 0 and mean_t(logp_infer - logp) > delta, on sequence i: OPSM. (B, T).
 
-    DeepSeek-V3.2's off-policy sequence masking, as TRL (off_policy_mask_threshold: keep A >= 0 or seq_kl <= delta)
-    and slime (--use-opsm, --opsm-delta 1e-4) implement it: seq_kl is the k1 estimate of KL(q || p) on y ~ q, the
-    sampler's log-prob minus the current trainer's, so a bad sample the trainer already finds less likely than the
-    sampler did is not pushed further down. Positive-advantage sequences are always kept. A non-finite token gets 0
-    and makes its sequence's KL unmeasurable: dropped when A < 0. adv (B, T), (B, 1) or (B,).
+    DeepSeek-V3.2's off-policy sequence masking, as TRL (off_policy_mask_threshold: keep A >= 0 or
+    seq_kl <= delta) and slime (--use-opsm, --opsm-delta 1e-4) implement it: seq_kl is the k1
+    estimate of KL(q || p) on y ~ q, the sampler's log-prob minus the current trainer's, so a bad
+    sample the trainer already finds less likely than the sampler did is not pushed further down.
+    Positive-advantage sequences are always kept. A non-finite token gets 0 and makes its
+    sequence's KL unmeasurable: dropped when A < 0. adv (B, T), (B, 1) or (B,).
 
-    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_adv, _log_ratio, LOG_RATIO_CLAMP
     """
-    _check_bt(mask, logp=logp, logp_infer=logp_infer)
+    log_ratio, ok = _log_ratio(mask, logp_infer=logp_infer, logp=logp)  # log q / p
     A = _check_adv(adv, mask)
-    log_ratio, ok = _finite_log_ratio(logp_infer.detach(), logp.detach(), mask)  # log q / p
-    seq_kl = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
+    total = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).sum(dim=1, keepdim=True)  # (B, 1)
+    seq_kl = total / mask.sum(dim=1, keepdim=True).clamp(min=1)
     seq_ok = (ok == mask).all(dim=1, keepdim=True)
     off_policy = (A < 0) & ~(seq_ok & (seq_kl <= delta))  # (B, T)
     return (ok & ~off_policy).float()
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ---- losses ----
-# Scalars, token means over the batch. Loss values of different corrections are not comparable with each other:
-# watch reward, accuracy and the mismatch metrics instead.
+# Scalars, token means over the batch. Loss values of different corrections are not comparable
+# with each other: watch reward, accuracy and the mismatch metrics instead.
 
 
 def _finite_or_zero(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x with 0 where masked-out or non-finite, ok). torch.where keeps the gradient of the kept entries."""
+    """(x with 0 off the mask or where non-finite, ok); torch.where keeps the kept entries' grad."""
     ok = mask & torch.isfinite(x)
     return torch.where(ok, x, torch.zeros_like(x)), ok
 
@@ -1133,17 +1177,17 @@ def _weights_or_ones(weights, mask) -> torch.Tensor:
     if weights is None:
         return mask.float()
     _check_bt(mask, weights=weights)
-    w = weights.detach().float()  # weights are a change of measure: never differentiate through them
+    w = weights.detach().float()  # a change of measure: never differentiated through
     return torch.where(mask & torch.isfinite(w), w, torch.zeros_like(w))
 
 
-def pg_loss(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None = None):
-    """-mean_mask(w * A * logp): REINFORCE with an optional detached per-token weight. (B, T) -> scalar.
+def pg_loss(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, weights=None):
+    """-mean_mask(w * A * logp): REINFORCE with an optional detached per-token weight. (B, T) -> ().
 
     A non-finite logp inside the mask drops that token (no gradient, no NaN).
 
-    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, _finite_or_zero, masked_mean,
-    _weights_or_ones
+    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, _finite_or_zero,
+    masked_mean, _weights_or_ones
     """
     _check_bt(mask, logp=logp)
     A, w = _check_adv(adv, mask), _weights_or_ones(weights, mask)
@@ -1151,130 +1195,127 @@ def pg_loss(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, weights: 
     return -masked_mean(w * A * logp, ok)
 
 
-def ppo_loss(logp, logp_prox, adv, mask, weights=None, eps_low: float = 0.2, eps_high: float = 0.28):
-    """-mean_mask(w * min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)), r = p / p_prox. Decoupled PPO [10]. -> scalar.
+def ppo_loss(logp, logp_prox, adv, mask, weights=None, eps_low=0.2, eps_high=0.28):
+    """-mean_mask(w min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)), r = p / p_prox. [10] -> ().
 
-    The clip is anchored at the proximal policy p_prox: the trainer's own weights before the first update on this
-    rollout batch (AReaL; verl's recomputed old_log_prob). The behaviour gap p_prox / q (lag + engine numerics) is not
-    in the clip but in `weights` (TIS, MIS, CIS, ...). With one update per batch r = 1 and the clip is inert; it bites
-    from the second update on (RLConfig.updates_per_batch). Anchoring at the sampler instead (p_prox := q) gives the
-    plain "sampler log-probs as pi_old" PPO. Clip-higher 0.28 as in DAPO. A non-finite log-ratio drops the token.
+    Decoupled PPO: the clip is anchored at the proximal policy p_prox, the trainer's own weights
+    before the first update on this rollout batch (AReaL; verl's recomputed old_log_prob). The
+    behaviour gap p_prox / q (lag + engine numerics) is not in the clip but in `weights` (TIS, MIS,
+    CIS, ...). With one update per batch r = 1 and the clip is inert; it bites from the second
+    update on (RLConfig.updates_per_batch). Anchoring at the sampler instead (p_prox := q) gives
+    the plain "sampler log-probs as pi_old" PPO. Clip-higher 0.28 as in DAPO. A non-finite
+    log-ratio drops the token. (B, T).
 
-    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, masked_mean, _weights_or_ones,
-    LOG_RATIO_CLAMP
+    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, masked_mean,
+    _weights_or_ones, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp, logp_prox=logp_prox)
     A, w = _check_adv(adv, mask), _weights_or_ones(weights, mask)
     ok = mask & torch.isfinite(logp) & torch.isfinite(logp_prox)
     log_ratio = torch.where(ok, logp - logp_prox.detach(), torch.zeros_like(logp))
-    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # r = p / p_prox, carries gradient
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # p / p_prox, with gradient
     surrogate = ratio * A
     surrogate_clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * A
     return -masked_mean(w * torch.minimum(surrogate, surrogate_clipped), ok)
 
 
-def score_centering_loss(
-    logp: torch.Tensor,
-    logp_topk: torch.Tensor,
-    logp_infer: torch.Tensor,
-    logp_topk_infer: torch.Tensor,
-    adv: torch.Tensor,
-    mask: torch.Tensor,
-    cap: float | None = None,
-    band: tuple[float, float] | None = None,
-):
-    """-mean_mask(A * (f(r_y) log p_y - sum_{v in H} coef_v log p_v)): score centering [2], Eq. (drift) + App. A.
+def score_centering_loss(logp, logp_topk, logp_infer, logp_topk_infer, adv, mask, cap=None,
+                         band=None):
+    """-mean_mask(A (f(r_y) log p_y - sum_{v in H} coef_v log p_v)): score centering [2]. -> ().
 
-    Subtracts the sampler-expected (IS-weighted) score so that E_q[grad] has no drift term E_q[A] sum_v q_v s_v.
-    f = 1 (SC), min(r, cap) (SC + TIS) or r 1[band] (SC + MIS), r = p / q with p the current trainer probability.
-    Top-k head H (K ids), tail modelled as p rescaled to q's tail mass: rho_tail = (1 - sum_H q) / (1 - sum_H p),
-    alpha = rho_tail f(1 / rho_tail), coef_v = q_v f(p_v / q_v) - alpha p_v (all detached). Exact when K = V.
-    logp, logp_infer, adv (B, T); logp_topk (grad) and logp_topk_infer (B, T, K). -> scalar.
+    Eq. (drift) + App. A: subtracts the sampler-expected (IS-weighted) score so that E_q[grad] has
+    no drift term E_q[A] sum_v q_v s_v. f = 1 (SC), min(r, cap) (SC + TIS) or r 1[band]
+    (SC + MIS), r = p / q with p the current trainer probability. Top-k head H (K ids), tail
+    modelled as p rescaled to q's tail mass: rho_tail = (1 - sum_H q) / (1 - sum_H p),
+    alpha = rho_tail f(1 / rho_tail), coef_v = q_v f(p_v / q_v) - alpha p_v (all detached). Exact
+    when K = V. logp, logp_infer, adv (B, T); logp_topk (grad) and logp_topk_infer (B, T, K).
 
-    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, _finite_or_zero,
-    masked_mean, LOG_RATIO_CLAMP, TAIL_FLOOR
+    needs: _check_adv, _log_ratio, _finite_or_zero, masked_mean, LOG_RATIO_CLAMP, TAIL_FLOOR,
+    _check_bt, _check_device, _check_mask, _check_tensor
     """
-    _check_bt(mask, logp=logp, logp_infer=logp_infer)
+    log_r_y, ok_y = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
     for name, t in (("logp_topk", logp_topk), ("logp_topk_infer", logp_topk_infer)):
         _check_tensor(name, t)
         _check_device(name, t, "logp", logp)
         if t.dim() != 3 or t.shape[:2] != mask.shape or t.shape != logp_topk.shape:
-            raise ValueError(f"{name} must have shape (B, T, K) with (B, T) = {tuple(mask.shape)}, got "
-                             f"{tuple(t.shape)}")
+            raise ValueError(f"{name} must have shape (B, T, K) with (B, T) = {tuple(mask.shape)}, "
+                             f"got {tuple(t.shape)}")
     if cap is not None and band is not None:
         raise ValueError("pass at most one of cap (SC + TIS) and band (SC + MIS)")
     A = _check_adv(adv, mask)
-    p_head = torch.nan_to_num(logp_topk.detach().float(), nan=-math.inf).clamp(max=0).exp()  # (B, T, K)
-    q_head = torch.nan_to_num(logp_topk_infer.detach().float(), nan=-math.inf).clamp(max=0).exp()  # (B, T, K)
-    # (B, T)
-    rho_tail = (1 - q_head.sum(-1)).clamp(min=TAIL_FLOOR) / (1 - p_head.sum(-1)).clamp(min=TAIL_FLOOR)
-    log_r_y, ok_y = _finite_log_ratio(logp.detach(), logp_infer.detach(), mask)
-    # (B,T,K)
-    log_r_head = (p_head.log() - q_head.log()).nan_to_num(nan=0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    p_head = torch.nan_to_num(logp_topk.detach().float(), nan=-math.inf).clamp(max=0).exp()
+    q_head = torch.nan_to_num(logp_topk_infer.detach().float(), nan=-math.inf).clamp(max=0).exp()
+    q_tail = (1 - q_head.sum(-1)).clamp(min=TAIL_FLOOR)  # (B, T)
+    rho_tail = q_tail / (1 - p_head.sum(-1)).clamp(min=TAIL_FLOOR)
+    r_y = log_r_y.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # (B, T)
     if cap is not None:  # SC + TIS: q f(p/q) = min(p, C q), alpha = min(1, C rho_tail)
-        f_y = log_r_y.exp().clamp(max=cap)
+        f_y = r_y.clamp(max=cap)
         head, alpha = torch.minimum(p_head, cap * q_head), (cap * rho_tail).clamp(max=1.0)
     elif band is not None:  # SC + MIS: q f(p/q) = p 1[band], alpha = 1[1/hi <= rho_tail <= 1/lo]
         lo, hi = band
-        r_y = log_r_y.exp()
         f_y = torch.where((r_y >= lo) & (r_y <= hi), r_y, torch.zeros_like(log_r_y))
-        in_band = (log_r_head.exp() >= lo) & (log_r_head.exp() <= hi)
-        head = torch.where(in_band, p_head, torch.zeros_like(p_head))
+        log_r_head = (p_head.log() - q_head.log()).nan_to_num(nan=0.0)  # (B, T, K)
+        r_head = log_r_head.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+        head = torch.where((r_head >= lo) & (r_head <= hi), p_head, torch.zeros_like(p_head))
         alpha = ((rho_tail >= 1 / hi) & (rho_tail <= 1 / lo)).float()
     else:  # SC alone: f = 1, q f(p/q) = q, alpha = rho_tail
         f_y, head, alpha = torch.ones_like(log_r_y), q_head, rho_tail
     coef = (head - alpha[..., None] * p_head).nan_to_num(nan=0.0)  # (B, T, K), detached
     logp_topk_safe = torch.where(torch.isfinite(logp_topk), logp_topk, torch.zeros_like(logp_topk))
-    baseline = (coef * logp_topk_safe).sum(-1)  # (B, T) sum_H coef_v log p_v
+    baseline = (coef * logp_topk_safe).sum(-1)  # (B, T): sum_H coef_v log p_v
     logp_y, ok = _finite_or_zero(logp, ok_y)
     return -masked_mean(A * (f_y * logp_y - baseline), ok)
 
 
-def dlc_loss(logp, logp_old, logp_infer, adv, mask, eps_low: float = 0.2, eps_high: float = 0.28,
-             clamp: float = 1.0, logp_prox=None, lag_cap: float = 2.0):
-    """Decoupled PPO with w = dlc_weights(d) * min(p_prox / p_old, lag_cap): numerics centred, lag clipped. DLC [3].
+def dlc_loss(logp, logp_old, logp_infer, adv, mask, eps_low=0.2, eps_high=0.28, clamp=1.0,
+             logp_prox=None, lag_cap=2.0):
+    """Decoupled PPO, w = dlc_weights(d) min(p_prox / p_old, lag_cap). DLC [3]. (B, T) -> ().
 
-    Reconstructed from the abstract of Li, Zhou & Lan ("centres numerical errors, clips lag ratios"): the engine
-    part d = logp_old - logp_infer gets the centred weight of dlc_weights; the staleness part p_prox / p_old (same
-    engine, behaviour -> proximal weights) is truncated at lag_cap; the update p / p_prox is PPO-clipped. Each part
-    is bounded on its own, so lag cannot use up the budget meant for numerics. logp_prox defaults to logp (one update
-    per batch). (B, T) -> scalar.
+    Reconstructed from the abstract of Li, Zhou & Lan ("centres numerical errors, clips lag
+    ratios"): the engine part d = logp_old - logp_infer gets the centred weight of dlc_weights; the
+    staleness part p_prox / p_old (same engine, behaviour -> proximal weights) is truncated at
+    lag_cap; the update p / p_prox is PPO-clipped. Each part is bounded on its own, so lag cannot
+    use up the budget meant for numerics. logp_prox defaults to logp (one update per batch).
 
-    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, dlc_weights, _finite_log_ratio,
-    masked_mean, ppo_loss, tis_weights, _weights_or_ones, LOG_RATIO_CLAMP
+    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, dlc_weights,
+    _log_ratio, masked_mean, ppo_loss, tis_weights, _weights_or_ones, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp)
     logp_prox = logp.detach() if logp_prox is None else logp_prox
     weights = dlc_weights(logp_old, logp_infer, mask, clamp=clamp)  # TIM: numerics only
-    weights = weights * tis_weights(logp_prox, logp_old, mask, cap=lag_cap)  # TIM: staleness lag only
+    weights = weights * tis_weights(logp_prox, logp_old, mask, cap=lag_cap)  # TIM: staleness only
     return ppo_loss(logp, logp_prox, adv, mask, weights=weights, eps_low=eps_low, eps_high=eps_high)
 
 
 def dppo_loss(logp, logp_infer, adv, mask, delta: float = 0.2):
-    """-mean_mask(m * r * A), r = p / q, m = 0 iff the token already moved > delta in A's direction. DPPO [8] Binary-TV.
+    """-mean_mask(m r A), r = p / q, m = 0 iff the token already moved > delta toward A. DPPO [8].
 
-    The trust region is the sampled token's absolute probability shift p - q from the behaviour (sampler) policy;
-    only updates that push further out are masked. Otherwise the gradient is the IS-weighted policy gradient
-    r A grad log p. Non-finite log-ratio -> token dropped. (B, T) -> scalar.
+    Binary-TV: the trust region is the sampled token's absolute probability shift p - q from the
+    behaviour (sampler) policy; only updates that push further out are masked. Otherwise the
+    gradient is the IS-weighted policy gradient r A grad log p. Non-finite log-ratio -> token
+    dropped. (B, T) -> ().
 
-    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, masked_mean, LOG_RATIO_CLAMP
+    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, masked_mean,
+    LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp, logp_infer=logp_infer)
     A = _check_adv(adv, mask)
     ok = mask & torch.isfinite(logp) & torch.isfinite(logp_infer)
     log_ratio = torch.where(ok, logp - logp_infer.detach(), torch.zeros_like(logp))
-    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # r = p / q, carries gradient
-    shift = (torch.where(ok, logp.detach(), torch.zeros_like(logp)).exp()
-             - torch.where(ok, logp_infer.detach(), torch.zeros_like(logp)).exp())  # p - q, detached
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # r = p / q, with gradient
+    p = torch.where(ok, logp.detach(), torch.zeros_like(logp)).exp()
+    q = torch.where(ok, logp_infer.detach(), torch.zeros_like(logp)).exp()
+    shift = p - q  # detached
     outside = ((A > 0) & (shift > delta)) | ((A < 0) & (shift < -delta))
     return -masked_mean(torch.where(outside, torch.zeros_like(ratio), ratio * A), ok)
 
 
-def effective_token_weights(loss: torch.Tensor, logp: torch.Tensor, adv, mask: torch.Tensor) -> torch.Tensor:
-    """w_t = -(d loss / d logp_t) * N / A_t: what a loss multiplies each token's A grad log p by. (B, T), detached.
+def effective_token_weights(loss, logp: torch.Tensor, adv, mask: torch.Tensor) -> torch.Tensor:
+    """w_t = -(d loss / d logp_t) N / A_t: what a loss multiplies a token's A grad log p by. (B, T).
 
-    1 for plain REINFORCE, rho for IS, 0 where a clip or mask drops the token; nan where A_t = 0 (undefined). N is
-    the number of masked tokens (losses are token means). Differentiates only back to logp, not into the model.
+    1 for plain REINFORCE, rho for IS, 0 where a clip or mask drops the token; nan where A_t = 0
+    (undefined). N is the number of masked tokens (losses are token means). Differentiates only
+    back to logp, not into the model. Detached.
 
     needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor
     """
@@ -1286,158 +1327,177 @@ def effective_token_weights(loss: torch.Tensor, logp: torch.Tensor, adv, mask: t
     return torch.where(mask & (A != 0), w, torch.full_like(w, math.nan))
 
 
-def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness: int = 0,
-                      max_lag: float = 0.05) -> bool:
-    """Resync when mean_mask |logp - logp_old| > max_lag or staleness >= max_staleness (each 0 = off). DLC [3].
+def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness=0, max_lag=0.05) -> bool:
+    """Resync when mean_mask |logp - logp_old| > max_lag or staleness >= max_staleness. DLC [3].
 
-    Reconstructed from the abstract of Li, Zhou & Lan ("resynchronises the sampler"): the trigger watches the part of
-    the mismatch a resync removes, the policy lag (same engine, trainer weights now vs the weights the sampler
-    holds). The engine discrepancy logp_old - logp_infer is computed on the same weights on both sides, so no resync
-    can change it, and it is deliberately not an input. logp (detached): the trainer now; logp_old: the trainer engine
-    on the weights of the last sync (the loop passes the fp32 master at that export, logp_master_old, so export
-    rounding is not counted as lag); both (B, T). An unmeasurable (non-finite) lag resyncs.
+    Each trigger is off at 0. Reconstructed from the abstract of Li, Zhou & Lan ("resynchronises
+    the sampler"): the trigger watches the part of the mismatch a resync removes, the policy lag
+    (same engine, trainer weights now vs the weights the sampler holds). The engine discrepancy
+    logp_old - logp_infer is computed on the same weights on both sides, so no resync can change
+    it, and it is deliberately not an input. logp (detached): the trainer now; logp_old: the
+    trainer engine on the weights of the last sync (the loop passes the fp32 master at that export,
+    logp_master_old, so export rounding is not counted as lag); both (B, T). An unmeasurable
+    (non-finite) lag resyncs.
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, masked_mean, LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _log_ratio, masked_mean,
+    LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp, logp_old=logp_old)
     if max_staleness <= 0 and max_lag <= 0:
         return False  # both triggers off
-    lag, ok = _finite_log_ratio(logp.detach(), logp_old.detach(), mask)
+    lag, ok = _log_ratio(mask, logp=logp, logp_old=logp_old)
     if bool((mask & ~ok).any()):
         return True  # an unmeasurable lag is no reason to trust a stale sampler
-    too_stale = max_staleness > 0 and staleness >= max_staleness
-    return too_stale or (max_lag > 0 and float(masked_mean(lag.abs(), ok)) > max_lag)
+    if max_staleness > 0 and staleness >= max_staleness:
+        return True  # too stale
+    lag = lag.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return max_lag > 0 and float(masked_mean(lag.abs(), ok)) > max_lag
 
 
 def cispo_loss(logp, logp_infer, adv, mask, eps_high: float = 0.28):
-    """-mean_mask(sg(min(r, 1 + eps_high)) * A * logp), r = p / q: CISPO (MiniMax-M1, arXiv 2506.13585). -> scalar.
+    """-mean_mask(sg(min(r, 1 + eps_high)) A logp), r = p / q: CISPO (MiniMax-M1). (B, T) -> ().
 
-    The ratio is clipped as a detached coefficient, not inside PPO's min: no token's gradient is dropped, the
-    confident ones are only scaled down. MiniMax-M1 (and TRL loss_type="cispo", whose epsilon_high is the cap itself,
-    1 + eps_high here) take r = p / p_old against the trainer's proximal policy and leave the lower side unclipped;
-    pass logp_prox as logp_infer for that. tim_rl's arm passes the sampler's q: one update per batch makes p / p_prox
-    identically 1 (plain REINFORCE), while p / q covers the whole gap (lag and numerics), so the arm is token TIS with
-    cap 1 + eps_high. Non-finite log-ratio -> token dropped. (B, T) -> scalar.
+    arXiv 2506.13585. The ratio is clipped as a detached coefficient, not inside PPO's min: no
+    token's gradient is dropped, the confident ones are only scaled down. MiniMax-M1 (and TRL
+    loss_type="cispo", whose epsilon_high is the cap itself, 1 + eps_high here) take
+    r = p / p_old against the trainer's proximal policy and leave the lower side unclipped; pass
+    logp_prox as logp_infer for that. tim_rl's arm passes the sampler's q: one update per batch
+    makes p / p_prox identically 1 (plain REINFORCE), while p / q covers the whole gap (lag and
+    numerics), so the arm is token TIS with cap 1 + eps_high. Non-finite log-ratio -> token
+    dropped.
 
-    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, _finite_log_ratio, _finite_or_zero,
-    masked_mean, LOG_RATIO_CLAMP
+    needs: _check_adv, _log_ratio, _finite_or_zero, masked_mean, LOG_RATIO_CLAMP, _check_bt,
+    _check_device, _check_mask, _check_tensor
     """
-    _check_bt(mask, logp=logp, logp_infer=logp_infer)
+    log_r, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
     A = _check_adv(adv, mask)
-    log_r, ok = _finite_log_ratio(logp.detach(), logp_infer.detach(), mask)
-    coef = log_r.exp().clamp(max=1 + eps_high)  # detached: a weight, never differentiated
+    coef = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(max=1 + eps_high)  # a weight
     logp, ok = _finite_or_zero(logp, ok)
     return -masked_mean(coef * A * logp, ok)
 
 
 def k2_penalty(logp, logp_infer, mask, coef: float = 1e-3):
-    """coef * mean_mask((logp - logp_infer)^2 / 2): a k2 pull toward the sampler. prime-rl's loss (kl_tau = 1e-3).
+    """coef mean_mask((logp - logp_infer)^2 / 2): a k2 pull toward the sampler (prime-rl). -> ().
 
-    Its gradient coef * (logp - logp_infer) grad logp moves each sampled token's trainer log-prob toward the
-    sampler's, shrinking the mismatch the other terms must correct; added to any arm's loss (--k2-coef). Non-finite
-    log-ratio -> token dropped. (B, T) -> scalar.
+    prime-rl's loss, kl_tau = 1e-3. Its gradient coef (logp - logp_infer) grad logp moves each
+    sampled token's trainer log-prob toward the sampler's, shrinking the mismatch the other terms
+    must correct; added to any arm's loss (--k2-coef). Non-finite log-ratio -> token dropped.
+    (B, T).
 
     needs: _check_bt, _check_device, _check_mask, _check_tensor, masked_mean
     """
     _check_bt(mask, logp=logp, logp_infer=logp_infer)
     ok = mask & torch.isfinite(logp) & torch.isfinite(logp_infer)
-    diff = torch.where(ok, logp - logp_infer.detach(), torch.zeros_like(logp))  # carries logp's gradient
+    diff = torch.where(ok, logp - logp_infer.detach(), torch.zeros_like(logp))  # logp's gradient
     return coef * masked_mean(diff.square() / 2, ok)
 
 
-def drift_signal_norms(params, logp, logp_topk, logp_infer, logp_topk_infer, adv, mask) -> dict[str, float]:
-    """Norms of the plain REINFORCE gradient's drift part E_q[A] sum_v q_v s_v and signal part (SC's gradient) [2].
+def drift_signal_norms(params, logp, logp_topk, logp_infer, logp_topk_infer, adv, mask) -> dict:
+    """Norms of REINFORCE's drift part E_q[A] sum_v q_v s_v and signal part (SC's gradient) [2].
 
-    The split is of REINFORCE on this batch, whatever the arm trains with (hence the pg_ prefix): drift = g_pg - g_sc.
-    `params` are the leaves the forward ran on (the served copy under loss_on_served). (B, T) / (B, T, K) -> floats.
+    The split is of REINFORCE on this batch, whatever the arm trains with (hence the pg_ prefix):
+    drift = g_pg - g_sc. `params` are the leaves the forward ran on (the served copy under
+    loss_on_served). (B, T) / (B, T, K) -> floats.
 
     needs: pg_loss, score_centering_loss
     """
     params = [p for p in params if p.requires_grad]
     loss_total = pg_loss(logp, adv, mask)
     loss_signal = score_centering_loss(logp, logp_topk, logp_infer, logp_topk_infer, adv, mask)
-    # unused leaves get zeros
     g_total = torch.autograd.grad(loss_total, params, retain_graph=True, materialize_grads=True)
     g_signal = torch.autograd.grad(loss_signal, params, retain_graph=True, materialize_grads=True)
-    drift = math.sqrt(sum(float((a - b).square().sum()) for a, b in zip(g_total, g_signal, strict=True)))
+    drift = math.sqrt(sum(float((a - b).square().sum()) for a, b in zip(g_total, g_signal)))
     signal = math.sqrt(sum(float(b.square().sum()) for b in g_signal))
     return {"pg_drift_grad_norm": drift, "pg_signal_grad_norm": signal,
             "pg_drift_over_signal": drift / max(signal, 1e-12)}
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ---- MoE routing: record and replay (R2 / R3) ----
-# A mixture-of-experts layer sends each token to the top-k experts of its router's softmax. A tiny numerical
-# difference between two engines flips a near-tie, and the token's output jumps. Routing replay (Ma et al., arXiv
-# 2510.11370; Megatron-Core RouterReplay, verl router_replay R2 | R3, slime) records the discrete expert ids and forces
-# them in the trainer, with the weights recomputed from the trainer's live router scores. R2 records them from the
-# policy being updated before its update (verl: compute_log_prob), R3 in the inference engine (vLLM and SGLang on a
-# GPU: enable_return_routed_experts).
+# A mixture-of-experts layer sends each token to the top-k experts of its router's softmax. A tiny
+# numerical difference between two engines flips a near-tie, and the token's output jumps. Routing
+# replay (Ma et al., arXiv 2510.11370; Megatron-Core RouterReplay, verl router_replay R2 | R3,
+# slime) records the discrete expert ids and forces them in the trainer, with the weights
+# recomputed from the trainer's live router scores. R2 records them from the policy being updated
+# before its update (verl: compute_log_prob), R3 in the inference engine (vLLM and SGLang on a GPU:
+# enable_return_routed_experts).
 
-# transformers 5.19 routers whose forward is Qwen3MoeTopKRouter.forward line for line (softmax, top-k, renormalise;
-# the Qwen3.5-MoE, Qwen3-VL-MoE and Qwen3-Omni-MoE text routers have no norm_topk_prob and always renormalise);
-# others (Mixtral, GPT-OSS, DeepSeek, GLM, Granite, ...) route differently: replay on them is an error
-REPLAYABLE_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3NextTopKRouter", "OlmoeTopKRouter",
-                      "FlexOlmoTopKRouter", "MellumTopKRouter", "Qwen3OmniMoeThinkerTextTopKRouter",
-                      "Qwen3OmniMoeTalkerTextTopKRouter", "Qwen3OmniMoeTextTopKRouter", "Qwen3_5MoeTopKRouter",
+# transformers 5.19 routers whose forward is Qwen3MoeTopKRouter.forward line for line (softmax,
+# top-k, renormalise; the Qwen3.5-MoE, Qwen3-VL-MoE and Qwen3-Omni-MoE text routers have no
+# norm_topk_prob and always renormalise); others (Mixtral, GPT-OSS, DeepSeek, GLM, Granite, ...)
+# route differently: replay on them is an error
+REPLAYABLE_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3NextTopKRouter",
+                      "OlmoeTopKRouter", "FlexOlmoTopKRouter", "MellumTopKRouter",
+                      "Qwen3OmniMoeThinkerTextTopKRouter", "Qwen3OmniMoeTalkerTextTopKRouter",
+                      "Qwen3OmniMoeTextTopKRouter", "Qwen3_5MoeTopKRouter",
                       "Qwen3VLMoeTextTopKRouter")
-MOE_CONFIG_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k")  # experts per token
+# config keys of the experts per token
+MOE_CONFIG_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k")
 
 
 def is_moe(model) -> bool:
-    """Whether `model`'s config (or a sub-config) sends each token to experts (MOE_CONFIG_KEYS > 0), whichever
-    router it uses."""
+    """Whether `model`'s config or a sub-config sends tokens to experts (MOE_CONFIG_KEYS > 0)."""
     def routes(config: dict) -> bool:
         """Any experts-per-token key > 0 here or in a nested config."""
-        return any(isinstance(config.get(k), int) and config[k] > 0 for k in MOE_CONFIG_KEYS) or any(
-            routes(v) for v in config.values() if isinstance(v, dict))
+        here = any(isinstance(config.get(k), int) and config[k] > 0 for k in MOE_CONFIG_KEYS)
+        return here or any(routes(v) for v in config.values() if isinstance(v, dict))
     return routes(model.config.to_dict())
 
 
 def router_class(model) -> str:
-    """The class names of `model`'s router modules (a name with Router or Gate in it), for an error message."""
-    names = sorted({type(m).__name__ for m in model.modules() if re.search("(?i)router|gate$", type(m).__name__)})
-    return ", ".join(names) or "none found"
+    """The class names of `model`'s router modules (Router or Gate in the name), for an error."""
+    names = {type(m).__name__ for m in model.modules()}
+    return ", ".join(sorted(n for n in names if re.search("(?i)router|gate$", n))) or "none found"
 
 
 def moe_routers(model) -> list[torch.nn.Module]:
-    """The top-k routers of a transformers MoE model that tim_rl records and replays, in layer order: Qwen3-MoE's
-    mlp.gate (Qwen3MoeTopKRouter) and the REPLAYABLE_ROUTERS. [] for a dense model (or another router)."""
+    """The REPLAYABLE_ROUTERS of a transformers MoE model, in layer order ([]: dense or another).
+
+    Qwen3-MoE's is mlp.gate (Qwen3MoeTopKRouter).
+    """
     return [m for m in model.modules() if type(m).__name__ in REPLAYABLE_ROUTERS]
 
 
 def decoder_routers(model) -> list[torch.nn.Module | None]:
-    """The replayable router of each decoder layer, None at a dense layer (mlp_only_layers, dense-first layers): the
-    routes' L axis, as vLLM's routed_experts. [] for a model without one (moe_routers' order without DecoderLayers)."""
+    """The replayable router of each decoder layer, None at a dense layer: the routes' L axis.
+
+    As vLLM's routed_experts (dense layers: mlp_only_layers, dense-first layers). [] for a model
+    without one (moe_routers' order without DecoderLayers).
+    """
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-    per_layer = [next((r for r in layer.modules() if type(r).__name__ in REPLAYABLE_ROUTERS), None) for layer in layers]
+    per_layer = [next((r for r in layer.modules() if type(r).__name__ in REPLAYABLE_ROUTERS), None)
+                 for layer in layers]
     return per_layer if any(per_layer) else moe_routers(model)
 
 
-def routed_router_forward(router, hidden: torch.Tensor, forced: torch.Tensor | None = None,
-                          gates: torch.Tensor | None = None):
-    """Qwen3MoeTopKRouter.forward with the expert ids forced where `forced` (N, k) has a route (a row with a -1:
-    none, the live top-k is used). -> (router logits (N, E), routing weights (N, k), expert ids (N, k)).
+def routed_router_forward(router, hidden: torch.Tensor, forced=None, gates=None):
+    """Qwen3MoeTopKRouter.forward with the expert ids forced where `forced` (N, k) has a route.
 
-    The weights are the live softmax scores gathered at the ids (verl: scores.gather(1, indices)), renormalised over
-    the k when the router does: the router keeps its gradient. forced None: the router's own forward, bit for bit.
-    Where the forced experts' probabilities all underflow (logit gap >~ 104: 0 / 0), Megatron's softmax over the
-    gathered logits. gates (N, k): weights forced too where there is a route (no gradient: the ledger's gates part).
+    A row with a -1 has none: the live top-k is used there. -> (router logits (N, E), routing
+    weights (N, k), expert ids (N, k)). The weights are the live softmax scores gathered at the
+    ids (verl: scores.gather(1, indices)), renormalised over the k when the router does: the router
+    keeps its gradient. forced None: the router's own forward, bit for bit. Where the forced
+    experts' probabilities all underflow (logit gap >~ 104: 0 / 0), Megatron's softmax over the
+    gathered logits. gates (N, k): weights forced too where there is a route (no gradient: the
+    ledger's gates part).
     """
     hidden = hidden.reshape(-1, router.hidden_dim)  # (N, H)
     logits = torch.nn.functional.linear(hidden, router.weight)  # (N, E)
-    if getattr(router, "logit_jitter", 0.0):  # TIM: a sampler's fresh per-forward router noise: near-tie flips
+    if getattr(router, "logit_jitter", 0.0):  # TIM: a sampler's fresh router noise: near-tie flips
         noise = torch.randn(logits.shape, generator=router.jitter_generator, device=logits.device)
         logits = logits + router.logit_jitter * noise.to(logits.dtype)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     ids = torch.topk(probs, router.top_k, dim=-1).indices  # (N, k): the live routing
-    has_route = torch.ones_like(ids[:, :1], dtype=torch.bool) if forced is None else (forced >= 0).all(-1, keepdim=True)
-    ids = ids if forced is None else torch.where(has_route, forced.to(ids), ids)  # no route (the last token): live
-    # TIM: gathered from the live probabilities, not from post-top-k zeros (whose forced entries have no gradient)
+    if forced is None:
+        has_route = torch.ones_like(ids[:, :1], dtype=torch.bool)
+    else:  # no route (the last token): live
+        has_route = (forced >= 0).all(-1, keepdim=True)
+        ids = torch.where(has_route, forced.to(ids), ids)
+    # TIM: gathered from the live probabilities, not from post-top-k zeros (no gradient there)
     weights = probs.gather(-1, ids)
-    if getattr(router, "norm_topk_prob", True):  # (Qwen3.5-MoE's router has no flag: it always renormalises)
+    if getattr(router, "norm_topk_prob", True):  # (Qwen3.5-MoE's router always renormalises)
         total = weights.sum(dim=-1, keepdim=True)  # (N, 1)
-        underflow = total < torch.finfo(total.dtype).tiny  # TIM: every forced expert's probability underflowed
+        underflow = total < torch.finfo(total.dtype).tiny  # TIM: every forced expert underflowed
         weights = torch.where(underflow, torch.softmax(logits.float().gather(-1, ids), -1),
                               weights / torch.where(underflow, 1.0, total))
     if gates is not None:
@@ -1446,40 +1506,45 @@ def routed_router_forward(router, hidden: torch.Tensor, forced: torch.Tensor | N
 
 
 def _recompute_forward(router, ids: torch.Tensor, previous):
-    """The router's forward after a replayed forward with gradient: inside a backward (activation checkpointing's
-    recompute, Megatron RouterReplay's backward list) it forces the ids that forward used; elsewhere `previous`."""
+    """The router's forward after a replayed forward with gradient: it forces that forward's ids
+    inside a backward (activation checkpointing's recompute, Megatron RouterReplay's backward
+    list); elsewhere `previous`."""
     def forward(hidden):
-        """routed_router_forward on the kept ids during a backward, else the router's previous forward."""
-        if torch._C._current_graph_task_id() == -1:  # not in a backward
-            return previous(hidden) if previous is not None else type(router).forward(router, hidden)
-        return routed_router_forward(router, hidden, ids)
+        """routed_router_forward on the kept ids during a backward, else the previous forward."""
+        if torch._C._current_graph_task_id() != -1:  # in a backward
+            return routed_router_forward(router, hidden, ids)
+        return previous(hidden) if previous is not None else type(router).forward(router, hidden)
     forward.recomputes = True
     return forward
 
 
 def release_routes(model) -> None:
-    """Drop the routes a replayed forward left on `model`'s routers for its backward's recompute (after the step)."""
+    """Drop the routes a replayed forward left on the routers for its backward (after the step)."""
     for router in moe_routers(model):
         if getattr(vars(router).get("forward"), "recomputes", False):
             del router.forward
 
 
 @contextlib.contextmanager
-def replay_routes(model, routes: torch.Tensor | None = None, gates: torch.Tensor | None = None, record: bool = True):
-    """Within the block every router of `model` (decoder_routers) runs routed_router_forward, forced to `routes`
-    (B, S, L, k) for a forward over B sequences of S positions (-1: no route; on any device, moved per layer) or live
-    when None, and to the gate weights `gates` (B, S, L, k) when given. Yields a list per layer of (ids (B * n, k)
-    int16, weights (B * n, k) fp32) of each call (record=False: none kept): stack_routes(log, B) -> (B, S, L, k).
+def replay_routes(model, routes=None, gates=None, record: bool = True):
+    """Within the block every router of `model` (decoder_routers) runs routed_router_forward.
 
-    A forward with gradient leaves its ids on the routers for activation checkpointing's recompute in the backward
-    (VeOmni: routes keyed by module), until the next replayed forward or release_routes (Trainer.step).
+    It is forced to `routes` (B, S, L, k) for a forward over B sequences of S positions (-1: no
+    route; on any device, moved per layer), or live when None, and to the gate weights `gates`
+    (B, S, L, k) when given. Yields a list per layer of (ids (B * n, k) int16, weights (B * n, k)
+    fp32) of each call (record=False: none kept): stack_routes(log, B) -> (B, S, L, k).
+
+    A forward with gradient leaves its ids on the routers for activation checkpointing's recompute
+    in the backward (VeOmni: routes keyed by module), until the next replayed forward or
+    release_routes (Trainer.step).
     """
     routers = decoder_routers(model)
     if routes is not None and not any(routers):  # no silent no-op
-        raise ValueError(f"replay_routes: {type(model).__name__} has no router tim_rl replays (its router: "
-                         f"{router_class(model)}; REPLAYABLE_ROUTERS are those whose forward is Qwen3-MoE's)")
+        raise ValueError(f"replay_routes: {type(model).__name__} has no router tim_rl replays "
+                         f"(its router: {router_class(model)}; REPLAYABLE_ROUTERS are those whose "
+                         "forward is Qwen3-MoE's)")
     log, kept = [[] for _ in routers], {}
-    keep = routes is not None and torch.is_grad_enabled()  # TIM: a checkpointed layer recomputes in the backward
+    keep = routes is not None and torch.is_grad_enabled()  # TIM: a checkpointed layer recomputes
 
     def forward_of(layer: int, router):
         """The forward that replaces `router`'s within the block (layer: its decoder layer)."""
@@ -1487,12 +1552,14 @@ def replay_routes(model, routes: torch.Tensor | None = None, gates: torch.Tensor
         def forward(hidden):
             """routed_router_forward on this layer's routes, logged."""
             rows = hidden.numel() // router.hidden_dim  # B * S positions
-            k = None if routes is None else routes.shape[-1]
-            forced = None if routes is None else routes[:, :, layer].reshape(-1, k).to(hidden.device)  # (B * S, k)
+            forced = forced_gates = None
+            if routes is not None:  # (B * S, k)
+                forced = routes[:, :, layer].reshape(-1, routes.shape[-1]).to(hidden.device)
             if forced is not None and forced.shape[0] != rows:
-                raise ValueError(f"routes has shape {tuple(routes.shape)}: it needs one route per position of the "
-                                 f"forward ({rows} rows)")
-            forced_gates = None if gates is None else gates[:, :, layer].reshape(-1, k).to(hidden.device)
+                raise ValueError(f"routes has shape {tuple(routes.shape)}: it needs one route per "
+                                 f"position of the forward ({rows} rows)")
+            if gates is not None:
+                forced_gates = gates[:, :, layer].reshape(-1, routes.shape[-1]).to(hidden.device)
             logits, weights, ids = routed_router_forward(router, hidden, forced, forced_gates)
             if record:
                 log[layer].append((ids.to(torch.int16), weights.detach().float()))
@@ -1510,81 +1577,78 @@ def replay_routes(model, routes: torch.Tensor | None = None, gates: torch.Tensor
         yield log
     finally:
         for layer, (router, forward) in enumerate(zip(routers, previous)):
-            if router is not None:
-                del router.forward
-                forward = _recompute_forward(router, kept[layer], forward) if layer in kept else forward
-                if forward is not None:
-                    router.forward = forward
+            if router is None:
+                continue
+            del router.forward
+            forward = _recompute_forward(router, kept[layer], forward) if layer in kept else forward
+            if forward is not None:
+                router.forward = forward
 
 
 def stack_routes(log: list[list[tuple]], batch: int, part: int = 0) -> torch.Tensor | None:
-    """replay_routes' log as (B, S, L, k) on the CPU: the ids (part 0, int16, -1 at a dense layer) or the gate
-    weights (part 1, fp32, nan there), calls concatenated along positions (KV-cache decoding: the prompt, then one
-    position per step). None for a dense model (or nothing recorded)."""
+    """replay_routes' log as (B, S, L, k) on the CPU, calls concatenated along positions.
+
+    part 0: the ids (int16, -1 at a dense layer); part 1: the gate weights (fp32, nan there).
+    KV-cache decoding logs the prompt, then one position per step. None for a dense model (or
+    nothing recorded).
+    """
     if not any(log):
         return None
-    layers = [torch.cat([c[part].reshape(batch, -1, c[part].shape[-1]) for c in calls], 1) if calls else None
-              for calls in log]  # (B, S, k) each
+    layers = [torch.cat([c[part].reshape(batch, -1, c[part].shape[-1]) for c in calls], 1)
+              if calls else None for calls in log]  # (B, S, k) each
     some = next(x for x in layers if x is not None)
-    fill = -1 if part == 0 else math.nan
-    return torch.stack([x if x is not None else torch.full_like(some, fill) for x in layers], 2).cpu()
+    fill = torch.full_like(some, -1 if part == 0 else math.nan)
+    return torch.stack([x if x is not None else fill for x in layers], 2).cpu()
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ---- fast paths (chunked log-probs) ----
-# What keeps token_logprobs' memory small at a real vocabulary (V = 151,936): row chunks with a hand-written
-# backward, never a second (B, T, V) float32 tensor. The compiled single-read GPU passes and the fused bf16 export
-# live in machinery.py, imported only where they run (a GPU); on a CPU these eager paths are the reference.
+# What keeps token_logprobs' memory small at a real vocabulary (V = 151,936): row chunks with a
+# hand-written backward, never a second (B, T, V) float32 tensor. The compiled single-read GPU
+# passes live in machinery.py, imported only where they run; on a CPU these eager chunks are the
+# reference.
 
-# token_logprobs works on row chunks of at most this many fp32 bytes (4 MiB: ~32 rows at V = 32 000, ~6 at
-# V = 151 936), so its transient memory is a few chunks, not a fraction of the (B, T, V) logits.
+# Row chunks of at most this many fp32 bytes (4 MiB: ~32 rows at V = 32 000, ~6 at V = 151 936).
 CHUNK_BYTES = 4 << 20
-# The same on a GPU without the compiled pass (64 MiB: ~110 rows at V = 151 936): 6-row chunks would leave a GPU
-# waiting on kernel launches; 64 MiB of transients is nothing beside the (B, T, V) logits there.
+# The same on a GPU without the compiled pass (64 MiB: ~110 rows at V = 151 936): fewer kernel
+# launches.
 GPU_CHUNK_BYTES = 64 << 20
-# A row whose largest logit m has |m| above this keeps what lse = m + s lost to rounding (s the shifted logsumexp):
-# exp(z - lse) would otherwise carry lse's rounding, ulp(m) / 2 (6e-5 at 1024, 0.25 at 1e7, all of it at finfo.min)
+# Rows whose largest logit m has |m| above this keep what lse = m + s lost to rounding (ulp(m) / 2).
 FAR_FROM_ZERO = 1024.0
 
 
 def _lse_tail(lse: torch.Tensor, m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """(lse, tail): tail = s - (lse - m), what lse = m + s lost to rounding, where |m| > FAR_FROM_ZERO, else 0
-    (x - 0 is x: ordinary rows keep their bits). exp(z - lse - tail) is exact at any offset. (n, 1) each -> (n, 2)."""
-    return torch.cat([lse, torch.where(m.abs() > FAR_FROM_ZERO, s - (lse - m), torch.zeros_like(lse))], -1)
+    """(lse, tail), tail = s - (lse - m) where |m| > FAR_FROM_ZERO, else 0. (n, 1) each -> (n, 2).
+
+    exp(z - lse - tail) is then exact at any row offset; ordinary rows keep their bits (x - 0 is x).
+    """
+    return torch.cat([lse, torch.where(m.abs() > FAR_FROM_ZERO, s - (lse - m), 0.0)], -1)
 
 
-def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int, fused: bool = False):
-    """(log softmax(logits)[ids], (logsumexp(logits), its tail)) by row chunks: (N, V), (N, K) -> (N, K), (N, 2).
+def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int):
+    """(log softmax(logits)[ids], (lse, tail)) by row chunks. (N, V), (N, K) -> (N, K), (N, 2).
 
-    One code path for every caller, with and without a gradient, so that the trainer's log-probs are bitwise the
-    same whichever way they are computed (exact mode and a lag of exactly 0 rely on it). fused: each chunk in one
-    compiled pass (machinery._fused_logprobs), no (n, V) transient. The logsumexp is read off each row's largest
-    logit m,
-    lse = z_m - log_softmax(z)_m, where log_softmax(z)_m = -log sum exp(z - z_m) lies in [-log V, 0]: exact to one
-    rounding whatever the other logits are (-inf and finfo.min included), its rounding kept apart (_lse_tail) where
-    the row is far from 0. Rows of only -inf give nan, as log_softmax.
+    One code path with and without a gradient, so the trainer's log-probs are bitwise the same
+    either way. lse = z_m - log_softmax(z)_m at each row's largest logit m: exact to one rounding
+    whatever the other logits are (-inf and finfo.min included). Rows of only -inf give nan, as
+    log_softmax.
     """
     out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
     lse = torch.empty(logits.shape[0], 2, dtype=torch.float32, device=logits.device)
     for start in range(0, logits.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
-        if fused:  # one compiled pass per chunk (a GPU)
-            from machinery import _fused_logprobs
-
-            out[rows], lse[rows] = _fused_logprobs(logits[rows], ids[rows])
-            continue
         chunk = logits[rows].float()  # (n, V), a copy only when logits are not fp32
-        log_probs = torch.log_softmax(chunk, dim=-1)  # (n, V) transient: log_softmax's fused kernel
+        log_probs = torch.log_softmax(chunk, dim=-1)  # (n, V) transient
         out[rows] = log_probs.gather(-1, ids[rows])
         top = chunk.argmax(-1, keepdim=True)  # (n, 1): each row's largest logit
         m, log_p_m = chunk.gather(-1, top), log_probs.gather(-1, top)
-        lse[rows] = _lse_tail(m - log_p_m, m, -log_p_m)  # logsumexp, read off the largest logit
+        lse[rows] = _lse_tail(m - log_p_m, m, -log_p_m)
     return out, lse
 
 
-def _default_chunk_rows(V: int, device: torch.device, fused: bool) -> int:
-    """Rows per chunk of token_logprobs: machinery.FUSED_CHUNK_ELEMENTS logits fused, else GPU_CHUNK_BYTES of fp32
-    on CUDA and CHUNK_BYTES elsewhere. At least 1."""
+def _default_chunk_rows(V: int, device: torch.device, fused: bool = False) -> int:
+    """Rows per chunk: GPU_CHUNK_BYTES of fp32 on CUDA, CHUNK_BYTES elsewhere; fused:
+    FUSED_CHUNK_ELEMENTS logits (machinery.py). At least 1."""
     if fused:
         from machinery import FUSED_CHUNK_ELEMENTS
 
@@ -1594,84 +1658,69 @@ def _default_chunk_rows(V: int, device: torch.device, fused: bool) -> int:
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """log softmax(logits)[ids] by row chunks, with a hand-written backward that writes the gradient in place.
+    """log softmax(logits)[ids] by row chunks; the backward fills the (N, V) gradient by chunks.
 
-    Forward keeps (logits, ids, lse): no (N, V) tensor is saved. Backward fills one (N, V) gradient chunk by chunk:
-    d/dz_v = 1[v in ids] g - softmax(z)_v sum_k g_k. Autograd's own logsumexp + gather backward would allocate
-    several full-size temporaries instead. fused: both directions by compiled passes. An id whose logit is -inf
-    (log-prob -inf) gets this same finite gradient, as autograd through log_softmax + gather: softmax is 0 there. A
-    non-finite g (say -inf * 0 upstream) spoils its own row only.
+    d/dz_v = 1[v in ids] g - softmax(z)_v sum_k g_k. Saves (logits, ids, lse), no (N, V) tensor:
+    autograd's own backward would allocate several. A -inf logit's id gets the same finite gradient
+    as autograd's; a non-finite g spoils its own row only.
     """
 
     @staticmethod
-    def forward(ctx, logits, ids, chunk_rows, fused):  # logits (N, V), ids (N, K) -> (N, K) float32
-        """The chunked log-probs; saves (logits, ids, lse) for backward, no (N, V) tensor."""
-        out, lse = _chunked_logprobs(logits, ids, chunk_rows, fused)
+    def forward(ctx, logits, ids, chunk_rows):  # (N, V), (N, K) -> (N, K) float32
+        """The chunked log-probs; saves (logits, ids, lse) for backward."""
+        out, lse = _chunked_logprobs(logits, ids, chunk_rows)
         ctx.save_for_backward(logits, ids, lse)
-        ctx.chunk_rows, ctx.fused = chunk_rows, fused
+        ctx.chunk_rows = chunk_rows
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):  # grad_out (N, K)
+    def backward(ctx, grad_out):  # (N, K)
         """The (N, V) logits gradient by chunks: 1[v in ids] g - softmax(z)_v sum_k g_k."""
         logits, ids, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)  # (N, V), the only full-size tensor
         for start in range(0, logits.shape[0], ctx.chunk_rows):
             rows = slice(start, start + ctx.chunk_rows)
             g = grad_out[rows].float()  # (n, K)
-            if ctx.fused:  # one compiled pass
-                from machinery import _fused_logprobs_grad
-
-                grad[rows] = _fused_logprobs_grad(logits[rows], ids[rows], lse[rows], g)
-                continue
-            fp32 = logits.dtype == torch.float32  # then work in the gradient's own rows: no temporary at all
-            if fp32:
-                probs = torch.sub(logits[rows], lse[rows, :1], out=grad[rows])
-            else:
-                probs = logits[rows].float() - lse[rows, :1]
-            probs.sub_(lse[rows, 1:]).exp_().mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, ids[rows], g)  # (n, V)
-            if not fp32:
-                grad[rows] = probs
-        return grad, None, None, None
+            fp32 = logits.dtype == torch.float32  # then work in the gradient's own rows
+            probs = torch.sub(logits[rows].float(), lse[rows, :1], out=grad[rows] if fp32 else None)
+            probs.sub_(lse[rows, 1:]).exp_().mul_(-g.sum(-1, keepdim=True))  # -softmax(z) sum_k g_k
+            grad[rows] = probs.scatter_add_(-1, ids[rows], g)  # (n, V); fp32: onto itself, skipped
+        return grad, None, None
 
 
-def chunked_token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | None = None,
-                           fused: bool | None = None) -> torch.Tensor:
-    """token_logprobs on flat rows, (N, V), (N, K) -> (N, K) float32: each chunk of rows upcast and reduced on its own.
+def chunked_token_logprobs(logits, ids, chunk_rows: int | None = None, fused: bool | None = None):
+    """token_logprobs on flat rows by chunks, each upcast on its own. (N, V), (N, K) -> (N, K).
 
-    Default chunk: as many rows as fit in CHUNK_BYTES of float32 (GPU_CHUNK_BYTES on CUDA); the backward writes the
-    logits' gradient chunk by chunk (_TokenLogprobs). fused (default: on CUDA where torch.compile works) runs each
-    chunk as one compiled pass that reads the logits once (machinery.py).
+    Default chunk: CHUNK_BYTES of float32 (GPU_CHUNK_BYTES on CUDA). fused (default: on CUDA where
+    torch.compile works) runs each chunk as one compiled pass that reads the logits once
+    (machinery.py).
 
-    needs: _TokenLogprobs, _chunked_logprobs, _default_chunk_rows, _lse_tail, CHUNK_BYTES, GPU_CHUNK_BYTES,
-    FAR_FROM_ZERO
+    needs: _TokenLogprobs, _chunked_logprobs, _default_chunk_rows, _lse_tail, CHUNK_BYTES,
+    GPU_CHUNK_BYTES, FAR_FROM_ZERO
     """
-    if fused is None and logits.device.type == "cuda":  # compiled passes where torch.compile works there
-        from machinery import _gpu_compiles, _logprobs_probe
+    if fused or (fused is None and logits.device.type == "cuda"):  # compiled passes (machinery.py)
+        from machinery import fused_token_logprobs
 
-        fused = _gpu_compiles(logits.device, _logprobs_probe)
-    fused = bool(fused)  # None off CUDA: the eager chunks
+        return fused_token_logprobs(logits, ids, chunk_rows, probe=fused is None)
     if chunk_rows is None:
-        chunk_rows = _default_chunk_rows(logits.shape[-1], logits.device, fused)
-    if not (torch.is_grad_enabled() and logits.requires_grad):  # no graph to record
-        return _chunked_logprobs(logits, ids, chunk_rows, fused)[0]
-    return _TokenLogprobs.apply(logits, ids, chunk_rows, fused)
+        chunk_rows = _default_chunk_rows(logits.shape[-1], logits.device)
+    return _TokenLogprobs.apply(logits, ids, chunk_rows)  # without a graph: the forward alone
 
 
-def logprobs_by_blocks(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | None = None,
-                       fused: bool | None = None) -> torch.Tensor:
-    """chunked_token_logprobs on (..., V) logits, (..., K) ids -> (..., K): logits with no flat (N, V) view (a strided
-    slice such as logits[:, :-1], which a reshape would copy) go by the blocks of their leading index: for (B, T, V)
-    logits each (T, V) block is a view, so nothing is copied.
+def logprobs_by_blocks(logits, ids, chunk_rows: int | None = None, fused: bool | None = None):
+    """chunked_token_logprobs on (..., V) logits and (..., K) ids -> (..., K), copying nothing.
+
+    Logits with no flat (N, V) view (a strided slice such as logits[:, :-1], which a reshape would
+    copy) go by the blocks of their leading index: for (B, T, V) logits each (T, V) block is a view.
 
     needs: chunked_token_logprobs
     """
-    V = logits.shape[-1]
+    V, K = logits.shape[-1], ids.shape[-1]
     try:
-        blocks = [(logits.view(-1, V), ids)]  # (N, V): a view, or a RuntimeError
-    except RuntimeError:  # no flat view: the leading index's blocks
-        blocks = list(zip(logits, ids))
-    out = [chunked_token_logprobs(x.reshape(-1, V), i.reshape(-1, i.shape[-1]), chunk_rows, fused) for x, i in blocks]
+        blocks = [(logits.view(-1, V), ids.reshape(-1, K))]  # (N, V): a view, or a RuntimeError
+    except RuntimeError:  # no flat view: the leading index's blocks, (n, V) views each
+        blocks = [(x.reshape(-1, V), i.reshape(-1, K)) for x, i in zip(logits, ids)]
+    out = [chunked_token_logprobs(x, i, chunk_rows, fused) for x, i in blocks]
     return torch.stack(out).view(ids.shape)
 
 
@@ -3648,6 +3697,6 @@ def _doctor_main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    # machinery's `import tim_rl` gets this same module
-    sys.modules["tim_rl"] = sys.modules[__name__]
-    main()
+    import tim_rl  # the copy machinery.py imported at the top: one module for the CLI and its helpers
+
+    tim_rl.main()
