@@ -852,7 +852,7 @@ def tis_weights(logp_old, logp_infer, mask: torch.Tensor, cap: float = 2.0) -> t
     """
     log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     w = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(max=cap)
-    return torch.where(ok, w, torch.zeros_like(w))
+    return torch.where(ok, w, 0.0)
 
 
 def mis_weights(logp_old, logp_infer, mask, low: float = 0.5, high: float = 5.0):
@@ -864,19 +864,17 @@ def mis_weights(logp_old, logp_infer, mask, low: float = 0.5, high: float = 5.0)
     """
     log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     rho = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    keep = ok & (rho >= low) & (rho <= high)
-    return torch.where(keep, rho, torch.zeros_like(rho))
+    return torch.where(ok & (rho >= low) & (rho <= high), rho, 0.0)
 
 
-def _sequence_log_ratio(logp_old, logp_infer, mask):
-    """(sum_t log rho_t within +-LOG_RATIO_CLAMP, True where every generated token is finite).
+def _sequence_log_ratio(mask, **pair):
+    """(sum_t log rho_t, True where every generated token is finite, ok) for pair as _log_ratio's.
 
-    Each (B, 1); each token's log rho is clamped too, before the sum.
+    (B, 1), (B, 1), (B, T); each token's log rho is clamped to +-LOG_RATIO_CLAMP before the sum.
     """
-    log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
-    seq_ok = (ok == mask).all(dim=1, keepdim=True)  # (B, 1)
+    log_rho, ok = _log_ratio(mask, **pair)
     total = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).sum(dim=1, keepdim=True)  # (B, 1)
-    return total.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), seq_ok
+    return total, (ok == mask).all(dim=1, keepdim=True), ok
 
 
 def seq_tis_weights(logp_old, logp_infer, mask, cap: float = 5.0):
@@ -887,9 +885,9 @@ def seq_tis_weights(logp_old, logp_infer, mask, cap: float = 5.0):
 
     needs: _log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
     """
-    seq_log_rho, seq_ok = _sequence_log_ratio(logp_old, logp_infer, mask)  # (B, 1) each
-    w = seq_log_rho.exp().clamp(max=cap).expand(mask.shape)  # (B, T)
-    return torch.where(mask & seq_ok, w, torch.zeros_like(w))
+    total, seq_ok, _ = _sequence_log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
+    w = total.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(max=cap)  # (B, 1)
+    return torch.where(mask & seq_ok, w, 0.0)
 
 
 def seq_mask_weights(logp_old, logp_infer, mask, low: float = 0.0, high: float = 3.0):
@@ -901,11 +899,9 @@ def seq_mask_weights(logp_old, logp_infer, mask, low: float = 0.0, high: float =
 
     needs: _log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
     """
-    seq_log_rho, seq_ok = _sequence_log_ratio(logp_old, logp_infer, mask)
-    seq_rho = seq_log_rho.exp()  # (B, 1)
-    keep = mask & seq_ok & (seq_rho >= low) & (seq_rho <= high)  # (B, T)
-    zero = torch.zeros_like(keep, dtype=torch.float32)
-    return torch.where(keep, seq_rho.expand(mask.shape), zero)
+    total, seq_ok, _ = _sequence_log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
+    seq_rho = total.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # (B, 1)
+    return torch.where(mask & seq_ok & (seq_rho >= low) & (seq_rho <= high), seq_rho, 0.0)
 
 
 def geo_mask_weights(logp_old, logp_infer, mask, low: float = 0.99, high: float = 1.01):
@@ -914,12 +910,10 @@ def geo_mask_weights(logp_old, logp_infer, mask, low: float = 0.99, high: float 
     The geometric-mean sequence mask: a length-neutral replacement for the sequence product
     (TRL #5814, NeMo-RL #2269). Non-finite -> 0.
 
-    needs: _log_ratio, LOG_RATIO_CLAMP
+    needs: _log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
     """
-    log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
-    seq_ok = (ok == mask).all(dim=1, keepdim=True)  # (B, 1)
-    total = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).sum(dim=1, keepdim=True)  # (B, 1)
-    geo = (total / mask.sum(dim=1, keepdim=True).clamp(min=1)).exp()
+    total, seq_ok, _ = _sequence_log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
+    geo = (total / mask.sum(dim=1, keepdim=True).clamp(min=1)).exp()  # (B, 1)
     return (mask & seq_ok & (geo >= low) & (geo <= high)).float()
 
 
@@ -935,9 +929,8 @@ def cis_weights(logp_old, logp_infer, mask, lam: float = 2.3, kappa: float = 5e-
     log_rho, _ = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     p_old = torch.nan_to_num(logp_old.detach().float(), nan=0.0).clamp(max=0.0).exp()
     cap = 1 + lam * (1 - p_old).clamp(min=kappa)
-    rho = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    w = torch.minimum(rho, cap)  # log_rho = 0 on non-finite tokens, so w = 1 there
-    return torch.where(mask, w, torch.zeros_like(w))
+    w = torch.minimum(log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp(), cap)  # 1: non-finite
+    return torch.where(mask, w, 0.0)
 
 
 def dlc_weights(logp_old, logp_infer, mask, clamp: float = 1.0):
@@ -951,9 +944,8 @@ def dlc_weights(logp_old, logp_infer, mask, clamp: float = 1.0):
     """
     d, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    centred = d - masked_mean(d, ok)
-    w = centred.clamp(-clamp, clamp).exp()
-    return torch.where(ok, w, torch.zeros_like(w))
+    w = (d - masked_mean(d, ok)).clamp(-clamp, clamp).exp()  # centred, then bounded
+    return torch.where(ok, w, 0.0)
 
 
 def copc_mask(logp_old, logp_infer, mask, low: float = 0.5, high: float = 2.0):
@@ -987,19 +979,12 @@ def calibrated_clip_bounds(ratio_lowprec, ratio_ref, adv, mask, eps_low=0.2, eps
         return 1 - eps_low, 1 + eps_high
     low_neg = ratio_lowprec[neg].double().sort().values  # (N-,)
     n_clipped = int((ratio_ref[neg] < 1 - eps_low).sum())  # what the reference zeroes
-    if n_clipped < low_neg.numel():
-        L = float(low_neg[n_clipped])
-    else:
-        L = math.nextafter(float(low_neg[-1]), math.inf)
-
-    def balance(r, H, L_):
-        """(P(H), N(L)) of the ratios r."""
-        p_mass = (A[pos] * r[pos]).double()[r[pos] <= H].sum()
-        n_mass = (-A[neg] * r[neg]).double()[r[neg] >= L_].sum()
-        return float(p_mass), float(n_mass)
-
-    p_ref, n_ref = balance(ratio_ref, 1 + eps_high, 1 - eps_low)
-    _, n_low = balance(ratio_lowprec, math.inf, L)
+    last = math.nextafter(float(low_neg[-1]), math.inf)  # L when every one is clipped
+    L = float(low_neg[n_clipped]) if n_clipped < low_neg.numel() else last
+    # P(H) = sum_{A>0, r<=H} A r and N(L) = sum_{A<0, r>=L} |A| r
+    p_ref = float((A[pos] * ratio_ref[pos]).double()[ratio_ref[pos] <= 1 + eps_high].sum())
+    n_ref = float((-A[neg] * ratio_ref[neg]).double()[ratio_ref[neg] >= 1 - eps_low].sum())
+    n_low = float((-A[neg] * ratio_lowprec[neg]).double()[ratio_lowprec[neg] >= L].sum())
     if n_ref <= 0 or n_low <= 0:
         return L, 1 + eps_high
     target = p_ref / n_ref * n_low  # the P mass the low-precision ratios must reach
@@ -1053,12 +1038,13 @@ def divergence_mask_weights(logp_old, logp_infer, mask, threshold=0.01, estimato
 
 
 def _sequence_divergence(logp_old, logp_infer, mask, estimator=None):
-    """(per-token estimate, kl_k3 by default, -inf off the mask; (B, 1) True where every generated
-    token is finite)."""
+    """(per-token estimate k (kl_k3 by default), -inf off the mask; sum_t k; True where every
+    generated token is finite). (B, T), (B, 1), (B, 1)."""
     log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     estimate = (estimator or kl_k3)(log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    estimate = torch.where(mask, estimate, torch.full_like(log_rho, -math.inf))  # (B, T)
-    return estimate, (ok == mask).all(dim=1, keepdim=True)
+    total = torch.where(mask, estimate, 0.0).sum(dim=1, keepdim=True)  # (B, 1)
+    estimate = torch.where(mask, estimate, -math.inf)  # (B, T)
+    return estimate, total, (ok == mask).all(dim=1, keepdim=True)
 
 
 def divergence_seq_max_mask(logp_old, logp_infer, mask, threshold=0.01, estimator=None):
@@ -1070,9 +1056,8 @@ def divergence_seq_max_mask(logp_old, logp_infer, mask, threshold=0.01, estimato
 
     needs: _log_ratio, kl_k3, _sequence_divergence, LOG_RATIO_CLAMP
     """
-    estimate, seq_ok = _sequence_divergence(logp_old, logp_infer, mask, estimator)
-    worst = estimate.amax(dim=1, keepdim=True)  # (B, 1)
-    return (mask & seq_ok & (worst <= threshold)).float()
+    estimate, _, seq_ok = _sequence_divergence(logp_old, logp_infer, mask, estimator)
+    return (mask & seq_ok & (estimate.amax(dim=1, keepdim=True) <= threshold)).float()
 
 
 def divergence_seq_mean_mask(logp_old, logp_infer, mask, threshold=0.01, estimator=None):
@@ -1083,8 +1068,7 @@ def divergence_seq_mean_mask(logp_old, logp_infer, mask, threshold=0.01, estimat
 
     needs: _log_ratio, kl_k3, _sequence_divergence, LOG_RATIO_CLAMP
     """
-    estimate, seq_ok = _sequence_divergence(logp_old, logp_infer, mask, estimator)
-    total = torch.where(mask, estimate, torch.zeros_like(estimate)).sum(dim=1, keepdim=True)
+    _, total, seq_ok = _sequence_divergence(logp_old, logp_infer, mask, estimator)
     mean = total / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
     return (mask & seq_ok & (mean <= threshold)).float()
 
@@ -1097,8 +1081,7 @@ def divergence_seq_sum_mask(logp_old, logp_infer, mask, threshold=0.01, estimato
 
     needs: _log_ratio, kl_k3, _sequence_divergence, LOG_RATIO_CLAMP
     """
-    estimate, seq_ok = _sequence_divergence(logp_old, logp_infer, mask, estimator)
-    total = torch.where(mask, estimate, torch.zeros_like(estimate)).sum(dim=1, keepdim=True)
+    _, total, seq_ok = _sequence_divergence(logp_old, logp_infer, mask, estimator)
     return (mask & seq_ok & (total <= threshold)).float()
 
 
@@ -1132,11 +1115,10 @@ def self_normalize_seq_weights(weights: torch.Tensor, mask: torch.Tensor) -> tor
     first = mask.float().argmax(dim=1, keepdim=True)  # (B, 1)
     w_seq = weights.detach().float().gather(1, first)  # (B, 1)
     live = mask.any(dim=1, keepdim=True) & torch.isfinite(w_seq)
-    w_seq = torch.where(live, w_seq, torch.zeros_like(w_seq))
+    w_seq = torch.where(live, w_seq, 0.0)
     mean = w_seq.sum() / live.sum().clamp(min=1)
     w_seq = torch.where(mean > 0, w_seq / mean, w_seq)
-    zero = torch.zeros_like(weights, dtype=torch.float32)
-    return torch.where(mask, w_seq.expand(mask.shape), zero)
+    return torch.where(mask, w_seq, 0.0)
 
 
 def opsm_mask(logp, logp_infer, adv, mask, delta: float = 1e-4):
@@ -1149,14 +1131,13 @@ def opsm_mask(logp, logp_infer, adv, mask, delta: float = 1e-4):
     Positive-advantage sequences are always kept. A non-finite token gets 0 and makes its
     sequence's KL unmeasurable: dropped when A < 0. adv (B, T), (B, 1) or (B,).
 
-    needs: _check_adv, _log_ratio, LOG_RATIO_CLAMP
+    needs: _check_adv, _log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
     """
-    log_ratio, ok = _log_ratio(mask, logp_infer=logp_infer, logp=logp)  # log q / p
+    total, seq_ok, ok = _sequence_log_ratio(mask, logp_infer=logp_infer, logp=logp)  # log q / p
     A = _check_adv(adv, mask)
-    total = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).sum(dim=1, keepdim=True)  # (B, 1)
-    seq_kl = total / mask.sum(dim=1, keepdim=True).clamp(min=1)
-    seq_ok = (ok == mask).all(dim=1, keepdim=True)
+    seq_kl = total / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
     off_policy = (A < 0) & ~(seq_ok & (seq_kl <= delta))  # (B, T)
+
     return (ok & ~off_policy).float()
 
 
@@ -1177,8 +1158,7 @@ def _weights_or_ones(weights, mask) -> torch.Tensor:
     if weights is None:
         return mask.float()
     _check_bt(mask, weights=weights)
-    w = weights.detach().float()  # a change of measure: never differentiated through
-    return torch.where(mask & torch.isfinite(w), w, torch.zeros_like(w))
+    return _finite_or_zero(weights.detach().float(), mask)[0]  # a change of measure: no gradient
 
 
 def pg_loss(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, weights=None):
@@ -1207,7 +1187,7 @@ def ppo_loss(logp, logp_prox, adv, mask, weights=None, eps_low=0.2, eps_high=0.2
     log-ratio drops the token. (B, T).
 
     needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, masked_mean,
-    _weights_or_ones, LOG_RATIO_CLAMP
+    _weights_or_ones, _finite_or_zero, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp, logp_prox=logp_prox)
     A, w = _check_adv(adv, mask), _weights_or_ones(weights, mask)
@@ -1261,8 +1241,7 @@ def score_centering_loss(logp, logp_topk, logp_infer, logp_topk_infer, adv, mask
     else:  # SC alone: f = 1, q f(p/q) = q, alpha = rho_tail
         f_y, head, alpha = torch.ones_like(log_r_y), q_head, rho_tail
     coef = (head - alpha[..., None] * p_head).nan_to_num(nan=0.0)  # (B, T, K), detached
-    logp_topk_safe = torch.where(torch.isfinite(logp_topk), logp_topk, torch.zeros_like(logp_topk))
-    baseline = (coef * logp_topk_safe).sum(-1)  # (B, T): sum_H coef_v log p_v
+    baseline = (coef * torch.where(torch.isfinite(logp_topk), logp_topk, 0.0)).sum(-1)  # (B, T)
     logp_y, ok = _finite_or_zero(logp, ok_y)
     return -masked_mean(A * (f_y * logp_y - baseline), ok)
 
@@ -1303,11 +1282,11 @@ def dppo_loss(logp, logp_infer, adv, mask, delta: float = 0.2):
     ok = mask & torch.isfinite(logp) & torch.isfinite(logp_infer)
     log_ratio = torch.where(ok, logp - logp_infer.detach(), torch.zeros_like(logp))
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # r = p / q, with gradient
-    p = torch.where(ok, logp.detach(), torch.zeros_like(logp)).exp()
-    q = torch.where(ok, logp_infer.detach(), torch.zeros_like(logp)).exp()
+    p = torch.where(ok, logp.detach(), 0.0).exp()
+    q = torch.where(ok, logp_infer.detach(), 0.0).exp()
     shift = p - q  # detached
     outside = ((A > 0) & (shift > delta)) | ((A < 0) & (shift < -delta))
-    return -masked_mean(torch.where(outside, torch.zeros_like(ratio), ratio * A), ok)
+    return -masked_mean(torch.where(outside, 0.0, ratio * A), ok)
 
 
 def effective_token_weights(loss, logp: torch.Tensor, adv, mask: torch.Tensor) -> torch.Tensor:
@@ -1346,12 +1325,12 @@ def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness=0, max
     if max_staleness <= 0 and max_lag <= 0:
         return False  # both triggers off
     lag, ok = _log_ratio(mask, logp=logp, logp_old=logp_old)
-    if bool((mask & ~ok).any()):
-        return True  # an unmeasurable lag is no reason to trust a stale sampler
-    if max_staleness > 0 and staleness >= max_staleness:
-        return True  # too stale
+    # an unmeasurable lag is no reason to trust a stale sampler; then: too stale, or lagging
+    if bool((mask & ~ok).any()) or 0 < max_staleness <= staleness:
+        return True
     lag = lag.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return max_lag > 0 and float(masked_mean(lag.abs(), ok)) > max_lag
+
 
 
 def cispo_loss(logp, logp_infer, adv, mask, eps_high: float = 0.28):
@@ -1488,11 +1467,10 @@ def routed_router_forward(router, hidden: torch.Tensor, forced=None, gates=None)
         logits = logits + router.logit_jitter * noise.to(logits.dtype)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     ids = torch.topk(probs, router.top_k, dim=-1).indices  # (N, k): the live routing
-    if forced is None:
-        has_route = torch.ones_like(ids[:, :1], dtype=torch.bool)
-    else:  # no route (the last token): live
-        has_route = (forced >= 0).all(-1, keepdim=True)
-        ids = torch.where(has_route, forced.to(ids), ids)
+    forced = ids if forced is None else forced.to(ids)  # None: the live routing "forced"
+    has_route = (forced >= 0).all(-1, keepdim=True)  # (N, 1); no route (the last token): live
+    ids = torch.where(has_route, forced, ids)
+
     # TIM: gathered from the live probabilities, not from post-top-k zeros (no gradient there)
     weights = probs.gather(-1, ids)
     if getattr(router, "norm_topk_prob", True):  # (Qwen3.5-MoE's router always renormalises)
@@ -1540,45 +1518,37 @@ def replay_routes(model, routes=None, gates=None, record: bool = True):
     """
     routers = decoder_routers(model)
     if routes is not None and not any(routers):  # no silent no-op
-        raise ValueError(f"replay_routes: {type(model).__name__} has no router tim_rl replays "
-                         f"(its router: {router_class(model)}; REPLAYABLE_ROUTERS are those whose "
-                         "forward is Qwen3-MoE's)")
+        raise ValueError(f"replay_routes: {type(model).__name__} has no router tim_rl replays (its "
+                         f"router: {router_class(model)}; REPLAYABLE_ROUTERS route as Qwen3-MoE's)")
     log, kept = [[] for _ in routers], {}
     keep = routes is not None and torch.is_grad_enabled()  # TIM: a checkpointed layer recomputes
 
-    def forward_of(layer: int, router):
-        """The forward that replaces `router`'s within the block (layer: its decoder layer)."""
+    def replayed(hidden, layer: int, router):
+        """routed_router_forward on this layer's routes, logged (layer: its decoder layer)."""
+        rows = hidden.numel() // router.hidden_dim  # B * S positions
+        forced = forced_gates = None
+        if routes is not None:  # (B * S, k)
+            forced = routes[:, :, layer].reshape(-1, routes.shape[-1]).to(hidden.device)
+        if forced is not None and forced.shape[0] != rows:
+            raise ValueError(f"routes has shape {tuple(routes.shape)}: it needs one route per "
+                             f"position of the forward ({rows} rows)")
+        if gates is not None:
+            forced_gates = gates[:, :, layer].reshape(-1, routes.shape[-1]).to(hidden.device)
+        logits, weights, ids = routed_router_forward(router, hidden, forced, forced_gates)
+        if record:
+            log[layer].append((ids.to(torch.int16), weights.detach().float()))
+        if keep:
+            kept[layer] = ids
+        return logits, weights, ids
 
-        def forward(hidden):
-            """routed_router_forward on this layer's routes, logged."""
-            rows = hidden.numel() // router.hidden_dim  # B * S positions
-            forced = forced_gates = None
-            if routes is not None:  # (B * S, k)
-                forced = routes[:, :, layer].reshape(-1, routes.shape[-1]).to(hidden.device)
-            if forced is not None and forced.shape[0] != rows:
-                raise ValueError(f"routes has shape {tuple(routes.shape)}: it needs one route per "
-                                 f"position of the forward ({rows} rows)")
-            if gates is not None:
-                forced_gates = gates[:, :, layer].reshape(-1, routes.shape[-1]).to(hidden.device)
-            logits, weights, ids = routed_router_forward(router, hidden, forced, forced_gates)
-            if record:
-                log[layer].append((ids.to(torch.int16), weights.detach().float()))
-            if keep:
-                kept[layer] = ids
-            return logits, weights, ids
-
-        return forward
-
-    previous = [vars(router).get("forward") if router is not None else None for router in routers]
-    for layer, router in enumerate(routers):
-        if router is not None:  # an instance attribute: nn.Module.__call__ (and its hooks) use it
-            router.forward = forward_of(layer, router)
+    live = {layer: router for layer, router in enumerate(routers) if router is not None}
+    previous = [vars(router).get("forward") for router in live.values()]
+    for layer, router in live.items():  # an instance attribute: nn.Module.__call__ uses it
+        router.forward = functools.partial(replayed, layer=layer, router=router)
     try:
         yield log
     finally:
-        for layer, (router, forward) in enumerate(zip(routers, previous)):
-            if router is None:
-                continue
+        for (layer, router), forward in zip(live.items(), previous):
             del router.forward
             forward = _recompute_forward(router, kept[layer], forward) if layer in kept else forward
             if forward is not None:
@@ -1724,7 +1694,7 @@ def logprobs_by_blocks(logits, ids, chunk_rows: int | None = None, fused: bool |
     return torch.stack(out).view(ids.shape)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ---- task and reward verifier ----
 # Model text is data, never code: the verifier uses regular expressions and fractions.Fraction only.
 # The task generators (the testbed) live in machinery.py.
@@ -1800,7 +1770,7 @@ def verify(text: str, answer: str) -> float:
     return float(want is not None and _parse_number(extracted) == want)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ---- model and tokenizer ----
 # transformers is imported inside these functions: the math above imports with torch alone. The tiny
 # models and the character tokenizer (the testbed) live in machinery.py.
@@ -1890,7 +1860,7 @@ def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ---- samplers (torch, vLLM) ----
 
 
