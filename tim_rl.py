@@ -1321,10 +1321,9 @@ def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness=0, max
     needs: _check_bt, _check_device, _check_mask, _check_tensor, _log_ratio, masked_mean,
     LOG_RATIO_CLAMP
     """
-    _check_bt(mask, logp=logp, logp_old=logp_old)
+    lag, ok = _log_ratio(mask, logp=logp, logp_old=logp_old)
     if max_staleness <= 0 and max_lag <= 0:
         return False  # both triggers off
-    lag, ok = _log_ratio(mask, logp=logp, logp_old=logp_old)
     # an unmeasurable lag is no reason to trust a stale sampler; then: too stale, or lagging
     if bool((mask & ~ok).any()) or 0 < max_staleness <= staleness:
         return True
@@ -1744,10 +1743,9 @@ def extract_answer(text: str) -> str | None:
 def _parse_number(s: str) -> Fraction | None:
     """'1,234' '-47' '+3' '2.50' '3/4' -> Fraction; anything else -> None. Never evaluates code."""
     s = s.strip().rstrip(".")
-    if len(s) > MAX_NUMBER_CHARS or not _NUMBER.fullmatch(s):
+    thousands = "," not in s or _THOUSANDS.fullmatch(s)  # commas only as thousands separators
+    if len(s) > MAX_NUMBER_CHARS or not _NUMBER.fullmatch(s) or not thousands:
         return None
-    if "," in s and not _THOUSANDS.fullmatch(s):
-        return None  # commas only as thousands separators
     try:
         return Fraction(s.replace(",", ""))
     except (ValueError, ZeroDivisionError):
@@ -1799,8 +1797,7 @@ class HFTokenizer:
         turn_end = next((t for t in END_OF_TURN if t in template and t in vocab), None)
         # a chat model ends its answer with the template's end-of-turn token (not EOS in Llama 3)
         self.eos_id = vocab[turn_end] if turn_end else self.tok.eos_token_id
-        pad_id = self.tok.pad_token_id
-        self.pad_id = pad_id if pad_id is not None else self.eos_id
+        self.pad_id = self.eos_id if self.tok.pad_token_id is None else self.tok.pad_token_id
         self.vocab_size = len(self.tok)
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
@@ -1820,9 +1817,8 @@ def load_tokenizer(directory: str | Path):
     """
     import machinery
 
-    if (Path(directory) / "pretrain.json").exists():
-        return machinery.CharTokenizer()
-    return HFTokenizer(directory)
+    own = (Path(directory) / "pretrain.json").exists()  # a tiny model of machinery.pretrain's
+    return machinery.CharTokenizer() if own else HFTokenizer(directory)
 
 
 def task_kwargs(model_dir: Path) -> dict:
@@ -1853,10 +1849,10 @@ def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
     eval mode does, bitwise, and transformers' gradient checkpointing stays on."""
     for part in [getattr(model, "config", None), *model.modules()]:
         for name, value in list(vars(part).items()) if part is not None else ():
-            is_dropout = isinstance(part, torch.nn.Dropout)  # nn.Dropout: p
-            named = "dropout" in name or "jitter" in name or is_dropout
+            named = "dropout" in name or "jitter" in name or isinstance(part, torch.nn.Dropout)  # p
             if isinstance(value, float) and named:
                 setattr(part, name, 0.0)
+
     return model
 
 
