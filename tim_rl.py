@@ -1300,9 +1300,10 @@ def effective_token_weights(loss, logp: torch.Tensor, adv, mask: torch.Tensor) -
     """
     _check_bt(mask, logp=logp)
     A = _check_adv(adv, mask)
-    (grad,) = torch.autograd.grad(loss, logp, retain_graph=True, allow_unused=True)
-    grad = torch.zeros_like(logp) if grad is None else grad.detach()
+    # materialize_grads: a loss that does not use logp gives 0, not None
+    (grad,) = torch.autograd.grad(loss, logp, retain_graph=True, materialize_grads=True)
     w = -grad * mask.sum().clamp(min=1) / A
+
     return torch.where(mask & (A != 0), w, torch.full_like(w, math.nan))
 
 
@@ -1459,8 +1460,8 @@ def routed_router_forward(router, hidden: torch.Tensor, forced=None, gates=None)
     gathered logits. gates (N, k): weights forced too where there is a route (no gradient: the
     ledger's gates part).
     """
-    hidden = hidden.reshape(-1, router.hidden_dim)  # (N, H)
-    logits = torch.nn.functional.linear(hidden, router.weight)  # (N, E)
+    # (N, E) router logits of the (N, H) positions
+    logits = torch.nn.functional.linear(hidden.reshape(-1, router.hidden_dim), router.weight)
     if getattr(router, "logit_jitter", 0.0):  # TIM: a sampler's fresh router noise: near-tie flips
         noise = torch.randn(logits.shape, generator=router.jitter_generator, device=logits.device)
         logits = logits + router.logit_jitter * noise.to(logits.dtype)
@@ -1732,12 +1733,10 @@ def extract_answer(text: str) -> str | None:
     boxed = _last_boxed(text)
     if boxed is not None:
         return boxed.strip()
-    hashes = text.rfind("####")
-    if hashes >= 0:
-        match = _CANDIDATE.search(text, hashes + 4)
-        return match.group(0) if match else None
-    numbers = _CANDIDATE.findall(text)  # whole candidates: the pattern has no capturing group
-    return numbers[-1] if numbers else None
+    _, hashes, after = text.rpartition("####")  # no ####: after is the whole text
+    numbers = _CANDIDATE.findall(after)  # whole candidates: the pattern has no capturing group
+    pick = 0 if hashes else -1  # the first number after the last ####, else the last number
+    return numbers[pick] if numbers else None
 
 
 def _parse_number(s: str) -> Fraction | None:
