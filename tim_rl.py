@@ -1595,27 +1595,6 @@ def _lse_tail(lse: torch.Tensor, m: torch.Tensor, s: torch.Tensor) -> torch.Tens
     return torch.cat([lse, torch.where(m.abs() > FAR_FROM_ZERO, s - (lse - m), 0.0)], -1)
 
 
-def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int):
-    """(log softmax(logits)[ids], (lse, tail)) by row chunks. (N, V), (N, K) -> (N, K), (N, 2).
-
-    One code path with and without a gradient, so the trainer's log-probs are bitwise the same
-    either way. lse = z_m - log_softmax(z)_m at each row's largest logit m: exact to one rounding
-    whatever the other logits are (-inf and finfo.min included). Rows of only -inf give nan, as
-    log_softmax.
-    """
-    out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(logits.shape[0], 2, dtype=torch.float32, device=logits.device)
-    for start in range(0, logits.shape[0], chunk_rows):
-        rows = slice(start, start + chunk_rows)
-        chunk = logits[rows].float()  # (n, V), a copy only when logits are not fp32
-        log_probs = torch.log_softmax(chunk, dim=-1)  # (n, V) transient
-        out[rows] = log_probs.gather(-1, ids[rows])
-        top = chunk.argmax(-1, keepdim=True)  # (n, 1): each row's largest logit
-        m, log_p_m = chunk.gather(-1, top), log_probs.gather(-1, top)
-        lse[rows] = _lse_tail(m - log_p_m, m, -log_p_m)
-    return out, lse
-
-
 def _default_chunk_rows(V: int, device: torch.device, fused: bool = False) -> int:
     """Rows per chunk: GPU_CHUNK_BYTES of fp32 on CUDA, CHUNK_BYTES elsewhere; fused:
     FUSED_CHUNK_ELEMENTS logits (machinery.py). At least 1."""
@@ -1637,8 +1616,23 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ids, chunk_rows):  # (N, V), (N, K) -> (N, K) float32
-        """The chunked log-probs; saves (logits, ids, lse) for backward."""
-        out, lse = _chunked_logprobs(logits, ids, chunk_rows)
+        """log softmax(logits)[ids] by row chunks; saves (logits, ids, (lse, tail) (N, 2)).
+
+        One code path with and without a gradient, so the trainer's log-probs are bitwise the same
+        either way. lse = z_m - log_softmax(z)_m at each row's largest logit m: exact to one
+        rounding whatever the other logits are (-inf and finfo.min included). Rows of only -inf
+        give nan, as log_softmax.
+        """
+        out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(logits.shape[0], 2, dtype=torch.float32, device=logits.device)
+        for start in range(0, logits.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            chunk = logits[rows].float()  # (n, V), a copy only when logits are not fp32
+            log_probs = torch.log_softmax(chunk, dim=-1)  # (n, V) transient
+            out[rows] = log_probs.gather(-1, ids[rows])
+            top = chunk.argmax(-1, keepdim=True)  # (n, 1): each row's largest logit
+            m, log_p_m = chunk.gather(-1, top), log_probs.gather(-1, top)
+            lse[rows] = _lse_tail(m - log_p_m, m, -log_p_m)
         ctx.save_for_backward(logits, ids, lse)
         ctx.chunk_rows = chunk_rows
         return out
@@ -1665,7 +1659,7 @@ def chunked_token_logprobs(logits, ids, chunk_rows: int | None = None, fused: bo
     torch.compile works) runs each chunk as one compiled pass that reads the logits once
     (machinery.py).
 
-    needs: _TokenLogprobs, _chunked_logprobs, _default_chunk_rows, _lse_tail, CHUNK_BYTES,
+    needs: _TokenLogprobs, _default_chunk_rows, _lse_tail, CHUNK_BYTES,
     GPU_CHUNK_BYTES, FAR_FROM_ZERO
     """
     if fused or (fused is None and logits.device.type == "cuda"):  # compiled passes (machinery.py)
