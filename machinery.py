@@ -171,7 +171,7 @@ def _gpu_compiles(device: torch.device, probe) -> bool:
 
 
 def _fused_chunks(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int):
-    """tim_rl._chunked_logprobs with each chunk one compiled pass. (N, V), (N, K) -> (N, K), (N, 2)."""
+    """tim_rl._TokenLogprobs.forward with each chunk one compiled pass. (N, V), (N, K) -> (N, K), (N, 2)."""
     out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
     lse = torch.empty(logits.shape[0], 2, dtype=torch.float32, device=logits.device)
     for start in range(0, logits.shape[0], chunk_rows):

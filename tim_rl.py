@@ -852,7 +852,7 @@ def tis_weights(logp_old, logp_infer, mask: torch.Tensor, cap: float = 2.0) -> t
     """
     log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     w = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(max=cap)
-    return torch.where(ok, w, torch.zeros_like(w))
+    return torch.where(ok, w, 0.0)
 
 
 def mis_weights(logp_old, logp_infer, mask, low: float = 0.5, high: float = 5.0):
@@ -864,19 +864,17 @@ def mis_weights(logp_old, logp_infer, mask, low: float = 0.5, high: float = 5.0)
     """
     log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     rho = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    keep = ok & (rho >= low) & (rho <= high)
-    return torch.where(keep, rho, torch.zeros_like(rho))
+    return torch.where(ok & (rho >= low) & (rho <= high), rho, 0.0)
 
 
-def _sequence_log_ratio(logp_old, logp_infer, mask):
-    """(sum_t log rho_t within +-LOG_RATIO_CLAMP, True where every generated token is finite).
+def _sequence_log_ratio(mask, **pair):
+    """(sum_t log rho_t, True where every generated token is finite, ok) for pair as _log_ratio's.
 
-    Each (B, 1); each token's log rho is clamped too, before the sum.
+    (B, 1), (B, 1), (B, T); each token's log rho is clamped to +-LOG_RATIO_CLAMP before the sum.
     """
-    log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
-    seq_ok = (ok == mask).all(dim=1, keepdim=True)  # (B, 1)
+    log_rho, ok = _log_ratio(mask, **pair)
     total = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).sum(dim=1, keepdim=True)  # (B, 1)
-    return total.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), seq_ok
+    return total, (ok == mask).all(dim=1, keepdim=True), ok
 
 
 def seq_tis_weights(logp_old, logp_infer, mask, cap: float = 5.0):
@@ -887,9 +885,9 @@ def seq_tis_weights(logp_old, logp_infer, mask, cap: float = 5.0):
 
     needs: _log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
     """
-    seq_log_rho, seq_ok = _sequence_log_ratio(logp_old, logp_infer, mask)  # (B, 1) each
-    w = seq_log_rho.exp().clamp(max=cap).expand(mask.shape)  # (B, T)
-    return torch.where(mask & seq_ok, w, torch.zeros_like(w))
+    total, seq_ok, _ = _sequence_log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
+    w = total.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(max=cap)  # (B, 1)
+    return torch.where(mask & seq_ok, w, 0.0)
 
 
 def seq_mask_weights(logp_old, logp_infer, mask, low: float = 0.0, high: float = 3.0):
@@ -901,11 +899,9 @@ def seq_mask_weights(logp_old, logp_infer, mask, low: float = 0.0, high: float =
 
     needs: _log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
     """
-    seq_log_rho, seq_ok = _sequence_log_ratio(logp_old, logp_infer, mask)
-    seq_rho = seq_log_rho.exp()  # (B, 1)
-    keep = mask & seq_ok & (seq_rho >= low) & (seq_rho <= high)  # (B, T)
-    zero = torch.zeros_like(keep, dtype=torch.float32)
-    return torch.where(keep, seq_rho.expand(mask.shape), zero)
+    total, seq_ok, _ = _sequence_log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
+    seq_rho = total.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # (B, 1)
+    return torch.where(mask & seq_ok & (seq_rho >= low) & (seq_rho <= high), seq_rho, 0.0)
 
 
 def geo_mask_weights(logp_old, logp_infer, mask, low: float = 0.99, high: float = 1.01):
@@ -914,12 +910,10 @@ def geo_mask_weights(logp_old, logp_infer, mask, low: float = 0.99, high: float 
     The geometric-mean sequence mask: a length-neutral replacement for the sequence product
     (TRL #5814, NeMo-RL #2269). Non-finite -> 0.
 
-    needs: _log_ratio, LOG_RATIO_CLAMP
+    needs: _log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
     """
-    log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
-    seq_ok = (ok == mask).all(dim=1, keepdim=True)  # (B, 1)
-    total = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).sum(dim=1, keepdim=True)  # (B, 1)
-    geo = (total / mask.sum(dim=1, keepdim=True).clamp(min=1)).exp()
+    total, seq_ok, _ = _sequence_log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
+    geo = (total / mask.sum(dim=1, keepdim=True).clamp(min=1)).exp()  # (B, 1)
     return (mask & seq_ok & (geo >= low) & (geo <= high)).float()
 
 
@@ -935,9 +929,8 @@ def cis_weights(logp_old, logp_infer, mask, lam: float = 2.3, kappa: float = 5e-
     log_rho, _ = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     p_old = torch.nan_to_num(logp_old.detach().float(), nan=0.0).clamp(max=0.0).exp()
     cap = 1 + lam * (1 - p_old).clamp(min=kappa)
-    rho = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    w = torch.minimum(rho, cap)  # log_rho = 0 on non-finite tokens, so w = 1 there
-    return torch.where(mask, w, torch.zeros_like(w))
+    w = torch.minimum(log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp(), cap)  # 1: non-finite
+    return torch.where(mask, w, 0.0)
 
 
 def dlc_weights(logp_old, logp_infer, mask, clamp: float = 1.0):
@@ -951,9 +944,8 @@ def dlc_weights(logp_old, logp_infer, mask, clamp: float = 1.0):
     """
     d, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    centred = d - masked_mean(d, ok)
-    w = centred.clamp(-clamp, clamp).exp()
-    return torch.where(ok, w, torch.zeros_like(w))
+    w = (d - masked_mean(d, ok)).clamp(-clamp, clamp).exp()  # centred, then bounded
+    return torch.where(ok, w, 0.0)
 
 
 def copc_mask(logp_old, logp_infer, mask, low: float = 0.5, high: float = 2.0):
@@ -987,19 +979,12 @@ def calibrated_clip_bounds(ratio_lowprec, ratio_ref, adv, mask, eps_low=0.2, eps
         return 1 - eps_low, 1 + eps_high
     low_neg = ratio_lowprec[neg].double().sort().values  # (N-,)
     n_clipped = int((ratio_ref[neg] < 1 - eps_low).sum())  # what the reference zeroes
-    if n_clipped < low_neg.numel():
-        L = float(low_neg[n_clipped])
-    else:
-        L = math.nextafter(float(low_neg[-1]), math.inf)
-
-    def balance(r, H, L_):
-        """(P(H), N(L)) of the ratios r."""
-        p_mass = (A[pos] * r[pos]).double()[r[pos] <= H].sum()
-        n_mass = (-A[neg] * r[neg]).double()[r[neg] >= L_].sum()
-        return float(p_mass), float(n_mass)
-
-    p_ref, n_ref = balance(ratio_ref, 1 + eps_high, 1 - eps_low)
-    _, n_low = balance(ratio_lowprec, math.inf, L)
+    last = math.nextafter(float(low_neg[-1]), math.inf)  # L when every one is clipped
+    L = float(low_neg[n_clipped]) if n_clipped < low_neg.numel() else last
+    # P(H) = sum_{A>0, r<=H} A r and N(L) = sum_{A<0, r>=L} |A| r
+    p_ref = float((A[pos] * ratio_ref[pos]).double()[ratio_ref[pos] <= 1 + eps_high].sum())
+    n_ref = float((-A[neg] * ratio_ref[neg]).double()[ratio_ref[neg] >= 1 - eps_low].sum())
+    n_low = float((-A[neg] * ratio_lowprec[neg]).double()[ratio_lowprec[neg] >= L].sum())
     if n_ref <= 0 or n_low <= 0:
         return L, 1 + eps_high
     target = p_ref / n_ref * n_low  # the P mass the low-precision ratios must reach
@@ -1053,12 +1038,13 @@ def divergence_mask_weights(logp_old, logp_infer, mask, threshold=0.01, estimato
 
 
 def _sequence_divergence(logp_old, logp_infer, mask, estimator=None):
-    """(per-token estimate, kl_k3 by default, -inf off the mask; (B, 1) True where every generated
-    token is finite)."""
+    """(per-token estimate k (kl_k3 by default), -inf off the mask; sum_t k; True where every
+    generated token is finite). (B, T), (B, 1), (B, 1)."""
     log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     estimate = (estimator or kl_k3)(log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    estimate = torch.where(mask, estimate, torch.full_like(log_rho, -math.inf))  # (B, T)
-    return estimate, (ok == mask).all(dim=1, keepdim=True)
+    total = torch.where(mask, estimate, 0.0).sum(dim=1, keepdim=True)  # (B, 1)
+    estimate = torch.where(mask, estimate, -math.inf)  # (B, T)
+    return estimate, total, (ok == mask).all(dim=1, keepdim=True)
 
 
 def divergence_seq_max_mask(logp_old, logp_infer, mask, threshold=0.01, estimator=None):
@@ -1070,9 +1056,8 @@ def divergence_seq_max_mask(logp_old, logp_infer, mask, threshold=0.01, estimato
 
     needs: _log_ratio, kl_k3, _sequence_divergence, LOG_RATIO_CLAMP
     """
-    estimate, seq_ok = _sequence_divergence(logp_old, logp_infer, mask, estimator)
-    worst = estimate.amax(dim=1, keepdim=True)  # (B, 1)
-    return (mask & seq_ok & (worst <= threshold)).float()
+    estimate, _, seq_ok = _sequence_divergence(logp_old, logp_infer, mask, estimator)
+    return (mask & seq_ok & (estimate.amax(dim=1, keepdim=True) <= threshold)).float()
 
 
 def divergence_seq_mean_mask(logp_old, logp_infer, mask, threshold=0.01, estimator=None):
@@ -1083,8 +1068,7 @@ def divergence_seq_mean_mask(logp_old, logp_infer, mask, threshold=0.01, estimat
 
     needs: _log_ratio, kl_k3, _sequence_divergence, LOG_RATIO_CLAMP
     """
-    estimate, seq_ok = _sequence_divergence(logp_old, logp_infer, mask, estimator)
-    total = torch.where(mask, estimate, torch.zeros_like(estimate)).sum(dim=1, keepdim=True)
+    _, total, seq_ok = _sequence_divergence(logp_old, logp_infer, mask, estimator)
     mean = total / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
     return (mask & seq_ok & (mean <= threshold)).float()
 
@@ -1097,8 +1081,7 @@ def divergence_seq_sum_mask(logp_old, logp_infer, mask, threshold=0.01, estimato
 
     needs: _log_ratio, kl_k3, _sequence_divergence, LOG_RATIO_CLAMP
     """
-    estimate, seq_ok = _sequence_divergence(logp_old, logp_infer, mask, estimator)
-    total = torch.where(mask, estimate, torch.zeros_like(estimate)).sum(dim=1, keepdim=True)
+    _, total, seq_ok = _sequence_divergence(logp_old, logp_infer, mask, estimator)
     return (mask & seq_ok & (total <= threshold)).float()
 
 
@@ -1132,11 +1115,10 @@ def self_normalize_seq_weights(weights: torch.Tensor, mask: torch.Tensor) -> tor
     first = mask.float().argmax(dim=1, keepdim=True)  # (B, 1)
     w_seq = weights.detach().float().gather(1, first)  # (B, 1)
     live = mask.any(dim=1, keepdim=True) & torch.isfinite(w_seq)
-    w_seq = torch.where(live, w_seq, torch.zeros_like(w_seq))
+    w_seq = torch.where(live, w_seq, 0.0)
     mean = w_seq.sum() / live.sum().clamp(min=1)
     w_seq = torch.where(mean > 0, w_seq / mean, w_seq)
-    zero = torch.zeros_like(weights, dtype=torch.float32)
-    return torch.where(mask, w_seq.expand(mask.shape), zero)
+    return torch.where(mask, w_seq, 0.0)
 
 
 def opsm_mask(logp, logp_infer, adv, mask, delta: float = 1e-4):
@@ -1149,14 +1131,13 @@ def opsm_mask(logp, logp_infer, adv, mask, delta: float = 1e-4):
     Positive-advantage sequences are always kept. A non-finite token gets 0 and makes its
     sequence's KL unmeasurable: dropped when A < 0. adv (B, T), (B, 1) or (B,).
 
-    needs: _check_adv, _log_ratio, LOG_RATIO_CLAMP
+    needs: _check_adv, _log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
     """
-    log_ratio, ok = _log_ratio(mask, logp_infer=logp_infer, logp=logp)  # log q / p
+    total, seq_ok, ok = _sequence_log_ratio(mask, logp_infer=logp_infer, logp=logp)  # log q / p
     A = _check_adv(adv, mask)
-    total = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).sum(dim=1, keepdim=True)  # (B, 1)
-    seq_kl = total / mask.sum(dim=1, keepdim=True).clamp(min=1)
-    seq_ok = (ok == mask).all(dim=1, keepdim=True)
+    seq_kl = total / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
     off_policy = (A < 0) & ~(seq_ok & (seq_kl <= delta))  # (B, T)
+
     return (ok & ~off_policy).float()
 
 
@@ -1177,8 +1158,7 @@ def _weights_or_ones(weights, mask) -> torch.Tensor:
     if weights is None:
         return mask.float()
     _check_bt(mask, weights=weights)
-    w = weights.detach().float()  # a change of measure: never differentiated through
-    return torch.where(mask & torch.isfinite(w), w, torch.zeros_like(w))
+    return _finite_or_zero(weights.detach().float(), mask)[0]  # a change of measure: no gradient
 
 
 def pg_loss(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, weights=None):
@@ -1207,7 +1187,7 @@ def ppo_loss(logp, logp_prox, adv, mask, weights=None, eps_low=0.2, eps_high=0.2
     log-ratio drops the token. (B, T).
 
     needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, masked_mean,
-    _weights_or_ones, LOG_RATIO_CLAMP
+    _weights_or_ones, _finite_or_zero, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp, logp_prox=logp_prox)
     A, w = _check_adv(adv, mask), _weights_or_ones(weights, mask)
@@ -1261,8 +1241,7 @@ def score_centering_loss(logp, logp_topk, logp_infer, logp_topk_infer, adv, mask
     else:  # SC alone: f = 1, q f(p/q) = q, alpha = rho_tail
         f_y, head, alpha = torch.ones_like(log_r_y), q_head, rho_tail
     coef = (head - alpha[..., None] * p_head).nan_to_num(nan=0.0)  # (B, T, K), detached
-    logp_topk_safe = torch.where(torch.isfinite(logp_topk), logp_topk, torch.zeros_like(logp_topk))
-    baseline = (coef * logp_topk_safe).sum(-1)  # (B, T): sum_H coef_v log p_v
+    baseline = (coef * torch.where(torch.isfinite(logp_topk), logp_topk, 0.0)).sum(-1)  # (B, T)
     logp_y, ok = _finite_or_zero(logp, ok_y)
     return -masked_mean(A * (f_y * logp_y - baseline), ok)
 
@@ -1303,11 +1282,11 @@ def dppo_loss(logp, logp_infer, adv, mask, delta: float = 0.2):
     ok = mask & torch.isfinite(logp) & torch.isfinite(logp_infer)
     log_ratio = torch.where(ok, logp - logp_infer.detach(), torch.zeros_like(logp))
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # r = p / q, with gradient
-    p = torch.where(ok, logp.detach(), torch.zeros_like(logp)).exp()
-    q = torch.where(ok, logp_infer.detach(), torch.zeros_like(logp)).exp()
+    p = torch.where(ok, logp.detach(), 0.0).exp()
+    q = torch.where(ok, logp_infer.detach(), 0.0).exp()
     shift = p - q  # detached
     outside = ((A > 0) & (shift > delta)) | ((A < 0) & (shift < -delta))
-    return -masked_mean(torch.where(outside, torch.zeros_like(ratio), ratio * A), ok)
+    return -masked_mean(torch.where(outside, 0.0, ratio * A), ok)
 
 
 def effective_token_weights(loss, logp: torch.Tensor, adv, mask: torch.Tensor) -> torch.Tensor:
@@ -1321,9 +1300,10 @@ def effective_token_weights(loss, logp: torch.Tensor, adv, mask: torch.Tensor) -
     """
     _check_bt(mask, logp=logp)
     A = _check_adv(adv, mask)
-    (grad,) = torch.autograd.grad(loss, logp, retain_graph=True, allow_unused=True)
-    grad = torch.zeros_like(logp) if grad is None else grad.detach()
+    # materialize_grads: a loss that does not use logp gives 0, not None
+    (grad,) = torch.autograd.grad(loss, logp, retain_graph=True, materialize_grads=True)
     w = -grad * mask.sum().clamp(min=1) / A
+
     return torch.where(mask & (A != 0), w, torch.full_like(w, math.nan))
 
 
@@ -1342,16 +1322,15 @@ def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness=0, max
     needs: _check_bt, _check_device, _check_mask, _check_tensor, _log_ratio, masked_mean,
     LOG_RATIO_CLAMP
     """
-    _check_bt(mask, logp=logp, logp_old=logp_old)
+    lag, ok = _log_ratio(mask, logp=logp, logp_old=logp_old)
     if max_staleness <= 0 and max_lag <= 0:
         return False  # both triggers off
-    lag, ok = _log_ratio(mask, logp=logp, logp_old=logp_old)
-    if bool((mask & ~ok).any()):
-        return True  # an unmeasurable lag is no reason to trust a stale sampler
-    if max_staleness > 0 and staleness >= max_staleness:
-        return True  # too stale
+    # an unmeasurable lag is no reason to trust a stale sampler; then: too stale, or lagging
+    if bool((mask & ~ok).any()) or 0 < max_staleness <= staleness:
+        return True
     lag = lag.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return max_lag > 0 and float(masked_mean(lag.abs(), ok)) > max_lag
+
 
 
 def cispo_loss(logp, logp_infer, adv, mask, eps_high: float = 0.28):
@@ -1481,18 +1460,17 @@ def routed_router_forward(router, hidden: torch.Tensor, forced=None, gates=None)
     gathered logits. gates (N, k): weights forced too where there is a route (no gradient: the
     ledger's gates part).
     """
-    hidden = hidden.reshape(-1, router.hidden_dim)  # (N, H)
-    logits = torch.nn.functional.linear(hidden, router.weight)  # (N, E)
+    # (N, E) router logits of the (N, H) positions
+    logits = torch.nn.functional.linear(hidden.reshape(-1, router.hidden_dim), router.weight)
     if getattr(router, "logit_jitter", 0.0):  # TIM: a sampler's fresh router noise: near-tie flips
         noise = torch.randn(logits.shape, generator=router.jitter_generator, device=logits.device)
         logits = logits + router.logit_jitter * noise.to(logits.dtype)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     ids = torch.topk(probs, router.top_k, dim=-1).indices  # (N, k): the live routing
-    if forced is None:
-        has_route = torch.ones_like(ids[:, :1], dtype=torch.bool)
-    else:  # no route (the last token): live
-        has_route = (forced >= 0).all(-1, keepdim=True)
-        ids = torch.where(has_route, forced.to(ids), ids)
+    forced = ids if forced is None else forced.to(ids)  # None: the live routing "forced"
+    has_route = (forced >= 0).all(-1, keepdim=True)  # (N, 1); no route (the last token): live
+    ids = torch.where(has_route, forced, ids)
+
     # TIM: gathered from the live probabilities, not from post-top-k zeros (no gradient there)
     weights = probs.gather(-1, ids)
     if getattr(router, "norm_topk_prob", True):  # (Qwen3.5-MoE's router always renormalises)
@@ -1540,45 +1518,37 @@ def replay_routes(model, routes=None, gates=None, record: bool = True):
     """
     routers = decoder_routers(model)
     if routes is not None and not any(routers):  # no silent no-op
-        raise ValueError(f"replay_routes: {type(model).__name__} has no router tim_rl replays "
-                         f"(its router: {router_class(model)}; REPLAYABLE_ROUTERS are those whose "
-                         "forward is Qwen3-MoE's)")
+        raise ValueError(f"replay_routes: {type(model).__name__} has no router tim_rl replays (its "
+                         f"router: {router_class(model)}; REPLAYABLE_ROUTERS route as Qwen3-MoE's)")
     log, kept = [[] for _ in routers], {}
     keep = routes is not None and torch.is_grad_enabled()  # TIM: a checkpointed layer recomputes
 
-    def forward_of(layer: int, router):
-        """The forward that replaces `router`'s within the block (layer: its decoder layer)."""
+    def replayed(hidden, layer: int, router):
+        """routed_router_forward on this layer's routes, logged (layer: its decoder layer)."""
+        rows = hidden.numel() // router.hidden_dim  # B * S positions
+        forced = forced_gates = None
+        if routes is not None:  # (B * S, k)
+            forced = routes[:, :, layer].reshape(-1, routes.shape[-1]).to(hidden.device)
+        if forced is not None and forced.shape[0] != rows:
+            raise ValueError(f"routes has shape {tuple(routes.shape)}: it needs one route per "
+                             f"position of the forward ({rows} rows)")
+        if gates is not None:
+            forced_gates = gates[:, :, layer].reshape(-1, routes.shape[-1]).to(hidden.device)
+        logits, weights, ids = routed_router_forward(router, hidden, forced, forced_gates)
+        if record:
+            log[layer].append((ids.to(torch.int16), weights.detach().float()))
+        if keep:
+            kept[layer] = ids
+        return logits, weights, ids
 
-        def forward(hidden):
-            """routed_router_forward on this layer's routes, logged."""
-            rows = hidden.numel() // router.hidden_dim  # B * S positions
-            forced = forced_gates = None
-            if routes is not None:  # (B * S, k)
-                forced = routes[:, :, layer].reshape(-1, routes.shape[-1]).to(hidden.device)
-            if forced is not None and forced.shape[0] != rows:
-                raise ValueError(f"routes has shape {tuple(routes.shape)}: it needs one route per "
-                                 f"position of the forward ({rows} rows)")
-            if gates is not None:
-                forced_gates = gates[:, :, layer].reshape(-1, routes.shape[-1]).to(hidden.device)
-            logits, weights, ids = routed_router_forward(router, hidden, forced, forced_gates)
-            if record:
-                log[layer].append((ids.to(torch.int16), weights.detach().float()))
-            if keep:
-                kept[layer] = ids
-            return logits, weights, ids
-
-        return forward
-
-    previous = [vars(router).get("forward") if router is not None else None for router in routers]
-    for layer, router in enumerate(routers):
-        if router is not None:  # an instance attribute: nn.Module.__call__ (and its hooks) use it
-            router.forward = forward_of(layer, router)
+    live = {layer: router for layer, router in enumerate(routers) if router is not None}
+    previous = [vars(router).get("forward") for router in live.values()]
+    for layer, router in live.items():  # an instance attribute: nn.Module.__call__ uses it
+        router.forward = functools.partial(replayed, layer=layer, router=router)
     try:
         yield log
     finally:
-        for layer, (router, forward) in enumerate(zip(routers, previous)):
-            if router is None:
-                continue
+        for (layer, router), forward in zip(live.items(), previous):
             del router.forward
             forward = _recompute_forward(router, kept[layer], forward) if layer in kept else forward
             if forward is not None:
@@ -1625,27 +1595,6 @@ def _lse_tail(lse: torch.Tensor, m: torch.Tensor, s: torch.Tensor) -> torch.Tens
     return torch.cat([lse, torch.where(m.abs() > FAR_FROM_ZERO, s - (lse - m), 0.0)], -1)
 
 
-def _chunked_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int):
-    """(log softmax(logits)[ids], (lse, tail)) by row chunks. (N, V), (N, K) -> (N, K), (N, 2).
-
-    One code path with and without a gradient, so the trainer's log-probs are bitwise the same
-    either way. lse = z_m - log_softmax(z)_m at each row's largest logit m: exact to one rounding
-    whatever the other logits are (-inf and finfo.min included). Rows of only -inf give nan, as
-    log_softmax.
-    """
-    out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(logits.shape[0], 2, dtype=torch.float32, device=logits.device)
-    for start in range(0, logits.shape[0], chunk_rows):
-        rows = slice(start, start + chunk_rows)
-        chunk = logits[rows].float()  # (n, V), a copy only when logits are not fp32
-        log_probs = torch.log_softmax(chunk, dim=-1)  # (n, V) transient
-        out[rows] = log_probs.gather(-1, ids[rows])
-        top = chunk.argmax(-1, keepdim=True)  # (n, 1): each row's largest logit
-        m, log_p_m = chunk.gather(-1, top), log_probs.gather(-1, top)
-        lse[rows] = _lse_tail(m - log_p_m, m, -log_p_m)
-    return out, lse
-
-
 def _default_chunk_rows(V: int, device: torch.device, fused: bool = False) -> int:
     """Rows per chunk: GPU_CHUNK_BYTES of fp32 on CUDA, CHUNK_BYTES elsewhere; fused:
     FUSED_CHUNK_ELEMENTS logits (machinery.py). At least 1."""
@@ -1667,8 +1616,23 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ids, chunk_rows):  # (N, V), (N, K) -> (N, K) float32
-        """The chunked log-probs; saves (logits, ids, lse) for backward."""
-        out, lse = _chunked_logprobs(logits, ids, chunk_rows)
+        """log softmax(logits)[ids] by row chunks; saves (logits, ids, (lse, tail) (N, 2)).
+
+        One code path with and without a gradient, so the trainer's log-probs are bitwise the same
+        either way. lse = z_m - log_softmax(z)_m at each row's largest logit m: exact to one
+        rounding whatever the other logits are (-inf and finfo.min included). Rows of only -inf
+        give nan, as log_softmax.
+        """
+        out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(logits.shape[0], 2, dtype=torch.float32, device=logits.device)
+        for start in range(0, logits.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            chunk = logits[rows].float()  # (n, V), a copy only when logits are not fp32
+            log_probs = torch.log_softmax(chunk, dim=-1)  # (n, V) transient
+            out[rows] = log_probs.gather(-1, ids[rows])
+            top = chunk.argmax(-1, keepdim=True)  # (n, 1): each row's largest logit
+            m, log_p_m = chunk.gather(-1, top), log_probs.gather(-1, top)
+            lse[rows] = _lse_tail(m - log_p_m, m, -log_p_m)
         ctx.save_for_backward(logits, ids, lse)
         ctx.chunk_rows = chunk_rows
         return out
@@ -1695,7 +1659,7 @@ def chunked_token_logprobs(logits, ids, chunk_rows: int | None = None, fused: bo
     torch.compile works) runs each chunk as one compiled pass that reads the logits once
     (machinery.py).
 
-    needs: _TokenLogprobs, _chunked_logprobs, _default_chunk_rows, _lse_tail, CHUNK_BYTES,
+    needs: _TokenLogprobs, _default_chunk_rows, _lse_tail, CHUNK_BYTES,
     GPU_CHUNK_BYTES, FAR_FROM_ZERO
     """
     if fused or (fused is None and logits.device.type == "cuda"):  # compiled passes (machinery.py)
@@ -1724,7 +1688,7 @@ def logprobs_by_blocks(logits, ids, chunk_rows: int | None = None, fused: bool |
     return torch.stack(out).view(ids.shape)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ---- task and reward verifier ----
 # Model text is data, never code: the verifier uses regular expressions and fractions.Fraction only.
 # The task generators (the testbed) live in machinery.py.
@@ -1763,21 +1727,18 @@ def extract_answer(text: str) -> str | None:
     boxed = _last_boxed(text)
     if boxed is not None:
         return boxed.strip()
-    hashes = text.rfind("####")
-    if hashes >= 0:
-        match = _CANDIDATE.search(text, hashes + 4)
-        return match.group(0) if match else None
-    numbers = _CANDIDATE.findall(text)  # whole candidates: the pattern has no capturing group
-    return numbers[-1] if numbers else None
+    _, hashes, after = text.rpartition("####")  # no ####: after is the whole text
+    numbers = _CANDIDATE.findall(after)  # whole candidates: the pattern has no capturing group
+    pick = 0 if hashes else -1  # the first number after the last ####, else the last number
+    return numbers[pick] if numbers else None
 
 
 def _parse_number(s: str) -> Fraction | None:
     """'1,234' '-47' '+3' '2.50' '3/4' -> Fraction; anything else -> None. Never evaluates code."""
     s = s.strip().rstrip(".")
-    if len(s) > MAX_NUMBER_CHARS or not _NUMBER.fullmatch(s):
+    thousands = "," not in s or _THOUSANDS.fullmatch(s)  # commas only as thousands separators
+    if len(s) > MAX_NUMBER_CHARS or not _NUMBER.fullmatch(s) or not thousands:
         return None
-    if "," in s and not _THOUSANDS.fullmatch(s):
-        return None  # commas only as thousands separators
     try:
         return Fraction(s.replace(",", ""))
     except (ValueError, ZeroDivisionError):
@@ -1800,7 +1761,7 @@ def verify(text: str, answer: str) -> float:
     return float(want is not None and _parse_number(extracted) == want)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ---- model and tokenizer ----
 # transformers is imported inside these functions: the math above imports with torch alone. The tiny
 # models and the character tokenizer (the testbed) live in machinery.py.
@@ -1829,8 +1790,7 @@ class HFTokenizer:
         turn_end = next((t for t in END_OF_TURN if t in template and t in vocab), None)
         # a chat model ends its answer with the template's end-of-turn token (not EOS in Llama 3)
         self.eos_id = vocab[turn_end] if turn_end else self.tok.eos_token_id
-        pad_id = self.tok.pad_token_id
-        self.pad_id = pad_id if pad_id is not None else self.eos_id
+        self.pad_id = self.eos_id if self.tok.pad_token_id is None else self.tok.pad_token_id
         self.vocab_size = len(self.tok)
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
@@ -1850,9 +1810,8 @@ def load_tokenizer(directory: str | Path):
     """
     import machinery
 
-    if (Path(directory) / "pretrain.json").exists():
-        return machinery.CharTokenizer()
-    return HFTokenizer(directory)
+    own = (Path(directory) / "pretrain.json").exists()  # a tiny model of machinery.pretrain's
+    return machinery.CharTokenizer() if own else HFTokenizer(directory)
 
 
 def task_kwargs(model_dir: Path) -> dict:
@@ -1883,14 +1842,14 @@ def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
     eval mode does, bitwise, and transformers' gradient checkpointing stays on."""
     for part in [getattr(model, "config", None), *model.modules()]:
         for name, value in list(vars(part).items()) if part is not None else ():
-            is_dropout = isinstance(part, torch.nn.Dropout)  # nn.Dropout: p
-            named = "dropout" in name or "jitter" in name or is_dropout
+            named = "dropout" in name or "jitter" in name or isinstance(part, torch.nn.Dropout)  # p
             if isinstance(value, float) and named:
                 setattr(part, name, 0.0)
+
     return model
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ---- samplers (torch, vLLM) ----
 
 
