@@ -2165,13 +2165,12 @@ def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tu
     `temperature` (renormalised over the kept tokens; 0 when an answer token is not kept).
     """
     device, out = next(model.parameters()).device, []
+    pad, eos = tokenizer.pad_id, [tokenizer.eos_id]
     for i in range(0, len(problems), batch):
         chunk = problems[i : i + batch]
-        prompts = [tokenizer.encode(p) for p, _ in chunk]
-        prompt_ids, prompt_mask = left_pad(prompts, tokenizer.pad_id, device)  # (B, P)
-        eos = [tokenizer.eos_id]
+        prompt_ids, prompt_mask = left_pad([tokenizer.encode(p) for p, _ in chunk], pad, device)
         answers = [torch.tensor(tokenizer.encode(a, bos=False) + eos) for _, a in chunk]
-        response_ids = torch.nn.utils.rnn.pad_sequence(answers, True, tokenizer.pad_id).to(device)
+        response_ids = torch.nn.utils.rnn.pad_sequence(answers, True, pad).to(device)  # (B, T)
         lengths = torch.tensor([len(a) for a in answers], device=device)  # (B,)
         mask = torch.arange(response_ids.shape[1], device=device) < lengths[:, None]  # (B, T)
         unused = torch.zeros(0, device=device)  # the sampler's fields: no sampler here
@@ -2226,8 +2225,7 @@ class TorchSampler:
         self.model = copy.deepcopy(source).eval().to(_DTYPES[self.engine.dtype])  # the engine dtype
         head = self.model.get_output_embeddings()
         if self.engine.head_fp32 and head.weight is self.model.get_input_embeddings().weight:
-            raise ValueError("engine.head_fp32 needs an untied output head "
-                             "(this model ties it to the embeddings)")
+            raise ValueError("engine.head_fp32 needs an untied output head (this one is tied)")
         routers = moe_routers(self.model)
         kept_fp32 = list(routers) if self.engine.router_fp32 else []
         kept_fp32 += [head] if self.engine.head_fp32 else []
@@ -2265,8 +2263,8 @@ class TorchSampler:
         # every name, a tied head's included, so a model's own state_dict loads
         params = dict(self.model.named_parameters(remove_duplicate=False))
         params |= dict(self.model.named_buffers())
-        required = {n for n, _ in self.model.named_parameters()}  # one name per tensor suffices
-        missing = sorted(required - set(state_dict))
+        # one name per tensor suffices
+        missing = sorted({n for n, _ in self.model.named_parameters()} - set(state_dict))
         unexpected = sorted(set(state_dict) - set(params))
         if missing or unexpected:
             raise ValueError(f"state_dict: missing {missing}, unexpected {unexpected}")
@@ -2287,8 +2285,7 @@ class TorchSampler:
                temperature: float = 1.0, topk: int = 0, generator: torch.Generator | None = None,
                top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Rollout:
         """n samples per prompt (consecutive rows); log-probs, top-K and kept support as sampled."""
-        expanded = [p for p in prompts for _ in range(n)]
-        tok = self.tokenizer
+        tok, expanded = self.tokenizer, [p for p in prompts for _ in range(n)]
         rollout = decode(self.model, expanded, max_new_tokens, temperature, topk, generator,
                          tok.decode, tok.eos_id, tok.pad_id, top_p, top_k, min_p)
         if self.engine.exact:
@@ -2381,9 +2378,8 @@ class VLLMSampler:
         gap = float((self.answer_logprobs(problem) - logp).abs())
         bound = VLLM_SYNC_TOLERANCE[self.dtype]
         if not gap <= bound:
-            raise RuntimeError(f"vLLM sync canary: after a weight sync vLLM ({self.dtype}) and "
-                               f"torch disagree by |Δlogp| {gap:.3g} > {bound:g} on one held-out "
-                               "answer: the engine does not serve the weights it was sent")
+            raise RuntimeError(f"vLLM sync canary: vLLM ({self.dtype}) and torch differ by |Δlogp| "
+                               f"{gap:.3g} > {bound:g} on a held-out answer after a weight sync")
 
     def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5,
                temperature: float = 1.0, topk: int = 0, generator: torch.Generator | None = None,
@@ -2405,8 +2401,7 @@ class VLLMSampler:
         if 0 < temperature < VLLM_MIN_TEMPERATURE:
             raise ValueError(f"temperature {temperature} < {VLLM_MIN_TEMPERATURE}: vLLM would "
                              f"sample at {VLLM_MIN_TEMPERATURE} while the trainer divides by "
-                             f"{temperature}, so every ratio would compare two different "
-                             "distributions")
+                             f"{temperature}: every ratio would compare two distributions")
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, min_p=min_p,
                                  top_k=top_k if temperature > 0 else 1, max_tokens=max_new_tokens,
                                  logprobs=K, seed=seed, skip_special_tokens=False,
@@ -2427,10 +2422,9 @@ class VLLMSampler:
                 top_ids[i, t, : len(ranked)] = torch.tensor([k for k, _ in ranked])
                 top_logp[i, t, : len(ranked)] = torch.tensor([v.logprob for _, v in ranked])
         prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], pad_id)
-        truncated = temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0)
         kept = None  # TIM: processed log-probs are -inf exactly off the kept support
-        if truncated and K > 0:  # their finite entries, ranked first; -1 pads
-            finite = torch.isfinite(top_logp) & mask[..., None]  # (B, T, K)
+        if K > 0 and temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0):  # truncated
+            finite = torch.isfinite(top_logp) & mask[..., None]  # (B, T, K), ranked: finite first
             # a row whose K are all finite (K < V: the support may go on) is left empty: rebuilt
             beyond = finite.all(-1, keepdim=True) & (K < self.vocab_size)
             S = max(int(finite.sum(-1).max()), 1)
@@ -2495,6 +2489,13 @@ def _dot_and_norm2(master, master_before, served, served_before):
         dot += (d_master * (s - s0)).sum()
         norm2 += d_master.square().sum()
     return dot, norm2
+
+
+def _replayed_logp(model, rollout: Rollout, temperature: float, routes, gates=None):
+    """log p~ (B, T) on the kept support, an MoE's experts forced to `routes` (and gate weights to
+    `gates`; None: live); nothing recorded. The logits are freed on return."""
+    logits = response_forward(model, rollout, temperature, None, routes, gates, record=False).logits
+    return logprobs_on_support(logits, rollout)[0]
 
 
 class Trainer:
@@ -2567,33 +2568,26 @@ class Trainer:
         logp_old = logprobs_on_support(forward.logits, rollout)[0]
         own_routes = forward.routes
         del forward  # before the next forward's logits
-        logp_sampler_routes = logp_sampler_gates = update_routes = None
-        sampler_routes = rollout.routed_experts
-        if self.moe and sampler_routes is not None:  # TIM: the same weights, the sampler's experts
-            replayed = response_forward(self.behaviour, rollout, temperature, routes=sampler_routes,
-                                        record=False)
-            logp_sampler_routes = logprobs_on_support(replayed.logits, rollout)[0]
-            del replayed
-            if rollout.routed_weights is not None:  # TIM: and on the sampler's gate weights: gates
-                replayed = response_forward(self.behaviour, rollout, temperature,
-                                            routes=sampler_routes, gates=rollout.routed_weights,
-                                            record=False)
-                logp_sampler_gates = logprobs_on_support(replayed.logits, rollout)[0]
+        logp_experts = logp_gates = update_routes = None
+        experts, gates = rollout.routed_experts, rollout.routed_weights  # the sampler's
+        if self.moe and experts is not None:  # TIM: the same weights, the sampler's experts
+            logp_experts = _replayed_logp(self.behaviour, rollout, temperature, experts)
+            if gates is not None:  # TIM: and on the sampler's gate weights: gates
+                logp_gates = _replayed_logp(self.behaviour, rollout, temperature, experts, gates)
         # TIM: the experts the update's forwards are forced to
         if self.moe and routing_replay == "r2":
             updated = self.behaviour if self.loss_on_served else self.model  # the update's weights
             update_routes = response_forward(updated, rollout, temperature).routes
         elif self.moe and routing_replay == "r3":
-            update_routes = sampler_routes
-            if logp_sampler_routes is not None:  # TIM: R3: the policy runs on the sampler's experts
-                logp_old = logp_sampler_routes
+            update_routes = experts
+            if logp_experts is not None:  # TIM: R3: the policy runs on the sampler's experts
+                logp_old = logp_experts
         logp_master_old = None
         if self.master_at_export is not None:  # on the experts the update will use
-            master = response_forward(self.master_at_export, rollout, temperature,
-                                      routes=update_routes, record=False)
-            logp_master_old = logprobs_on_support(master.logits, rollout)[0]
-        return Behaviour(logp_old, logp_master_old, rebuilt, logp_sampler_routes, own_routes,
-                         update_routes, logp_sampler_gates)
+            logp_master_old = _replayed_logp(self.master_at_export, rollout, temperature,
+                                             update_routes)
+        return Behaviour(logp_old, logp_master_old, rebuilt, logp_experts, own_routes,
+                         update_routes, logp_gates)
 
     def grad_leaves(self) -> list[torch.Tensor]:
         """The tensors the last forward ran on: the served leaves (loss_on_served) or the master."""
@@ -2604,8 +2598,7 @@ class Trainer:
         """Backward and one optimizer step on the fp32 master; returns the gradient norm."""
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        if self.moe:
-            release_routes(self.model)  # the routes kept for activation checkpointing's recompute
+        release_routes(self.model)  # MoE: the routes kept for activation checkpointing's recompute
         if self._served_leaves is not None:
             for name, p in self.model.named_parameters():
                 p.grad = self._served_leaves[name].grad
@@ -2628,8 +2621,7 @@ class Trainer:
         """
         _check_choice("mode", mode, ("rtn", "sr", "ef"))
         if mode != "rtn" and self.export_dtype != "bf16":
-            raise ValueError(f"export mode {mode!r} rounds to bf16, but the sampler dtype is "
-                             f"{self.export_dtype}")
+            raise ValueError(f"export mode {mode!r} rounds to bf16, not {self.export_dtype}")
         state, dot, norm2, fp32 = {}, 0.0, 0.0, self.export_dtype == "fp32"
         device = next(self.model.parameters()).device
         sr = functools.partial(stochastic_round_bf16, generator=generator)
