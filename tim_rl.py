@@ -2494,7 +2494,8 @@ def _dot_and_norm2(master, master_before, served, served_before):
 def _replayed_logp(model, rollout: Rollout, temperature: float, routes, gates=None):
     """log p~ (B, T) on the kept support, an MoE's experts forced to `routes` (and gate weights to
     `gates`; None: live); nothing recorded. The logits are freed on return."""
-    logits = response_forward(model, rollout, temperature, None, routes, gates, record=False).logits
+    logits = response_forward(model, rollout, temperature, routes=routes, gates=gates,
+                              record=False).logits
     return logprobs_on_support(logits, rollout)[0]
 
 
