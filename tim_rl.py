@@ -1889,8 +1889,7 @@ def _entropy(logprobs: torch.Tensor) -> torch.Tensor:
     return -(logprobs.exp() * logprobs.nan_to_num(neginf=0.0)).sum(-1)
 
 
-def left_pad(prompts: list[list[int]], pad_id: int = 0,
-             device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(prompts: list[list[int]], pad_id: int = 0, device="cpu") -> tuple:
     """(ids (B, P) left-padded with pad_id, mask (B, P) True on real tokens) of token-id lists."""
     P = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompts], device=device)  # (B, P)
@@ -1910,36 +1909,25 @@ def draw_seed(generator: torch.Generator | None) -> int:
     return int(torch.randint(0, 2**31 - 1, (), generator=generator, device=device))
 
 
-def _sampled_routes(route_log, B: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """decode's recorded experts and gate weights, (B, P + T, L, k) each; the last sampled token
-    (never fed) gets none: -1 and nan."""
-    routes = stack_routes(route_log, B)  # (B, P + T - 1, L, k)
-    gates = stack_routes(route_log, B, 1)
-    routes = torch.nn.functional.pad(routes, (0, 0, 0, 0, 0, 1), value=-1)  # (B, P + T, L, k)
-    gates = torch.nn.functional.pad(gates, (0, 0, 0, 0, 0, 1), value=math.nan)
-    return routes, gates
-
-
 @torch.no_grad()
 def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
-           topk: int | None = 0, generator: torch.Generator | None = None, decode_text=None,
-           eos_id: int | None = None, pad_id: int | None = None, top_p: float = 1.0, top_k: int = 0,
-           min_p: float = 0.0) -> Rollout:
+           topk: int | None = 0, generator=None, decode_text=None, eos_id: int | None = None,
+           pad_id: int | None = None, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0):
     """KV-cache sampling from softmax(logits / temperature) truncated by min_p, top_k, top_p (greedy
     at 0).
 
     Records, in float32, the log-probs of the distribution sampled from (temperature applied,
     renormalised over the kept tokens, -inf elsewhere: vLLM's processed log-probs), its entropy, the
     kept support when truncated, and the K most probable ids (topk 0: all V; None: K = 0). A row
-    stops at eos_id (the mask includes it); pad_id fills. One host sync per token.
+    stops at eos_id (the mask includes it); pad_id fills (None: the config's, else eos_id). One host
+    sync per token. -> Rollout
     """
     from transformers import DynamicCache
 
     eos_id = model.config.eos_token_id if eos_id is None else eos_id
     eos_id = eos_id[0] if isinstance(eos_id, (list, tuple)) else eos_id
     if pad_id is None:
-        config_pad = model.config.pad_token_id
-        pad_id = eos_id if config_pad is None else config_pad
+        pad_id = eos_id if model.config.pad_token_id is None else model.config.pad_token_id
     device = next(model.parameters()).device
     # TIM: a GPU's sampling noise differs from the CPU's: a generator on `device`, seeded by one
     # host draw per call (not a host copy per token), keeps sampling reproducible for a seed
@@ -1954,8 +1942,7 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     ids, masks, logps, entropies, tops, kept = [], [], [], [], [], []
     training = model.training  # a checkpointed model in training mode drops its KV cache: eval here
     model.eval()
-    moe = bool(moe_routers(model))
-    # an MoE model's routers record their experts (R3)
+    moe = bool(moe_routers(model))  # an MoE model's routers record their experts (R3)
     recording = replay_routes(model) if moe else contextlib.nullcontext()
     with recording as route_log:
         for _ in range(max_new_tokens):
@@ -1973,7 +1960,7 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
                 token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)
             else:
                 token = logprobs.argmax(-1)
-            token = torch.where(finished, torch.full_like(token, pad_id), token)
+            token = token.masked_fill(finished, pad_id)
             masks.append(~finished)
             ids.append(token)
             logps.append(logprobs.gather(-1, token[:, None]).squeeze(1))
@@ -1993,24 +1980,25 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
             attention = torch.cat([attention, attention.new_ones(B, 1)], 1)
     model.train(training)
     response_ids = torch.stack(ids, 1)  # (B, T)
-    T = response_ids.shape[1]
-    routes, gates = _sampled_routes(route_log, B) if moe else (None, None)
-    kept_ids = torch.stack(_pad_last(kept, -1), 1) if kept else None  # (B, T, S), -1 pads
-    no_topk = torch.zeros(B, T, 0, device=device)
+    no_topk = torch.zeros(B, response_ids.shape[1], 0, device=device)  # (B, T, 0)
     topk_ids = torch.stack([t.indices for t in tops], 1) if tops else no_topk.long()  # (B, T, K)
     logp_topk = torch.stack([t.values for t in tops], 1) if tops else no_topk
+    routes = gates = None
+    if moe:  # (B, P + T, L, k) each: the last sampled token (never fed) gets none, -1 and nan
+        routes = torch.nn.functional.pad(stack_routes(route_log, B), (0, 0, 0, 0, 0, 1), value=-1)
+        gates = torch.nn.functional.pad(stack_routes(route_log, B, 1), (0, 0, 0, 0, 0, 1),
+                                        value=math.nan)
     decode_text = decode_text or (lambda row: " ".join(map(str, row)))
     texts = [decode_text(row) for row in response_ids.tolist()]
-    mask = torch.stack(masks, 1)  # (B, T)
-    logp = torch.stack(logps, 1)  # (B, T)
-    return Rollout(prompt_ids, prompt_mask, response_ids, mask, logp, topk_ids, logp_topk, texts,
-                   kept_ids=kept_ids, entropy=torch.stack(entropies, 1), routed_experts=routes,
-                   routed_weights=gates)
+    return Rollout(prompt_ids, prompt_mask, response_ids, torch.stack(masks, 1),
+                   torch.stack(logps, 1), topk_ids, logp_topk, texts,
+                   entropy=torch.stack(entropies, 1),
+                   kept_ids=torch.stack(_pad_last(kept, -1), 1) if kept else None,  # (B, T, S)
+                   routed_experts=routes, routed_weights=gates)
 
 
-def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0,
-                      topk_ids: torch.Tensor | None = None, params: dict | None = None,
-                      routes: torch.Tensor | None = None):
+def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_ids=None,
+                      params: dict | None = None, routes=None):
     """Trainer-engine log-probs of the rollout's tokens (and of its top-K ids) over the whole
     vocabulary: one full forward, no KV cache (support_logprobs without a kept support).
 
@@ -2032,8 +2020,7 @@ class Forward(NamedTuple):
 
 
 def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: dict | None = None,
-                     routes: torch.Tensor | None = None, gates: torch.Tensor | None = None,
-                     record: bool = True) -> Forward:
+                     routes=None, gates=None, record: bool = True) -> Forward:
     """One full forward over prompt + response, the head on the T response positions only.
 
     An MoE model's routers are forced to `routes` and gate weights `gates` (None: live); the experts
@@ -2053,16 +2040,14 @@ def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: 
             out = model(**kwargs)
         else:
             out = torch.func.functional_call(model, params, args=(), kwargs=kwargs)
-    logits = out.logits  # (B, T, V)
     if temperature > 0 and temperature != 1.0:  # in place: the head's output is not saved
-        logits = logits.div_(temperature)
-    hidden = out.hidden_states[-1][:, P - 1 : P + T - 1]  # (B, T, H)
+        out.logits.div_(temperature)  # (B, T, V)
     used = stack_routes(route_log, input_ids.shape[0]) if moe and record else None
-    return Forward(logits, hidden, used)
+    hidden = out.hidden_states[-1][:, P - 1 : P + T - 1]  # (B, T, H)
+    return Forward(out.logits, hidden, used)
 
 
-def logprobs_on_support(logits: torch.Tensor, rollout: Rollout,
-                        topk_ids: torch.Tensor | None = None):
+def logprobs_on_support(logits: torch.Tensor, rollout: Rollout, topk_ids=None):
     """Response logits (B, T, V) -> log p~ (B, T), log p~ of the top-K ids (B, T, K) or None, and
     log S (B, T) or None: renormalised on rollout.kept_ids (renormalize_on_support), else plain.
 
@@ -2086,9 +2071,8 @@ def logprobs_on_support(logits: torch.Tensor, rollout: Rollout,
     return logp, torch.where(on_support, logp_topk - log_s[..., None], -math.inf), log_s
 
 
-def support_logprobs(model, rollout: Rollout, temperature: float = 1.0,
-                     topk_ids: torch.Tensor | None = None, params: dict | None = None,
-                     routes: torch.Tensor | None = None):
+def support_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_ids=None,
+                     params: dict | None = None, routes=None):
     """sequence_logprobs renormalised on the sampler's kept support rollout.kept_ids.
 
     -> (log p~ (B, T), log p~ of the top-K ids (B, T, K) or None, hidden, log S (B, T) or None).
@@ -2124,10 +2108,9 @@ def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int = 6, batch: 
     prompts, answers = encode_problems(tokenizer, problems)
     texts = []
     for i in range(0, len(prompts), batch):
-        rollout = decode(model, prompts[i : i + batch], max_new_tokens, temperature=0.0, topk=1,
-                         decode_text=tokenizer.decode, eos_id=tokenizer.eos_id,
-                         pad_id=tokenizer.pad_id)
-        texts += rollout.texts
+        greedy = decode(model, prompts[i : i + batch], max_new_tokens, 0.0, 1, None,
+                        tokenizer.decode, tokenizer.eos_id, tokenizer.pad_id)  # temperature 0, K 1
+        texts += greedy.texts
     return sum(map(verify, texts, answers)) / max(len(prompts), 1)
 
 
@@ -2141,41 +2124,30 @@ def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tu
     `temperature` (renormalised over the kept tokens; 0 when an answer token is not kept).
     """
     device, out = next(model.parameters()).device, []
-    pad, eos = tokenizer.pad_id, tokenizer.eos_id
+    pad, eos = tokenizer.pad_id, [tokenizer.eos_id]
     for i in range(0, len(problems), batch):
         chunk = problems[i : i + batch]
         prompt_ids, prompt_mask = left_pad([tokenizer.encode(p) for p, _ in chunk], pad, device)
-        answers = [tokenizer.encode(a, bos=False) + [eos] for _, a in chunk]
-        T = max(map(len, answers))
-        padded = [a + [pad] * (T - len(a)) for a in answers]
-        response_ids = torch.tensor(padded, device=device)  # (B, T)
-        real = [[1] * len(a) + [0] * (T - len(a)) for a in answers]
-        mask = torch.tensor(real, device=device).bool()  # (B, T)
+        answers = [torch.tensor(tokenizer.encode(a, bos=False) + eos) for _, a in chunk]
+        response_ids = torch.nn.utils.rnn.pad_sequence(answers, True, pad).to(device)  # (B, T)
+        lengths = torch.tensor([len(a) for a in answers], device=device)  # (B,)
+        mask = torch.arange(response_ids.shape[1], device=device) < lengths[:, None]  # (B, T)
         unused = torch.zeros(0, device=device)  # the sampler's fields: no sampler here
         rollout = Rollout(prompt_ids, prompt_mask, response_ids, mask, unused, unused, unused, [])
         logits = response_forward(model, rollout, 1.0 if truncation is None else temperature).logits
-        logp = truncated_logprobs(logits, response_ids, truncation)  # (B, T), -inf: a token dropped
+        if truncation is None:
+            logp = token_logprobs(logits, response_ids)  # (B, T)
+        else:  # by row chunks of token_logprobs' size: never (B, T, V) masks or a masked copy
+            rows = _default_chunk_rows(logits.shape[-1], logits.device, fused=False)
+            flat, flat_ids = logits.flatten(0, 1), response_ids.reshape(-1)  # (N, V), (N,)
+            parts = []
+            for part, part_ids in zip(flat.split(rows), flat_ids.split(rows)):
+                kept = part.masked_fill(~truncation_mask(part, *truncation), -math.inf)  # TIM: p~
+                parts.append(token_logprobs(kept, part_ids))  # -inf: a token dropped
+            logp = torch.cat(parts).view(response_ids.shape)  # (B, T)
         del logits  # before the next batch's forward
         out.append(torch.where(mask, logp, torch.zeros_like(logp)).sum(1).cpu())
     return torch.cat(out)
-
-
-def truncated_logprobs(logits: torch.Tensor, ids: torch.Tensor,
-                       truncation: tuple | None = None) -> torch.Tensor:
-    """token_logprobs of the logits masked to -inf off truncation_mask(*truncation) (None: none).
-
-    By row chunks of token_logprobs' size: never (B, T, V) masks or a masked copy. (B, T, V) -> (B,
-    T).
-    """
-    if truncation is None:
-        return token_logprobs(logits, ids)
-    flat, flat_ids = logits.reshape(-1, logits.shape[-1]), ids.reshape(-1)  # (N, V), (N,)
-    rows = _default_chunk_rows(logits.shape[-1], logits.device, fused=False)
-    parts = []
-    for chunk, chunk_ids in zip(flat.split(rows), flat_ids.split(rows)):
-        kept = chunk.masked_fill(~truncation_mask(chunk, *truncation), -math.inf)  # TIM: p~
-        parts.append(token_logprobs(kept, chunk_ids))
-    return torch.cat(parts).view(ids.shape)
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -2201,33 +2173,18 @@ def _inputs_to_fp32(module, inputs: tuple) -> tuple:
     return tuple(x.float() for x in inputs)
 
 
-def _moe_weight_names(model) -> tuple[set[str], set[str]]:
-    """An MoE model's router weights (Qwen3-MoE: mlp.gate.weight) and experts' 3-D weights
-    (mlp.experts.gate_up_proj, mlp.experts.down_proj); two empty sets for a dense model."""
-    routers = moe_routers(model)
-    router_weights, expert_weights = set(), set()
-    for name, module in model.named_modules():
-        if any(module is r for r in routers):
-            router_weights.add(f"{name}.weight")
-        if type(module).__name__.endswith("Experts"):
-            expert_weights |= {f"{name}.{p}" for p, _ in module.named_parameters()}
-    return router_weights, expert_weights
-
-
 class TorchSampler:
     """A sampler engine in plain torch: its own copy of the weights in the engine's numerics."""
 
     def __init__(self, model_dir_or_model, engine: EngineSpec | None = None, tokenizer=None):
         self.engine = engine or EngineSpec()
         _check_engine(self.engine)
-        source = model_dir_or_model
-        if isinstance(source, (str, Path)):
-            source = load_model(source)
+        is_path = isinstance(model_dir_or_model, (str, Path))
+        source = load_model(model_dir_or_model) if is_path else model_dir_or_model
         self.model = copy.deepcopy(source).eval().to(_DTYPES[self.engine.dtype])  # the engine dtype
         head = self.model.get_output_embeddings()
         if self.engine.head_fp32 and head.weight is self.model.get_input_embeddings().weight:
-            raise ValueError("engine.head_fp32 needs an untied output head "
-                             "(this model ties it to the embeddings)")
+            raise ValueError("engine.head_fp32 needs an untied output head (this one is tied)")
         routers = moe_routers(self.model)
         kept_fp32 = list(routers) if self.engine.router_fp32 else []
         kept_fp32 += [head] if self.engine.head_fp32 else []
@@ -2237,11 +2194,9 @@ class TorchSampler:
             jitter = torch.Generator(head.weight.device).manual_seed(self.engine.noise_seed)
             for router in routers:
                 router.logit_jitter, router.jitter_generator = self.engine.router_jitter, jitter
-        if tokenizer is None:
-            import machinery
+        import machinery  # the default tokenizer
 
-            tokenizer = machinery.CharTokenizer(self.model.config.vocab_size)
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer or machinery.CharTokenizer(self.model.config.vocab_size)
         self.load_weights({k: v.detach() for k, v in source.state_dict().items()})
 
     @torch.no_grad()
@@ -2250,29 +2205,34 @@ class TorchSampler:
         then noise, the same draw every load), then one rounding to the engine dtype.
 
         Which weights: every nn.Linear's but the lm_head, and an MoE model's routers and experts
-        (_moe_weight_names; int8 scales per expert and output row, fp8 per expert).
+        (int8 scales per expert and output row, fp8 per expert).
         """
         # TIM: everything below is where this engine's numbers start to differ from the trainer's
         noise_gen = torch.Generator().manual_seed(self.engine.noise_seed)
-        perturbed = {f"{n}.weight" for n, m in self.model.named_modules()
-                     if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")}
-        router_weights, expert_weights = _moe_weight_names(self.model)
-        perturbed |= router_weights | expert_weights
+        routers = moe_routers(self.model)
+        perturbed, router_weights = set(), set()
+        for name, module in self.model.named_modules():
+            if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+                perturbed.add(f"{name}.weight")
+            if any(module is r for r in routers):  # an MoE model's routers (Qwen3-MoE: mlp.gate)
+                router_weights.add(f"{name}.weight")
+            if type(module).__name__.endswith("Experts"):  # gate_up_proj, down_proj: 3-D weights
+                perturbed |= {f"{name}.{p}" for p, _ in module.named_parameters()}
+        perturbed |= router_weights
         # every name, a tied head's included, so a model's own state_dict loads
         params = dict(self.model.named_parameters(remove_duplicate=False))
         params |= dict(self.model.named_buffers())
-        required = {n for n, _ in self.model.named_parameters()}  # one name per tensor suffices
-        missing = sorted(required - set(state_dict))
+        # one name per tensor suffices
+        missing = sorted({n for n, _ in self.model.named_parameters()} - set(state_dict))
         unexpected = sorted(set(state_dict) - set(params))
         if missing or unexpected:
             raise ValueError(f"state_dict: missing {missing}, unexpected {unexpected}")
-        quant = self.engine.quant
         for name, target in params.items():  # named_modules order: the noise draws in a fixed order
             if name not in state_dict:
                 continue
             w = state_dict[name].detach().to(device=target.device, dtype=torch.float32)  # a copy
-            if name in perturbed and quant != "none":
-                w = fake_quantize(w, quant)
+            if name in perturbed and self.engine.quant != "none":
+                w = fake_quantize(w, self.engine.quant)
             scale = self.engine.noise if name in perturbed else 0.0
             scale += self.engine.router_noise if name in router_weights else 0.0
             if scale:  # the same noise on every device: drawn on the CPU once per load
@@ -2284,8 +2244,7 @@ class TorchSampler:
                temperature: float = 1.0, topk: int = 0, generator: torch.Generator | None = None,
                top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Rollout:
         """n samples per prompt (consecutive rows); log-probs, top-K and kept support as sampled."""
-        expanded = [p for p in prompts for _ in range(n)]
-        tok = self.tokenizer
+        tok, expanded = self.tokenizer, [p for p in prompts for _ in range(n)]
         rollout = decode(self.model, expanded, max_new_tokens, temperature, topk, generator,
                          tok.decode, tok.eos_id, tok.pad_id, top_p, top_k, min_p)
         if self.engine.exact:
@@ -2332,35 +2291,6 @@ def reload_vllm_weights(llm, named_tensors) -> None:
     llm.reset_prefix_cache()
 
 
-def _completion_tensors(rows, K: int, pad_id: int):
-    """vLLM completions -> response_ids (B, T), mask (B, T), logp (B, T), and the top-K ids (B, T,
-    K) with their log-probs (B, T, K), ranked, -inf where fewer came back."""
-    B, T = len(rows), max(len(c.token_ids) for c in rows)
-    response_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    logp = torch.zeros(B, T)
-    top_ids = torch.zeros(B, T, K, dtype=torch.long)
-    top_logp = torch.full((B, T, K), -math.inf)
-    for i, comp in enumerate(rows):
-        for t, (tok, lp) in enumerate(zip(comp.token_ids, comp.logprobs)):
-            ranked = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:K]
-            response_ids[i, t], mask[i, t], logp[i, t] = tok, True, lp[tok].logprob
-            top_ids[i, t, : len(ranked)] = torch.tensor([k for k, _ in ranked])
-            top_logp[i, t, : len(ranked)] = torch.tensor([v.logprob for _, v in ranked])
-    return response_ids, mask, logp, top_ids, top_logp
-
-
-def _kept_from_topk(top_ids: torch.Tensor, top_logp: torch.Tensor, mask: torch.Tensor,
-                    vocab_size: int) -> torch.Tensor:
-    """The kept support read off K processed log-probs: their finite entries, (B, T, S), -1 pads. A
-    row whose K are all finite (K < V: the support may go on) is empty: the trainer rebuilds it."""
-    K = top_ids.shape[-1]
-    finite = torch.isfinite(top_logp) & mask[..., None]  # (B, T, K), ranked: the finite ones first
-    beyond = finite.all(-1, keepdim=True) & (K < vocab_size)
-    S = max(int(finite.sum(-1).max()), 1)
-    return top_ids.masked_fill(~finite | beyond, -1)[..., :S]  # (B, T, S)
-
-
 class VLLMSampler:
     """The same interface over vllm.LLM (the CPU build here, `vllm` on a GPU); in-place weight sync.
 
@@ -2387,9 +2317,8 @@ class VLLMSampler:
         machinery.add_expert_parallel_group()
         self.llm = LLM(model=str(model_dir), dtype=_VLLM_DTYPES[dtype], enforce_eager=True,
                        block_size=32, seed=seed, max_model_len=max_model_len,
-                       max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=4096, logprobs_mode="processed_logprobs",
-                       max_logprobs=-1, **on_gpu)
+                       max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,
+                       logprobs_mode="processed_logprobs", max_logprobs=-1, **on_gpu)
         torch.set_num_threads(threads)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
 
@@ -2408,16 +2337,15 @@ class VLLMSampler:
         gap = float((self.answer_logprobs(problem) - logp).abs())
         bound = VLLM_SYNC_TOLERANCE[self.dtype]
         if not gap <= bound:
-            raise RuntimeError(f"vLLM sync canary: after a weight sync vLLM ({self.dtype}) and "
-                               f"torch disagree by |Δlogp| {gap:.3g} > {bound:g} on one held-out "
-                               "answer: the engine does not serve the weights it was sent")
+            raise RuntimeError(f"vLLM sync canary: vLLM ({self.dtype}) and torch differ by |Δlogp| "
+                               f"{gap:.3g} > {bound:g} on a held-out answer after a weight sync")
 
     def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5,
                temperature: float = 1.0, topk: int = 0, generator: torch.Generator | None = None,
                top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Rollout:
         """n samples per prompt (consecutive rows), vLLM's log-probs of each token and top-K ids.
 
-        With truncation the kept support is read off the K processed log-probs (_kept_from_topk).
+        With truncation the kept support is read off the K processed log-probs (the finite ones).
         topk None: only the sampled token's log-prob (K = 0, kept_ids None: rebuilt by the trainer).
         """
         from vllm import SamplingParams
@@ -2432,23 +2360,34 @@ class VLLMSampler:
         if 0 < temperature < VLLM_MIN_TEMPERATURE:
             raise ValueError(f"temperature {temperature} < {VLLM_MIN_TEMPERATURE}: vLLM would "
                              f"sample at {VLLM_MIN_TEMPERATURE} while the trainer divides by "
-                             f"{temperature}, so every ratio would compare two different "
-                             "distributions")
-        sampling_top_k = top_k if temperature > 0 else 1
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=sampling_top_k,
-                                 min_p=min_p, max_tokens=max_new_tokens, logprobs=K, seed=seed,
-                                 skip_special_tokens=False, stop_token_ids=[self.tokenizer.eos_id])
-                  for seed in seeds]
+                             f"{temperature}: every ratio would compare two distributions")
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, min_p=min_p,
+                                 top_k=top_k if temperature > 0 else 1, max_tokens=max_new_tokens,
+                                 logprobs=K, seed=seed, skip_special_tokens=False,
+                                 stop_token_ids=[self.tokenizer.eos_id]) for seed in seeds]
         requests = [{"prompt_token_ids": p} for p in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         rows = [comp for out in outputs for comp in out.outputs]  # n per prompt, in order
-        pad_id = self.tokenizer.pad_id
-        response_ids, mask, logp, top_ids, top_logp = _completion_tensors(rows, K, pad_id)
+        B, T, pad_id = len(rows), max(len(c.token_ids) for c in rows), self.tokenizer.pad_id
+        response_ids = torch.full((B, T), pad_id, dtype=torch.long)
+        mask = torch.zeros(B, T, dtype=torch.bool)
+        logp = torch.zeros(B, T)
+        top_ids = torch.zeros(B, T, K, dtype=torch.long)  # ranked
+        top_logp = torch.full((B, T, K), -math.inf)  # -inf where fewer than K came back
+        for i, comp in enumerate(rows):
+            for t, (tok, lp) in enumerate(zip(comp.token_ids, comp.logprobs)):
+                ranked = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:K]
+                response_ids[i, t], mask[i, t], logp[i, t] = tok, True, lp[tok].logprob
+                top_ids[i, t, : len(ranked)] = torch.tensor([k for k, _ in ranked])
+                top_logp[i, t, : len(ranked)] = torch.tensor([v.logprob for _, v in ranked])
         prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], pad_id)
-        truncated = temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0)
         kept = None  # TIM: processed log-probs are -inf exactly off the kept support
-        if truncated and K > 0:
-            kept = _kept_from_topk(top_ids, top_logp, mask, self.vocab_size)
+        if K > 0 and temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0):  # truncated
+            finite = torch.isfinite(top_logp) & mask[..., None]  # (B, T, K), ranked: finite first
+            # a row whose K are all finite (K < V: the support may go on) is left empty: rebuilt
+            beyond = finite.all(-1, keepdim=True) & (K < self.vocab_size)
+            S = max(int(finite.sum(-1).max()), 1)
+            kept = top_ids.masked_fill(~finite | beyond, -1)[..., :S]  # (B, T, S)
         entropy = _entropy(top_logp) if K == self.vocab_size else None  # the whole distribution
         texts = [self.tokenizer.decode(row.tolist()) for row in response_ids]
         return Rollout(prompt_ids, prompt_mask, response_ids, mask, logp, top_ids, top_logp, texts,
@@ -2464,9 +2403,8 @@ class VLLMSampler:
         """log P(answer + <eos> | prompt) from vLLM's prompt log-probs (teacher-forced). (N,)."""
         from vllm import SamplingParams
 
-        eos = self.tokenizer.eos_id
         tok = self.tokenizer
-        seqs = [(tok.encode(p), tok.encode(a, bos=False) + [eos]) for p, a in problems]
+        seqs = [(tok.encode(p), tok.encode(a, bos=False) + [tok.eos_id]) for p, a in problems]
         requests = [{"prompt_token_ids": p + a} for p, a in seqs]
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
         outputs = self.llm.generate(requests, params, use_tqdm=False)
@@ -2502,8 +2440,7 @@ EXPORT_STAT_ELEMENTS = 1 << 22  # the visible update fraction's fp64 sums run on
 
 def _dot_and_norm2(master, master_before, served, served_before):
     """(<d served, d master>, |d master|^2) in fp64 over flat slices (no fp64 copy). -> 0-d, 0-d."""
-    dot = torch.zeros((), dtype=torch.float64, device=master.device)
-    norm2 = torch.zeros((), dtype=torch.float64, device=master.device)
+    dot, norm2 = torch.zeros(2, dtype=torch.float64, device=master.device)  # 0-d views
     flat = [t.detach().reshape(-1) for t in (master, master_before, served, served_before)]
     for start in range(0, flat[0].numel(), EXPORT_STAT_ELEMENTS):
         m, m0, s, s0 = (t[start : start + EXPORT_STAT_ELEMENTS].double() for t in flat)
@@ -2511,6 +2448,14 @@ def _dot_and_norm2(master, master_before, served, served_before):
         dot += (d_master * (s - s0)).sum()
         norm2 += d_master.square().sum()
     return dot, norm2
+
+
+def _replayed_logp(model, rollout: Rollout, temperature: float, routes, gates=None):
+    """log p~ (B, T) on the kept support, an MoE's experts forced to `routes` (and gate weights to
+    `gates`; None: live); nothing recorded. The logits are freed on return."""
+    logits = response_forward(model, rollout, temperature, routes=routes, gates=gates,
+                              record=False).logits
+    return logprobs_on_support(logits, rollout)[0]
 
 
 class Trainer:
@@ -2528,14 +2473,10 @@ class Trainer:
         # parameters are the served copy (fp32 values of what the sampler holds), no second copy
         self.behaviour = copy.deepcopy(self.model).eval().requires_grad_(False)
         # the unrounded master at the last export: splits export rounding off the ledger
-        self.master_at_export = None
-        if export_dtype != "fp32":
-            self.master_at_export = copy.deepcopy(self.model).eval()
+        self.master_at_export = copy.deepcopy(self.model).eval() if export_dtype != "fp32" else None
         params = list(self.model.parameters()) + list(extra_params)
-        if optimizer == "adamw":
-            self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-        else:
-            self.opt = torch.optim.SGD(params, lr=lr)
+        self.opt = (torch.optim.AdamW(params, lr=lr, weight_decay=0.0) if optimizer == "adamw"
+                    else torch.optim.SGD(params, lr=lr))
         self.export_dtype, self.loss_on_served = export_dtype, loss_on_served
         self.residual: dict[str, torch.Tensor] = {}  # error-feedback residuals, fp32
         self._served_leaves: dict[str, torch.Tensor] | None = None
@@ -2553,25 +2494,25 @@ class Trainer:
             self._served_leaves = {n: v.clone().requires_grad_(True) for n, v in served}
         return self._served_leaves
 
-    def logprobs(self, rollout: Rollout, topk_ids: torch.Tensor | None = None,
-                 temperature: float = 1.0, routes=None):
+    def logprobs(self, rollout: Rollout, topk_ids=None, temperature: float = 1.0, routes=None):
         """(logp, logp_topk, hidden) under the current weights, with gradient. Fair Cast's
         loss_on_served runs the forward on the served (rounded) copy and routes its gradient to the
         fp32 master (straight-through); `routes` replays an MoE model's experts."""
-        params = self._params()
-        return sequence_logprobs(self.model, rollout, temperature, topk_ids, params, routes)  # TIM
+        # TIM: the forward on the master, or on the served copy's leaves (loss_on_served)
+        return sequence_logprobs(self.model, rollout, temperature, topk_ids, self._params(), routes)
 
-    def support_logprobs(self, rollout: Rollout, topk_ids: torch.Tensor | None = None,
-                         temperature: float = 1.0, routes: torch.Tensor | None = None):
+    def support_logprobs(self, rollout: Rollout, topk_ids=None, temperature: float = 1.0,
+                         routes=None):
         """logprobs renormalised on rollout.kept_ids: (logp~, logp_topk~, hidden, log S)."""
         return support_logprobs(self.model, rollout, temperature, topk_ids, self._params(), routes)
 
     @torch.no_grad()
     def behaviour_logprobs(self, rollout: Rollout, temperature: float = 1.0,
-                           truncation: tuple | None = None,
-                           routing_replay: str = "none") -> Behaviour:
+                           truncation: tuple | None = None, routing_replay: str = "none"):
         """The trainer engine on the served weights and on the master at export, renormalised on the
-        kept support (Behaviour); one forward per model, and an MoE model's replays (_moe_logprobs).
+        kept support (Behaviour); one forward per model, and an MoE model's replays: logp_old on the
+        sampler's experts (and on its gate weights too); the experts the update replays (R2 its own,
+        R3 the sampler's).
 
         truncation = (top_p, top_k, min_p): the kept support is also rebuilt from the served
         forward's logits (kept_support_from_logits), used where the sampler returned none
@@ -2587,56 +2528,37 @@ class Trainer:
         logp_old = logprobs_on_support(forward.logits, rollout)[0]
         own_routes = forward.routes
         del forward  # before the next forward's logits
-        logp_sampler_routes = logp_sampler_gates = update_routes = None
-        if self.moe:
-            replayed = self._moe_logprobs(rollout, temperature, routing_replay)
-            logp_sampler_routes, logp_sampler_gates, update_routes = replayed
-            if routing_replay == "r3" and logp_sampler_routes is not None:
-                logp_old = logp_sampler_routes  # TIM: R3: the policy runs on the sampler's experts
-        logp_master_old = None
-        if self.master_at_export is not None:  # on the experts the update will use
-            master = response_forward(self.master_at_export, rollout, temperature,
-                                      routes=update_routes, record=False)
-            logp_master_old = logprobs_on_support(master.logits, rollout)[0]
-        return Behaviour(logp_old, logp_master_old, rebuilt, logp_sampler_routes, own_routes,
-                         update_routes, logp_sampler_gates)
-
-    def _moe_logprobs(self, rollout: Rollout, temperature: float, routing_replay: str):
-        """An MoE model's extra behaviour forwards -> (logp_old on the sampler's experts, and on its
-        gate weights too, or None; the experts the update replays: R2 its own, R3 the sampler's)."""
-        sampler_routes = rollout.routed_experts
-        logp_routes = logp_gates = None
-        if sampler_routes is not None:  # TIM: the same weights on the sampler's experts: routing
-            replayed = response_forward(self.behaviour, rollout, temperature, routes=sampler_routes,
-                                        record=False)
-            logp_routes = logprobs_on_support(replayed.logits, rollout)[0]
-            del replayed
-            if rollout.routed_weights is not None:  # TIM: and on the sampler's gate weights: gates
-                replayed = response_forward(self.behaviour, rollout, temperature,
-                                            routes=sampler_routes, gates=rollout.routed_weights,
-                                            record=False)
-                logp_gates = logprobs_on_support(replayed.logits, rollout)[0]
+        logp_experts = logp_gates = update_routes = None
+        experts, gates = rollout.routed_experts, rollout.routed_weights  # the sampler's
+        if self.moe and experts is not None:  # TIM: the same weights, the sampler's experts
+            logp_experts = _replayed_logp(self.behaviour, rollout, temperature, experts)
+            if gates is not None:  # TIM: and on the sampler's gate weights: gates
+                logp_gates = _replayed_logp(self.behaviour, rollout, temperature, experts, gates)
         # TIM: the experts the update's forwards are forced to
-        update_routes = None
-        if routing_replay == "r2":
+        if self.moe and routing_replay == "r2":
             updated = self.behaviour if self.loss_on_served else self.model  # the update's weights
             update_routes = response_forward(updated, rollout, temperature).routes
-        elif routing_replay == "r3":
-            update_routes = sampler_routes
-        return logp_routes, logp_gates, update_routes
+        elif self.moe and routing_replay == "r3":
+            update_routes = experts
+            if logp_experts is not None:  # TIM: R3: the policy runs on the sampler's experts
+                logp_old = logp_experts
+        logp_master_old = None
+        if self.master_at_export is not None:  # on the experts the update will use
+            logp_master_old = _replayed_logp(self.master_at_export, rollout, temperature,
+                                             update_routes)
+        return Behaviour(logp_old, logp_master_old, rebuilt, logp_experts, own_routes,
+                         update_routes, logp_gates)
 
     def grad_leaves(self) -> list[torch.Tensor]:
         """The tensors the last forward ran on: the served leaves (loss_on_served) or the master."""
-        if self._served_leaves is not None:
-            return list(self._served_leaves.values())
-        return list(self.model.parameters())
+        leaves = self._served_leaves
+        return list(leaves.values()) if leaves is not None else list(self.model.parameters())
 
     def step(self, loss: torch.Tensor) -> float:
         """Backward and one optimizer step on the fp32 master; returns the gradient norm."""
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        if self.moe:
-            release_routes(self.model)  # the routes kept for activation checkpointing's recompute
+        release_routes(self.model)  # MoE: the routes kept for activation checkpointing's recompute
         if self._served_leaves is not None:
             for name, p in self.model.named_parameters():
                 p.grad = self._served_leaves[name].grad
@@ -2659,9 +2581,8 @@ class Trainer:
         """
         _check_choice("mode", mode, ("rtn", "sr", "ef"))
         if mode != "rtn" and self.export_dtype != "bf16":
-            raise ValueError(f"export mode {mode!r} rounds to bf16, but the sampler dtype is "
-                             f"{self.export_dtype}")
-        state, dot, norm2 = {}, 0.0, 0.0
+            raise ValueError(f"export mode {mode!r} rounds to bf16, not {self.export_dtype}")
+        state, dot, norm2, fp32 = {}, 0.0, 0.0, self.export_dtype == "fp32"
         device = next(self.model.parameters()).device
         sr = functools.partial(stochastic_round_bf16, generator=generator)
         ef = error_feedback_round_bf16
@@ -2671,7 +2592,7 @@ class Trainer:
             sr, ef = gpu_rounding(device, generator)
         for name, p in self.model.named_parameters():
             master = p.detach()
-            if self.export_dtype == "fp32":
+            if fp32:
                 served = master.clone()
             elif mode == "sr":  # TIM: Fair Cast, unbiased rounding
                 served = sr(master)
@@ -2689,9 +2610,7 @@ class Trainer:
             state[name] = served
         if self.master_at_export is not None:
             self.master_at_export.load_state_dict(dict(self.model.named_parameters()), strict=False)
-        if norm2 > 0:
-            return state, float(dot / norm2)
-        return state, 1.0 if self.export_dtype == "fp32" else 0.0
+        return state, float(dot / norm2) if norm2 > 0 else (1.0 if fp32 else 0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
