@@ -2893,12 +2893,11 @@ def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout
 def resolve_device(device: str) -> torch.device:
     """auto -> cuda when torch sees a GPU, else cpu; cuda without a GPU: an error, --device."""
     _check_choice("device", device, ("auto", "cpu", "cuda"))
-    if device == "cuda" and not torch.cuda.is_available():
+    gpu = torch.cuda.is_available()
+    if device == "cuda" and not gpu:
         raise ValueError("device='cuda' (--device cuda) but torch.cuda.is_available() is False: no "
                          "GPU or a CPU build of torch; use --device cpu or auto")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device)
+    return torch.device(("cuda" if gpu else "cpu") if device == "auto" else device)
 
 
 STEP_PHASES = ("sample", "recompute", "loss", "optimizer", "export", "sync")  # sec_<phase> logged
@@ -3074,6 +3073,7 @@ def step_record(cfg: RLConfig, step: int, state: RunState, ro: Rollout, rewards,
     import machinery  # peak_rss_mb
 
     first, arm = updates[0], arm_of(cfg)
+    logp = first.logp_prox  # (B, T) the trainer before any step on this batch
     ledger = mismatch_ledger(first.logp_kept, behaviour.logp_old, ro.logp_infer, ro.mask,
                              behaviour.logp_master_old, first.log_s,
                              behaviour.logp_old_sampler_routes, behaviour.logp_old_sampler_gates)
@@ -3082,14 +3082,11 @@ def step_record(cfg: RLConfig, step: int, state: RunState, ro: Rollout, rewards,
     for key in ("loss", "grad_norm", "frac_zeroed", "frac_zeroed_neg_adv"):  # means of the finite
         values = [getattr(u, key) for u in updates if math.isfinite(getattr(u, key))]
         record[key] = sum(values) / len(values) if values else None
-    metrics = mismatch_metrics(first.logp_prox, ro.logp_infer, ro.mask)
-    record |= {f"mm_{k}": v for k, v in metrics.items()}
+    record |= {f"mm_{k}": v for k, v in mismatch_metrics(logp, ro.logp_infer, ro.mask).items()}
     if cfg.k2_coef > 0:
-        k2 = k2_penalty(first.logp_prox, ro.logp_infer, ro.mask, cfg.k2_coef)
-        record["k2_penalty"] = float(k2)
+        record["k2_penalty"] = float(k2_penalty(logp, ro.logp_infer, ro.mask, cfg.k2_coef))
     if arm.shares is not None:
-        x = LossInputs(first.logp_prox, first.logp_prox, first.logp_prox, None, ro.logp_infer, None,
-                       None, first.adv, ro.mask)
+        x = LossInputs(logp, logp, logp, None, ro.logp_infer, None, None, first.adv, ro.mask)
         record |= arm.shares(cfg, x)
     record |= {f"ledger_{k}": v for k, v in ledger.items()} | extra | first.extra
     record["peak_rss_mb"] = machinery.peak_rss_mb()
@@ -3183,8 +3180,7 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     start, records = machinery.resume_run(out, state) if resume else (0, [])
     if resume:
-        print(f"[tim_rl] resuming {out} at step {start} of {cfg.steps} (its checkpoint)",
-              file=sys.stderr)
+        print(f"[tim_rl] resuming {out} at step {start} of {cfg.steps}", file=sys.stderr)
     # the steps the checkpoint covers, once; never beside older metrics
     machinery.write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
     machinery.write_atomic(out / "config.json", json.dumps(asdict(cfg), indent=1))
@@ -3357,8 +3353,7 @@ def _check_mask(mask) -> None:
     """A TypeError or ValueError unless mask is a non-empty (B, T) bool tensor."""
     _check_tensor("mask", mask, floating=False)
     if mask.dtype != torch.bool:
-        raise TypeError(f"mask must be a bool tensor (True on generated tokens), got dtype "
-                        f"{mask.dtype}")
+        raise TypeError(f"mask must be a bool tensor (True on generated tokens), got {mask.dtype}")
     if mask.dim() != 2:
         raise ValueError(f"mask must have shape (B, T), got {tuple(mask.shape)}")
     if mask.numel() == 0:
@@ -3454,9 +3449,8 @@ def _parser():
     """The argparse parser of every subcommand, flags built from the config dataclasses."""
     import machinery  # PretrainConfig
 
-    parser = OneLineParser(prog="tim_rl", description="RL under training-inference mismatch. No "
-                           "subcommand: the demo (~5 min; first pre-trains the tiny model if "
-                           "needed, ~20 s).")
+    parser = OneLineParser(prog="tim_rl", description="RL under training-inference mismatch. "
+                           "No subcommand: the demo (~5 min; pre-trains the tiny model if needed).")
     sub = parser.add_subparsers(dest="cmd")
     add_config_flags(sub.add_parser("pretrain", help="pre-train the embedded tiny model"),
                      machinery.PretrainConfig)
@@ -3467,8 +3461,7 @@ def _parser():
     p_demo.add_argument("--steps", type=int, default=80)
     p_demo.add_argument("--seeds", default="0,1,2,3,4")
     # listed for --help; main() hands `doctor ...` to machinery.doctor_main, whose parser reads it
-    sub.add_parser("doctor", help="why your trainer and sampler disagree, from your logged "
-                   "tensors: doctor FILE")
+    sub.add_parser("doctor", help="why your trainer and sampler disagree: doctor FILE")
     return parser
 
 
