@@ -5,7 +5,8 @@
   are the reference, and every pass here is tested bitwise against them.
 - The testbed: the arithmetic and word-problem tasks, the character tokenizer, the tiny Llama and Qwen3-MoE
   models and their pre-training.
-- vLLM CPU-build workarounds, checkpoint / resume, the config rules, the doctor's file reader, TRL's adapter.
+- vLLM CPU-build workarounds, checkpoint / resume, the config rules, the doctor's file reader and command,
+  TRL's adapter; tim_rl.py's output: the demo's tables and plot (demo) and a train run's summary.
 - OpenMP's wait policy for a shared machine (_openmp_for_a_shared_machine), set at this module's top before
   torch loads: `python tim_rl.py` imports this module first, experiments.py imports it before tim_rl.
 

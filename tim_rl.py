@@ -3411,9 +3411,8 @@ def _check_engine(engine: EngineSpec) -> None:
     """Raise ValueError, naming the field, for an EngineSpec no TorchSampler can build."""
     _check_choice("engine.dtype", engine.dtype, sorted(_DTYPES))
     _check_choice("engine.quant", engine.quant, QUANTS)
-    perturbed = engine.quant != "none" or engine.noise or engine.router_noise
-    perturbed = perturbed or engine.router_jitter
-    if engine.exact and (engine.dtype != "fp32" or perturbed):
+    noisy = engine.noise or engine.router_noise or engine.router_jitter
+    if engine.exact and (engine.dtype != "fp32" or engine.quant != "none" or noisy):
         raise ValueError("engine.exact needs dtype fp32 without quantisation or noise")
 
 
