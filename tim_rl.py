@@ -2870,9 +2870,10 @@ CORRECTIONS = tuple(ARMS)
 
 def arm_of(cfg) -> Arm:
     """The run's arm: the one place that reads cfg.correction."""
-    if cfg.correction not in ARMS:
-        raise ValueError(f"correction must be one of {' | '.join(ARMS)}, got {cfg.correction!r}")
-    return ARMS[cfg.correction]
+    name = cfg.correction
+    if name not in ARMS:
+        raise ValueError(f"correction must be one of {' | '.join(ARMS)}, got {name!r}")
+    return ARMS[name]
 
 
 def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout, adv):
