@@ -5,7 +5,8 @@
   are the reference, and every pass here is tested bitwise against them.
 - The testbed: the arithmetic and word-problem tasks, the character tokenizer, the tiny Llama and Qwen3-MoE
   models and their pre-training.
-- vLLM CPU-build workarounds, checkpoint / resume, the config rules, the doctor's file reader, TRL's adapter.
+- vLLM CPU-build workarounds, checkpoint / resume, the config rules, the doctor's file reader and command,
+  TRL's adapter; tim_rl.py's output: the demo's tables and plot (demo) and a train run's summary.
 - OpenMP's wait policy for a shared machine (_openmp_for_a_shared_machine), set at this module's top before
   torch loads: `python tim_rl.py` imports this module first, experiments.py imports it before tim_rl.
 
@@ -578,6 +579,38 @@ def read_doctor_file(path: Path) -> dict:
     return tensors
 
 
+def doctor_main(argv: list[str]) -> None:
+    """`python tim_rl.py doctor FILE [--keys TRAIN,INFER,MASK]`: diagnose_mismatch on a file's tensors; an
+    unreadable file, a missing key, a bad shape or dtype is one error line and exit status 2."""
+    from safetensors import SafetensorError
+
+    parser = tr.OneLineParser(prog="tim_rl doctor", description="Why trainer and sampler log-probs disagree "
+                              "(TRL / verl tensor names, or --keys; an 'advantages' tensor enables lag).")
+    parser.add_argument("file", type=Path, help=".pt, .safetensors or .jsonl")
+    parser.add_argument("--keys", default="", help="TRAIN,INFER,MASK: the names of the trainer's log-probs, "
+                        "the sampler's and the mask (default: TRL's or verl's names)")
+    args = parser.parse_args(argv)
+    keys = None
+    try:
+        tensors = read_doctor_file(args.file)
+        names = [tuple(args.keys.split(","))] if args.keys else [*DOCTOR_KEYS, *JSONL_KEYS]
+        if len(names[0]) != 3:
+            raise ValueError(f"--keys takes three names, TRAIN,INFER,MASK, got {args.keys!r}")
+        keys = next((k for k in names if set(k) <= set(tensors)), None)
+        if keys is None:
+            wanted = " or ".join(",".join(k) for k in (names if args.keys else DOCTOR_KEYS))
+            found = ", ".join(sorted(tensors)) or "none"
+            raise ValueError(f"no tensors named {wanted} (found: {found}; --keys TRAIN,INFER,MASK names them)")
+        train, infer, mask = (tensors[k] for k in keys)
+        tr._check_tensor(f"mask ({keys[2]})", mask, floating=False)
+        if mask.dtype != torch.bool and torch.isin(mask, torch.tensor([0, 1])).all():  # TRL / verl: 0 / 1 ints
+            mask = mask.bool()
+        print(tr.diagnose_mismatch(train, infer, mask, advantages=tensors.get("advantages")))
+    except (OSError, ValueError, TypeError, RuntimeError, EOFError, SafetensorError) as e:
+        read_as = f" (read {', '.join(keys)} as logp_train, logp_infer, mask)" if keys else ""
+        parser.exit(2, f"tim_rl doctor: error: {args.file}: {str(e).splitlines()[0]}{read_as}\n")
+
+
 # ---- TRL ----
 # The weight-style corrections ride through TRL's GRPOTrainer, which multiplies its per-token PPO loss by
 # inputs["importance_sampling_ratio"] (TRL 1.16, vLLM on, a token_* mode). Score centering cannot: it needs the
@@ -833,6 +866,17 @@ def chat_prompt(tokenizer, question: str) -> str:
                          "(task words needs a chat model)")
     turn = [{"role": "user", "content": f"{question} {BOXED_INSTRUCTION}"}]
     return tok.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+
+
+def run_problems(cfg, model_dir, tokenizer) -> tuple[list, list]:
+    """(RL problems, held-out problems) of a run's cfg.task; word problems go through the chat template."""
+    n = cfg.steps * cfg.prompts
+    if cfg.task == "arithmetic":
+        task = tr.run_task_kwargs(cfg, model_dir)
+        return (make_arithmetic_task(n, seed=cfg.seed, split="rl", **task),
+                make_arithmetic_task(cfg.eval_n, seed=0, split="eval", **task))
+    rl, held_out = make_word_problems(n, cfg.seed), make_word_problems(cfg.eval_n, 0, "eval")
+    return [[(chat_prompt(tokenizer, q), a) for q, a in problems] for problems in (rl, held_out)]
 
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
@@ -1122,3 +1166,85 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     with safe_open(str(path), framework="pt") as f:
         names = f.keys()  # a safe_open handle is not iterable
         return {k: f.get_tensor(k) for k in names}, json.loads(f.metadata()["json"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ---- tim_rl.py's output: the demo (its default command), a train run's summary ----
+
+
+def train_summary(records: list[dict], out: Path) -> str:
+    """A few numbers of a finished run (first and last evaluation, last step) and the files it wrote."""
+    step, first, last = [r for r in records if "reward" in r][-1], records[0], records[-1]
+    evals = "  ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in ("acc_trainer", "pc_trainer", "pc_sampler"))
+    now = "  ".join(f"{k} {step[k]:.3g}" for k in ("reward", "mm_abs_diff", "grad_norm") if step[k] is not None)
+    files = ", ".join(str(out / f) for f in ("metrics.jsonl", "config.json", "checkpoint.safetensors"))
+    return f"evaluations (first -> last): {evals}\nstep {step['step']}: {now}\nwrote {files}"
+
+
+def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: int = 16,
+         out: str = "runs/demo") -> None:
+    """The default command: mismatch of every engine, then policy lag hurting and being repaired (mean ± sd over
+    paired seeds; `python experiments.py compare` adds paired intervals and verdicts). Writes <out>/demo.md (both
+    tables) and <out>/demo.png (trainer pc per arm, mean and ± 1 sd over the seeds)."""
+    from dataclasses import replace
+
+    from matplotlib.figure import Figure  # no pyplot: a notebook's backend is left alone
+
+    lines = []
+
+    def say(line: str, gap: bool = False) -> None:
+        """Print the line (after a blank one when `gap`) and keep it for demo.md."""
+        lines.append(line)
+        print("\n" * gap + line)
+
+    model_dir = ensure_base_model("runs/base")
+    model, tokenizer = tr.load_model(model_dir).eval(), tr.load_tokenizer(model_dir)
+    problems = make_arithmetic_task(64, seed=0, split="eval", **tr.task_kwargs(model_dir))
+    prompts = tr.encode_problems(tokenizer, problems)[0]
+    Spec = tr.EngineSpec
+    engines = {"torch fp32 (KV cache)": Spec(), "torch fp32 exact": Spec(exact=True),
+               "torch fp16": Spec(dtype="fp16"), "torch bf16": Spec(dtype="bf16"),
+               "torch int8 weights": Spec(quant="int8"), "torch fp8-e4m3 weights": Spec(quant="fp8")}
+    if tr.vllm_available():
+        engines |= {"vLLM fp32": "fp32", "vLLM bf16": "bf16"}
+    say("== 1. measured mismatch of each sampler engine vs the fp32 trainer (64 prompts x 4 samples) ==", True)
+    for label, spec in engines.items():
+        if isinstance(spec, tr.EngineSpec):
+            sampler = tr.TorchSampler(model, spec, tokenizer)
+        else:
+            sampler = tr.VLLMSampler(model_dir, dtype=spec, seed=0, tokenizer=tokenizer)
+        ro = sampler.sample(prompts, 4, 5, 1.0, None, torch.Generator().manual_seed(0))
+        del sampler  # vLLM: one engine per process at a time
+        with torch.no_grad():
+            # TIM: same tokens
+            m = tr.mismatch_metrics(tr.sequence_logprobs(model, ro)[0], ro.logp_infer, ro.mask)
+        say(f"{label:<24} k3 {m['k3']:<9.3g} mean |Δlogp| {m['abs_diff']:<9.3g} "
+            f"max |Δlogp| {m['max_abs_diff']:.3g}")
+    say(f"== 2. policy lag: sampler synced every {sync_every} steps vs every step, {steps} steps, "
+        f"{len(seeds)} paired seeds: held-out trainer pc at step 0 -> after the last step, mean ± sd over "
+        f"the seeds (sd with Bessel's correction) ==", True)
+    # sc_tis over all V (topk=0), as README's demo output was run
+    base = tr.RLConfig(steps=steps, sync_every=sync_every, eval_every=max(steps // 4, 1), out_dir=out, topk=0)
+    arms = {"synced control (k=1, none)": {"correction": "none", "sync_every": 1}}
+    arms |= {f"{c} (k={sync_every})": {"correction": c} for c in ("none", "tis", "sc_tis")}
+    fig = Figure(figsize=(7.5, 4))
+    ax = fig.subplots()
+    for i, (label, change) in enumerate(arms.items()):
+        runs = [tr.run(replace(base, name=f"arm{i}_s{s}", seed=s, **change)) for s in seeds]
+        evals = [[r for r in records if "pc_trainer" in r] for records in runs]
+        # (seeds, evals)
+        pc = torch.tensor([[r["pc_trainer"] for r in e] for e in evals], dtype=torch.float64)
+        sd = pc.std(0) if len(seeds) > 1 else torch.zeros(pc.shape[1], dtype=torch.float64)
+        say(f"{label:<28} pc {float(pc[:, 0].mean()):.3f} -> {float(pc[:, -1].mean()):.3f} ± {float(sd[-1]):.3f}")
+        x, mean = [r["step"] for r in evals[0]], pc.mean(0)
+        ax.plot(x, mean, marker="o", ms=3, label=label)
+        ax.fill_between(x, mean - sd, mean + sd, alpha=0.15)
+    ax.set(title=f"policy lag k={sync_every}: mean and ± 1 sd over {len(seeds)} seeds", xlabel="optimizer step",
+           ylabel="held-out probability of the exact answer (pc)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(out).mkdir(parents=True, exist_ok=True)
+    fig.savefig(Path(out) / "demo.png", dpi=110)
+    write_atomic(Path(out) / "demo.md", "\n".join(lines) + "\n")
+    print(f"\nwrote {out}/demo.md, {out}/demo.png and {out}/arm<i>_s<seed>/; paired intervals and verdicts: "
+          "python experiments.py compare --help")

@@ -1050,7 +1050,7 @@ def test_demo_writes_its_tables_and_a_plot_with_the_seed_spread(base_model_dir, 
         eval_n: int = 16  # seconds, not a minute
 
     monkeypatch.setattr(tr, "RLConfig", Small)
-    tr.demo(steps=1, seeds=(0, 1), out=str(tmp_path))
+    machinery.demo(steps=1, seeds=(0, 1), out=str(tmp_path))
     table = (tmp_path / "demo.md").read_text()
     assert "torch bf16" in table and "mean ± sd over the seeds" in table
     assert sum(" pc " in line and not line.startswith("==") for line in table.splitlines()) == 4, table

@@ -2623,8 +2623,7 @@ RS_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}  # --rs-estimator -> the
 
 
 class LossInputs(NamedTuple):
-    """What an arm's loss reads. (B, T) log-probs of the sampled tokens; (B, T, K) at the top-K
-    ids."""
+    """What an arm's loss reads: (B, T) log-probs of the sampled tokens, (B, T, K) at top-K ids."""
 
     logp: torch.Tensor  # current trainer, carries gradient
     logp_now: torch.Tensor  # logp detached: the trainer side of REINFORCE's weights
@@ -2638,17 +2637,15 @@ class LossInputs(NamedTuple):
 
 
 class Arm(NamedTuple):
-    """One --correction: its loss, what the loop must give it besides the sampled log-probs, its
-    metrics."""
+    """One --correction: its loss, what the loop gives it besides the sampled log-probs, metrics."""
 
     loss: Callable  # (cfg, LossInputs) -> scalar loss
     reads_topk: bool = False  # the sampler's top-K log-probs (recorded only for these arms)
-    # reads logp_old or the top-K: needs the trainer renormalised on the support
-    renormalized: bool = False
+    renormalized: bool = False  # reads logp_old or top-K: needs the trainer renormalised on support
     critic: bool = False  # COPC: a value head gives (B, T) advantages
     resync: bool = False  # DLC: its lag or staleness trigger may sync before --sync-every
     # (cfg, LossInputs) -> {metric: share} of what it drops or clips; reads logp_now, logp_infer,
-    # adv and mask only (correction_shares gives it those of the first update)
+    # adv and mask only (step_record gives it those of the first update)
     shares: Callable | None = None
 
 
@@ -2669,8 +2666,7 @@ def _sc(x: LossInputs, cap=None, band=None):
 
 
 def _calibrated(cfg, x: LossInputs):
-    """TIM: ppo_infer with FP8-calibrated bounds [7]; the ratio p/q is the IS weight, no TIS on
-    top."""
+    """TIM: ppo_infer with FP8-calibrated bounds [7]; the ratio p/q is the IS weight, no TIS."""
     ratio_low, ratio_ref = (x.logp_now - x.logp_infer).exp(), (x.logp_now - x.logp_old).exp()
     lo, hi = calibrated_clip_bounds(ratio_low, ratio_ref, x.adv, x.mask, cfg.eps_low, cfg.eps_high)
     return ppo_loss(x.logp, x.logp_infer, x.adv, x.mask, eps_low=1 - lo, eps_high=hi - 1)
@@ -2685,25 +2681,17 @@ def _dropped(touched, mask, kind="masked") -> dict[str, float]:
 
 
 def _rs_arm(divergence_weights) -> Arm:
-    """A verl rollout_rs arm: rejection only, kept tokens weigh 1 (rollout_rs without
-    rollout_is)."""
-    def weights(cfg, x):
-        """The arm's keep mask (1 kept, 0 dropped) on the batch."""
-        estimator = RS_ESTIMATORS[cfg.rs_estimator]
-        return divergence_weights(x.logp_now, x.logp_infer, x.mask, cfg.rs_threshold, estimator)
-
-    return Arm(lambda c, x: _pg(x, weights(c, x)), shares=lambda c, x: _dropped(weights(c, x) == 0, x.mask))
+    """A verl rollout_rs arm: rejection only, kept tokens weigh 1 (no rollout_is)."""
+    def keep(c, x):  # 1 kept, 0 dropped
+        est = RS_ESTIMATORS[c.rs_estimator]
+        return divergence_weights(x.logp_now, x.logp_infer, x.mask, c.rs_threshold, est)
+    return Arm(lambda c, x: _pg(x, keep(c, x)),
+               shares=lambda c, x: _dropped(keep(c, x) == 0, x.mask))
 
 
 def _tis(cfg, x: LossInputs, logp=None):
-    """TIS weights of `logp` (default: the current trainer) against the sampler, capped at
-    --tis-cap."""
+    """TIS weights of `logp` (default: the current trainer) against the sampler, cap --tis-cap."""
     return tis_weights(x.logp_now if logp is None else logp, x.logp_infer, x.mask, cfg.tis_cap)
-
-
-def _tis_sn(cfg, x: LossInputs):
-    """TIM: truncate, then self-normalise (verl rollout_is_batch_normalize)."""
-    return self_normalize_weights(_tis(cfg, x), x.mask)
 
 
 def _opsm(cfg, x: LossInputs):
@@ -2717,11 +2705,6 @@ def _dlc(c, x: LossInputs):
                     logp_prox=x.logp_prox, lag_cap=c.dlc_lag_cap)
 
 
-def _cispo_clipped(c, x: LossInputs):
-    """Shares of the tokens CISPO clips (r > 1 + eps_high)."""
-    return _dropped(x.logp_now - x.logp_infer > math.log1p(c.eps_high), x.mask, "clipped")
-
-
 # Every correction (--correction NAME). TIM: REINFORCE has no trust region, so its weight covers the
 # whole gap p / q = lag x numerics: the weight gets the current log-prob (detached). The
 # decoupled-PPO arms weight the behaviour gap p_prox / q and leave the update p / p_prox to the
@@ -2729,28 +2712,36 @@ def _cispo_clipped(c, x: LossInputs):
 ARMS = {
     "none": Arm(lambda c, x: _pg(x)),
     "tis": Arm(lambda c, x: _pg(x, _tis(c, x))),
-    "mis": Arm(lambda c, x: _pg(x, mis_weights(x.logp_now, x.logp_infer, x.mask, c.mis_low, c.mis_high))),
-    "seq_tis": Arm(lambda c, x: _pg(x, seq_tis_weights(x.logp_now, x.logp_infer, x.mask, c.seq_tis_cap))),
+    "mis": Arm(lambda c, x: _pg(x, mis_weights(x.logp_now, x.logp_infer, x.mask, c.mis_low,
+                                               c.mis_high))),
+    "seq_tis": Arm(lambda c, x: _pg(x, seq_tis_weights(x.logp_now, x.logp_infer, x.mask,
+                                                       c.seq_tis_cap))),
     "geo": Arm(lambda c, x: _pg(x, geo_mask_weights(x.logp_now, x.logp_infer, x.mask))),
     "cis": Arm(lambda c, x: _ppo(c, x, cis_weights(x.logp_prox, x.logp_infer, x.mask))),
     "ppo": Arm(lambda c, x: _ppo(c, x, _tis(c, x, x.logp_prox))),
     # TIM: the sampler's log-probs as pi_old: the whole gap clipped
-    "ppo_infer": Arm(lambda c, x: ppo_loss(x.logp, x.logp_infer, x.adv, x.mask, None, c.eps_low, c.eps_high)),
+    "ppo_infer": Arm(lambda c, x: ppo_loss(x.logp, x.logp_infer, x.adv, x.mask, None, c.eps_low,
+                                           c.eps_high)),
     "dppo": Arm(lambda c, x: dppo_loss(x.logp, x.logp_infer, x.adv, x.mask, delta=c.dppo_delta)),
     "sc": Arm(lambda c, x: _sc(x), reads_topk=True, renormalized=True),
     "sc_tis": Arm(lambda c, x: _sc(x, cap=c.tis_cap), reads_topk=True, renormalized=True),
-    "sc_mis": Arm(lambda c, x: _sc(x, band=(c.mis_low, c.mis_high)), reads_topk=True, renormalized=True),
+    "sc_mis": Arm(lambda c, x: _sc(x, band=(c.mis_low, c.mis_high)), reads_topk=True,
+                  renormalized=True),
     "dlc": Arm(_dlc, renormalized=True, resync=True),
     "copc": Arm(lambda c, x: _ppo(c, x, copc_mask(x.logp_prox, x.logp_infer, x.mask)), critic=True),
     "calibrated": Arm(_calibrated, renormalized=True),
     # a positive control [2], not a correction: REINFORCE minus its signal part = the drift alone
     "drift_only": Arm(lambda c, x: _pg(x) - _sc(x), reads_topk=True, renormalized=True),
     **{name: _rs_arm(weights) for name, weights in RS_ARMS.items()},
-    "tis_sn": Arm(lambda c, x: _pg(x, _tis_sn(c, x)),
+    # TIM: truncate, then self-normalise (verl rollout_is_batch_normalize)
+    "tis_sn": Arm(lambda c, x: _pg(x, self_normalize_weights(_tis(c, x), x.mask)),
                   shares=lambda c, x: {"sn_mean_weight": float(masked_mean(_tis(c, x), x.mask))}),
-    "opsm": Arm(lambda c, x: _pg(x, _opsm(c, x)), shares=lambda c, x: _dropped(_opsm(c, x) == 0, x.mask)),
+    "opsm": Arm(lambda c, x: _pg(x, _opsm(c, x)),
+                shares=lambda c, x: _dropped(_opsm(c, x) == 0, x.mask)),
     # TIM: r = p / q, see cispo_loss; clipped tokens keep their gradient, scaled down
-    "cispo": Arm(lambda c, x: cispo_loss(x.logp, x.logp_infer, x.adv, x.mask, c.eps_high), shares=_cispo_clipped),
+    "cispo": Arm(lambda c, x: cispo_loss(x.logp, x.logp_infer, x.adv, x.mask, c.eps_high),
+                 shares=lambda c, x: _dropped(x.logp_now - x.logp_infer > math.log1p(c.eps_high),
+                                              x.mask, "clipped")),
 }
 CORRECTIONS = tuple(ARMS)
 
@@ -2770,54 +2761,35 @@ def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout
     logp (grad) current trainer; logp_prox the trainer before this batch's first update; logp_old
     the trainer engine on the weights the sampler holds; ro.logp_infer the sampler. At the first
     update logp == logp_prox."""
-    x = LossInputs(logp, logp.detach(), logp_prox, logp_old, ro.logp_infer, logp_topk, ro.logp_topk_infer,
-                   adv, ro.mask)
+    x = LossInputs(logp, logp.detach(), logp_prox, logp_old, ro.logp_infer, logp_topk,
+                   ro.logp_topk_infer, adv, ro.mask)
     loss = arm_of(cfg).loss(cfg, x)
     if cfg.k2_coef > 0:  # TIM: any arm plus prime-rl's k2 pull toward the sampler
         loss = loss + k2_penalty(logp, ro.logp_infer, ro.mask, cfg.k2_coef)
     return loss
 
 
-def correction_shares(cfg: RLConfig, logp_now, logp_infer, adv, mask) -> dict[str, float]:
-    """What an arm drops (frac_masked_*) or clips (frac_clipped_*) of tokens and sequences; tis_sn's
-    normaliser; the k2 term. {} for the other arms (their frac_zeroed is in the record)."""
-    out = {}
-    if cfg.k2_coef > 0:
-        out["k2_penalty"] = float(k2_penalty(logp_now, logp_infer, mask, cfg.k2_coef))
-    shares = arm_of(cfg).shares
-    if shares is None:
-        return out
-    x = LossInputs(logp_now, logp_now, logp_now, None, logp_infer, None, None, adv, mask)
-    return out | shares(cfg, x)
-
-
 def resolve_device(device: str) -> torch.device:
-    """auto -> cuda when torch sees a GPU, else cpu; cuda without a GPU is an error naming
-    --device."""
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device must be auto | cpu | cuda, got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' (--device cuda) but torch.cuda.is_available() is False: no GPU or a "
-                         "CPU build of torch; use --device cpu or auto")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device)
+    """auto -> cuda when torch sees a GPU, else cpu; cuda without a GPU: an error, --device."""
+    _check_choice("device", device, ("auto", "cpu", "cuda"))
+    gpu = torch.cuda.is_available()
+    if device == "cuda" and not gpu:
+        raise ValueError("device='cuda' (--device cuda) but torch.cuda.is_available() is False: no "
+                         "GPU or a CPU build of torch; use --device cpu or auto")
+    return torch.device(("cuda" if gpu else "cpu") if device == "auto" else device)
 
 
-# sec_<phase> in metrics.jsonl
-STEP_PHASES = ("sample", "recompute", "loss", "optimizer", "export", "sync")
+STEP_PHASES = ("sample", "recompute", "loss", "optimizer", "export", "sync")  # sec_<phase> logged
 
 
 @dataclass
 class RunState:
-    """What one RL run holds between steps (everything a checkpoint must restore, plus the fixed
-    data)."""
+    """What one RL run holds between steps (all a checkpoint must restore, plus the fixed data)."""
 
     trainer: Trainer
     sampler: object
     tokenizer: object
-    # the run's random stream: sampling and SR export (router jitter: the sampler's own)
-    gen: torch.Generator
+    gen: torch.Generator  # the run's random stream: sampling, SR export (not the router jitter)
     value_head: torch.nn.Module | None  # COPC's critic
     train_set: list
     eval_set: list
@@ -2829,48 +2801,31 @@ def evaluate(step: int, state: RunState, cfg: RLConfig) -> dict:
     and sampler; with truncated sampling also pct_trainer, that probability under the policy the
     sampler draws from."""
     model, tokenizer, problems = state.trainer.model, state.tokenizer, state.eval_set
-    # greedy length
     tokens = max(6, cfg.max_new_tokens) if cfg.task == "arithmetic" else cfg.max_new_tokens
     record = {"step": step, "acc_trainer": greedy_accuracy(model, tokenizer, problems, tokens),
               "acc_sampler": state.sampler.greedy_accuracy(problems, tokens),
               "pc_trainer": float(answer_logprobs(model, tokenizer, problems).exp().mean()),
               "pc_sampler": float(state.sampler.answer_logprobs(problems).exp().mean())}
     if _truncates(cfg):  # what a truncated sampler would draw: the objective truncated RL optimises
-        truncation = (cfg.top_p, cfg.top_k, cfg.min_p)
-        logp = answer_logprobs(model, tokenizer, problems, temperature=cfg.temperature, truncation=truncation)
+        logp = answer_logprobs(model, tokenizer, problems, temperature=cfg.temperature,
+                               truncation=(cfg.top_p, cfg.top_k, cfg.min_p))
         record["pct_trainer"] = float(logp.exp().mean())
     return record
 
 
 class Update(NamedTuple):
-    """One optimizer step on a rollout batch: what it records, and the log-probs it saw before
-    stepping."""
+    """One optimizer step on a rollout batch: what it records, the log-probs it saw before it."""
 
     loss: float
     grad_norm: float
-    # share of the tokens with A != 0 whose gradient the clip, mask or weight zeroed
-    frac_zeroed: float
+    frac_zeroed: float  # share of the tokens with A != 0 whose gradient the arm zeroed
     frac_zeroed_neg_adv: float  # the same among the tokens with A < 0
-    # (B, T) detached, before the step: the trainer renormalised on the kept support
-    logp_kept: torch.Tensor
-    # (B, T) the proximal policy the loss used (first update: its own logp, detached)
-    logp_prox: torch.Tensor
+    logp_kept: torch.Tensor  # (B, T) detached, before the step: the trainer on the kept support
+    logp_prox: torch.Tensor  # (B, T) the proximal policy the loss used (first update: its own logp)
     adv: torch.Tensor  # (B, T) or (B, 1), the advantages the loss used
     log_s: torch.Tensor | None  # (B, T) log kept mass under truncation, else None
     extra: dict  # first update only: kept_mass, the drift / signal split
     seconds: dict  # recompute / loss / optimizer
-
-
-def _advantages(cfg: RLConfig, state: RunState, rewards, logp, hidden, ro: Rollout):
-    """(advantages, critic loss): COPC's critic gives (B, T) ones and its own loss; else (B, 1)
-    GRPO or raw-reward advantages and 0."""
-    if not arm_of(cfg).critic:
-        adv = grpo_advantages(rewards, cfg.group) if cfg.baseline == "group" else rewards
-        return adv[:, None], 0.0
-    # (B, T), bounded like the rewards
-    values = torch.sigmoid(state.value_head(hidden.detach()).squeeze(-1))
-    adv, targets = copc_advantages(values, rewards, logp, ro.logp_infer, ro.mask)
-    return adv, 0.5 * masked_mean((values - targets).square(), ro.mask)
 
 
 def update_on_batch(cfg: RLConfig, state: RunState, ro: Rollout, rewards, logp_old, logp_prox,
@@ -2879,41 +2834,40 @@ def update_on_batch(cfg: RLConfig, state: RunState, ro: Rollout, rewards, logp_o
 
     logp_prox None: this is the batch's first update, and its own log-probs are the proximal
     policy. routes: the MoE experts the forward replays (R2 / R3; None: live routing)."""
-    trainer = state.trainer
-    clock = [time.perf_counter()]
-    # TIM: with truncation the current trainer's log-probs are renormalised on the kept support: p~,
-    # not p
-    # only where read
-    topk_ids = ro.topk_ids if _reads_topk(cfg) and ro.topk_ids.shape[-1] > 0 else None
+    trainer, clock, extra = state.trainer, [time.perf_counter()], {}
+    # TIM: with truncation the trainer's log-probs are renormalised on the kept support: p~, not p
+    topk_ids = ro.topk_ids if _reads_topk(cfg) and ro.topk_ids.shape[-1] > 0 else None  # if read
     logp, logp_topk, hidden, log_s = trainer.support_logprobs(ro, topk_ids, cfg.temperature, routes)
     clock.append(time.perf_counter())
-    first = logp_prox is None
-    logp_kept = logp.detach()
-    extra = {}
+    first, logp_kept = logp_prox is None, logp.detach()
     if first and log_s is not None:
         extra["kept_mass"] = float(masked_mean(log_s.detach().exp(), ro.mask))
-    # TIM: full-vocabulary log-probs: the ratio is biased by S
-    if log_s is not None and not cfg.renormalize:
+    if log_s is not None and not cfg.renormalize:  # TIM: full-vocabulary log-probs: biased by S
         logp = logp + log_s
         logp_topk = None if logp_topk is None else logp_topk + log_s[..., None]
     if first:  # TIM: the proximal policy: the trainer before the batch's first update
         logp_prox = logp.detach()
-    adv, critic_loss = _advantages(cfg, state, rewards, logp, hidden, ro)
+    if arm_of(cfg).critic:  # COPC: a critic's (B, T) advantages, bounded like the rewards
+        values = torch.sigmoid(state.value_head(hidden.detach()).squeeze(-1))  # (B, T)
+        adv, targets = copc_advantages(values, rewards, logp, ro.logp_infer, ro.mask)
+        critic_loss = 0.5 * masked_mean((values - targets).square(), ro.mask)
+    else:  # (B, 1) GRPO or raw-reward advantages
+        adv = grpo_advantages(rewards, cfg.group) if cfg.baseline == "group" else rewards
+        adv, critic_loss = adv[:, None], 0.0
     loss = policy_loss(cfg, logp, logp_topk, logp_prox, logp_old, ro, adv)
     w_eff = effective_token_weights(loss, logp, adv, ro.mask)  # what the arm did to each token
     if first and cfg.diagnose_drift:
-        extra |= drift_signal_norms(trainer.grad_leaves(), logp, logp_topk, ro.logp_infer, ro.logp_topk_infer,
-                                    adv, ro.mask)
+        extra |= drift_signal_norms(trainer.grad_leaves(), logp, logp_topk, ro.logp_infer,
+                                    ro.logp_topk_infer, adv, ro.mask)
     clock.append(time.perf_counter())
     grad_norm = trainer.step(loss + critic_loss)
     clock.append(time.perf_counter())
     live = torch.isfinite(w_eff)  # masked tokens with A != 0
-    negative = live & (adv.expand_as(w_eff) < 0)
-    zeroed = live & (w_eff == 0)
+    negative, zeroed = live & (adv.expand_as(w_eff) < 0), live & (w_eff == 0)
     frac_zeroed = float(zeroed.sum() / live.sum()) if live.any() else math.nan
-    frac_zeroed_neg = float((zeroed & negative).sum() / negative.sum()) if negative.any() else math.nan
-    seconds = {phase: clock[k + 1] - clock[k] for k, phase in enumerate(("recompute", "loss", "optimizer"))}
-    return Update(loss.item(), grad_norm, frac_zeroed, frac_zeroed_neg, logp_kept, logp_prox, adv, log_s,
+    frac_neg = float((zeroed & negative).sum() / negative.sum()) if negative.any() else math.nan
+    seconds = {phase: clock[k + 1] - clock[k] for k, phase in enumerate(STEP_PHASES[1:4])}
+    return Update(loss.item(), grad_norm, frac_zeroed, frac_neg, logp_kept, logp_prox, adv, log_s,
                   extra, seconds)
 
 
@@ -2935,10 +2889,9 @@ def sample_batch(cfg: RLConfig, step: int, state: RunState) -> tuple[Rollout, li
     """This step's prompts, G samples each, on the trainer's device; and their answers."""
     problems = state.train_set[step * cfg.prompts : (step + 1) * cfg.prompts]
     prompts, answers = encode_problems(state.tokenizer, problems)
-    device = next(state.trainer.model.parameters()).device
-    ro = state.sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, recorded_topk(cfg),
-                              state.gen, cfg.top_p, cfg.top_k, cfg.min_p)
-    return ro.to(device), answers
+    ro = state.sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature,
+                              recorded_topk(cfg), state.gen, cfg.top_p, cfg.top_k, cfg.min_p)
+    return ro.to(next(state.trainer.model.parameters()).device), answers
 
 
 def merge_kept_support(ro: Rollout, rebuilt) -> dict:
@@ -2947,8 +2900,7 @@ def merge_kept_support(ro: Rollout, rebuilt) -> dict:
     if ro.kept_ids is None:
         ro.kept_ids = rebuilt
         return extra
-    # TIM: past K: the rebuilt support
-    ro.kept_ids, beyond = merge_support(ro.kept_ids, rebuilt, ro.mask)
+    ro.kept_ids, beyond = merge_support(ro.kept_ids, rebuilt, ro.mask)  # TIM: past K: rebuilt
     extra["support_differs"] = support_differs(ro.kept_ids, rebuilt, ro.mask & ~beyond)
     if beyond.any():  # logged where it happened (a torch sampler records its whole support: never)
         extra["support_beyond_k"] = int(beyond.sum())
@@ -2976,8 +2928,8 @@ def sync_due(cfg: RLConfig, state: RunState, ro: Rollout, behaviour) -> bool:
     # sampler's weights on this batch's tokens, measured from the master at export (rounding is no
     # lag)
     with torch.no_grad():
-        routes = behaviour.update_routes
-        logp_next = support_logprobs(state.trainer.model, ro, cfg.temperature, routes=routes)[0]
+        logp_next = support_logprobs(state.trainer.model, ro, cfg.temperature,
+                                     routes=behaviour.update_routes)[0]
     anchor = behaviour.logp_old if behaviour.logp_master_old is None else behaviour.logp_master_old
     return dlc_should_resync(logp_next, anchor, ro.mask, state.since_sync, cfg.dlc_max_staleness,
                              cfg.dlc_max_lag)
@@ -2987,37 +2939,34 @@ def sync_sampler(cfg: RLConfig, state: RunState, timer: Timer) -> float | None:
     """Export the master (rounding it) into the sampler; returns the visible update fraction."""
     served, visible = state.trainer.export(cfg.export, generator=state.gen)
     timer.lap("export")
-    # TIM: the trainer's weights (and its drift) enter the sampler
-    state.sampler.load_weights(served)
+    state.sampler.load_weights(served)  # TIM: the trainer's weights (and drift) enter the sampler
     state.since_sync = 0
     return visible
 
 
-def _mean_finite(updates: list[Update], key: str) -> float | None:
-    """The mean of an Update field over the updates where it is finite (nan: no token); None if
-    none is."""
-    values = [getattr(u, key) for u in updates if math.isfinite(getattr(u, key))]
-    return sum(values) / len(values) if values else None
-
-
 def step_record(cfg: RLConfig, step: int, state: RunState, ro: Rollout, rewards, behaviour,
                 updates: list[Update], synced: bool, visible, extra: dict) -> dict:
-    """One metrics.jsonl line: mismatch metrics and ledger of the first update's log-probs
-    (before any step on this batch), loss and grad_norm as means over the updates, what the arm
-    dropped."""
+    """One metrics.jsonl line: mismatch metrics and ledger of the first update's log-probs (before
+    any step on this batch), loss and grad_norm as means over the updates, what the arm dropped or
+    clipped (frac_masked_* / frac_clipped_*, tis_sn's normaliser), the k2 term."""
     import machinery  # peak_rss_mb
 
-    first = updates[0]
+    first, arm = updates[0], arm_of(cfg)
+    logp = first.logp_prox  # (B, T) the trainer before any step on this batch
     ledger = mismatch_ledger(first.logp_kept, behaviour.logp_old, ro.logp_infer, ro.mask,
-                             behaviour.logp_master_old, first.log_s, behaviour.logp_old_sampler_routes,
-                             behaviour.logp_old_sampler_gates)
+                             behaviour.logp_master_old, first.log_s,
+                             behaviour.logp_old_sampler_routes, behaviour.logp_old_sampler_gates)
     record = {"step": step, "reward": float(rewards.mean()), "synced": synced,
               "visible_update_fraction": visible, "staleness": state.since_sync}
-    for key in ("loss", "grad_norm", "frac_zeroed", "frac_zeroed_neg_adv"):
-        record[key] = _mean_finite(updates, key)
-    metrics = mismatch_metrics(first.logp_prox, ro.logp_infer, ro.mask)
-    record |= {f"mm_{k}": v for k, v in metrics.items()}
-    record |= correction_shares(cfg, first.logp_prox, ro.logp_infer, first.adv, ro.mask)
+    for key in ("loss", "grad_norm", "frac_zeroed", "frac_zeroed_neg_adv"):  # means of the finite
+        values = [getattr(u, key) for u in updates if math.isfinite(getattr(u, key))]
+        record[key] = sum(values) / len(values) if values else None
+    record |= {f"mm_{k}": v for k, v in mismatch_metrics(logp, ro.logp_infer, ro.mask).items()}
+    if cfg.k2_coef > 0:
+        record["k2_penalty"] = float(k2_penalty(logp, ro.logp_infer, ro.mask, cfg.k2_coef))
+    if arm.shares is not None:
+        x = LossInputs(logp, logp, logp, None, ro.logp_infer, None, None, first.adv, ro.mask)
+        record |= arm.shares(cfg, x)
     record |= {f"ledger_{k}": v for k, v in ledger.items()} | extra | first.extra
     record["peak_rss_mb"] = machinery.peak_rss_mb()
     if ro.entropy is not None:  # recorded by the sampler, which had the whole distribution
@@ -3039,7 +2988,8 @@ def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
     # (with truncation the same forward rebuilds the kept support; an MoE model: also on the
     # sampler's experts)
     truncation = (cfg.top_p, cfg.top_k, cfg.min_p) if _truncates(cfg) else None
-    behaviour = state.trainer.behaviour_logprobs(ro, cfg.temperature, truncation, cfg.routing_replay)
+    behaviour = state.trainer.behaviour_logprobs(ro, cfg.temperature, truncation,
+                                                 cfg.routing_replay)
     extra = merge_kept_support(ro, behaviour.rebuilt) if truncation else {}
     if behaviour.routes is not None and ro.routed_experts is not None:  # MoE: two engines' experts
         extra |= route_flips(ro, behaviour)
@@ -3049,7 +2999,8 @@ def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
     logp_prox = None  # TIM: the proximal policy, the trainer before this batch's first update
     for _ in range(cfg.updates_per_batch):
         # TIM: R2 / R3: update_routes are the experts every forward of the update is forced to
-        update = update_on_batch(cfg, state, ro, rewards, behaviour.logp_old, logp_prox, behaviour.update_routes)
+        update = update_on_batch(cfg, state, ro, rewards, behaviour.logp_old, logp_prox,
+                                 behaviour.update_routes)
         logp_prox = update.logp_prox
         updates.append(update)
         for phase, seconds in update.seconds.items():
@@ -3066,46 +3017,30 @@ def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
 
 def setup_run(cfg: RLConfig) -> RunState:
     """Model, trainer, sampler (holding the first served copy), data; all seeded from cfg.seed."""
-    import machinery  # the config rules
+    import machinery  # the config rules, the testbed's tasks
 
     machinery.check_run_config(cfg)
     torch.manual_seed(cfg.seed)
     model_dir = resolve_model_dir(cfg.model)
-    tokenizer = load_tokenizer(model_dir)
-    device = resolve_device(cfg.device)
+    tokenizer, device = load_tokenizer(model_dir), resolve_device(cfg.device)
     model = load_model(model_dir, trust_remote_code=cfg.trust_remote_code).to(device)
-    # each layer recomputed in backward: the same numbers, less memory
-    if cfg.gradient_checkpointing:
+    if cfg.gradient_checkpointing:  # each layer recomputed in backward: same numbers, less memory
         model.gradient_checkpointing_enable()
     machinery.check_model_routers(cfg, model)
-    value_head = torch.nn.Linear(model.config.hidden_size, 1).to(device) if arm_of(cfg).critic else None
-    extra_params = value_head.parameters() if value_head is not None else ()
-    trainer = Trainer(model, cfg.lr, cfg.optimizer, export_dtype=cfg.dtype, loss_on_served=cfg.loss_on_served,
-                      extra_params=extra_params)
-    # --dtype only (check_run_config refused --quant, --noise and --exact)
-    if cfg.sampler == "vllm":
+    critic = arm_of(cfg).critic
+    value_head = torch.nn.Linear(model.config.hidden_size, 1).to(device) if critic else None
+    trainer = Trainer(model, cfg.lr, cfg.optimizer, export_dtype=cfg.dtype,
+                      loss_on_served=cfg.loss_on_served,
+                      extra_params=value_head.parameters() if critic else ())
+    if cfg.sampler == "vllm":  # --dtype only (check_run_config refused --quant, --noise, --exact)
         sampler = VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer,
                               gpu_memory=cfg.vllm_gpu_memory, reference=trainer.behaviour)
     else:
         sampler = TorchSampler(trainer.model, engine_spec(cfg), tokenizer)
     gen = torch.Generator().manual_seed(cfg.seed)
-    # the master's first served copy
-    sampler.load_weights(trainer.export(cfg.export, generator=gen)[0])
-    train_set, eval_set = task_problems(cfg, model_dir, tokenizer)
+    sampler.load_weights(trainer.export(cfg.export, generator=gen)[0])  # the first served copy
+    train_set, eval_set = machinery.run_problems(cfg, model_dir, tokenizer)  # RL, held-out
     return RunState(trainer, sampler, tokenizer, gen, value_head, train_set, eval_set)
-
-
-def task_problems(cfg: RLConfig, model_dir: Path, tokenizer) -> tuple[list, list]:
-    """(RL problems, held-out problems) of cfg.task; word problems go through the chat template."""
-    import machinery  # the testbed's task generators
-
-    n = cfg.steps * cfg.prompts
-    if cfg.task == "arithmetic":
-        task = run_task_kwargs(cfg, model_dir)
-        return (machinery.make_arithmetic_task(n, seed=cfg.seed, split="rl", **task),
-                machinery.make_arithmetic_task(cfg.eval_n, seed=0, split="eval", **task))
-    rl, held_out = machinery.make_word_problems(n, cfg.seed), machinery.make_word_problems(cfg.eval_n, 0, "eval")
-    return [[(machinery.chat_prompt(tokenizer, q), a) for q, a in problems] for problems in (rl, held_out)]
 
 
 def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
@@ -3120,29 +3055,23 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
 
     import machinery  # checkpoints and resume
 
-    state = setup_run(cfg)
-    out = Path(cfg.out_dir) / cfg.name
+    state, out = setup_run(cfg), Path(cfg.out_dir) / cfg.name
     out.mkdir(parents=True, exist_ok=True)
     start, records = machinery.resume_run(out, state) if resume else (0, [])
     if resume:
-        print(f"[tim_rl] resuming {out} at step {start} of {cfg.steps} (its checkpoint)", file=sys.stderr)
-    covered = "".join(json.dumps(r) + "\n" for r in records)
-    machinery.write_atomic(out / "metrics.jsonl", covered)  # the steps the checkpoint covers, once
-    # never beside older metrics
+        print(f"[tim_rl] resuming {out} at step {start} of {cfg.steps}", file=sys.stderr)
+    # the steps the checkpoint covers, once; never beside older metrics
+    machinery.write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
     machinery.write_atomic(out / "config.json", json.dumps(asdict(cfg), indent=1))
     with open(out / "metrics.jsonl", "a") as log:
-        def write(record: dict) -> None:
-            """Keep the record and append it to metrics.jsonl (flushed: a kill loses at most this
-            line)."""
+        def write(record: dict) -> None:  # flushed: a kill loses at most this line
             records.append(record)
             log.write(json.dumps(record) + "\n")
             log.flush()
 
-        steps = tqdm(range(start, cfg.steps), desc=cfg.name, disable=not cfg.progress, mininterval=2,
-                     initial=start, total=cfg.steps)
-        for step in steps:
-            # before the step's update: step 0 is the model RL starts from
-            if step % cfg.eval_every == 0:
+        for step in tqdm(range(start, cfg.steps), desc=cfg.name, disable=not cfg.progress,
+                         mininterval=2, initial=start, total=cfg.steps):
+            if step % cfg.eval_every == 0:  # before the step's update: step 0 is the start model
                 write(evaluate(step, state, cfg))
             write(rl_step(cfg, step, state))
             every = cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0
@@ -3159,83 +3088,13 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: int = 16,
-         out: str = "runs/demo") -> None:
-    """The default command: mismatch of every engine, then policy lag hurting and being repaired
-    (mean ± sd over paired seeds; `python experiments.py compare` adds paired intervals and
-    verdicts). Writes <out>/demo.md (both tables) and <out>/demo.png (trainer pc per arm, mean
-    and ± 1 sd over the seeds)."""
-    from matplotlib.figure import Figure  # no pyplot: a notebook's backend is left alone
-
-    import machinery  # the testbed: base model, task, atomic writes
-
-    lines = []
-
-    def say(line: str, gap: bool = False) -> None:
-        """Print the line (after a blank one when `gap`) and keep it for demo.md."""
-        lines.append(line)
-        print("\n" * gap + line)
-
-    model_dir = machinery.ensure_base_model("runs/base")
-    model, tokenizer = load_model(model_dir).eval(), load_tokenizer(model_dir)
-    problems = machinery.make_arithmetic_task(64, seed=0, split="eval", **task_kwargs(model_dir))
-    prompts = encode_problems(tokenizer, problems)[0]
-    engines = {"torch fp32 (KV cache)": EngineSpec(), "torch fp32 exact": EngineSpec(exact=True),
-               "torch fp16": EngineSpec(dtype="fp16"), "torch bf16": EngineSpec(dtype="bf16"),
-               "torch int8 weights": EngineSpec(quant="int8"), "torch fp8-e4m3 weights": EngineSpec(quant="fp8")}
-    if vllm_available():
-        engines |= {"vLLM fp32": "fp32", "vLLM bf16": "bf16"}
-    say("== 1. measured mismatch of each sampler engine vs the fp32 trainer (64 prompts x 4 samples) ==", True)
-    for label, spec in engines.items():
-        if isinstance(spec, EngineSpec):
-            sampler = TorchSampler(model, spec, tokenizer)
-        else:
-            sampler = VLLMSampler(model_dir, dtype=spec, seed=0, tokenizer=tokenizer)
-        ro = sampler.sample(prompts, 4, 5, 1.0, None, torch.Generator().manual_seed(0))
-        del sampler  # vLLM: one engine per process at a time
-        with torch.no_grad():
-            # TIM: same tokens
-            m = mismatch_metrics(sequence_logprobs(model, ro)[0], ro.logp_infer, ro.mask)
-        say(f"{label:<24} k3 {m['k3']:<9.3g} mean |Δlogp| {m['abs_diff']:<9.3g} "
-            f"max |Δlogp| {m['max_abs_diff']:.3g}")
-    say(f"== 2. policy lag: sampler synced every {sync_every} steps vs every step, {steps} steps, "
-        f"{len(seeds)} paired seeds: held-out trainer pc at step 0 -> after the last step, mean ± sd over "
-        f"the seeds (sd with Bessel's correction) ==", True)
-    # sc_tis over all V (topk=0), as README's demo output was run
-    base = RLConfig(steps=steps, sync_every=sync_every, eval_every=max(steps // 4, 1), out_dir=out, topk=0)
-    arms = {"synced control (k=1, none)": {"correction": "none", "sync_every": 1}}
-    arms |= {f"{c} (k={sync_every})": {"correction": c} for c in ("none", "tis", "sc_tis")}
-    fig = Figure(figsize=(7.5, 4))
-    ax = fig.subplots()
-    for i, (label, change) in enumerate(arms.items()):
-        runs = [run(dataclasses.replace(base, name=f"arm{i}_s{s}", seed=s, **change)) for s in seeds]
-        evals = [[r for r in records if "pc_trainer" in r] for records in runs]
-        # (seeds, evals)
-        pc = torch.tensor([[r["pc_trainer"] for r in e] for e in evals], dtype=torch.float64)
-        sd = pc.std(0) if len(seeds) > 1 else torch.zeros(pc.shape[1], dtype=torch.float64)
-        say(f"{label:<28} pc {float(pc[:, 0].mean()):.3f} -> {float(pc[:, -1].mean()):.3f} ± {float(sd[-1]):.3f}")
-        x, mean = [r["step"] for r in evals[0]], pc.mean(0)
-        ax.plot(x, mean, marker="o", ms=3, label=label)
-        ax.fill_between(x, mean - sd, mean + sd, alpha=0.15)
-    ax.set(title=f"policy lag k={sync_every}: mean and ± 1 sd over {len(seeds)} seeds", xlabel="optimizer step",
-           ylabel="held-out probability of the exact answer (pc)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    Path(out).mkdir(parents=True, exist_ok=True)
-    fig.savefig(Path(out) / "demo.png", dpi=110)
-    machinery.write_atomic(Path(out) / "demo.md", "\n".join(lines) + "\n")
-    print(f"\nwrote {out}/demo.md, {out}/demo.png and {out}/arm<i>_s<seed>/; paired intervals and verdicts: "
-          "python experiments.py compare --help")
-
-
 # --------------------------------------------------------------------------------------------------
 # ---- config dataclasses and input checks ----
-# One flat dataclass per concern; every field has a help text, and the CLI builds its flags from them.
+# One flat dataclass per concern; every field has a help text, the CLI builds its flags from them.
 
 
 def cli_field(default, help: str):
-    """A dataclass field with this default and its --help text in the metadata (the CLI reads
-    it)."""
+    """A dataclass field with this default and its --help text in the metadata (for the CLI)."""
     return field(default=default, metadata={"help": help})
 
 
@@ -3245,13 +3104,13 @@ class EngineSpec:
 
     dtype: str = cli_field("fp32", "sampler weight/compute dtype: fp32 | bf16 | fp16")
     quant: str = cli_field("none", "fake-quantised Linear weights (not lm_head): none | int8 | fp8")
-    noise: float = cli_field(0.0, "relative weight noise s: w + s * N(0,1) * w, one draw per run (SC paper)")
+    noise: float = cli_field(0.0, "relative weight noise s: w + s * N(0,1) * w, one draw")
     noise_seed: int = cli_field(1234, "seed of that noise draw (re-applied after every sync)")
-    exact: bool = cli_field(False, "zero-mismatch limit: log-probs from the trainer's own fp32 forward")
-    router_fp32: bool = cli_field(False, "MoE: routers' weights and logits in fp32 in a bf16/fp16 engine")
-    router_noise: float = cli_field(0.0, "MoE: relative noise s on the routers' weights only (flips experts)")
-    router_jitter: float = cli_field(0.0, "MoE: noise sigma * N(0, 1) on the routers' logits at every forward")
-    head_fp32: bool = cli_field(False, "lm_head and logits in fp32 in a bf16/fp16 engine (TRL's option)")
+    exact: bool = cli_field(False, "zero mismatch: log-probs from the trainer's own fp32 forward")
+    router_fp32: bool = cli_field(False, "MoE: routers' weights and logits in fp32 (bf16/fp16)")
+    router_noise: float = cli_field(0.0, "MoE: relative noise s on the routers' weights only")
+    router_jitter: float = cli_field(0.0, "MoE: noise sigma * N(0, 1) on the routers' logits")
+    head_fp32: bool = cli_field(False, "lm_head and logits in fp32 in bf16/fp16 (TRL's option)")
 
 
 @dataclass
@@ -3259,15 +3118,15 @@ class RLConfig:
     """One RL run: sample -> verify -> advantages -> recompute -> correct -> step -> export/sync."""
 
     name: str = cli_field("run", "run name: writes runs/<name>/metrics.jsonl")
-    model: str = cli_field("runs/base", "HF causal-LM directory (the tiny model is built there if missing)")
+    model: str = cli_field("runs/base", "HF causal-LM dir (the tiny model is built if missing)")
     sampler: str = cli_field("torch", "sampler engine: torch | vllm")
     dtype: str = cli_field("fp32", "sampler dtype: fp32 | bf16 | fp16")
     quant: str = cli_field("none", "sampler weight quantisation: none | int8 | fp8")
     noise: float = cli_field(0.0, "sampler relative weight noise s")
     router_noise: float = cli_field(0.0, "MoE sampler: relative noise on the routers' weights only")
-    router_jitter: float = cli_field(0.0, "MoE sampler: per-forward noise sigma on the routers' logits")
-    exact: bool = cli_field(False, "exact mode: sampler log-probs from the trainer's forward (ratio 1)")
-    correction: str = cli_field("none", " | ".join(CORRECTIONS) + " (drift_only: a positive control)")
+    router_jitter: float = cli_field(0.0, "MoE sampler: per-forward noise sigma, routers' logits")
+    exact: bool = cli_field(False, "sampler log-probs from the trainer's forward (ratio 1)")
+    correction: str = cli_field("none", " | ".join(CORRECTIONS) + " (drift_only: a control)")
     steps: int = cli_field(80, "optimizer steps")
     prompts: int = cli_field(16, "prompts per step")
     group: int = cli_field(8, "samples per prompt (G)")
@@ -3276,16 +3135,16 @@ class RLConfig:
     top_p: float = cli_field(1.0, "sampler nucleus truncation (vLLM's rule; 1 = off)")
     top_k: int = cli_field(0, "sampler top-k truncation (0 = off; not the recorded --topk)")
     min_p: float = cli_field(0.0, "sampler min-p truncation: keep p >= min_p * max p (0 = off)")
-    renormalize: bool = cli_field(True, "with truncation, the trainer's log-probs on the kept support")
-    topk: int = cli_field(32, "top-K sampler log-probs recorded for the arms that read them (0 = all V)")
-    support_topk: int = cli_field(64, "vLLM under truncation: log-probs per token giving its kept support")
-    baseline: str = cli_field("group", "advantage baseline: group (GRPO mean, no std) | none (raw reward)")
+    renormalize: bool = cli_field(True, "truncated: the trainer's log-probs on the kept support")
+    topk: int = cli_field(32, "top-K sampler log-probs recorded for arms reading them (0: V)")
+    support_topk: int = cli_field(64, "vLLM, truncated: log-probs per token giving its support")
+    baseline: str = cli_field("group", "advantage baseline: group (GRPO mean, no std) | none")
     optimizer: str = cli_field("adamw", "adamw | sgd")
-    lr: float = cli_field(3e-5, "learning rate (1e-4 knocks the tiny model back in Adam's first steps)")
-    sync_every: int = cli_field(1, "copy trainer weights into the sampler every k steps (policy lag k - 1)")
+    lr: float = cli_field(3e-5, "learning rate (1e-4 knocks the tiny model back early)")
+    sync_every: int = cli_field(1, "copy the trainer into the sampler every k steps (lag k - 1)")
     updates_per_batch: int = cli_field(1, "optimizer steps per rollout batch (verl ppo_epochs)")
     export: str = cli_field("rtn", "fp32 -> bf16/fp16 export rounding: rtn | sr | ef")
-    loss_on_served: bool = cli_field(False, "Fair Cast: forward on the served weights, step the fp32 master")
+    loss_on_served: bool = cli_field(False, "Fair Cast: forward on the served weights")
     tis_cap: float = cli_field(2.0, "TIS cap C of the token-level weights (tis, ppo, sc_tis)")
     seq_tis_cap: float = cli_field(5.0, "seq_tis: cap on the sequence's importance ratio")
     dlc_lag_cap: float = cli_field(2.0, "DLC: cap on its lag ratio p_prox / p_old")
@@ -3294,44 +3153,41 @@ class RLConfig:
     eps_low: float = cli_field(0.2, "PPO clip low")
     eps_high: float = cli_field(0.28, "PPO clip high")
     dppo_delta: float = cli_field(0.2, "DPPO trust region on |p - q|")
-    rs_threshold: float = cli_field(0.01, "rs arms: drop where the divergence estimate exceeds this")
+    rs_threshold: float = cli_field(0.01, "rs arms: drop where the divergence exceeds this")
     rs_estimator: str = cli_field("k3", "rs arms' estimate of KL(q || p) per token: k1 | k2 | k3")
-    opsm_delta: float = cli_field(1e-4, "opsm: drop A < 0 sequences whose mean(logp_infer - logp) > this")
+    opsm_delta: float = cli_field(1e-4, "opsm: drop A < 0 sequences, mean(logp_infer - logp) > it")
     k2_coef: float = cli_field(0.0, "add k2_coef * mean((logp - logp_infer)^2 / 2) to the loss")
     dlc_max_staleness: int = cli_field(0, "DLC: resync after this many steps without one (0 = off)")
-    dlc_max_lag: float = cli_field(0.0, "DLC: resync when mean |logp - logp at the last sync| > this (0 = off)")
-    eval_every: int = cli_field(20, "evaluate at step 0, every N steps and after the last (N <= steps/4)")
+    dlc_max_lag: float = cli_field(0.0, "DLC: resync at mean |logp - logp at sync| > this (0: off)")
+    eval_every: int = cli_field(20, "evaluate at step 0, every N steps, after the last")
     eval_n: int = cli_field(512, "distinct held-out problems per evaluation")
-    diagnose_drift: bool = cli_field(False, "log the gradient's drift and signal norms (extra backwards)")
+    diagnose_drift: bool = cli_field(False, "log the gradient's drift and signal norms")
     seed: int = cli_field(0, "seed of sampling, data and noise")
     out_dir: str = cli_field("runs", "parent directory of runs")
-    checkpoint_every: int = cli_field(10, "checkpoint every N steps (0: at the end only); --resume reads it")
-    trust_remote_code: bool = cli_field(False, "let transformers run Python code shipped in --model")
+    checkpoint_every: int = cli_field(10, "checkpoint every N steps (0: at the end only)")
+    trust_remote_code: bool = cli_field(False, "let transformers run code shipped in --model")
     progress: bool = cli_field(True, "show a tqdm bar")
     device: str = cli_field("auto", "trainer, TorchSampler and evaluation: auto | cpu | cuda")
-    vllm_gpu_memory: float = cli_field(0.3, "share of GPU memory vLLM takes beside the trainer (GPU only)")
-    task: str = cli_field("arithmetic", "arithmetic (the tiny model's) | words (chat word problems)")
+    vllm_gpu_memory: float = cli_field(0.3, "GPU memory share vLLM takes beside the trainer")
+    task: str = cli_field("arithmetic", "arithmetic (the tiny model's) | words (chat)")
     task_digits: int = cli_field(0, "arithmetic task's operand digits (0: the model's own)")
-    routing_replay: str = cli_field("none", "MoE: none | r2 (the policy's own experts) | r3 (the sampler's)")
-    gradient_checkpointing: bool = cli_field(False, "transformers' gradient checkpointing (less memory)")
+    routing_replay: str = cli_field("none", "MoE: none | r2 (policy's experts) | r3 (sampler's)")
+    gradient_checkpointing: bool = cli_field(False, "transformers' gradient checkpointing")
 
 
 def engine_spec(cfg: RLConfig) -> EngineSpec:
-    """The torch sampler's engine a run's flags describe (its noise seeded apart from the run's
-    seed)."""
-    return EngineSpec(dtype=cfg.dtype, quant=cfg.quant, noise=cfg.noise, noise_seed=cfg.seed + 1234,
-                      exact=cfg.exact, router_noise=cfg.router_noise, router_jitter=cfg.router_jitter)
+    """The torch sampler's engine a run's flags describe (its noise seeded apart from the run's)."""
+    return EngineSpec(cfg.dtype, cfg.quant, cfg.noise, noise_seed=cfg.seed + 1234, exact=cfg.exact,
+                      router_noise=cfg.router_noise, router_jitter=cfg.router_jitter)
 
 
 def run_task_kwargs(cfg: RLConfig, model_dir: str | Path) -> dict:
-    """The arithmetic task a run trains and evaluates on: the model's own (task_kwargs), or
-    --task-digits."""
+    """The arithmetic task a run trains and evaluates on: the model's own, or --task-digits."""
     return task_kwargs(model_dir) | ({"digits": cfg.task_digits} if cfg.task_digits else {})
 
 
 def _truncates(cfg: RLConfig) -> bool:
-    """Whether the run samples from a truncated distribution (top-p, top-k or min-p at a
-    temperature > 0)."""
+    """Whether the run samples from a truncated distribution (top-p, top-k or min-p at T > 0)."""
     return cfg.temperature > 0 and (cfg.top_p < 1 or cfg.top_k > 0 or cfg.min_p > 0)
 
 
@@ -3340,8 +3196,9 @@ def _reads_topk(cfg: RLConfig) -> bool:
     return arm_of(cfg).reads_topk or cfg.diagnose_drift
 
 
-SUPPORT_BEYOND_K = ("vLLM returned --support-topk finite log-probs at some positions (the kept support may be "
-                    "larger): the trainer renormalises there on the support it rebuilds (support_beyond_k)")
+SUPPORT_BEYOND_K = ("vLLM returned --support-topk finite log-probs at some positions (the kept "
+                    "support may be larger): the trainer renormalises there on the support it "
+                    "rebuilds (support_beyond_k)")
 
 
 def recorded_topk(cfg: RLConfig) -> int | None:
@@ -3352,9 +3209,7 @@ def recorded_topk(cfg: RLConfig) -> int | None:
     them."""
     if _reads_topk(cfg):
         return cfg.topk
-    if cfg.sampler == "vllm" and _truncates(cfg):
-        return cfg.support_topk
-    return None
+    return cfg.support_topk if cfg.sampler == "vllm" and _truncates(cfg) else None
 
 
 # Tensor checks: every public function validates cheaply and names the argument.
@@ -3376,20 +3231,21 @@ def _check_choice(name: str, value, choices) -> None:
 def _check_mask(mask) -> None:
     """A TypeError or ValueError unless mask is a non-empty (B, T) bool tensor."""
     _check_tensor("mask", mask, floating=False)
-    shape = tuple(mask.shape)
     if mask.dtype != torch.bool:
-        raise TypeError(f"mask must be a bool tensor (True on generated tokens), got dtype {mask.dtype}")
+        raise TypeError(f"mask must be a bool tensor (True on generated tokens), got {mask.dtype}")
     if mask.dim() != 2:
-        raise ValueError(f"mask must have shape (B, T), got {shape}")
+        raise ValueError(f"mask must have shape (B, T), got {tuple(mask.shape)}")
     if mask.numel() == 0:
-        raise ValueError(f"mask is empty (shape {shape}): need B >= 1 and T >= 1")
+        raise ValueError(f"mask is empty (shape {tuple(mask.shape)}): need B >= 1 and T >= 1")
 
 
 def _check_device(name: str, x, ref_name: str, ref) -> None:
     """x (a tensor or a generator; None passes) must be on ref's device, else a ValueError naming
     both."""
-    if x is not None and (x.device.type, x.device.index or 0) != (ref.device.type, ref.device.index or 0):
-        raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}: put both on one device")
+    device = None if x is None else (x.device.type, x.device.index or 0)
+    if device is not None and device != (ref.device.type, ref.device.index or 0):
+        raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}: put both on "
+                         "one device")
 
 
 def _check_bt(mask, **tensors) -> None:
@@ -3399,8 +3255,8 @@ def _check_bt(mask, **tensors) -> None:
     for name, x in tensors.items():
         _check_tensor(name, x)
         if x.shape != mask.shape:
-            shapes = f"{tuple(mask.shape)} like mask, got {tuple(x.shape)}"
-            raise ValueError(f"{name} must have shape (B, T) = {shapes}")
+            raise ValueError(f"{name} must have shape (B, T) = {tuple(mask.shape)} like mask, got "
+                             f"{tuple(x.shape)}")
         _check_device(name, x, "mask", mask)
 
 
@@ -3410,10 +3266,10 @@ def _check_adv(adv, mask) -> torch.Tensor:
     _check_tensor("adv", adv)
     _check_device("adv", adv, "mask", mask)
     B, T = mask.shape
-    if adv.shape == (B,):
-        adv = adv[:, None]
+    adv = adv[:, None] if adv.shape == (B,) else adv
     if adv.shape not in ((B, T), (B, 1)):
-        raise ValueError(f"adv must have shape (B, T) = {(B, T)} or (B, 1) = {(B, 1)}, got {tuple(adv.shape)}")
+        raise ValueError(f"adv must have shape (B, T) = {(B, T)} or (B, 1) = {(B, 1)}, got "
+                         f"{tuple(adv.shape)}")
     adv = adv.detach().float().expand(B, T)
     return torch.where(torch.isfinite(adv), adv, torch.zeros_like(adv))
 
@@ -3422,8 +3278,7 @@ QUANTS = ("none", "int8", "fp8")  # EngineSpec.quant / RLConfig.quant: weight fa
 
 
 class UsageError(ValueError):
-    """A mistake on the command line: main() prints it as one `tim_rl: error: ...` line, exit
-    status 2."""
+    """A mistake on the command line: main() prints it as one `tim_rl: error: ...` line, exit 2."""
 
 
 def _flag(name: str) -> str:
@@ -3435,8 +3290,8 @@ def _check_engine(engine: EngineSpec) -> None:
     """Raise ValueError, naming the field, for an EngineSpec no TorchSampler can build."""
     _check_choice("engine.dtype", engine.dtype, sorted(_DTYPES))
     _check_choice("engine.quant", engine.quant, QUANTS)
-    perturbed = engine.quant != "none" or engine.noise or engine.router_noise or engine.router_jitter
-    if engine.exact and (engine.dtype != "fp32" or perturbed):
+    noisy = engine.noise or engine.router_noise or engine.router_jitter
+    if engine.exact and (engine.dtype != "fp32" or engine.quant != "none" or noisy):
         raise ValueError("engine.exact needs dtype fp32 without quantisation or noise")
 
 
@@ -3445,15 +3300,11 @@ def _check_engine(engine: EngineSpec) -> None:
 
 
 def add_config_flags(parser, cls):
-    """One --flag per dataclass field, its help text from the field's metadata. Returns the
-    parser."""
+    """One --flag per dataclass field, its help text from the field's metadata; the parser."""
     for f in fields(cls):
-        help_text = f.metadata.get("help")
-        if f.type in ("bool", bool):
-            kind = {"action": argparse.BooleanOptionalAction}
-        else:
+        help_text, kind = f.metadata.get("help"), {"action": argparse.BooleanOptionalAction}
+        if f.type not in ("bool", bool):  # argparse formats %
             kind = {"type": {"int": int, "float": float, "str": str}.get(f.type, type(f.default))}
-            # argparse formats %
             help_text = help_text.replace("%", "%%") + " (default: %(default)s)"
         parser.add_argument(_flag(f.name), default=f.default, help=help_text, **kind)
     return parser
@@ -3476,39 +3327,29 @@ def _parser():
     """The argparse parser of every subcommand, flags built from the config dataclasses."""
     import machinery  # PretrainConfig
 
-    parser = OneLineParser(prog="tim_rl", description="RL under training-inference mismatch. No subcommand: "
-                           "the demo (~5 min; first pre-trains the tiny model if needed, ~20 s).")
+    parser = OneLineParser(prog="tim_rl", description="RL under training-inference mismatch. "
+                           "No subcommand: the demo (~5 min; pre-trains the tiny model if needed).")
     sub = parser.add_subparsers(dest="cmd")
-    add_config_flags(sub.add_parser("pretrain", help="pre-train the embedded tiny model"), machinery.PretrainConfig)
+    add_config_flags(sub.add_parser("pretrain", help="pre-train the embedded tiny model"),
+                     machinery.PretrainConfig)
     p_train = add_config_flags(sub.add_parser("train", help="one RL run"), RLConfig)
-    p_train.add_argument("--resume", metavar="RUN_DIR", default="",
-                         help="continue runs/<name> from its checkpoint and config.json (other flags ignored)")
+    p_train.add_argument("--resume", metavar="RUN_DIR", default="", help="continue runs/<name> "
+                         "from its checkpoint and config.json (other flags ignored)")
     p_demo = sub.add_parser("demo", help="the default demo")
     p_demo.add_argument("--steps", type=int, default=80)
     p_demo.add_argument("--seeds", default="0,1,2,3,4")
-    # listed for --help; main() hands `doctor ...` to _doctor_main, whose own parser reads its
-    # arguments
-    sub.add_parser("doctor", help="why your trainer and sampler disagree, from your logged tensors: doctor FILE")
+    # listed for --help; main() hands `doctor ...` to machinery.doctor_main, whose parser reads it
+    sub.add_parser("doctor", help="why your trainer and sampler disagree: doctor FILE")
     return parser
-
-
-def _train_summary(records: list[dict], out: Path) -> str:
-    """A few numbers of a finished run (first and last evaluation, last step) and the files it
-    wrote."""
-    step, first, last = [r for r in records if "reward" in r][-1], records[0], records[-1]
-    evals = "  ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in ("acc_trainer", "pc_trainer", "pc_sampler"))
-    now = "  ".join(f"{k} {step[k]:.3g}" for k in ("reward", "mm_abs_diff", "grad_norm") if step[k] is not None)
-    files = ", ".join(str(out / f) for f in ("metrics.jsonl", "config.json", "checkpoint.safetensors"))
-    return f"evaluations (first -> last): {evals}\nstep {step['step']}: {now}\nwrote {files}"
 
 
 def main(argv: list[str] | None = None) -> None:
     """`python tim_rl.py [pretrain|train|demo|doctor] --help`; no subcommand runs the demo."""
-    import machinery  # the CLI's rules: config combinations, paths, seeds
+    import machinery  # the CLI's rules (config combinations, paths, seeds), the demo, the doctor
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["doctor"]:  # the mismatch doctor: its own parser
-        return _doctor_main(argv[1:])
+        return machinery.doctor_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -3525,56 +3366,20 @@ def main(argv: list[str] | None = None) -> None:
         if args.cmd == "pretrain":
             print(json.dumps(machinery.pretrain(config_from_args(machinery.PretrainConfig, args))))
         elif args.cmd == "train":
-            print(_train_summary(run(cfg, resume=bool(args.resume)), Path(cfg.out_dir) / cfg.name))
+            records = run(cfg, resume=bool(args.resume))
+            print(machinery.train_summary(records, Path(cfg.out_dir) / cfg.name))
         else:
-            seeds = getattr(args, "seeds", None) or "0,1,2,3,4"
-            demo(steps=getattr(args, "steps", 80), seeds=tuple(int(s) for s in seeds.split(",")))
-    # found once the model is loaded (setup_run): still before anything is built
-    except UsageError as e:
+            seeds = tuple(int(s) for s in (getattr(args, "seeds", None) or "0,1,2,3,4").split(","))
+            machinery.demo(steps=getattr(args, "steps", 80), seeds=seeds)
+    except UsageError as e:  # found once the model is loaded (setup_run): before anything is built
         parser.exit(2, f"tim_rl: error: {e}\n")
     except KeyboardInterrupt:
-        where = f"; python tim_rl.py train --resume {Path(cfg.out_dir) / cfg.name}" if args.cmd == "train" else ""
+        train = args.cmd == "train"
+        where = f"; python tim_rl.py train --resume {Path(cfg.out_dir) / cfg.name}" if train else ""
         parser.exit(130, f"tim_rl: interrupted (the last checkpoint is kept{where})\n")
 
 
-def _doctor_main(argv: list[str]) -> None:
-    """`python tim_rl.py doctor FILE [--keys TRAIN,INFER,MASK]`: diagnose_mismatch on a file's
-    tensors; an unreadable file, a missing key, a bad shape or dtype is one error line and exit
-    status 2."""
-    from safetensors import SafetensorError
-
-    import machinery  # reading .pt / .safetensors / .jsonl files
-
-    parser = OneLineParser(prog="tim_rl doctor", description="Why trainer and sampler log-probs disagree "
-                           "(TRL / verl tensor names, or --keys; an 'advantages' tensor enables lag).")
-    parser.add_argument("file", type=Path, help=".pt, .safetensors or .jsonl")
-    parser.add_argument("--keys", default="", help="TRAIN,INFER,MASK: the names of the trainer's log-probs, "
-                        "the sampler's and the mask (default: TRL's or verl's names)")
-    args = parser.parse_args(argv)
-    keys = None
-    known = machinery.DOCTOR_KEYS
-    try:
-        tensors = machinery.read_doctor_file(args.file)
-        names = [tuple(args.keys.split(","))] if args.keys else [*known, *machinery.JSONL_KEYS]
-        if len(names[0]) != 3:
-            raise ValueError(f"--keys takes three names, TRAIN,INFER,MASK, got {args.keys!r}")
-        keys = next((k for k in names if set(k) <= set(tensors)), None)
-        if keys is None:
-            wanted = " or ".join(",".join(k) for k in (names if args.keys else known))
-            found = ", ".join(sorted(tensors)) or "none"
-            raise ValueError(f"no tensors named {wanted} (found: {found}; --keys TRAIN,INFER,MASK names them)")
-        train, infer, mask = (tensors[k] for k in keys)
-        _check_tensor(f"mask ({keys[2]})", mask, floating=False)
-        # TRL / verl: 0 / 1 ints
-        if mask.dtype != torch.bool and torch.isin(mask, torch.tensor([0, 1])).all():
-            mask = mask.bool()
-        print(diagnose_mismatch(train, infer, mask, advantages=tensors.get("advantages")))
-    except (OSError, ValueError, TypeError, RuntimeError, EOFError, SafetensorError) as e:
-        read_as = f" (read {', '.join(keys)} as logp_train, logp_infer, mask)" if keys else ""
-        parser.exit(2, f"tim_rl doctor: error: {args.file}: {str(e).splitlines()[0]}{read_as}\n")
-
-
 if __name__ == "__main__":
-    import tim_rl  # the copy machinery.py imported at the top: one module for the CLI and its helpers
+    import tim_rl  # the copy machinery.py imported: one module for the CLI and its helpers
 
     tim_rl.main()
