@@ -184,8 +184,7 @@ def truncation_mask(logits: torch.Tensor, top_p=1.0, top_k=0, min_p=0.0) -> torc
     """
     _check_tensor("logits", logits)
     _check_truncation(top_p, top_k, min_p)
-    x = logits.float()
-    V = x.shape[-1]
+    x, V = logits.float(), logits.shape[-1]
     if min_p > 0:
         probs = x.softmax(-1)
         x = x.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), -math.inf)
@@ -304,12 +303,11 @@ def mismatch_metrics(logp_train, logp_infer, mask: torch.Tensor) -> dict[str, fl
         return out | dict.fromkeys(names, 0.0) | {"ess": 1.0, "ratio_min": 1.0, "ratio_max": 1.0}
     r = lr.exp()
     ess = r.sum().square() / (n * r.square().sum())
-    out |= {"k1": float((-lr).mean()), "k2": float((lr.square() / 2).mean()),
-            "k3": float((r - 1 - lr).mean()), "abs_diff": float(lr.abs().mean()),
-            "max_abs_diff": float(lr.abs().max()), "mean_log_ratio": float(lr.mean()),
-            "chi2": float(r.square().mean() - 1), "ess": float(ess),
-            "ratio_min": float(r.min()), "ratio_max": float(r.max())}
-    return out
+    return out | {"k1": float((-lr).mean()), "k2": float((lr.square() / 2).mean()),
+                  "k3": float((r - 1 - lr).mean()), "abs_diff": float(lr.abs().mean()),
+                  "max_abs_diff": float(lr.abs().max()), "mean_log_ratio": float(lr.mean()),
+                  "chi2": float(r.square().mean() - 1), "ess": float(ess),
+                  "ratio_min": float(r.min()), "ratio_max": float(r.max())}
 
 
 def mismatch_ledger(logp, logp_old, logp_infer, mask, logp_master_old=None, log_kept_mass=None,
