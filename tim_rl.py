@@ -461,9 +461,8 @@ class Diagnosis:
 
 def _signature(name: str, measures: str, statistic: float, threshold: float, verdict="") -> dict:
     """One signature: present iff statistic > threshold (nan: absent), unless a verdict is given."""
-    verdict = verdict or ("present" if statistic > threshold else "absent")
     return {"name": name, "measures": measures, "statistic": statistic, "threshold": threshold,
-            "verdict": verdict}
+            "verdict": verdict or ("present" if statistic > threshold else "absent")}
 
 
 def _lag_signature(logp_infer, d, ok, advantages) -> dict:
@@ -527,10 +526,8 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     idx = torch.arange(ok.shape[1], device=ok.device).expand_as(ok)
     first = idx == torch.where(ok, idx, ok.shape[1]).amin(1, keepdim=True)  # (B, T)
     last = idx == torch.where(ok, idx, -1).amax(1, keepdim=True)
-    inner = d.abs()[ok & ~first & ~last].mean().nan_to_num(0.0) + 1e-3
+    inner = float(d.abs()[ok & ~first & ~last].mean().nan_to_num(0.0) + 1e-3)
     edge = max(float(d.abs()[ok & e].mean().nan_to_num(0.0)) for e in (first, last))
-    measures = "edge mean |d| / (interior mean |d| + 1e-3)"
-    evidence = [_signature("padding", measures, edge / float(inner), 20.0)]
     # misaligned: log-probs shifted by one position fit log q[t] to log p[t +- 1] far better than to
     # log p[t]; the share of rows (with a gap > 0.05 per token) whose shifted fit is 4x better
     both = (ok[:, 1:] & ok[:, :-1]).float()  # (B, T - 1): pairs (t, t + 1) inside the mask
@@ -540,30 +537,24 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
                              ((q0 - p0)[:, 1:], q0[:, 1:] - p0[:, :-1])):
         gap, fit = (aligned.abs() * both).sum(1), (shifted.abs() * both).sum(1)  # (B,)
         fits.append((fit < gap / 4) & (gap > 0.05 * both.sum(1)))
-    share = float((fits[0] | fits[1]).float().sum() / (both.sum(1) > 0).float().sum().clamp(min=1))
-    measures = "share of rows fitting log p[t +- 1] 4x better"
-    evidence.append(_signature("misaligned", measures, share, 0.1))
+    rows = (both.sum(1) > 0).float().sum().clamp(min=1)
+    misaligned = float((fits[0] | fits[1]).float().sum() / rows)
     # routing: MoE experts that flip between the two sides make the largest gaps, at the flip and
     # after (attention reads the flipped hidden states). routes = (routes_train, routes_infer), each
     # (B, T, L, k) int: the experts of the forward position that predicts token t
-    measures = "mean |d| after a flip / before"
-    if routes is None:
-        verdict = "cannot tell without routes"
-        evidence.append(_signature("routing", measures, math.nan, 3.0, verdict))
-    elif len(routes) != 2 or routes[0].shape != routes[1].shape or routes[0].shape[:2] != ok.shape:
-        raise ValueError("routes must be (routes_train, routes_infer), each (B, T, L, k), "
-                         f"(B, T) = {tuple(ok.shape)}")
-    else:
+    routing, routing_verdict = math.nan, "cannot tell without routes"
+    if routes is not None:
+        shapes = [tuple(r.shape) for r in routes]  # two (B, T, L, k)
+        if len(shapes) != 2 or shapes[0] != shapes[1] or shapes[0][:2] != ok.shape:
+            raise ValueError("routes must be (routes_train, routes_infer), each (B, T, L, k), "
+                             f"(B, T) = {tuple(ok.shape)}")
         differs = (routes[0].sort(-1).values != routes[1].sort(-1).values).any(-1).any(-1)  # (B, T)
         flipped = differs.cumsum(1) > 0  # from the row's first flip on
         after, before = d.abs()[ok & flipped].mean(), d.abs()[ok & ~flipped].mean()
-        evidence.append(_signature("routing", measures, float(after / before.clamp(min=1e-9)), 3.0))
-    evidence.append(_lag_signature(q, d, ok, adv))
+        routing, routing_verdict = float(after / before.clamp(min=1e-9)), ""
     # outliers: sequences from another policy (a stale request, another checkpoint) concentrate |d|
     rows = torch.where(ok, d.abs(), torch.zeros_like(d)).sum(1)  # (B,)
-    worst = rows.topk(max(1, math.ceil(0.05 * rows.numel()))).values.sum()
-    measures = "share of sum |d| in the worst 5 % of sequences"
-    evidence.append(_signature("outliers", measures, float(worst / rows.sum()), 0.6))
+    outliers = float(rows.topk(max(1, math.ceil(0.05 * rows.numel()))).values.sum() / rows.sum())
     # truncation: a sampler renormalised on its top-p / top-k support records q = p / S on the kept
     # tokens, so p / q = S <= 1 on every token and mean(p / q) = the kept mass; every other cause
     # keeps E_q[p / q] = 1. With the trainer's top-K log-probs (B, T, K), exactly: the share of
@@ -574,25 +565,32 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
         # log S, the mass of each prefix, rounds to ~1e-6
         hit = below & ((top.logcumsumexp(-1) - d[..., None]).abs().amin(-1) < 2e-4)
         share = float(hit.sum() / below.sum().clamp(min=1))
-        measures = "share of p/q < 1 equal to a top-K prefix mass"
-        evidence.append(_signature("truncation", measures, share, 0.5))
+        truncation = ("share of p/q < 1 equal to a top-K prefix mass", share, 0.5)
     else:
         r = d[ok].exp()
         se = float(r.std() / math.sqrt(max(r.numel(), 1)))
-        measures = f"1 - mean(p/q) - 4 standard errors ({se:.2g})"
-        evidence.append(_signature("truncation", measures, 1 - float(r.mean()) - 4 * se, 0.005))
+        truncation = (f"1 - mean(p/q) - 4 standard errors ({se:.2g})", 1 - float(r.mean()) - 4 * se,
+                      0.005)
     # temperature: an unapplied temperature tau makes log q = log p / tau + c (c per position), so
     # the least-squares slope of log q on log p is 1 / tau instead of 1
     x, y = p[ok].double(), q[ok].double()
     covariance = ((x - x.mean()) * (y - y.mean())).sum()
     slope = float(covariance / (x - x.mean()).square().sum().clamp(min=1e-12))
-    measures = "|slope of log q on log p - 1|"
-    evidence.append(_signature("temperature", measures, abs(slope - 1), 0.02))
     # numerics: symmetric (rounding moves log q both ways) and grows with entropy; 2 mean(max(d, 0))
     # estimates mean |d| from the upward side alone, which one-sided causes (renormalised
     # truncation) leave at 0
     upward = float(2 * d[ok].clamp(min=0).mean())
-    evidence.append(_signature("numerics", "2 mean(max(d, 0)), d = log p - log q", upward, 5e-4))
+    # the evidence, in DOCTOR_CAUSES' order of specificity (the first present one is the cause)
+    evidence = [
+        _signature("padding", "edge mean |d| / (interior mean |d| + 1e-3)", edge / inner, 20.0),
+        _signature("misaligned", "share of rows fitting log p[t +- 1] 4x better", misaligned, 0.1),
+        _signature("routing", "mean |d| after a flip / before", routing, 3.0, routing_verdict),
+        _lag_signature(q, d, ok, adv),
+        _signature("outliers", "share of sum |d| in the worst 5 % of sequences", outliers, 0.6),
+        _signature("truncation", *truncation),
+        _signature("temperature", "|slope of log q on log p - 1|", abs(slope - 1), 0.02),
+        _signature("numerics", "2 mean(max(d, 0)), d = log p - log q", upward, 5e-4),
+    ]
     clean = float(d[ok].abs().mean()) < 1e-4  # below every real engine seen (fp16: ~1e-3)
     present = [] if clean else [s["name"] for s in evidence if s["verdict"] == "present"]
     cause = "clean" if clean else (present[0] if present else "numerics")  # numerics: unexplained
