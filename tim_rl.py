@@ -106,8 +106,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
     needs: nothing
     """
-    total = torch.where(mask, x, torch.zeros_like(x)).sum()
-    return total / mask.sum().clamp(min=1)
+    return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp(min=1)
 
 
 def _log_ratio(mask: torch.Tensor, **pair: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,8 +184,7 @@ def truncation_mask(logits: torch.Tensor, top_p=1.0, top_k=0, min_p=0.0) -> torc
     """
     _check_tensor("logits", logits)
     _check_truncation(top_p, top_k, min_p)
-    x = logits.float()
-    V = x.shape[-1]
+    x, V = logits.float(), logits.shape[-1]
     if min_p > 0:
         probs = x.softmax(-1)
         x = x.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), -math.inf)
@@ -305,12 +303,11 @@ def mismatch_metrics(logp_train, logp_infer, mask: torch.Tensor) -> dict[str, fl
         return out | dict.fromkeys(names, 0.0) | {"ess": 1.0, "ratio_min": 1.0, "ratio_max": 1.0}
     r = lr.exp()
     ess = r.sum().square() / (n * r.square().sum())
-    out |= {"k1": float((-lr).mean()), "k2": float((lr.square() / 2).mean()),
-            "k3": float((r - 1 - lr).mean()), "abs_diff": float(lr.abs().mean()),
-            "max_abs_diff": float(lr.abs().max()), "mean_log_ratio": float(lr.mean()),
-            "chi2": float(r.square().mean() - 1), "ess": float(ess),
-            "ratio_min": float(r.min()), "ratio_max": float(r.max())}
-    return out
+    return out | {"k1": float((-lr).mean()), "k2": float((lr.square() / 2).mean()),
+                  "k3": float((r - 1 - lr).mean()), "abs_diff": float(lr.abs().mean()),
+                  "max_abs_diff": float(lr.abs().max()), "mean_log_ratio": float(lr.mean()),
+                  "chi2": float(r.square().mean() - 1), "ess": float(ess),
+                  "ratio_min": float(r.min()), "ratio_max": float(r.max())}
 
 
 def mismatch_ledger(logp, logp_old, logp_infer, mask, logp_master_old=None, log_kept_mass=None,
@@ -360,8 +357,7 @@ def mismatch_ledger(logp, logp_old, logp_infer, mask, logp_master_old=None, log_
     out = {}
     for name, (a, b) in parts.items():
         diff = torch.where(ok, a.detach().double() - b.detach().double(), 0.0)
-        out[f"{name}_mean"] = float(diff.sum() / n)
-        out[f"{name}_abs"] = float(diff.abs().sum() / n)
+        out |= {f"{name}_mean": float(diff.sum() / n), f"{name}_abs": float(diff.abs().sum() / n)}
     return out
 
 
@@ -448,10 +444,9 @@ class Diagnosis:
 
     def __str__(self) -> str:
         maybe = ", ".join(self.also_possible)
-        out = [f"cause: {self.cause}" + (f"   (also possible: {maybe})" if maybe else "")]
-        out += [f"advice: {self.advice}", ""]
-        out.append(f"  {'signature':<12} {'statistic':<54} {'value':>10}  {'threshold':>9}"
-                   "  verdict")
+        out = [f"cause: {self.cause}" + (f"   (also possible: {maybe})" if maybe else ""),
+               f"advice: {self.advice}", "",
+               f"  {'signature':<12} {'statistic':<54} {'value':>10}  {'threshold':>9}  verdict"]
         for s in self.evidence:
             value = "-" if math.isnan(s["statistic"]) else f"{s['statistic']:.4g}"
             row = f"  {s['name']:<12} {s['measures']:<54} {value:>10}  {s['threshold']:>9.3g}"
@@ -466,84 +461,8 @@ class Diagnosis:
 
 def _signature(name: str, measures: str, statistic: float, threshold: float, verdict="") -> dict:
     """One signature: present iff statistic > threshold (nan: absent), unless a verdict is given."""
-    verdict = verdict or ("present" if statistic > threshold else "absent")
     return {"name": name, "measures": measures, "statistic": statistic, "threshold": threshold,
-            "verdict": verdict}
-
-
-def _numerics_signature(d, ok) -> dict:
-    """Engine numerics are symmetric (rounding moves log q both ways) and grow with entropy.
-
-    2 mean(max(d, 0)) estimates mean |d| from the upward side alone, which one-sided causes
-    (renormalised truncation) leave at 0.
-    """
-    upward = float(2 * d[ok].clamp(min=0).mean())
-    return _signature("numerics", "2 mean(max(d, 0)), d = log p - log q", upward, 5e-4)
-
-
-def _truncation_signature(d, ok, logp_train_topk=None) -> dict:
-    """A sampler renormalised on its top-p / top-k support records q = p / S on the kept tokens.
-
-    Then p / q = S <= 1 on every token and mean(p / q) = the kept mass; every other cause keeps
-    E_q[p / q] = 1 (an importance weight). With the trainer's top-K log-probs (B, T, K), exactly:
-    the share of tokens with p / q < 1 whose p / q is the trainer's mass on a prefix of its sorted
-    top-K (top-k and top-p keep such a prefix; engines of one numerics).
-    """
-    if logp_train_topk is not None:
-        top = logp_train_topk.detach().float().sort(-1, descending=True).values  # (B, T, K)
-        log_s = top.logcumsumexp(-1)  # the mass of each prefix
-        below = ok & (d < -1e-3)
-        hit = below & ((log_s - d[..., None]).abs().amin(-1) < 2e-4)  # log S rounds to ~1e-6
-        share = float(hit.sum() / below.sum().clamp(min=1))
-        return _signature("truncation", "share of p/q < 1 equal to a top-K prefix mass", share, 0.5)
-    r = d[ok].exp()
-    gap = 1 - float(r.mean())
-    se = float(r.std() / math.sqrt(max(r.numel(), 1)))
-    measures = f"1 - mean(p/q) - 4 standard errors ({se:.2g})"
-    return _signature("truncation", measures, gap - 4 * se, 0.005)
-
-
-def _temperature_signature(logp_train, logp_infer, ok) -> dict:
-    """An unapplied temperature tau makes log q = log p / tau + c (c per position).
-
-    The least-squares slope of log q on log p is then 1 / tau instead of 1.
-    """
-    p, q = logp_train[ok].double(), logp_infer[ok].double()
-    covariance = ((p - p.mean()) * (q - q.mean())).sum()
-    slope = float(covariance / (p - p.mean()).square().sum().clamp(min=1e-12))
-    return _signature("temperature", "|slope of log q on log p - 1|", abs(slope - 1), 0.02)
-
-
-def _misaligned_signature(logp_train, logp_infer, ok) -> dict:
-    """Log-probs shifted by one position fit log q[t] to log p[t +- 1] far better than to log p[t].
-
-    The statistic: the share of rows (with a gap > 0.05 per token) whose shifted fit is 4x better
-    than the aligned one.
-    """
-    both = (ok[:, 1:] & ok[:, :-1]).float()  # (B, T - 1): pairs (t, t + 1) inside the mask
-    p, q = logp_train.nan_to_num(0.0, 0.0, 0.0), logp_infer.nan_to_num(0.0, 0.0, 0.0)
-    pairs = (((q - p)[:, :-1], q[:, :-1] - p[:, 1:]), ((q - p)[:, 1:], q[:, 1:] - p[:, :-1]))
-    fits = []
-    for aligned, shifted in pairs:
-        gap, fit = (aligned.abs() * both).sum(1), (shifted.abs() * both).sum(1)  # (B,)
-        fits.append((fit < gap / 4) & (gap > 0.05 * both.sum(1)))
-    rows = (both.sum(1) > 0).float().sum().clamp(min=1)
-    share = float((fits[0] | fits[1]).float().sum() / rows)
-    return _signature("misaligned", "share of rows fitting log p[t +- 1] 4x better", share, 0.1)
-
-
-def _padding_signature(d, ok) -> dict:
-    """A mask off by one counts a prompt token or a pad, where the two sides hold unrelated numbers.
-
-    The gap then sits at each row's first or last masked token, not inside.
-    """
-    idx = torch.arange(ok.shape[1], device=ok.device).expand_as(ok)
-    first = idx == torch.where(ok, idx, ok.shape[1]).amin(1, keepdim=True)  # (B, T)
-    last = idx == torch.where(ok, idx, -1).amax(1, keepdim=True)
-    inner = d.abs()[ok & ~first & ~last].mean().nan_to_num(0.0) + 1e-3
-    edge = max(float(d.abs()[ok & e].mean().nan_to_num(0.0)) for e in (first, last))
-    measures = "edge mean |d| / (interior mean |d| + 1e-3)"
-    return _signature("padding", measures, edge / float(inner), 20.0)
+            "verdict": verdict or ("present" if statistic > threshold else "absent")}
 
 
 def _lag_signature(logp_infer, d, ok, advantages) -> dict:
@@ -575,51 +494,6 @@ def _lag_signature(logp_infer, d, ok, advantages) -> dict:
     return _signature("lag", measures, float((up.mean() - down.mean()) / spread), 3.0)
 
 
-def _outliers_signature(d, ok) -> dict:
-    """Sequences from another policy (a stale request, another checkpoint) concentrate |d|.
-
-    The statistic: the share of sum |d| carried by the worst 5 % of sequences.
-    """
-    rows = torch.where(ok, d.abs(), torch.zeros_like(d)).sum(1)  # (B,)
-    worst = rows.topk(max(1, math.ceil(0.05 * rows.numel()))).values.sum()
-    measures = "share of sum |d| in the worst 5 % of sequences"
-    return _signature("outliers", measures, float(worst / rows.sum()), 0.6)
-
-
-def _routing_signature(d, ok, routes) -> dict:
-    """MoE experts that flip between the two sides make the largest gaps, at the flip and after.
-
-    (Attention reads the flipped hidden states.) The statistic: mean |d| from a row's first flip on
-    / mean |d| before it. routes = (routes_train, routes_infer), each (B, T, L, k) int: the experts
-    of the forward position that predicts token t.
-    """
-    measures = "mean |d| after a flip / before"
-    if routes is None:
-        return _signature("routing", measures, math.nan, 3.0, "cannot tell without routes")
-    if len(routes) != 2 or routes[0].shape != routes[1].shape or routes[0].shape[:2] != ok.shape:
-        raise ValueError("routes must be (routes_train, routes_infer), each (B, T, L, k), "
-                         f"(B, T) = {tuple(ok.shape)}")
-    differs = (routes[0].sort(-1).values != routes[1].sort(-1).values).any(-1).any(-1)  # (B, T)
-    flipped = differs.cumsum(1) > 0  # from the row's first flip on
-    after, before = d.abs()[ok & flipped].mean(), d.abs()[ok & ~flipped].mean()
-    return _signature("routing", measures, float(after / before.clamp(min=1e-9)), 3.0)
-
-
-def _mismatch_numbers(d, ok) -> dict[str, float]:
-    """Mean / max |d| per token, the mean answer length T, percentiles of per-sequence sum_t d, and
-    the shares of tokens and sequences beyond the TIS cap 2 and outside the IcePop band [0.5, 2]."""
-    seq = torch.where(ok, d, torch.zeros_like(d)).sum(1)[ok.any(1)].double()  # (B',)
-    out = {"mean |log p/q| per token": float(d[ok].abs().mean()),
-           "max |log p/q|": float(d[ok].abs().max()),
-           "T, mean answer length (tokens)": float(ok.sum(1)[ok.any(1)].double().mean())}
-    for q in (0.0, 0.05, 0.5, 0.95, 1.0):
-        out[f"per-sequence sum log p/q, {q:.0%} percentile"] = float(seq.quantile(q))
-    for what, x in (("tokens", d[ok].double()), ("sequences", seq)):
-        out[f"{what} with p/q > 2 (TIS cap)"] = float((x > math.log(2)).double().mean())
-        out[f"{what} outside [0.5, 2] (IcePop)"] = float((x.abs() > math.log(2)).double().mean())
-    return out
-
-
 def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=None,
                       logp_train_topk=None, topk_ids=None) -> Diagnosis:
     """Why trainer (p) and sampler (q) disagree, from their per-token log-probs.
@@ -630,37 +504,112 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     routes_infer), (B, T, L, k) int, the routing test; logp_train_topk (B, T, K) (the trainer at
     the sampler's top-K ids topk_ids, only shape-checked) the exact truncation test.
     Reconstruction: the rules are this project's, tuned on its own engines (experiments.py
-    doctor-eval).
+    doctor-eval). Each signature is a small function of d = log p - log q on the usable tokens ok.
 
     needs: _check_adv, _log_ratio, LOG_RATIO_CLAMP, Diagnosis, DOCTOR_ADVICE, _signature,
-    _padding_signature, _misaligned_signature, _routing_signature, _lag_signature,
-    _outliers_signature, _truncation_signature, _temperature_signature, _numerics_signature,
-    _mismatch_numbers, DOCTOR_METRIC_NAMES, _check_bt, _check_device, _check_mask, _check_tensor
+    _lag_signature, DOCTOR_METRIC_NAMES, _check_bt, _check_device, _check_mask, _check_tensor
     """
     _check_bt(mask, logp_train=logp_train, logp_infer=logp_infer)
-    logp_train, logp_infer = logp_train.detach().float(), logp_infer.detach().float()
-    d, ok = _log_ratio(mask, logp_train=logp_train, logp_infer=logp_infer)
+    p, q = logp_train.detach().float(), logp_infer.detach().float()
+    d, ok = _log_ratio(mask, logp_train=p, logp_infer=q)
     d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if not ok.any():
         raise ValueError("mask: no finite token to diagnose")
     adv = None if advantages is None else _check_adv(advantages, mask)
-    topk = logp_train_topk
+    topk = logp_train_topk  # (B, T, K)
     if topk is not None and (topk.shape[:2] != mask.shape or topk_ids is not None
                              and topk_ids.shape != topk.shape):
         raise ValueError("logp_train_topk / topk_ids must be (B, T, K) with (B, T) = "
                          f"{tuple(mask.shape)}")
-    evidence = [_padding_signature(d, ok), _misaligned_signature(logp_train, logp_infer, ok),
-                _routing_signature(d, ok, routes), _lag_signature(logp_infer, d, ok, adv),
-                _outliers_signature(d, ok), _truncation_signature(d, ok, logp_train_topk),
-                _temperature_signature(logp_train, logp_infer, ok), _numerics_signature(d, ok)]
+    # padding: a mask off by one counts a prompt token or a pad, where the two sides hold unrelated
+    # numbers; the gap then sits at each row's first or last masked token, not inside
+    idx = torch.arange(ok.shape[1], device=ok.device).expand_as(ok)
+    first = idx == torch.where(ok, idx, ok.shape[1]).amin(1, keepdim=True)  # (B, T)
+    last = idx == torch.where(ok, idx, -1).amax(1, keepdim=True)
+    inner = float(d.abs()[ok & ~first & ~last].mean().nan_to_num(0.0) + 1e-3)
+    edge = max(float(d.abs()[ok & e].mean().nan_to_num(0.0)) for e in (first, last))
+    # misaligned: log-probs shifted by one position fit log q[t] to log p[t +- 1] far better than to
+    # log p[t]; the share of rows (with a gap > 0.05 per token) whose shifted fit is 4x better
+    both = (ok[:, 1:] & ok[:, :-1]).float()  # (B, T - 1): pairs (t, t + 1) inside the mask
+    p0, q0 = p.nan_to_num(0.0, 0.0, 0.0), q.nan_to_num(0.0, 0.0, 0.0)
+    fits = []
+    for aligned, shifted in (((q0 - p0)[:, :-1], q0[:, :-1] - p0[:, 1:]),
+                             ((q0 - p0)[:, 1:], q0[:, 1:] - p0[:, :-1])):
+        gap, fit = (aligned.abs() * both).sum(1), (shifted.abs() * both).sum(1)  # (B,)
+        fits.append((fit < gap / 4) & (gap > 0.05 * both.sum(1)))
+    rows = (both.sum(1) > 0).float().sum().clamp(min=1)
+    misaligned = float((fits[0] | fits[1]).float().sum() / rows)
+    # routing: MoE experts that flip between the two sides make the largest gaps, at the flip and
+    # after (attention reads the flipped hidden states). routes = (routes_train, routes_infer), each
+    # (B, T, L, k) int: the experts of the forward position that predicts token t
+    routing, routing_verdict = math.nan, "cannot tell without routes"
+    if routes is not None:
+        shapes = [tuple(r.shape) for r in routes]  # two (B, T, L, k)
+        if len(shapes) != 2 or shapes[0] != shapes[1] or shapes[0][:2] != ok.shape:
+            raise ValueError("routes must be (routes_train, routes_infer), each (B, T, L, k), "
+                             f"(B, T) = {tuple(ok.shape)}")
+        differs = (routes[0].sort(-1).values != routes[1].sort(-1).values).any(-1).any(-1)  # (B, T)
+        flipped = differs.cumsum(1) > 0  # from the row's first flip on
+        after, before = d.abs()[ok & flipped].mean(), d.abs()[ok & ~flipped].mean()
+        routing, routing_verdict = float(after / before.clamp(min=1e-9)), ""
+    # outliers: sequences from another policy (a stale request, another checkpoint) concentrate |d|
+    rows = torch.where(ok, d.abs(), torch.zeros_like(d)).sum(1)  # (B,)
+    outliers = float(rows.topk(max(1, math.ceil(0.05 * rows.numel()))).values.sum() / rows.sum())
+    # truncation: a sampler renormalised on its top-p / top-k support records q = p / S on the kept
+    # tokens, so p / q = S <= 1 on every token and mean(p / q) = the kept mass; every other cause
+    # keeps E_q[p / q] = 1. With the trainer's top-K log-probs (B, T, K), exactly: the share of
+    # tokens with p / q < 1 whose p / q is the trainer's mass on a prefix of its sorted top-K
+    if topk is not None:
+        top = topk.detach().float().sort(-1, descending=True).values  # (B, T, K)
+        below = ok & (d < -1e-3)
+        # log S, the mass of each prefix, rounds to ~1e-6
+        hit = below & ((top.logcumsumexp(-1) - d[..., None]).abs().amin(-1) < 2e-4)
+        share = float(hit.sum() / below.sum().clamp(min=1))
+        truncation = ("share of p/q < 1 equal to a top-K prefix mass", share, 0.5)
+    else:
+        r = d[ok].exp()
+        se = float(r.std() / math.sqrt(max(r.numel(), 1)))
+        truncation = (f"1 - mean(p/q) - 4 standard errors ({se:.2g})", 1 - float(r.mean()) - 4 * se,
+                      0.005)
+    # temperature: an unapplied temperature tau makes log q = log p / tau + c (c per position), so
+    # the least-squares slope of log q on log p is 1 / tau instead of 1
+    x, y = p[ok].double(), q[ok].double()
+    covariance = ((x - x.mean()) * (y - y.mean())).sum()
+    slope = float(covariance / (x - x.mean()).square().sum().clamp(min=1e-12))
+    # numerics: symmetric (rounding moves log q both ways) and grows with entropy; 2 mean(max(d, 0))
+    # estimates mean |d| from the upward side alone, which one-sided causes (renormalised
+    # truncation) leave at 0
+    upward = float(2 * d[ok].clamp(min=0).mean())
+    # the evidence, in DOCTOR_CAUSES' order of specificity (the first present one is the cause)
+    evidence = [
+        _signature("padding", "edge mean |d| / (interior mean |d| + 1e-3)", edge / inner, 20.0),
+        _signature("misaligned", "share of rows fitting log p[t +- 1] 4x better", misaligned, 0.1),
+        _signature("routing", "mean |d| after a flip / before", routing, 3.0, routing_verdict),
+        _lag_signature(q, d, ok, adv),
+        _signature("outliers", "share of sum |d| in the worst 5 % of sequences", outliers, 0.6),
+        _signature("truncation", *truncation),
+        _signature("temperature", "|slope of log q on log p - 1|", abs(slope - 1), 0.02),
+        _signature("numerics", "2 mean(max(d, 0)), d = log p - log q", upward, 5e-4),
+    ]
     clean = float(d[ok].abs().mean()) < 1e-4  # below every real engine seen (fp16: ~1e-3)
     present = [] if clean else [s["name"] for s in evidence if s["verdict"] == "present"]
-    explained = present[0] if present else "numerics"  # numerics: a gap no signature explains
-    cause = "clean" if clean else explained
+    cause = "clean" if clean else (present[0] if present else "numerics")  # numerics: unexplained
     untested = [s["name"] for s in evidence if s["verdict"].startswith("cannot")]
     advice = "; ".join(DOCTOR_ADVICE[c] for c in [cause, *present[1:]])  # every cause present
     also = present[1:] + ([] if clean else [f"{name} (not tested)" for name in untested])
-    return Diagnosis(cause, also, evidence, advice, _mismatch_numbers(d, ok))
+    # the numbers: mean / max |d| per token, the mean answer length T, percentiles of per-sequence
+    # sum_t d, the shares of tokens and sequences beyond the TIS cap 2 and outside IcePop's [0.5, 2]
+    seq = torch.where(ok, d, torch.zeros_like(d)).sum(1)[ok.any(1)].double()  # (B',)
+    numbers = {"mean |log p/q| per token": float(d[ok].abs().mean()),
+               "max |log p/q|": float(d[ok].abs().max()),
+               "T, mean answer length (tokens)": float(ok.sum(1)[ok.any(1)].double().mean())}
+    for k in (0.0, 0.05, 0.5, 0.95, 1.0):
+        numbers[f"per-sequence sum log p/q, {k:.0%} percentile"] = float(seq.quantile(k))
+    for what, x in (("tokens", d[ok].double()), ("sequences", seq)):
+        numbers[f"{what} with p/q > 2 (TIS cap)"] = float((x > math.log(2)).double().mean())
+        outside = (x.abs() > math.log(2)).double().mean()
+        numbers[f"{what} outside [0.5, 2] (IcePop)"] = float(outside)
+    return Diagnosis(cause, also, evidence, advice, numbers)
 
 
 # --------------------------------------------------------------------------------------------------
