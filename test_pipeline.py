@@ -2204,47 +2204,71 @@ def test_the_reference_reads_in_order_math_first():
     assert "def _openmp_for_a_shared_machine" in inspect.getsource(machinery), "the OpenMP shim is machinery's"
 
 
-def test_token_logprobs_copies_in_at_most_80_code_lines():
-    """A user copying token_logprobs with every name its needs: lines reach (the CPU path: machinery.py's
-    compiled pass is imported only where it runs) copies at most 80 code lines (no blanks, comments or
-    docstrings), the memory-safe chunks and their hand-written backward included."""
+def _code_lines(source: str) -> set[int]:
+    """Line numbers (1-based) holding code: not blank, not only a comment, not a docstring."""
     import ast
-    import inspect
     import io
-    import textwrap
     import tokenize
 
-    def needs(name):
-        obj = getattr(tr, name)
-        doc = (obj.__doc__ or "") if callable(obj) else ""
-        tail = doc.rpartition("needs:")[2].strip() if "needs:" in doc else "nothing"
-        return [] if tail == "nothing" else [n.strip() for n in tail.split(",")]
+    skip = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
+    lines = set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type not in skip:
+            lines |= set(range(tok.start[0], tok.end[0] + 1))
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        first = body[0] if isinstance(body, list) and body else None
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            lines -= set(range(first.lineno, first.end_lineno + 1))
+    return lines
 
-    def code_lines(name):
-        obj = getattr(tr, name)
+
+# Issue 43's ceiling is 1,500 code lines; this ratchet holds what has landed and is lowered as the file shrinks.
+REFERENCE_CODE_LINES = 1900
+
+
+def test_the_reference_stays_within_its_code_lines_at_100_columns():
+    """tim_rl.py: at most REFERENCE_CODE_LINES code lines (no blanks, comments, docstrings), <= 10 % of its
+    non-blank lines over 100 columns and none over 120 (ruff's default rules leave line length unchecked)."""
+    import inspect
+
+    assert len(_code_lines("x = 1\n# c\n\ndef f():\n    \"\"\"doc\"\"\"\n    return (2,\n            3)\n")) == 4, "the count"
+    source = inspect.getsource(tr)
+    nonblank = [line for line in source.splitlines() if line.strip()]
+    over_100 = [line for line in nonblank if len(line) > 100]
+    assert len(_code_lines(source)) <= REFERENCE_CODE_LINES
+    assert len(over_100) <= 0.10 * len(nonblank), f"{len(over_100)} of {len(nonblank)} lines over 100 columns"
+    assert max(map(len, nonblank)) <= 120
+
+
+@pytest.mark.parametrize("name, most", [("token_logprobs", 80), ("tis_weights", 45), ("opsm_mask", 45)])
+def test_a_function_a_user_copies_comes_with_few_code_lines(name, most):
+    """Copying `name` with every name its needs: lines reach (test_tim_rl.py checks each needs: line against the
+    code and runs the copy) takes at most `most` code lines. token_logprobs' CPU path: the memory-safe chunks and
+    their hand-written backward included, machinery.py's compiled pass imported only where it runs."""
+    import inspect
+    import textwrap
+
+    def code_lines(n):
+        obj = getattr(tr, n)
         if not (inspect.isfunction(obj) or inspect.isclass(obj)):
             return 1  # a constant's one assignment
-        source = textwrap.dedent(inspect.getsource(obj))
-        docs = set()
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and ast.get_docstring(node) is not None:
-                docs |= set(range(node.body[0].lineno, node.body[0].end_lineno + 1))
-        skip = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
-        code = set()
-        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-            if tok.type not in skip:
-                code |= set(range(tok.start[0], tok.end[0] + 1))
-        return len(code - docs)
+        return len(_code_lines(textwrap.dedent(inspect.getsource(obj))))
 
-    copied, todo = [], ["token_logprobs"]
+    def needs(n):
+        doc = getattr(tr, n).__doc__ or "" if callable(getattr(tr, n)) else ""
+        tail = doc.rpartition("needs:")[2].strip() if "needs:" in doc else "nothing"
+        return [] if tail == "nothing" else [m.strip() for m in tail.split(",")]
+
+    copied, todo = [], [name]
     while todo:
-        name = todo.pop(0)
-        if name not in copied:
-            copied.append(name)
-            todo += needs(name)
-    assert {"chunked_token_logprobs", "_TokenLogprobs", "_check_tensor"} <= set(copied), "the count sees the path"
-    total = sum(code_lines(name) for name in copied)
-    assert total <= 80, {name: code_lines(name) for name in copied}
+        n = todo.pop(0)
+        if n not in copied:
+            copied.append(n)
+            todo += needs(n)
+    if name == "token_logprobs":
+        assert {"chunked_token_logprobs", "_TokenLogprobs", "_check_tensor"} <= set(copied), "the count sees the path"
+    assert sum(map(code_lines, copied)) <= most, {n: code_lines(n) for n in copied}
 
 
 def test_one_rl_step_is_its_phases_in_order_and_opens_at_most_15_functions_outside_the_math():

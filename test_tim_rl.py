@@ -1029,7 +1029,7 @@ def test_misuse_raises_clear_errors():
         tr.tis_weights(x, torch.zeros(2, 4), mask)
     with pytest.raises(TypeError, match="logp_old must be a torch.Tensor"):
         tr.mis_weights([[0.0]], x, mask)
-    with pytest.raises(ValueError, match="mask is empty"):
+    with pytest.raises(ValueError, match="mask must be a non-empty"):
         tr.pg_loss(torch.zeros(0, 3), torch.zeros(0, 1), torch.ones(0, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="adv must have shape"):
         tr.pg_loss(x, torch.zeros(3, 3), mask)
@@ -1121,7 +1121,7 @@ def test_every_bt_function_names_the_bad_argument(name):
             fn(mask=mask, **(good | {a: torch.zeros(2, 3, dtype=torch.long)}))  # not floating point
     with pytest.raises(TypeError, match="mask must be a bool"):
         fn(mask=mask.float(), **good)
-    with pytest.raises(ValueError, match="mask is empty"):
+    with pytest.raises(ValueError, match="mask must be a non-empty"):
         fn(mask=torch.ones(0, 3, dtype=torch.bool), **{a: torch.zeros(0, 3) for a in args})
 
 

@@ -1086,7 +1086,6 @@ def opsm_mask(logp, logp_infer, adv, mask, delta: float = 1e-4):
     A = _check_adv(adv, mask)
     seq_kl = total / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
     off_policy = (A < 0) & ~(seq_ok & (seq_kl <= delta))  # (B, T)
-
     return (ok & ~off_policy).float()
 
 
@@ -3182,19 +3181,15 @@ def _check_mask(mask) -> None:
     _check_tensor("mask", mask, floating=False)
     if mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor (True on generated tokens), got {mask.dtype}")
-    if mask.dim() != 2:
-        raise ValueError(f"mask must have shape (B, T), got {tuple(mask.shape)}")
-    if mask.numel() == 0:
-        raise ValueError(f"mask is empty (shape {tuple(mask.shape)}): need B >= 1 and T >= 1")
+    if mask.dim() != 2 or mask.numel() == 0:
+        raise ValueError(f"mask must be a non-empty (B, T) tensor, B and T >= 1, got shape {tuple(mask.shape)}")
 
 
 def _check_device(name: str, x, ref_name: str, ref) -> None:
     """x (a tensor or a generator; None passes) must be on ref's device, else a ValueError naming
     both."""
-    device = None if x is None else (x.device.type, x.device.index or 0)
-    if device is not None and device != (ref.device.type, ref.device.index or 0):
-        raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}: put both on "
-                         "one device")
+    if x is not None and (x.device.type, x.device.index or 0) != (ref.device.type, ref.device.index or 0):
+        raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}: put both on one device")
 
 
 def _check_bt(mask, **tensors) -> None:
@@ -3204,8 +3199,7 @@ def _check_bt(mask, **tensors) -> None:
     for name, x in tensors.items():
         _check_tensor(name, x)
         if x.shape != mask.shape:
-            raise ValueError(f"{name} must have shape (B, T) = {tuple(mask.shape)} like mask, got "
-                             f"{tuple(x.shape)}")
+            raise ValueError(f"{name} must have shape (B, T) = {tuple(mask.shape)} like mask, got {tuple(x.shape)}")
         _check_device(name, x, "mask", mask)
 
 
@@ -3214,12 +3208,10 @@ def _check_adv(adv, mask) -> torch.Tensor:
     -> 0."""
     _check_tensor("adv", adv)
     _check_device("adv", adv, "mask", mask)
-    B, T = mask.shape
-    adv = adv[:, None] if adv.shape == (B,) else adv
-    if adv.shape not in ((B, T), (B, 1)):
-        raise ValueError(f"adv must have shape (B, T) = {(B, T)} or (B, 1) = {(B, 1)}, got "
-                         f"{tuple(adv.shape)}")
-    adv = adv.detach().float().expand(B, T)
+    adv = adv[:, None] if adv.shape == mask.shape[:1] else adv  # (B,) -> (B, 1)
+    if adv.shape not in (mask.shape, (len(mask), 1)):
+        raise ValueError(f"adv must have shape (B, T) = {tuple(mask.shape)} or (B, 1), got {tuple(adv.shape)}")
+    adv = adv.detach().float().expand_as(mask)
     return torch.where(torch.isfinite(adv), adv, torch.zeros_like(adv))
 
 
