@@ -976,7 +976,7 @@ def _eval_accuracy(model, tokenizer, digits: int, ops: str, n: int = 512) -> flo
     return tr.greedy_accuracy(model, tokenizer, problems, max(6, 2 * digits + 1))
 
 
-def pretrain(cfg: tr.PretrainConfig) -> dict:
+def pretrain(cfg: PretrainConfig) -> dict:
     """Supervised training of the tiny model on "prompt answer<eos>" (loss on the answer), saved to cfg.out."""
     from tqdm.auto import tqdm
 
@@ -1043,7 +1043,7 @@ def ensure_base_model(path: str | Path = "runs/base", **change) -> Path:
     if not (path / "config.json").exists():
         print(f"[tim_rl] no model at {path}: pre-training the embedded tiny model (~20 s)",
               file=sys.stderr)
-        pretrain(tr.PretrainConfig(out=str(path), **change))
+        pretrain(PretrainConfig(out=str(path), **change))
     return path
 
 

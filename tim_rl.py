@@ -2088,11 +2088,10 @@ def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tu
         else:  # by row chunks of token_logprobs' size: never (B, T, V) masks or a masked copy
             rows = _default_chunk_rows(logits.shape[-1], logits.device, fused=False)
             flat, flat_ids = logits.flatten(0, 1), response_ids.reshape(-1)  # (N, V), (N,)
-            parts = []
-            for part, part_ids in zip(flat.split(rows), flat_ids.split(rows)):
-                kept = part.masked_fill(~truncation_mask(part, *truncation), -math.inf)  # TIM: p~
-                parts.append(token_logprobs(kept, part_ids))  # -inf: a token dropped
+            parts = [token_logprobs(part.masked_fill(~truncation_mask(part, *truncation), -math.inf), i)
+                     for part, i in zip(flat.split(rows), flat_ids.split(rows))]  # TIM: p~; -inf: dropped
             logp = torch.cat(parts).view(response_ids.shape)  # (B, T)
+            del flat  # a view: it would keep the logits alive
         del logits  # before the next batch's forward
         out.append(torch.where(mask, logp, torch.zeros_like(logp)).sum(1).cpu())
     return torch.cat(out)
