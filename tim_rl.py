@@ -1754,8 +1754,7 @@ class HFTokenizer:
 
 
 def load_tokenizer(directory: str | Path):
-    """machinery.CharTokenizer when the directory holds it (pretrain.json), else its HF tokenizer.
-    """
+    """machinery.CharTokenizer if the directory holds pretrain.json, else its HF tokenizer."""
     import machinery
 
     own = (Path(directory) / "pretrain.json").exists()  # a tiny model of machinery.pretrain's
@@ -1823,8 +1822,7 @@ class Rollout:
     routed_weights: torch.Tensor | None = None  # (B, P + T, L, k) float32 gate weights (nan: none)
 
     def to(self, device) -> Rollout:
-        """The rollout with every tensor on `device`, the routes kept on the CPU (moved per layer).
-        """
+        """The rollout with every tensor on `device`; routes stay on the CPU (moved per layer)."""
         moved = {}
         for name, value in vars(self).items():
             on_device = isinstance(value, torch.Tensor) and not name.startswith("routed_")
@@ -1851,8 +1849,7 @@ def _positions(attention: torch.Tensor) -> torch.Tensor:
 
 
 def draw_seed(generator: torch.Generator | None) -> int:
-    """One draw in [0, 2^31 - 1) from `generator` (None: torch's default), e.g. to seed a GPU one.
-    """
+    """One draw in [0, 2^31 - 1) from `generator` (None: torch's default), e.g. a GPU seed."""
     device = generator.device if generator else "cpu"
     return int(torch.randint(0, 2**31 - 1, (), generator=generator, device=device))
 
@@ -2856,8 +2853,7 @@ def merge_kept_support(ro: Rollout, rebuilt) -> dict:
 
 
 def route_flips(ro: Rollout, behaviour) -> dict:
-    """MoE: share of fed positions (prompt and response) whose experts differ between sampler and
-    trainer."""
+    """MoE: share of fed positions (prompt, response) whose experts differ, sampler vs trainer."""
     fed = torch.cat([ro.prompt_mask, ro.mask], 1).cpu()  # (B, P + T)
     flips = routing_flip_rate(ro.routed_experts, behaviour.routes, fed)
     return {f"route_flip_{name}": share for name, share in flips.items()}
@@ -2922,8 +2918,7 @@ def step_record(cfg: RLConfig, step: int, state: RunState, ro: Rollout, rewards,
 
 
 def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
-    """One step: sample -> score -> behaviour pass -> (correct -> optimizer) x updates -> sync ->
-    record."""
+    """One step: sample -> score -> behaviour pass -> (correct, step) x updates -> sync -> record."""
     timer = Timer()
     # 1) sample
     ro, answers = sample_batch(cfg, step, state)
@@ -3161,8 +3156,7 @@ def recorded_topk(cfg: RLConfig) -> int | None:
 
 # Tensor checks: every public function validates cheaply and names the argument.
 def _check_tensor(name: str, x, *, floating: bool = True) -> None:
-    """A TypeError naming the argument unless x is a torch.Tensor (of a floating dtype when
-    `floating`)."""
+    """A TypeError naming the argument unless x is a torch.Tensor (floating-point if `floating`)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if floating and not x.is_floating_point():
@@ -3185,15 +3179,13 @@ def _check_mask(mask) -> None:
 
 
 def _check_device(name: str, x, ref_name: str, ref) -> None:
-    """x (a tensor or a generator; None passes) must be on ref's device, else a ValueError naming
-    both."""
+    """x (tensor or generator; None passes) must be on ref's device, else a ValueError naming both."""
     if x is not None and (x.device.type, x.device.index or 0) != (ref.device.type, ref.device.index or 0):
         raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}: put both on one device")
 
 
 def _check_bt(mask, **tensors) -> None:
-    """Check the mask and that every named tensor is float with the mask's (B, T) shape and
-    device."""
+    """Check the mask, and that each named tensor is float with the mask's (B, T) shape and device."""
     _check_mask(mask)
     for name, x in tensors.items():
         _check_tensor(name, x)
@@ -3203,8 +3195,7 @@ def _check_bt(mask, **tensors) -> None:
 
 
 def _check_adv(adv, mask) -> torch.Tensor:
-    """Advantages (B, T), (B, 1) or (B,), returned as a detached (B, T) float tensor, non-finite
-    -> 0."""
+    """Advantages (B, T), (B, 1) or (B,) as a detached (B, T) float tensor; non-finite -> 0."""
     _check_tensor("adv", adv)
     _check_device("adv", adv, "mask", mask)
     adv = adv[:, None] if adv.shape == mask.shape[:1] else adv  # (B,) -> (B, 1)
