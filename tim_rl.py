@@ -3077,9 +3077,12 @@ class RLConfig:
     top_p: float = cli_field(1.0, "sampler nucleus truncation (vLLM's rule; 1 = off)")
     top_k: int = cli_field(0, "sampler top-k truncation (0 = off; not the recorded --topk)")
     min_p: float = cli_field(0.0, "sampler min-p truncation: keep p >= min_p * max p (0 = off)")
-    renormalize: bool = cli_field(True, "truncated: the trainer's log-probs on the kept support")
-    topk: int = cli_field(32, "top-K sampler log-probs recorded for arms reading them (0: V)")
-    support_topk: int = cli_field(64, "vLLM, truncated: log-probs per token giving its support")
+    renormalize: bool = cli_field(True, "truncated: the trainer's log-probs renormalised on the kept support "
+                                        "(off: full-vocabulary log-probs, every ratio biased by the kept mass S)")
+    topk: int = cli_field(32, "sampler top-K ids recorded for score centering (0: all V, 12 V bytes a token; "
+                              "the published runs used 0); only for sc, sc_tis, sc_mis, drift_only, --diagnose-drift")
+    support_topk: int = cli_field(64, "vLLM, truncated: log-probs asked per token, the finite ones its support "
+                                      "(0: all V); where all K are finite the trainer's rebuilt support is used")
     baseline: str = cli_field("group", "advantage baseline: group (GRPO mean, no std) | none")
     optimizer: str = cli_field("adamw", "adamw | sgd")
     lr: float = cli_field(3e-5, "learning rate (1e-4 knocks the tiny model back early)")
@@ -3101,7 +3104,7 @@ class RLConfig:
     k2_coef: float = cli_field(0.0, "add k2_coef * mean((logp - logp_infer)^2 / 2) to the loss")
     dlc_max_staleness: int = cli_field(0, "DLC: resync after this many steps without one (0 = off)")
     dlc_max_lag: float = cli_field(0.0, "DLC: resync at mean |logp - logp at sync| > this (0: off)")
-    eval_every: int = cli_field(20, "evaluate at step 0, every N steps, after the last")
+    eval_every: int = cli_field(20, "evaluate at step 0, every N steps, after the last (N <= steps/4)")
     eval_n: int = cli_field(512, "distinct held-out problems per evaluation")
     diagnose_drift: bool = cli_field(False, "log the gradient's drift and signal norms")
     seed: int = cli_field(0, "seed of sampling, data and noise")
@@ -3113,7 +3116,8 @@ class RLConfig:
     vllm_gpu_memory: float = cli_field(0.3, "GPU memory share vLLM takes beside the trainer")
     task: str = cli_field("arithmetic", "arithmetic (the tiny model's) | words (chat)")
     task_digits: int = cli_field(0, "arithmetic task's operand digits (0: the model's own)")
-    routing_replay: str = cli_field("none", "MoE: none | r2 (policy's experts) | r3 (sampler's)")
+    routing_replay: str = cli_field("none", "MoE: none | r2 (the experts the policy being updated chose before "
+                                            "the updates) | r3 (the sampler's; torch sampler)")
     gradient_checkpointing: bool = cli_field(False, "transformers' gradient checkpointing")
 
 
