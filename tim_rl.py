@@ -2626,7 +2626,8 @@ def _dropped(touched, mask, kind="masked") -> dict[str, float]:
 
 def _rs_arm(divergence_weights) -> Arm:
     """A verl rollout_rs arm: rejection only, kept tokens weigh 1 (no rollout_is)."""
-    def keep(c, x):  # 1 kept, 0 dropped
+    def keep(c, x):
+        """The arm's keep mask on the batch: 1 kept, 0 dropped."""
         est = RS_ESTIMATORS[c.rs_estimator]
         return divergence_weights(x.logp_now, x.logp_infer, x.mask, c.rs_threshold, est)
     return Arm(lambda c, x: _pg(x, keep(c, x)),
@@ -3006,7 +3007,8 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
     machinery.write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
     machinery.write_atomic(out / "config.json", json.dumps(asdict(cfg), indent=1))
     with open(out / "metrics.jsonl", "a") as log:
-        def write(record: dict) -> None:  # flushed: a kill loses at most this line
+        def write(record: dict) -> None:
+            """Keep the record and append it to metrics.jsonl, flushed: a kill loses at most this line."""
             records.append(record)
             log.write(json.dumps(record) + "\n")
             log.flush()
