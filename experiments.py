@@ -2329,8 +2329,13 @@ def _median(values: list[float]) -> float:
     return (finite[(len(finite) - 1) // 2] + finite[len(finite) // 2]) / 2 if finite else math.nan
 
 
+def _two_digits(v: float) -> str:
+    """A resolvable |Δ| as written: two significant digits, '-' where it is not finite."""
+    return f"{v:.2g}" if math.isfinite(v) else "-"
+
+
 def family_power(rows: list[dict], section: str, ids: list[str]) -> tuple[str, list[str]]:
-    """What a preset's family could resolve at its seeds: (a line for its section, each row's 'resolvable Δ').
+    """What a preset's family could resolve at its seeds: (a line for its section, each row's 'Δ resolvable alone').
 
     SE of a claim = its published 95% interval's half-width / t_{0.975, n-1}; the family's first step resolves a
     claim when |Δ| >= t_crit SE, t_crit = t_{1 - α/(2m), n-1} for Holm's first step over m two-sided tests,
@@ -2346,11 +2351,10 @@ def family_power(rows: list[dict], section: str, ids: list[str]) -> tuple[str, l
         return "", ["-"] * len(rows)
     t = functools.partial(student_t_quantile, df=seeds - 1)
     ses = [interval_se(r.get("95% CI", "-"), seeds) for r in rows]
-    shown = lambda v: f"{v:.2g}" if math.isfinite(v) else "-"
     rule = f"SE = the 95% interval's half-width / t(0.975, {seeds - 1}) = half-width / {t(0.975):.3g}"
     if any(r.get("judged") != JUDGED for r in rows) or len(rows) == 1:
         alone = "judged one at a time" if any(r.get("judged") != JUDGED for r in rows) else "a family of one"
-        per = [shown(t(0.975) * se) for se in ses]
+        per = [_two_digits(t(0.975) * se) for se in ses]
         line = (f"*Power:* {alone}: one two-sided paired t test at 5% at {seeds} seeds resolves |Δ| >= t(0.975, "
                 f"{seeds - 1}) SE, its 95% interval's half-width: " + ", ".join(
                     f"{i} {p}" for i, p in zip(ids, per)) + ".")
@@ -2361,14 +2365,14 @@ def family_power(rows: list[dict], section: str, ids: list[str]) -> tuple[str, l
         pair_ses = [interval_se(g["Δ vs none"], seeds) for g in grid if g["arm"] != "none"]
         m = 3 * len(pair_ses)
         t_a, t_b = t(1 - DOSE_ALPHA_A), t(1 - DOSE_Q / max(m, 1))
-        per = [shown(t_a * se) if r["claim"].startswith("(a)") else shown(t_b * se) if r["claim"].startswith(
+        per = [_two_digits(t_a * se) if r["claim"].startswith("(a)") else _two_digits(t_b * se) if r["claim"].startswith(
             "(b)") else "-" for r, se in zip(rows, ses)]
         line = (f"*Power:* (a)'s first test (one-sided, 1%) resolves |Δ| >= t(0.99, {seeds - 1}) SE = "
-                f"{t_a:.3g} SE: {shown(t_a * none_se)} pc auc at the median SE of none vs the control "
-                f"({shown(none_se)}); the first step of (b) and (c)'s Benjamini-Hochberg family ({m} one-sided "
+                f"{t_a:.3g} SE: {_two_digits(t_a * none_se)} pc auc at the median SE of none vs the control "
+                f"({_two_digits(none_se)}); the first step of (b) and (c)'s Benjamini-Hochberg family ({m} one-sided "
                 f"tests, 4%) resolves |Δ| >= t(1 - 0.04/{m}, {seeds - 1}) SE = {t_b:.3g} SE: "
-                f"{shown(t_b * _median(pair_ses))} at the median correction-vs-none SE "
-                f"({shown(_median(pair_ses))}); later steps need less. {rule}.")
+                f"{_two_digits(t_b * _median(pair_ses))} at the median correction-vs-none SE "
+                f"({_two_digits(_median(pair_ses))}); later steps need less. {rule}.")
         return line, per
     if "p (Holm)" in rows[0] and rows[0]["claim"].startswith("("):  # the length section: its grid's tests
         grid = next((tb for tb in _tables(section) if tb and {"T", "arm", "Δ vs control"} <= set(tb[0])), [])
@@ -2377,24 +2381,24 @@ def family_power(rows: list[dict], section: str, ids: list[str]) -> tuple[str, l
         m = len(tests)
         crit = t(1 - DOSE_ALPHA / max(m, 1))
         lengths = list(dict.fromkeys(T for T, _ in tests))
-        at = ", ".join(f"T={T}: {shown(crit * _median([se for U, se in tests if U == T]))}" for T in lengths)
+        at = ", ".join(f"T={T}: {_two_digits(crit * _median([se for U, se in tests if U == T]))}" for T in lengths)
         line = (f"*Power:* the first Holm step over the grid's {m} one-sided tests at 5% resolves |Δ| >= t(1 - "
                 f"0.05/{m}, {seeds - 1}) SE = {crit:.3g} SE per token, at each length's median SE: {at}. {rule}.")
         return line, ["-"] * len(rows)
     m = len(rows)
     crit = t(1 - CLAIMS_ALPHA / (2 * m))
-    per = [shown(crit * se) for se in ses]
+    per = [_two_digits(crit * se) for se in ses]
     finite = sorted(crit * se for se in ses if math.isfinite(se))
     spread = f"; per claim {finite[0]:.2g}-{finite[-1]:.2g}" if len(finite) > 1 else ""
     line = (f"*Power:* Holm's first step over these {m} two-sided tests at 5% resolves |Δ| >= t(1 - 0.05/{2 * m}, "
-            f"{seeds - 1}) SE = {crit:.3g} SE: {shown(crit * _median(ses))} at the median claim's SE "
-            f"({shown(_median(ses))}){spread}; later steps need less. {rule}. A smaller effect reads 'not "
+            f"{seeds - 1}) SE = {crit:.3g} SE: {_two_digits(crit * _median(ses))} at the median claim's SE "
+            f"({_two_digits(_median(ses))}){spread}; later steps need less. {rule}. A smaller effect reads 'not "
             "resolved', which is not 'no effect'.")
     return line, per
 
 
 def _stamped(name: str, rows: list[dict], section: str, before: list[dict] = ()) -> tuple[list[dict], str]:
-    """A preset's rows with their ids and 'resolvable Δ', and its section text with an id column in the claims
+    """A preset's rows with their ids and 'Δ resolvable alone', and its section text with an id column in the claims
     table (the table _markdown_table made of the rows) and the family's power line under it."""
     plain = [{k: v for k, v in r.items() if k not in ROW_STAMPS} for r in rows]
     ids = claim_ids(name, rows, before)
@@ -2446,8 +2450,9 @@ def _with_verdicts(results_text: str) -> str:
 
 
 def refresh_published(root: Path = Path(".")) -> None:
-    """Re-apply publish's marks to what is already published in RESULTS.md: ONE_AT_A_TIME under older sections, the
-    verdict table rebuilt. Changes no verdict and writes nothing else (README.md has no verdict table)."""
+    """Re-apply publish's marks to what is already published in RESULTS.md: claim ids and power lines where a
+    section has none, ONE_AT_A_TIME under older sections, the verdict table rebuilt. Changes no verdict and writes
+    nothing else (README.md has no verdict table)."""
     path = root / "RESULTS.md"
     machinery.write_atomic(path, _with_verdicts(_mark_one_at_a_time(_with_ids(path.read_text()))))
 
@@ -2455,8 +2460,8 @@ def refresh_published(root: Path = Path(".")) -> None:
 def publish(name: str, results: str, verdicts: list[dict], command: str, seconds: float, root: Path = Path("."),
             plot: Path | None = None, numerics: str = "") -> list[str]:
     """Copy a preset's results.md (and its plot, to figures/<name>.png) into RESULTS.md, its rows stamped JUDGED,
-    with a changelog against the section it replaces; mark older sections judged one at a time; rebuild RESULTS.md's
-    verdict table from every preset there. Writes RESULTS.md and the figure only (never README.md). Returns the
+    with their ids and the family's power (_stamped) and a changelog against the section it replaces; mark older
+    sections judged one at a time; rebuild RESULTS.md's verdict table from every preset there. Writes RESULTS.md and the figure only (never README.md). Returns the
     changelog lines."""
     path = root / "RESULTS.md"
     text = path.read_text() if path.exists() else (
