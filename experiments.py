@@ -2272,6 +2272,160 @@ def changelog(old_rows: list[dict], new_rows: list[dict]) -> list[str]:
     return lines
 
 
+# claim ids, and what each family could resolve at its seeds (its power)
+STATEMENT_LABEL = re.compile(r"^\(([a-z])\) (?:([\w+-]+): )?")  # '(b) tis: beats none at ...' -> ('b', 'tis')
+ROW_STAMPS = ("preset", "id", "command", "judged", "Δ resolvable alone")  # keys publish adds to a preset's own rows
+
+
+def claim_ids(name: str, rows: list[dict], before: list[dict] = ()) -> list[str]:
+    """Each row's id in RESULTS.md and README: a statement '(b) tis: ...' of preset dose -> 'dose-b-tis', '(a) ...'
+    -> 'dose-a'; a claim keeps the id its text had in `before` (the publication it replaces), else takes the next
+    unused number, 'staleness-6'. So an id never moves when claims are re-ordered, added or dropped."""
+    kept = {_statement_key(r["claim"]): r["id"] for r in before if "id" in r}
+    numbers = [int(i.rpartition("-")[2]) for i in kept.values() if i.rpartition("-")[2].isdigit()]
+    ids = []
+    for row in rows:
+        label = STATEMENT_LABEL.match(row["claim"])
+        if label:
+            ids.append("-".join(filter(None, (name, *label.groups()))))
+        elif _statement_key(row["claim"]) in kept:
+            ids.append(kept[_statement_key(row["claim"])])
+        else:
+            numbers.append(max(numbers, default=0) + 1)
+            ids.append(f"{name}-{numbers[-1]}")
+    return ids
+
+
+def _interval(text: str) -> tuple[float, float] | None:
+    """'[-0.026, +0.003]' (alone or after a mean) -> (-0.026, 0.003); None where the cell holds none."""
+    found = re.search(r"\[([^,\]]+), ([^\]]+)\]", str(text))
+    try:
+        return (float(found.group(1)), float(found.group(2))) if found else None
+    except ValueError:
+        return None
+
+
+def interval_se(text: str, seeds: int) -> float:
+    """The standard error behind a published 95% Student-t interval: half-width / t_{0.975, n-1} (nan if none)."""
+    found = _interval(text)
+    if found is None or seeds < 2 or not all(map(math.isfinite, found)):
+        return math.nan
+    return (found[1] - found[0]) / 2 / student_t_quantile(0.975, seeds - 1)
+
+
+def _tables(text: str) -> list[list[dict]]:
+    """Every markdown table of a text as rows of {header: cell} (cells as written, '\\|' unescaped)."""
+    tables = []
+    for block in re.findall(r"(?:^\|.*\|$\n?)+", text, re.MULTILINE):
+        lines = [re.split(r"(?<!\\) \| ", line.strip()[2:-2]) for line in block.strip("\n").split("\n")]
+        header = [h.replace("\\|", "|") for h in lines[0]]
+        tables.append([dict(zip(header, (c.replace("\\|", "|") for c in cells))) for cells in lines[2:]])
+    return tables
+
+
+def _median(values: list[float]) -> float:
+    """The median of the finite values; nan if none."""
+    finite = sorted(v for v in values if math.isfinite(v))
+    return (finite[(len(finite) - 1) // 2] + finite[len(finite) // 2]) / 2 if finite else math.nan
+
+
+def _two_digits(v: float) -> str:
+    """A resolvable |Δ| as written: two significant digits, '-' where it is not finite."""
+    return f"{v:.2g}" if math.isfinite(v) else "-"
+
+
+def family_power(rows: list[dict], section: str, ids: list[str]) -> tuple[str, list[str]]:
+    """What a preset's family could resolve at its seeds: (a line for its section, each row's 'Δ resolvable alone').
+
+    SE of a claim = its published 95% interval's half-width / t_{0.975, n-1}; the family's first step resolves a
+    claim when |Δ| >= t_crit SE, t_crit = t_{1 - α/(2m), n-1} for Holm's first step over m two-sided tests,
+    t_{0.975, n-1} for a claim judged alone (one at a time, or a family of one), t_{1 - 0.01, n-1} for a dose
+    section's (a) (its fixed sequence's first test, one-sided at 1%), t_{1 - 0.04/m, n-1} for (b) and (c) (the first
+    step of Benjamini-Hochberg over their m one-sided tests), t_{1 - α/m, n-1} for the length section's one-sided
+    Holm family. The line states the rule at the median claim's SE (the section's tables' intervals where its rows
+    hold none); each row's figure uses its own SE."""
+    if not rows:
+        return "", []
+    seeds = int(rows[0].get("seeds", 0) or 0)
+    if seeds < 2:
+        return "", ["-"] * len(rows)
+    t = functools.partial(student_t_quantile, df=seeds - 1)
+    ses = [interval_se(r.get("95% CI", "-"), seeds) for r in rows]
+    rule = f"SE = the 95% interval's half-width / t(0.975, {seeds - 1}) = half-width / {t(0.975):.3g}"
+    if any(r.get("judged") != JUDGED for r in rows) or len(rows) == 1:
+        alone = "judged one at a time" if any(r.get("judged") != JUDGED for r in rows) else "a family of one"
+        per = [_two_digits(t(0.975) * se) for se in ses]
+        line = (f"*Power:* {alone}: one two-sided paired t test at 5% at {seeds} seeds resolves |Δ| >= t(0.975, "
+                f"{seeds - 1}) SE, its 95% interval's half-width: " + ", ".join(
+                    f"{i} {p}" for i, p in zip(ids, per)) + ".")
+        return line, per
+    if "p (adjusted)" in rows[0]:  # a dose section: (a) a fixed sequence, (b) and (c) one BH family
+        grid = next((tb for tb in _tables(section) if tb and {"arm", "Δ vs control", "Δ vs none"} <= set(tb[0])), [])
+        none_se = _median([interval_se(g["Δ vs control"], seeds) for g in grid if g["arm"] == "none"])
+        pair_ses = [interval_se(g["Δ vs none"], seeds) for g in grid if g["arm"] != "none"]
+        m = 3 * len(pair_ses)
+        t_a, t_b = t(1 - DOSE_ALPHA_A), t(1 - DOSE_Q / max(m, 1))
+        per = [_two_digits(t_a * se) if r["claim"].startswith("(a)") else _two_digits(t_b * se) if r["claim"].startswith(
+            "(b)") else "-" for r, se in zip(rows, ses)]
+        line = (f"*Power:* (a)'s first test (one-sided, 1%) resolves |Δ| >= t(0.99, {seeds - 1}) SE = "
+                f"{t_a:.3g} SE: {_two_digits(t_a * none_se)} pc auc at the median SE of none vs the control "
+                f"({_two_digits(none_se)}); the first step of (b) and (c)'s Benjamini-Hochberg family ({m} one-sided "
+                f"tests, 4%) resolves |Δ| >= t(1 - 0.04/{m}, {seeds - 1}) SE = {t_b:.3g} SE: "
+                f"{_two_digits(t_b * _median(pair_ses))} at the median correction-vs-none SE "
+                f"({_two_digits(_median(pair_ses))}); later steps need less. {rule}.")
+        return line, per
+    if "p (Holm)" in rows[0] and rows[0]["claim"].startswith("("):  # the length section: its grid's tests
+        grid = next((tb for tb in _tables(section) if tb and {"T", "arm", "Δ vs control"} <= set(tb[0])), [])
+        tests = [(g["T"], interval_se(g[k], seeds)) for g in grid for k in ("Δ vs control", "Δ vs none")
+                 if _interval(g.get(k, "-"))]
+        m = len(tests)
+        crit = t(1 - DOSE_ALPHA / max(m, 1))
+        lengths = list(dict.fromkeys(T for T, _ in tests))
+        at = ", ".join(f"T={T}: {_two_digits(crit * _median([se for U, se in tests if U == T]))}" for T in lengths)
+        line = (f"*Power:* the first Holm step over the grid's {m} one-sided tests at 5% resolves |Δ| >= t(1 - "
+                f"0.05/{m}, {seeds - 1}) SE = {crit:.3g} SE per token, at each length's median SE: {at}. {rule}.")
+        return line, ["-"] * len(rows)
+    m = len(rows)
+    crit = t(1 - CLAIMS_ALPHA / (2 * m))
+    per = [_two_digits(crit * se) for se in ses]
+    finite = sorted(crit * se for se in ses if math.isfinite(se))
+    spread = f"; per claim {finite[0]:.2g}-{finite[-1]:.2g}" if len(finite) > 1 else ""
+    line = (f"*Power:* Holm's first step over these {m} two-sided tests at 5% resolves |Δ| >= t(1 - 0.05/{2 * m}, "
+            f"{seeds - 1}) SE = {crit:.3g} SE: {_two_digits(crit * _median(ses))} at the median claim's SE "
+            f"({_two_digits(_median(ses))}){spread}; later steps need less. {rule}. A smaller effect reads 'not "
+            "resolved', which is not 'no effect'.")
+    return line, per
+
+
+def _stamped(name: str, rows: list[dict], section: str, before: list[dict] = ()) -> tuple[list[dict], str]:
+    """A preset's rows with their ids and 'Δ resolvable alone', and its section text with an id column in the claims
+    table (the table _markdown_table made of the rows) and the family's power line under it."""
+    plain = [{k: v for k, v in r.items() if k not in ROW_STAMPS} for r in rows]
+    ids = claim_ids(name, rows, before)
+    line, per = family_power(rows, section, ids)
+    stamped = [{"preset": name, "id": i} | {k: v for k, v in r.items() if k not in ("id", "Δ resolvable alone")}
+               | {"Δ resolvable alone": p} for i, r, p in zip(ids, rows, per)]
+    if plain:
+        table = _markdown_table([{"id": i} | r for i, r in zip(ids, plain)])
+        section = section.replace(_markdown_table(plain), table + (f"\n\n{line}" if line else ""), 1)
+    return stamped, section
+
+
+def _with_ids(text: str) -> str:
+    """RESULTS.md text with every preset section published before claim ids stamped (_stamped): ids and each row's
+    resolvable Δ in its rows, an id column and the power line in its claims table. Changes no verdict; idempotent."""
+    def stamp(match: re.Match) -> str:
+        block = match.group(0)
+        found = re.search(r"^<!-- rows (.*) -->$", block, re.MULTILINE)
+        rows = json.loads(found.group(1)) if found else []
+        if not rows or all("id" in r for r in rows):
+            return block
+        rows, block = _stamped(match.group(1), rows, block)
+        return block.replace(found.group(0), f"<!-- rows {json.dumps(rows)} -->", 1)
+
+    return re.sub(r"^<!-- preset:(\S+) -->$.*?^<!-- /preset:\1 -->$", stamp, text, flags=re.MULTILINE | re.DOTALL)
+
+
 VERDICTS_HEADING = "## Verdicts (every preset)"
 
 
@@ -2284,9 +2438,10 @@ def _with_verdicts(results_text: str) -> str:
     if not table:
         return results_text
     columns = ("preset", "claim", "verdict", "Δ", "95% CI")  # each preset's command: RESULTS.md, its section
-    body = _markdown_table([{c: r[c] for c in columns}
+    body = _markdown_table([{"id": r.get("id", "-")} | {c: r[c] for c in columns}
                             | {"adjusted p": r.get("p (Holm)", r.get("p (adjusted)", "-"))
-                               if r.get("judged") == JUDGED else "one at a time"} for r in table])
+                               if r.get("judged") == JUDGED else "one at a time",
+                               "Δ resolvable alone": r.get("Δ resolvable alone", "-")} for r in table])
     if re.search(r"^<!-- verdicts -->$", results_text, re.MULTILINE) is None:
         first = re.search(r"^<!-- preset:", results_text, re.MULTILINE)  # publish has written one by now
         block = f"{VERDICTS_HEADING}\n\n<!-- verdicts -->\n<!-- /verdicts -->\n\n"
@@ -2295,17 +2450,18 @@ def _with_verdicts(results_text: str) -> str:
 
 
 def refresh_published(root: Path = Path(".")) -> None:
-    """Re-apply publish's marks to what is already published in RESULTS.md: ONE_AT_A_TIME under older sections, the
-    verdict table rebuilt. Changes no verdict and writes nothing else (README.md has no verdict table)."""
+    """Re-apply publish's marks to what is already published in RESULTS.md: claim ids and power lines where a
+    section has none, ONE_AT_A_TIME under older sections, the verdict table rebuilt. Changes no verdict and writes
+    nothing else (README.md has no verdict table)."""
     path = root / "RESULTS.md"
-    machinery.write_atomic(path, _with_verdicts(_mark_one_at_a_time(path.read_text())))
+    machinery.write_atomic(path, _with_verdicts(_mark_one_at_a_time(_with_ids(path.read_text()))))
 
 
 def publish(name: str, results: str, verdicts: list[dict], command: str, seconds: float, root: Path = Path("."),
             plot: Path | None = None, numerics: str = "") -> list[str]:
     """Copy a preset's results.md (and its plot, to figures/<name>.png) into RESULTS.md, its rows stamped JUDGED,
-    with a changelog against the section it replaces; mark older sections judged one at a time; rebuild RESULTS.md's
-    verdict table from every preset there. Writes RESULTS.md and the figure only (never README.md). Returns the
+    with their ids and the family's power (_stamped) and a changelog against the section it replaces; mark older
+    sections judged one at a time; rebuild RESULTS.md's verdict table from every preset there. Writes RESULTS.md and the figure only (never README.md). Returns the
     changelog lines."""
     path = root / "RESULTS.md"
     text = path.read_text() if path.exists() else (
@@ -2324,9 +2480,11 @@ def publish(name: str, results: str, verdicts: list[dict], command: str, seconds
         minutes += f"; {numerics}"
     changed = ("\n\nChanged since the previous publication (one line per changed statement):\n\n"
                + "\n".join(changes)) if changes else ""
-    body = (f"<!-- rows {json.dumps(rows)} -->\n## {name}\n\n`{command}` ({minutes}){changed}\n\n"
-            + results.split("\n", 1)[1].lstrip("\n").replace("\n# ", "\n### ").rstrip("\n") + figure)
-    machinery.write_atomic(path, _with_verdicts(_mark_one_at_a_time(_replace_block(text, f"preset:{name}", body))))
+    section = results.split("\n", 1)[1].lstrip("\n").replace("\n# ", "\n### ").rstrip("\n")
+    rows, section = _stamped(name, rows, section, before)
+    body = f"<!-- rows {json.dumps(rows)} -->\n## {name}\n\n`{command}` ({minutes}){changed}\n\n" + section + figure
+    text = _with_ids(_replace_block(text, f"preset:{name}", body))
+    machinery.write_atomic(path, _with_verdicts(_mark_one_at_a_time(text)))
     return changes
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -3766,3 +3767,155 @@ def test_what_a_learner_reads_is_defined_in_the_reference():
     assert [n for n in names if getattr(tr, n).__module__ != tr.__name__] == []
     for name, arm in tr.ARMS.items():
         assert arm.loss.__module__ == tr.__name__, name
+
+
+# ---- wording and claim ids (issue 46) ----
+# Every result sentence of README's "What we found" carries the ids of the RESULTS.md claims it states, and words
+# them as their verdicts do. The rule: a sentence whose wording resolves something ("beat", "trailed", "hurts")
+# cites a claim whose verdict resolved it; one that says "not resolved" / "not shown" / "did not pass" / "nowhere"
+# cites a claim whose verdict resolved nothing; a sentence with both cites one of each. A dose or length statement
+# is a map: where it names settings it resolves there and nothing at the others, so it supports both wordings;
+# where it says "nowhere" or "no", only the second.
+
+CLAIM_ID = r"[a-z0-9][a-z0-9_]*(?:-[a-z0-9_]+)+"
+CITED = rf"{CLAIM_ID}(?:…\d+)?"  # 'moe-2…6': moe-2, moe-3, ..., moe-6
+CITATION = re.compile(rf"\[({CITED}(?:, {CITED})*)\](?!\()")
+
+
+def _cited(text: str) -> list[str]:
+    """Every claim id a text cites in brackets, ranges 'moe-2…6' spelled out."""
+    ids = []
+    for item in (i for found in CITATION.findall(text) for i in found.split(", ")):
+        prefix, _, numbers = item.rpartition("-")
+        first, _, last = numbers.partition("…")
+        ids += [f"{prefix}-{n}" for n in range(int(first), int(last) + 1)] if last else [item]
+    return ids
+NOT_RESOLVED_WORDING = re.compile(r"\b(?:not resolved|not shown to \w+|not shown|not detected|did not pass|"
+                                  r"did not resolve|nowhere)\b", re.IGNORECASE)
+RESOLVED_WORDING = re.compile(r"\b(?:beat|beats|trailed|trails|trail|hurt|hurts|reproduced|contradicted)\b",
+                              re.IGNORECASE)
+# a verdict stronger than its row: no detected harm is not harmlessness; an interval is not 'at most' its mean
+OVERSTATED = re.compile(r"(?<!not )(?<!not shown )\bharmless\b|\bat most\b|\bno longer trail|\blevel with\b")
+
+
+def _verdict_kinds(results: str) -> dict[str, set]:
+    """id -> the kinds its RESULTS.md verdict states: {'resolved'}, {'not resolved'} or both (a statement that
+    names settings: it holds there and not elsewhere)."""
+    kinds = {}
+    for row in ex.published_rows(results):
+        parts = [p.strip() for p in row["verdict"].split(";")]
+        unresolved = ("not", "nowhere", "no ", "no(", "invalid")
+        found = {"not resolved" if p.startswith(unresolved) else "resolved" for p in parts}
+        if row["claim"].startswith("(") and "resolved" in found:  # a map: it holds where named, not elsewhere
+            found.add("not resolved")
+        kinds[row["id"]] = found
+    return kinds
+
+
+def _result_sentences(readme: str) -> list[tuple[str, str]]:
+    """(bullet, sentence) for every sentence of every bullet of README's 'What we found' (bold marks dropped)."""
+    section = readme.split("\n## What we found\n")[1].split("\n## ")[0]
+    listed = section.split("\n- ", 1)[1].split("\n\n")[0]  # the bullet list, up to its first blank line
+    bullets = [" ".join(b.split()) for b in listed.split("\n- ")]
+    return [(b, s) for b in bullets for s in re.split(r"(?<=[.])\s+(?=[A-Z(])", b.replace("**", ""))]
+
+
+def wording_problems(readme: str, results: str) -> list[str]:
+    """Each result sentence of README that cites no claim, cites one RESULTS.md's verdict table lacks, or words its
+    result otherwise than the cited verdicts (the rule above); each bullet that reads a verdict 'not resolved'
+    without saying what its family could resolve (|Δ| >= a number that RESULTS.md states)."""
+    table = results.split("\n<!-- verdicts -->\n")[1].split("<!-- /verdicts -->")[0]
+    in_table = set(re.findall(rf"^\| ({CLAIM_ID}) \|", table, re.MULTILINE))
+    kinds = _verdict_kinds(results)
+    problems = []
+    for bullet, sentence in _result_sentences(readme):
+        ids = _cited(sentence)
+        if not ids:
+            problems.append(f"cites no claim: {sentence!r}")
+            continue
+        if [i for i in ids if i not in in_table]:
+            problems.append(f"cites {[i for i in ids if i not in in_table]}, not in the verdict table: {sentence!r}")
+            continue
+        said_not = bool(NOT_RESOLVED_WORDING.search(sentence))
+        said_yes = bool(RESOLVED_WORDING.search(NOT_RESOLVED_WORDING.sub("", sentence)))
+        cited = [kinds[i] for i in ids]
+        if said_yes and not said_not and not all("resolved" in k for k in cited):
+            problems.append(f"says resolved, cites a claim that did not resolve: {sentence!r}")
+        if said_not and not said_yes and not all("not resolved" in k for k in cited):
+            problems.append(f"says not resolved, cites a claim that resolved: {sentence!r}")
+        if said_not and said_yes and not (any("resolved" in k for k in cited)
+                                          and any("not resolved" in k for k in cited)):
+            problems.append(f"says both, cites one kind of verdict: {sentence!r}")
+        if OVERSTATED.search(sentence):
+            problems.append(f"words a verdict more strongly than it reads: {sentence!r}")
+        if said_not:
+            sizes = re.findall(r"\|Δ\| ≥ (\d[\d.]*)", bullet)
+            if not sizes or [s for s in sizes if s not in results]:
+                problems.append(f"reads 'not resolved' without what its family could resolve: {sentence!r}")
+    return problems
+
+
+def test_readme_results_cite_claim_ids_and_word_them_as_their_verdicts():
+    """README's findings cite RESULTS.md's claim ids and are no stronger than the verdicts; the twins feed the check
+    wrong sentences (each kind of mistake) and see it object, so it can fail both ways."""
+    here = tr.Path(__file__).parent
+    readme, results = (here / "README.md").read_text(), (here / "RESULTS.md").read_text()
+    assert wording_problems(readme, results) == []
+    assert len(_result_sentences(readme)) >= 10, "the findings are read sentence by sentence"
+    kinds = _verdict_kinds(results)
+    assert kinds["staleness-2"] == {"resolved"} and kinds["moe-6"] == {"not resolved"}
+    spelled = ["moe-2", "moe-3", "moe-4", "dose-a"]
+    assert _cited("x [moe-2…4, dose-a] y [0.96, 1.96] [*moe*](RESULTS.md#moe)") == spelled
+    assert kinds["dose-b-mis"] == {"resolved", "not resolved"} and kinds["length-d-seq_tis"] == {"not resolved"}
+    head = "# r\n\n## What we found\n\nintro\n\n"
+    power = " Its family's first step resolves |Δ| ≥ 0.015 alone [moe-1]."
+    wrong = {"TIS beat no correction under router noise [moe-6].": "did not resolve",
+             "TIS was not resolved against no correction at lag 16 [staleness-2]." + power: "that resolved",
+             "TIS beat no correction at lag 16.": "cites no claim",
+             "TIS beat no correction at lag 16 [staleness-99].": "not in the verdict table",
+             "TIS beat none [staleness-2] and R3 was not resolved [staleness-3]." + power: "one kind",
+             "Router noise is harmless [moe-1].": "more strongly",
+             "R3 was not resolved against no correction [moe-2].": "could resolve"}
+    for sentence, mistake in wrong.items():
+        found = wording_problems(f"{head}- {sentence}\n", results)
+        assert found and all(mistake in p for p in found), (sentence, found)
+    right = ("- TIS beat no correction at lag 16 [staleness-2]. R3 was not resolved against no correction "
+             "[moe-2]. Router noise was not shown to hurt none [moe-1] (not shown harmless)." + power + "\n")
+    assert wording_problems(head + right, results) == []
+
+
+def test_results_readings_and_claim_ids_are_consistent():
+    """Every id cited in RESULTS.md's readings and README is in its verdict table once; ids are stable: a claim keeps
+    its id when claims are re-ordered or added, a statement's id comes from its label."""
+    here = tr.Path(__file__).parent
+    results = (here / "RESULTS.md").read_text()
+    ids = [r["id"] for r in ex.published_rows(results)]
+    assert len(ids) == len(set(ids)) and all(re.fullmatch(CLAIM_ID, i) for i in ids)
+    readings = results.split("\n## Readings by preset\n")[1].split("\n## ")[0]
+    cited = set(_cited(readings))
+    assert cited and cited <= set(ids), cited - set(ids)
+    rows = [{"claim": c} for c in ("A beats B", "C beats B", "(b) tis: beats none at", "(a) smallest x")]
+    first = ex.claim_ids("p", rows)
+    assert first == ["p-1", "p-2", "p-b-tis", "p-a"]
+    before = [r | {"id": i} for r, i in zip(rows, first)]
+    again = ex.claim_ids("p", [{"claim": "D beats B"}, rows[1], rows[0]], before)
+    assert again == ["p-3", "p-2", "p-1"], "re-ordered and added: old ids stay, the new claim takes the next"
+    assert ex.claim_ids("p", [rows[1], rows[0]]) == ["p-1", "p-2"], "the twin: without the old rows, order decides"
+
+
+def test_family_power_follows_the_stated_rule():
+    """A Holm family's power line: the median claim's SE (half-width / t(0.975, n-1)) times t(1 - 0.05/(2m), n-1);
+    one at a time: each interval's half-width; the published sections state it."""
+    t = ex.student_t_quantile
+    rows = [{"claim": f"c{i}", "95% CI": f"[{-h:+.3g}, {h:+.3g}]", "seeds": 5, "judged": ex.JUDGED}
+            for i, h in enumerate((0.01, 0.02, 0.04))]
+    line, per = ex.family_power(rows, "", ["p-1", "p-2", "p-3"])
+    se = 0.02 / t(0.975, 4)
+    assert f"{t(1 - 0.05 / 6, 4) * se:.2g} at the median claim's SE" in line
+    assert per == [f"{t(1 - 0.05 / 6, 4) * h / t(0.975, 4):.2g}" for h in (0.01, 0.02, 0.04)]
+    alone, per = ex.family_power([r | {"judged": None} for r in rows], "", ["p-1", "p-2", "p-3"])
+    assert "one at a time" in alone and per == ["0.01", "0.02", "0.04"], "the twin: alone, the half-width"
+    results = (tr.Path(__file__).parent / "RESULTS.md").read_text()
+    for name in ("staleness", "dose", "moe", "corrections-2026", "length"):
+        block = results.split(f"<!-- preset:{name} -->")[1].split(f"<!-- /preset:{name} -->")[0]
+        assert block.count("*Power:*") == 1, name
