@@ -2550,7 +2550,7 @@ class Trainer:
         return state, float(dot / norm2) if norm2 > 0 else (1.0 if fp32 else 0.0)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ---- experiment loop and ledger ----
 
 
@@ -2897,11 +2897,11 @@ def step_record(cfg: RLConfig, step: int, state: RunState, ro: Rollout, rewards,
 
 
 def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
-    """One step: sample -> score -> behaviour pass -> (correct, step) x updates -> sync -> record."""
-    sec, start = dict.fromkeys(STEP_PHASES, 0.0), time.perf_counter()  # sec_<phase> logged
+    """One step: sample -> score -> behaviour pass -> update(s) -> export / sync -> ledger."""
+    start, sec = time.perf_counter(), dict.fromkeys(STEP_PHASES, 0.0)  # sec_<phase> logged
     # 1) sample
     ro, answers = sample_batch(cfg, step, state)
-    sec["sample"], start = time.perf_counter() - start, time.perf_counter()
+    sec["sample"] = time.perf_counter() - start
     # 2) score: the verifier's reward per sequence
     rewards = [verify(text, answers[i // cfg.group]) for i, text in enumerate(ro.texts)]
     rewards = torch.tensor(rewards, device=ro.mask.device)
@@ -2913,7 +2913,7 @@ def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
     extra = merge_kept_support(ro, behaviour.rebuilt) if state.truncation else {}
     if behaviour.routes is not None and ro.routed_experts is not None:  # MoE: two engines' experts
         extra |= route_flips(ro, behaviour)
-    sec["recompute"] = time.perf_counter() - start
+    sec["recompute"] = time.perf_counter() - start - sec["sample"]
     # 4) update(s): the arm's loss, updates_per_batch optimizer steps on the batch
     updates = []
     for _ in range(cfg.updates_per_batch):
@@ -2953,9 +2953,8 @@ def setup_run(cfg: RLConfig) -> RunState:
         sampler = VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer,
                               gpu_memory=cfg.vllm_gpu_memory, reference=trainer.behaviour)
     else:  # its noise seeded apart from the run's
-        engine = EngineSpec(cfg.dtype, cfg.quant, cfg.noise, noise_seed=cfg.seed + 1234,
-                            exact=cfg.exact, router_noise=cfg.router_noise,
-                            router_jitter=cfg.router_jitter)
+        engine = EngineSpec(cfg.dtype, cfg.quant, cfg.noise, cfg.seed + 1234, cfg.exact,
+                            router_noise=cfg.router_noise, router_jitter=cfg.router_jitter)
         sampler = TorchSampler(trainer.model, engine, tokenizer)
     gen = torch.Generator().manual_seed(cfg.seed)
     sampler.load_weights(trainer.export(cfg.export, generator=gen)[0])  # the first served copy
@@ -2987,7 +2986,7 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
     machinery.write_atomic(out / "config.json", json.dumps(asdict(cfg), indent=1))
     with open(out / "metrics.jsonl", "a") as log:
         def write(record: dict) -> None:
-            """Keep the record and append it to metrics.jsonl, flushed: a kill loses at most this line."""
+            """Keep the record; append it to metrics.jsonl, flushed (a kill loses this line)."""
             records.append(record)
             log.write(json.dumps(record) + "\n")
             log.flush()
@@ -3051,12 +3050,12 @@ class RLConfig:
     top_p: float = cli_field(1.0, "sampler nucleus truncation (vLLM's rule; 1 = off)")
     top_k: int = cli_field(0, "sampler top-k truncation (0 = off; not the recorded --topk)")
     min_p: float = cli_field(0.0, "sampler min-p truncation: keep p >= min_p * max p (0 = off)")
-    renormalize: bool = cli_field(True, "truncated: the trainer's log-probs renormalised on the kept support "
-                                        "(off: full-vocabulary log-probs, every ratio biased by the kept mass S)")
-    topk: int = cli_field(32, "sampler top-K ids recorded for score centering (0: all V, 12 V bytes a token; "
-                              "the published runs used 0); only for sc, sc_tis, sc_mis, drift_only, --diagnose-drift")
-    support_topk: int = cli_field(64, "vLLM, truncated: log-probs asked per token, the finite ones its support "
-                                      "(0: all V); where all K are finite the trainer's rebuilt support is used")
+    renormalize: bool = cli_field(True, "truncated: the trainer's log-probs renormalised on the "
+                                  "kept support (off: full-vocabulary ones, ratios biased by S)")
+    topk: int = cli_field(32, "sampler top-K ids recorded for sc, sc_tis, sc_mis, drift_only, "
+                          "--diagnose-drift (0: all V, 12 V bytes a token; published runs: 0)")
+    support_topk: int = cli_field(64, "vLLM, truncated: log-probs asked per token (0: all V); "
+                                  "the finite ones: its support (all K finite: the trainer's)")
     baseline: str = cli_field("group", "advantage baseline: group (GRPO mean, no std) | none")
     optimizer: str = cli_field("adamw", "adamw | sgd")
     lr: float = cli_field(3e-5, "learning rate (1e-4 knocks the tiny model back early)")
@@ -3078,7 +3077,7 @@ class RLConfig:
     k2_coef: float = cli_field(0.0, "add k2_coef * mean((logp - logp_infer)^2 / 2) to the loss")
     dlc_max_staleness: int = cli_field(0, "DLC: resync after this many steps without one (0 = off)")
     dlc_max_lag: float = cli_field(0.0, "DLC: resync at mean |logp - logp at sync| > this (0: off)")
-    eval_every: int = cli_field(20, "evaluate at step 0, every N steps, after the last (N <= steps/4)")
+    eval_every: int = cli_field(20, "evaluate at step 0, every N <= steps/4 steps, after the last")
     eval_n: int = cli_field(512, "distinct held-out problems per evaluation")
     diagnose_drift: bool = cli_field(False, "log the gradient's drift and signal norms")
     seed: int = cli_field(0, "seed of sampling, data and noise")
@@ -3090,8 +3089,8 @@ class RLConfig:
     vllm_gpu_memory: float = cli_field(0.3, "GPU memory share vLLM takes beside the trainer")
     task: str = cli_field("arithmetic", "arithmetic (the tiny model's) | words (chat)")
     task_digits: int = cli_field(0, "arithmetic task's operand digits (0: the model's own)")
-    routing_replay: str = cli_field("none", "MoE: none | r2 (the experts the policy being updated chose before "
-                                            "the updates) | r3 (the sampler's; torch sampler)")
+    routing_replay: str = cli_field("none", "MoE: none | r2 (the experts the policy being updated "
+                                    "chose before the updates) | r3 (the sampler's; torch sampler)")
     gradient_checkpointing: bool = cli_field(False, "transformers' gradient checkpointing")
 
 
