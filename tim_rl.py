@@ -406,14 +406,17 @@ def log_odds_displacement(logp_train: torch.Tensor, logp_infer: torch.Tensor) ->
 # Each cause the doctor can name, and what to do about it
 DOCTOR_ADVICE = {
     "clean": "nothing to correct: the gap is at fp32 kernel level",
-    "numerics": "engine numerics (dtype, kernels, quantised weights): tis / mis / icepop; an fp16 "
-                "sampler shrinks a bf16 engine's share [9], not a quantised one's",
-    "truncation": "top-p / top-k renormalised by the sampler: renormalize_on_support, or raw q",
+    "numerics": "engine numerics (dtype, kernels, quantised weights): a token-level correction "
+                "(tis / mis / icepop); an fp16 sampler shrinks a bf16 engine's share [9], not a "
+                "quantised one's",
+    "truncation": "top-p / top-k renormalised by the sampler only: renormalize_on_support, or raw "
+                  "sampler log-probs",
     "temperature": "temperature applied on one side only: divide the trainer's logits by it too",
     "misaligned": "log-probs shifted by one position: check logits[:, :-1] / labels[:, 1:]",
     "padding": "the gap sits at the mask's edge: the mask is off by one (a prompt token or pad)",
     "lag": "the policy moved since sampling: sync more often, or a lag-aware arm (ppo, dppo, mis)",
-    "outliers": "a few sequences carry the gap (another checkpoint, a stale request?): seq_tis",
+    "outliers": "a few sequences carry the gap (a stale request, another checkpoint?): seq_mask / "
+                "seq_tis",
     "routing": "MoE experts flip where the gap is largest: routing replay (r3) or fp32 routers",
 }
 DOCTOR_CAUSES = tuple(DOCTOR_ADVICE)
@@ -600,8 +603,8 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
         numbers[f"per-sequence sum log p/q, {k:.0%} percentile"] = float(seq.quantile(k))
     for what, x in (("tokens", d[ok].double()), ("sequences", seq)):
         numbers[f"{what} with p/q > 2 (TIS cap)"] = float((x > math.log(2)).double().mean())
-        outside = x.abs() > math.log(2)
-        numbers[f"{what} outside [0.5, 2] (IcePop)"] = float(outside.double().mean())
+        outside = (x.abs() > math.log(2)).double().mean()
+        numbers[f"{what} outside [0.5, 2] (IcePop)"] = float(outside)
     return Diagnosis(cause, also, evidence, advice, numbers)
 
 
