@@ -70,7 +70,7 @@ def default_engines() -> list[tuple[str, object]]:
                ("torch fp16", tr.EngineSpec(dtype="fp16")), ("torch bf16", tr.EngineSpec(dtype="bf16")),
                ("torch int8 weights", tr.EngineSpec(quant="int8")),
                ("torch fp8-e4m3 weights", tr.EngineSpec(quant="fp8"))]
-    return engines + ([("vLLM fp32", "vllm-fp32"), ("vLLM bf16", "vllm-bf16")] if tr.vllm_available() else [])
+    return engines + ([("vLLM fp32", "vllm-fp32"), ("vLLM bf16", "vllm-bf16")] if machinery.vllm_available() else [])
 
 
 def _markdown_table(rows: list[dict], floats: str = "{:.3g}") -> str:
@@ -701,7 +701,7 @@ def truncation_table(model_dir: Path, prompts: list[list[int]], n: int, n_new: i
     rows = []
     for label, spec in (("torch fp32", tr.EngineSpec()), ("torch bf16", tr.EngineSpec(dtype="bf16"))):
         rows += truncation_rows(model, label, tr.TorchSampler(model, spec, tokenizer), prompts, n, n_new, topk)
-    for dtype in ("fp32", "bf16") if vllm and tr.vllm_available() else ():
+    for dtype in ("fp32", "bf16") if vllm and machinery.vllm_available() else ():
         sampler = tr.VLLMSampler(model_dir, dtype=dtype, tokenizer=tokenizer, **vllm_kwargs)
         rows += truncation_rows(model, f"vLLM {dtype}", sampler, prompts, n, n_new, topk)
         del sampler
@@ -901,7 +901,8 @@ def routing_rows(model_dir: str | Path, seeds: tuple[int, ...] = (0,), n_prompts
     tokenizer, model = tr.load_tokenizer(model_dir), tr.load_model(model_dir).eval()
     trainer = tr.Trainer(model)  # nothing lags: its behaviour copy holds the sampler's (fp32) weights
     rows = []
-    engines = routing_engines(router_noise) + ([(VLLM_MOE_ENGINE, None, False)] if vllm and tr.vllm_available() else [])
+    with_vllm = vllm and machinery.vllm_available()
+    engines = routing_engines(router_noise) + ([(VLLM_MOE_ENGINE, None, False)] if with_vllm else [])
     for label, spec, r3 in engines:
         sampler = (tr.TorchSampler(model, spec, tokenizer) if spec is not None else
                    tr.VLLMSampler(model_dir, dtype="bf16", tokenizer=tokenizer))
@@ -2968,7 +2969,7 @@ def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, de
     rows = [_row(f"TorchSampler tokens/s ({prompts_n}x{group} seqs, fp32, {device.type}; {torch_tps:.0f} "
                  "tok/s)",
                  f"HF generate ({hf_tps:.0f} tok/s)", torch_tps / hf_tps, ">= 1.0")]
-    if tr.vllm_available():
+    if machinery.vllm_available():
         vllm_tps = tokens_per_second(ours(tr.VLLMSampler(model_dir, dtype="fp32", seed=0, tokenizer=tokenizer)))
         rows.append(_row(f"VLLMSampler tokens/s ({vllm_tps:.0f} "
                          "tok/s)", "TorchSampler", vllm_tps / torch_tps, "report"))
@@ -3120,7 +3121,7 @@ def bench(cfg: BenchConfig) -> list[dict]:
     """Run every benchmark row, print the table, write <out>/bench.md. Returns the rows."""
     torch.set_num_threads(os.cpu_count() or 1)
     model_dir = tr.resolve_model_dir(cfg.model)
-    q, device = cfg.quick, tr.resolve_device(cfg.device)
+    q, device = cfg.quick, machinery.resolve_device(cfg.device)
     gpu = device.type == "cuda"
     print(f"[bench] torch {torch.__version__}, {torch.get_num_threads()} threads, {device}, "
           f"quick={q}", file=sys.stderr)
@@ -3207,7 +3208,7 @@ def check_cli(args) -> tr.RLConfig | None:
         if c and c not in tr.CORRECTIONS:
             raise tr.UsageError(f"--corrections: {c!r} is not one of {' | '.join(tr.CORRECTIONS)}")
     if args.cmd == "bench":
-        tr.resolve_device(args.device)  # --device cuda without a GPU: one error line, as train gives
+        machinery.resolve_device(args.device)  # --device cuda without a GPU: one error line, as train gives
     if getattr(args, "seeds", None) is not None:
         parse_seeds(args.seeds)  # a repeated or malformed seed list: one error line, before any run
     return machinery.check_cli(args)

@@ -381,7 +381,7 @@ def check_run_config(cfg) -> None:
     """Raise ValueError naming the flag(s) for a setting the run would reject later, or that would train
     nothing."""
     check_values(cfg)
-    tr.resolve_device(cfg.device)
+    resolve_device(cfg.device)
     try:
         tr._check_truncation(cfg.top_p, cfg.top_k, cfg.min_p)
     except ValueError as e:
@@ -390,7 +390,7 @@ def check_run_config(cfg) -> None:
     group_relative = cfg.baseline == "group" and not arm.critic  # COPC's advantages come from its critic
     vllm = cfg.sampler == "vllm"
     # its longest answer and <eos>: a product or a swap has 2 x digits, else digits + 1
-    task = tr.run_task_kwargs(cfg, cfg.model)
+    task = run_task_kwargs(cfg, cfg.model)
     digits = task["digits"]
     longest = 1 + max(2 * digits if op in "*s" else digits + 1 for op in task["ops"])
     noisy = cfg.quant != "none" or cfg.noise or cfg.router_noise or cfg.router_jitter or cfg.exact
@@ -413,7 +413,7 @@ def check_run_config(cfg) -> None:
         (group_relative and cfg.temperature == 0,
          ("--temperature 0 samples greedily: a group's samples are identical, so every advantage is 0 (use "
           "--temperature > 0, or --baseline none)")),
-        (vllm and not tr.vllm_available(),
+        (vllm and not vllm_available(),
          ("--sampler vllm: vLLM is not installed in this environment (README: Set-up installs it in its own "
           "environment)")),
         (vllm and noisy,
@@ -872,7 +872,7 @@ def run_problems(cfg, model_dir, tokenizer) -> tuple[list, list]:
     """(RL problems, held-out problems) of a run's cfg.task; word problems go through the chat template."""
     n = cfg.steps * cfg.prompts
     if cfg.task == "arithmetic":
-        task = tr.run_task_kwargs(cfg, model_dir)
+        task = run_task_kwargs(cfg, model_dir)
         return (make_arithmetic_task(n, seed=cfg.seed, split="rl", **task),
                 make_arithmetic_task(cfg.eval_n, seed=0, split="eval", **task))
     rl, held_out = make_word_problems(n, cfg.seed), make_word_problems(cfg.eval_n, 0, "eval")
@@ -1205,7 +1205,7 @@ def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: 
     engines = {"torch fp32 (KV cache)": Spec(), "torch fp32 exact": Spec(exact=True),
                "torch fp16": Spec(dtype="fp16"), "torch bf16": Spec(dtype="bf16"),
                "torch int8 weights": Spec(quant="int8"), "torch fp8-e4m3 weights": Spec(quant="fp8")}
-    if tr.vllm_available():
+    if vllm_available():
         engines |= {"vLLM fp32": "fp32", "vLLM bf16": "bf16"}
     say("== 1. measured mismatch of each sampler engine vs the fp32 trainer (64 prompts x 4 samples) ==", True)
     for label, spec in engines.items():
@@ -1248,3 +1248,28 @@ def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: 
     write_atomic(Path(out) / "demo.md", "\n".join(lines) + "\n")
     print(f"\nwrote {out}/demo.md, {out}/demo.png and {out}/arm<i>_s<seed>/; paired intervals and verdicts: "
           "python experiments.py compare --help")
+
+
+# ---- run plumbing: the device, the task, whether vLLM is installed ----
+
+
+def resolve_device(device: str) -> torch.device:
+    """auto -> cuda when torch sees a GPU, else cpu; cuda without a GPU: an error, --device."""
+    tr._check_choice("device", device, ("auto", "cpu", "cuda"))
+    gpu = torch.cuda.is_available()
+    if device == "cuda" and not gpu:
+        raise ValueError("device='cuda' (--device cuda) but torch.cuda.is_available() is False: no GPU or a "
+                         "CPU build of torch; use --device cpu or auto")
+    return torch.device(("cuda" if gpu else "cpu") if device == "auto" else device)
+
+
+def run_task_kwargs(cfg, model_dir: str | Path) -> dict:
+    """The arithmetic task a run trains and evaluates on: the model's own, or --task-digits."""
+    return tr.task_kwargs(model_dir) | ({"digits": cfg.task_digits} if cfg.task_digits else {})
+
+
+def vllm_available() -> bool:
+    """True when the module `vllm` can be imported (vLLM's CPU build or the GPU build)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None

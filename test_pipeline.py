@@ -206,7 +206,7 @@ CLI_MISTAKES = [  # (argv, words the one error line must contain); each fails be
 ] + ([(["train", "--device", "cuda"], ["--device cuda", "torch.cuda.is_available() is False"]),
       (["bench", "--device", "cuda"], ["--device cuda", "torch.cuda.is_available() is False"])]
      if not torch.cuda.is_available() else []) + ([(["train", "--sampler", "vllm"], ["--sampler vllm", "not installed"])]
-                                                  if not tr.vllm_available() else [])
+                                                  if not machinery.vllm_available() else [])
 
 
 @pytest.mark.parametrize("argv,words", CLI_MISTAKES, ids=[" ".join(a) for a, _ in CLI_MISTAKES])
@@ -1043,7 +1043,7 @@ def test_the_cli_lets_openmp_threads_sleep_only_beside_busy_processes(tmp_path, 
 
 def test_demo_writes_its_tables_and_a_plot_with_the_seed_spread(base_model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(machinery, "ensure_base_model", lambda path, **change: tr.Path(base_model_dir))
-    monkeypatch.setattr(tr, "vllm_available", lambda: False)
+    monkeypatch.setattr(machinery, "vllm_available", lambda: False)
     import dataclasses
 
     @dataclasses.dataclass
@@ -1167,7 +1167,7 @@ def test_model_code_is_never_run_without_the_flag(tmp_path, base_model_dir):
 # vLLM (second CI environment)
 
 
-needs_vllm = pytest.mark.skipif(not tr.vllm_available(), reason="vLLM is not installed in this environment "
+needs_vllm = pytest.mark.skipif(not machinery.vllm_available(), reason="vLLM is not installed in this environment "
                                 "(CI runs these in its second environment with the extra `vllm`)")
 
 
@@ -1255,8 +1255,8 @@ def test_device_cpu_runs_and_cuda_without_a_gpu_is_a_clear_error(base_model_dir,
                       **SMOKE)
     recs = [r for r in tr.run(cfg) if "reward" in r]
     assert len(recs) == 3 and all(math.isfinite(r["loss"]) and r["peak_rss_mb"] > 0 for r in recs)
-    assert tr.resolve_device("cpu") == torch.device("cpu")
-    assert tr.resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert machinery.resolve_device("cpu") == torch.device("cpu")
+    assert machinery.resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(ValueError, match="device must be"):
         tr.run(tr.RLConfig(model=str(base_model_dir), device="gpu", out_dir=str(tmp_path)))
     if not torch.cuda.is_available():
@@ -1644,7 +1644,7 @@ def test_moe_engine_numerics_reach_experts_and_routers_and_what_is_refused(moe_b
     kept = tr.TorchSampler(model, tr.EngineSpec(dtype="bf16", router_fp32=True, head_fp32=True)).model
     assert kept.lm_head.weight.dtype == torch.float32 and kept.model.layers[2].mlp.gate.weight.dtype == torch.float32
     assert kept.model.layers[2].mlp.experts.down_proj.dtype == torch.bfloat16
-    monkeypatch.setattr(tr, "vllm_available", lambda: True)  # the message, whether or not vLLM is installed here
+    monkeypatch.setattr(machinery, "vllm_available", lambda: True)  # the message, whether or not vLLM is installed here
     vllm = tr.RLConfig(model=str(moe_base_dir), sampler="vllm", routing_replay="r3", out_dir=str(tmp_path),
                        progress=False)
     with pytest.raises(ValueError, match="r3 replays the sampler's experts, but VLLMSampler records none"):
@@ -2275,11 +2275,10 @@ def test_a_function_a_user_copies_comes_with_few_code_lines(name, most):
 def test_one_rl_step_is_its_phases_in_order_and_opens_at_most_15_functions_outside_the_math():
     """rl_step (<= 40 lines) calls its phases in reading order: sample, score, behaviour pass, update(s), sync,
     record. Following the step from run to Trainer.step opens at most 15 functions outside the math, fast-path and
-    config sections (a method counted once per name; Timer's two methods and arm_of, the table lookup, included)."""
+    config sections (a method counted once per name)."""
     defs, graph, section = _reference_graph()
     assert defs["rl_step"].end_lineno - defs["rl_step"].lineno + 1 <= 40
-    phases = ["sample_batch", "verify", "Trainer.behaviour_logprobs", "update_on_batch", "sync_due", "sync_sampler",
-              "step_record"]
+    phases = ["sample_batch", "verify", "Trainer.behaviour_logprobs", "update_on_batch", "sync_sampler", "step_record"]
     calls = [c for _, c in graph["rl_step"] if c in phases]
     assert calls == phases, calls
     path = ["run", "rl_step", "update_on_batch", "Trainer.step"]
@@ -3005,7 +3004,7 @@ def test_replay_on_a_router_tim_rl_cannot_replay_is_an_error_and_moe_is_read_fro
     mixtral.save_pretrained(tmp_path / "mixtral")
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tr.Path(moe_base_dir) / f, tmp_path / "mixtral" / f)
-    monkeypatch.setattr(tr, "vllm_available", lambda: True)
+    monkeypatch.setattr(machinery, "vllm_available", lambda: True)
     for flags, message in (({"routing_replay": "r2"}, "its router is MixtralTopKRouter"),
                            ({"routing_replay": "r2", "sampler": "vllm"}, "its router is MixtralTopKRouter")):
         cfg = tr.RLConfig(model=str(tmp_path / "mixtral"), out_dir=str(tmp_path / "out"), progress=False, **flags)
@@ -3157,8 +3156,8 @@ def test_mixed_digits_pretrain_every_length_in_turn_from_disjoint_pools():
 def test_task_digits_picks_one_length_of_a_mixed_base(tmp_path):
     (tmp_path / "pretrain.json").write_text('{"digits": 2, "ops": "s"}')
     cfg = tr.RLConfig(model=str(tmp_path), task_digits=8, max_new_tokens=17, out_dir=str(tmp_path / "runs"))
-    assert tr.run_task_kwargs(cfg, tmp_path) == {"digits": 8, "ops": "s"}
-    assert tr.run_task_kwargs(tr.RLConfig(), tmp_path) == {"digits": 2, "ops": "s"}, "0: the model's own"
+    assert machinery.run_task_kwargs(cfg, tmp_path) == {"digits": 8, "ops": "s"}
+    assert machinery.run_task_kwargs(tr.RLConfig(), tmp_path) == {"digits": 2, "ops": "s"}, "0: the model's own"
     machinery.check_run_config(cfg)
     with pytest.raises(ValueError, match="max-new-tokens 9 cannot hold"):
         machinery.check_run_config(tr.RLConfig(model=str(tmp_path), task_digits=8, max_new_tokens=9))

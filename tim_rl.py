@@ -403,27 +403,23 @@ def log_odds_displacement(logp_train: torch.Tensor, logp_infer: torch.Tensor) ->
 # thresholds were tuned on the lab's seeds 0-1 and checked on seeds 2-4 (experiments.py
 # doctor-eval; RESULTS.md has its confusion table and detection floors).
 
-DOCTOR_CAUSES = ("clean", "numerics", "truncation", "temperature", "misaligned", "padding", "lag",
-                 "outliers", "routing")
+# Each cause the doctor can name, and what to do about it
 DOCTOR_ADVICE = {
     "clean": "nothing to correct: the gap is at fp32 kernel level",
     "numerics": "engine numerics (dtype, kernels, quantised weights): a token-level correction "
-                "(tis / mis / icepop); a bf16 engine's share shrinks with an fp16 sampler (FP16 "
-                "paper), a quantised one's does not",
+                "(tis / mis / icepop); an fp16 sampler shrinks a bf16 engine's share [9], not a "
+                "quantised one's",
     "truncation": "top-p / top-k renormalised by the sampler only: renormalize_on_support, or raw "
                   "sampler log-probs",
-    "temperature": "the sampling temperature is applied on one side only: divide the trainer's "
-                   "logits by it too",
-    "misaligned": "log-probs are shifted by one position: check the logits[:, :-1] / labels[:, 1:] "
-                  "slicing",
-    "padding": "the gap sits at the mask's edge: the mask is off by one (prompt token or pad "
-               "counted)",
-    "lag": "the policy moved since sampling: sync more often, or a lag-aware correction (ppo "
-           "ratio, dppo, mis)",
-    "outliers": "a few sequences carry the gap (another checkpoint, a stale request?): seq_mask / "
+    "temperature": "temperature applied on one side only: divide the trainer's logits by it too",
+    "misaligned": "log-probs shifted by one position: check logits[:, :-1] / labels[:, 1:]",
+    "padding": "the gap sits at the mask's edge: the mask is off by one (a prompt token or pad)",
+    "lag": "the policy moved since sampling: sync more often, or a lag-aware arm (ppo, dppo, mis)",
+    "outliers": "a few sequences carry the gap (a stale request, another checkpoint?): seq_mask / "
                 "seq_tis",
     "routing": "MoE experts flip where the gap is largest: routing replay (r3) or fp32 routers",
 }
+DOCTOR_CAUSES = tuple(DOCTOR_ADVICE)
 # What the doctor's numbers are called on a dashboard where one equals them (TRL GRPOTrainer)
 DOCTOR_METRIC_NAMES = {"mean |log p/q| per token": "TRL sampling/sampling_logp_difference/mean",
                        "max |log p/q|": "TRL sampling/sampling_logp_difference/max"}
@@ -432,15 +428,15 @@ DOCTOR_METRIC_NAMES = {"mean |log p/q| per token": "TRL sampling/sampling_logp_d
 class Diagnosis:
     """diagnose_mismatch's answer (a plain class: it copies with torch and math alone).
 
-    evidence: one dict per signature (name, measures, statistic, threshold, verdict: present |
-    absent | cannot tell without <input>).
+    cause: the most likely one, of DOCTOR_CAUSES; also_possible: not ruled out (present, or
+    untestable here); evidence: one dict per signature (name, measures, statistic, threshold,
+    verdict: present | absent | cannot tell without <input>); numbers: |d| per token, quantiles
+    of sum_t log p/q per sequence, shares beyond the usual caps.
     """
 
     def __init__(self, cause: str, also_possible: list, evidence: list, advice: str, numbers: dict):
-        self.cause = cause  # the most likely cause, one of DOCTOR_CAUSES
-        self.also_possible = also_possible  # not ruled out: present, or untestable here
-        self.evidence, self.advice = evidence, advice
-        self.numbers = numbers  # |d| per token, quantiles of sum_t log p/q per sequence, shares
+        self.cause, self.also_possible, self.advice = cause, also_possible, advice
+        self.evidence, self.numbers = evidence, numbers
 
     def __str__(self) -> str:
         maybe = ", ".join(self.also_possible)
@@ -2557,7 +2553,7 @@ class Trainer:
         return state, float(dot / norm2) if norm2 > 0 else (1.0 if fp32 else 0.0)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ---- experiment loop and ledger ----
 
 
@@ -2656,7 +2652,9 @@ def _dlc(c, x: LossInputs):
 # clip.
 ARMS = {
     "none": Arm(lambda c, x: _pg(x)),
-    "tis": Arm(lambda c, x: _pg(x, _tis(c, x))),
+    # TIM: REINFORCE times min(p / q, C), written out; the rows below use the helpers above
+    "tis": Arm(lambda c, x: pg_loss(x.logp, x.adv, x.mask,
+                                    tis_weights(x.logp_now, x.logp_infer, x.mask, c.tis_cap))),
     "mis": Arm(lambda c, x: _pg(x, mis_weights(x.logp_now, x.logp_infer, x.mask, c.mis_low,
                                                c.mis_high))),
     "seq_tis": Arm(lambda c, x: _pg(x, seq_tis_weights(x.logp_now, x.logp_infer, x.mask,
@@ -2692,7 +2690,7 @@ CORRECTIONS = tuple(ARMS)
 
 
 def arm_of(cfg) -> Arm:
-    """The run's arm: the one place that reads cfg.correction."""
+    """The run's arm, checked: ARMS[cfg.correction]."""
     name = cfg.correction
     if name not in ARMS:
         raise ValueError(f"correction must be one of {' | '.join(ARMS)}, got {name!r}")
@@ -2708,20 +2706,10 @@ def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout
     update logp == logp_prox."""
     x = LossInputs(logp, logp.detach(), logp_prox, logp_old, ro.logp_infer, logp_topk,
                    ro.logp_topk_infer, adv, ro.mask)
-    loss = arm_of(cfg).loss(cfg, x)
+    loss = ARMS[cfg.correction].loss(cfg, x)
     if cfg.k2_coef > 0:  # TIM: any arm plus prime-rl's k2 pull toward the sampler
         loss = loss + k2_penalty(logp, ro.logp_infer, ro.mask, cfg.k2_coef)
     return loss
-
-
-def resolve_device(device: str) -> torch.device:
-    """auto -> cuda when torch sees a GPU, else cpu; cuda without a GPU: an error, --device."""
-    _check_choice("device", device, ("auto", "cpu", "cuda"))
-    gpu = torch.cuda.is_available()
-    if device == "cuda" and not gpu:
-        raise ValueError("device='cuda' (--device cuda) but torch.cuda.is_available() is False: no "
-                         "GPU or a CPU build of torch; use --device cpu or auto")
-    return torch.device(("cuda" if gpu else "cpu") if device == "auto" else device)
 
 
 STEP_PHASES = ("sample", "recompute", "loss", "optimizer", "export", "sync")  # sec_<phase> logged
@@ -2738,6 +2726,9 @@ class RunState:
     value_head: torch.nn.Module | None  # COPC's critic
     train_set: list
     eval_set: list
+    arm: Arm  # ARMS[cfg.correction]
+    truncation: tuple | None  # (top_p, top_k, min_p) when the sampler truncates, else None
+    topk: int | None  # the top-K the sampler records (recorded_topk)
     since_sync: int = 0
 
 
@@ -2773,16 +2764,18 @@ class Update(NamedTuple):
     seconds: dict  # recompute / loss / optimizer
 
 
-def update_on_batch(cfg: RLConfig, state: RunState, ro: Rollout, rewards, logp_old, logp_prox,
-                    routes=None) -> Update:
+def update_on_batch(cfg: RLConfig, state: RunState, ro: Rollout, rewards, behaviour: Behaviour,
+                    logp_prox=None) -> Update:
     """One optimizer step of the chosen correction on the whole batch.
 
     logp_prox None: this is the batch's first update, and its own log-probs are the proximal
-    policy. routes: the MoE experts the forward replays (R2 / R3; None: live routing)."""
+    policy. behaviour.update_routes: the MoE experts the forward replays (R2 / R3; None: live)."""
     trainer, clock, extra = state.trainer, [time.perf_counter()], {}
+    reads_topk = state.arm.reads_topk or cfg.diagnose_drift
+    topk_ids = ro.topk_ids if reads_topk and ro.topk_ids.shape[-1] > 0 else None
     # TIM: with truncation the trainer's log-probs are renormalised on the kept support: p~, not p
-    topk_ids = ro.topk_ids if _reads_topk(cfg) and ro.topk_ids.shape[-1] > 0 else None  # if read
-    logp, logp_topk, hidden, log_s = trainer.support_logprobs(ro, topk_ids, cfg.temperature, routes)
+    logp, logp_topk, hidden, log_s = trainer.support_logprobs(ro, topk_ids, cfg.temperature,
+                                                              behaviour.update_routes)
     clock.append(time.perf_counter())
     first, logp_kept = logp_prox is None, logp.detach()
     if first and log_s is not None:
@@ -2792,14 +2785,14 @@ def update_on_batch(cfg: RLConfig, state: RunState, ro: Rollout, rewards, logp_o
         logp_topk = None if logp_topk is None else logp_topk + log_s[..., None]
     if first:  # TIM: the proximal policy: the trainer before the batch's first update
         logp_prox = logp.detach()
-    if arm_of(cfg).critic:  # COPC: a critic's (B, T) advantages, bounded like the rewards
+    if state.arm.critic:  # COPC: a critic's (B, T) advantages, bounded like the rewards
         values = torch.sigmoid(state.value_head(hidden.detach()).squeeze(-1))  # (B, T)
         adv, targets = copc_advantages(values, rewards, logp, ro.logp_infer, ro.mask)
         critic_loss = 0.5 * masked_mean((values - targets).square(), ro.mask)
     else:  # (B, 1) GRPO or raw-reward advantages
         adv = grpo_advantages(rewards, cfg.group) if cfg.baseline == "group" else rewards
         adv, critic_loss = adv[:, None], 0.0
-    loss = policy_loss(cfg, logp, logp_topk, logp_prox, logp_old, ro, adv)
+    loss = policy_loss(cfg, logp, logp_topk, logp_prox, behaviour.logp_old, ro, adv)
     w_eff = effective_token_weights(loss, logp, adv, ro.mask)  # what the arm did to each token
     if first and cfg.diagnose_drift:
         extra |= drift_signal_norms(trainer.grad_leaves(), logp, logp_topk, ro.logp_infer,
@@ -2816,27 +2809,13 @@ def update_on_batch(cfg: RLConfig, state: RunState, ro: Rollout, rewards, logp_o
                   extra, seconds)
 
 
-class Timer:
-    """Seconds per phase of one step: sec_<phase> in metrics.jsonl."""
-
-    def __init__(self):
-        self.sec, self.last = dict.fromkeys(STEP_PHASES, 0.0), time.perf_counter()
-
-    def lap(self, phase: str | None) -> None:
-        """Add the time since the previous lap to `phase` (None: to no phase)."""
-        now = time.perf_counter()
-        if phase is not None:
-            self.sec[phase] += now - self.last
-        self.last = now
-
-
 def sample_batch(cfg: RLConfig, step: int, state: RunState) -> tuple[Rollout, list[str]]:
     """This step's prompts, G samples each, on the trainer's device; and their answers."""
     problems = state.train_set[step * cfg.prompts : (step + 1) * cfg.prompts]
-    prompts, answers = encode_problems(state.tokenizer, problems)
-    ro = state.sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature,
-                              recorded_topk(cfg), state.gen, cfg.top_p, cfg.top_k, cfg.min_p)
-    return ro.to(next(state.trainer.model.parameters()).device), answers
+    prompts = [state.tokenizer.encode(prompt) for prompt, _ in problems]
+    ro = state.sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, state.topk,
+                              state.gen, cfg.top_p, cfg.top_k, cfg.min_p)
+    return ro.to(next(state.trainer.model.parameters()).device), [answer for _, answer in problems]
 
 
 def merge_kept_support(ro: Rollout, rebuilt) -> dict:
@@ -2849,58 +2828,60 @@ def merge_kept_support(ro: Rollout, rebuilt) -> dict:
     extra["support_differs"] = support_differs(ro.kept_ids, rebuilt, ro.mask & ~beyond)
     if beyond.any():  # logged where it happened (a torch sampler records its whole support: never)
         extra["support_beyond_k"] = int(beyond.sum())
-        warnings.warn(SUPPORT_BEYOND_K, stacklevel=1)
+        warnings.warn("vLLM returned --support-topk finite log-probs at some positions (the kept "
+                      "support may be larger): the trainer renormalises there on the support it "
+                      "rebuilds (support_beyond_k)", stacklevel=1)
     return extra
 
 
-def route_flips(ro: Rollout, behaviour) -> dict:
+def route_flips(ro: Rollout, behaviour: Behaviour) -> dict:
     """MoE: share of fed positions (prompt, response) whose experts differ, sampler vs trainer."""
     fed = torch.cat([ro.prompt_mask, ro.mask], 1).cpu()  # (B, P + T)
     flips = routing_flip_rate(ro.routed_experts, behaviour.routes, fed)
     return {f"route_flip_{name}": share for name, share in flips.items()}
 
 
-def sync_due(cfg: RLConfig, state: RunState, ro: Rollout, behaviour) -> bool:
-    """Counts the step since the last sync; True every sync_every steps (policy lag k - 1), or
-    when DLC's lag or staleness trigger fires."""
+def sync_sampler(cfg: RLConfig, state: RunState, ro: Rollout, behaviour: Behaviour):
+    """Counts the step since the last sync; every sync_every steps (policy lag k - 1), or when DLC's
+    lag or staleness trigger fires, exports the master (rounding it) into the sampler.
+
+    -> (visible update fraction, None without a sync; seconds the export took)."""
     state.since_sync += 1
-    if state.since_sync >= cfg.sync_every:
-        return True
-    if not arm_of(cfg).resync or (cfg.dlc_max_lag <= 0 and cfg.dlc_max_staleness <= 0):
-        return False
-    # TIM: DLC's trigger: the lag the next batch would be sampled with, the updated trainer vs the
-    # sampler's weights on this batch's tokens, measured from the master at export (rounding is no
-    # lag)
-    with torch.no_grad():
-        logp_next = support_logprobs(state.trainer.model, ro, cfg.temperature,
-                                     routes=behaviour.update_routes)[0]
-    anchor = behaviour.logp_old if behaviour.logp_master_old is None else behaviour.logp_master_old
-    return dlc_should_resync(logp_next, anchor, ro.mask, state.since_sync, cfg.dlc_max_staleness,
-                             cfg.dlc_max_lag)
-
-
-def sync_sampler(cfg: RLConfig, state: RunState, timer: Timer) -> float | None:
-    """Export the master (rounding it) into the sampler; returns the visible update fraction."""
+    due = state.since_sync >= cfg.sync_every
+    if not due and state.arm.resync and (cfg.dlc_max_lag > 0 or cfg.dlc_max_staleness > 0):
+        # TIM: DLC's trigger: the lag the next batch would be sampled with, the updated trainer vs
+        # the sampler's weights on this batch's tokens, measured from the master at export
+        # (rounding is no lag)
+        with torch.no_grad():
+            logp_next = support_logprobs(state.trainer.model, ro, cfg.temperature,
+                                         routes=behaviour.update_routes)[0]
+        anchor = behaviour.logp_master_old
+        anchor = behaviour.logp_old if anchor is None else anchor
+        due = dlc_should_resync(logp_next, anchor, ro.mask, state.since_sync,
+                                cfg.dlc_max_staleness, cfg.dlc_max_lag)
+    if not due:
+        return None, 0.0
+    start = time.perf_counter()
     served, visible = state.trainer.export(cfg.export, generator=state.gen)
-    timer.lap("export")
+    export_seconds = time.perf_counter() - start
     state.sampler.load_weights(served)  # TIM: the trainer's weights (and drift) enter the sampler
     state.since_sync = 0
-    return visible
+    return visible, export_seconds
 
 
-def step_record(cfg: RLConfig, step: int, state: RunState, ro: Rollout, rewards, behaviour,
-                updates: list[Update], synced: bool, visible, extra: dict) -> dict:
+def step_record(cfg: RLConfig, step: int, state: RunState, ro: Rollout, rewards,
+                behaviour: Behaviour, updates: list[Update], visible, extra: dict) -> dict:
     """One metrics.jsonl line: mismatch metrics and ledger of the first update's log-probs (before
     any step on this batch), loss and grad_norm as means over the updates, what the arm dropped or
     clipped (frac_masked_* / frac_clipped_*, tis_sn's normaliser), the k2 term."""
     import machinery  # peak_rss_mb
 
-    first, arm = updates[0], arm_of(cfg)
+    first = updates[0]
     logp = first.logp_prox  # (B, T) the trainer before any step on this batch
     ledger = mismatch_ledger(first.logp_kept, behaviour.logp_old, ro.logp_infer, ro.mask,
                              behaviour.logp_master_old, first.log_s,
                              behaviour.logp_old_sampler_routes, behaviour.logp_old_sampler_gates)
-    record = {"step": step, "reward": float(rewards.mean()), "synced": synced,
+    record = {"step": step, "reward": float(rewards.mean()), "synced": visible is not None,
               "visible_update_fraction": visible, "staleness": state.since_sync}
     for key in ("loss", "grad_norm", "frac_zeroed", "frac_zeroed_neg_adv"):  # means of the finite
         values = [getattr(u, key) for u in updates if math.isfinite(getattr(u, key))]
@@ -2908,9 +2889,9 @@ def step_record(cfg: RLConfig, step: int, state: RunState, ro: Rollout, rewards,
     record |= {f"mm_{k}": v for k, v in mismatch_metrics(logp, ro.logp_infer, ro.mask).items()}
     if cfg.k2_coef > 0:
         record["k2_penalty"] = float(k2_penalty(logp, ro.logp_infer, ro.mask, cfg.k2_coef))
-    if arm.shares is not None:
+    if state.arm.shares is not None:
         x = LossInputs(logp, logp, logp, None, ro.logp_infer, None, None, first.adv, ro.mask)
-        record |= arm.shares(cfg, x)
+        record |= state.arm.shares(cfg, x)
     record |= {f"ledger_{k}": v for k, v in ledger.items()} | extra | first.extra
     record["peak_rss_mb"] = machinery.peak_rss_mb()
     if ro.entropy is not None:  # recorded by the sampler, which had the whole distribution
@@ -2919,43 +2900,39 @@ def step_record(cfg: RLConfig, step: int, state: RunState, ro: Rollout, rewards,
 
 
 def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
-    """One step: sample -> score -> behaviour pass -> (correct, step) x updates -> sync -> record."""
-    timer = Timer()
+    """One step: sample -> score -> behaviour pass -> update(s) -> export / sync -> ledger."""
+    start, sec = time.perf_counter(), dict.fromkeys(STEP_PHASES, 0.0)  # sec_<phase> logged
     # 1) sample
     ro, answers = sample_batch(cfg, step, state)
-    timer.lap("sample")
+    sec["sample"] = time.perf_counter() - start
     # 2) score: the verifier's reward per sequence
     rewards = [verify(text, answers[i // cfg.group]) for i, text in enumerate(ro.texts)]
     rewards = torch.tensor(rewards, device=ro.mask.device)
     # 3) behaviour pass: the trainer engine on the weights the sampler holds, and on the master
     # (with truncation the same forward rebuilds the kept support; an MoE model: also on the
     # sampler's experts)
-    truncation = (cfg.top_p, cfg.top_k, cfg.min_p) if _truncates(cfg) else None
-    behaviour = state.trainer.behaviour_logprobs(ro, cfg.temperature, truncation,
+    behaviour = state.trainer.behaviour_logprobs(ro, cfg.temperature, state.truncation,
                                                  cfg.routing_replay)
-    extra = merge_kept_support(ro, behaviour.rebuilt) if truncation else {}
+    extra = merge_kept_support(ro, behaviour.rebuilt) if state.truncation else {}
     if behaviour.routes is not None and ro.routed_experts is not None:  # MoE: two engines' experts
         extra |= route_flips(ro, behaviour)
-    timer.lap("recompute")
+    sec["recompute"] = time.perf_counter() - start - sec["sample"]
     # 4) update(s): the arm's loss, updates_per_batch optimizer steps on the batch
     updates = []
-    logp_prox = None  # TIM: the proximal policy, the trainer before this batch's first update
     for _ in range(cfg.updates_per_batch):
-        # TIM: R2 / R3: update_routes are the experts every forward of the update is forced to
-        update = update_on_batch(cfg, state, ro, rewards, behaviour.logp_old, logp_prox,
-                                 behaviour.update_routes)
-        logp_prox = update.logp_prox
-        updates.append(update)
-        for phase, seconds in update.seconds.items():
-            timer.sec[phase] += seconds
-    timer.lap(None)
+        # TIM: the proximal policy is the trainer before this batch's first update (None: this is
+        # it); R2 / R3: behaviour.update_routes are the experts every forward of the update replays
+        logp_prox = updates[0].logp_prox if updates else None
+        updates.append(update_on_batch(cfg, state, ro, rewards, behaviour, logp_prox))
+        for phase, seconds in updates[-1].seconds.items():
+            sec[phase] += seconds
     # 5) export / sync
-    synced = sync_due(cfg, state, ro, behaviour)
-    visible = sync_sampler(cfg, state, timer) if synced else None
-    timer.lap("sync")
+    start = time.perf_counter()
+    visible, sec["export"] = sync_sampler(cfg, state, ro, behaviour)
+    sec["sync"] = time.perf_counter() - start - sec["export"]
     # 6) ledger and metrics
-    record = step_record(cfg, step, state, ro, rewards, behaviour, updates, synced, visible, extra)
-    return record | {f"sec_{phase}": seconds for phase, seconds in timer.sec.items()}
+    record = step_record(cfg, step, state, ro, rewards, behaviour, updates, visible, extra)
+    return record | {f"sec_{phase}": seconds for phase, seconds in sec.items()}
 
 
 def setup_run(cfg: RLConfig) -> RunState:
@@ -2965,25 +2942,29 @@ def setup_run(cfg: RLConfig) -> RunState:
     machinery.check_run_config(cfg)
     torch.manual_seed(cfg.seed)
     model_dir = resolve_model_dir(cfg.model)
-    tokenizer, device = load_tokenizer(model_dir), resolve_device(cfg.device)
+    tokenizer, device = load_tokenizer(model_dir), machinery.resolve_device(cfg.device)
     model = load_model(model_dir, trust_remote_code=cfg.trust_remote_code).to(device)
     if cfg.gradient_checkpointing:  # each layer recomputed in backward: same numbers, less memory
         model.gradient_checkpointing_enable()
     machinery.check_model_routers(cfg, model)
-    critic = arm_of(cfg).critic
-    value_head = torch.nn.Linear(model.config.hidden_size, 1).to(device) if critic else None
+    arm = arm_of(cfg)
+    value_head = torch.nn.Linear(model.config.hidden_size, 1).to(device) if arm.critic else None
     trainer = Trainer(model, cfg.lr, cfg.optimizer, export_dtype=cfg.dtype,
                       loss_on_served=cfg.loss_on_served,
-                      extra_params=value_head.parameters() if critic else ())
+                      extra_params=value_head.parameters() if arm.critic else ())
     if cfg.sampler == "vllm":  # --dtype only (check_run_config refused --quant, --noise, --exact)
         sampler = VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer,
                               gpu_memory=cfg.vllm_gpu_memory, reference=trainer.behaviour)
-    else:
-        sampler = TorchSampler(trainer.model, engine_spec(cfg), tokenizer)
+    else:  # its noise seeded apart from the run's
+        engine = EngineSpec(cfg.dtype, cfg.quant, cfg.noise, cfg.seed + 1234, cfg.exact,
+                            router_noise=cfg.router_noise, router_jitter=cfg.router_jitter)
+        sampler = TorchSampler(trainer.model, engine, tokenizer)
     gen = torch.Generator().manual_seed(cfg.seed)
     sampler.load_weights(trainer.export(cfg.export, generator=gen)[0])  # the first served copy
     train_set, eval_set = machinery.run_problems(cfg, model_dir, tokenizer)  # RL, held-out
-    return RunState(trainer, sampler, tokenizer, gen, value_head, train_set, eval_set)
+    truncation = (cfg.top_p, cfg.top_k, cfg.min_p) if _truncates(cfg) else None
+    return RunState(trainer, sampler, tokenizer, gen, value_head, train_set, eval_set, arm,
+                    truncation, recorded_topk(cfg))
 
 
 def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
@@ -3008,7 +2989,7 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
     machinery.write_atomic(out / "config.json", json.dumps(asdict(cfg), indent=1))
     with open(out / "metrics.jsonl", "a") as log:
         def write(record: dict) -> None:
-            """Keep the record and append it to metrics.jsonl, flushed: a kill loses at most this line."""
+            """Keep the record; append it to metrics.jsonl, flushed (a kill loses this line)."""
             records.append(record)
             log.write(json.dumps(record) + "\n")
             log.flush()
@@ -3023,13 +3004,6 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
                 machinery.save_run_checkpoint(out, state, step + 1)
         write(evaluate(cfg.steps, state, cfg))  # after the last update
     return records
-
-
-def vllm_available() -> bool:
-    """True when the module `vllm` can be imported (vLLM's CPU build or the GPU build)."""
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -3079,12 +3053,12 @@ class RLConfig:
     top_p: float = cli_field(1.0, "sampler nucleus truncation (vLLM's rule; 1 = off)")
     top_k: int = cli_field(0, "sampler top-k truncation (0 = off; not the recorded --topk)")
     min_p: float = cli_field(0.0, "sampler min-p truncation: keep p >= min_p * max p (0 = off)")
-    renormalize: bool = cli_field(True, "truncated: the trainer's log-probs renormalised on the kept support "
-                                        "(off: full-vocabulary log-probs, every ratio biased by the kept mass S)")
-    topk: int = cli_field(32, "sampler top-K ids recorded for score centering (0: all V, 12 V bytes a token; "
-                              "the published runs used 0); only for sc, sc_tis, sc_mis, drift_only, --diagnose-drift")
-    support_topk: int = cli_field(64, "vLLM, truncated: log-probs asked per token, the finite ones its support "
-                                      "(0: all V); where all K are finite the trainer's rebuilt support is used")
+    renormalize: bool = cli_field(True, "truncated: the trainer's log-probs renormalised on the "
+                                  "kept support (off: full-vocabulary ones, ratios biased by S)")
+    topk: int = cli_field(32, "sampler top-K ids recorded for sc, sc_tis, sc_mis, drift_only, "
+                          "--diagnose-drift (0: all V, 12 V bytes a token; published runs: 0)")
+    support_topk: int = cli_field(64, "vLLM, truncated: log-probs asked per token (0: all V); "
+                                  "the finite ones: its support (all K finite: the trainer's)")
     baseline: str = cli_field("group", "advantage baseline: group (GRPO mean, no std) | none")
     optimizer: str = cli_field("adamw", "adamw | sgd")
     lr: float = cli_field(3e-5, "learning rate (1e-4 knocks the tiny model back early)")
@@ -3106,7 +3080,7 @@ class RLConfig:
     k2_coef: float = cli_field(0.0, "add k2_coef * mean((logp - logp_infer)^2 / 2) to the loss")
     dlc_max_staleness: int = cli_field(0, "DLC: resync after this many steps without one (0 = off)")
     dlc_max_lag: float = cli_field(0.0, "DLC: resync at mean |logp - logp at sync| > this (0: off)")
-    eval_every: int = cli_field(20, "evaluate at step 0, every N steps, after the last (N <= steps/4)")
+    eval_every: int = cli_field(20, "evaluate at step 0, every N <= steps/4 steps, after the last")
     eval_n: int = cli_field(512, "distinct held-out problems per evaluation")
     diagnose_drift: bool = cli_field(False, "log the gradient's drift and signal norms")
     seed: int = cli_field(0, "seed of sampling, data and noise")
@@ -3118,35 +3092,14 @@ class RLConfig:
     vllm_gpu_memory: float = cli_field(0.3, "GPU memory share vLLM takes beside the trainer")
     task: str = cli_field("arithmetic", "arithmetic (the tiny model's) | words (chat)")
     task_digits: int = cli_field(0, "arithmetic task's operand digits (0: the model's own)")
-    routing_replay: str = cli_field("none", "MoE: none | r2 (the experts the policy being updated chose before "
-                                            "the updates) | r3 (the sampler's; torch sampler)")
+    routing_replay: str = cli_field("none", "MoE: none | r2 (the experts the policy being updated "
+                                    "chose before the updates) | r3 (the sampler's; torch sampler)")
     gradient_checkpointing: bool = cli_field(False, "transformers' gradient checkpointing")
-
-
-def engine_spec(cfg: RLConfig) -> EngineSpec:
-    """The torch sampler's engine a run's flags describe (its noise seeded apart from the run's)."""
-    return EngineSpec(cfg.dtype, cfg.quant, cfg.noise, noise_seed=cfg.seed + 1234, exact=cfg.exact,
-                      router_noise=cfg.router_noise, router_jitter=cfg.router_jitter)
-
-
-def run_task_kwargs(cfg: RLConfig, model_dir: str | Path) -> dict:
-    """The arithmetic task a run trains and evaluates on: the model's own, or --task-digits."""
-    return task_kwargs(model_dir) | ({"digits": cfg.task_digits} if cfg.task_digits else {})
 
 
 def _truncates(cfg: RLConfig) -> bool:
     """Whether the run samples from a truncated distribution (top-p, top-k or min-p at T > 0)."""
     return cfg.temperature > 0 and (cfg.top_p < 1 or cfg.top_k > 0 or cfg.min_p > 0)
-
-
-def _reads_topk(cfg: RLConfig) -> bool:
-    """Whether the run's loss or diagnostics read the sampler's top-K log-probs."""
-    return arm_of(cfg).reads_topk or cfg.diagnose_drift
-
-
-SUPPORT_BEYOND_K = ("vLLM returned --support-topk finite log-probs at some positions (the kept "
-                    "support may be larger): the trainer renormalises there on the support it "
-                    "rebuilds (support_beyond_k)")
 
 
 def recorded_topk(cfg: RLConfig) -> int | None:
@@ -3155,7 +3108,7 @@ def recorded_topk(cfg: RLConfig) -> int | None:
 
     At V = 151,936 all-V records would be 12 bytes x V per token: only a flag set to 0 asks for
     them."""
-    if _reads_topk(cfg):
+    if arm_of(cfg).reads_topk or cfg.diagnose_drift:  # the loss or the diagnostics read them
         return cfg.topk
     return cfg.support_topk if cfg.sampler == "vllm" and _truncates(cfg) else None
 
