@@ -142,13 +142,11 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows=None, fus
         got = getattr(ids, "dtype", type(ids).__name__)
         raise TypeError(f"ids must be an int64 or int32 tensor of token ids, got {got}")
     if ids.device != logits.device:
-        raise ValueError(f"ids is on {ids.device} but logits is on {logits.device}: "
-                         "put both on one device")
-    lead, V = logits.shape[:-1], logits.shape[-1]
+        raise ValueError(f"ids on {ids.device}, logits on {logits.device}: put both on one device")
+    lead, V = tuple(logits.shape[:-1]), logits.shape[-1]
     ids_k = ids.long()[..., None] if ids.shape == lead else ids.long()  # (..., K); one id: K = 1
     if ids_k.shape[:-1] != lead:
-        raise ValueError(f"ids must have shape {tuple(lead)} or {tuple(lead)} + (K,), "
-                         f"got {tuple(ids.shape)}")
+        raise ValueError(f"ids must have shape {lead} or {lead} + (K,), got {tuple(ids.shape)}")
     if bool(((ids_k < 0) | (ids_k >= V)).any()):  # one host sync per call
         raise ValueError(f"ids must be token ids in [0, {V}) (the logits' last axis), got min "
                          f"{int(ids_k.min())}, max {int(ids_k.max())}")
@@ -187,9 +185,10 @@ def _check_tensor(name: str, x, *, floating: bool = True) -> None:
 
 
 def _check_device(name: str, x, ref_name: str, ref) -> None:
-    """x (tensor or generator; None passes) must be on ref's device, else a ValueError naming both."""
-    if x is not None and (x.device.type, x.device.index or 0) != (ref.device.type, ref.device.index or 0):
-        raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}: "
+    """A ValueError naming both unless x (a tensor or generator; None passes) is on ref's device."""
+    here = None if x is None else (x.device.type, x.device.index or 0)  # "cuda" is "cuda:0"
+    if here not in (None, (ref.device.type, ref.device.index or 0)):
+        raise ValueError(f"{name} on {x.device}, {ref_name} on {ref.device}: "
                          "put both on one device")
 
 
@@ -207,16 +206,15 @@ def _check_bt(mask, **tensors) -> None:
         raise TypeError(f"mask must be a bool tensor (True on generated tokens), got {got}")
     if mask.dim() != 2 or mask.numel() == 0:
         raise ValueError(f"mask must be a non-empty (B, T) tensor, got shape {tuple(mask.shape)}")
+    shape = tuple(mask.shape)
     for name, x in tensors.items():
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             got = getattr(x, "dtype", type(x).__name__)
             raise TypeError(f"{name} must be a floating-point torch.Tensor, got {got}")
         if x.shape != mask.shape:
-            raise ValueError(f"{name} must have shape (B, T) = {tuple(mask.shape)} like mask, "
-                             f"got {tuple(x.shape)}")
+            raise ValueError(f"{name} must have shape (B, T) = {shape}, got {tuple(x.shape)}")
         if x.device != mask.device:
-            raise ValueError(f"{name} is on {x.device} but mask is on {mask.device}: "
-                             "put both on one device")
+            raise ValueError(f"{name} on {x.device}, mask on {mask.device}: put both on one device")
 
 
 def _check_adv(adv, mask) -> torch.Tensor:
@@ -225,12 +223,11 @@ def _check_adv(adv, mask) -> torch.Tensor:
         got = getattr(adv, "dtype", type(adv).__name__)
         raise TypeError(f"adv must be a floating-point torch.Tensor, got {got}")
     if adv.device != mask.device:
-        raise ValueError(f"adv is on {adv.device} but mask is on {mask.device}: "
-                         "put both on one device")
+        raise ValueError(f"adv on {adv.device}, mask on {mask.device}: put both on one device")
     adv = adv[:, None] if adv.shape == mask.shape[:1] else adv  # (B,) -> (B, 1)
     if adv.shape not in (mask.shape, (len(mask), 1)):
-        raise ValueError(f"adv must have shape (B, T) = {tuple(mask.shape)} or (B, 1), "
-                         f"got {tuple(adv.shape)}")
+        got = tuple(adv.shape)
+        raise ValueError(f"adv must have shape (B, T) = {tuple(mask.shape)} or (B, 1), got {got}")
     adv = adv.detach().float().expand_as(mask)
     return torch.where(torch.isfinite(adv), adv, torch.zeros_like(adv))
 
@@ -367,9 +364,8 @@ def mismatch_metrics(logp_train, logp_infer, mask: torch.Tensor) -> dict[str, fl
     needs: _log_ratio, LOG_RATIO_CLAMP
     """
     log_ratio, ok = _log_ratio(mask, logp_train=logp_train, logp_infer=logp_infer)
-    n_mask = int(mask.sum())
     lr = log_ratio[ok].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).double()  # (N,)
-    n = lr.numel()
+    n, n_mask = lr.numel(), int(mask.sum())
     out = {"n_tokens": float(n_mask), "frac_nonfinite": (n_mask - n) / max(n_mask, 1)}
     if n == 0:
         names = ("k1", "k2", "k3", "abs_diff", "max_abs_diff", "chi2", "mean_log_ratio")
@@ -405,31 +401,26 @@ def mismatch_ledger(logp, logp_old, logp_infer, mask, logp_master_old=None, log_
     """
     routes = logp_old_sampler_routes
     gates = None if routes is None else logp_old_sampler_gates  # gates split the routes' part
-    given = {"logp_master_old": logp_master_old, "log_kept_mass": log_kept_mass,
-             "logp_old_sampler_routes": routes, "logp_old_sampler_gates": gates}
-    given = {name: x for name, x in given.items() if x is not None}
-    _check_bt(mask, logp=logp, logp_old=logp_old, logp_infer=logp_infer, **given)
-    anchor = logp_old if logp_master_old is None else logp_master_old
-    logp_full = logp if log_kept_mass is None else logp + log_kept_mass
-    parts = {"total": (logp_full, logp_infer), "lag": (logp, anchor)}
-    if routes is None:
-        parts["numerics"] = (logp_old, logp_infer)
-    if logp_master_old is not None:
-        parts["rounding"] = (logp_master_old, logp_old)
-    if log_kept_mass is not None:
-        parts["truncation"] = (logp_full, logp)
-    if routes is not None and gates is None:  # the trainer's own gates: router noise lands there
-        parts |= {"routing": (logp_old, routes), "gates_and_numerics": (routes, logp_infer)}
-    if gates is not None:
-        parts |= {"routing": (logp_old, routes), "gates": (routes, gates)}
-        parts["numerics"] = (gates, logp_infer)
+    inputs = {"logp": logp, "logp_old": logp_old, "logp_infer": logp_infer,
+              "logp_master_old": logp_master_old, "log_kept_mass": log_kept_mass,
+              "logp_old_sampler_routes": routes, "logp_old_sampler_gates": gates}
+    _check_bt(mask, **{name: x for name, x in inputs.items() if x is not None})
+    # from the trainer's log-prob down to the sampler's, each naming the part below it
+    chain = [("truncation", None if log_kept_mass is None else logp + log_kept_mass),
+             ("lag", logp), ("rounding", logp_master_old),
+             ("numerics" if routes is None else "routing", logp_old),
+             ("gates_and_numerics" if gates is None else "gates", routes),  # router noise: gates
+             ("numerics", gates), ("", logp_infer)]
+    names, logps = zip(*[(name, x.detach().double()) for name, x in chain if x is not None])
     ok = mask
-    for a, b in parts.values():
-        ok = ok & torch.isfinite(a) & torch.isfinite(b)
+    for x in logps:
+        ok = ok & torch.isfinite(x)
     n = ok.sum().clamp(min=1)
+    parts = {"total": (logps[0], logps[-1])}
+    parts |= {name: (a, b) for name, a, b in zip(names, logps, logps[1:])}  # they telescope
     out = {}
     for name, (a, b) in parts.items():
-        diff = torch.where(ok, a.detach().double() - b.detach().double(), 0.0)
+        diff = torch.where(ok, a - b, 0.0)
         out |= {f"{name}_mean": float(diff.sum() / n), f"{name}_abs": float(diff.abs().sum() / n)}
     return out
 
@@ -447,8 +438,8 @@ def routing_flip_rate(routes_a, routes_b, mask: torch.Tensor) -> dict[str, float
     if routes_a.shape != routes_b.shape or routes_a.shape[:2] != mask.shape:
         raise ValueError(f"routes_a {tuple(routes_a.shape)} and routes_b {tuple(routes_b.shape)} "
                          f"must have one shape (B, S, L, k), (B, S) = mask's {tuple(mask.shape)}")
-    routed_a, routed_b = (routes_a >= 0).any((0, 1, 3)), (routes_b >= 0).any((0, 1, 3))  # (L,)
-    layers = [n for n in range(routes_a.shape[2]) if routed_a[n] or routed_b[n]]  # the MoE layers
+    routed_layers = ((routes_a >= 0) | (routes_b >= 0)).any((0, 1, 3))  # (L,) True: a MoE layer
+    layers = routed_layers.nonzero()[:, 0].tolist()
     routes_a, routes_b = routes_a[:, :, layers], routes_b[:, :, layers]
     routed = mask & (routes_a >= 0).all(-1).all(-1) & (routes_b >= 0).all(-1).all(-1)  # (B, S)
     differs = routes_a.sort(-1).values != routes_b.sort(-1).values  # (B, S, L, k)
@@ -728,10 +719,9 @@ def stochastic_round_bf16(x: torch.Tensor, *, generator=None, noise=None) -> tor
     else:  # a given draw (tests): checked
         _check_tensor("noise", noise, floating=False)
         _check_device("noise", noise, "x", x)
-        if noise.dtype != torch.int32 or noise.shape != x.shape:
-            raise ValueError(f"noise must be int32 with shape {tuple(x.shape)}, got {noise.dtype}")
-        if noise.numel() and (int(noise.min()) < 0 or int(noise.max()) >= cell):
-            raise ValueError("noise values must lie in [0, 2**16)")
+        malformed = noise.dtype != torch.int32 or noise.shape != x.shape
+        if malformed or bool(((noise < 0) | (noise >= cell)).any()):
+            raise ValueError(f"noise must be int32 in [0, 2**16) with shape {tuple(x.shape)}")
     # sign-magnitude bits: adding to the magnitude's low bits and truncating rounds |x| up with the
     # right odds
     bits = (x.contiguous().view(torch.int32) + noise) & ~(cell - 1)
@@ -796,12 +786,12 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std=False)
     GRPO (Shao et al. 2024); Dr. GRPO and the score-centering paper [2] drop the std. Groups with
     zero reward variance get advantage 0 either way. Non-finite rewards count as 0.
 
-    needs: _check_tensor
+    needs: nothing
     """
-    _check_tensor("rewards", rewards)
-    B = rewards.numel()
-    if rewards.dim() != 1 or B == 0:
-        raise ValueError(f"rewards must have shape (B,) with B >= 1, got {tuple(rewards.shape)}")
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1 or len(rewards) == 0:
+        got = tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__
+        raise ValueError(f"rewards must be a tensor of shape (B,) with B >= 1, got {got}")
+    B = len(rewards)
     if not isinstance(group_size, int) or group_size < 1 or B % group_size:
         raise ValueError(f"group_size must be a positive int dividing B = {B}, got {group_size!r}")
     r = torch.nan_to_num(rewards.detach().float(), nan=0.0, posinf=0.0, neginf=0.0)
@@ -1642,7 +1632,7 @@ class _TokenLogprobs(torch.autograd.Function):
             out[rows] = log_probs.gather(-1, ids[rows])
             top = chunk.argmax(-1, keepdim=True)  # (n, 1): each row's largest logit
             m, log_p_m = chunk.gather(-1, top), log_probs.gather(-1, top)
-            lse_m = m - log_p_m
+            lse_m = m - log_p_m  # (n, 1)
             tail = torch.where(m.abs() > FAR_FROM_ZERO, -log_p_m - (lse_m - m), 0.0)
             lse[rows] = torch.cat([lse_m, tail], -1)
         ctx.save_for_backward(logits, ids, lse)
