@@ -48,7 +48,7 @@ if Path(sys.argv[0]).name in ("tim_rl.py", "experiments.py") and Path("/proc/loa
 import torch
 
 import tim_rl as tr
-from tim_rl import BF16_DROPPED_BITS, _check_device, _check_fp32, _lse_tail
+from tim_rl import BF16_DROPPED_BITS, FAR_FROM_ZERO, _check_device, _check_fp32
 
 # On a GPU token_logprobs runs one compiled pass per chunk of at most this many logits (2^28: 1 GiB of fp32, ~1 770
 # rows at V = 151 936): large enough to read at memory speed, small enough that a bf16 backward's fp32 chunk is not.
@@ -78,7 +78,9 @@ def _logprobs_pass(logits: torch.Tensor, ids: torch.Tensor):
     """(logits[ids] - logsumexp(logits), (logsumexp(logits), its tail)) in float32, one read of the logits."""
     z = logits.float()
     lse, m = torch.logsumexp(z, -1, keepdim=True), z.amax(-1, keepdim=True)  # (n, 1) each
-    return logits.gather(-1, ids).float() - lse, _lse_tail(lse, m, torch.exp(z - m).sum(-1, keepdim=True).log())
+    s = torch.exp(z - m).sum(-1, keepdim=True).log()
+    tail = torch.where(m.abs() > FAR_FROM_ZERO, s - (lse - m), 0.0)  # what lse lost to rounding
+    return logits.gather(-1, ids).float() - lse, torch.cat([lse, tail], -1)
 
 
 
@@ -205,12 +207,13 @@ class _FusedTokenLogprobs(torch.autograd.Function):
 
 def fused_token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: int | None = None,
                          probe: bool = False) -> torch.Tensor:
-    """tim_rl.chunked_token_logprobs with fused=True: chunks of FUSED_CHUNK_ELEMENTS logits by default.
+    """tim_rl.token_logprobs with fused=True on (N, V) logits and (N, K) ids: chunks of FUSED_CHUNK_ELEMENTS
+    logits by default.
 
     probe: only where torch.compile works on this GPU (_gpu_compiles), else tim_rl's eager chunks.
     """
     if probe and not _gpu_compiles(logits.device, _logprobs_probe):
-        return tr.chunked_token_logprobs(logits, ids, chunk_rows, fused=False)
+        return tr.token_logprobs(logits, ids, chunk_rows, fused=False)
     if chunk_rows is None:
         chunk_rows = tr._default_chunk_rows(logits.shape[-1], logits.device, fused=True)
     return _FusedTokenLogprobs.apply(logits, ids, chunk_rows)  # without a graph to record: the forward alone

@@ -2268,7 +2268,7 @@ def test_a_function_a_user_copies_comes_with_few_code_lines(name, most):
             copied.append(n)
             todo += needs(n)
     if name == "token_logprobs":
-        assert {"chunked_token_logprobs", "_TokenLogprobs", "_check_tensor"} <= set(copied), "the count sees the path"
+        assert {"_TokenLogprobs", "CHUNK_BYTES", "FAR_FROM_ZERO"} <= set(copied), "the count sees the path"
     assert sum(map(code_lines, copied)) <= most, {n: code_lines(n) for n in copied}
 
 

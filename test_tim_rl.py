@@ -1027,7 +1027,7 @@ def test_misuse_raises_clear_errors():
         tr.tis_weights(x, x, mask.float())
     with pytest.raises(ValueError, match="logp_infer must have shape"):
         tr.tis_weights(x, torch.zeros(2, 4), mask)
-    with pytest.raises(TypeError, match="logp_old must be a torch.Tensor"):
+    with pytest.raises(TypeError, match="logp_old must be a floating-point torch.Tensor"):
         tr.mis_weights([[0.0]], x, mask)
     with pytest.raises(ValueError, match="mask must be a non-empty"):
         tr.pg_loss(torch.zeros(0, 3), torch.zeros(0, 1), torch.ones(0, 3, dtype=torch.bool))
@@ -1269,12 +1269,10 @@ def _copy_calls():
         "cispo_loss": lambda f: f(a, b, adv, mask),
         "k2_penalty": lambda f: f(a, b, mask),
         "masked_mean": lambda f: f(a, mask),
-        "token_logprobs": lambda f: f(logits, ids),
+        "token_logprobs": lambda f: f(logits[:, 1:], ids[:, 1:]),  # a strided slice: by blocks
         "support_differs": lambda f: f(torch.randint(-1, V, (B, T, 3), generator=g), torch.randint(-1, V, (B, T, 2),
                                                                                               generator=g), mask),
         "drift_signal_norms": lambda f: _drift_call(f, head, head_infer, b, adv, mask),
-        "chunked_token_logprobs": lambda f: f(logits.reshape(-1, V), ids.reshape(-1, 1), 2),
-        "logprobs_by_blocks": lambda f: f(logits[:, 1:], ids[:, 1:, None], 2),
         "merge_support": lambda f: f(kept.masked_fill(kept[..., :1] == 0, -1), kept[..., :2], mask),
         "log1mexp": lambda f: f(a),
         "mismatch_ledger": lambda f: f(a, b, c, mask, d),
@@ -1331,7 +1329,7 @@ def _own_needs(name: str) -> list[str]:
 
 def _needs(name: str) -> list[str]:
     """Everything a copy of `name` needs: its needs: line, and the needs: line of each named function that has one
-    (token_logprobs names chunked_token_logprobs, whose own line lists the fast path's parts)."""
+    (token_logprobs names _TokenLogprobs, whose own line lists what the chunks need)."""
     needs, todo = [], _own_needs(name)
     while todo:
         n = todo.pop(0)

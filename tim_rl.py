@@ -115,7 +115,7 @@ def _log_ratio(mask: torch.Tensor, **pair: torch.Tensor) -> tuple[torch.Tensor, 
     ok = mask & both finite. The log-ratio is 0 where not ok, else raw: a caller clamps it to
     +-LOG_RATIO_CLAMP where it takes exp.
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor
+    needs: _check_bt
     """
     _check_bt(mask, **pair)
     a, b = (x.detach() for x in pair.values())
@@ -127,29 +127,43 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows=None, fus
     """log_softmax(logits.float(), -1).gather(-1, ids) in float32. (..., V), (...) -> (...).
 
     log p_v = z_v - logsumexp(z). ids may carry a trailing K axis, (..., K) -> (..., K), for the
-    sampler's top-k ids. Differentiable w.r.t. logits, with finite gradients wherever a row has a
-    finite logit. Computed by row chunks (fast paths: chunked_token_logprobs, whose knobs are
-    chunk_rows and fused), so no second full-size float32 copy of the logits is ever made, not even
-    for a strided slice such as logits[:, :-1]. On CUDA, repeated ids make the gradient's
-    scatter_add order-dependent: bitwise reproducible on CPU only.
+    sampler's top-k ids. Computed by chunks of chunk_rows rows (_TokenLogprobs), so no second
+    full-size float32 copy of the logits is made, not even of a strided slice such as
+    logits[:, :-1]. fused (default: on CUDA where torch.compile works): one compiled pass per chunk
+    (machinery.py). Differentiable, with finite gradients wherever a row has a finite logit; on
+    CUDA repeated ids make the gradient's scatter_add order-dependent.
 
-    needs: _check_tensor, _check_device, logprobs_by_blocks
+    needs: _TokenLogprobs, CHUNK_BYTES, GPU_CHUNK_BYTES
     """
-    _check_tensor("logits", logits)
-    _check_tensor("ids", ids, floating=False)
-    _check_device("ids", ids, "logits", logits)
-    if ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"ids must be an int64 or int32 tensor of token ids, got dtype {ids.dtype}")
-    lead, V = logits.shape[:-1], logits.shape[-1]
-    if ids.shape != lead and (ids.dim() != logits.dim() or ids.shape[:-1] != lead):
-        raise ValueError(f"ids must have shape {tuple(lead)} or {tuple(lead)} + (K,), "
-                         f"got {tuple(ids.shape)}")
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        got = getattr(logits, "dtype", type(logits).__name__)
+        raise TypeError(f"logits must be a floating-point torch.Tensor, got {got}")
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+        got = getattr(ids, "dtype", type(ids).__name__)
+        raise TypeError(f"ids must be an int64 or int32 tensor of token ids, got {got}")
+    if ids.device != logits.device:
+        raise ValueError(f"ids on {ids.device}, logits on {logits.device}: put both on one device")
+    lead, V = tuple(logits.shape[:-1]), logits.shape[-1]
     ids_k = ids.long()[..., None] if ids.shape == lead else ids.long()  # (..., K); one id: K = 1
+    if ids_k.shape[:-1] != lead:
+        raise ValueError(f"ids must have shape {lead} or {lead} + (K,), got {tuple(ids.shape)}")
     if bool(((ids_k < 0) | (ids_k >= V)).any()):  # one host sync per call
         raise ValueError(f"ids must be token ids in [0, {V}) (the logits' last axis), got min "
                          f"{int(ids_k.min())}, max {int(ids_k.max())}")
-    # the formula above by row chunks, log p(ids) = z[ids] - logsumexp(z): no second (N, V) copy
-    return logprobs_by_blocks(logits, ids_k, chunk_rows, fused).reshape(ids.shape)
+    K = ids_k.shape[-1]
+    try:
+        blocks = [(logits.view(-1, V), ids_k.reshape(-1, K))]  # (N, V): a view, or a RuntimeError
+    except RuntimeError:  # a strided slice such as logits[:, :-1]: a (T, V) view per leading index
+        blocks = [(x.reshape(-1, V), i.reshape(-1, K)) for x, i in zip(logits, ids_k)]
+    if fused or (fused is None and logits.device.type == "cuda"):
+        from machinery import fused_token_logprobs  # compiled passes, imported where they run
+
+        out = [fused_token_logprobs(x, i, chunk_rows, probe=fused is None) for x, i in blocks]
+    else:
+        budget = GPU_CHUNK_BYTES if logits.device.type == "cuda" else CHUNK_BYTES
+        rows = chunk_rows or max(1, budget // (4 * V))
+        out = [_TokenLogprobs.apply(x, i, rows) for x, i in blocks]  # (n, K) each
+    return torch.stack(out).view(ids.shape)
 
 
 def log1mexp(logp: torch.Tensor) -> torch.Tensor:
@@ -160,6 +174,62 @@ def log1mexp(logp: torch.Tensor) -> torch.Tensor:
     logp = logp.clamp(max=0.0)
     near_zero = logp > -math.log(2.0)
     return torch.where(near_zero, torch.log(-torch.expm1(logp)), torch.log1p(-torch.exp(logp)))
+
+
+# Tensor checks: every public function validates cheaply and names the argument.
+def _check_tensor(name: str, x, *, floating: bool = True) -> None:
+    """A TypeError naming the argument unless x is a torch.Tensor (floating-point if `floating`)."""
+    if not isinstance(x, torch.Tensor) or (floating and not x.is_floating_point()):
+        kind = "a floating-point torch.Tensor" if floating else "a torch.Tensor"
+        raise TypeError(f"{name} must be {kind}, got {getattr(x, 'dtype', type(x).__name__)}")
+
+
+def _check_device(name: str, x, ref_name: str, ref) -> None:
+    """A ValueError naming both unless x (a tensor or generator; None passes) is on ref's device."""
+    here = None if x is None else (x.device.type, x.device.index or 0)  # "cuda" is "cuda:0"
+    if here not in (None, (ref.device.type, ref.device.index or 0)):
+        raise ValueError(f"{name} on {x.device}, {ref_name} on {ref.device}: "
+                         "put both on one device")
+
+
+def _check_choice(name: str, value, choices) -> None:
+    """A ValueError naming the argument unless `value` is one of `choices`."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _check_bt(mask, **tensors) -> None:
+    """A TypeError or ValueError naming the argument unless mask is a non-empty (B, T) bool tensor
+    and each named tensor a floating-point one of its shape on its device."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        got = getattr(mask, "dtype", type(mask).__name__)
+        raise TypeError(f"mask must be a bool tensor (True on generated tokens), got {got}")
+    if mask.dim() != 2 or mask.numel() == 0:
+        raise ValueError(f"mask must be a non-empty (B, T) tensor, got shape {tuple(mask.shape)}")
+    shape = tuple(mask.shape)
+    for name, x in tensors.items():
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            got = getattr(x, "dtype", type(x).__name__)
+            raise TypeError(f"{name} must be a floating-point torch.Tensor, got {got}")
+        if x.shape != mask.shape:
+            raise ValueError(f"{name} must have shape (B, T) = {shape}, got {tuple(x.shape)}")
+        if x.device != mask.device:
+            raise ValueError(f"{name} on {x.device}, mask on {mask.device}: put both on one device")
+
+
+def _check_adv(adv, mask) -> torch.Tensor:
+    """Advantages (B, T), (B, 1) or (B,) as a detached (B, T) float tensor; non-finite -> 0."""
+    if not isinstance(adv, torch.Tensor) or not adv.is_floating_point():
+        got = getattr(adv, "dtype", type(adv).__name__)
+        raise TypeError(f"adv must be a floating-point torch.Tensor, got {got}")
+    if adv.device != mask.device:
+        raise ValueError(f"adv on {adv.device}, mask on {mask.device}: put both on one device")
+    adv = adv[:, None] if adv.shape == mask.shape[:1] else adv  # (B,) -> (B, 1)
+    if adv.shape not in (mask.shape, (len(mask), 1)):
+        got = tuple(adv.shape)
+        raise ValueError(f"adv must have shape (B, T) = {tuple(mask.shape)} or (B, 1), got {got}")
+    adv = adv.detach().float().expand_as(mask)
+    return torch.where(torch.isfinite(adv), adv, torch.zeros_like(adv))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -294,9 +364,8 @@ def mismatch_metrics(logp_train, logp_infer, mask: torch.Tensor) -> dict[str, fl
     needs: _log_ratio, LOG_RATIO_CLAMP
     """
     log_ratio, ok = _log_ratio(mask, logp_train=logp_train, logp_infer=logp_infer)
-    n_mask = int(mask.sum())
     lr = log_ratio[ok].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).double()  # (N,)
-    n = lr.numel()
+    n, n_mask = lr.numel(), int(mask.sum())
     out = {"n_tokens": float(n_mask), "frac_nonfinite": (n_mask - n) / max(n_mask, 1)}
     if n == 0:
         names = ("k1", "k2", "k3", "abs_diff", "max_abs_diff", "chi2", "mean_log_ratio")
@@ -328,35 +397,30 @@ def mismatch_ledger(logp, logp_old, logp_infer, mask, logp_master_old=None, log_
     - logp_infer. The parts sum to total token by token. Tokens where an input is non-finite are
     left out of every part. (B, T) -> {part_mean, part_abs (mean |.|)}.
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor
+    needs: _check_bt
     """
     routes = logp_old_sampler_routes
     gates = None if routes is None else logp_old_sampler_gates  # gates split the routes' part
-    given = {"logp_master_old": logp_master_old, "log_kept_mass": log_kept_mass,
-             "logp_old_sampler_routes": routes, "logp_old_sampler_gates": gates}
-    given = {name: x for name, x in given.items() if x is not None}
-    _check_bt(mask, logp=logp, logp_old=logp_old, logp_infer=logp_infer, **given)
-    anchor = logp_old if logp_master_old is None else logp_master_old
-    logp_full = logp if log_kept_mass is None else logp + log_kept_mass
-    parts = {"total": (logp_full, logp_infer), "lag": (logp, anchor)}
-    if routes is None:
-        parts["numerics"] = (logp_old, logp_infer)
-    if logp_master_old is not None:
-        parts["rounding"] = (logp_master_old, logp_old)
-    if log_kept_mass is not None:
-        parts["truncation"] = (logp_full, logp)
-    if routes is not None and gates is None:  # the trainer's own gates: router noise lands there
-        parts |= {"routing": (logp_old, routes), "gates_and_numerics": (routes, logp_infer)}
-    if gates is not None:
-        parts |= {"routing": (logp_old, routes), "gates": (routes, gates)}
-        parts["numerics"] = (gates, logp_infer)
+    inputs = {"logp": logp, "logp_old": logp_old, "logp_infer": logp_infer,
+              "logp_master_old": logp_master_old, "log_kept_mass": log_kept_mass,
+              "logp_old_sampler_routes": routes, "logp_old_sampler_gates": gates}
+    _check_bt(mask, **{name: x for name, x in inputs.items() if x is not None})
+    # from the trainer's log-prob down to the sampler's, each naming the part below it
+    chain = [("truncation", None if log_kept_mass is None else logp + log_kept_mass),
+             ("lag", logp), ("rounding", logp_master_old),
+             ("numerics" if routes is None else "routing", logp_old),
+             ("gates_and_numerics" if gates is None else "gates", routes),  # router noise: gates
+             ("numerics", gates), ("", logp_infer)]
+    names, logps = zip(*[(name, x.detach().double()) for name, x in chain if x is not None])
     ok = mask
-    for a, b in parts.values():
-        ok = ok & torch.isfinite(a) & torch.isfinite(b)
+    for x in logps:
+        ok = ok & torch.isfinite(x)
     n = ok.sum().clamp(min=1)
+    parts = {"total": (logps[0], logps[-1])}
+    parts |= {name: (a, b) for name, a, b in zip(names, logps, logps[1:])}  # they telescope
     out = {}
     for name, (a, b) in parts.items():
-        diff = torch.where(ok, a.detach().double() - b.detach().double(), 0.0)
+        diff = torch.where(ok, a - b, 0.0)
         out |= {f"{name}_mean": float(diff.sum() / n), f"{name}_abs": float(diff.abs().sum() / n)}
     return out
 
@@ -374,8 +438,8 @@ def routing_flip_rate(routes_a, routes_b, mask: torch.Tensor) -> dict[str, float
     if routes_a.shape != routes_b.shape or routes_a.shape[:2] != mask.shape:
         raise ValueError(f"routes_a {tuple(routes_a.shape)} and routes_b {tuple(routes_b.shape)} "
                          f"must have one shape (B, S, L, k), (B, S) = mask's {tuple(mask.shape)}")
-    routed_a, routed_b = (routes_a >= 0).any((0, 1, 3)), (routes_b >= 0).any((0, 1, 3))  # (L,)
-    layers = [n for n in range(routes_a.shape[2]) if routed_a[n] or routed_b[n]]  # the MoE layers
+    routed_layers = ((routes_a >= 0) | (routes_b >= 0)).any((0, 1, 3))  # (L,) True: a MoE layer
+    layers = routed_layers.nonzero()[:, 0].tolist()
     routes_a, routes_b = routes_a[:, :, layers], routes_b[:, :, layers]
     routed = mask & (routes_a >= 0).all(-1).all(-1) & (routes_b >= 0).all(-1).all(-1)  # (B, S)
     differs = routes_a.sort(-1).values != routes_b.sort(-1).values  # (B, S, L, k)
@@ -503,7 +567,7 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     doctor-eval). Each signature is a small function of d = log p - log q on the usable tokens ok.
 
     needs: _check_adv, _log_ratio, LOG_RATIO_CLAMP, Diagnosis, DOCTOR_ADVICE, _signature,
-    _lag_signature, DOCTOR_METRIC_NAMES, _check_bt, _check_device, _check_mask, _check_tensor
+    _lag_signature, DOCTOR_METRIC_NAMES, _check_bt
     """
     _check_bt(mask, logp_train=logp_train, logp_infer=logp_infer)
     p, q = logp_train.detach().float(), logp_infer.detach().float()
@@ -651,10 +715,9 @@ def stochastic_round_bf16(x: torch.Tensor, *, generator=None, noise=None) -> tor
     else:  # a given draw (tests): checked
         _check_tensor("noise", noise, floating=False)
         _check_device("noise", noise, "x", x)
-        if noise.dtype != torch.int32 or noise.shape != x.shape:
-            raise ValueError(f"noise must be int32 with shape {tuple(x.shape)}, got {noise.dtype}")
-        if noise.numel() and (int(noise.min()) < 0 or int(noise.max()) >= cell):
-            raise ValueError("noise values must lie in [0, 2**16)")
+        malformed = noise.dtype != torch.int32 or noise.shape != x.shape
+        if malformed or bool(((noise < 0) | (noise >= cell)).any()):
+            raise ValueError(f"noise must be int32 in [0, 2**16) with shape {tuple(x.shape)}")
     # sign-magnitude bits: adding to the magnitude's low bits and truncating rounds |x| up with the
     # right odds
     bits = (x.contiguous().view(torch.int32) + noise) & ~(cell - 1)
@@ -719,12 +782,12 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std=False)
     GRPO (Shao et al. 2024); Dr. GRPO and the score-centering paper [2] drop the std. Groups with
     zero reward variance get advantage 0 either way. Non-finite rewards count as 0.
 
-    needs: _check_tensor
+    needs: nothing
     """
-    _check_tensor("rewards", rewards)
-    B = rewards.numel()
-    if rewards.dim() != 1 or B == 0:
-        raise ValueError(f"rewards must have shape (B,) with B >= 1, got {tuple(rewards.shape)}")
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1 or len(rewards) == 0:
+        got = tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__
+        raise ValueError(f"rewards must be a tensor of shape (B,) with B >= 1, got {got}")
+    B = len(rewards)
     if not isinstance(group_size, int) or group_size < 1 or B % group_size:
         raise ValueError(f"group_size must be a positive int dividing B = {B}, got {group_size!r}")
     r = torch.nan_to_num(rewards.detach().float(), nan=0.0, posinf=0.0, neginf=0.0)
@@ -756,7 +819,7 @@ def copc_advantages(values, rewards, logp, logp_infer, mask, gamma=1.0, lam=1.0,
     response token) or (B, T). The state after the last masked token is terminal (value 0).
     Returns detached (advantages, value targets V + A), 0 outside the mask.
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor, copc_residual_weights
+    needs: _check_bt, _check_device, _check_tensor, copc_residual_weights
     """
     _check_bt(mask, values=values, logp=logp, logp_infer=logp_infer)
     _check_tensor("rewards", rewards)
@@ -914,7 +977,7 @@ def calibrated_clip_bounds(ratio_lowprec, ratio_ref, adv, mask, eps_low=0.2, eps
     reference, with P(H) = sum_{A>0, r<=H} A r and N(L) = sum_{A<0, r>=L} |A| r. Falls back to
     (1 - eps_low, 1 + eps_high) when a side has no tokens. (B, T) -> (float, float).
 
-    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor
+    needs: _check_adv, _check_bt
     """
     _check_bt(mask, ratio_lowprec=ratio_lowprec, ratio_ref=ratio_ref)
     A = _check_adv(adv, mask)
@@ -1038,7 +1101,7 @@ def self_normalize_weights(weights: torch.Tensor, mask: torch.Tensor) -> torch.T
     sequence weights through self_normalize_seq_weights instead. Non-finite -> 0; all zero stays
     zero. (B, T).
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor
+    needs: _check_bt
     """
     _check_bt(mask, weights=weights)
     ok = mask & torch.isfinite(weights)
@@ -1054,7 +1117,7 @@ def self_normalize_seq_weights(weights: torch.Tensor, mask: torch.Tensor) -> tor
     rollout_is="sequence" + rollout_is_batch_normalize. A sequence's weight is read at its first
     generated token; non-finite -> 0.
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor
+    needs: _check_bt
     """
     _check_bt(mask, weights=weights)
     first = mask.float().argmax(dim=1, keepdim=True)  # (B, 1)
@@ -1110,8 +1173,7 @@ def pg_loss(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, weights=N
 
     A non-finite logp inside the mask drops that token (no gradient, no NaN).
 
-    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, _finite_or_zero,
-    masked_mean, _weights_or_ones
+    needs: _check_adv, _check_bt, _finite_or_zero, masked_mean, _weights_or_ones
     """
     _check_bt(mask, logp=logp)
     A, w = _check_adv(adv, mask), _weights_or_ones(weights, mask)
@@ -1130,8 +1192,7 @@ def ppo_loss(logp, logp_prox, adv, mask, weights=None, eps_low=0.2, eps_high=0.2
     the plain "sampler log-probs as pi_old" PPO. Clip-higher 0.28 as in DAPO. A non-finite
     log-ratio drops the token. (B, T).
 
-    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, masked_mean,
-    _weights_or_ones, _finite_or_zero, LOG_RATIO_CLAMP
+    needs: _check_adv, _check_bt, masked_mean, _weights_or_ones, _finite_or_zero, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp, logp_prox=logp_prox)
     A, w = _check_adv(adv, mask), _weights_or_ones(weights, mask)
@@ -1155,7 +1216,7 @@ def score_centering_loss(logp, logp_topk, logp_infer, logp_topk_infer, adv, mask
     when K = V. logp, logp_infer, adv (B, T); logp_topk (grad) and logp_topk_infer (B, T, K).
 
     needs: _check_adv, _log_ratio, _finite_or_zero, masked_mean, LOG_RATIO_CLAMP, TAIL_FLOOR,
-    _check_bt, _check_device, _check_mask, _check_tensor
+    _check_bt, _check_device, _check_tensor
     """
     log_r_y, ok_y = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
     for name, t in (("logp_topk", logp_topk), ("logp_topk_infer", logp_topk_infer)):
@@ -1200,8 +1261,8 @@ def dlc_loss(logp, logp_old, logp_infer, adv, mask, eps_low=0.2, eps_high=0.28, 
     lag_cap; the update p / p_prox is PPO-clipped. Each part is bounded on its own, so lag cannot
     use up the budget meant for numerics. logp_prox defaults to logp (one update per batch).
 
-    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, dlc_weights,
-    _log_ratio, masked_mean, ppo_loss, tis_weights, _weights_or_ones, LOG_RATIO_CLAMP
+    needs: _check_adv, _check_bt, dlc_weights, _log_ratio, masked_mean, ppo_loss, tis_weights,
+    _weights_or_ones, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp)
     logp_prox = logp.detach() if logp_prox is None else logp_prox
@@ -1218,8 +1279,7 @@ def dppo_loss(logp, logp_infer, adv, mask, delta: float = 0.2):
     gradient is the IS-weighted policy gradient r A grad log p. Non-finite log-ratio -> token
     dropped. (B, T) -> ().
 
-    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, masked_mean,
-    LOG_RATIO_CLAMP
+    needs: _check_adv, _check_bt, masked_mean, LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp, logp_infer=logp_infer)
     A = _check_adv(adv, mask)
@@ -1240,7 +1300,7 @@ def effective_token_weights(loss, logp: torch.Tensor, adv, mask: torch.Tensor) -
     (undefined). N is the number of masked tokens (losses are token means). Differentiates only
     back to logp, not into the model. Detached.
 
-    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor
+    needs: _check_adv, _check_bt
     """
     _check_bt(mask, logp=logp)
     A = _check_adv(adv, mask)
@@ -1263,8 +1323,7 @@ def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness=0, max
     logp_master_old, so export rounding is not counted as lag); both (B, T). An unmeasurable
     (non-finite) lag resyncs.
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor, _log_ratio, masked_mean,
-    LOG_RATIO_CLAMP
+    needs: _check_bt, _log_ratio, masked_mean, LOG_RATIO_CLAMP
     """
     lag, ok = _log_ratio(mask, logp=logp, logp_old=logp_old)
     if max_staleness <= 0 and max_lag <= 0:
@@ -1289,8 +1348,7 @@ def cispo_loss(logp, logp_infer, adv, mask, eps_high: float = 0.28):
     numerics), so the arm is token TIS with cap 1 + eps_high. Non-finite log-ratio -> token
     dropped.
 
-    needs: _check_adv, _log_ratio, _finite_or_zero, masked_mean, LOG_RATIO_CLAMP, _check_bt,
-    _check_device, _check_mask, _check_tensor
+    needs: _check_adv, _log_ratio, _finite_or_zero, masked_mean, LOG_RATIO_CLAMP, _check_bt
     """
     log_r, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
     A = _check_adv(adv, mask)
@@ -1307,7 +1365,7 @@ def k2_penalty(logp, logp_infer, mask, coef: float = 1e-3):
     must correct; added to any arm's loss (--k2-coef). Non-finite log-ratio -> token dropped.
     (B, T).
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor, masked_mean
+    needs: _check_bt, masked_mean
     """
     _check_bt(mask, logp=logp, logp_infer=logp_infer)
     ok = mask & torch.isfinite(logp) & torch.isfinite(logp_infer)
@@ -1524,24 +1582,15 @@ def stack_routes(log: list[list[tuple]], batch: int, part: int = 0) -> torch.Ten
 
 # Row chunks of at most this many fp32 bytes (4 MiB: ~32 rows at V = 32 000, ~6 at V = 151 936).
 CHUNK_BYTES = 4 << 20
-# The same on a GPU without the compiled pass (64 MiB: ~110 rows at V = 151 936): fewer kernel
-# launches.
+# The same on a GPU without the compiled pass (64 MiB: ~110 rows at V = 151 936): fewer launches.
 GPU_CHUNK_BYTES = 64 << 20
 # Rows whose largest logit m has |m| above this keep what lse = m + s lost to rounding (ulp(m) / 2).
 FAR_FROM_ZERO = 1024.0
 
 
-def _lse_tail(lse: torch.Tensor, m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """(lse, tail), tail = s - (lse - m) where |m| > FAR_FROM_ZERO, else 0. (n, 1) each -> (n, 2).
-
-    exp(z - lse - tail) is then exact at any row offset; ordinary rows keep their bits (x - 0 is x).
-    """
-    return torch.cat([lse, torch.where(m.abs() > FAR_FROM_ZERO, s - (lse - m), 0.0)], -1)
-
-
 def _default_chunk_rows(V: int, device: torch.device, fused: bool = False) -> int:
-    """Rows per chunk: GPU_CHUNK_BYTES of fp32 on CUDA, CHUNK_BYTES elsewhere; fused:
-    FUSED_CHUNK_ELEMENTS logits (machinery.py). At least 1."""
+    """Rows per chunk, at least 1: GPU_CHUNK_BYTES of fp32 on CUDA, CHUNK_BYTES elsewhere; fused:
+    FUSED_CHUNK_ELEMENTS logits (machinery.py)."""
     if fused:
         from machinery import FUSED_CHUNK_ELEMENTS
 
@@ -1556,6 +1605,8 @@ class _TokenLogprobs(torch.autograd.Function):
     d/dz_v = 1[v in ids] g - softmax(z)_v sum_k g_k. Saves (logits, ids, lse), no (N, V) tensor:
     autograd's own backward would allocate several. A -inf logit's id gets the same finite gradient
     as autograd's; a non-finite g spoils its own row only.
+
+    needs: FAR_FROM_ZERO
     """
 
     @staticmethod
@@ -1564,8 +1615,9 @@ class _TokenLogprobs(torch.autograd.Function):
 
         One code path with and without a gradient, so the trainer's log-probs are bitwise the same
         either way. lse = z_m - log_softmax(z)_m at each row's largest logit m: exact to one
-        rounding whatever the other logits are (-inf and finfo.min included). Rows of only -inf
-        give nan, as log_softmax.
+        rounding whatever the other logits are (-inf and finfo.min included). tail = what lse lost
+        to rounding where |m| > FAR_FROM_ZERO, else 0, so exp(z - lse - tail) is exact at any row
+        offset. Rows of only -inf give nan, as log_softmax.
         """
         out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
         lse = torch.empty(logits.shape[0], 2, dtype=torch.float32, device=logits.device)
@@ -1576,7 +1628,9 @@ class _TokenLogprobs(torch.autograd.Function):
             out[rows] = log_probs.gather(-1, ids[rows])
             top = chunk.argmax(-1, keepdim=True)  # (n, 1): each row's largest logit
             m, log_p_m = chunk.gather(-1, top), log_probs.gather(-1, top)
-            lse[rows] = _lse_tail(m - log_p_m, m, -log_p_m)
+            lse_m = m - log_p_m  # (n, 1)
+            tail = torch.where(m.abs() > FAR_FROM_ZERO, -log_p_m - (lse_m - m), 0.0)
+            lse[rows] = torch.cat([lse_m, tail], -1)
         ctx.save_for_backward(logits, ids, lse)
         ctx.chunk_rows = chunk_rows
         return out
@@ -1594,42 +1648,6 @@ class _TokenLogprobs(torch.autograd.Function):
             probs.sub_(lse[rows, 1:]).exp_().mul_(-g.sum(-1, keepdim=True))  # -softmax(z) sum_k g_k
             grad[rows] = probs.scatter_add_(-1, ids[rows], g)  # (n, V); fp32: onto itself, skipped
         return grad, None, None
-
-
-def chunked_token_logprobs(logits, ids, chunk_rows: int | None = None, fused: bool | None = None):
-    """token_logprobs on flat rows by chunks, each upcast on its own. (N, V), (N, K) -> (N, K).
-
-    Default chunk: CHUNK_BYTES of float32 (GPU_CHUNK_BYTES on CUDA). fused (default: on CUDA where
-    torch.compile works) runs each chunk as one compiled pass that reads the logits once
-    (machinery.py).
-
-    needs: _TokenLogprobs, _default_chunk_rows, _lse_tail, CHUNK_BYTES,
-    GPU_CHUNK_BYTES, FAR_FROM_ZERO
-    """
-    if fused or (fused is None and logits.device.type == "cuda"):  # compiled passes (machinery.py)
-        from machinery import fused_token_logprobs
-
-        return fused_token_logprobs(logits, ids, chunk_rows, probe=fused is None)
-    if chunk_rows is None:
-        chunk_rows = _default_chunk_rows(logits.shape[-1], logits.device)
-    return _TokenLogprobs.apply(logits, ids, chunk_rows)  # without a graph: the forward alone
-
-
-def logprobs_by_blocks(logits, ids, chunk_rows: int | None = None, fused: bool | None = None):
-    """chunked_token_logprobs on (..., V) logits and (..., K) ids -> (..., K), copying nothing.
-
-    Logits with no flat (N, V) view (a strided slice such as logits[:, :-1], which a reshape would
-    copy) go by the blocks of their leading index: for (B, T, V) logits each (T, V) block is a view.
-
-    needs: chunked_token_logprobs
-    """
-    V, K = logits.shape[-1], ids.shape[-1]
-    try:
-        blocks = [(logits.view(-1, V), ids.reshape(-1, K))]  # (N, V): a view, or a RuntimeError
-    except RuntimeError:  # no flat view: the leading index's blocks, (n, V) views each
-        blocks = [(x.reshape(-1, V), i.reshape(-1, K)) for x, i in zip(logits, ids)]
-    out = [chunked_token_logprobs(x, i, chunk_rows, fused) for x, i in blocks]
-    return torch.stack(out).view(ids.shape)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -3111,57 +3129,6 @@ def recorded_topk(cfg: RLConfig) -> int | None:
     if arm_of(cfg).reads_topk or cfg.diagnose_drift:  # the loss or the diagnostics read them
         return cfg.topk
     return cfg.support_topk if cfg.sampler == "vllm" and _truncates(cfg) else None
-
-
-# Tensor checks: every public function validates cheaply and names the argument.
-def _check_tensor(name: str, x, *, floating: bool = True) -> None:
-    """A TypeError naming the argument unless x is a torch.Tensor (floating-point if `floating`)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if floating and not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
-
-
-def _check_choice(name: str, value, choices) -> None:
-    """A ValueError naming the argument unless `value` is one of `choices`."""
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-
-
-def _check_mask(mask) -> None:
-    """A TypeError or ValueError unless mask is a non-empty (B, T) bool tensor."""
-    _check_tensor("mask", mask, floating=False)
-    if mask.dtype != torch.bool:
-        raise TypeError(f"mask must be a bool tensor (True on generated tokens), got {mask.dtype}")
-    if mask.dim() != 2 or mask.numel() == 0:
-        raise ValueError(f"mask must be a non-empty (B, T) tensor, B and T >= 1, got shape {tuple(mask.shape)}")
-
-
-def _check_device(name: str, x, ref_name: str, ref) -> None:
-    """x (tensor or generator; None passes) must be on ref's device, else a ValueError naming both."""
-    if x is not None and (x.device.type, x.device.index or 0) != (ref.device.type, ref.device.index or 0):
-        raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}: put both on one device")
-
-
-def _check_bt(mask, **tensors) -> None:
-    """Check the mask, and that each named tensor is float with the mask's (B, T) shape and device."""
-    _check_mask(mask)
-    for name, x in tensors.items():
-        _check_tensor(name, x)
-        if x.shape != mask.shape:
-            raise ValueError(f"{name} must have shape (B, T) = {tuple(mask.shape)} like mask, got {tuple(x.shape)}")
-        _check_device(name, x, "mask", mask)
-
-
-def _check_adv(adv, mask) -> torch.Tensor:
-    """Advantages (B, T), (B, 1) or (B,) as a detached (B, T) float tensor; non-finite -> 0."""
-    _check_tensor("adv", adv)
-    _check_device("adv", adv, "mask", mask)
-    adv = adv[:, None] if adv.shape == mask.shape[:1] else adv  # (B,) -> (B, 1)
-    if adv.shape not in (mask.shape, (len(mask), 1)):
-        raise ValueError(f"adv must have shape (B, T) = {tuple(mask.shape)} or (B, 1), got {tuple(adv.shape)}")
-    adv = adv.detach().float().expand_as(mask)
-    return torch.where(torch.isfinite(adv), adv, torch.zeros_like(adv))
 
 
 QUANTS = ("none", "int8", "fp8")  # EngineSpec.quant / RLConfig.quant: weight fake-quantisation
