@@ -1292,6 +1292,8 @@ def _copy_calls():
         "score_centering_loss": lambda f: f(a, head, b, head_infer, adv, mask),
         "dlc_loss": lambda f: f(a, b, c, adv, mask),
         "dppo_loss": lambda f: f(a, b, adv, mask),
+        "gspo_loss": lambda f: f(a, b, adv, mask, 0.01, 0.02),
+        "aggregate_loss": lambda f: f(a, mask, "seq-mean-token-mean"),
         "effective_token_weights": lambda f: f(-(logp_grad * adv).sum(), logp_grad, adv, mask).nan_to_num(-9.0),
         "dlc_should_resync": lambda f: f(a, b, mask, 3, 0, 0.05),
         "truncation_mask": lambda f: f(logits.detach(), 0.8, 6, 0.05),

@@ -1233,23 +1233,29 @@ def dlc_loss(logp, logp_old, logp_infer, adv, mask, eps_low=0.2, eps_high=0.28, 
     return ppo_loss(logp, logp_prox, adv, mask, weights=weights, eps_low=eps_low, eps_high=eps_high)
 
 
+# exp(80) ~ 5.5e34: finite in float32 (max 3.4e38), even summed over a batch's tokens
+DPPO_LOG_RATIO_MAX = 80.0
+
+
 def dppo_loss(logp, logp_infer, adv, mask, delta=0.2, delta_low=None, delta_high=None):
     """-mean_mask(m r A), r = p / q, m = 0 iff the token already moved > delta toward A. DPPO [8].
 
     Binary-TV: the trust region is the sampled token's absolute probability shift p - q from the
     behaviour (sampler) policy; only updates that push further out are masked: p - q > delta_high
     when A > 0, p - q < -delta_low when A < 0 (each None: delta; prime-rl dppo_mask_high /
-    dppo_mask_low). Otherwise value and gradient are r A and r A grad log p, r unbounded as in
-    prime-rl (float32 overflows past log r ~ 88). Non-finite log-ratio -> token dropped.
-    (B, T) -> ().
+    dppo_mask_low). Otherwise value and gradient are r A and r A grad log p, as prime-rl's, up to
+    r = e^DPPO_LOG_RATIO_MAX (where prime-rl's float32 overflows soon after); beyond, both are
+    e^DPPO_LOG_RATIO_MAX A (grad log p). Non-finite log-ratio -> token dropped. (B, T) -> ().
 
-    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, masked_mean
+    needs: _check_adv, _check_bt, _check_device, _check_mask, _check_tensor, masked_mean,
+    DPPO_LOG_RATIO_MAX
     """
     _check_bt(mask, logp=logp, logp_infer=logp_infer)
     A = _check_adv(adv, mask)
     ok = mask & torch.isfinite(logp) & torch.isfinite(logp_infer)
     log_ratio = torch.where(ok, logp - logp_infer.detach(), torch.zeros_like(logp))
-    ratio = log_ratio.exp()  # r = p / q, with gradient
+    r = log_ratio.detach().clamp(max=DPPO_LOG_RATIO_MAX).exp()
+    ratio = r * (log_ratio - log_ratio.detach()).exp()  # value r, gradient r grad log p
     p = torch.where(ok, logp.detach(), 0.0).exp()
     q = torch.where(ok, logp_infer.detach(), 0.0).exp()
     shift = p - q  # detached
@@ -1289,8 +1295,7 @@ def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness=0, max
     logp_master_old, so export rounding is not counted as lag); both (B, T). An unmeasurable
     (non-finite) lag resyncs.
 
-    needs: _check_bt, _check_device, _check_mask, _check_tensor, _log_ratio, masked_mean,
-    LOG_RATIO_CLAMP
+    needs: _check_bt, _check_device, _check_mask, _check_tensor, _log_ratio, masked_mean
     """
     lag, ok = _log_ratio(mask, logp=logp, logp_old=logp_old)
     if max_staleness <= 0 and max_lag <= 0:
@@ -1298,7 +1303,6 @@ def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness=0, max
     # an unmeasurable lag is no reason to trust a stale sampler; then: too stale, or lagging
     if bool((mask & ~ok).any()) or 0 < max_staleness <= staleness:
         return True
-    lag = lag.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return max_lag > 0 and float(masked_mean(lag.abs(), ok)) > max_lag
 
 
