@@ -3759,7 +3759,8 @@ def test_what_a_learner_reads_is_defined_in_the_reference():
     (machinery.py holds only what a GPU run needs; the lab imports both)."""
     names = ["TorchSampler", "VLLMSampler", "Trainer", "verify", "extract_answer", "diagnose_mismatch", "rl_step",
              "run", "policy_loss", "mismatch_metrics", "mismatch_ledger", "token_logprobs", "pg_loss", "ppo_loss",
-             "score_centering_loss", "dlc_loss", "dppo_loss", "cispo_loss", "k2_penalty", "tis_weights",
+             "score_centering_loss", "dlc_loss", "dppo_loss", "cispo_loss", "gspo_loss", "aggregate_loss",
+             "k2_penalty", "tis_weights",
              "mis_weights", "seq_tis_weights", "seq_mask_weights", "geo_mask_weights", "cis_weights", "dlc_weights",
              "copc_mask", "copc_advantages", "opsm_mask", "divergence_mask_weights", "self_normalize_weights",
              "stochastic_round_bf16", "error_feedback_round_bf16", "replay_routes"]
@@ -3918,3 +3919,167 @@ def test_family_power_follows_the_stated_rule():
     for name in ("staleness", "dose", "moe", "corrections-2026", "length"):
         block = results.split(f"<!-- preset:{name} -->")[1].split(f"<!-- /preset:{name} -->")[0]
         assert block.count("*Power:*") == 1, name
+
+
+# =================================================================================================================
+# ---- parity with the frameworks (issue 44) ----
+# Each framework's lines are copied from its source (repository, commit, path, function named) and run on the same
+# float64 tensors: ragged masks with interior holes, log-ratios within +-20 (where every framework's bound is inert).
+VERL = "volcengine/verl@b178a3cd56f58b2d502255daba591e92833930a7"
+PRIME_RL = "PrimeIntellect-ai/prime-rl@559b44772e471d1538537b8805cc77f3824a5e64"
+SLIME = "THUDM/slime@624b824a898ab0ec1fcb4d373004c7f3852bf515"
+PARITY_RTOL = 1e-6  # float64 inputs; tim_rl computes its weights in float32
+
+
+def _parity_batch(seed=0, B=6, T=9, scale=0.3):
+    """(logp, logq, mask, adv): float64 log-probs, a gap of `scale`, a ragged mask with holes and an empty row."""
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    logq = logp - scale * torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = torch.rand(B, T, generator=g) < 0.8
+    mask[0, 2] = False  # an interior hole
+    mask[-1] = False  # an all-masked row
+    adv = torch.randn(B, 1, generator=g, dtype=torch.float64)
+    return logp, logq, mask, adv
+
+
+def _verl_rs(log_ratio, mask, option, lower, upper):
+    """verl compute_rollout_rejection_mask's per-option keep (VERL, verl/trainer/ppo/rollout_corr_helper.py)."""
+    m = mask.double()
+    log_ratio_safe = torch.clamp(log_ratio, min=-20.0, max=20.0)
+    k = {"k1": -log_ratio_safe, "k2": 0.5 * log_ratio_safe**2,
+         "k3": torch.exp(log_ratio_safe) - 1.0 - log_ratio_safe}[option[-2:]]
+    if option.startswith("seq_sum"):
+        k = (k * m).sum(-1, keepdim=True)
+    elif option.startswith("seq_mean"):
+        k = (k * m).sum(-1, keepdim=True) / (m.sum(-1, keepdim=True) + 1e-8)  # verl_F.masked_mean
+    if option.endswith("k1"):
+        return ((k >= math.log(lower)) & (k <= math.log(upper))).expand_as(mask) & mask
+    return (k <= upper).expand_as(mask) & mask
+
+
+@pytest.mark.parametrize("option", ["token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+                                    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3"])
+def test_divergence_masks_equal_verl_rollout_rs(option):
+    logp, logq, mask, _ = _parity_batch(scale=0.05)
+    ours = {"token": tr.divergence_mask_weights, "seq_sum": tr.divergence_seq_sum_mask,
+            "seq_mean": tr.divergence_seq_mean_mask}[option.rsplit("_", 1)[0]]
+    estimator = {"k1": tr.kl_k1, "k2": tr.kl_k2, "k3": tr.kl_k3}[option[-2:]]
+    for threshold in ((1.03, 1.08), 1.05, 0.001, 0.02):
+        if isinstance(threshold, tuple) and not option.endswith("k1"):
+            continue
+        lower, upper = threshold if isinstance(threshold, tuple) else (1 / threshold, threshold)
+        theirs = _verl_rs(logp - logq, mask, option, lower, upper)
+        assert torch.equal(ours(logp, logq, mask, threshold, estimator) > 0, theirs), (option, threshold)
+    zero_gap = ours(logp, logp, mask, 1.01 if option.endswith("k1") else 0.01, estimator)
+    assert torch.equal(zero_gap > 0, mask), "anti-vacuity: no gap keeps every token"
+
+
+def test_sequence_tis_and_its_normalisation_equal_verl_rollout_is_sequence():
+    """verl compute_rollout_correction_weights(rollout_is="sequence", batch_normalize=True): the raw sum bounded at
+    +-20, truncated, then divided by the mean over non-empty sequences (VERL)."""
+    logp, logq, mask, _ = _parity_batch(scale=6.0)  # sums well past +-20
+    m = mask.double()
+    log_ratio_sum = ((logp - logq) * m).sum(-1, keepdim=True)
+    w = torch.exp(torch.clamp(log_ratio_sum, min=-20.0, max=20.0)).expand_as(logp) * m
+    w = w.clamp(max=5.0)
+    seq_weights = (w * m).sum(-1) / (m.sum(-1) + 1e-8)
+    seq_mask = (m.sum(-1) > 0).double()
+    theirs = w / ((seq_weights * seq_mask).sum() / seq_mask.sum().clamp_min(1e-8))
+    ours = tr.seq_tis_weights(logp, logq, mask, cap=5.0)
+    assert torch.allclose(ours.double(), w, rtol=PARITY_RTOL, atol=0)
+    assert torch.allclose(tr.self_normalize_seq_weights(ours, mask).double(), theirs, rtol=PARITY_RTOL, atol=0)
+    assert (log_ratio_sum.abs() > 20).any() and (w[mask] < 5).any(), "anti-vacuity: the bound and the cap bite"
+
+
+def test_tis_low_equals_slime_two_sided_clip():
+    """slime vanilla_tis_function: clamp(exp(old - rollout), min=--tis-clip-low, max=--tis-clip) (SLIME,
+    slime/backends/megatron_utils/loss.py)."""
+    logp, logq, mask, _ = _parity_batch(scale=1.0)
+    theirs = torch.clamp(torch.exp(logp - logq), min=0.5, max=2.0) * mask
+    assert torch.allclose(tr.tis_weights(logp, logq, mask, cap=2.0, low=0.5).double(), theirs, rtol=PARITY_RTOL)
+    assert not torch.allclose(tr.tis_weights(logp, logq, mask, cap=2.0).double(), theirs), "anti-vacuity"
+
+
+def test_dppo_and_k2_equal_prime_rl_default_loss():
+    """prime-rl default_loss_fn (PRIME_RL, src/prime_rl/trainer/rl/loss.py), its sum over tokens divided by their
+    number: asymmetric masks dppo_mask_low / _high, and kl_tau (log r)^2 = k2_penalty(coef = 2 kl_tau)."""
+    logp, logq, mask, adv = _parity_batch(scale=1.0)
+    A = adv.expand_as(logp)
+    low, high, kl_tau = 0.1, 0.3, 1e-2
+
+    def prime_rl(trainer_logprobs):
+        log_importance_ratio = trainer_logprobs - logq
+        importance_ratio = torch.exp(log_importance_ratio)
+        probs_diff = torch.exp(trainer_logprobs) - torch.exp(logq)
+        is_masked = torch.where(A > 0, probs_diff > high, probs_diff < -low)
+        keep_mask = mask & ~is_masked
+        per_token_loss = -(keep_mask * A * importance_ratio) + kl_tau * (mask * log_importance_ratio**2)
+        return per_token_loss.sum() / mask.sum()
+
+    lp_a, lp_b = logp.clone().requires_grad_(), logp.clone().requires_grad_()
+    theirs = prime_rl(lp_a)
+    ours = tr.dppo_loss(lp_b, logq, adv, mask, delta_low=low, delta_high=high) + tr.k2_penalty(
+        lp_b, logq, mask, coef=2 * kl_tau)
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=PARITY_RTOL)
+    g_a, g_b = torch.autograd.grad(theirs, lp_a)[0], torch.autograd.grad(ours, lp_b)[0]
+    assert torch.allclose(g_b, g_a, rtol=PARITY_RTOL, atol=1e-12)
+
+
+def test_cispo_eps_low_equals_verl_cispo():
+    """verl compute_policy_loss_cispo: -sg(clamp(r, 1 - clip_ratio_low, 1 + clip_ratio_high)) A log p, token-mean
+    (VERL, verl/trainer/ppo/core_algos.py)."""
+    logp, logq, mask, adv = _parity_batch(scale=0.5)
+    lp_a, lp_b = logp.clone().requires_grad_(), logp.clone().requires_grad_()
+    ratio = torch.exp(torch.clamp(lp_a - logq, min=-20.0, max=20.0))
+    pg_losses = -torch.clamp(ratio, 1 - 0.2, 1 + 0.28).detach() * adv * lp_a
+    theirs = (pg_losses * mask).sum() / mask.sum()
+    ours = tr.cispo_loss(lp_b, logq, adv, mask, eps_high=0.28, eps_low=0.2)
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=PARITY_RTOL)
+    assert torch.allclose(torch.autograd.grad(ours, lp_b)[0], torch.autograd.grad(theirs, lp_a)[0],
+                          rtol=PARITY_RTOL, atol=1e-12)
+
+
+def _verl_agg_loss(loss_mat, loss_mask, loss_agg_mode):
+    """verl agg_loss on one process (VERL, verl/trainer/ppo/core_algos.py)."""
+    loss_mask = loss_mask.double()
+    if loss_agg_mode == "token-mean":
+        return (loss_mat * loss_mask).sum() / loss_mask.sum()
+    if loss_agg_mode == "seq-mean-token-sum":
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
+        seq_mask = (torch.sum(loss_mask, dim=-1) > 0).double()
+        return (seq_losses * seq_mask).sum() / seq_mask.sum()
+    if loss_agg_mode == "seq-mean-token-mean":
+        seq_mask = torch.sum(loss_mask, dim=-1)
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1) / (seq_mask + 1e-8)
+        seq_mask = (seq_mask > 0).double()
+        return (seq_losses * seq_mask).sum() / seq_mask.sum()
+    return torch.sum(torch.sum(loss_mat * loss_mask, dim=-1)) / loss_mask.shape[-1]
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
+def test_aggregate_loss_equals_verl_agg_loss(mode):
+    logp, _, mask, _ = _parity_batch()
+    assert float(tr.aggregate_loss(logp, mask, mode)) == pytest.approx(float(_verl_agg_loss(logp, mask, mode)),
+                                                                       rel=PARITY_RTOL)
+
+
+def test_gspo_equals_verl_gspo():
+    """verl compute_policy_loss_gspo (VERL, verl/trainer/ppo/core_algos.py), seq-mean-token-mean: value and
+    gradient, with clip bounds that bite on some sequences."""
+    logp, logq, mask, adv = _parity_batch(scale=0.05)
+    lp_a, lp_b = logp.clone().requires_grad_(), logp.clone().requires_grad_()
+    negative_approx_kl = lp_a - logq
+    seq_lengths = torch.sum(mask, dim=-1).clamp(min=1)
+    negative_approx_kl_seq = torch.sum(negative_approx_kl * mask, dim=-1) / seq_lengths
+    log_seq_importance_ratio = lp_a - lp_a.detach() + negative_approx_kl_seq.detach().unsqueeze(-1)
+    seq_importance_ratio = torch.exp(torch.clamp(log_seq_importance_ratio, max=10.0))
+    pg_losses = torch.maximum(-adv * seq_importance_ratio, -adv * torch.clamp(seq_importance_ratio, 1 - 0.01,
+                                                                              1 + 0.02))
+    theirs = _verl_agg_loss(pg_losses, mask, "seq-mean-token-mean")
+    ours = tr.gspo_loss(lp_b, logq, adv, mask, eps_low=0.01, eps_high=0.02)
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=PARITY_RTOL)
+    g_a, g_b = torch.autograd.grad(theirs, lp_a)[0], torch.autograd.grad(ours, lp_b)[0]
+    assert torch.allclose(g_b, g_a, rtol=PARITY_RTOL, atol=1e-12)
+    assert ((g_a == 0) & mask).any() and ((g_a != 0) & mask).any(), "anti-vacuity: some sequences clipped"

@@ -1290,6 +1290,8 @@ def _copy_calls():
         "score_centering_loss": lambda f: f(a, head, b, head_infer, adv, mask),
         "dlc_loss": lambda f: f(a, b, c, adv, mask),
         "dppo_loss": lambda f: f(a, b, adv, mask),
+        "gspo_loss": lambda f: f(a, b, adv, mask, 0.01, 0.02),
+        "aggregate_loss": lambda f: f(a, mask, "seq-mean-token-mean"),
         "effective_token_weights": lambda f: f(-(logp_grad * adv).sum(), logp_grad, adv, mask).nan_to_num(-9.0),
         "dlc_should_resync": lambda f: f(a, b, mask, 3, 0, 0.05),
         "truncation_mask": lambda f: f(logits.detach(), 0.8, 6, 0.05),
@@ -1641,9 +1643,13 @@ def test_the_trust_region_veto_drops_a_sequence_for_one_token_that_the_mean_forg
     assert by_mean.tolist() == [[1] * 3, [1] * 3], "anti-vacuity: the mean keeps what the veto drops"
     ragged = torch.tensor([[True, True, False], [True, True, True]])  # the outlier is padding now: veto lifted
     assert tr.divergence_seq_max_mask(logp_old, logp_infer, ragged, 0.02).tolist() == [[1, 1, 0], [1, 1, 1]]
-    k1 = tr.divergence_seq_mean_mask(logp_old, logp_infer, mask, -0.05, estimator=tr.kl_k1)  # -0.1 | -0.017
-    assert k1.tolist() == [[1] * 3, [0] * 3] and tr.divergence_mask_weights(
-        logp_old, logp_infer, mask, -0.04, estimator=tr.kl_k1).tolist() == [[1, 0, 1], [1, 1, 0]]
+    # k1 = log q / p is verl's band on q / p: mean k1 -0.1 | -0.017 against [log 0.8, log 0.95] = [-0.22, -0.051]
+    k1 = tr.divergence_seq_mean_mask(logp_old, logp_infer, mask, (0.8, 0.95), estimator=tr.kl_k1)
+    assert k1.tolist() == [[1] * 3, [0] * 3]
+    lone = tr.divergence_seq_mean_mask(logp_old, logp_infer, mask, 1.06, estimator=tr.kl_k1)  # |k1| <= 0.058
+    assert lone.tolist() == [[0] * 3, [1] * 3], "a lone u is the band [1/u, u]: the other sequence"
+    assert tr.divergence_mask_weights(logp_old, logp_infer, mask, 1.06, estimator=tr.kl_k1).tolist() == [
+        [1, 1, 0], [1, 1, 1]]
 
 
 @pytest.mark.parametrize("correction,reduce", [("rs", None), ("rs_seq_max", "amax"), ("rs_seq_mean", "mean"),
@@ -1667,7 +1673,7 @@ RHO_2026 = torch.tensor([[3.0], [0.5], [1.2], [0.8]])
     ("rs", {}, lambda rho: (_k3(rho.log()) <= 0.01).float()),  # k3 0.90, 0.19, 0.018, 0.023: all dropped
     ("rs", {"rs_threshold": 0.02}, lambda rho: (_k3(rho.log()) <= 0.02).float()),  # token 2 kept
     ("rs", {"rs_threshold": 0.3, "rs_estimator": "k2"}, lambda rho: (rho.log().square() / 2 <= 0.3).float()),
-    ("rs", {"rs_threshold": 0.2, "rs_estimator": "k1"}, lambda rho: (-rho.log() <= 0.2).float()),
+    ("rs", {"rs_threshold": 1.5, "rs_estimator": "k1"}, lambda rho: (rho.log().abs() <= math.log(1.5)).float()),
     ("rs_seq_max", {"rs_threshold": 0.02}, lambda rho: (_k3(rho.log()) <= 0.02).float()),  # T = 1: max = token
     ("tis_sn", {}, lambda rho: rho.clamp(max=2.0) / rho.clamp(max=2.0).mean()),  # (2, .5, 1.2, .8) / 1.125
     ("cispo", {}, lambda rho: rho.clamp(max=1.28)),  # r = p / q capped at 1 + eps_high, nothing dropped
@@ -1723,6 +1729,78 @@ def test_opsm_keeps_good_samples_and_drops_bad_ones_the_trainer_already_disfavou
     bad[0, 1] = bad[3, 1] = math.nan
     w = tr.opsm_mask(logp, bad, adv, torch.ones(4, 2, dtype=torch.bool), delta=0.1)
     assert w.tolist() == [[1, 0], [0, 0], [1, 1], [0, 0]]
+
+
+def test_sequence_weights_bound_the_sum_not_each_token():
+    """log rho = (+15, -30): the sequence's log-ratio is -15, its weight e^-15 = 3.1e-7 (verl, slime and TRL); a
+    clamp of each token at +-20 first would give e^-5 = 6.7e-3. OPSM (delta 5): mean log q / p = 7.5 drops it."""
+    log_rho = torch.tensor([[15.0, -30.0]])
+    zero, mask = torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool)
+    assert tr.seq_tis_weights(log_rho, zero, mask)[0].tolist() == pytest.approx([math.exp(-15)] * 2, rel=1e-5)
+    assert tr.seq_mask_weights(log_rho, zero, mask, high=1.0)[0].tolist() == pytest.approx([math.exp(-15)] * 2,
+                                                                                             rel=1e-5)
+    assert tr.opsm_mask(log_rho, zero, torch.tensor([-1.0]), mask, delta=5.0).tolist() == [[0, 0]]
+    assert tr.opsm_mask(log_rho, zero, torch.tensor([-1.0]), mask, delta=8.0).tolist() == [[1, 1]], "anti-vacuity"
+    assert tr.geo_mask_weights(log_rho, zero, mask, 0.0, math.exp(-7.4)).tolist() == [[1, 1]]  # geo mean e^-7.5
+    assert tr.tis_weights(log_rho, zero, mask, cap=math.inf)[0, 1] == pytest.approx(math.exp(-20), rel=1e-5), \
+        "a token weight is still bounded where exp is taken"
+
+
+def test_gspo_divides_per_token_engine_noise_by_the_length():
+    """Per-token noise eps_t = +-sigma in log p / q, i.i.d. over T tokens: over all 2^T sign patterns (exact), token
+    TIS's log-weights have variance sigma^2, GSPO's sequence ratio log s = mean_t eps_t has sigma^2 / T; its
+    gradient is s_i A grad log p_t on every token (effective weight s_i)."""
+    import itertools
+
+    sigma, T = 0.1, 4
+    eps = torch.tensor(list(itertools.product((sigma, -sigma), repeat=T)), dtype=torch.float64)  # (2^T, T)
+    logp = torch.full_like(eps, math.log(0.5)).requires_grad_()
+    logq = logp.detach() - eps
+    mask = torch.ones_like(eps, dtype=torch.bool)
+    adv = torch.ones(eps.shape[0], 1, dtype=torch.float64)
+    log_w_tis = tr.tis_weights(logp.detach(), logq, mask, cap=math.inf).double().log()
+    loss = tr.gspo_loss(logp, logq, adv, mask, eps_low=math.inf, eps_high=math.inf)  # no clip: the ratio alone
+    log_s = tr.effective_token_weights(loss, logp, adv, mask).log()
+    assert torch.allclose(log_s, eps.mean(dim=1, keepdim=True).expand_as(eps), atol=1e-6)
+    assert float(log_w_tis.var(unbiased=False)) == pytest.approx(sigma**2, rel=1e-5)
+    assert float(log_s.var(unbiased=False)) == pytest.approx(sigma**2 / T, rel=1e-5)
+    clipped = tr.gspo_loss(logp, logq, adv, mask)  # the paper's 3e-4 / 4e-4: every s != 1 outside for A > 0
+    kept = tr.effective_token_weights(clipped, logp, adv, mask)[:, 0]
+    assert torch.equal(kept != 0, eps.sum(dim=1) <= 0), "anti-vacuity: A > 0 keeps only s <= 1 + eps_high"
+
+
+def test_aggregation_modes_weigh_long_and_short_sequences_differently():
+    """(B, T) = (3, 4), lengths 1, 4 and 0, per-token loss 1 | 2 | 5: token-mean 9/5, seq-mean-token-mean (1 + 2)/2,
+    seq-mean-token-sum (1 + 8)/2, seq-mean-token-sum-norm 9/4 (verl's T); an all-masked row is left out."""
+    x = torch.tensor([[1.0, 1, 1, 1], [2, 2, 2, 2], [5, 5, 5, 5]], dtype=torch.float64)
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.bool)
+    got = {m: float(tr.aggregate_loss(x, mask, m)) for m in ("token-mean", "seq-mean-token-mean",
+                                                             "seq-mean-token-sum", "seq-mean-token-sum-norm")}
+    assert got == {"token-mean": 9 / 5, "seq-mean-token-mean": 1.5, "seq-mean-token-sum": 4.5,
+                   "seq-mean-token-sum-norm": 9 / 4}
+    assert float(tr.aggregate_loss(x, mask, "token-mean")) == pytest.approx(float(tr.masked_mean(x, mask)))
+    with pytest.raises(ValueError, match="mode must be"):
+        tr.aggregate_loss(x, mask, "seq-mean")
+
+
+def test_dppo_beyond_a_log_ratio_of_20_keeps_r_a_grad_log_p():
+    """log p/q = 25, A = -1 (never masked: p - q > 0): value -r A / N and gradient -r A / N with r = e^25, as the
+    docstring says; the asymmetric masks: delta_high bounds A > 0, delta_low A < 0."""
+    logp = torch.tensor([[-1.0, -3.0]], dtype=torch.float64).requires_grad_()
+    logq = torch.tensor([[-26.0, -3.0]], dtype=torch.float64)
+    adv, mask = torch.tensor([[-1.0]], dtype=torch.float64), torch.ones(1, 2, dtype=torch.bool)
+    loss = tr.dppo_loss(logp, logq, adv, mask)
+    (g,) = torch.autograd.grad(loss, logp)
+    assert float(loss) == pytest.approx((math.exp(25) + 1) / 2, rel=1e-12)
+    assert g[0].tolist() == pytest.approx([math.exp(25) / 2, 0.5], rel=1e-12)
+    logp = torch.log(torch.tensor([[0.6], [0.2]], dtype=torch.float64)).requires_grad_()
+    logq = torch.log(torch.tensor([[0.3], [0.5]], dtype=torch.float64))  # p - q = +0.3 (A > 0), -0.3 (A < 0)
+    adv, mask = torch.tensor([[1.0], [-1.0]], dtype=torch.float64), torch.ones(2, 1, dtype=torch.bool)
+    kept = {}
+    for bounds in ({}, {"delta_high": 0.4}, {"delta_low": 0.4}, {"delta": 0.4}):
+        w = tr.effective_token_weights(tr.dppo_loss(logp, logq, adv, mask, **bounds), logp, adv, mask)
+        kept[tuple(bounds.items())] = (w[:, 0] != 0).tolist()
+    assert list(kept.values()) == [[False, False], [True, False], [False, True], [True, True]]
 
 
 @pytest.mark.parametrize("name", ["rs", "rs_seq_max", "rs_seq_mean", "rs_seq_sum", "tis_sn"])

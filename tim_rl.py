@@ -88,8 +88,10 @@ if __name__ == "__main__":  # a command-line run: machinery.py sets OpenMP's pol
 
 import torch
 
-# Log-ratios are clamped to +-LOG_RATIO_CLAMP before exp: exp(20) ~ 4.9e8 is far beyond any cap or
-# band used here, so the clamp never changes a kept weight, but keeps exp() and its gradient finite.
+# Log-ratios are bounded to +-LOG_RATIO_CLAMP where exp is taken: per token for token weights, after
+# summing (or averaging) for sequence weights. exp(20) ~ 4.9e8 is beyond every cap and band here, so
+# the bound keeps exp() and its gradient finite; it moves a kept weight only below e^-20 ~ 2e-9
+# (TRL and slime, unbounded, give e^-30 at log rho = -30).
 LOG_RATIO_CLAMP = 20.0
 # Tail masses of the score-centering top-k estimator are floored here (Marek & Ryabinin, App. A).
 TAIL_FLOOR = 1e-6
@@ -853,13 +855,16 @@ def copc_advantages(values, rewards, logp, logp_infer, mask, gamma=1.0, lam=1.0,
 # proximal p_prox under decoupled PPO.
 
 
-def tis_weights(logp_old, logp_infer, mask: torch.Tensor, cap: float = 2.0) -> torch.Tensor:
-    """w = min(rho, C): token-level truncated IS, Yao et al. 2025 [1]. Non-finite -> 0. (B, T).
+def tis_weights(logp_old, logp_infer, mask, cap: float = 2.0, low: float = 0.0) -> torch.Tensor:
+    """w = clip(rho, low, C): token truncated IS, Yao et al. 2025 [1]. Non-finite -> 0. (B, T).
+
+    low = 0 truncates above only (verl rollout_is="token"); low > 0 is slime's two-sided clip
+    (--tis-mode clip, --tis-clip-low low, --tis-clip C).
 
     needs: _log_ratio, LOG_RATIO_CLAMP
     """
     log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
-    w = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(max=cap)
+    w = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(low, cap)
     return torch.where(ok, w, 0.0)
 
 
@@ -878,10 +883,11 @@ def mis_weights(logp_old, logp_infer, mask, low: float = 0.5, high: float = 5.0)
 def _sequence_log_ratio(mask, **pair):
     """(sum_t log rho_t, True where every generated token is finite, ok) for pair as _log_ratio's.
 
-    (B, 1), (B, 1), (B, T); each token's log rho is clamped to +-LOG_RATIO_CLAMP before the sum.
+    (B, 1), (B, 1), (B, T). The raw log-ratios are summed, as verl, slime and TRL do; a caller
+    bounds the sum where it takes exp.
     """
     log_rho, ok = _log_ratio(mask, **pair)
-    total = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).sum(dim=1, keepdim=True)  # (B, 1)
+    total = log_rho.sum(dim=1, keepdim=True)  # (B, 1)
     return total, (ok == mask).all(dim=1, keepdim=True), ok
 
 
@@ -916,12 +922,15 @@ def geo_mask_weights(logp_old, logp_infer, mask, low: float = 0.99, high: float 
     """w_i = 1[low <= exp(mean_t log rho_it) <= high] on every token of sequence i. (B, T).
 
     The geometric-mean sequence mask: a length-neutral replacement for the sequence product
-    (TRL #5814, NeMo-RL #2269). Non-finite -> 0.
+    (TRL #5814, NeMo-RL #2269). Non-finite -> 0. Equals verl rollout_rs="seq_mean_k1" with
+    rollout_rs_threshold "1/high_1/low" (verl's k1 is log q/p: its literal "low_high" bounds q/p),
+    and divergence_seq_mean_mask(..., (1 / high, 1 / low), kl_k1), where |log rho| <= 20.
 
     needs: _log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
     """
     total, seq_ok, _ = _sequence_log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
-    geo = (total / mask.sum(dim=1, keepdim=True).clamp(min=1)).exp()  # (B, 1)
+    mean_log_rho = total / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
+    geo = mean_log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
     return (mask & seq_ok & (geo >= low) & (geo <= high)).float()
 
 
@@ -948,10 +957,9 @@ def dlc_weights(logp_old, logp_infer, mask, clamp: float = 1.0):
     part of the engine discrepancy (its batch mean) is removed, the rest is a bounded weight in
     [e^-c, e^c]. Non-finite -> 0.
 
-    needs: _log_ratio, masked_mean, LOG_RATIO_CLAMP
+    needs: _log_ratio, masked_mean
     """
     d, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
-    d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     w = (d - masked_mean(d, ok)).clamp(-clamp, clamp).exp()  # centred, then bounded
     return torch.where(ok, w, 0.0)
 
@@ -1033,26 +1041,32 @@ def kl_k3(log_rho: torch.Tensor) -> torch.Tensor:
 
 
 def divergence_mask_weights(logp_old, logp_infer, mask, threshold=0.01, estimator=None):
-    """m = 1[k(log rho) <= threshold] per token: verl rollout_rs="token_k1|k2|k3". (B, T).
+    """m = 1[k(log rho) within threshold] per token: verl rollout_rs="token_k1|k2|k3". (B, T).
 
-    k = estimator(log rho): kl_k1, kl_k2 or kl_k3 (None: kl_k3; K3-RS preset 0.01). Rejection, not
-    reweighting: kept tokens get weight 1. Non-finite log-ratio -> 0.
+    k = estimator(log rho): kl_k1, kl_k2 or kl_k3 (None: kl_k3; K3-RS preset 0.01), each token's
+    log rho bounded at +-LOG_RATIO_CLAMP first (verl's SAFETY_BOUND). "Within" is k <= threshold
+    for k2, k3; for k1 verl's band on q / p: log lo <= k1 <= log hi with threshold (lo, hi), a lone
+    hi meaning (1 / hi, hi). Rejection, not reweighting: kept tokens get weight 1. Non-finite -> 0.
 
-    needs: _log_ratio, kl_k3, LOG_RATIO_CLAMP
+    needs: _divergence, _log_ratio, _within, kl_k1, kl_k3, LOG_RATIO_CLAMP
     """
-    log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
-    estimate = (estimator or kl_k3)(log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    return (ok & (estimate <= threshold)).float()
+    estimate, ok = _divergence(logp_old, logp_infer, mask, estimator)
+    return (ok & _within(estimate, threshold, estimator)).float()
 
 
-def _sequence_divergence(logp_old, logp_infer, mask, estimator=None):
-    """(per-token estimate k (kl_k3 by default), -inf off the mask; sum_t k; True where every
-    generated token is finite). (B, T), (B, 1), (B, 1)."""
+def _divergence(logp_old, logp_infer, mask, estimator=None):
+    """(k(log rho) per token, 0 where not ok; ok) with log rho bounded as verl does. (B, T)."""
     log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     estimate = (estimator or kl_k3)(log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    total = torch.where(mask, estimate, 0.0).sum(dim=1, keepdim=True)  # (B, 1)
-    estimate = torch.where(mask, estimate, -math.inf)  # (B, T)
-    return estimate, total, (ok == mask).all(dim=1, keepdim=True)
+    return torch.where(ok, estimate, 0.0), ok
+
+
+def _within(statistic, threshold, estimator):
+    """statistic <= threshold, or for kl_k1 verl's band log lo <= statistic <= log hi."""
+    if estimator is not kl_k1:
+        return statistic <= threshold
+    lo, hi = threshold if isinstance(threshold, tuple) else (1 / threshold, threshold)
+    return (statistic >= math.log(lo)) & (statistic <= math.log(hi))
 
 
 def divergence_seq_max_mask(logp_old, logp_infer, mask, threshold=0.01, estimator=None):
@@ -1060,37 +1074,43 @@ def divergence_seq_max_mask(logp_old, logp_infer, mask, threshold=0.01, estimato
 
     Trust Region Masking (Li et al., arXiv 2512.23075: the error bounds grow with the largest
     per-token divergence, so a sequence with one token outside the region is dropped whole); verl
-    rollout_rs="seq_max_k2|k3". Non-finite -> 0 for the sequence.
+    rollout_rs="seq_max_k2|k3". Keeps a sequence whose every token divergence_mask_weights keeps
+    (so kl_k1, which verl lacks here, is its band). Non-finite -> 0 for the sequence.
 
-    needs: _log_ratio, kl_k3, _sequence_divergence, LOG_RATIO_CLAMP
+    needs: divergence_mask_weights
     """
-    estimate, _, seq_ok = _sequence_divergence(logp_old, logp_infer, mask, estimator)
-    return (mask & seq_ok & (estimate.amax(dim=1, keepdim=True) <= threshold)).float()
+    kept = divergence_mask_weights(logp_old, logp_infer, mask, threshold, estimator) > 0
+    return (mask & (kept | ~mask).all(dim=1, keepdim=True)).float()
 
 
 def divergence_seq_mean_mask(logp_old, logp_infer, mask, threshold=0.01, estimator=None):
-    """m_i = 1[mean_t k(log rho_it) <= threshold]: verl rollout_rs="seq_mean_k1|k2|k3". (B, T).
+    """m_i = 1[mean_t k(log rho_it) within threshold]: verl rollout_rs="seq_mean_k1|k2|k3". (B, T).
 
-    Length-neutral like geo_mask_weights (with kl_k1 it is a one-sided geometric-mean mask).
-    Non-finite -> 0 for the sequence.
+    "Within" and the per-token bound as in divergence_mask_weights. Length-neutral like
+    geo_mask_weights (with kl_k1 a band on the geometric mean of q / p). Non-finite -> 0 for the
+    sequence.
 
-    needs: _log_ratio, kl_k3, _sequence_divergence, LOG_RATIO_CLAMP
+    needs: _divergence, _log_ratio, _within, kl_k1, kl_k3, LOG_RATIO_CLAMP
     """
-    _, total, seq_ok = _sequence_divergence(logp_old, logp_infer, mask, estimator)
-    mean = total / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
-    return (mask & seq_ok & (mean <= threshold)).float()
+    estimate, ok = _divergence(logp_old, logp_infer, mask, estimator)
+    mean = estimate.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+    seq_ok = (ok == mask).all(dim=1, keepdim=True)
+    return (mask & seq_ok & _within(mean, threshold, estimator)).float()
 
 
 def divergence_seq_sum_mask(logp_old, logp_infer, mask, threshold=0.01, estimator=None):
-    """m_i = 1[sum_t k(log rho_it) <= threshold]: verl rollout_rs="seq_sum_k1|k2|k3". (B, T).
+    """m_i = 1[sum_t k(log rho_it) within threshold]: verl rollout_rs="seq_sum_k1|k2|k3". (B, T).
 
-    The sum grows with the length, so long sequences are dropped first (like the sequence
-    product). Non-finite -> 0 for the sequence.
+    "Within" and the per-token bound as in divergence_mask_weights. The sum grows with the length,
+    so long sequences are dropped first (like the sequence product). Non-finite -> 0 for the
+    sequence.
 
-    needs: _log_ratio, kl_k3, _sequence_divergence, LOG_RATIO_CLAMP
+    needs: _divergence, _log_ratio, _within, kl_k1, kl_k3, LOG_RATIO_CLAMP
     """
-    _, total, seq_ok = _sequence_divergence(logp_old, logp_infer, mask, estimator)
-    return (mask & seq_ok & (total <= threshold)).float()
+    estimate, ok = _divergence(logp_old, logp_infer, mask, estimator)
+    seq_ok = (ok == mask).all(dim=1, keepdim=True)
+    total = estimate.sum(dim=1, keepdim=True)  # (B, 1)
+    return (mask & seq_ok & _within(total, threshold, estimator)).float()
 
 
 def self_normalize_weights(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -1115,7 +1135,8 @@ def self_normalize_seq_weights(weights: torch.Tensor, mask: torch.Tensor) -> tor
 
     The mean is over sequences, not tokens, so a long sequence is one vote: verl
     rollout_is="sequence" + rollout_is_batch_normalize. A sequence's weight is read at its first
-    generated token; non-finite -> 0.
+    generated token; non-finite -> 0. An all-masked row is left out of the mean, as verl does
+    (slime's mean counts it as a weight 0).
 
     needs: _check_bt
     """
@@ -1139,7 +1160,7 @@ def opsm_mask(logp, logp_infer, adv, mask, delta: float = 1e-4):
     Positive-advantage sequences are always kept. A non-finite token gets 0 and makes its
     sequence's KL unmeasurable: dropped when A < 0. adv (B, T), (B, 1) or (B,).
 
-    needs: _check_adv, _log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
+    needs: _check_adv, _log_ratio, _sequence_log_ratio
     """
     total, seq_ok, ok = _sequence_log_ratio(mask, logp_infer=logp_infer, logp=logp)  # log q / p
     A = _check_adv(adv, mask)
@@ -1271,25 +1292,34 @@ def dlc_loss(logp, logp_old, logp_infer, adv, mask, eps_low=0.2, eps_high=0.28, 
     return ppo_loss(logp, logp_prox, adv, mask, weights=weights, eps_low=eps_low, eps_high=eps_high)
 
 
-def dppo_loss(logp, logp_infer, adv, mask, delta: float = 0.2):
+# exp(80) ~ 5.5e34: finite in float32 (max 3.4e38), even summed over a batch's tokens
+DPPO_LOG_RATIO_MAX = 80.0
+
+
+def dppo_loss(logp, logp_infer, adv, mask, delta=0.2, delta_low=None, delta_high=None):
     """-mean_mask(m r A), r = p / q, m = 0 iff the token already moved > delta toward A. DPPO [8].
 
     Binary-TV: the trust region is the sampled token's absolute probability shift p - q from the
-    behaviour (sampler) policy; only updates that push further out are masked. Otherwise the
-    gradient is the IS-weighted policy gradient r A grad log p. Non-finite log-ratio -> token
-    dropped. (B, T) -> ().
+    behaviour (sampler) policy; only updates that push further out are masked: p - q > delta_high
+    when A > 0, p - q < -delta_low when A < 0 (each None: delta; prime-rl dppo_mask_high /
+    dppo_mask_low). Otherwise value and gradient are r A and r A grad log p, as prime-rl's, up to
+    r = e^DPPO_LOG_RATIO_MAX (where prime-rl's float32 overflows soon after); beyond, both are
+    e^DPPO_LOG_RATIO_MAX A (grad log p). Non-finite log-ratio -> token dropped. (B, T) -> ().
 
-    needs: _check_adv, _check_bt, masked_mean, LOG_RATIO_CLAMP
+    needs: _check_adv, _check_bt, masked_mean, DPPO_LOG_RATIO_MAX
     """
     _check_bt(mask, logp=logp, logp_infer=logp_infer)
     A = _check_adv(adv, mask)
     ok = mask & torch.isfinite(logp) & torch.isfinite(logp_infer)
     log_ratio = torch.where(ok, logp - logp_infer.detach(), torch.zeros_like(logp))
-    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # r = p / q, with gradient
+    r = log_ratio.detach().clamp(max=DPPO_LOG_RATIO_MAX).exp()
+    ratio = r * (log_ratio - log_ratio.detach()).exp()  # value r, gradient r grad log p
     p = torch.where(ok, logp.detach(), 0.0).exp()
     q = torch.where(ok, logp_infer.detach(), 0.0).exp()
     shift = p - q  # detached
-    outside = ((A > 0) & (shift > delta)) | ((A < 0) & (shift < -delta))
+    high = delta if delta_high is None else delta_high
+    low = delta if delta_low is None else delta_low
+    outside = ((A > 0) & (shift > high)) | ((A < 0) & (shift < -low))
     return -masked_mean(torch.where(outside, 0.0, ratio * A), ok)
 
 
@@ -1323,7 +1353,7 @@ def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness=0, max
     logp_master_old, so export rounding is not counted as lag); both (B, T). An unmeasurable
     (non-finite) lag resyncs.
 
-    needs: _check_bt, _log_ratio, masked_mean, LOG_RATIO_CLAMP
+    needs: _check_bt, _log_ratio, masked_mean
     """
     lag, ok = _log_ratio(mask, logp=logp, logp_old=logp_old)
     if max_staleness <= 0 and max_lag <= 0:
@@ -1331,13 +1361,12 @@ def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness=0, max
     # an unmeasurable lag is no reason to trust a stale sampler; then: too stale, or lagging
     if bool((mask & ~ok).any()) or 0 < max_staleness <= staleness:
         return True
-    lag = lag.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return max_lag > 0 and float(masked_mean(lag.abs(), ok)) > max_lag
 
 
 
-def cispo_loss(logp, logp_infer, adv, mask, eps_high: float = 0.28):
-    """-mean_mask(sg(min(r, 1 + eps_high)) A logp), r = p / q: CISPO (MiniMax-M1). (B, T) -> ().
+def cispo_loss(logp, logp_infer, adv, mask, eps_high: float = 0.28, eps_low=None):
+    """-mean_mask(sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp), r = p / q: CISPO. (B, T) -> ().
 
     arXiv 2506.13585. The ratio is clipped as a detached coefficient, not inside PPO's min: no
     token's gradient is dropped, the confident ones are only scaled down. MiniMax-M1 (and TRL
@@ -1345,22 +1374,77 @@ def cispo_loss(logp, logp_infer, adv, mask, eps_high: float = 0.28):
     r = p / p_old against the trainer's proximal policy and leave the lower side unclipped; pass
     logp_prox as logp_infer for that. tim_rl's arm passes the sampler's q: one update per batch
     makes p / p_prox identically 1 (plain REINFORCE), while p / q covers the whole gap (lag and
-    numerics), so the arm is token TIS with cap 1 + eps_high. Non-finite log-ratio -> token
-    dropped.
+    numerics), so the arm is token TIS with cap 1 + eps_high. eps_low None: no lower clip, as
+    MiniMax-M1 and TRL; verl's compute_policy_loss_cispo clips below at 1 - clip_ratio_low (default
+    0.2): pass eps_low. Non-finite log-ratio -> token dropped.
 
     needs: _check_adv, _log_ratio, _finite_or_zero, masked_mean, LOG_RATIO_CLAMP, _check_bt
     """
     log_r, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
     A = _check_adv(adv, mask)
-    coef = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(max=1 + eps_high)  # a weight
+    low = None if eps_low is None else 1 - eps_low
+    coef = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(low, 1 + eps_high)  # a weight
     logp, ok = _finite_or_zero(logp, ok)
     return -masked_mean(coef * A * logp, ok)
+
+
+def aggregate_loss(per_token, mask, mode: str = "token-mean", norm=None) -> torch.Tensor:
+    """One scalar from (B, T) per-token losses: verl loss_agg_mode, TRL loss_type. -> ().
+
+    "token-mean": sum / tokens (every other loss here; verl's default; TRL "bnpo", and "dapo" on
+    one process). "seq-mean-token-mean": the mean over sequences of each one's token mean (TRL
+    "grpo", GSPO). "seq-mean-token-sum": the mean over sequences of each one's token sum.
+    "seq-mean-token-sum-norm": sum / norm, norm default T (verl); TRL "dr_grpo" is norm =
+    B * max_completion_length. A sequence with no token is left out of the sequence means, as
+    verl (TRL "grpo" counts it as 0). Non-finite or off the mask -> dropped.
+
+    needs: _finite_or_zero
+    """
+    x, ok = _finite_or_zero(per_token, mask)
+    tokens = ok.sum(dim=1)  # (B,)
+    if mode == "token-mean":
+        return x.sum() / tokens.sum().clamp(min=1)
+    if mode == "seq-mean-token-sum-norm":
+        return x.sum() / (mask.shape[1] if norm is None else norm)
+    seq = x.sum(dim=1)  # (B,)
+    if mode == "seq-mean-token-mean":
+        seq = seq / tokens.clamp(min=1)
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"mode must be token-mean | seq-mean-token-mean | seq-mean-token-sum | "
+                         f"seq-mean-token-sum-norm, got {mode!r}")
+    return seq.sum() / (tokens > 0).sum().clamp(min=1)
+
+
+def gspo_loss(logp, logp_old, adv, mask, eps_low: float = 3e-4, eps_high: float = 4e-4):
+    """-mean_i mean_t min(s_it A, clip(s_it, 1 - eps_low, 1 + eps_high) A): GSPO. (B, T) -> ().
+
+    Zheng et al., arXiv 2507.18071, in its GSPO-token form: s_i = exp(mean_t log p_it / p_old_it),
+    the sequence's length-normalised ratio, as s_it = sg(s_i) p_it / sg(p_it) (value s_i, gradient
+    s_i grad log p_it), clipped like PPO but per sequence (the paper's eps: 3e-4, 4e-4), averaged
+    over sequences of token means. verl policy_loss "gspo" (log s_i capped at 10); TRL
+    importance_sampling_level="sequence" with loss_type "grpo" (uncapped); here |log s_i| <= 20.
+    TIM: the arm takes the sampler's q as p_old, and the mean divides engine noise: i.i.d.
+    per-token noise of variance sigma^2 in log p/q gives log s_i the variance sigma^2 / T, where
+    token TIS gives each token's log-weight sigma^2. A non-finite token drops its sequence.
+    logp, logp_old, mask (B, T); adv (B, 1) or (B, T).
+
+    needs: _check_adv, _log_ratio, _sequence_log_ratio, _finite_or_zero, aggregate_loss,
+    LOG_RATIO_CLAMP, _check_bt
+    """
+    total, seq_ok, ok = _sequence_log_ratio(mask, logp=logp, logp_old=logp_old)  # detached
+    A = _check_adv(adv, mask)
+    log_s = total / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
+    logp, ok = _finite_or_zero(logp, ok & seq_ok)
+    s = log_s.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp() * (logp - logp.detach()).exp()
+    surrogate = torch.minimum(s * A, s.clamp(1 - eps_low, 1 + eps_high) * A)
+    return -aggregate_loss(surrogate, ok, "seq-mean-token-mean")
 
 
 def k2_penalty(logp, logp_infer, mask, coef: float = 1e-3):
     """coef mean_mask((logp - logp_infer)^2 / 2): a k2 pull toward the sampler (prime-rl). -> ().
 
-    prime-rl's loss, kl_tau = 1e-3. Its gradient coef (logp - logp_infer) grad logp moves each
+    prime-rl's default loss adds kl_tau (log r)^2 without the 1/2: coef = c is kl_tau = c / 2 (its
+    default kl_tau 1e-3 is coef 2e-3). The gradient coef (logp - logp_infer) grad logp moves each
     sampled token's trainer log-prob toward the sampler's, shrinking the mismatch the other terms
     must correct; added to any arm's loss (--k2-coef). Non-finite log-ratio -> token dropped.
     (B, T).
@@ -2703,6 +2787,9 @@ ARMS = {
     "cispo": Arm(lambda c, x: cispo_loss(x.logp, x.logp_infer, x.adv, x.mask, c.eps_high),
                  shares=lambda c, x: _dropped(x.logp_now - x.logp_infer > math.log1p(c.eps_high),
                                               x.mask, "clipped")),
+    # TIM: the whole sequence's ratio p / q, its log averaged over the tokens, clipped per sequence
+    "gspo": Arm(lambda c, x: gspo_loss(x.logp, x.logp_infer, x.adv, x.mask, c.gspo_eps_low,
+                                       c.gspo_eps_high)),
 }
 CORRECTIONS = tuple(ARMS)
 
@@ -3092,10 +3179,14 @@ class RLConfig:
     eps_low: float = cli_field(0.2, "PPO clip low")
     eps_high: float = cli_field(0.28, "PPO clip high")
     dppo_delta: float = cli_field(0.2, "DPPO trust region on |p - q|")
-    rs_threshold: float = cli_field(0.01, "rs arms: drop where the divergence exceeds this")
+    rs_threshold: float = cli_field(0.01, "rs arms: drop where the divergence exceeds this (k1: "
+                                          "verl's band, q / p within [1 / it, it])")
     rs_estimator: str = cli_field("k3", "rs arms' estimate of KL(q || p) per token: k1 | k2 | k3")
     opsm_delta: float = cli_field(1e-4, "opsm: drop A < 0 sequences, mean(logp_infer - logp) > it")
-    k2_coef: float = cli_field(0.0, "add k2_coef * mean((logp - logp_infer)^2 / 2) to the loss")
+    k2_coef: float = cli_field(0.0, "add k2_coef * mean((logp - logp_infer)^2 / 2) to the loss "
+                                    "(prime-rl's kl_tau = k2_coef / 2)")
+    gspo_eps_low: float = cli_field(3e-4, "gspo: clip low of the sequence ratio (GSPO's 3e-4)")
+    gspo_eps_high: float = cli_field(4e-4, "gspo: clip high of the sequence ratio (GSPO's 4e-4)")
     dlc_max_staleness: int = cli_field(0, "DLC: resync after this many steps without one (0 = off)")
     dlc_max_lag: float = cli_field(0.0, "DLC: resync at mean |logp - logp at sync| > this (0: off)")
     eval_every: int = cli_field(20, "evaluate at step 0, every N <= steps/4 steps, after the last")
