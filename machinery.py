@@ -1443,7 +1443,7 @@ def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tu
                 kept = part.masked_fill(~tr.truncation_mask(part, *truncation), -math.inf)
                 parts.append(tr.token_logprobs(kept, ids))  # TIM: p~; -inf: dropped
             logp = torch.cat(parts).view(response_ids.shape)  # (B, T)
-            del flat  # a view: it would keep the logits alive
+            del flat, part, kept  # views: they would keep the logits alive
         del logits  # before the next batch's forward
         out.append(torch.where(mask, logp, torch.zeros_like(logp)).sum(1).cpu())
     return torch.cat(out)
