@@ -1540,7 +1540,8 @@ def test_sampler_records_every_fed_position_and_replaying_them_is_the_live_forwa
     assert torch.equal(live.logits, plain[:, P - 1 : P + T - 1])
     assert torch.equal(own.logits, live.logits) and torch.equal(missing.logits, live.logits)
     assert torch.equal(missing.routes, live.routes), "no route: the live router's choice"
-    assert not any(hasattr(r, "forward") and "forward" in vars(r) for r in machinery.moe_routers(model)), "hooks removed"
+    routers = machinery.moe_routers(model)
+    assert not any(hasattr(r, "forward") and "forward" in vars(r) for r in routers), "hooks removed"
 
 
 def _replayed_parts(model, ro, routing_replay):
@@ -1754,7 +1755,8 @@ def test_vllm_duplicate_prompts_get_independent_groups(base_model_dir):
     problems = machinery.make_arithmetic_task(8, split="eval")
     with torch.no_grad():
         expected = machinery.answer_logprobs(tr.load_model(base_model_dir).eval(), tok, problems)
-    assert torch.allclose(machinery.vllm_answer_logprobs(sampler, problems), expected, atol=1e-4), "teacher-forced pc in vLLM"
+    in_vllm = machinery.vllm_answer_logprobs(sampler, problems)
+    assert torch.allclose(in_vllm, expected, atol=1e-4), "teacher-forced pc in vLLM"
 
 
 # =================================================================================================================
@@ -3001,7 +3003,8 @@ def test_replay_on_a_router_tim_rl_cannot_replay_is_an_error_and_moe_is_read_fro
     mixtral = _tiny_mixtral()
     assert machinery.is_moe(mixtral) and machinery.is_moe(machinery.build_tiny_moe_model(layers=1))
     assert not machinery.is_moe(machinery.build_tiny_model(layers=1)) and machinery.moe_routers(mixtral) == []
-    with pytest.raises(ValueError, match="MixtralTopKRouter"), machinery.replay_routes(mixtral, torch.zeros(1, 3, 1, 2)):
+    forced = torch.zeros(1, 3, 1, 2)
+    with pytest.raises(ValueError, match="MixtralTopKRouter"), machinery.replay_routes(mixtral, forced):
         pass
     with machinery.replay_routes(mixtral) as log:
         mixtral(input_ids=torch.tensor([[1, 2, 3]]))
