@@ -936,7 +936,7 @@ MARGIN_EDGES = (0.0, 0.01, 0.03, 0.1, 0.3, 1.0, math.inf)
 def router_margins(model, rollout: tr.Rollout) -> tuple[torch.Tensor, torch.Tensor]:
     """The trainer engine's own routing on the rollout's tokens: (routes (B, S, L, k), margins (B, S, L)), margin =
     its k-th minus (k+1)-th largest router logit at each fed position (nan at a dense layer)."""
-    routers = tr.decoder_routers(model)
+    routers = machinery.decoder_routers(model)
     logits = [[] for _ in routers]
     hooks = [r.register_forward_hook(lambda _, __, out, layer=layer: logits[layer].append(out[0].detach()))
              for layer, r in enumerate(routers) if r is not None]
@@ -3074,11 +3074,11 @@ def _eval_peak_child(V: int, n: int, top_p: float, out_dir: str) -> dict:
     problems = machinery.make_arithmetic_task(n, split="eval")
     truncation = (top_p, 0, 0.0) if top_p < 1 else None
     with torch.no_grad():
-        tr.answer_logprobs(model, tokenizer, problems[:2], truncation=truncation)  # warm-up: library code paged in
+        machinery.answer_logprobs(model, tokenizer, problems[:2], truncation=truncation)  # warm-up: code paged in
         gc.collect()
         Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
         before = _proc_status_bytes("VmRSS")
-        tr.answer_logprobs(model, tokenizer, problems, truncation=truncation, temperature=0.7)
+        machinery.answer_logprobs(model, tokenizer, problems, truncation=truncation, temperature=0.7)
         extra = _proc_status_bytes("VmHWM") - before
     T = 1 + max(len(tokenizer.encode(a, bos=False)) for _, a in problems[:256])
     return {"extra_bytes": extra, "logits_bytes": min(n, 256) * T * V * 4}

@@ -15,6 +15,7 @@ tim_rl.py imports this module only inside the functions that use it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -444,9 +445,9 @@ def check_model_routers(cfg, model) -> None:
     no-op)."""
     names = ("routing_replay", "router_noise", "router_jitter")
     flags = [f"{tr._flag(n)} {getattr(cfg, n)}" for n in names if getattr(cfg, n) not in ("none", 0.0)]
-    if not flags or tr.moe_routers(model):
+    if not flags or moe_routers(model):
         return
-    its = f"; its router is {tr.router_class(model)}" if tr.is_moe(model) else ""
+    its = f"; its router is {router_class(model)}" if is_moe(model) else ""
     raise tr.UsageError(f"{flags[0]} acts on MoE routers, but {cfg.model} has no router tim_rl replays "
                         f"(REPLAYABLE_ROUTERS; --model runs/base-moe is the tiny MoE){its}")
 
@@ -976,7 +977,7 @@ def _warmup_cosine(steps: int):
 def _eval_accuracy(model, tokenizer, digits: int, ops: str, n: int = 512) -> float:
     """Greedy exact match on n held-out problems; room for the longest answer (a product, a swap), <eos>."""
     problems = make_arithmetic_task(n, digits, 0, ops, split="eval")
-    return tr.greedy_accuracy(model, tokenizer, problems, max(6, 2 * digits + 1))
+    return greedy_accuracy(model, tokenizer, problems, max(6, 2 * digits + 1))
 
 
 def pretrain(cfg: PretrainConfig) -> dict:
@@ -1014,9 +1015,9 @@ def pretrain(cfg: PretrainConfig) -> dict:
     info = {"greedy_accuracy_eval": acc, "seconds": time.time() - t0, "steps": cfg.steps,
             "digits": cfg.digits, "ops": cfg.ops, "params": params}
     if mixed:  # held-out greedy exact match of each length (256 problems each)
-        info["mixed_digits"] = {d: tr.greedy_accuracy(model, tokenizer,
-                                                       make_arithmetic_task(256, d, 0, cfg.ops, split="eval"),
-                                                       2 * d + 1)
+        info["mixed_digits"] = {d: greedy_accuracy(model, tokenizer,
+                                                    make_arithmetic_task(256, d, 0, cfg.ops, split="eval"),
+                                                    2 * d + 1)
                                 for d in mixed}
     if cfg.moe:
         held_out = make_arithmetic_task(256, cfg.digits, 0, cfg.ops, split="eval")
@@ -1031,10 +1032,11 @@ def expert_usage(model, tokenizer, problems) -> list[list[float]]:
     answer tokens (a balanced router: 1 / experts each). -> [layers][experts]."""
     seqs = [tokenizer.encode(p + a) for p, a in problems]
     ids, mask = tr.left_pad(seqs, tokenizer.pad_id, next(model.parameters()).device)
-    with tr.replay_routes(model) as log:
-        model(input_ids=ids, attention_mask=mask.long(), position_ids=tr._positions(mask))
-    routes = tr.stack_routes(log, ids.shape[0])[mask.cpu()].long()  # (N, L, k) real tokens only
-    experts = tr.moe_routers(model)[0].num_experts
+    positions = (mask.long().cumsum(1) - 1).clamp(min=0)  # 0 at each row's first real token
+    with replay_routes(model) as log:
+        model(input_ids=ids, attention_mask=mask.long(), position_ids=positions)
+    routes = stack_routes(log, ids.shape[0])[mask.cpu()].long()  # (N, L, k) real tokens only
+    experts = moe_routers(model)[0].num_experts
     moe_layers = [layer for layer in range(routes.shape[1]) if routes[0, layer, 0] >= 0]
     counts = [torch.bincount(routes[:, layer].flatten(), minlength=experts) for layer in moe_layers]
     return [[round(float(c / row.sum()), 4) for c in row] for row in counts]
@@ -1276,3 +1278,298 @@ def vllm_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("vllm") is not None
+
+
+# ---- MoE routing plumbing, evaluation, the vLLM sync canary, the HF tokenizer ----
+# What tim_rl's samplers and trainer call on an MoE model or at an evaluation, and a learner never reads:
+# which routers replay, the hooks that force them (tim_rl.routed_router_forward is the idea), held-out
+# accuracy, the check that a vLLM weight sync landed.
+
+# transformers 5.19 routers whose forward is Qwen3MoeTopKRouter.forward line for line (softmax, top-k,
+# renormalise; the Qwen3.5-MoE, Qwen3-VL-MoE and Qwen3-Omni-MoE text routers have no norm_topk_prob and
+# always renormalise); others (Mixtral, GPT-OSS, DeepSeek, GLM, Granite, ...) route differently: replay
+# on them is an error
+REPLAYABLE_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3NextTopKRouter",
+                      "OlmoeTopKRouter", "FlexOlmoTopKRouter", "MellumTopKRouter",
+                      "Qwen3OmniMoeThinkerTextTopKRouter", "Qwen3OmniMoeTalkerTextTopKRouter",
+                      "Qwen3OmniMoeTextTopKRouter", "Qwen3_5MoeTopKRouter",
+                      "Qwen3VLMoeTextTopKRouter")
+# config keys of the experts per token
+MOE_CONFIG_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k")
+
+
+def is_moe(model) -> bool:
+    """Whether `model`'s config or a sub-config sends tokens to experts (MOE_CONFIG_KEYS > 0)."""
+    def routes(config: dict) -> bool:
+        """Any experts-per-token key > 0 here or in a nested config."""
+        here = any(isinstance(config.get(k), int) and config[k] > 0 for k in MOE_CONFIG_KEYS)
+        return here or any(routes(v) for v in config.values() if isinstance(v, dict))
+    return routes(model.config.to_dict())
+
+
+def router_class(model) -> str:
+    """The class names of `model`'s router modules (Router or Gate in the name), for an error."""
+    names = {type(m).__name__ for m in model.modules()}
+    return ", ".join(sorted(n for n in names if re.search("(?i)router|gate$", n))) or "none found"
+
+
+def moe_routers(model) -> list[torch.nn.Module]:
+    """The REPLAYABLE_ROUTERS of a transformers MoE model, in layer order ([]: dense or another).
+
+    Qwen3-MoE's is mlp.gate (Qwen3MoeTopKRouter).
+    """
+    return [m for m in model.modules() if type(m).__name__ in REPLAYABLE_ROUTERS]
+
+
+def routes_experts(model) -> bool:
+    """Whether `model` has a router tim_rl replays; looked up once per model (kept on it)."""
+    if "tim_rl_moe" not in vars(model):
+        model.tim_rl_moe = bool(moe_routers(model))
+    return model.tim_rl_moe
+
+
+def decoder_routers(model) -> list[torch.nn.Module | None]:
+    """The replayable router of each decoder layer, None at a dense layer: the routes' L axis.
+
+    As vLLM's routed_experts (dense layers: mlp_only_layers, dense-first layers). [] for a model
+    without one (moe_routers' order without DecoderLayers).
+    """
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    per_layer = [next((r for r in layer.modules() if type(r).__name__ in REPLAYABLE_ROUTERS), None)
+                 for layer in layers]
+    return per_layer if any(per_layer) else moe_routers(model)
+
+
+def _recompute_forward(router, ids: torch.Tensor, previous):
+    """The router's forward after a replayed forward with gradient: it forces that forward's ids
+    inside a backward (activation checkpointing's recompute, Megatron RouterReplay's backward
+    list); elsewhere `previous`."""
+    def forward(hidden):
+        """routed_router_forward on the kept ids during a backward, else the previous forward."""
+        if torch._C._current_graph_task_id() != -1:  # in a backward
+            return tr.routed_router_forward(router, hidden, ids)
+        return previous(hidden) if previous is not None else type(router).forward(router, hidden)
+    forward.recomputes = True
+    return forward
+
+
+def release_routes(model) -> None:
+    """Drop the routes a replayed forward left on the routers for its backward (after the step)."""
+    for router in moe_routers(model):
+        if getattr(vars(router).get("forward"), "recomputes", False):
+            del router.forward
+
+
+@contextlib.contextmanager
+def replay_routes(model, routes=None, gates=None, record: bool = True):
+    """Within the block every router of `model` (decoder_routers) runs tim_rl.routed_router_forward.
+
+    It is forced to `routes` (B, S, L, k) for a forward over B sequences of S positions (-1: no
+    route; on any device, moved per layer), or live when None, and to the gate weights `gates`
+    (B, S, L, k) when given. Yields a list per layer of (ids (B * n, k) int16, weights (B * n, k)
+    fp32) of each call (record=False: none kept): stack_routes(log, B) -> (B, S, L, k).
+
+    A forward with gradient leaves its ids on the routers for activation checkpointing's recompute
+    in the backward (VeOmni: routes keyed by module), until the next replayed forward or
+    release_routes (Trainer.step).
+    """
+    routers = decoder_routers(model)
+    if routes is not None and not any(routers):  # no silent no-op
+        raise ValueError(f"replay_routes: {type(model).__name__} has no router tim_rl replays (its "
+                         f"router: {router_class(model)}; REPLAYABLE_ROUTERS route as Qwen3-MoE's)")
+    log, kept = [[] for _ in routers], {}
+    keep = routes is not None and torch.is_grad_enabled()  # TIM: a checkpointed layer recomputes
+
+    def replayed(hidden, layer: int, router):
+        """routed_router_forward on this layer's routes, logged (layer: its decoder layer)."""
+        rows = hidden.numel() // router.hidden_dim  # B * S positions
+        forced = forced_gates = None
+        if routes is not None:  # (B * S, k)
+            forced = routes[:, :, layer].reshape(-1, routes.shape[-1]).to(hidden.device)
+        if forced is not None and forced.shape[0] != rows:
+            raise ValueError(f"routes has shape {tuple(routes.shape)}: it needs one route per "
+                             f"position of the forward ({rows} rows)")
+        if gates is not None:
+            forced_gates = gates[:, :, layer].reshape(-1, routes.shape[-1]).to(hidden.device)
+        logits, weights, ids = tr.routed_router_forward(router, hidden, forced, forced_gates)
+        if record:
+            log[layer].append((ids.to(torch.int16), weights.detach().float()))
+        if keep:
+            kept[layer] = ids
+        return logits, weights, ids
+
+    live = {layer: router for layer, router in enumerate(routers) if router is not None}
+    previous = [vars(router).get("forward") for router in live.values()]
+    for layer, router in live.items():  # an instance attribute: nn.Module.__call__ uses it
+        router.forward = functools.partial(replayed, layer=layer, router=router)
+    try:
+        yield log
+    finally:
+        for (layer, router), forward in zip(live.items(), previous):
+            del router.forward
+            forward = _recompute_forward(router, kept[layer], forward) if layer in kept else forward
+            if forward is not None:
+                router.forward = forward
+
+
+def stack_routes(log: list[list[tuple]], batch: int, part: int = 0) -> torch.Tensor | None:
+    """replay_routes' log as (B, S, L, k) on the CPU, calls concatenated along positions.
+
+    part 0: the ids (int16, -1 at a dense layer); part 1: the gate weights (fp32, nan there).
+    KV-cache decoding logs the prompt, then one position per step. None for a dense model (or
+    nothing recorded).
+    """
+    if not any(log):
+        return None
+    layers = [torch.cat([c[part].reshape(batch, -1, c[part].shape[-1]) for c in calls], 1)
+              if calls else None for calls in log]  # (B, S, k) each
+    some = next(x for x in layers if x is not None)
+    fill = torch.full_like(some, -1 if part == 0 else math.nan)
+    return torch.stack([x if x is not None else fill for x in layers], 2).cpu()
+
+
+def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int = 6, batch: int = 256) -> float:
+    """Held-out exact-match accuracy of greedy decoding with `model` (any engine's copy)."""
+    prompts, answers = tr.encode_problems(tokenizer, problems)
+    texts = []
+    for i in range(0, len(prompts), batch):
+        greedy = tr.decode(model, prompts[i : i + batch], max_new_tokens, 0.0, 1, None,
+                           tokenizer.decode, tokenizer.eos_id, tokenizer.pad_id)  # temperature 0, K 1
+        texts += greedy.texts
+    return sum(map(tr.verify, texts, answers)) / max(len(prompts), 1)
+
+
+@torch.no_grad()
+def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tuple | None = None,
+                    temperature: float = 1.0) -> torch.Tensor:
+    """log P(answer + <eos> | prompt) under `model`, teacher-forced, one forward a batch. -> (N,)
+
+    exp() of it is `pc`, the probability of the exact correct answer: far less noisy than greedy
+    match. truncation = (top_p, top_k, min_p): under the policy such a sampler draws from at
+    `temperature` (renormalised over the kept tokens; 0 when an answer token is not kept).
+    """
+    device, out = next(model.parameters()).device, []
+    pad, eos = tokenizer.pad_id, [tokenizer.eos_id]
+    for i in range(0, len(problems), batch):
+        chunk = problems[i : i + batch]
+        prompt_ids, prompt_mask = tr.left_pad([tokenizer.encode(p) for p, _ in chunk], pad, device)
+        answers = [torch.tensor(tokenizer.encode(a, bos=False) + eos) for _, a in chunk]
+        response_ids = torch.nn.utils.rnn.pad_sequence(answers, True, pad).to(device)  # (B, T)
+        lengths = torch.tensor([len(a) for a in answers], device=device)  # (B,)
+        mask = torch.arange(response_ids.shape[1], device=device) < lengths[:, None]  # (B, T)
+        unused = torch.zeros(0, device=device)  # the sampler's fields: no sampler here
+        rollout = tr.Rollout(prompt_ids, prompt_mask, response_ids, mask, unused, unused, unused, [])
+        temp = 1.0 if truncation is None else temperature
+        logits = tr.response_forward(model, rollout, temp).logits
+        if truncation is None:
+            logp = tr.token_logprobs(logits, response_ids)  # (B, T)
+        else:  # by row chunks of token_logprobs' size: never (B, T, V) masks or a masked copy
+            rows = tr._default_chunk_rows(logits.shape[-1], logits.device, fused=False)
+            flat, flat_ids = logits.flatten(0, 1), response_ids.reshape(-1)  # (N, V), (N,)
+            parts = []
+            for part, ids in zip(flat.split(rows), flat_ids.split(rows)):
+                kept = part.masked_fill(~tr.truncation_mask(part, *truncation), -math.inf)
+                parts.append(tr.token_logprobs(kept, ids))  # TIM: p~; -inf: dropped
+            logp = torch.cat(parts).view(response_ids.shape)  # (B, T)
+            del flat, part, kept  # views: they would keep the logits alive
+        del logits  # before the next batch's forward
+        out.append(torch.where(mask, logp, torch.zeros_like(logp)).sum(1).cpu())
+    return torch.cat(out)
+
+
+def vllm_greedy_accuracy(sampler, problems, max_new_tokens: int = 6) -> float:
+    """Held-out greedy exact match of a VLLMSampler's copy of the weights."""
+    prompts, answers = tr.encode_problems(sampler.tokenizer, problems)
+    texts = sampler.sample(prompts, 1, max_new_tokens, temperature=0.0, topk=1).texts
+    return sum(map(tr.verify, texts, answers)) / max(len(prompts), 1)
+
+
+def vllm_answer_logprobs(sampler, problems) -> torch.Tensor:
+    """log P(answer + <eos> | prompt) from a VLLMSampler's prompt log-probs (teacher-forced). (N,)."""
+    from vllm import SamplingParams
+
+    tok = sampler.tokenizer
+    seqs = [(tok.encode(p), tok.encode(a, bos=False) + [tok.eos_id]) for p, a in problems]
+    requests = [{"prompt_token_ids": p + a} for p, a in seqs]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    outputs = sampler.llm.generate(requests, params, use_tqdm=False)
+    totals = []
+    for out, (p, a) in zip(outputs, seqs):
+        answer = out.prompt_logprobs[len(p) :]  # one {id: Logprob} per answer token
+        totals.append(sum(answer[j][t].logprob for j, t in enumerate(a)))
+    return torch.tensor(totals)
+
+
+def sampler_accuracy(sampler, problems, max_new_tokens: int = 6) -> tuple[float, torch.Tensor]:
+    """(greedy exact match, log P(answer + <eos> | prompt) (N,)) of a sampler engine's weights."""
+    if isinstance(sampler, tr.VLLMSampler):
+        return (vllm_greedy_accuracy(sampler, problems, max_new_tokens),
+                vllm_answer_logprobs(sampler, problems))
+    model, tokenizer = sampler.model, sampler.tokenizer
+    return (greedy_accuracy(model, tokenizer, problems, max_new_tokens),
+            answer_logprobs(model, tokenizer, problems))
+
+
+def evaluate(step: int, state, cfg) -> dict:
+    """Held-out greedy exact match (acc_) and probability of the exact answer (pc_), of trainer
+    and sampler; with truncated sampling also pct_trainer, that probability under the policy the
+    sampler draws from."""
+    model, tokenizer, problems = state.trainer.model, state.tokenizer, state.eval_set
+    tokens = max(6, cfg.max_new_tokens) if cfg.task == "arithmetic" else cfg.max_new_tokens
+    acc_sampler, logp_sampler = sampler_accuracy(state.sampler, problems, tokens)
+    record = {"step": step, "acc_trainer": greedy_accuracy(model, tokenizer, problems, tokens),
+              "acc_sampler": acc_sampler,
+              "pc_trainer": float(answer_logprobs(model, tokenizer, problems).exp().mean()),
+              "pc_sampler": float(logp_sampler.exp().mean())}
+    if tr._truncates(cfg):  # what a truncated sampler would draw: the objective truncated RL optimises
+        logp = answer_logprobs(model, tokenizer, problems, temperature=cfg.temperature,
+                               truncation=(cfg.top_p, cfg.top_k, cfg.min_p))
+        record["pct_trainer"] = float(logp.exp().mean())
+    return record
+
+
+# the sync canary's bound on one answer's |Δlogp| (check_vllm_sync), calibrated on the CPU build: on the
+# tiny MoE a correct sync gives 5e-7 (fp32), 7e-3 (bf16); a skipped repack > 2
+VLLM_SYNC_TOLERANCE = {"fp32": 1e-4, "bf16": 0.5, "fp16": 0.5}
+
+
+def check_vllm_sync(sampler) -> None:
+    """The sync canary: one held-out answer's log-prob from vLLM and from the torch reference that holds
+    the same weights; RuntimeError beyond VLLM_SYNC_TOLERANCE[dtype] (mis-packed experts: > 2; in fp32
+    also a stale sync: one step moves it ~1e-3)."""
+    problem = make_arithmetic_task(1, seed=0, split="eval")
+    logp = answer_logprobs(sampler.reference, sampler.tokenizer, problem)  # (1,) torch, same weights
+    gap = float((vllm_answer_logprobs(sampler, problem) - logp).abs())
+    bound = VLLM_SYNC_TOLERANCE[sampler.dtype]
+    if not gap <= bound:
+        raise RuntimeError(f"vLLM sync canary: vLLM ({sampler.dtype}) and torch differ by |Δlogp| "
+                           f"{gap:.3g} > {bound:g} on a held-out answer after a weight sync")
+
+
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")  # ChatML (Qwen), Llama 3, Gemma
+
+
+class HFTokenizer:
+    """CharTokenizer's interface over any saved HF tokenizer (--model directories)."""
+
+    def __init__(self, directory: str | Path):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        template, vocab = self.tok.chat_template or "", self.tok.get_vocab()
+        turn_end = next((t for t in END_OF_TURN if t in template and t in vocab), None)
+        # a chat model ends its answer with the template's end-of-turn token (not EOS in Llama 3)
+        self.eos_id = vocab[turn_end] if turn_end else self.tok.eos_token_id
+        self.pad_id = self.eos_id if self.tok.pad_token_id is None else self.tok.pad_token_id
+        self.vocab_size = len(self.tok)
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        """Token ids of `text` with special tokens, but no second BOS before a chat template's."""
+        bos = bos and not (self.tok.bos_token and text.startswith(self.tok.bos_token))
+        return self.tok(text, add_special_tokens=bos)["input_ids"]
+
+    def decode(self, ids) -> str:
+        """Text up to the first <eos>, special tokens skipped."""
+        ids = [int(i) for i in ids]
+        ids = ids[: ids.index(self.eos_id)] if self.eos_id in ids else ids
+        return self.tok.decode(ids, skip_special_tokens=True)

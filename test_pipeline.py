@@ -26,6 +26,11 @@ from conftest import FAST_PATHS, FP32_ATOL, HostFactoryWatch, _arm_weights, _doc
 # one probe per GPU, chunk sizes by device
 
 
+def _position_ids(attention: torch.Tensor) -> torch.Tensor:
+    """Position ids of a left-padded batch, as tim_rl's forwards compute them: 0 at each row's first real token."""
+    return (attention.long().cumsum(1) - 1).clamp(min=0)
+
+
 def test_token_logprobs_compiled_passes_meet_at_most_4_graphs_over_an_rl_runs_shapes(monkeypatch):
     """The fused path's compiled passes, as an RL run calls them after _logprobs_probe: N varied (a tail chunk of
     1 row, a lone row), K = 1 and 3, fp32 and bf16 logits, grad_out of .sum() (stride 0) and of a weighted loss.
@@ -456,7 +461,7 @@ def test_hf_tokenizer_stops_at_the_chat_templates_end_of_turn(base_model_dir, tm
     """A chat template that ends turns with <|im_end|>: that token is the stop, not the EOS; no second BOS."""
     from transformers import AutoTokenizer
 
-    plain = tr.HFTokenizer(base_model_dir)
+    plain = machinery.HFTokenizer(base_model_dir)
     assert plain.eos_id == plain.tok.eos_token_id == machinery.EOS_ID, "no chat template: the EOS"
     with pytest.raises(ValueError, match="tokenizer.*chat template"):
         machinery.chat_prompt(plain, "What is 1 + 2?")
@@ -464,7 +469,7 @@ def test_hf_tokenizer_stops_at_the_chat_templates_end_of_turn(base_model_dir, tm
     tok.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
     tok.chat_template = "{% for m in messages %}<bos>{{ m['content'] }}<|im_end|>{% endfor %}<bos>"
     tok.save_pretrained(str(tmp_path))
-    chat = tr.HFTokenizer(tmp_path)
+    chat = machinery.HFTokenizer(tmp_path)
     assert chat.eos_id == tok.convert_tokens_to_ids("<|im_end|>") != tok.eos_token_id
     text = machinery.chat_prompt(chat, "What is 1 + 2?")
     assert text == "<bos>What is 1 + 2? Put the final answer in \\boxed{}.<|im_end|><bos>"
@@ -758,7 +763,7 @@ def test_hf_copy_unties_the_head_and_keeps_the_logits(tmp_path):
     ids = torch.tensor([machinery.CharTokenizer().encode("12+34=")])
     with torch.no_grad():
         assert torch.equal(copy(ids).logits, model(ids).logits)
-    assert tr.HFTokenizer(tmp_path / "copy").encode("1") == machinery.CharTokenizer().encode("1")
+    assert machinery.HFTokenizer(tmp_path / "copy").encode("1") == machinery.CharTokenizer().encode("1")
 
 
 def test_kv_cache_sampler_records_the_tempered_distribution(base_model_dir):
@@ -847,7 +852,7 @@ def test_decode_and_trainer_run_the_head_on_the_positions_they_need_only(base_mo
     assert rows == [(B, T)] and logits.shape[:2] == (B, T) and logits.is_contiguous()
     full = model(input_ids=torch.cat([ro.prompt_ids, ro.response_ids], 1),
                  attention_mask=torch.cat([ro.prompt_mask, torch.ones_like(ro.mask)], 1).long(),
-                 position_ids=tr._positions(torch.cat([ro.prompt_mask, torch.ones_like(ro.mask)], 1).long())).logits
+                 position_ids=_position_ids(torch.cat([ro.prompt_mask, torch.ones_like(ro.mask)], 1))).logits
     P = ro.prompt_ids.shape[1]
     assert torch.allclose(logits, full[:, P - 1 : P + T - 1], atol=1e-5), "the same logits as the full forward's"
     hook.remove()
@@ -932,12 +937,12 @@ def test_truncated_answer_probability_top_k_one_is_greedy_match_top_p_one_is_pc(
     when greedy decoding produces the answer and 0 otherwise; its twin top_p = 1 is the untruncated pc."""
     model, tok = tr.load_model(base_model_dir).eval(), machinery.CharTokenizer()
     problems = machinery.make_arithmetic_task(64, split="eval")
-    pct = tr.answer_logprobs(model, tok, problems, truncation=(1.0, 1, 0.0)).exp()
+    pct = machinery.answer_logprobs(model, tok, problems, truncation=(1.0, 1, 0.0)).exp()
     assert set(pct.tolist()) <= {0.0, 1.0}
-    assert math.isclose(float(pct.mean()), tr.greedy_accuracy(model, tok, problems), abs_tol=1e-9)
-    full = tr.answer_logprobs(model, tok, problems, truncation=(1.0, 0, 0.0))
-    assert torch.allclose(full, tr.answer_logprobs(model, tok, problems), atol=1e-6)
-    truncated = tr.answer_logprobs(model, tok, problems, truncation=(0.8, 0, 0.0))
+    assert math.isclose(float(pct.mean()), machinery.greedy_accuracy(model, tok, problems), abs_tol=1e-9)
+    full = machinery.answer_logprobs(model, tok, problems, truncation=(1.0, 0, 0.0))
+    assert torch.allclose(full, machinery.answer_logprobs(model, tok, problems), atol=1e-6)
+    truncated = machinery.answer_logprobs(model, tok, problems, truncation=(0.8, 0, 0.0))
     assert ((truncated >= full - 1e-6) | (truncated == -math.inf)).all(), \
         "renormalising over a kept set can only raise a kept answer's probability (or zero it)"
     assert (truncated > full + 1e-3).any()
@@ -959,13 +964,13 @@ def test_trl_truncated_sampling_is_refused():
 def test_teacher_forced_answer_probability(base_model_dir):
     model, tok = tr.load_model(base_model_dir).eval(), machinery.CharTokenizer()
     problems = machinery.make_arithmetic_task(8, split="eval")
-    right = tr.answer_logprobs(model, tok, problems)
-    wrong = tr.answer_logprobs(model, tok, [(p, str(int(a) + 1)) for p, a in problems])
+    right = machinery.answer_logprobs(model, tok, problems)
+    wrong = machinery.answer_logprobs(model, tok, [(p, str(int(a) + 1)) for p, a in problems])
     assert (right <= 0).all() and right.exp().sum() + wrong.exp().sum() <= 8 + 1e-4
-    one = tr.answer_logprobs(model, tok, problems[3:4])
+    one = machinery.answer_logprobs(model, tok, problems[3:4])
     assert torch.allclose(one, right[3:4], atol=1e-5), "left padding in a batch changes nothing"
     sampler = tr.TorchSampler(model, tr.EngineSpec())
-    assert torch.allclose(sampler.answer_logprobs(problems), right, atol=1e-5)
+    assert torch.allclose(machinery.sampler_accuracy(sampler, problems)[1], right, atol=1e-5)
 
 
 @pytest.mark.parametrize("module,command", [(tr, "pretrain"), (tr, "train"), (ex, "compare"), (ex, "bench")])
@@ -1485,26 +1490,26 @@ def test_only_routers_with_qwen3_moes_forward_are_replayed_and_replays_nest():
     for family in ("qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "flex_olmo", "mellum", "qwen3_omni_moe",
                    "qwen3_5_moe", "qwen3_vl_moe"):
         module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-        classes |= {name: getattr(module, name) for name in tr.REPLAYABLE_ROUTERS if hasattr(module, name)}
-    assert set(classes) == set(tr.REPLAYABLE_ROUTERS) and always != reference
+        classes |= {name: getattr(module, name) for name in machinery.REPLAYABLE_ROUTERS if hasattr(module, name)}
+    assert set(classes) == set(machinery.REPLAYABLE_ROUTERS) and always != reference
     for name, router in classes.items():
         assert inspect.getsource(router.forward) in (reference, always), name
     from transformers import MixtralConfig, MixtralForCausalLM
 
     mixtral = MixtralForCausalLM(MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                                                num_attention_heads=2, num_key_value_heads=2, num_local_experts=4))
-    assert tr.moe_routers(mixtral) == []
-    with tr.replay_routes(mixtral) as log:
+    assert machinery.moe_routers(mixtral) == []
+    with machinery.replay_routes(mixtral) as log:
         mixtral(input_ids=torch.tensor([[1, 2, 3]]))
-    assert log == [] and tr.stack_routes(log, 1) is None
+    assert log == [] and machinery.stack_routes(log, 1) is None
     moe = machinery.build_tiny_moe_model(layers=1)
     ids = torch.tensor([[5, 6, 7]])
-    with tr.replay_routes(moe) as outer:
-        with tr.replay_routes(moe) as inner:
+    with machinery.replay_routes(moe) as outer:
+        with machinery.replay_routes(moe) as inner:
             moe(input_ids=ids)
         moe(input_ids=ids)
     assert len(inner[0]) == 1 and len(outer[0]) == 1, "each block logs its own calls"
-    assert "forward" not in vars(tr.moe_routers(moe)[0]), "both blocks undone"
+    assert "forward" not in vars(machinery.moe_routers(moe)[0]), "both blocks undone"
 
 
 def test_routing_flip_rate_compares_expert_sets_per_layer_and_skips_missing_routes():
@@ -1529,14 +1534,15 @@ def test_sampler_records_every_fed_position_and_replaying_them_is_the_live_forwa
     with torch.no_grad():
         plain = model(input_ids=torch.cat([ro.prompt_ids, ro.response_ids], 1),
                       attention_mask=torch.cat([ro.prompt_mask, torch.ones_like(ro.mask)], 1).long(),
-                      position_ids=tr._positions(torch.cat([ro.prompt_mask, torch.ones_like(ro.mask)], 1))).logits
+                      position_ids=_position_ids(torch.cat([ro.prompt_mask, torch.ones_like(ro.mask)], 1))).logits
         live = tr.response_forward(model, ro)
         own = tr.response_forward(model, ro, routes=live.routes)
         missing = tr.response_forward(model, ro, routes=torch.full_like(live.routes, -1))
     assert torch.equal(live.logits, plain[:, P - 1 : P + T - 1])
     assert torch.equal(own.logits, live.logits) and torch.equal(missing.logits, live.logits)
     assert torch.equal(missing.routes, live.routes), "no route: the live router's choice"
-    assert not any(hasattr(r, "forward") and "forward" in vars(r) for r in tr.moe_routers(model)), "hooks removed"
+    routers = machinery.moe_routers(model)
+    assert not any(hasattr(r, "forward") and "forward" in vars(r) for r in routers), "hooks removed"
 
 
 def _replayed_parts(model, ro, routing_replay):
@@ -1613,7 +1619,7 @@ def test_router_jitter_is_fresh_per_forward_flips_near_ties_and_stays_on_the_sam
         with torch.no_grad():
             first, second = (tr.response_forward(sampler.model, ro).routes for _ in range(2))
         assert (not torch.equal(first, second)) == fresh
-    assert not any(hasattr(r, "logit_jitter") for r in tr.moe_routers(model)), "the trainer's routers stay exact"
+    assert not any(hasattr(r, "logit_jitter") for r in machinery.moe_routers(model)), "the trainer's routers stay exact"
     rows = ex.flips_by_margin(moe_base_dir, [("jitter", tr.EngineSpec(router_jitter=0.05)),
                                              ("noise", tr.EngineSpec(router_noise=0.5))], n_prompts=16, n=2)
     assert ex.flip_share(rows, "jitter", 0, 0.03) > 0.2
@@ -1749,8 +1755,9 @@ def test_vllm_duplicate_prompts_get_independent_groups(base_model_dir):
     assert torch.equal(again.response_ids, ro.response_ids), "and reproducibly from the run's generator"
     problems = machinery.make_arithmetic_task(8, split="eval")
     with torch.no_grad():
-        expected = tr.answer_logprobs(tr.load_model(base_model_dir).eval(), tok, problems)
-    assert torch.allclose(sampler.answer_logprobs(problems), expected, atol=1e-4), "teacher-forced pc in vLLM"
+        expected = machinery.answer_logprobs(tr.load_model(base_model_dir).eval(), tok, problems)
+    in_vllm = machinery.vllm_answer_logprobs(sampler, problems)
+    assert torch.allclose(in_vllm, expected, atol=1e-4), "teacher-forced pc in vLLM"
 
 
 # =================================================================================================================
@@ -2908,8 +2915,8 @@ def test_replay_survives_activation_checkpointing_log_probs_and_every_gradient(r
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         logp = tr.sequence_logprobs(m, ro, routes=replay)[0]
         logp.sum().backward()
-        tr.release_routes(m)
-        assert not any("forward" in vars(r) for r in tr.moe_routers(m)), "released after the backward"
+        machinery.release_routes(m)
+        assert not any("forward" in vars(r) for r in machinery.moe_routers(m)), "released after the backward"
         return logp.detach(), {n: p.grad for n, p in m.named_parameters()}
 
     (logp, grads), (logp_ckpt, grads_ckpt) = logp_and_grads(False), logp_and_grads(True)
@@ -2920,9 +2927,9 @@ def test_replay_survives_activation_checkpointing_log_probs_and_every_gradient(r
     assert (live - grads["model.layers.0.mlp.gate.weight"]).norm() > 0.1 * live.norm()
     trainer = tr.Trainer(tr.copy.deepcopy(model))  # the RL step: Trainer.step releases them after its backward
     logp = trainer.support_logprobs(ro, routes=routes)[0]
-    assert all(vars(r)["forward"].recomputes for r in tr.moe_routers(trainer.model)), "kept for the recompute"
+    assert all(vars(r)["forward"].recomputes for r in machinery.moe_routers(trainer.model)), "kept for the recompute"
     trainer.step(-logp.mean())
-    assert not any("forward" in vars(r) for r in tr.moe_routers(trainer.model))
+    assert not any("forward" in vars(r) for r in machinery.moe_routers(trainer.model))
 
 
 def test_forced_gate_weights_cannot_underflow_and_equal_todays_where_finite():
@@ -2967,11 +2974,11 @@ def test_qwen3_family_routers_replayed_live_forward_is_bitwise_theirs(name):
     torch.nn.init.normal_(router.weight, generator=torch.Generator().manual_seed(0))
     hidden = torch.randn(7, 5, generator=torch.Generator().manual_seed(1))
     theirs = router(hidden)
-    with tr.replay_routes(router) as log:
+    with machinery.replay_routes(router) as log:
         ours = router(hidden)
-    with tr.replay_routes(router, theirs[2][None, :, None]) as forced:
+    with machinery.replay_routes(router, theirs[2][None, :, None]) as forced:
         own = router(hidden)
-    with tr.replay_routes(router, (theirs[2][None, :, None] + 1) % 6):
+    with machinery.replay_routes(router, (theirs[2][None, :, None] + 1) % 6):
         other = router(hidden)
     for a, b, c in zip(ours, theirs, own):
         assert torch.equal(a, b) and torch.equal(c, b)
@@ -2994,11 +3001,12 @@ def test_replay_on_a_router_tim_rl_cannot_replay_is_an_error_and_moe_is_read_fro
     import shutil
 
     mixtral = _tiny_mixtral()
-    assert tr.is_moe(mixtral) and tr.is_moe(machinery.build_tiny_moe_model(layers=1))
-    assert not tr.is_moe(machinery.build_tiny_model(layers=1)) and tr.moe_routers(mixtral) == []
-    with pytest.raises(ValueError, match="MixtralTopKRouter"), tr.replay_routes(mixtral, torch.zeros(1, 3, 1, 2)):
+    assert machinery.is_moe(mixtral) and machinery.is_moe(machinery.build_tiny_moe_model(layers=1))
+    assert not machinery.is_moe(machinery.build_tiny_model(layers=1)) and machinery.moe_routers(mixtral) == []
+    forced = torch.zeros(1, 3, 1, 2)
+    with pytest.raises(ValueError, match="MixtralTopKRouter"), machinery.replay_routes(mixtral, forced):
         pass
-    with tr.replay_routes(mixtral) as log:
+    with machinery.replay_routes(mixtral) as log:
         mixtral(input_ids=torch.tensor([[1, 2, 3]]))
     assert log == []
     mixtral.save_pretrained(tmp_path / "mixtral")
@@ -3023,7 +3031,7 @@ def test_routes_are_indexed_by_decoder_layer_with_minus_one_at_a_dense_layer():
                                                num_attention_heads=2, num_key_value_heads=2, head_dim=16,
                                                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
                                                mlp_only_layers=[1], eos_token_id=2, pad_token_id=0)).eval()
-    assert [r is None for r in tr.decoder_routers(model)] == [False, True, False]
+    assert [r is None for r in machinery.decoder_routers(model)] == [False, True, False]
     ro = tr.decode(model, [[1, 5, 6, 7], [1, 9, 3]], 4, generator=torch.Generator().manual_seed(0), eos_id=63)
     routes = ro.routed_experts  # (B, P + T, L, k)
     assert routes.shape[2:] == (3, 2) and (routes[:, :, 1] == -1).all() and (routes[:, :-1, [0, 2]] >= 0).all()
@@ -3047,7 +3055,7 @@ def test_routes_stay_on_the_cpu_and_passes_that_discard_them_make_none(moe_exact
     assert moved.mask.device.type == "meta" and moved.routed_experts.device.type == "cpu"
     assert moved.routed_weights.device.type == "cpu"
     calls = []
-    monkeypatch.setattr(tr, "stack_routes", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(machinery, "stack_routes", lambda *a, **k: calls.append(1))
     with torch.no_grad():
         tr.support_logprobs(model, ro, routes=ro.routed_experts)
         assert calls == []
@@ -3430,7 +3438,7 @@ def _answer_logprobs_unchunked(model, tokenizer, problems, batch, truncation, te
         ro = tr.Rollout(prompt_ids, prompt_mask, response_ids, mask, *[torch.zeros(0)] * 3, [])
         logits = model(input_ids=torch.cat([prompt_ids, response_ids], 1),
                        attention_mask=torch.cat([prompt_mask, torch.ones_like(mask)], 1).long(),
-                       position_ids=tr._positions(torch.cat([prompt_mask, torch.ones_like(mask)], 1).long()),
+                       position_ids=_position_ids(torch.cat([prompt_mask, torch.ones_like(mask)], 1)),
                        logits_to_keep=torch.arange(prompt_ids.shape[1] - 1, prompt_ids.shape[1] + T - 1)).logits
         del ro
         if truncation is not None:
@@ -3455,7 +3463,7 @@ def test_evaluation_peak_is_within_1_5_batches_of_logits_plain_and_truncated(mon
     for truncation in (None, (0.9, 0, 0.0), (0.95, 50, 0.5)):  # min_p, then top_k, then top_p
         temperature = 1.0 if truncation is None else 0.7
         with _LiveBytes() as mem:
-            ours = tr.answer_logprobs(model, tokenizer, problems, batch, truncation, temperature)
+            ours = machinery.answer_logprobs(model, tokenizer, problems, batch, truncation, temperature)
         assert mem.peak <= 1.5 * one_batch, (truncation, mem.peak / one_batch)
         assert mem.peak >= 0.9 * one_batch, "anti-vacuity: the counter sees the logits"
         reference = _answer_logprobs_unchunked(model, tokenizer, problems, batch, truncation, temperature)
@@ -3763,7 +3771,7 @@ def test_what_a_learner_reads_is_defined_in_the_reference():
              "k2_penalty", "tis_weights",
              "mis_weights", "seq_tis_weights", "seq_mask_weights", "geo_mask_weights", "cis_weights", "dlc_weights",
              "copc_mask", "copc_advantages", "opsm_mask", "divergence_mask_weights", "self_normalize_weights",
-             "stochastic_round_bf16", "error_feedback_round_bf16", "replay_routes"]
+             "stochastic_round_bf16", "error_feedback_round_bf16", "routed_router_forward"]
     assert [n for n in names if getattr(tr, n).__module__ != tr.__name__] == []
     for name, arm in tr.ARMS.items():
         assert arm.loss.__module__ == tr.__name__, name

@@ -1485,54 +1485,8 @@ def drift_signal_norms(params, logp, logp_topk, logp_infer, logp_topk_infer, adv
 # slime) records the discrete expert ids and forces them in the trainer, with the weights
 # recomputed from the trainer's live router scores. R2 records them from the policy being updated
 # before its update (verl: compute_log_prob), R3 in the inference engine (vLLM and SGLang on a GPU:
-# enable_return_routed_experts).
-
-# transformers 5.19 routers whose forward is Qwen3MoeTopKRouter.forward line for line (softmax,
-# top-k, renormalise; the Qwen3.5-MoE, Qwen3-VL-MoE and Qwen3-Omni-MoE text routers have no
-# norm_topk_prob and always renormalise); others (Mixtral, GPT-OSS, DeepSeek, GLM, Granite, ...)
-# route differently: replay on them is an error
-REPLAYABLE_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3NextTopKRouter",
-                      "OlmoeTopKRouter", "FlexOlmoTopKRouter", "MellumTopKRouter",
-                      "Qwen3OmniMoeThinkerTextTopKRouter", "Qwen3OmniMoeTalkerTextTopKRouter",
-                      "Qwen3OmniMoeTextTopKRouter", "Qwen3_5MoeTopKRouter",
-                      "Qwen3VLMoeTextTopKRouter")
-# config keys of the experts per token
-MOE_CONFIG_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k")
-
-
-def is_moe(model) -> bool:
-    """Whether `model`'s config or a sub-config sends tokens to experts (MOE_CONFIG_KEYS > 0)."""
-    def routes(config: dict) -> bool:
-        """Any experts-per-token key > 0 here or in a nested config."""
-        here = any(isinstance(config.get(k), int) and config[k] > 0 for k in MOE_CONFIG_KEYS)
-        return here or any(routes(v) for v in config.values() if isinstance(v, dict))
-    return routes(model.config.to_dict())
-
-
-def router_class(model) -> str:
-    """The class names of `model`'s router modules (Router or Gate in the name), for an error."""
-    names = {type(m).__name__ for m in model.modules()}
-    return ", ".join(sorted(n for n in names if re.search("(?i)router|gate$", n))) or "none found"
-
-
-def moe_routers(model) -> list[torch.nn.Module]:
-    """The REPLAYABLE_ROUTERS of a transformers MoE model, in layer order ([]: dense or another).
-
-    Qwen3-MoE's is mlp.gate (Qwen3MoeTopKRouter).
-    """
-    return [m for m in model.modules() if type(m).__name__ in REPLAYABLE_ROUTERS]
-
-
-def decoder_routers(model) -> list[torch.nn.Module | None]:
-    """The replayable router of each decoder layer, None at a dense layer: the routes' L axis.
-
-    As vLLM's routed_experts (dense layers: mlp_only_layers, dense-first layers). [] for a model
-    without one (moe_routers' order without DecoderLayers).
-    """
-    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-    per_layer = [next((r for r in layer.modules() if type(r).__name__ in REPLAYABLE_ROUTERS), None)
-                 for layer in layers]
-    return per_layer if any(per_layer) else moe_routers(model)
+# enable_return_routed_experts). The forced forward is below; the hooks that put it in place of
+# each router's forward for one block (machinery.replay_routes) run only for an MoE model.
 
 
 def routed_router_forward(router, hidden: torch.Tensor, forced=None, gates=None):
@@ -1567,94 +1521,6 @@ def routed_router_forward(router, hidden: torch.Tensor, forced=None, gates=None)
     if gates is not None:
         weights = torch.where(has_route, gates.to(weights), weights)
     return logits, weights.to(logits.dtype), ids
-
-
-def _recompute_forward(router, ids: torch.Tensor, previous):
-    """The router's forward after a replayed forward with gradient: it forces that forward's ids
-    inside a backward (activation checkpointing's recompute, Megatron RouterReplay's backward
-    list); elsewhere `previous`."""
-    def forward(hidden):
-        """routed_router_forward on the kept ids during a backward, else the previous forward."""
-        if torch._C._current_graph_task_id() != -1:  # in a backward
-            return routed_router_forward(router, hidden, ids)
-        return previous(hidden) if previous is not None else type(router).forward(router, hidden)
-    forward.recomputes = True
-    return forward
-
-
-def release_routes(model) -> None:
-    """Drop the routes a replayed forward left on the routers for its backward (after the step)."""
-    for router in moe_routers(model):
-        if getattr(vars(router).get("forward"), "recomputes", False):
-            del router.forward
-
-
-@contextlib.contextmanager
-def replay_routes(model, routes=None, gates=None, record: bool = True):
-    """Within the block every router of `model` (decoder_routers) runs routed_router_forward.
-
-    It is forced to `routes` (B, S, L, k) for a forward over B sequences of S positions (-1: no
-    route; on any device, moved per layer), or live when None, and to the gate weights `gates`
-    (B, S, L, k) when given. Yields a list per layer of (ids (B * n, k) int16, weights (B * n, k)
-    fp32) of each call (record=False: none kept): stack_routes(log, B) -> (B, S, L, k).
-
-    A forward with gradient leaves its ids on the routers for activation checkpointing's recompute
-    in the backward (VeOmni: routes keyed by module), until the next replayed forward or
-    release_routes (Trainer.step).
-    """
-    routers = decoder_routers(model)
-    if routes is not None and not any(routers):  # no silent no-op
-        raise ValueError(f"replay_routes: {type(model).__name__} has no router tim_rl replays (its "
-                         f"router: {router_class(model)}; REPLAYABLE_ROUTERS route as Qwen3-MoE's)")
-    log, kept = [[] for _ in routers], {}
-    keep = routes is not None and torch.is_grad_enabled()  # TIM: a checkpointed layer recomputes
-
-    def replayed(hidden, layer: int, router):
-        """routed_router_forward on this layer's routes, logged (layer: its decoder layer)."""
-        rows = hidden.numel() // router.hidden_dim  # B * S positions
-        forced = forced_gates = None
-        if routes is not None:  # (B * S, k)
-            forced = routes[:, :, layer].reshape(-1, routes.shape[-1]).to(hidden.device)
-        if forced is not None and forced.shape[0] != rows:
-            raise ValueError(f"routes has shape {tuple(routes.shape)}: it needs one route per "
-                             f"position of the forward ({rows} rows)")
-        if gates is not None:
-            forced_gates = gates[:, :, layer].reshape(-1, routes.shape[-1]).to(hidden.device)
-        logits, weights, ids = routed_router_forward(router, hidden, forced, forced_gates)
-        if record:
-            log[layer].append((ids.to(torch.int16), weights.detach().float()))
-        if keep:
-            kept[layer] = ids
-        return logits, weights, ids
-
-    live = {layer: router for layer, router in enumerate(routers) if router is not None}
-    previous = [vars(router).get("forward") for router in live.values()]
-    for layer, router in live.items():  # an instance attribute: nn.Module.__call__ uses it
-        router.forward = functools.partial(replayed, layer=layer, router=router)
-    try:
-        yield log
-    finally:
-        for (layer, router), forward in zip(live.items(), previous):
-            del router.forward
-            forward = _recompute_forward(router, kept[layer], forward) if layer in kept else forward
-            if forward is not None:
-                router.forward = forward
-
-
-def stack_routes(log: list[list[tuple]], batch: int, part: int = 0) -> torch.Tensor | None:
-    """replay_routes' log as (B, S, L, k) on the CPU, calls concatenated along positions.
-
-    part 0: the ids (int16, -1 at a dense layer); part 1: the gate weights (fp32, nan there).
-    KV-cache decoding logs the prompt, then one position per step. None for a dense model (or
-    nothing recorded).
-    """
-    if not any(log):
-        return None
-    layers = [torch.cat([c[part].reshape(batch, -1, c[part].shape[-1]) for c in calls], 1)
-              if calls else None for calls in log]  # (B, S, k) each
-    some = next(x for x in layers if x is not None)
-    fill = torch.full_like(some, -1 if part == 0 else math.nan)
-    return torch.stack([x if x is not None else fill for x in layers], 2).cpu()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1748,47 +1614,26 @@ _NUMBER = re.compile(r"[-+]?[0-9][0-9,]*(?:\.[0-9]+)?(?:/[0-9]+)?")
 _THOUSANDS = re.compile(r"[-+]?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?(?:/[0-9]+)?")
 
 
-def _last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} with balanced braces, or None (one scan from the opener)."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 1, start + len("\\boxed{")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j]
-    return None  # unbalanced: fall back to the other rules
-
-
 def extract_answer(text: str) -> str | None:
     """The last \\boxed{...} (balanced), else the number after the last ####, else the last number.
 
     Reads the last MAX_VERIFY_CHARS characters; linear time. A "number" is a _CANDIDATE match
-    (digits, sign, commas, decimals, a/b, an exponent); _parse_number decides if it is acceptable.
+    (digits, sign, commas, decimals, a/b, an exponent); verify decides if it is acceptable.
     """
     if not isinstance(text, str):
         return None
     text = text[-MAX_VERIFY_CHARS:]
-    boxed = _last_boxed(text)
-    if boxed is not None:
-        return boxed.strip()
+    start = text.rfind("\\boxed{")
+    if start >= 0:  # one scan from the opener to its balancing brace (unbalanced: the other rules)
+        depth, first = 1, start + len("\\boxed{")
+        for j in range(first, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                return text[first:j].strip()
     _, hashes, after = text.rpartition("####")  # no ####: after is the whole text
     numbers = _CANDIDATE.findall(after)  # whole candidates: the pattern has no capturing group
     pick = 0 if hashes else -1  # the first number after the last ####, else the last number
     return numbers[pick] if numbers else None
-
-
-def _parse_number(s: str) -> Fraction | None:
-    """'1,234' '-47' '+3' '2.50' '3/4' -> Fraction; anything else -> None. Never evaluates code."""
-    s = s.strip().rstrip(".")
-    thousands = "," not in s or _THOUSANDS.fullmatch(s)  # commas only as thousands separators
-    if len(s) > MAX_NUMBER_CHARS or not _NUMBER.fullmatch(s) or not thousands:
-        return None
-    try:
-        return Fraction(s.replace(",", ""))
-    except (ValueError, ZeroDivisionError):
-        return None
 
 
 def verify(text: str, answer: str) -> float:
@@ -1803,14 +1648,23 @@ def verify(text: str, answer: str) -> float:
     extracted = extract_answer(text)  # None for a non-str text
     if extracted is None or not isinstance(answer, str):
         return 0.0
-    want = _parse_number(answer)
-    return float(want is not None and _parse_number(extracted) == want)
+    values = []  # '1,234' '-47' '+3' '2.50' '3/4' -> Fraction; anything else -> None
+    for s in (answer, extracted):
+        s = s.strip().rstrip(".")
+        thousands = "," not in s or _THOUSANDS.fullmatch(s)  # commas only as thousands separators
+        number = len(s) <= MAX_NUMBER_CHARS and _NUMBER.fullmatch(s) and thousands
+        try:
+            values.append(Fraction(s.replace(",", "")) if number else None)
+        except (ValueError, ZeroDivisionError):  # a/0
+            values.append(None)
+    want, got = values
+    return float(want is not None and got == want)
 
 
 # --------------------------------------------------------------------------------------------------
 # ---- model and tokenizer ----
 # transformers is imported inside these functions: the math above imports with torch alone. The tiny
-# models and the character tokenizer (the testbed) live in machinery.py.
+# models, the character tokenizer (the testbed) and the HF tokenizer wrapper live in machinery.py.
 
 
 def load_model(path: str | Path, trust_remote_code: bool = False):
@@ -1822,41 +1676,12 @@ def load_model(path: str | Path, trust_remote_code: bool = False):
                                                 trust_remote_code=trust_remote_code)
 
 
-END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")  # ChatML (Qwen), Llama 3, Gemma
-
-
-class HFTokenizer:
-    """machinery.CharTokenizer's interface over any saved HF tokenizer (--model directories)."""
-
-    def __init__(self, directory: str | Path):
-        from transformers import AutoTokenizer
-
-        self.tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-        template, vocab = self.tok.chat_template or "", self.tok.get_vocab()
-        turn_end = next((t for t in END_OF_TURN if t in template and t in vocab), None)
-        # a chat model ends its answer with the template's end-of-turn token (not EOS in Llama 3)
-        self.eos_id = vocab[turn_end] if turn_end else self.tok.eos_token_id
-        self.pad_id = self.eos_id if self.tok.pad_token_id is None else self.tok.pad_token_id
-        self.vocab_size = len(self.tok)
-
-    def encode(self, text: str, bos: bool = True) -> list[int]:
-        """Token ids of `text` with special tokens, but no second BOS before a chat template's."""
-        bos = bos and not (self.tok.bos_token and text.startswith(self.tok.bos_token))
-        return self.tok(text, add_special_tokens=bos)["input_ids"]
-
-    def decode(self, ids) -> str:
-        """Text up to the first <eos>, special tokens skipped."""
-        ids = [int(i) for i in ids]
-        ids = ids[: ids.index(self.eos_id)] if self.eos_id in ids else ids
-        return self.tok.decode(ids, skip_special_tokens=True)
-
-
 def load_tokenizer(directory: str | Path):
-    """machinery.CharTokenizer if the directory holds pretrain.json, else its HF tokenizer."""
+    """machinery.CharTokenizer if the directory holds pretrain.json, else machinery.HFTokenizer."""
     import machinery
 
     own = (Path(directory) / "pretrain.json").exists()  # a tiny model of machinery.pretrain's
-    return machinery.CharTokenizer() if own else HFTokenizer(directory)
+    return machinery.CharTokenizer() if own else machinery.HFTokenizer(directory)
 
 
 def task_kwargs(model_dir: Path) -> dict:
@@ -1890,7 +1715,6 @@ def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
             named = "dropout" in name or "jitter" in name or isinstance(part, torch.nn.Dropout)  # p
             if isinstance(value, float) and named:
                 setattr(part, name, 0.0)
-
     return model
 
 
@@ -1928,22 +1752,12 @@ class Rollout:
         return Rollout(**moved)
 
 
-def _entropy(logprobs: torch.Tensor) -> torch.Tensor:
-    """-sum_v p_v log p_v over the last axis, 0 * -inf read as 0 (truncated). (..., V) -> (...)."""
-    return -(logprobs.exp() * logprobs.nan_to_num(neginf=0.0)).sum(-1)
-
-
 def left_pad(prompts: list[list[int]], pad_id: int = 0, device="cpu") -> tuple:
     """(ids (B, P) left-padded with pad_id, mask (B, P) True on real tokens) of token-id lists."""
     P = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompts], device=device)  # (B, P)
     mask = ids.new_tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts]).bool()  # (B, P)
     return ids, mask
-
-
-def _positions(attention: torch.Tensor) -> torch.Tensor:
-    """Position ids of a left-padded batch: 0 at each row's first real token. (B, L) -> (B, L)."""
-    return (attention.long().cumsum(1) - 1).clamp(min=0)
 
 
 def draw_seed(generator: torch.Generator | None) -> int:
@@ -1963,9 +1777,11 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     renormalised over the kept tokens, -inf elsewhere: vLLM's processed log-probs), its entropy, the
     kept support when truncated, and the K most probable ids (topk 0: all V; None: K = 0). A row
     stops at eos_id (the mask includes it); pad_id fills (None: the config's, else eos_id). One host
-    sync per token. -> Rollout
+    sync per token. An MoE model's routers record their experts (R3's routes). -> Rollout
     """
     from transformers import DynamicCache
+
+    import machinery  # the MoE hooks
 
     eos_id = model.config.eos_token_id if eos_id is None else eos_id
     eos_id = eos_id[0] if isinstance(eos_id, (list, tuple)) else eos_id
@@ -1976,8 +1792,10 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     # host draw per call (not a host copy per token), keeps sampling reproducible for a seed
     if generator is not None and generator.device.type != device.type:
         generator = torch.Generator(device).manual_seed(draw_seed(generator))
-    prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)
-    B = prompt_ids.shape[0]
+    B, P = len(prompts), max(map(len, prompts))  # the prompts left-padded to P
+    pads = [P - len(p) for p in prompts]
+    prompt_ids = torch.tensor([[pad_id] * k + p for k, p in zip(pads, prompts)], device=device)
+    prompt_mask = prompt_ids.new_tensor([[0] * k + [1] * (P - k) for k in pads]).bool()  # (B, P)
     inputs, attention = prompt_ids, prompt_mask.long()  # the prompt, then one token at a time
     cache = DynamicCache()
     finished = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
@@ -1985,13 +1803,13 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     ids, masks, logps, entropies, tops, kept = [], [], [], [], [], []
     training = model.training  # a checkpointed model in training mode drops its KV cache: eval here
     model.eval()
-    moe = bool(moe_routers(model))  # an MoE model's routers record their experts (R3)
-    recording = replay_routes(model) if moe else contextlib.nullcontext()
+    moe = machinery.routes_experts(model)
+    recording = machinery.replay_routes(model) if moe else contextlib.nullcontext()
     with recording as route_log:
         for _ in range(max_new_tokens):
-            positions = _positions(attention)[:, -inputs.shape[1] :]
+            positions = (attention.cumsum(1) - 1).clamp(min=0)  # 0 at each row's first real token
             out = model(input_ids=inputs, past_key_values=cache, use_cache=True,
-                        attention_mask=attention, position_ids=positions,
+                        attention_mask=attention, position_ids=positions[:, -inputs.shape[1] :],
                         logits_to_keep=1)  # the head on the last position only
             cache, logits = out.past_key_values, out.logits[:, -1]  # (B, V)
             scaled = logits.float() / (temperature if temperature > 0 else 1.0)  # (B, V)
@@ -2007,7 +1825,8 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
             masks.append(~finished)
             ids.append(token)
             logps.append(logprobs.gather(-1, token[:, None]).squeeze(1))
-            entropies.append(_entropy(logprobs))  # (B,): the whole distribution is at hand only now
+            # (B,) -sum p log p, 0 * -inf read as 0: the whole distribution is at hand only now
+            entropies.append(-(logprobs.exp() * logprobs.nan_to_num(neginf=0.0)).sum(-1))
             if topk is not None:
                 V = logits.shape[-1]
                 tops.append(logprobs.topk(min(topk, V) if topk > 0 else V, dim=-1))
@@ -2028,9 +1847,10 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     logp_topk = torch.stack([t.values for t in tops], 1) if tops else no_topk
     routes = gates = None
     if moe:  # (B, P + T, L, k) each: the last sampled token (never fed) gets none, -1 and nan
-        routes = torch.nn.functional.pad(stack_routes(route_log, B), (0, 0, 0, 0, 0, 1), value=-1)
-        gates = torch.nn.functional.pad(stack_routes(route_log, B, 1), (0, 0, 0, 0, 0, 1),
-                                        value=math.nan)
+        last = (0, 0, 0, 0, 0, 1)
+        routes = torch.nn.functional.pad(machinery.stack_routes(route_log, B), last, value=-1)
+        gates = machinery.stack_routes(route_log, B, 1)
+        gates = torch.nn.functional.pad(gates, last, value=math.nan)
     decode_text = decode_text or (lambda row: " ".join(map(str, row)))
     texts = [decode_text(row) for row in response_ids.tolist()]
     return Rollout(prompt_ids, prompt_mask, response_ids, torch.stack(masks, 1),
@@ -2038,19 +1858,6 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
                    entropy=torch.stack(entropies, 1),
                    kept_ids=torch.stack(_pad_last(kept, -1), 1) if kept else None,  # (B, T, S)
                    routed_experts=routes, routed_weights=gates)
-
-
-def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_ids=None,
-                      params: dict | None = None, routes=None):
-    """Trainer-engine log-probs of the rollout's tokens (and of its top-K ids) over the whole
-    vocabulary: one full forward, no KV cache (support_logprobs without a kept support).
-
-    -> (logp (B, T), logp_topk (B, T, K) or None, last hidden state (B, T, H)). `params` (name ->
-    tensor) runs other weights (torch.func.functional_call); `routes` (B, P + T, L, k) replays an
-    MoE's experts.
-    """
-    untruncated = dataclasses.replace(rollout, kept_ids=None)
-    return support_logprobs(model, untruncated, temperature, topk_ids, params, routes)[:3]
 
 
 class Forward(NamedTuple):
@@ -2066,18 +1873,24 @@ def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: 
                      routes=None, gates=None, record: bool = True) -> Forward:
     """One full forward over prompt + response, the head on the T response positions only.
 
-    An MoE model's routers are forced to `routes` and gate weights `gates` (None: live); the experts
-    used come back when `record`. A dense model runs plainly (routes None).
+    `params` (name -> tensor) runs other weights (torch.func.functional_call). An MoE model's
+    routers are forced to `routes` and gate weights `gates` (None: live); the experts used come
+    back when `record`. A dense model runs plainly (routes None).
     """
+    import machinery  # the MoE hooks
+
     input_ids = torch.cat([rollout.prompt_ids, rollout.response_ids], 1)  # (B, P + T)
     attention = torch.cat([rollout.prompt_mask, torch.ones_like(rollout.mask)], 1).long()
     P, T = rollout.prompt_ids.shape[1], rollout.response_ids.shape[1]
     keep = torch.arange(P - 1, P + T - 1, device=input_ids.device)  # position t predicts token t
-    kwargs = {"input_ids": input_ids, "attention_mask": attention,
-              "position_ids": _positions(attention), "output_hidden_states": True,
-              "logits_to_keep": keep, "use_cache": False}
-    moe = routes is not None or bool(moe_routers(model))
-    routing = replay_routes(model, routes, gates, record) if moe else contextlib.nullcontext()
+    positions = (attention.cumsum(1) - 1).clamp(min=0)  # 0 at each row's first real token
+    kwargs = {"input_ids": input_ids, "attention_mask": attention, "position_ids": positions,
+              "output_hidden_states": True, "logits_to_keep": keep, "use_cache": False}
+    moe = routes is not None or machinery.routes_experts(model)
+    # TIM: R2 / R3: an MoE model's routers run routed_router_forward on the given experts
+    routing = contextlib.nullcontext()
+    if moe:
+        routing = machinery.replay_routes(model, routes, gates, record)
     with routing as route_log:
         if params is None:
             out = model(**kwargs)
@@ -2085,7 +1898,7 @@ def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: 
             out = torch.func.functional_call(model, params, args=(), kwargs=kwargs)
     if temperature > 0 and temperature != 1.0:  # in place: the head's output is not saved
         out.logits.div_(temperature)  # (B, T, V)
-    used = stack_routes(route_log, input_ids.shape[0]) if moe and record else None
+    used = machinery.stack_routes(route_log, input_ids.shape[0]) if moe and record else None
     hidden = out.hidden_states[-1][:, P - 1 : P + T - 1]  # (B, T, H)
     return Forward(out.logits, hidden, used)
 
@@ -2115,15 +1928,24 @@ def logprobs_on_support(logits: torch.Tensor, rollout: Rollout, topk_ids=None):
 
 
 def support_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_ids=None,
-                     params: dict | None = None, routes=None):
-    """sequence_logprobs renormalised on the sampler's kept support rollout.kept_ids.
+                     params: dict | None = None, routes=None, gates=None):
+    """response_forward, then logprobs_on_support: the trainer engine's log-probs of the rollout's
+    tokens (and of its top-K ids), renormalised on the sampler's kept support rollout.kept_ids.
 
     -> (log p~ (B, T), log p~ of the top-K ids (B, T, K) or None, hidden, log S (B, T) or None).
-    Without a kept support it is sequence_logprobs, log S None.
+    Without a kept support plain log-probs, log S None. `routes` / `gates` replay an MoE's experts.
     """
-    forward = response_forward(model, rollout, temperature, params, routes, record=False)
+    forward = response_forward(model, rollout, temperature, params, routes, gates=gates,
+                               record=False)
     logp, logp_topk, log_s = logprobs_on_support(forward.logits, rollout, topk_ids)
     return logp, logp_topk, forward.hidden, log_s
+
+
+def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_ids=None,
+                      params: dict | None = None, routes=None):
+    """support_logprobs over the whole vocabulary (no kept support): (logp, logp_topk, hidden)."""
+    untruncated = dataclasses.replace(rollout, kept_ids=None)
+    return support_logprobs(model, untruncated, temperature, topk_ids, params, routes)[:3]
 
 
 @torch.no_grad()
@@ -2144,52 +1966,6 @@ def kept_support_from_logits(logits: torch.Tensor, response_ids: torch.Tensor, t
         keep.scatter_(-1, ids[start : start + rows], True)  # TIM: the token was sampled, so kept
         parts.append(support_ids(keep))  # (n, S_chunk)
     return torch.cat(_pad_last(parts, -1)).reshape(B, T, -1)
-
-
-def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int = 6, batch: int = 256) -> float:
-    """Held-out exact-match accuracy of greedy decoding with `model` (any engine's copy)."""
-    prompts, answers = encode_problems(tokenizer, problems)
-    texts = []
-    for i in range(0, len(prompts), batch):
-        greedy = decode(model, prompts[i : i + batch], max_new_tokens, 0.0, 1, None,
-                        tokenizer.decode, tokenizer.eos_id, tokenizer.pad_id)  # temperature 0, K 1
-        texts += greedy.texts
-    return sum(map(verify, texts, answers)) / max(len(prompts), 1)
-
-
-@torch.no_grad()
-def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tuple | None = None,
-                    temperature: float = 1.0) -> torch.Tensor:
-    """log P(answer + <eos> | prompt) under `model`, teacher-forced, one forward a batch. -> (N,)
-
-    exp() of it is `pc`, the probability of the exact correct answer: far less noisy than greedy
-    match. truncation = (top_p, top_k, min_p): under the policy such a sampler draws from at
-    `temperature` (renormalised over the kept tokens; 0 when an answer token is not kept).
-    """
-    device, out = next(model.parameters()).device, []
-    pad, eos = tokenizer.pad_id, [tokenizer.eos_id]
-    for i in range(0, len(problems), batch):
-        chunk = problems[i : i + batch]
-        prompt_ids, prompt_mask = left_pad([tokenizer.encode(p) for p, _ in chunk], pad, device)
-        answers = [torch.tensor(tokenizer.encode(a, bos=False) + eos) for _, a in chunk]
-        response_ids = torch.nn.utils.rnn.pad_sequence(answers, True, pad).to(device)  # (B, T)
-        lengths = torch.tensor([len(a) for a in answers], device=device)  # (B,)
-        mask = torch.arange(response_ids.shape[1], device=device) < lengths[:, None]  # (B, T)
-        unused = torch.zeros(0, device=device)  # the sampler's fields: no sampler here
-        rollout = Rollout(prompt_ids, prompt_mask, response_ids, mask, unused, unused, unused, [])
-        logits = response_forward(model, rollout, 1.0 if truncation is None else temperature).logits
-        if truncation is None:
-            logp = token_logprobs(logits, response_ids)  # (B, T)
-        else:  # by row chunks of token_logprobs' size: never (B, T, V) masks or a masked copy
-            rows = _default_chunk_rows(logits.shape[-1], logits.device, fused=False)
-            flat, flat_ids = logits.flatten(0, 1), response_ids.reshape(-1)  # (N, V), (N,)
-            parts = [token_logprobs(part.masked_fill(~truncation_mask(part, *truncation), -math.inf), i)
-                     for part, i in zip(flat.split(rows), flat_ids.split(rows))]  # TIM: p~; -inf: dropped
-            logp = torch.cat(parts).view(response_ids.shape)  # (B, T)
-            del flat  # a view: it would keep the logits alive
-        del logits  # before the next batch's forward
-        out.append(torch.where(mask, logp, torch.zeros_like(logp)).sum(1).cpu())
-    return torch.cat(out)
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -2219,6 +1995,8 @@ class TorchSampler:
     """A sampler engine in plain torch: its own copy of the weights in the engine's numerics."""
 
     def __init__(self, model_dir_or_model, engine: EngineSpec | None = None, tokenizer=None):
+        import machinery  # the default tokenizer, an MoE's routers
+
         self.engine = engine or EngineSpec()
         _check_engine(self.engine)
         is_path = isinstance(model_dir_or_model, (str, Path))
@@ -2227,7 +2005,7 @@ class TorchSampler:
         head = self.model.get_output_embeddings()
         if self.engine.head_fp32 and head.weight is self.model.get_input_embeddings().weight:
             raise ValueError("engine.head_fp32 needs an untied output head (this one is tied)")
-        routers = moe_routers(self.model)
+        routers = machinery.moe_routers(self.model)
         kept_fp32 = list(routers) if self.engine.router_fp32 else []
         kept_fp32 += [head] if self.engine.head_fp32 else []
         for module in kept_fp32:  # TIM: fp32 weights and inputs (a pre-hook) in a bf16 engine
@@ -2236,8 +2014,16 @@ class TorchSampler:
             jitter = torch.Generator(head.weight.device).manual_seed(self.engine.noise_seed)
             for router in routers:
                 router.logit_jitter, router.jitter_generator = self.engine.router_jitter, jitter
-        import machinery  # the default tokenizer
-
+        # the weights the engine's numerics perturb: every nn.Linear's but the lm_head, and an MoE
+        # model's routers (Qwen3-MoE: mlp.gate) and experts (gate_up_proj, down_proj: 3-D weights)
+        self.router_weights = {f"{n}.weight" for n, m in self.model.named_modules()
+                               if any(m is r for r in routers)}
+        self.perturbed = set(self.router_weights)
+        for name, module in self.model.named_modules():
+            if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+                self.perturbed.add(f"{name}.weight")
+            if type(module).__name__.endswith("Experts"):
+                self.perturbed |= {f"{name}.{p}" for p, _ in module.named_parameters()}
         self.tokenizer = tokenizer or machinery.CharTokenizer(self.model.config.vocab_size)
         self.load_weights({k: v.detach() for k, v in source.state_dict().items()})
 
@@ -2246,21 +2032,10 @@ class TorchSampler:
         """Copy exported weights in: the engine's numerics on each tensor in fp32 (quantisation,
         then noise, the same draw every load), then one rounding to the engine dtype.
 
-        Which weights: every nn.Linear's but the lm_head, and an MoE model's routers and experts
-        (int8 scales per expert and output row, fp8 per expert).
+        Which weights: self.perturbed (int8 scales per expert and output row, fp8 per expert).
         """
         # TIM: everything below is where this engine's numbers start to differ from the trainer's
         noise_gen = torch.Generator().manual_seed(self.engine.noise_seed)
-        routers = moe_routers(self.model)
-        perturbed, router_weights = set(), set()
-        for name, module in self.model.named_modules():
-            if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
-                perturbed.add(f"{name}.weight")
-            if any(module is r for r in routers):  # an MoE model's routers (Qwen3-MoE: mlp.gate)
-                router_weights.add(f"{name}.weight")
-            if type(module).__name__.endswith("Experts"):  # gate_up_proj, down_proj: 3-D weights
-                perturbed |= {f"{name}.{p}" for p, _ in module.named_parameters()}
-        perturbed |= router_weights
         # every name, a tied head's included, so a model's own state_dict loads
         params = dict(self.model.named_parameters(remove_duplicate=False))
         params |= dict(self.model.named_buffers())
@@ -2273,10 +2048,10 @@ class TorchSampler:
             if name not in state_dict:
                 continue
             w = state_dict[name].detach().to(device=target.device, dtype=torch.float32)  # a copy
-            if name in perturbed and self.engine.quant != "none":
+            if name in self.perturbed and self.engine.quant != "none":
                 w = fake_quantize(w, self.engine.quant)
-            scale = self.engine.noise if name in perturbed else 0.0
-            scale += self.engine.router_noise if name in router_weights else 0.0
+            scale = self.engine.noise if name in self.perturbed else 0.0
+            scale += self.engine.router_noise if name in self.router_weights else 0.0
             if scale:  # the same noise on every device: drawn on the CPU once per load
                 noise = torch.randn(w.shape, generator=noise_gen, device="cpu").to(w.device)
                 w = w + scale * noise * w
@@ -2300,21 +2075,10 @@ class TorchSampler:
             rollout.logp_infer = torch.where(rollout.mask, logp, torch.zeros_like(logp))
         return rollout
 
-    def greedy_accuracy(self, problems, max_new_tokens: int = 6) -> float:
-        """Held-out greedy exact match of this engine's copy of the weights."""
-        return greedy_accuracy(self.model, self.tokenizer, problems, max_new_tokens)
-
-    def answer_logprobs(self, problems) -> torch.Tensor:
-        """log P(answer + <eos> | prompt) under this engine's copy of the weights. (N,)."""
-        return answer_logprobs(self.model, self.tokenizer, problems)
-
 
 _VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # vLLM 0.32 raises a temperature in (0, 0.01) to 0.01 (SamplingParams) and treats < 1e-5 as greedy
 VLLM_MIN_TEMPERATURE = 0.01
-# the sync canary's bound on one answer's |Δlogp| (VLLMSampler.load_weights), calibrated on the CPU
-# build: on the tiny MoE a correct sync gives 5e-7 (fp32), 7e-3 (bf16); a skipped repack > 2
-VLLM_SYNC_TOLERANCE = {"fp32": 1e-4, "bf16": 0.5, "fp16": 0.5}
 
 
 def reload_vllm_weights(llm, named_tensors) -> None:
@@ -2365,22 +2129,13 @@ class VLLMSampler:
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """In-place sync of exported weights (vLLM casts them). With a reference, the sync canary:
-        one held-out answer's log-prob from both engines; RuntimeError beyond
-        VLLM_SYNC_TOLERANCE[dtype] (mis-packed experts: > 2; in fp32 also a stale sync: one step
-        moves it ~1e-3)."""
+        """In-place sync of exported weights (vLLM casts them); with a reference, the sync canary
+        (machinery.check_vllm_sync: both engines score one held-out answer)."""
         reload_vllm_weights(self.llm, state_dict.items())
-        if self.reference is None:
-            return
-        import machinery
+        if self.reference is not None:
+            import machinery
 
-        problem = machinery.make_arithmetic_task(1, seed=0, split="eval")
-        logp = answer_logprobs(self.reference, self.tokenizer, problem)  # (1,) torch, same weights
-        gap = float((self.answer_logprobs(problem) - logp).abs())
-        bound = VLLM_SYNC_TOLERANCE[self.dtype]
-        if not gap <= bound:
-            raise RuntimeError(f"vLLM sync canary: vLLM ({self.dtype}) and torch differ by |Δlogp| "
-                               f"{gap:.3g} > {bound:g} on a held-out answer after a weight sync")
+            machinery.check_vllm_sync(self)
 
     def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5,
                temperature: float = 1.0, topk: int = 0, generator: torch.Generator | None = None,
@@ -2430,51 +2185,31 @@ class VLLMSampler:
             beyond = finite.all(-1, keepdim=True) & (K < self.vocab_size)
             S = max(int(finite.sum(-1).max()), 1)
             kept = top_ids.masked_fill(~finite | beyond, -1)[..., :S]  # (B, T, S)
-        entropy = _entropy(top_logp) if K == self.vocab_size else None  # the whole distribution
+        entropy = None  # -sum p log p (0 * -inf read as 0) when the K are the whole distribution
+        if K == self.vocab_size:
+            entropy = -(top_logp.exp() * top_logp.nan_to_num(neginf=0.0)).sum(-1)  # (B, T)
         texts = [self.tokenizer.decode(row.tolist()) for row in response_ids]
         return Rollout(prompt_ids, prompt_mask, response_ids, mask, logp, top_ids, top_logp, texts,
                        kept_ids=kept, entropy=entropy)
 
-    def greedy_accuracy(self, problems, max_new_tokens: int = 6) -> float:
-        """Held-out greedy exact match of vLLM's copy of the weights."""
-        prompts, answers = encode_problems(self.tokenizer, problems)
-        texts = self.sample(prompts, 1, max_new_tokens, temperature=0.0, topk=1).texts
-        return sum(map(verify, texts, answers)) / max(len(prompts), 1)
 
-    def answer_logprobs(self, problems) -> torch.Tensor:
-        """log P(answer + <eos> | prompt) from vLLM's prompt log-probs (teacher-forced). (N,)."""
-        from vllm import SamplingParams
-
-        tok = self.tokenizer
-        seqs = [(tok.encode(p), tok.encode(a, bos=False) + [tok.eos_id]) for p, a in problems]
-        requests = [{"prompt_token_ids": p + a} for p, a in seqs]
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        totals = []
-        for out, (p, a) in zip(outputs, seqs):
-            answer = out.prompt_logprobs[len(p) :]  # one {id: Logprob} per answer token
-            totals.append(sum(answer[j][t].logprob for j, t in enumerate(a)))
-        return torch.tensor(totals)
-
-
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ---- trainer ----
 
 
 class Behaviour(NamedTuple):
-    """Trainer.behaviour_logprobs' result: the trainer engine's (B, T) log-probs on the served
-    weights (logp_old) and on the unrounded master at export (None: an fp32 export); the kept
-    support rebuilt (None: untruncated); for an MoE model (else None) the log-probs with the
-    sampler's experts (and gate weights) replayed, and the experts (B, P + T, L, k) it chose itself
-    and the update replays."""
+    """Trainer.behaviour_logprobs' result: (B, T) trainer-engine log-probs (None: not made)."""
 
-    logp_old: torch.Tensor
-    logp_master_old: torch.Tensor | None
-    rebuilt: torch.Tensor | None
+    logp_old: torch.Tensor  # on the served weights (R3: on the sampler's experts)
+    logp_master_old: torch.Tensor | None  # on the unrounded master at export (None: fp32 export)
+    rebuilt: torch.Tensor | None  # (B, T, S) the kept support rebuilt (None: untruncated)
+    # MoE only: logp_old on the sampler's experts; the experts (B, P + T, L, k) the served weights
+    # chose themselves; those the update replays (None: live; R2 the policy's; R3 the sampler's);
+    # logp_old on the sampler's experts and gate weights
     logp_old_sampler_routes: torch.Tensor | None = None
     routes: torch.Tensor | None = None
-    update_routes: torch.Tensor | None = None  # None: live; R2 the policy's; R3 the sampler's
-    logp_old_sampler_gates: torch.Tensor | None = None  # the sampler's experts and gates replayed
+    update_routes: torch.Tensor | None = None
+    logp_old_sampler_gates: torch.Tensor | None = None
 
 
 EXPORT_STAT_ELEMENTS = 1 << 22  # the visible update fraction's fp64 sums run on 4M-element slices
@@ -2492,25 +2227,19 @@ def _dot_and_norm2(master, master_before, served, served_before):
     return dot, norm2
 
 
-def _replayed_logp(model, rollout: Rollout, temperature: float, routes, gates=None):
-    """log p~ (B, T) on the kept support, an MoE's experts forced to `routes` (and gate weights to
-    `gates`; None: live); nothing recorded. The logits are freed on return."""
-    logits = response_forward(model, rollout, temperature, routes=routes, gates=gates,
-                              record=False).logits
-    return logprobs_on_support(logits, rollout)[0]
-
-
 class Trainer:
     """fp32 master weights + optimizer; recomputes log-probs; exports the copy the sampler holds."""
 
     def __init__(self, model, lr: float = 1e-4, optimizer: str = "adamw",
                  export_dtype: str = "fp32", loss_on_served: bool = False, extra_params=()):
+        import machinery  # whether the model routes tokens to experts
+
         _check_choice("export_dtype", export_dtype, sorted(_DTYPES))
         _check_choice("optimizer", optimizer, ("adamw", "sgd"))
         # TIM: dropout off, or every forward would differ from the last and show up as lag; training
         # mode kept, so gradient checkpointing (in training mode only) stays effective
         self.model = without_dropout(model.float()).train()
-        self.moe = bool(moe_routers(self.model))
+        self.moe = machinery.routes_experts(self.model)
         # the trainer engine on the weights the sampler holds: logp_old comes from here; its
         # parameters are the served copy (fp32 values of what the sampler holds), no second copy
         self.behaviour = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -2528,38 +2257,35 @@ class Trainer:
         """The fp32 values the sampler holds (the behaviour copy's parameters; not a copy)."""
         return dict(self.behaviour.named_parameters())
 
-    def _params(self) -> dict | None:
-        """None (the master), or under loss_on_served fresh leaves holding the served copy."""
-        self._served_leaves = None
-        if self.loss_on_served:
-            served = self.served.items()
-            self._served_leaves = {n: v.clone().requires_grad_(True) for n, v in served}
-        return self._served_leaves
-
-    def logprobs(self, rollout: Rollout, topk_ids=None, temperature: float = 1.0, routes=None):
-        """(logp, logp_topk, hidden) under the current weights, with gradient. Fair Cast's
-        loss_on_served runs the forward on the served (rounded) copy and routes its gradient to the
-        fp32 master (straight-through); `routes` replays an MoE model's experts."""
-        # TIM: the forward on the master, or on the served copy's leaves (loss_on_served)
-        return sequence_logprobs(self.model, rollout, temperature, topk_ids, self._params(), routes)
-
     def support_logprobs(self, rollout: Rollout, topk_ids=None, temperature: float = 1.0,
                          routes=None):
-        """logprobs renormalised on rollout.kept_ids: (logp~, logp_topk~, hidden, log S)."""
-        return support_logprobs(self.model, rollout, temperature, topk_ids, self._params(), routes)
+        """support_logprobs under the current weights, with gradient: (logp~, logp_topk~, hidden,
+        log S). Fair Cast's loss_on_served runs the forward on fresh leaves holding the served
+        (rounded) copy; step routes their gradient to the fp32 master (straight-through).
+        `routes` replays an MoE model's experts."""
+        self._served_leaves = None
+        if self.loss_on_served:  # TIM: the forward on the served copy, not on the master
+            served = self.served.items()
+            self._served_leaves = {n: v.clone().requires_grad_(True) for n, v in served}
+        forward = response_forward(self.model, rollout, temperature, self._served_leaves, routes,
+                                   record=False)
+        logp, logp_topk, log_s = logprobs_on_support(forward.logits, rollout, topk_ids)
+        return logp, logp_topk, forward.hidden, log_s
+
+    def logprobs(self, rollout: Rollout, topk_ids=None, temperature: float = 1.0, routes=None):
+        """(logp, logp_topk, hidden): support_logprobs on the whole vocabulary (no support)."""
+        untruncated = dataclasses.replace(rollout, kept_ids=None)
+        return self.support_logprobs(untruncated, topk_ids, temperature, routes)[:3]
 
     @torch.no_grad()
     def behaviour_logprobs(self, rollout: Rollout, temperature: float = 1.0,
                            truncation: tuple | None = None, routing_replay: str = "none"):
         """The trainer engine on the served weights and on the master at export, renormalised on the
-        kept support (Behaviour); one forward per model, and an MoE model's replays: logp_old on the
-        sampler's experts (and on its gate weights too); the experts the update replays (R2 its own,
-        R3 the sampler's).
+        kept support: Behaviour. One forward per model, and an MoE model's replays.
 
         truncation = (top_p, top_k, min_p): the kept support is also rebuilt from the served
         forward's logits (kept_support_from_logits), used where the sampler returned none
-        (merge_support). routing_replay: none | r2 | r3 (Config.routing_replay; r3: logp_old on the
-        sampler's experts).
+        (merge_support). routing_replay: none | r2 | r3 (Config.routing_replay).
         """
         forward = response_forward(self.behaviour, rollout, temperature)  # MoE: its own experts
         rebuilt = None
@@ -2573,21 +2299,21 @@ class Trainer:
         logp_experts = logp_gates = update_routes = None
         experts, gates = rollout.routed_experts, rollout.routed_weights  # the sampler's
         if self.moe and experts is not None:  # TIM: the same weights, the sampler's experts
-            logp_experts = _replayed_logp(self.behaviour, rollout, temperature, experts)
+            logp_experts = support_logprobs(self.behaviour, rollout, temperature, routes=experts)[0]
             if gates is not None:  # TIM: and on the sampler's gate weights: gates
-                logp_gates = _replayed_logp(self.behaviour, rollout, temperature, experts, gates)
-        # TIM: the experts the update's forwards are forced to
-        if self.moe and routing_replay == "r2":
+                logp_gates = support_logprobs(self.behaviour, rollout, temperature, routes=experts,
+                                              gates=gates)[0]
+        if self.moe and routing_replay == "r2":  # TIM: R2: the experts the updated policy chooses
             updated = self.behaviour if self.loss_on_served else self.model  # the update's weights
             update_routes = response_forward(updated, rollout, temperature).routes
-        elif self.moe and routing_replay == "r3":
+        elif self.moe and routing_replay == "r3":  # TIM: R3: the sampler's experts
             update_routes = experts
-            if logp_experts is not None:  # TIM: R3: the policy runs on the sampler's experts
+            if logp_experts is not None:  # the policy runs on the sampler's experts
                 logp_old = logp_experts
         logp_master_old = None
         if self.master_at_export is not None:  # on the experts the update will use
-            logp_master_old = _replayed_logp(self.master_at_export, rollout, temperature,
-                                             update_routes)
+            logp_master_old = support_logprobs(self.master_at_export, rollout, temperature,
+                                               routes=update_routes)[0]
         return Behaviour(logp_old, logp_master_old, rebuilt, logp_experts, own_routes,
                          update_routes, logp_gates)
 
@@ -2600,7 +2326,10 @@ class Trainer:
         """Backward and one optimizer step on the fp32 master; returns the gradient norm."""
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        release_routes(self.model)  # MoE: the routes kept for activation checkpointing's recompute
+        if self.moe:  # the routes a replayed forward kept for activation checkpointing's recompute
+            import machinery
+
+            machinery.release_routes(self.model)
         if self._served_leaves is not None:
             for name, p in self.model.named_parameters():
                 p.grad = self._served_leaves[name].grad
@@ -2835,23 +2564,6 @@ class RunState:
     truncation: tuple | None  # (top_p, top_k, min_p) when the sampler truncates, else None
     topk: int | None  # the top-K the sampler records (recorded_topk)
     since_sync: int = 0
-
-
-def evaluate(step: int, state: RunState, cfg: RLConfig) -> dict:
-    """Held-out greedy exact match (acc_) and probability of the exact answer (pc_), of trainer
-    and sampler; with truncated sampling also pct_trainer, that probability under the policy the
-    sampler draws from."""
-    model, tokenizer, problems = state.trainer.model, state.tokenizer, state.eval_set
-    tokens = max(6, cfg.max_new_tokens) if cfg.task == "arithmetic" else cfg.max_new_tokens
-    record = {"step": step, "acc_trainer": greedy_accuracy(model, tokenizer, problems, tokens),
-              "acc_sampler": state.sampler.greedy_accuracy(problems, tokens),
-              "pc_trainer": float(answer_logprobs(model, tokenizer, problems).exp().mean()),
-              "pc_sampler": float(state.sampler.answer_logprobs(problems).exp().mean())}
-    if _truncates(cfg):  # what a truncated sampler would draw: the objective truncated RL optimises
-        logp = answer_logprobs(model, tokenizer, problems, temperature=cfg.temperature,
-                               truncation=(cfg.top_p, cfg.top_k, cfg.min_p))
-        record["pct_trainer"] = float(logp.exp().mean())
-    return record
 
 
 class Update(NamedTuple):
@@ -3102,12 +2814,12 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
         for step in tqdm(range(start, cfg.steps), desc=cfg.name, disable=not cfg.progress,
                          mininterval=2, initial=start, total=cfg.steps):
             if step % cfg.eval_every == 0:  # before the step's update: step 0 is the start model
-                write(evaluate(step, state, cfg))
+                write(machinery.evaluate(step, state, cfg))
             write(rl_step(cfg, step, state))
             every = cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0
             if step == cfg.steps - 1 or every:
                 machinery.save_run_checkpoint(out, state, step + 1)
-        write(evaluate(cfg.steps, state, cfg))  # after the last update
+        write(machinery.evaluate(cfg.steps, state, cfg))  # after the last update
     return records
 
 
