@@ -2366,7 +2366,7 @@ def test_each_flag_has_one_meaning_tis_cap_seq_tis_cap_dlc_lag_cap():
     import argparse
 
     parser = argparse.ArgumentParser()
-    tr.add_config_flags(parser, tr.RLConfig)
+    machinery.add_config_flags(parser, tr.RLConfig)
     assert "--seq-tis-cap" in parser.format_help() and "--dlc-lag-cap" in parser.format_help()
 
 

@@ -66,7 +66,6 @@ References
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import dataclasses
@@ -78,7 +77,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import NamedTuple
@@ -2959,45 +2958,21 @@ def _check_engine(engine: EngineSpec) -> None:
 # ---- CLI ----
 
 
-def add_config_flags(parser, cls):
-    """One --flag per dataclass field, its help text from the field's metadata; the parser."""
-    for f in fields(cls):
-        help_text, kind = f.metadata.get("help"), {"action": argparse.BooleanOptionalAction}
-        if f.type not in ("bool", bool):  # argparse formats %
-            kind = {"type": {"int": int, "float": float, "str": str}.get(f.type, type(f.default))}
-            help_text = help_text.replace("%", "%%") + " (default: %(default)s)"
-        parser.add_argument(_flag(f.name), default=f.default, help=help_text, **kind)
-    return parser
-
-
-def config_from_args(cls, args):
-    """The config dataclass `cls` from the parsed flags of the same names."""
-    return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose mistakes are one line and exit status 2 (no usage block before them)."""
-
-    def error(self, message):
-        """Print `prog: error: message` alone and exit with status 2."""
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def _parser():
     """The argparse parser of every subcommand, flags built from the config dataclasses."""
-    import machinery  # PretrainConfig
+    import machinery  # PretrainConfig, the flags of a dataclass's fields
 
-    parser = OneLineParser(prog="tim_rl", description="RL under training-inference mismatch. "
-                           "No subcommand: the demo (~5 min; pre-trains the tiny model if needed).")
+    about = "RL under training-inference mismatch. No subcommand: the demo (~5 min)."
+    parser = machinery.OneLineParser(prog="tim_rl", description=about)
     sub = parser.add_subparsers(dest="cmd")
-    add_config_flags(sub.add_parser("pretrain", help="pre-train the embedded tiny model"),
-                     machinery.PretrainConfig)
-    p_train = add_config_flags(sub.add_parser("train", help="one RL run"), RLConfig)
-    p_train.add_argument("--resume", metavar="RUN_DIR", default="", help="continue runs/<name> "
-                         "from its checkpoint and config.json (other flags ignored)")
-    p_demo = sub.add_parser("demo", help="the default demo")
-    p_demo.add_argument("--steps", type=int, default=80)
-    p_demo.add_argument("--seeds", default="0,1,2,3,4")
+    pretrain = sub.add_parser("pretrain", help="pre-train the embedded tiny model")
+    machinery.add_config_flags(pretrain, machinery.PretrainConfig)
+    train = machinery.add_config_flags(sub.add_parser("train", help="one RL run"), RLConfig)
+    train.add_argument("--resume", metavar="RUN_DIR", default="", help="continue runs/<name> "
+                       "from its checkpoint and config.json (other flags ignored)")
+    demo = sub.add_parser("demo", help="the default demo (pre-trains the tiny model if needed)")
+    demo.add_argument("--steps", type=int, default=80)
+    demo.add_argument("--seeds", default="0,1,2,3,4")
     # listed for --help; main() hands `doctor ...` to machinery.doctor_main, whose parser reads it
     sub.add_parser("doctor", help="why your trainer and sampler disagree: doctor FILE")
     return parser
@@ -3013,29 +2988,21 @@ def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        cfg = machinery.check_cli(args)
-    except ValueError as e:  # a UsageError, or a combination check_run_config refuses
-        parser.exit(2, f"tim_rl: error: {e}\n")
-    warning = cfg and machinery.eval_warning(cfg)
-    if warning:
-        print(warning, file=sys.stderr)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # no "Loading weights" bar per engine between ours
-    try:
+        cfg = machinery.checked_cli_config(args)  # every refusal before any work
         if args.cmd == "pretrain":
-            print(json.dumps(machinery.pretrain(config_from_args(machinery.PretrainConfig, args))))
+            pretrain_cfg = machinery.config_from_args(machinery.PretrainConfig, args)
+            print(json.dumps(machinery.pretrain(pretrain_cfg)))
         elif args.cmd == "train":
             records = run(cfg, resume=bool(args.resume))
             print(machinery.train_summary(records, Path(cfg.out_dir) / cfg.name))
         else:
-            seeds = tuple(int(s) for s in (getattr(args, "seeds", None) or "0,1,2,3,4").split(","))
-            machinery.demo(steps=getattr(args, "steps", 80), seeds=seeds)
-    except UsageError as e:  # found once the model is loaded (setup_run): before anything is built
+            seeds = getattr(args, "seeds", None) or "0,1,2,3,4"
+            machinery.demo(steps=getattr(args, "steps", 80), seeds=tuple(map(int, seeds.split(","))))
+    except UsageError as e:  # a flag, a combination, or a model setup_run refuses
         parser.exit(2, f"tim_rl: error: {e}\n")
     except KeyboardInterrupt:
-        train = args.cmd == "train"
-        where = f"; python tim_rl.py train --resume {Path(cfg.out_dir) / cfg.name}" if train else ""
+        run_dir = args.cmd == "train" and (args.resume or Path(args.out_dir) / args.name)
+        where = f"; python tim_rl.py train --resume {run_dir}" if run_dir else ""
         parser.exit(130, f"tim_rl: interrupted (the last checkpoint is kept{where})\n")
 
 
