@@ -850,7 +850,7 @@ def copc_advantages(values, rewards, logp, logp_infer, mask, gamma=1.0, lam=1.0,
 # Each returns a detached (B, T) float32 weight, 0 outside the mask. Detached because an importance
 # weight changes the measure the gradient is averaged under, not the objective: no gradient may
 # flow through it. rho = exp(logp_old - logp_infer) is a train/infer ratio; which trainer log-prob
-# is passed as `logp_old` is the loss's choice (policy_loss): the current p under REINFORCE, the
+# is passed as `logp_old` is the loss's choice (its row of ARMS): the current p under REINFORCE, the
 # proximal p_prox under decoupled PPO.
 
 
@@ -2530,21 +2530,6 @@ def arm_of(cfg) -> Arm:
     return ARMS[name]
 
 
-def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout, adv):
-    """The chosen correction as one loss (its per-token weight: effective_token_weights), plus
-    --k2-coef's term.
-
-    logp (grad) current trainer; logp_prox the trainer before this batch's first update; logp_old
-    the trainer engine on the weights the sampler holds; ro.logp_infer the sampler. At the first
-    update logp == logp_prox."""
-    x = LossInputs(logp, logp.detach(), logp_prox, logp_old, ro.logp_infer, logp_topk,
-                   ro.logp_topk_infer, adv, ro.mask)
-    loss = ARMS[cfg.correction].loss(cfg, x)
-    if cfg.k2_coef > 0:  # TIM: any arm plus prime-rl's k2 pull toward the sampler
-        loss = loss + k2_penalty(logp, ro.logp_infer, ro.mask, cfg.k2_coef)
-    return loss
-
-
 STEP_PHASES = ("sample", "recompute", "loss", "optimizer", "export", "sync")  # sec_<phase> logged
 
 
@@ -2582,10 +2567,13 @@ class Update(NamedTuple):
 
 def update_on_batch(cfg: RLConfig, state: RunState, ro: Rollout, rewards, behaviour: Behaviour,
                     logp_prox=None) -> Update:
-    """One optimizer step of the chosen correction on the whole batch.
+    """One optimizer step on the whole batch: the arm's loss (plus --k2-coef's term); the weight
+    it gives each token: effective_token_weights.
 
-    logp_prox None: this is the batch's first update, and its own log-probs are the proximal
-    policy. behaviour.update_routes: the MoE experts the forward replays (R2 / R3; None: live)."""
+    logp (grad) the current trainer; logp_prox the trainer before this batch's first update (None:
+    this is it, its own log-probs are the proximal policy); behaviour.logp_old the trainer engine
+    on the weights the sampler holds; ro.logp_infer the sampler. behaviour.update_routes: the MoE
+    experts the forward replays (R2 / R3; None: live)."""
     trainer, clock, extra = state.trainer, [time.perf_counter()], {}
     reads_topk = state.arm.reads_topk or cfg.diagnose_drift
     topk_ids = ro.topk_ids if reads_topk and ro.topk_ids.shape[-1] > 0 else None
@@ -2608,7 +2596,11 @@ def update_on_batch(cfg: RLConfig, state: RunState, ro: Rollout, rewards, behavi
     else:  # (B, 1) GRPO or raw-reward advantages
         adv = grpo_advantages(rewards, cfg.group) if cfg.baseline == "group" else rewards
         adv, critic_loss = adv[:, None], 0.0
-    loss = policy_loss(cfg, logp, logp_topk, logp_prox, behaviour.logp_old, ro, adv)
+    x = LossInputs(logp, logp.detach(), logp_prox, behaviour.logp_old, ro.logp_infer, logp_topk,
+                   ro.logp_topk_infer, adv, ro.mask)
+    loss = state.arm.loss(cfg, x)
+    if cfg.k2_coef > 0:  # TIM: any arm plus prime-rl's k2 pull toward the sampler
+        loss = loss + k2_penalty(logp, ro.logp_infer, ro.mask, cfg.k2_coef)
     w_eff = effective_token_weights(loss, logp, adv, ro.mask)  # what the arm did to each token
     if first and cfg.diagnose_drift:
         extra |= drift_signal_norms(trainer.grad_leaves(), logp, logp_topk, ro.logp_infer,
