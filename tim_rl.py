@@ -2470,12 +2470,6 @@ def _opsm(cfg, x: LossInputs):
     return opsm_mask(x.logp_now, x.logp_infer, x.adv, x.mask, cfg.opsm_delta)
 
 
-def _dlc(c, x: LossInputs):
-    """DLC: the lag p_prox / p_old and the numerics p_old / q corrected apart."""
-    return dlc_loss(x.logp, x.logp_old, x.logp_infer, x.adv, x.mask, c.eps_low, c.eps_high,
-                    logp_prox=x.logp_prox, lag_cap=c.dlc_lag_cap)
-
-
 # Every correction (--correction NAME). TIM: REINFORCE has no trust region, so its weight covers the
 # whole gap p / q = lag x numerics: the weight gets the current log-prob (detached). The
 # decoupled-PPO arms weight the behaviour gap p_prox / q and leave the update p / p_prox to the
@@ -2500,7 +2494,10 @@ ARMS = {
     "sc_tis": Arm(lambda c, x: _sc(x, cap=c.tis_cap), reads_topk=True, renormalized=True),
     "sc_mis": Arm(lambda c, x: _sc(x, band=(c.mis_low, c.mis_high)), reads_topk=True,
                   renormalized=True),
-    "dlc": Arm(_dlc, renormalized=True, resync=True),
+    # DLC: the lag p_prox / p_old and the numerics p_old / q corrected apart
+    "dlc": Arm(lambda c, x: dlc_loss(x.logp, x.logp_old, x.logp_infer, x.adv, x.mask, c.eps_low,
+                                     c.eps_high, logp_prox=x.logp_prox, lag_cap=c.dlc_lag_cap),
+               renormalized=True, resync=True),
     "copc": Arm(lambda c, x: _ppo(c, x, copc_mask(x.logp_prox, x.logp_infer, x.mask)), critic=True),
     "calibrated": Arm(_calibrated, renormalized=True),
     # a positive control [2], not a correction: REINFORCE minus its signal part = the drift alone
@@ -2988,8 +2985,8 @@ def main(argv: list[str] | None = None) -> None:
             records = run(cfg, resume=bool(args.resume))
             print(machinery.train_summary(records, Path(cfg.out_dir) / cfg.name))
         else:
-            seeds = getattr(args, "seeds", None) or "0,1,2,3,4"
-            machinery.demo(steps=getattr(args, "steps", 80), seeds=tuple(map(int, seeds.split(","))))
+            seeds = tuple(int(s) for s in (getattr(args, "seeds", None) or "0,1,2,3,4").split(","))
+            machinery.demo(steps=getattr(args, "steps", 80), seeds=seeds)
     except UsageError as e:  # a flag, a combination, or a model setup_run refuses
         parser.exit(2, f"tim_rl: error: {e}\n")
     except KeyboardInterrupt:
