@@ -34,15 +34,16 @@ def pytest_collection_modifyitems(items):
 
 
 def _arm_weights(correction, logp_now, logp_prox, logp_old, logp_infer, adv, **cfg):
-    """effective_token_weights of policy_loss's arm on a hand-made (B, 1) batch (K = V = 2 top-k for SC)."""
-    B, T = logp_now.shape
-    mask = torch.ones(B, T, dtype=torch.bool)
-    ro = tr.Rollout(torch.ones(B, 1, dtype=torch.long), torch.ones(B, 1, dtype=torch.bool),
-                    torch.ones(B, T, dtype=torch.long), mask, logp_infer, torch.zeros(B, T, 1, dtype=torch.long),
-                    logp_infer[..., None], [""] * B)
+    """effective_token_weights of the arm's loss (plus --k2-coef's term), composed as update_on_batch
+    does, on a hand-made (B, 1) batch (K = V = 2 top-k for SC)."""
+    cfg = tr.RLConfig(correction=correction, **cfg)
+    mask = torch.ones_like(logp_now, dtype=torch.bool)
     logp = logp_now.clone().requires_grad_(True)
-    loss = tr.policy_loss(tr.RLConfig(correction=correction, **cfg), logp, logp[..., None], logp_prox, logp_old, ro,
-                          adv)
+    x = tr.LossInputs(logp, logp.detach(), logp_prox, logp_old, logp_infer, logp[..., None], logp_infer[..., None],
+                      adv, mask)
+    loss = tr.ARMS[correction].loss(cfg, x)
+    if cfg.k2_coef > 0:
+        loss = loss + tr.k2_penalty(logp, logp_infer, mask, cfg.k2_coef)
     return tr.effective_token_weights(loss, logp, adv, mask)
 
 

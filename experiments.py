@@ -3167,10 +3167,10 @@ def bench(cfg: BenchConfig) -> list[dict]:
 
 def _parser():
     """The argparse parser of compare and bench, flags built from the config dataclasses (tim_rl's helpers)."""
-    parser = tr.OneLineParser(prog="experiments", description="The lab around tim_rl: paper claims "
+    parser = machinery.OneLineParser(prog="experiments", description="The lab around tim_rl: paper claims "
                                      "on paired seeds (compare) and speed / memory ratios (bench).")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p_cmp = tr.add_config_flags(sub.add_parser("compare", help="several corrections side by side (plus a synced "
+    p_cmp = machinery.add_config_flags(sub.add_parser("compare", help="several corrections side by side (plus a synced "
                                                           "control)"),
                            tr.RLConfig)
     p_cmp.add_argument("--corrections", default="none,tis,sc,sc_tis", help="comma-separated corrections")
@@ -3185,7 +3185,7 @@ def _parser():
     p_cmp.add_argument("--accept-numerics", action="store_true",
                        help="with --publish: publish runs read back from code of other numerics (RESULTS.md "
                             "says so)")
-    tr.add_config_flags(sub.add_parser("bench", help="speed and memory ratios against baselines timed side by "
+    machinery.add_config_flags(sub.add_parser("bench", help="speed and memory ratios against baselines timed side by "
                                                 "side"),
                    BenchConfig)
     p_doc = sub.add_parser("doctor-eval", help="the mismatch doctor on labelled cases from real engines "
@@ -3249,7 +3249,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.cmd == "compare":
         print(_markdown_table(compare(cfg, args.corrections.split(","), parse_seeds(seeds), cfg.name)))
     else:
-        bench(tr.config_from_args(BenchConfig, args))
+        bench(machinery.config_from_args(BenchConfig, args))
 
 
 if __name__ == "__main__":

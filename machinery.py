@@ -15,6 +15,7 @@ tim_rl.py imports this module only inside the functions that use it.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import hashlib
@@ -588,7 +589,7 @@ def doctor_main(argv: list[str]) -> None:
     unreadable file, a missing key, a bad shape or dtype is one error line and exit status 2."""
     from safetensors import SafetensorError
 
-    parser = tr.OneLineParser(prog="tim_rl doctor", description="Why trainer and sampler log-probs disagree "
+    parser = OneLineParser(prog="tim_rl doctor", description="Why trainer and sampler log-probs disagree "
                               "(TRL / verl tensor names, or --keys; an 'advantages' tensor enables lag).")
     parser.add_argument("file", type=Path, help=".pt, .safetensors or .jsonl")
     parser.add_argument("--keys", default="", help="TRAIN,INFER,MASK: the names of the trainer's log-probs, "
@@ -1573,3 +1574,46 @@ class HFTokenizer:
         ids = [int(i) for i in ids]
         ids = ids[: ids.index(self.eos_id)] if self.eos_id in ids else ids
         return self.tok.decode(ids, skip_special_tokens=True)
+
+
+# ---- argparse from the config dataclasses (tim_rl.py's CLI, the lab's) ----
+
+
+def add_config_flags(parser, cls):
+    """One --flag per dataclass field, its help text from the field's metadata; the parser."""
+    for f in fields(cls):
+        help_text, kind = f.metadata.get("help"), {"action": argparse.BooleanOptionalAction}
+        if f.type not in ("bool", bool):  # argparse formats %
+            kind = {"type": {"int": int, "float": float, "str": str}.get(f.type, type(f.default))}
+            help_text = help_text.replace("%", "%%") + " (default: %(default)s)"
+        parser.add_argument(tr._flag(f.name), default=f.default, help=help_text, **kind)
+    return parser
+
+
+def config_from_args(cls, args):
+    """The config dataclass `cls` from the parsed flags of the same names."""
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose mistakes are one line and exit status 2 (no usage block before them)."""
+
+    def error(self, message):
+        """Print `prog: error: message` alone and exit with status 2."""
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def checked_cli_config(args):
+    """check_cli's RLConfig (None for other commands), its refusals as UsageError; prints
+    eval_warning's line; silences transformers' per-load progress bar (ours show the work)."""
+    from transformers.utils import logging as hf_logging
+
+    try:
+        cfg = check_cli(args)
+    except ValueError as e:  # a UsageError, or a combination check_run_config refuses
+        raise tr.UsageError(str(e)) from e
+    warning = cfg and eval_warning(cfg)
+    if warning:
+        print(warning, file=sys.stderr)
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar per engine between ours
+    return cfg

@@ -2299,7 +2299,7 @@ def test_one_rl_step_is_its_phases_in_order_and_opens_at_most_15_functions_outsi
     names = {q.split(".")[-1] if "." in q and q.split(".")[0] in ("TorchSampler", "VLLMSampler") else q for q in outside}
     print(sorted(names))
     assert len(names) <= 15, sorted(names)
-    assert "policy_loss" in names and "Trainer.behaviour_logprobs" in names, "the count sees the step's phases"
+    assert "update_on_batch" in names and "Trainer.behaviour_logprobs" in names, "the count sees the step's phases"
 
 
 def test_the_lab_uses_only_public_names_of_the_reference():
@@ -2366,7 +2366,7 @@ def test_each_flag_has_one_meaning_tis_cap_seq_tis_cap_dlc_lag_cap():
     import argparse
 
     parser = argparse.ArgumentParser()
-    tr.add_config_flags(parser, tr.RLConfig)
+    machinery.add_config_flags(parser, tr.RLConfig)
     assert "--seq-tis-cap" in parser.format_help() and "--dlc-lag-cap" in parser.format_help()
 
 
@@ -3766,7 +3766,7 @@ def test_what_a_learner_reads_is_defined_in_the_reference():
     """The samplers, the trainer, the verifier, every correction, the doctor and the RL step live in tim_rl.py
     (machinery.py holds only what a GPU run needs; the lab imports both)."""
     names = ["TorchSampler", "VLLMSampler", "Trainer", "verify", "extract_answer", "diagnose_mismatch", "rl_step",
-             "run", "policy_loss", "mismatch_metrics", "mismatch_ledger", "token_logprobs", "pg_loss", "ppo_loss",
+             "run", "update_on_batch", "mismatch_metrics", "mismatch_ledger", "token_logprobs", "pg_loss", "ppo_loss",
              "score_centering_loss", "dlc_loss", "dppo_loss", "cispo_loss", "gspo_loss", "aggregate_loss",
              "k2_penalty", "tis_weights",
              "mis_weights", "seq_tis_weights", "seq_mask_weights", "geo_mask_weights", "cis_weights", "dlc_weights",

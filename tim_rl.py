@@ -66,7 +66,6 @@ References
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import dataclasses
@@ -78,7 +77,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import NamedTuple
@@ -851,7 +850,7 @@ def copc_advantages(values, rewards, logp, logp_infer, mask, gamma=1.0, lam=1.0,
 # Each returns a detached (B, T) float32 weight, 0 outside the mask. Detached because an importance
 # weight changes the measure the gradient is averaged under, not the objective: no gradient may
 # flow through it. rho = exp(logp_old - logp_infer) is a train/infer ratio; which trainer log-prob
-# is passed as `logp_old` is the loss's choice (policy_loss): the current p under REINFORCE, the
+# is passed as `logp_old` is the loss's choice (its row of ARMS): the current p under REINFORCE, the
 # proximal p_prox under decoupled PPO.
 
 
@@ -2471,12 +2470,6 @@ def _opsm(cfg, x: LossInputs):
     return opsm_mask(x.logp_now, x.logp_infer, x.adv, x.mask, cfg.opsm_delta)
 
 
-def _dlc(c, x: LossInputs):
-    """DLC: the lag p_prox / p_old and the numerics p_old / q corrected apart."""
-    return dlc_loss(x.logp, x.logp_old, x.logp_infer, x.adv, x.mask, c.eps_low, c.eps_high,
-                    logp_prox=x.logp_prox, lag_cap=c.dlc_lag_cap)
-
-
 # Every correction (--correction NAME). TIM: REINFORCE has no trust region, so its weight covers the
 # whole gap p / q = lag x numerics: the weight gets the current log-prob (detached). The
 # decoupled-PPO arms weight the behaviour gap p_prox / q and leave the update p / p_prox to the
@@ -2501,7 +2494,10 @@ ARMS = {
     "sc_tis": Arm(lambda c, x: _sc(x, cap=c.tis_cap), reads_topk=True, renormalized=True),
     "sc_mis": Arm(lambda c, x: _sc(x, band=(c.mis_low, c.mis_high)), reads_topk=True,
                   renormalized=True),
-    "dlc": Arm(_dlc, renormalized=True, resync=True),
+    # DLC: the lag p_prox / p_old and the numerics p_old / q corrected apart
+    "dlc": Arm(lambda c, x: dlc_loss(x.logp, x.logp_old, x.logp_infer, x.adv, x.mask, c.eps_low,
+                                     c.eps_high, logp_prox=x.logp_prox, lag_cap=c.dlc_lag_cap),
+               renormalized=True, resync=True),
     "copc": Arm(lambda c, x: _ppo(c, x, copc_mask(x.logp_prox, x.logp_infer, x.mask)), critic=True),
     "calibrated": Arm(_calibrated, renormalized=True),
     # a positive control [2], not a correction: REINFORCE minus its signal part = the drift alone
@@ -2529,21 +2525,6 @@ def arm_of(cfg) -> Arm:
     if name not in ARMS:
         raise ValueError(f"correction must be one of {' | '.join(ARMS)}, got {name!r}")
     return ARMS[name]
-
-
-def policy_loss(cfg: RLConfig, logp, logp_topk, logp_prox, logp_old, ro: Rollout, adv):
-    """The chosen correction as one loss (its per-token weight: effective_token_weights), plus
-    --k2-coef's term.
-
-    logp (grad) current trainer; logp_prox the trainer before this batch's first update; logp_old
-    the trainer engine on the weights the sampler holds; ro.logp_infer the sampler. At the first
-    update logp == logp_prox."""
-    x = LossInputs(logp, logp.detach(), logp_prox, logp_old, ro.logp_infer, logp_topk,
-                   ro.logp_topk_infer, adv, ro.mask)
-    loss = ARMS[cfg.correction].loss(cfg, x)
-    if cfg.k2_coef > 0:  # TIM: any arm plus prime-rl's k2 pull toward the sampler
-        loss = loss + k2_penalty(logp, ro.logp_infer, ro.mask, cfg.k2_coef)
-    return loss
 
 
 STEP_PHASES = ("sample", "recompute", "loss", "optimizer", "export", "sync")  # sec_<phase> logged
@@ -2583,10 +2564,13 @@ class Update(NamedTuple):
 
 def update_on_batch(cfg: RLConfig, state: RunState, ro: Rollout, rewards, behaviour: Behaviour,
                     logp_prox=None) -> Update:
-    """One optimizer step of the chosen correction on the whole batch.
+    """One optimizer step on the whole batch: the arm's loss (plus --k2-coef's term); the weight
+    it gives each token: effective_token_weights.
 
-    logp_prox None: this is the batch's first update, and its own log-probs are the proximal
-    policy. behaviour.update_routes: the MoE experts the forward replays (R2 / R3; None: live)."""
+    logp (grad) the current trainer; logp_prox the trainer before this batch's first update (None:
+    this is it, its own log-probs are the proximal policy); behaviour.logp_old the trainer engine
+    on the weights the sampler holds; ro.logp_infer the sampler. behaviour.update_routes: the MoE
+    experts the forward replays (R2 / R3; None: live)."""
     trainer, clock, extra = state.trainer, [time.perf_counter()], {}
     reads_topk = state.arm.reads_topk or cfg.diagnose_drift
     topk_ids = ro.topk_ids if reads_topk and ro.topk_ids.shape[-1] > 0 else None
@@ -2609,7 +2593,11 @@ def update_on_batch(cfg: RLConfig, state: RunState, ro: Rollout, rewards, behavi
     else:  # (B, 1) GRPO or raw-reward advantages
         adv = grpo_advantages(rewards, cfg.group) if cfg.baseline == "group" else rewards
         adv, critic_loss = adv[:, None], 0.0
-    loss = policy_loss(cfg, logp, logp_topk, logp_prox, behaviour.logp_old, ro, adv)
+    x = LossInputs(logp, logp.detach(), logp_prox, behaviour.logp_old, ro.logp_infer, logp_topk,
+                   ro.logp_topk_infer, adv, ro.mask)
+    loss = state.arm.loss(cfg, x)
+    if cfg.k2_coef > 0:  # TIM: any arm plus prime-rl's k2 pull toward the sampler
+        loss = loss + k2_penalty(logp, ro.logp_infer, ro.mask, cfg.k2_coef)
     w_eff = effective_token_weights(loss, logp, adv, ro.mask)  # what the arm did to each token
     if first and cfg.diagnose_drift:
         extra |= drift_signal_norms(trainer.grad_leaves(), logp, logp_topk, ro.logp_infer,
@@ -2959,45 +2947,21 @@ def _check_engine(engine: EngineSpec) -> None:
 # ---- CLI ----
 
 
-def add_config_flags(parser, cls):
-    """One --flag per dataclass field, its help text from the field's metadata; the parser."""
-    for f in fields(cls):
-        help_text, kind = f.metadata.get("help"), {"action": argparse.BooleanOptionalAction}
-        if f.type not in ("bool", bool):  # argparse formats %
-            kind = {"type": {"int": int, "float": float, "str": str}.get(f.type, type(f.default))}
-            help_text = help_text.replace("%", "%%") + " (default: %(default)s)"
-        parser.add_argument(_flag(f.name), default=f.default, help=help_text, **kind)
-    return parser
-
-
-def config_from_args(cls, args):
-    """The config dataclass `cls` from the parsed flags of the same names."""
-    return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose mistakes are one line and exit status 2 (no usage block before them)."""
-
-    def error(self, message):
-        """Print `prog: error: message` alone and exit with status 2."""
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def _parser():
     """The argparse parser of every subcommand, flags built from the config dataclasses."""
-    import machinery  # PretrainConfig
+    import machinery  # PretrainConfig, the flags of a dataclass's fields
 
-    parser = OneLineParser(prog="tim_rl", description="RL under training-inference mismatch. "
-                           "No subcommand: the demo (~5 min; pre-trains the tiny model if needed).")
+    about = "RL under training-inference mismatch. No subcommand: the demo (~5 min)."
+    parser = machinery.OneLineParser(prog="tim_rl", description=about)
     sub = parser.add_subparsers(dest="cmd")
-    add_config_flags(sub.add_parser("pretrain", help="pre-train the embedded tiny model"),
-                     machinery.PretrainConfig)
-    p_train = add_config_flags(sub.add_parser("train", help="one RL run"), RLConfig)
-    p_train.add_argument("--resume", metavar="RUN_DIR", default="", help="continue runs/<name> "
-                         "from its checkpoint and config.json (other flags ignored)")
-    p_demo = sub.add_parser("demo", help="the default demo")
-    p_demo.add_argument("--steps", type=int, default=80)
-    p_demo.add_argument("--seeds", default="0,1,2,3,4")
+    pretrain = sub.add_parser("pretrain", help="pre-train the embedded tiny model")
+    machinery.add_config_flags(pretrain, machinery.PretrainConfig)
+    train = machinery.add_config_flags(sub.add_parser("train", help="one RL run"), RLConfig)
+    train.add_argument("--resume", metavar="RUN_DIR", default="", help="continue runs/<name> "
+                       "from its checkpoint and config.json (other flags ignored)")
+    demo = sub.add_parser("demo", help="the default demo (pre-trains the tiny model if needed)")
+    demo.add_argument("--steps", type=int, default=80)
+    demo.add_argument("--seeds", default="0,1,2,3,4")
     # listed for --help; main() hands `doctor ...` to machinery.doctor_main, whose parser reads it
     sub.add_parser("doctor", help="why your trainer and sampler disagree: doctor FILE")
     return parser
@@ -3013,29 +2977,21 @@ def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        cfg = machinery.check_cli(args)
-    except ValueError as e:  # a UsageError, or a combination check_run_config refuses
-        parser.exit(2, f"tim_rl: error: {e}\n")
-    warning = cfg and machinery.eval_warning(cfg)
-    if warning:
-        print(warning, file=sys.stderr)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # no "Loading weights" bar per engine between ours
-    try:
+        cfg = machinery.checked_cli_config(args)  # every refusal before any work
         if args.cmd == "pretrain":
-            print(json.dumps(machinery.pretrain(config_from_args(machinery.PretrainConfig, args))))
+            pretrain_cfg = machinery.config_from_args(machinery.PretrainConfig, args)
+            print(json.dumps(machinery.pretrain(pretrain_cfg)))
         elif args.cmd == "train":
             records = run(cfg, resume=bool(args.resume))
             print(machinery.train_summary(records, Path(cfg.out_dir) / cfg.name))
         else:
             seeds = tuple(int(s) for s in (getattr(args, "seeds", None) or "0,1,2,3,4").split(","))
             machinery.demo(steps=getattr(args, "steps", 80), seeds=seeds)
-    except UsageError as e:  # found once the model is loaded (setup_run): before anything is built
+    except UsageError as e:  # a flag, a combination, or a model setup_run refuses
         parser.exit(2, f"tim_rl: error: {e}\n")
     except KeyboardInterrupt:
-        train = args.cmd == "train"
-        where = f"; python tim_rl.py train --resume {Path(cfg.out_dir) / cfg.name}" if train else ""
+        run_dir = args.cmd == "train" and (args.resume or Path(args.out_dir) / args.name)
+        where = f"; python tim_rl.py train --resume {run_dir}" if run_dir else ""
         parser.exit(130, f"tim_rl: interrupted (the last checkpoint is kept{where})\n")
 
 
