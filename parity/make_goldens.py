@@ -317,10 +317,10 @@ def run_verl(rec: Recorder, ns: dict, info: dict):
                     {"logprob": f"input/{s}/logp_infer", "ref_logprob": f"input/{s}/logp_old"}, {"kl": kl})
     # losses: gradient w.r.t. logp
     cfg = ActorConfigStub(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
-    for s in ["ragged", "extreme", "beyond20", "nonfinite_out", "nonfinite_in", "long"]:
+    for s in ALL:
         x = rec.sets[s]
         adv = x["adv"][:, None].expand_as(x["mask"])
-        for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
             logp = rec.leaf(s)
             loss = ns["agg_loss"](loss_mat=-adv * logp, loss_mask=x["mask"], loss_agg_mode=mode)
             rec.add(f"verl.agg_loss.{mode}.{s}", "verl", info, core, "agg_loss", s, {"loss_agg_mode": mode},
