@@ -14,9 +14,8 @@ Every call runs in float64 on the edge-case batches of issue 44 and writes
   parity/goldens.json         per case: framework, repo, path, function, commit (TRL: version + file sha256),
                               keyword arguments, input tensors, output tensors, and what the gradient is of.
 Regenerate (TRL lives in the vLLM environment; the fetched checkouts are bare git directories):
-  /work/venv-vllm/bin/python parity/make_goldens.py \
-      --verl /work/.mirror/volcengine+verl/repo --slime /work/.mirror/THUDM+slime/repo \
-      --prime-rl /work/.mirror/PrimeIntellect-ai+prime-rl/repo
+  python parity/make_goldens.py --verl verl --slime slime --prime-rl prime-rl   (clones at the commits of
+  parity/README.md; TRL 1.16.0 installed)
 """
 
 import argparse
@@ -317,10 +316,10 @@ def run_verl(rec: Recorder, ns: dict, info: dict):
                     {"logprob": f"input/{s}/logp_infer", "ref_logprob": f"input/{s}/logp_old"}, {"kl": kl})
     # losses: gradient w.r.t. logp
     cfg = ActorConfigStub(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
-    for s in ["ragged", "extreme", "beyond20", "nonfinite_out", "nonfinite_in", "long"]:
+    for s in ALL:
         x = rec.sets[s]
         adv = x["adv"][:, None].expand_as(x["mask"])
-        for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
             logp = rec.leaf(s)
             loss = ns["agg_loss"](loss_mat=-adv * logp, loss_mask=x["mask"], loss_agg_mode=mode)
             rec.add(f"verl.agg_loss.{mode}.{s}", "verl", info, core, "agg_loss", s, {"loss_agg_mode": mode},
@@ -558,9 +557,9 @@ def run_trl(rec: Recorder, ns: dict, info: dict):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--verl", type=Path, default=Path("/work/.mirror/volcengine+verl/repo"))
-    p.add_argument("--slime", type=Path, default=Path("/work/.mirror/THUDM+slime/repo"))
-    p.add_argument("--prime-rl", type=Path, default=Path("/work/.mirror/PrimeIntellect-ai+prime-rl/repo"))
+    p.add_argument("--verl", type=Path, default=Path("verl"))
+    p.add_argument("--slime", type=Path, default=Path("slime"))
+    p.add_argument("--prime-rl", type=Path, default=Path("prime-rl"))
     p.add_argument("--out", type=Path, default=HERE)
     p.add_argument("--skip-trl", action="store_true", help="when TRL is not installed in this environment")
     args = p.parse_args()
