@@ -1319,7 +1319,7 @@ MOE_JITTER_PILOT = (
 # the corrections-2026 preset: each arm at the staleness preset's lag and at the dose preset's first harmful level
 CORRECTIONS_2026 = ("rs", "rs_seq_max", "tis_sn", "opsm", "cispo", "none + k2")
 DOSE_HARMED = 0.2  # the dose preset's (a): none trails the synced control from s=0.2 (x 0.19) on
-K2_COEF = 1e-3  # prime-rl's kl_tau
+K2_COEF = 1e-3  # k2_penalty's coef c; prime-rl kl_tau = c / 2 = 5e-4
 SETTINGS_2026 = ((LAG_LABEL, {"sync_every": PRESET_LAG}), (f"(s={DOSE_HARMED:g})", {"noise": DOSE_HARMED}))
 
 
@@ -1476,7 +1476,7 @@ RL_PRESETS = {
         notes=("Claims written before any run of this preset, with the frameworks' defaults and no pilot: rs and "
                "rs_seq_max mask at k3 > 0.01 (verl's K3-RS preset), opsm at delta 1e-4 (slime), cispo caps p/q at "
                "1 + eps_high = 1.28, tis_sn is TIS (cap 2) over its batch mean, none + k2 adds 1e-3 x the k2 term "
-               "(prime-rl's kl_tau). The settings are the staleness preset's lag and the dose preset's first "
+               "(tau (log r)^2 / 2: prime-rl kl_tau 5e-4, half its default). The settings are the staleness preset's lag and the dose preset's first "
                "level where none trails the synced control. 'Beats tis' is the direction in which the sources "
                "present these methods (an improvement on plain truncated IS); no number of theirs is reproduced. "
                "The 26 claims are one family (judge_family: Holm over their two-sided paired t tests), so "
