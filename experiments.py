@@ -51,7 +51,7 @@ def measure_engines(model_dir: str | Path, engines: list[tuple[str, object]], n_
                    tr.VLLMSampler(model_dir, dtype=spec.split("-")[1], seed=seeds[0], tokenizer=tokenizer,
                                   max_model_len=max_model_len))
         for seed in seeds:
-            problems = machinery.make_arithmetic_task(n_prompts, seed=seed, split="eval", **tr.task_kwargs(model_dir))
+            problems = machinery.make_arithmetic_task(n_prompts, seed=seed, split="eval", **machinery.task_kwargs(model_dir))
             ids = prompts if prompts is not None else tr.encode_problems(tokenizer, problems)[0]
             ro = sampler.sample(ids, n, max_new_tokens, 1.0, topk, torch.Generator().manual_seed(seed))
             with torch.no_grad():
@@ -856,7 +856,7 @@ def _cis_gap_by_confidence(pc: PresetConfig, seeds: list[int]) -> tuple[str, lis
     model_dir = tr.resolve_model_dir(pc.model)
     model, tokenizer = tr.load_model(model_dir).eval(), tr.load_tokenizer(model_dir)
     prompts, _ = tr.encode_problems(tokenizer, machinery.make_arithmetic_task(16 if pc.smoke else 128, split="eval",
-                                                                        **tr.task_kwargs(model_dir)))
+                                                                        **machinery.task_kwargs(model_dir)))
     ro = tr.TorchSampler(model, tr.EngineSpec(quant="fp8"), tokenizer).sample(prompts, 8, 5, 1.0, 0,
                                                                         torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -907,7 +907,7 @@ def routing_rows(model_dir: str | Path, seeds: tuple[int, ...] = (0,), n_prompts
         sampler = (tr.TorchSampler(model, spec, tokenizer) if spec is not None else
                    tr.VLLMSampler(model_dir, dtype="bf16", tokenizer=tokenizer))
         for seed in seeds:
-            problems = machinery.make_arithmetic_task(n_prompts, seed=seed, split="eval", **tr.task_kwargs(model_dir))
+            problems = machinery.make_arithmetic_task(n_prompts, seed=seed, split="eval", **machinery.task_kwargs(model_dir))
             ro = sampler.sample(tr.encode_problems(tokenizer, problems)[0], n, 5, 1.0, None,
                                 torch.Generator().manual_seed(seed))
             behaviour = trainer.behaviour_logprobs(ro, routing_replay="r3" if r3 else "none")
@@ -963,7 +963,7 @@ def flips_by_margin(model_dir: str | Path, engines: list[tuple[str, tr.EngineSpe
     flips at every margin."""
     model_dir = Path(model_dir)
     tokenizer, model = tr.load_tokenizer(model_dir), tr.load_model(model_dir).eval()
-    problems = machinery.make_arithmetic_task(n_prompts, seed=seed, split="eval", **tr.task_kwargs(model_dir))
+    problems = machinery.make_arithmetic_task(n_prompts, seed=seed, split="eval", **machinery.task_kwargs(model_dir))
     rows = []
     for label, spec in engines:
         ro = tr.TorchSampler(model, spec, tokenizer).sample(tr.encode_problems(tokenizer, problems)[0], n, 5, 1.0,
@@ -1044,7 +1044,7 @@ def _truncation_table(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dic
     """truncation_table of the tiny model (vLLM's engines too when installed, outside --smoke)."""
     model_dir = tr.resolve_model_dir(pc.model)
     prompts, _ = tr.encode_problems(tr.load_tokenizer(model_dir), machinery.make_arithmetic_task(
-        16 if pc.smoke else 64, **tr.task_kwargs(model_dir), split="eval"))
+        16 if pc.smoke else 64, **machinery.task_kwargs(model_dir), split="eval"))
     return ((f"Kept mass S and ratio bias, tiny model, {len(prompts)} prompts x 4 samples x 5 tokens, "
             "temperature 1, fp32 trainer:"), truncation_table(model_dir, prompts, 4, 5, vllm=not pc.smoke))
 
@@ -2570,7 +2570,7 @@ def _doctor_models() -> dict:
     dirs = {"dense": tr.resolve_model_dir("runs/base"), "moe": tr.resolve_model_dir(machinery.MOE_BASE),
             "other": machinery.ensure_base_model(f"runs/base-{DOCTOR_OTHER[0]}", **DOCTOR_OTHER[1]),
             "long": machinery.ensure_base_model(f"runs/base-{DOCTOR_LONG[0]}", **DOCTOR_LONG[1])}
-    return {name: (tr.load_model(d).eval(), tr.task_kwargs(d)) for name, d in dirs.items()}
+    return {name: (tr.load_model(d).eval(), machinery.task_kwargs(d)) for name, d in dirs.items()}
 
 
 def doctor_cases(seed: int, models: dict, n_prompts: int = 64, n: int = 4) -> list[DoctorCase]:
@@ -2651,7 +2651,7 @@ def doctor_sample(out: Path, model: str = "runs/base", seed: int = 0) -> Path:
     from safetensors.torch import save_file
 
     model_dir = tr.resolve_model_dir(model)
-    problems = machinery.make_arithmetic_task(32, seed=seed, split="eval", **tr.task_kwargs(model_dir))
+    problems = machinery.make_arithmetic_task(32, seed=seed, split="eval", **machinery.task_kwargs(model_dir))
     ro, logp, adv = _doctor_rollout(tr.load_model(model_dir).eval(), machinery.CharTokenizer(), tr.EngineSpec(dtype="bf16"),
                                     problems, 4, 5, seed)
     tensors = {"old_per_token_logps": logp, "completion_mask": ro.mask.int(), "advantages": adv.float(),
@@ -2943,7 +2943,7 @@ def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, de
     """Generated tokens/s of TorchSampler vs HF generate (same model, fp32, batch, max length, device), and vLLM's."""
     tokenizer, model = tr.load_tokenizer(model_dir), tr.load_model(model_dir).to(device).eval()
     prompts, _ = tr.encode_problems(tokenizer, machinery.make_arithmetic_task(prompts_n, split="eval",
-                                                                        **tr.task_kwargs(model_dir)))
+                                                                        **machinery.task_kwargs(model_dir)))
     gen = torch.Generator().manual_seed(0)
 
     def ours(sampler):  # tokens generated by one sample() call

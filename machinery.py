@@ -720,7 +720,7 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
         # (PEFT merge, ZeRO-3 gather, sleep-mode wake-up) stays in charge
         def sync_weights():
             """TRL's weight sync, done by reloading vLLM's model from the trainer's parameters."""
-            tr.reload_vllm_weights(generation.llm, trainer.model.named_parameters())
+            reload_vllm_weights(generation.llm, trainer.model.named_parameters())
 
         generation.sync_weights = sync_weights
     return trainer
@@ -1205,7 +1205,7 @@ def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: 
 
     model_dir = ensure_base_model("runs/base")
     model, tokenizer = tr.load_model(model_dir).eval(), tr.load_tokenizer(model_dir)
-    problems = make_arithmetic_task(64, seed=0, split="eval", **tr.task_kwargs(model_dir))
+    problems = make_arithmetic_task(64, seed=0, split="eval", **task_kwargs(model_dir))
     prompts = tr.encode_problems(tokenizer, problems)[0]
     Spec = tr.EngineSpec
     engines = {"torch fp32 (KV cache)": Spec(), "torch fp32 exact": Spec(exact=True),
@@ -1271,7 +1271,7 @@ def resolve_device(device: str) -> torch.device:
 
 def run_task_kwargs(cfg, model_dir: str | Path) -> dict:
     """The arithmetic task a run trains and evaluates on: the model's own, or --task-digits."""
-    return tr.task_kwargs(model_dir) | ({"digits": cfg.task_digits} if cfg.task_digits else {})
+    return task_kwargs(model_dir) | ({"digits": cfg.task_digits} if cfg.task_digits else {})
 
 
 def vllm_available() -> bool:
@@ -1617,3 +1617,42 @@ def checked_cli_config(args):
         print(warning, file=sys.stderr)
     hf_logging.disable_progress_bar()  # no "Loading weights" bar per engine between ours
     return cfg
+
+
+# ---- the task's settings, vLLM weight sync, export statistics ----
+
+
+def task_kwargs(model_dir: Path) -> dict:
+    """The arithmetic task's digits and ops the tiny model was pre-trained on (its pretrain.json);
+    2-digit addition for other models."""
+    path = Path(model_dir) / "pretrain.json"
+    info = json.loads(path.read_text()) if path.exists() else {}
+    return {"digits": info.get("digits", 2), "ops": info.get("ops", "+")}
+
+
+def reload_vllm_weights(llm, named_tensors) -> None:
+    """In-place weight sync of a vllm.LLM: collective_rpc("reload_weights") + reset_prefix_cache.
+
+    Works on vLLM's CPU build, whose repacked Linear weights break the per-parameter `load_weights`
+    path of TRL's colocate sync. `named_tensors`: (HF name, tensor) pairs; vLLM casts them.
+    """
+    weights = [(n, t.detach()) for n, t in named_tensors]
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    if _vllm_on_cpu():
+        llm.collective_rpc(_repack_cpu_experts)
+    llm.reset_prefix_cache()
+
+
+EXPORT_STAT_ELEMENTS = 1 << 22  # the visible update fraction's fp64 sums run on 4M-element slices
+
+
+def dot_and_norm2(master, master_before, served, served_before):
+    """(<d served, d master>, |d master|^2) in fp64 over flat slices (no fp64 copy). -> 0-d, 0-d."""
+    dot, norm2 = torch.zeros(2, dtype=torch.float64, device=master.device)  # 0-d views
+    flat = [t.detach().reshape(-1) for t in (master, master_before, served, served_before)]
+    for start in range(0, flat[0].numel(), EXPORT_STAT_ELEMENTS):
+        m, m0, s, s0 = (t[start : start + EXPORT_STAT_ELEMENTS].double() for t in flat)
+        d_master = m - m0
+        dot += (d_master * (s - s0)).sum()
+        norm2 += d_master.square().sum()
+    return dot, norm2

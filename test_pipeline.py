@@ -1212,7 +1212,7 @@ def test_vllm_serves_the_moe_through_syncs_and_its_canary_catches_a_mispacked_sy
     tr.VLLMSampler(base_model_dir, dtype="fp32", seed=0)
     model = tr.load_model(moe_base_dir).eval()
     tok = tr.load_tokenizer(moe_base_dir)
-    prompts = tr.encode_problems(tok, machinery.make_arithmetic_task(16, split="eval", **tr.task_kwargs(moe_base_dir)))[0]
+    prompts = tr.encode_problems(tok, machinery.make_arithmetic_task(16, split="eval", **machinery.task_kwargs(moe_base_dir)))[0]
     sampler = tr.VLLMSampler(moe_base_dir, dtype="fp32", seed=0, tokenizer=tok, reference=model)
     noise = torch.Generator().manual_seed(0)
 
@@ -1612,7 +1612,7 @@ def test_router_jitter_is_fresh_per_forward_flips_near_ties_and_stays_on_the_sam
     margins of the trainer's router (near-ties), where router noise flips at every margin up to 0.3."""
     model = tr.load_model(moe_base_dir).eval()
     tok = tr.load_tokenizer(moe_base_dir)
-    prompts = tr.encode_problems(tok, machinery.make_arithmetic_task(16, split="eval", **tr.task_kwargs(moe_base_dir)))[0]
+    prompts = tr.encode_problems(tok, machinery.make_arithmetic_task(16, split="eval", **machinery.task_kwargs(moe_base_dir)))[0]
     for spec, fresh in ((tr.EngineSpec(router_jitter=0.05), True), (tr.EngineSpec(router_noise=0.5), False)):
         sampler = tr.TorchSampler(model, spec, tok)
         ro = sampler.sample(prompts, 2, 5, 1.0, None, torch.Generator().manual_seed(0))

@@ -1683,14 +1683,6 @@ def load_tokenizer(directory: str | Path):
     return machinery.CharTokenizer() if own else machinery.HFTokenizer(directory)
 
 
-def task_kwargs(model_dir: Path) -> dict:
-    """The arithmetic task's digits and ops the tiny model was pre-trained on (its pretrain.json);
-    2-digit addition for other models."""
-    path = Path(model_dir) / "pretrain.json"
-    info = json.loads(path.read_text()) if path.exists() else {}
-    return {"digits": info.get("digits", 2), "ops": info.get("ops", "+")}
-
-
 def encode_problems(tokenizer, problems):
     """Prompts as token-id lists (with <bos>) and answers as strings."""
     return [tokenizer.encode(p) for p, _ in problems], [a for _, a in problems]
@@ -1801,10 +1793,9 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     truncate = temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0)
     ids, masks, logps, entropies, tops, kept = [], [], [], [], [], []
     training = model.training  # a checkpointed model in training mode drops its KV cache: eval here
-    model.eval()
     moe = machinery.routes_experts(model)
-    recording = machinery.replay_routes(model) if moe else contextlib.nullcontext()
-    with recording as route_log:
+    model.eval()
+    with machinery.replay_routes(model) if moe else contextlib.nullcontext() as route_log:
         for _ in range(max_new_tokens):
             positions = (attention.cumsum(1) - 1).clamp(min=0)  # 0 at each row's first real token
             out = model(input_ids=inputs, past_key_values=cache, use_cache=True,
@@ -1826,9 +1817,9 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
             logps.append(logprobs.gather(-1, token[:, None]).squeeze(1))
             # (B,) -sum p log p, 0 * -inf read as 0: the whole distribution is at hand only now
             entropies.append(-(logprobs.exp() * logprobs.nan_to_num(neginf=0.0)).sum(-1))
-            if topk is not None:
-                V = logits.shape[-1]
-                tops.append(logprobs.topk(min(topk, V) if topk > 0 else V, dim=-1))
+            V = logits.shape[-1]
+            K = 0 if topk is None else (min(topk, V) if topk > 0 else V)
+            tops.append(logprobs.topk(K, dim=-1))
             finished = finished | (token == eos_id)
             # the one host sync: stop when every row finished; the kept count S sizes the support
             counts = [finished.all().long()] + ([keep.sum(-1).max()] if truncate else [])
@@ -1841,40 +1832,46 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
             attention = torch.cat([attention, attention.new_ones(B, 1)], 1)
     model.train(training)
     response_ids = torch.stack(ids, 1)  # (B, T)
-    no_topk = torch.zeros(B, response_ids.shape[1], 0, device=device)  # (B, T, 0)
-    topk_ids = torch.stack([t.indices for t in tops], 1) if tops else no_topk.long()  # (B, T, K)
-    logp_topk = torch.stack([t.values for t in tops], 1) if tops else no_topk
     routes = gates = None
     if moe:  # (B, P + T, L, k) each: the last sampled token (never fed) gets none, -1 and nan
         last = (0, 0, 0, 0, 0, 1)
-        routes = torch.nn.functional.pad(machinery.stack_routes(route_log, B), last, value=-1)
-        gates = machinery.stack_routes(route_log, B, 1)
-        gates = torch.nn.functional.pad(gates, last, value=math.nan)
+        pad = torch.nn.functional.pad
+        routes = pad(machinery.stack_routes(route_log, B), last, value=-1)
+        gates = pad(machinery.stack_routes(route_log, B, 1), last, value=math.nan)
     decode_text = decode_text or (lambda row: " ".join(map(str, row)))
     texts = [decode_text(row) for row in response_ids.tolist()]
     return Rollout(prompt_ids, prompt_mask, response_ids, torch.stack(masks, 1),
-                   torch.stack(logps, 1), topk_ids, logp_topk, texts,
+                   torch.stack(logps, 1), torch.stack([t.indices for t in tops], 1),  # (B, T, K)
+                   torch.stack([t.values for t in tops], 1), texts,
                    entropy=torch.stack(entropies, 1),
                    kept_ids=torch.stack(_pad_last(kept, -1), 1) if kept else None,  # (B, T, S)
                    routed_experts=routes, routed_weights=gates)
 
 
 class Forward(NamedTuple):
-    """response_forward's result at the response positions: logits / temperature (B, T, V), last
-    hidden state (B, T, H), the experts each MoE layer used (B, P + T, L, k) or None (dense)."""
+    """response_forward's result at the T response positions (log-probs renormalised on the kept
+    support where there is one)."""
 
-    logits: torch.Tensor
-    hidden: torch.Tensor
-    routes: torch.Tensor | None
+    logits: torch.Tensor  # (B, T, V) logits / temperature
+    hidden: torch.Tensor  # (B, T, H) the last hidden state
+    routes: torch.Tensor | None  # (B, P + T, L, k) the experts each MoE layer used (None: dense)
+    logp: torch.Tensor  # (B, T) log p~ of the sampled tokens
+    logp_topk: torch.Tensor | None  # (B, T, K) log p~ of topk_ids, -inf off the support
+    log_s: torch.Tensor | None  # (B, T) log of the kept mass S (None: no kept support)
+    rebuilt: torch.Tensor | None  # (B, T, S) the support rebuilt from these logits (truncation)
 
 
 def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: dict | None = None,
-                     routes=None, gates=None, record: bool = True) -> Forward:
-    """One full forward over prompt + response, the head on the T response positions only.
+                     routes=None, gates=None, record: bool = True, topk_ids=None,
+                     truncation: tuple | None = None) -> Forward:
+    """One forward over prompt + response, the head on the T response positions only; then one
+    token_logprobs pass for the sampled token, the top-K ids and the kept ids.
 
     `params` (name -> tensor) runs other weights (torch.func.functional_call). An MoE model's
     routers are forced to `routes` and gate weights `gates` (None: live); the experts used come
-    back when `record`. A dense model runs plainly (routes None).
+    back when `record`. The kept support is rollout.kept_ids; truncation = (top_p, top_k, min_p)
+    also rebuilds it from the logits (kept_support_from_logits) where the sampler returned none
+    (merge_support). Log-probs on it: renormalize_on_support; top-K ids off it get -inf.
     """
     import machinery  # the MoE hooks
 
@@ -1886,58 +1883,44 @@ def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: 
     kwargs = {"input_ids": input_ids, "attention_mask": attention, "position_ids": positions,
               "output_hidden_states": True, "logits_to_keep": keep, "use_cache": False}
     moe = routes is not None or machinery.routes_experts(model)
-    # TIM: R2 / R3: an MoE model's routers run routed_router_forward on the given experts
     routing = contextlib.nullcontext()
-    if moe:
+    if moe:  # TIM: R2 / R3: an MoE model's routers run routed_router_forward on the given experts
         routing = machinery.replay_routes(model, routes, gates, record)
     with routing as route_log:
         if params is None:
             out = model(**kwargs)
         else:
             out = torch.func.functional_call(model, params, args=(), kwargs=kwargs)
+    logits = out.logits  # (B, T, V)
     if temperature > 0 and temperature != 1.0:  # in place: the head's output is not saved
-        out.logits.div_(temperature)  # (B, T, V)
+        logits.div_(temperature)
     used = machinery.stack_routes(route_log, input_ids.shape[0]) if moe and record else None
-    hidden = out.hidden_states[-1][:, P - 1 : P + T - 1]  # (B, T, H)
-    return Forward(out.logits, hidden, used)
-
-
-def logprobs_on_support(logits: torch.Tensor, rollout: Rollout, topk_ids=None):
-    """Response logits (B, T, V) -> log p~ (B, T), log p~ of the top-K ids (B, T, K) or None, and
-    log S (B, T) or None: renormalised on rollout.kept_ids (renormalize_on_support), else plain.
-
-    Top-K ids off the support (-inf in logp_topk_infer) get -inf. One token_logprobs pass serves the
-    sampled token, the K ids and the S kept ids.
-    """
-    kept = rollout.kept_ids  # (B, T, S), -1 pads
+    kept, rebuilt = rollout.kept_ids, None  # (B, T, S), -1 pads
+    if truncation is not None:
+        rebuilt = kept_support_from_logits(logits, rollout.response_ids, *truncation)
+        kept = merge_support(kept, rebuilt, rollout.mask)[0]
     K = 0 if topk_ids is None else topk_ids.shape[-1]
     ids = [rollout.response_ids[..., None]] + ([] if topk_ids is None else [topk_ids])
     ids += [] if kept is None else [kept.clamp(min=0)]
     both = token_logprobs(logits, torch.cat(ids, -1))  # (B, T, 1 + K + S)
-    logp = both[..., 0]
+    logp, log_s = both[..., 0], None
     logp_topk = None if topk_ids is None else both[..., 1 : 1 + K]
-    if kept is None:
-        return logp, logp_topk, None
-    logp_kept = both[..., 1 + K :].masked_fill(kept < 0, -math.inf)  # (B, T, S)
-    logp, log_s = renormalize_on_support(logp, logp_kept)
-    if topk_ids is None:
-        return logp, None, log_s
-    on_support = torch.isfinite(rollout.logp_topk_infer)
-    return logp, torch.where(on_support, logp_topk - log_s[..., None], -math.inf), log_s
+    if kept is not None:  # p~ = p / S on the kept support
+        logp_kept = both[..., 1 + K :].masked_fill(kept < 0, -math.inf)  # (B, T, S)
+        logp, log_s = renormalize_on_support(logp, logp_kept)
+        if topk_ids is not None:
+            on_support = torch.isfinite(rollout.logp_topk_infer)
+            logp_topk = torch.where(on_support, logp_topk - log_s[..., None], -math.inf)
+    hidden = out.hidden_states[-1][:, P - 1 : P + T - 1]  # (B, T, H)
+    return Forward(logits, hidden, used, logp, logp_topk, log_s, rebuilt)
 
 
 def support_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_ids=None,
                      params: dict | None = None, routes=None, gates=None):
-    """response_forward, then logprobs_on_support: the trainer engine's log-probs of the rollout's
-    tokens (and of its top-K ids), renormalised on the sampler's kept support rollout.kept_ids.
-
-    -> (log p~ (B, T), log p~ of the top-K ids (B, T, K) or None, hidden, log S (B, T) or None).
-    Without a kept support plain log-probs, log S None. `routes` / `gates` replay an MoE's experts.
-    """
-    forward = response_forward(model, rollout, temperature, params, routes, gates=gates,
-                               record=False)
-    logp, logp_topk, log_s = logprobs_on_support(forward.logits, rollout, topk_ids)
-    return logp, logp_topk, forward.hidden, log_s
+    """response_forward's (log p~ (B, T), log p~ of the top-K ids (B, T, K) or None, hidden, log S
+    (B, T) or None): renormalised on rollout.kept_ids (none: plain log-probs, log S None)."""
+    f = response_forward(model, rollout, temperature, params, routes, gates, False, topk_ids)
+    return f.logp, f.logp_topk, f.hidden, f.log_s
 
 
 def sequence_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_ids=None,
@@ -2068,10 +2051,10 @@ class TorchSampler:
             # (Trainer.logprobs' kernels, shapes and weights), so logp_infer == logp_old bitwise; an
             # MoE model replays the experts the tokens were sampled with (what R3 replays)
             with torch.no_grad():
-                scored = support_logprobs(self.model, rollout, temperature, rollout.topk_ids,
-                                          routes=rollout.routed_experts)
-            logp, rollout.logp_topk_infer = scored[:2]
-            rollout.logp_infer = torch.where(rollout.mask, logp, torch.zeros_like(logp))
+                scored = response_forward(self.model, rollout, temperature, None,
+                                          rollout.routed_experts, topk_ids=rollout.topk_ids)
+            rollout.logp_infer = torch.where(rollout.mask, scored.logp, 0.0)
+            rollout.logp_topk_infer = scored.logp_topk
         return rollout
 
 
@@ -2080,29 +2063,15 @@ _VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 VLLM_MIN_TEMPERATURE = 0.01
 
 
-def reload_vllm_weights(llm, named_tensors) -> None:
-    """In-place weight sync of a vllm.LLM: collective_rpc("reload_weights") + reset_prefix_cache.
-
-    Works on vLLM's CPU build, whose repacked Linear weights break the per-parameter `load_weights`
-    path of TRL's colocate sync. `named_tensors`: (HF name, tensor) pairs; vLLM casts them.
-    """
-    import machinery
-
-    weights = [(n, t.detach()) for n, t in named_tensors]
-    # TIM: the served copy enters vLLM's own kernels here
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-    if machinery._vllm_on_cpu():
-        llm.collective_rpc(machinery._repack_cpu_experts)
-    llm.reset_prefix_cache()
-
-
 class VLLMSampler:
     """The same interface over vllm.LLM (the CPU build here, `vllm` on a GPU); in-place weight sync.
 
     Log-probs come from SamplingParams(logprobs=K) with logprobs_mode="processed_logprobs": those of
     the distribution sampled from (temperature, then top-p / top-k / min-p: -inf off the kept set).
-    Prompts go in as token ids, so no tokenizer can disagree. In-place sync: reload_vllm_weights,
-    which needs the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) to pass tensors.
+    Prompts go in as token ids, so no tokenizer can disagree. In-place sync:
+    machinery.reload_vllm_weights, which needs the in-process engine
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0) to pass tensors. Rollouts come back on the reference's device
+    (the trainer's; none: the CPU).
     """
 
     def __init__(self, model_dir: str | Path, dtype: str = "fp32", seed: int = 0, tokenizer=None,
@@ -2117,6 +2086,7 @@ class VLLMSampler:
         self.dtype, self.seed = dtype, seed
         self.tokenizer = tokenizer or load_tokenizer(model_dir)
         self.reference = reference  # a torch model holding what each sync loads: the canary
+        self.device = next(reference.parameters()).device if reference is not None else "cpu"
         # colocated with the trainer on one GPU: vLLM takes this share of its memory
         on_gpu = {} if machinery._vllm_on_cpu() else {"gpu_memory_utilization": gpu_memory}
         machinery.add_expert_parallel_group()
@@ -2130,10 +2100,11 @@ class VLLMSampler:
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """In-place sync of exported weights (vLLM casts them); with a reference, the sync canary
         (machinery.check_vllm_sync: both engines score one held-out answer)."""
-        reload_vllm_weights(self.llm, state_dict.items())
-        if self.reference is not None:
-            import machinery
+        import machinery  # vLLM's reload_weights RPC, its CPU build's expert repacking
 
+        # TIM: the served copy enters vLLM's own kernels here
+        machinery.reload_vllm_weights(self.llm, state_dict.items())
+        if self.reference is not None:
             machinery.check_vllm_sync(self)
 
     def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5,
@@ -2188,8 +2159,9 @@ class VLLMSampler:
         if K == self.vocab_size:
             entropy = -(top_logp.exp() * top_logp.nan_to_num(neginf=0.0)).sum(-1)  # (B, T)
         texts = [self.tokenizer.decode(row.tolist()) for row in response_ids]
-        return Rollout(prompt_ids, prompt_mask, response_ids, mask, logp, top_ids, top_logp, texts,
-                       kept_ids=kept, entropy=entropy)
+        rollout = Rollout(prompt_ids, prompt_mask, response_ids, mask, logp, top_ids, top_logp,
+                          texts, kept_ids=kept, entropy=entropy)
+        return rollout.to(self.device)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -2209,21 +2181,6 @@ class Behaviour(NamedTuple):
     routes: torch.Tensor | None = None
     update_routes: torch.Tensor | None = None
     logp_old_sampler_gates: torch.Tensor | None = None
-
-
-EXPORT_STAT_ELEMENTS = 1 << 22  # the visible update fraction's fp64 sums run on 4M-element slices
-
-
-def _dot_and_norm2(master, master_before, served, served_before):
-    """(<d served, d master>, |d master|^2) in fp64 over flat slices (no fp64 copy). -> 0-d, 0-d."""
-    dot, norm2 = torch.zeros(2, dtype=torch.float64, device=master.device)  # 0-d views
-    flat = [t.detach().reshape(-1) for t in (master, master_before, served, served_before)]
-    for start in range(0, flat[0].numel(), EXPORT_STAT_ELEMENTS):
-        m, m0, s, s0 = (t[start : start + EXPORT_STAT_ELEMENTS].double() for t in flat)
-        d_master = m - m0
-        dot += (d_master * (s - s0)).sum()
-        norm2 += d_master.square().sum()
-    return dot, norm2
 
 
 class Trainer:
@@ -2262,14 +2219,13 @@ class Trainer:
         log S). Fair Cast's loss_on_served runs the forward on fresh leaves holding the served
         (rounded) copy; step routes their gradient to the fp32 master (straight-through).
         `routes` replays an MoE model's experts."""
-        self._served_leaves = None
+        leaves = None
         if self.loss_on_served:  # TIM: the forward on the served copy, not on the master
-            served = self.served.items()
-            self._served_leaves = {n: v.clone().requires_grad_(True) for n, v in served}
-        forward = response_forward(self.model, rollout, temperature, self._served_leaves, routes,
-                                   record=False)
-        logp, logp_topk, log_s = logprobs_on_support(forward.logits, rollout, topk_ids)
-        return logp, logp_topk, forward.hidden, log_s
+            leaves = {n: v.clone().requires_grad_(True) for n, v in self.served.items()}
+        self._served_leaves = leaves
+        f = response_forward(self.model, rollout, temperature, leaves, routes, record=False,
+                             topk_ids=topk_ids)
+        return f.logp, f.logp_topk, f.hidden, f.log_s
 
     def logprobs(self, rollout: Rollout, topk_ids=None, temperature: float = 1.0, routes=None):
         """(logp, logp_topk, hidden): support_logprobs on the whole vocabulary (no support)."""
@@ -2286,15 +2242,13 @@ class Trainer:
         forward's logits (kept_support_from_logits), used where the sampler returned none
         (merge_support). routing_replay: none | r2 | r3 (Config.routing_replay).
         """
-        forward = response_forward(self.behaviour, rollout, temperature)  # MoE: its own experts
-        rebuilt = None
-        if truncation is not None:  # for rows the sampler returned none, or its K ended early
-            rebuilt = kept_support_from_logits(forward.logits, rollout.response_ids, *truncation)
+        # MoE: its own experts; truncated: the support rebuilt where the sampler returned none
+        forward = response_forward(self.behaviour, rollout, temperature, truncation=truncation)
+        logp_old, own_routes, rebuilt = forward.logp, forward.routes, forward.rebuilt
+        del forward  # before the next forward's logits
+        if rebuilt is not None:  # the same support for the passes below
             merged = merge_support(rollout.kept_ids, rebuilt, rollout.mask)[0]  # (B, T, S)
             rollout = dataclasses.replace(rollout, kept_ids=merged)
-        logp_old = logprobs_on_support(forward.logits, rollout)[0]
-        own_routes = forward.routes
-        del forward  # before the next forward's logits
         logp_experts = logp_gates = update_routes = None
         experts, gates = rollout.routed_experts, rollout.routed_weights  # the sampler's
         if self.moe and experts is not None:  # TIM: the same weights, the sampler's experts
@@ -2334,10 +2288,8 @@ class Trainer:
                 p.grad = self._served_leaves[name].grad
             self._served_leaves = None
         params = [p for group in self.opt.param_groups for p in group["params"]]
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = 0.0
-        if grads:
-            norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+        norms = [p.grad.norm() for p in params if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
         self.opt.step()
         return norm
 
@@ -2349,7 +2301,9 @@ class Trainer:
         On the CPU the reference roundings, SR with `generator` itself; on a GPU fused passes, SR's
         noise hash_noise16 seeded by one draw from `generator` per tensor (machinery.gpu_rounding).
         """
-        _check_choice("mode", mode, ("rtn", "sr", "ef"))
+        if mode not in ("rtn", "sr", "ef"):
+            raise ValueError(f"mode must be one of ('rtn', 'sr', 'ef'), got {mode!r}")
+        import machinery  # the GPU roundings; fp64 sums of the visible update fraction
         if mode != "rtn" and self.export_dtype != "bf16":
             raise ValueError(f"export mode {mode!r} rounds to bf16, not {self.export_dtype}")
         state, dot, norm2, fp32 = {}, 0.0, 0.0, self.export_dtype == "fp32"
@@ -2357,9 +2311,7 @@ class Trainer:
         sr = functools.partial(stochastic_round_bf16, generator=generator)
         ef = error_feedback_round_bf16
         if device.type == "cuda":
-            from machinery import gpu_rounding
-
-            sr, ef = gpu_rounding(device, generator)
+            sr, ef = machinery.gpu_rounding(device, generator)
         for name, p in self.model.named_parameters():
             master = p.detach()
             if fp32:
@@ -2374,7 +2326,7 @@ class Trainer:
             served_before = self.behaviour.get_parameter(name)
             if self.master_at_export is not None:  # <d served, d master> / |d master|^2
                 master_before = self.master_at_export.get_parameter(name)
-                moved = _dot_and_norm2(master, master_before, served, served_before)
+                moved = machinery.dot_and_norm2(master, master_before, served, served_before)
                 dot, norm2 = dot + moved[0], norm2 + moved[1]
             served_before.copy_(served)  # TIM: the behaviour copy = what the sampler will hold
             state[name] = served
@@ -2620,7 +2572,7 @@ def sample_batch(cfg: RLConfig, step: int, state: RunState) -> tuple[Rollout, li
     prompts = [state.tokenizer.encode(prompt) for prompt, _ in problems]
     ro = state.sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, state.topk,
                               state.gen, cfg.top_p, cfg.top_k, cfg.min_p)
-    return ro.to(next(state.trainer.model.parameters()).device), [answer for _, answer in problems]
+    return ro, [answer for _, answer in problems]  # the samplers return it on the trainer's device
 
 
 def merge_kept_support(ro: Rollout, rebuilt) -> dict:
