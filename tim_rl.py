@@ -982,11 +982,10 @@ def calibrated_clip_bounds(ratio_lowprec, ratio_ref, adv, mask, eps_low=0.2, eps
     reference, with P(H) = sum_{A>0, r<=H} A r and N(L) = sum_{A<0, r>=L} |A| r. Falls back to
     (1 - eps_low, 1 + eps_high) when a side has no tokens. (B, T) -> (float, float).
 
-    needs: _check_adv, _check_bt
+    needs: _check_adv, _check_bt, _log_ratio
     """
-    _check_bt(mask, ratio_lowprec=ratio_lowprec, ratio_ref=ratio_ref)
+    _, ok = _log_ratio(mask, ratio_lowprec=ratio_lowprec, ratio_ref=ratio_ref)  # checked, finite
     A = _check_adv(adv, mask)
-    ok = mask & torch.isfinite(ratio_lowprec) & torch.isfinite(ratio_ref)
     neg, pos = ok & (A < 0), ok & (A > 0)
     if not neg.any() or not pos.any():
         return 1 - eps_low, 1 + eps_high
@@ -1000,10 +999,10 @@ def calibrated_clip_bounds(ratio_lowprec, ratio_ref, adv, mask, eps_low=0.2, eps
     n_low = float((-A[neg] * ratio_lowprec[neg]).double()[ratio_lowprec[neg] >= L].sum())
     if n_ref <= 0 or n_low <= 0:
         return L, 1 + eps_high
-    target = p_ref / n_ref * n_low  # the P mass the low-precision ratios must reach
     r_pos, order = ratio_lowprec[pos].double().sort()
     cum = (A[pos].double()[order] * r_pos).cumsum(0)  # P(H) at H = each sorted ratio
-    reach = torch.nonzero(cum >= target * (1 - 1e-12))
+    # the P mass the low-precision ratios must reach: P(1 + eps_high) / N(1 - eps_low) * N(L)
+    reach = torch.nonzero(cum >= p_ref / n_ref * n_low * (1 - 1e-12))
     H = float(r_pos[reach[0, 0]]) if reach.numel() else float(r_pos[-1])
     return L, H
 
