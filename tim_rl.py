@@ -886,8 +886,7 @@ def _sequence_log_ratio(mask, **pair):
     bounds the sum where it takes exp.
     """
     log_rho, ok = _log_ratio(mask, **pair)
-    total = log_rho.sum(dim=1, keepdim=True)  # (B, 1)
-    return total, (ok == mask).all(dim=1, keepdim=True), ok
+    return log_rho.sum(dim=1, keepdim=True), (ok == mask).all(dim=1, keepdim=True), ok
 
 
 def seq_tis_weights(logp_old, logp_infer, mask, cap: float = 5.0):
@@ -966,13 +965,11 @@ def dlc_weights(logp_old, logp_infer, mask, clamp: float = 1.0):
 def copc_mask(logp_old, logp_infer, mask, low: float = 0.5, high: float = 2.0):
     """m = 1[low <= rho <= high]: COPC's token ratio mask [5] (policy side; reconstructed). (B, T).
 
-    Non-finite -> 0.
+    The band of mis_weights as a 0/1 mask (rho >= e^-LOG_RATIO_CLAMP > 0). Non-finite -> 0.
 
-    needs: _log_ratio, LOG_RATIO_CLAMP
+    needs: mis_weights
     """
-    log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
-    rho = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    return (ok & (rho >= low) & (rho <= high)).float()
+    return (mis_weights(logp_old, logp_infer, mask, low, high) > 0).float()
 
 
 def calibrated_clip_bounds(ratio_lowprec, ratio_ref, adv, mask, eps_low=0.2, eps_high=0.28):
@@ -984,11 +981,10 @@ def calibrated_clip_bounds(ratio_lowprec, ratio_ref, adv, mask, eps_low=0.2, eps
     reference, with P(H) = sum_{A>0, r<=H} A r and N(L) = sum_{A<0, r>=L} |A| r. Falls back to
     (1 - eps_low, 1 + eps_high) when a side has no tokens. (B, T) -> (float, float).
 
-    needs: _check_adv, _check_bt
+    needs: _check_adv, _check_bt, _log_ratio
     """
-    _check_bt(mask, ratio_lowprec=ratio_lowprec, ratio_ref=ratio_ref)
+    _, ok = _log_ratio(mask, ratio_lowprec=ratio_lowprec, ratio_ref=ratio_ref)  # checked, finite
     A = _check_adv(adv, mask)
-    ok = mask & torch.isfinite(ratio_lowprec) & torch.isfinite(ratio_ref)
     neg, pos = ok & (A < 0), ok & (A > 0)
     if not neg.any() or not pos.any():
         return 1 - eps_low, 1 + eps_high
@@ -1002,10 +998,10 @@ def calibrated_clip_bounds(ratio_lowprec, ratio_ref, adv, mask, eps_low=0.2, eps
     n_low = float((-A[neg] * ratio_lowprec[neg]).double()[ratio_lowprec[neg] >= L].sum())
     if n_ref <= 0 or n_low <= 0:
         return L, 1 + eps_high
-    target = p_ref / n_ref * n_low  # the P mass the low-precision ratios must reach
     r_pos, order = ratio_lowprec[pos].double().sort()
     cum = (A[pos].double()[order] * r_pos).cumsum(0)  # P(H) at H = each sorted ratio
-    reach = torch.nonzero(cum >= target * (1 - 1e-12))
+    # the P mass the low-precision ratios must reach: P(1 + eps_high) / N(1 - eps_low) * N(L)
+    reach = torch.nonzero(cum >= p_ref / n_ref * n_low * (1 - 1e-12))
     H = float(r_pos[reach[0, 0]]) if reach.numel() else float(r_pos[-1])
     return L, H
 
@@ -1049,15 +1045,18 @@ def divergence_mask_weights(logp_old, logp_infer, mask, threshold=0.01, estimato
 
     needs: _divergence, _log_ratio, _within, kl_k1, kl_k3, LOG_RATIO_CLAMP
     """
-    estimate, ok = _divergence(logp_old, logp_infer, mask, estimator)
+    estimate, ok, _ = _divergence(logp_old, logp_infer, mask, estimator)
     return (ok & _within(estimate, threshold, estimator)).float()
 
 
 def _divergence(logp_old, logp_infer, mask, estimator=None):
-    """(k(log rho) per token, 0 where not ok; ok) with log rho bounded as verl does. (B, T)."""
+    """(k(log rho) per token, 0 where not ok; ok; seq_ok: a row's every token ok), log rho bounded.
+
+    (B, T), (B, T), (B, 1). The bound is verl's.
+    """
     log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     estimate = (estimator or kl_k3)(log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    return torch.where(ok, estimate, 0.0), ok
+    return torch.where(ok, estimate, 0.0), ok, (ok == mask).all(dim=1, keepdim=True)
 
 
 def _within(statistic, threshold, estimator):
@@ -1091,9 +1090,8 @@ def divergence_seq_mean_mask(logp_old, logp_infer, mask, threshold=0.01, estimat
 
     needs: _divergence, _log_ratio, _within, kl_k1, kl_k3, LOG_RATIO_CLAMP
     """
-    estimate, ok = _divergence(logp_old, logp_infer, mask, estimator)
+    estimate, _, seq_ok = _divergence(logp_old, logp_infer, mask, estimator)
     mean = estimate.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
-    seq_ok = (ok == mask).all(dim=1, keepdim=True)
     return (mask & seq_ok & _within(mean, threshold, estimator)).float()
 
 
@@ -1106,8 +1104,7 @@ def divergence_seq_sum_mask(logp_old, logp_infer, mask, threshold=0.01, estimato
 
     needs: _divergence, _log_ratio, _within, kl_k1, kl_k3, LOG_RATIO_CLAMP
     """
-    estimate, ok = _divergence(logp_old, logp_infer, mask, estimator)
-    seq_ok = (ok == mask).all(dim=1, keepdim=True)
+    estimate, _, seq_ok = _divergence(logp_old, logp_infer, mask, estimator)
     total = estimate.sum(dim=1, keepdim=True)  # (B, 1)
     return (mask & seq_ok & _within(total, threshold, estimator)).float()
 
@@ -1137,15 +1134,12 @@ def self_normalize_seq_weights(weights: torch.Tensor, mask: torch.Tensor) -> tor
     generated token; non-finite -> 0. An all-masked row is left out of the mean, as verl does
     (slime's mean counts it as a weight 0).
 
-    needs: _check_bt
+    needs: _check_bt, self_normalize_weights
     """
     _check_bt(mask, weights=weights)
     first = mask.float().argmax(dim=1, keepdim=True)  # (B, 1)
-    w_seq = weights.detach().float().gather(1, first)  # (B, 1)
-    live = mask.any(dim=1, keepdim=True) & torch.isfinite(w_seq)
-    w_seq = torch.where(live, w_seq, 0.0)
-    mean = w_seq.sum() / live.sum().clamp(min=1)
-    w_seq = torch.where(mean > 0, w_seq / mean, w_seq)
+    w_seq = weights.gather(1, first)  # (B, 1): each sequence's weight, one vote each
+    w_seq = self_normalize_weights(w_seq, mask.any(dim=1, keepdim=True))
     return torch.where(mask, w_seq, 0.0)
 
 
@@ -1174,31 +1168,20 @@ def opsm_mask(logp, logp_infer, adv, mask, delta: float = 1e-4):
 # with each other: watch reward, accuracy and the mismatch metrics instead.
 
 
-def _finite_or_zero(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x with 0 off the mask or where non-finite, ok); torch.where keeps the kept entries' grad."""
-    ok = mask & torch.isfinite(x)
-    return torch.where(ok, x, torch.zeros_like(x)), ok
-
-
-def _weights_or_ones(weights, mask) -> torch.Tensor:
-    """Detached float weights, 0 off the mask and where non-finite; None: 1 on the mask."""
-    if weights is None:
-        return mask.float()
-    _check_bt(mask, weights=weights)
-    return _finite_or_zero(weights.detach().float(), mask)[0]  # a change of measure: no gradient
-
-
 def pg_loss(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, weights=None):
     """-mean_mask(w * A * logp): REINFORCE with an optional detached per-token weight. (B, T) -> ().
 
-    A non-finite logp inside the mask drops that token (no gradient, no NaN).
+    A non-finite logp inside the mask drops that token (no gradient, no NaN); a non-finite weight
+    counts as 0.
 
-    needs: _check_adv, _check_bt, _finite_or_zero, masked_mean, _weights_or_ones
+    needs: _check_adv, _check_bt, masked_mean
     """
     _check_bt(mask, logp=logp)
-    A, w = _check_adv(adv, mask), _weights_or_ones(weights, mask)
-    logp, ok = _finite_or_zero(logp, mask)
-    return -masked_mean(w * A * logp, ok)
+    A = _check_adv(adv, mask)
+    w = mask.float() if weights is None else weights
+    _check_bt(mask, weights=w)
+    w = torch.where(torch.isfinite(w), w.detach().float(), 0.0)  # a change of measure: no gradient
+    return -masked_mean(w * A * logp, mask & torch.isfinite(logp))  # a non-finite logp: left out
 
 
 def ppo_loss(logp, logp_prox, adv, mask, weights=None, eps_low=0.2, eps_high=0.28):
@@ -1210,13 +1193,15 @@ def ppo_loss(logp, logp_prox, adv, mask, weights=None, eps_low=0.2, eps_high=0.2
     CIS, ...). With one update per batch r = 1 and the clip is inert; it bites from the second
     update on (RLConfig.updates_per_batch). Anchoring at the sampler instead (p_prox := q) gives
     the plain "sampler log-probs as pi_old" PPO. Clip-higher 0.28 as in DAPO. A non-finite
-    log-ratio drops the token. (B, T).
+    log-ratio drops the token, a non-finite weight counts as 0. (B, T).
 
-    needs: _check_adv, _check_bt, masked_mean, _weights_or_ones, _finite_or_zero, LOG_RATIO_CLAMP
+    needs: _check_adv, _check_bt, _log_ratio, masked_mean, LOG_RATIO_CLAMP
     """
-    _check_bt(mask, logp=logp, logp_prox=logp_prox)
-    A, w = _check_adv(adv, mask), _weights_or_ones(weights, mask)
-    ok = mask & torch.isfinite(logp) & torch.isfinite(logp_prox)
+    _, ok = _log_ratio(mask, logp=logp, logp_prox=logp_prox)
+    A = _check_adv(adv, mask)
+    w = mask.float() if weights is None else weights
+    _check_bt(mask, weights=w)
+    w = torch.where(torch.isfinite(w), w.detach().float(), 0.0)  # a change of measure: no gradient
     log_ratio = torch.where(ok, logp - logp_prox.detach(), torch.zeros_like(logp))
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # p / p_prox, with gradient
     surrogate = ratio * A
@@ -1235,10 +1220,10 @@ def score_centering_loss(logp, logp_topk, logp_infer, logp_topk_infer, adv, mask
     alpha = rho_tail f(1 / rho_tail), coef_v = q_v f(p_v / q_v) - alpha p_v (all detached). Exact
     when K = V. logp, logp_infer, adv (B, T); logp_topk (grad) and logp_topk_infer (B, T, K).
 
-    needs: _check_adv, _log_ratio, _finite_or_zero, masked_mean, LOG_RATIO_CLAMP, TAIL_FLOOR,
-    _check_bt, _check_device, _check_tensor
+    needs: _check_adv, _log_ratio, masked_mean, LOG_RATIO_CLAMP, TAIL_FLOOR, _check_bt,
+    _check_device, _check_tensor
     """
-    log_r_y, ok_y = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
+    log_r_y, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
     for name, t in (("logp_topk", logp_topk), ("logp_topk_infer", logp_topk_infer)):
         _check_tensor(name, t)
         _check_device(name, t, "logp", logp)
@@ -1267,8 +1252,7 @@ def score_centering_loss(logp, logp_topk, logp_infer, logp_topk_infer, adv, mask
         f_y, head, alpha = torch.ones_like(log_r_y), q_head, rho_tail
     coef = (head - alpha[..., None] * p_head).nan_to_num(nan=0.0)  # (B, T, K), detached
     baseline = (coef * torch.where(torch.isfinite(logp_topk), logp_topk, 0.0)).sum(-1)  # (B, T)
-    logp_y, ok = _finite_or_zero(logp, ok_y)
-    return -masked_mean(A * (f_y * logp_y - baseline), ok)
+    return -masked_mean(A * (f_y * logp - baseline), ok)  # a non-finite logp: left out
 
 
 def dlc_loss(logp, logp_old, logp_infer, adv, mask, eps_low=0.2, eps_high=0.28, clamp=1.0,
@@ -1282,7 +1266,7 @@ def dlc_loss(logp, logp_old, logp_infer, adv, mask, eps_low=0.2, eps_high=0.28, 
     use up the budget meant for numerics. logp_prox defaults to logp (one update per batch).
 
     needs: _check_adv, _check_bt, dlc_weights, _log_ratio, masked_mean, ppo_loss, tis_weights,
-    _weights_or_ones, LOG_RATIO_CLAMP
+    LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp)
     logp_prox = logp.detach() if logp_prox is None else logp_prox
@@ -1305,17 +1289,14 @@ def dppo_loss(logp, logp_infer, adv, mask, delta=0.2, delta_low=None, delta_high
     r = e^DPPO_LOG_RATIO_MAX (where prime-rl's float32 overflows soon after); beyond, both are
     e^DPPO_LOG_RATIO_MAX A (grad log p). Non-finite log-ratio -> token dropped. (B, T) -> ().
 
-    needs: _check_adv, _check_bt, masked_mean, DPPO_LOG_RATIO_MAX
+    needs: _check_adv, _check_bt, _log_ratio, masked_mean, DPPO_LOG_RATIO_MAX
     """
-    _check_bt(mask, logp=logp, logp_infer=logp_infer)
+    log_r, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)  # detached
     A = _check_adv(adv, mask)
-    ok = mask & torch.isfinite(logp) & torch.isfinite(logp_infer)
-    log_ratio = torch.where(ok, logp - logp_infer.detach(), torch.zeros_like(logp))
-    r = log_ratio.detach().clamp(max=DPPO_LOG_RATIO_MAX).exp()
-    ratio = r * (log_ratio - log_ratio.detach()).exp()  # value r, gradient r grad log p
-    p = torch.where(ok, logp.detach(), 0.0).exp()
-    q = torch.where(ok, logp_infer.detach(), 0.0).exp()
-    shift = p - q  # detached
+    logp = torch.where(ok, logp, 0.0)  # a finite exp below, so a finite gradient
+    # value r, gradient r grad log p
+    ratio = log_r.clamp(max=DPPO_LOG_RATIO_MAX).exp() * (logp - logp.detach()).exp()
+    shift = logp.detach().exp() - torch.where(ok, logp_infer.detach(), 0.0).exp()  # p - q
     high = delta if delta_high is None else delta_high
     low = delta if delta_low is None else delta_low
     outside = ((A > 0) & (shift > high)) | ((A < 0) & (shift < -low))
@@ -1377,13 +1358,12 @@ def cispo_loss(logp, logp_infer, adv, mask, eps_high: float = 0.28, eps_low=None
     MiniMax-M1 and TRL; verl's compute_policy_loss_cispo clips below at 1 - clip_ratio_low (default
     0.2): pass eps_low. Non-finite log-ratio -> token dropped.
 
-    needs: _check_adv, _log_ratio, _finite_or_zero, masked_mean, LOG_RATIO_CLAMP, _check_bt
+    needs: _check_adv, _log_ratio, masked_mean, LOG_RATIO_CLAMP, _check_bt
     """
     log_r, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
     A = _check_adv(adv, mask)
     low = None if eps_low is None else 1 - eps_low
     coef = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(low, 1 + eps_high)  # a weight
-    logp, ok = _finite_or_zero(logp, ok)
     return -masked_mean(coef * A * logp, ok)
 
 
@@ -1397,9 +1377,12 @@ def aggregate_loss(per_token, mask, mode: str = "token-mean", norm=None) -> torc
     B * max_completion_length. A sequence with no token is left out of the sequence means, as
     verl (TRL "grpo" counts it as 0). Non-finite or off the mask -> dropped.
 
-    needs: _finite_or_zero
+    needs: _check_choice
     """
-    x, ok = _finite_or_zero(per_token, mask)
+    _check_choice("mode", mode, ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                 "seq-mean-token-sum-norm"))
+    ok = mask & torch.isfinite(per_token)
+    x = torch.where(ok, per_token, 0.0)
     tokens = ok.sum(dim=1)  # (B,)
     if mode == "token-mean":
         return x.sum() / tokens.sum().clamp(min=1)
@@ -1408,9 +1391,6 @@ def aggregate_loss(per_token, mask, mode: str = "token-mean", norm=None) -> torc
     seq = x.sum(dim=1)  # (B,)
     if mode == "seq-mean-token-mean":
         seq = seq / tokens.clamp(min=1)
-    elif mode != "seq-mean-token-sum":
-        raise ValueError(f"mode must be token-mean | seq-mean-token-mean | seq-mean-token-sum | "
-                         f"seq-mean-token-sum-norm, got {mode!r}")
     return seq.sum() / (tokens > 0).sum().clamp(min=1)
 
 
@@ -1427,16 +1407,15 @@ def gspo_loss(logp, logp_old, adv, mask, eps_low: float = 3e-4, eps_high: float 
     token TIS gives each token's log-weight sigma^2. A non-finite token drops its sequence.
     logp, logp_old, mask (B, T); adv (B, 1) or (B, T).
 
-    needs: _check_adv, _log_ratio, _sequence_log_ratio, _finite_or_zero, aggregate_loss,
-    LOG_RATIO_CLAMP, _check_bt
+    needs: _check_adv, _log_ratio, _sequence_log_ratio, aggregate_loss, LOG_RATIO_CLAMP, _check_bt
     """
     total, seq_ok, ok = _sequence_log_ratio(mask, logp=logp, logp_old=logp_old)  # detached
     A = _check_adv(adv, mask)
     log_s = total / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
-    logp, ok = _finite_or_zero(logp, ok & seq_ok)
+    logp = torch.where(ok, logp, 0.0)  # a finite exp below, so a finite gradient
     s = log_s.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp() * (logp - logp.detach()).exp()
     surrogate = torch.minimum(s * A, s.clamp(1 - eps_low, 1 + eps_high) * A)
-    return -aggregate_loss(surrogate, ok, "seq-mean-token-mean")
+    return -aggregate_loss(surrogate, ok & seq_ok, "seq-mean-token-mean")
 
 
 def k2_penalty(logp, logp_infer, mask, coef: float = 1e-3):
@@ -1448,10 +1427,9 @@ def k2_penalty(logp, logp_infer, mask, coef: float = 1e-3):
     must correct; added to any arm's loss (--k2-coef). Non-finite log-ratio -> token dropped.
     (B, T).
 
-    needs: _check_bt, masked_mean
+    needs: _check_bt, _log_ratio, masked_mean
     """
-    _check_bt(mask, logp=logp, logp_infer=logp_infer)
-    ok = mask & torch.isfinite(logp) & torch.isfinite(logp_infer)
+    _, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
     diff = torch.where(ok, logp - logp_infer.detach(), torch.zeros_like(logp))  # logp's gradient
     return coef * masked_mean(diff.square() / 2, ok)
 
