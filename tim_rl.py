@@ -410,9 +410,7 @@ def mismatch_ledger(logp, logp_old, logp_infer, mask, logp_master_old=None, log_
              ("gates_and_numerics" if gates is None else "gates", routes),  # router noise: gates
              ("numerics", gates), ("", logp_infer)]
     names, logps = zip(*[(name, x.detach().double()) for name, x in chain if x is not None])
-    ok = mask
-    for x in logps:
-        ok = ok & torch.isfinite(x)
+    ok = mask & torch.stack([torch.isfinite(x) for x in logps]).all(0)  # (B, T)
     n = ok.sum().clamp(min=1)
     parts = {"total": (logps[0], logps[-1])}
     parts |= {name: (a, b) for name, a, b in zip(names, logps, logps[1:])}  # they telescope
@@ -436,8 +434,7 @@ def routing_flip_rate(routes_a, routes_b, mask: torch.Tensor) -> dict[str, float
     if routes_a.shape != routes_b.shape or routes_a.shape[:2] != mask.shape:
         raise ValueError(f"routes_a {tuple(routes_a.shape)} and routes_b {tuple(routes_b.shape)} "
                          f"must have one shape (B, S, L, k), (B, S) = mask's {tuple(mask.shape)}")
-    routed_layers = ((routes_a >= 0) | (routes_b >= 0)).any((0, 1, 3))  # (L,) True: a MoE layer
-    layers = routed_layers.nonzero()[:, 0].tolist()
+    layers = ((routes_a >= 0) | (routes_b >= 0)).any((0, 1, 3)).nonzero()[:, 0].tolist()  # MoE ones
     routes_a, routes_b = routes_a[:, :, layers], routes_b[:, :, layers]
     routed = mask & (routes_a >= 0).all(-1).all(-1) & (routes_b >= 0).all(-1).all(-1)  # (B, S)
     differs = routes_a.sort(-1).values != routes_b.sort(-1).values  # (B, S, L, k)
@@ -564,9 +561,6 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
         raise ValueError("mask: no finite token to diagnose")
     adv = None if advantages is None else _check_adv(advantages, mask)
     topk = logp_train_topk  # (B, T, K)
-    if topk is not None and (topk.shape[:2] != mask.shape or topk_ids is not None
-                             and topk_ids.shape != topk.shape):
-        raise ValueError(f"logp_train_topk / topk_ids must have shape {tuple(mask.shape)} + (K,)")
     # padding: a mask off by one counts a prompt token or a pad, where the two sides hold unrelated
     # numbers; the gap then sits at each row's first or last masked token, not inside
     idx = torch.arange(ok.shape[1], device=ok.device).expand_as(ok)
@@ -605,6 +599,8 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     # keeps E_q[p / q] = 1. With the trainer's top-K log-probs (B, T, K), exactly: the share of
     # tokens with p / q < 1 whose p / q is the trainer's mass on a prefix of its sorted top-K
     if topk is not None:
+        if topk.shape[:2] != mask.shape or topk_ids is not None and topk_ids.shape != topk.shape:
+            raise ValueError(f"logp_train_topk / topk_ids must be {tuple(mask.shape)} + (K,)")
         top = topk.detach().float().sort(-1, descending=True).values  # (B, T, K)
         below = ok & (d < -1e-3)
         # log S, the mass of each prefix, rounds to ~1e-6
@@ -722,8 +718,7 @@ def error_feedback_round_bf16(x: torch.Tensor, residual: torch.Tensor):
     _check_fp32("x", x)
     _check_fp32("residual", residual)
     if residual.shape != x.shape:
-        raise ValueError(f"residual must have shape {tuple(x.shape)} like x, "
-                         f"got {tuple(residual.shape)}")
+        raise ValueError(f"residual must have shape {tuple(x.shape)}, got {tuple(residual.shape)}")
     _check_device("residual", residual, "x", x)
     target = x + residual
     served = target.to(torch.bfloat16)
@@ -775,8 +770,7 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std=False)
     B = len(rewards)
     if not isinstance(group_size, int) or group_size < 1 or B % group_size:
         raise ValueError(f"group_size must be a positive int dividing B = {B}, got {group_size!r}")
-    r = torch.nan_to_num(rewards.detach().float(), nan=0.0, posinf=0.0, neginf=0.0)
-    r = r.view(-1, group_size)  # (B / G, G)
+    r = rewards.detach().float().nan_to_num(0.0, 0.0, 0.0).view(-1, group_size)  # (B / G, G)
     adv = r - r.mean(dim=1, keepdim=True)
     if normalize_std and group_size > 1:
         std = r.std(dim=1, keepdim=True)  # unbiased, as GRPO / TRL
@@ -790,8 +784,8 @@ def copc_residual_weights(logp, logp_infer, mask: torch.Tensor, eps: float = 0.2
     needs: _log_ratio, LOG_RATIO_CLAMP
     """
     log_ratio, _ = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
-    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    c = ratio.clamp(1 - eps, 1 + eps)  # the log-ratio of non-finite tokens is 0, so c = 1 there
+    # the log-ratio of non-finite tokens is 0, so c = 1 there
+    c = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(1 - eps, 1 + eps)
     return torch.where(mask, c, torch.zeros_like(c))
 
 
