@@ -135,13 +135,16 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows=None, fus
     (machinery.py). Differentiable, with finite gradients wherever a row has a finite logit; on
     CUDA repeated ids make the gradient's scatter_add order-dependent.
 
-    needs: _check_tensor, _check_device, _TokenLogprobs, _default_chunk_rows
+    needs: _TokenLogprobs, CHUNK_BYTES, GPU_CHUNK_BYTES
     """
-    _check_tensor("logits", logits)
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        got = getattr(logits, "dtype", type(logits).__name__)
+        raise TypeError(f"logits must be a floating-point torch.Tensor, got {got}")
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
         got = getattr(ids, "dtype", type(ids).__name__)
         raise TypeError(f"ids must be an int64 or int32 tensor of token ids, got {got}")
-    _check_device("ids", ids, "logits", logits)
+    if ids.device != logits.device:
+        raise ValueError(f"ids on {ids.device}, logits on {logits.device}: put both on one device")
     lead, V = tuple(logits.shape[:-1]), logits.shape[-1]
     ids_k = ids.long()[..., None] if ids.shape == lead else ids.long()  # (..., K); one id: K = 1
     if ids_k.shape[:-1] != lead:
@@ -159,7 +162,8 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows=None, fus
 
         out = [fused_token_logprobs(x, i, chunk_rows, probe=fused is None) for x, i in blocks]
     else:
-        rows = chunk_rows or _default_chunk_rows(V, logits.device)
+        budget = GPU_CHUNK_BYTES if logits.device.type == "cuda" else CHUNK_BYTES
+        rows = chunk_rows or max(1, budget // (4 * V))
         out = [_TokenLogprobs.apply(x, i, rows) for x, i in blocks]  # (n, K) each
     return torch.stack(out).view(ids.shape)
 
@@ -198,10 +202,7 @@ def _check_choice(name: str, value, choices) -> None:
 
 def _check_bt(mask, **tensors) -> None:
     """A TypeError or ValueError naming the argument unless mask is a non-empty (B, T) bool tensor
-    and each named tensor a floating-point one of its shape on its device.
-
-    needs: _check_tensor, _check_device
-    """
+    and each named tensor a floating-point one of its shape on its device."""
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
         got = getattr(mask, "dtype", type(mask).__name__)
         raise TypeError(f"mask must be a bool tensor (True on generated tokens), got {got}")
@@ -209,19 +210,22 @@ def _check_bt(mask, **tensors) -> None:
         raise ValueError(f"mask must be a non-empty (B, T) tensor, got shape {tuple(mask.shape)}")
     shape = tuple(mask.shape)
     for name, x in tensors.items():
-        _check_tensor(name, x)
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            got = getattr(x, "dtype", type(x).__name__)
+            raise TypeError(f"{name} must be a floating-point torch.Tensor, got {got}")
         if x.shape != mask.shape:
             raise ValueError(f"{name} must have shape (B, T) = {shape}, got {tuple(x.shape)}")
-        _check_device(name, x, "mask", mask)
+        if x.device != mask.device:
+            raise ValueError(f"{name} on {x.device}, mask on {mask.device}: put both on one device")
 
 
 def _check_adv(adv, mask) -> torch.Tensor:
-    """Advantages (B, T), (B, 1) or (B,) as a detached (B, T) float tensor; non-finite -> 0.
-
-    needs: _check_tensor, _check_device
-    """
-    _check_tensor("adv", adv)
-    _check_device("adv", adv, "mask", mask)
+    """Advantages (B, T), (B, 1) or (B,) as a detached (B, T) float tensor; non-finite -> 0."""
+    if not isinstance(adv, torch.Tensor) or not adv.is_floating_point():
+        got = getattr(adv, "dtype", type(adv).__name__)
+        raise TypeError(f"adv must be a floating-point torch.Tensor, got {got}")
+    if adv.device != mask.device:
+        raise ValueError(f"adv on {adv.device}, mask on {mask.device}: put both on one device")
     adv = adv[:, None] if adv.shape == mask.shape[:1] else adv  # (B,) -> (B, 1)
     if adv.shape not in (mask.shape, (len(mask), 1)):
         got = tuple(adv.shape)
