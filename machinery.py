@@ -217,7 +217,7 @@ def fused_token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows: in
     if probe and not _gpu_compiles(logits.device, _logprobs_probe):
         return tr.token_logprobs(logits, ids, chunk_rows, fused=False)
     if chunk_rows is None:
-        chunk_rows = tr._default_chunk_rows(logits.shape[-1], logits.device, fused=True)
+        chunk_rows = max(1, FUSED_CHUNK_ELEMENTS // logits.shape[-1])
     return _FusedTokenLogprobs.apply(logits, ids, chunk_rows)  # without a graph to record: the forward alone
 
 
@@ -1465,7 +1465,7 @@ def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tu
         if truncation is None:
             logp = tr.token_logprobs(logits, response_ids)  # (B, T)
         else:  # by row chunks of token_logprobs' size: never (B, T, V) masks or a masked copy
-            rows = tr._default_chunk_rows(logits.shape[-1], logits.device, fused=False)
+            rows = tr._default_chunk_rows(logits.shape[-1], logits.device)
             flat, flat_ids = logits.flatten(0, 1), response_ids.reshape(-1)  # (N, V), (N,)
             parts = []
             for part, ids in zip(flat.split(rows), flat_ids.split(rows)):
@@ -1656,3 +1656,26 @@ def dot_and_norm2(master, master_before, served, served_before):
         dot += (d_master * (s - s0)).sum()
         norm2 += d_master.square().sum()
     return dot, norm2
+
+
+# ---- the mismatch doctor's table ----
+# What the doctor's numbers are called on a dashboard where one equals them (TRL GRPOTrainer)
+DOCTOR_METRIC_NAMES = {"mean |log p/q| per token": "TRL sampling/sampling_logp_difference/mean",
+                       "max |log p/q|": "TRL sampling/sampling_logp_difference/max"}
+
+
+def format_diagnosis(diagnosis) -> str:
+    """tim_rl.Diagnosis as the table `python tim_rl.py doctor FILE` prints: cause, advice, each signature, the
+    numbers with their dashboard names."""
+    maybe = ", ".join(diagnosis.also_possible)
+    out = [f"cause: {diagnosis.cause}" + (f"   (also possible: {maybe})" if maybe else ""),
+           f"advice: {diagnosis.advice}", "",
+           f"  {'signature':<12} {'statistic':<54} {'value':>10}  {'threshold':>9}  verdict"]
+    for s in diagnosis.evidence:
+        value = "-" if math.isnan(s["statistic"]) else f"{s['statistic']:.4g}"
+        row = f"  {s['name']:<12} {s['measures']:<54} {value:>10}  {s['threshold']:>9.3g}"
+        out.append(f"{row}  {s['verdict']}")
+    out += ["", f"  {'number':<44} {'value':>10}  what your dashboard calls it"]
+    for key, value in diagnosis.numbers.items():
+        out.append(f"  {key:<44} {value:>10.4g}  {DOCTOR_METRIC_NAMES.get(key, '')}")
+    return "\n".join(out)

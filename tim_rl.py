@@ -413,9 +413,7 @@ def mismatch_ledger(logp, logp_old, logp_infer, mask, logp_master_old=None, log_
              ("gates_and_numerics" if gates is None else "gates", routes),  # router noise: gates
              ("numerics", gates), ("", logp_infer)]
     names, logps = zip(*[(name, x.detach().double()) for name, x in chain if x is not None])
-    ok = mask
-    for x in logps:
-        ok = ok & torch.isfinite(x)
+    ok = mask & torch.stack([torch.isfinite(x) for x in logps]).all(0)  # (B, T)
     n = ok.sum().clamp(min=1)
     parts = {"total": (logps[0], logps[-1])}
     parts |= {name: (a, b) for name, a, b in zip(names, logps, logps[1:])}  # they telescope
@@ -439,8 +437,7 @@ def routing_flip_rate(routes_a, routes_b, mask: torch.Tensor) -> dict[str, float
     if routes_a.shape != routes_b.shape or routes_a.shape[:2] != mask.shape:
         raise ValueError(f"routes_a {tuple(routes_a.shape)} and routes_b {tuple(routes_b.shape)} "
                          f"must have one shape (B, S, L, k), (B, S) = mask's {tuple(mask.shape)}")
-    routed_layers = ((routes_a >= 0) | (routes_b >= 0)).any((0, 1, 3))  # (L,) True: a MoE layer
-    layers = routed_layers.nonzero()[:, 0].tolist()
+    layers = ((routes_a >= 0) | (routes_b >= 0)).any((0, 1, 3)).nonzero()[:, 0].tolist()  # MoE ones
     routes_a, routes_b = routes_a[:, :, layers], routes_b[:, :, layers]
     routed = mask & (routes_a >= 0).all(-1).all(-1) & (routes_b >= 0).all(-1).all(-1)  # (B, S)
     differs = routes_a.sort(-1).values != routes_b.sort(-1).values  # (B, S, L, k)
@@ -485,9 +482,6 @@ DOCTOR_ADVICE = {
     "routing": "MoE experts flip where the gap is largest: routing replay (r3) or fp32 routers",
 }
 DOCTOR_CAUSES = tuple(DOCTOR_ADVICE)
-# What the doctor's numbers are called on a dashboard where one equals them (TRL GRPOTrainer)
-DOCTOR_METRIC_NAMES = {"mean |log p/q| per token": "TRL sampling/sampling_logp_difference/mean",
-                       "max |log p/q|": "TRL sampling/sampling_logp_difference/max"}
 
 
 class Diagnosis:
@@ -504,18 +498,9 @@ class Diagnosis:
         self.evidence, self.numbers = evidence, numbers
 
     def __str__(self) -> str:
-        maybe = ", ".join(self.also_possible)
-        out = [f"cause: {self.cause}" + (f"   (also possible: {maybe})" if maybe else ""),
-               f"advice: {self.advice}", "",
-               f"  {'signature':<12} {'statistic':<54} {'value':>10}  {'threshold':>9}  verdict"]
-        for s in self.evidence:
-            value = "-" if math.isnan(s["statistic"]) else f"{s['statistic']:.4g}"
-            row = f"  {s['name']:<12} {s['measures']:<54} {value:>10}  {s['threshold']:>9.3g}"
-            out.append(f"{row}  {s['verdict']}")
-        out += ["", f"  {'number':<44} {'value':>10}  what your dashboard calls it"]
-        for key, value in self.numbers.items():
-            out.append(f"  {key:<44} {value:>10.4g}  {DOCTOR_METRIC_NAMES.get(key, '')}")
-        return "\n".join(out)
+        import machinery  # printing is presentation: the table is formatted there
+
+        return machinery.format_diagnosis(self)
 
     __repr__ = __str__
 
@@ -538,14 +523,15 @@ def _lag_signature(logp_infer, d, ok, advantages) -> dict:
     if advantages is None:
         return _signature("lag", measures, math.nan, 3.0, "cannot tell without advantages")
     tokens = ok.sum(1)  # (B,)
+    per_row = tokens.clamp(min=1)
     q = logp_infer.double()
-    row_q = torch.where(ok, q, 0.0).sum(1) / tokens.clamp(min=1)  # (B,)
+    row_q = torch.where(ok, q, 0.0).sum(1) / per_row  # (B,)
     X = torch.stack([torch.ones_like(q[ok]), q[ok], row_q[:, None].expand_as(q)[ok]], 1)  # (N, 3)
     fit = X @ torch.linalg.lstsq(X, d[ok].double()[:, None]).solution  # (N, 1)
-    residual = torch.zeros(ok.shape, dtype=torch.float64, device=ok.device)
+    residual = torch.zeros_like(q)
     residual[ok] = d[ok].double() - fit[:, 0]
-    row_residual = residual.sum(1) / tokens.clamp(min=1)  # (B,)
-    row_adv = torch.where(ok, advantages.double(), 0.0).sum(1) / tokens.clamp(min=1)  # (B,)
+    row_residual = residual.sum(1) / per_row  # (B,)
+    row_adv = torch.where(ok, advantages.double(), 0.0).sum(1) / per_row  # (B,)
     up = row_residual[(tokens > 0) & (row_adv > 0)]
     down = row_residual[(tokens > 0) & (row_adv < 0)]
     if min(up.numel(), down.numel()) < 2:
@@ -567,21 +553,17 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     Reconstruction: the rules are this project's, tuned on its own engines (experiments.py
     doctor-eval). Each signature is a small function of d = log p - log q on the usable tokens ok.
 
-    needs: _check_adv, _log_ratio, LOG_RATIO_CLAMP, Diagnosis, DOCTOR_ADVICE, _signature,
-    _lag_signature, DOCTOR_METRIC_NAMES, _check_bt
+    needs: _check_bt, _check_adv, _log_ratio, LOG_RATIO_CLAMP, Diagnosis, DOCTOR_ADVICE, _signature,
+    _lag_signature
     """
     _check_bt(mask, logp_train=logp_train, logp_infer=logp_infer)
     p, q = logp_train.detach().float(), logp_infer.detach().float()
-    d, ok = _log_ratio(mask, logp_train=p, logp_infer=q)
+    d, ok = _log_ratio(mask, logp_train=p, logp_infer=q)  # (B, T); d = 0 where not ok
     d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if not ok.any():
         raise ValueError("mask: no finite token to diagnose")
     adv = None if advantages is None else _check_adv(advantages, mask)
     topk = logp_train_topk  # (B, T, K)
-    if topk is not None and (topk.shape[:2] != mask.shape or topk_ids is not None
-                             and topk_ids.shape != topk.shape):
-        raise ValueError("logp_train_topk / topk_ids must be (B, T, K) with (B, T) = "
-                         f"{tuple(mask.shape)}")
     # padding: a mask off by one counts a prompt token or a pad, where the two sides hold unrelated
     # numbers; the gap then sits at each row's first or last masked token, not inside
     idx = torch.arange(ok.shape[1], device=ok.device).expand_as(ok)
@@ -593,13 +575,12 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     # log p[t]; the share of rows (with a gap > 0.05 per token) whose shifted fit is 4x better
     both = (ok[:, 1:] & ok[:, :-1]).float()  # (B, T - 1): pairs (t, t + 1) inside the mask
     p0, q0 = p.nan_to_num(0.0, 0.0, 0.0), q.nan_to_num(0.0, 0.0, 0.0)
-    fits = []
-    for aligned, shifted in (((q0 - p0)[:, :-1], q0[:, :-1] - p0[:, 1:]),
-                             ((q0 - p0)[:, 1:], q0[:, 1:] - p0[:, :-1])):
-        gap, fit = (aligned.abs() * both).sum(1), (shifted.abs() * both).sum(1)  # (B,)
-        fits.append((fit < gap / 4) & (gap > 0.05 * both.sum(1)))
-    rows = (both.sum(1) > 0).float().sum().clamp(min=1)
-    misaligned = float((fits[0] | fits[1]).float().sum() / rows)
+    shifted = torch.zeros_like(both[:, 0], dtype=torch.bool)  # (B,)
+    for t, t_next in ((slice(None, -1), slice(1, None)), (slice(1, None), slice(None, -1))):
+        gap = ((q0[:, t] - p0[:, t]).abs() * both).sum(1)  # (B,)
+        fit = ((q0[:, t] - p0[:, t_next]).abs() * both).sum(1)
+        shifted |= (fit < gap / 4) & (gap > 0.05 * both.sum(1))
+    misaligned = float(shifted.float().sum() / (both.sum(1) > 0).float().sum().clamp(min=1))
     # routing: MoE experts that flip between the two sides make the largest gaps, at the flip and
     # after (attention reads the flipped hidden states). routes = (routes_train, routes_infer), each
     # (B, T, L, k) int: the experts of the forward position that predicts token t
@@ -607,20 +588,22 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     if routes is not None:
         shapes = [tuple(r.shape) for r in routes]  # two (B, T, L, k)
         if len(shapes) != 2 or shapes[0] != shapes[1] or shapes[0][:2] != ok.shape:
-            raise ValueError("routes must be (routes_train, routes_infer), each (B, T, L, k), "
+            raise ValueError(f"routes must be (routes_train, routes_infer), each (B, T, L, k), "
                              f"(B, T) = {tuple(ok.shape)}")
         differs = (routes[0].sort(-1).values != routes[1].sort(-1).values).any(-1).any(-1)  # (B, T)
         flipped = differs.cumsum(1) > 0  # from the row's first flip on
         after, before = d.abs()[ok & flipped].mean(), d.abs()[ok & ~flipped].mean()
         routing, routing_verdict = float(after / before.clamp(min=1e-9)), ""
     # outliers: sequences from another policy (a stale request, another checkpoint) concentrate |d|
-    rows = torch.where(ok, d.abs(), torch.zeros_like(d)).sum(1)  # (B,)
+    rows = d.abs().sum(1)  # (B,)
     outliers = float(rows.topk(max(1, math.ceil(0.05 * rows.numel()))).values.sum() / rows.sum())
     # truncation: a sampler renormalised on its top-p / top-k support records q = p / S on the kept
     # tokens, so p / q = S <= 1 on every token and mean(p / q) = the kept mass; every other cause
     # keeps E_q[p / q] = 1. With the trainer's top-K log-probs (B, T, K), exactly: the share of
     # tokens with p / q < 1 whose p / q is the trainer's mass on a prefix of its sorted top-K
     if topk is not None:
+        if topk.shape[:2] != mask.shape or topk_ids is not None and topk_ids.shape != topk.shape:
+            raise ValueError(f"logp_train_topk / topk_ids must be {tuple(mask.shape)} + (K,)")
         top = topk.detach().float().sort(-1, descending=True).values  # (B, T, K)
         below = ok & (d < -1e-3)
         # log S, the mass of each prefix, rounds to ~1e-6
@@ -630,8 +613,8 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     else:
         r = d[ok].exp()
         se = float(r.std() / math.sqrt(max(r.numel(), 1)))
-        truncation = (f"1 - mean(p/q) - 4 standard errors ({se:.2g})", 1 - float(r.mean()) - 4 * se,
-                      0.005)
+        below_one = 1 - float(r.mean()) - 4 * se
+        truncation = (f"1 - mean(p/q) - 4 standard errors ({se:.2g})", below_one, 0.005)
     # temperature: an unapplied temperature tau makes log q = log p / tau + c (c per position), so
     # the least-squares slope of log q on log p is 1 / tau instead of 1
     x, y = p[ok].double(), q[ok].double()
@@ -660,7 +643,7 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     also = present[1:] + ([] if clean else [f"{name} (not tested)" for name in untested])
     # the numbers: mean / max |d| per token, the mean answer length T, percentiles of per-sequence
     # sum_t d, the shares of tokens and sequences beyond the TIS cap 2 and outside IcePop's [0.5, 2]
-    seq = torch.where(ok, d, torch.zeros_like(d)).sum(1)[ok.any(1)].double()  # (B',)
+    seq = d.sum(1)[ok.any(1)].double()  # (B',)
     numbers = {"mean |log p/q| per token": float(d[ok].abs().mean()),
                "max |log p/q|": float(d[ok].abs().max()),
                "T, mean answer length (tokens)": float(ok.sum(1)[ok.any(1)].double().mean())}
@@ -738,8 +721,7 @@ def error_feedback_round_bf16(x: torch.Tensor, residual: torch.Tensor):
     _check_fp32("x", x)
     _check_fp32("residual", residual)
     if residual.shape != x.shape:
-        raise ValueError(f"residual must have shape {tuple(x.shape)} like x, "
-                         f"got {tuple(residual.shape)}")
+        raise ValueError(f"residual must have shape {tuple(x.shape)}, got {tuple(residual.shape)}")
     _check_device("residual", residual, "x", x)
     target = x + residual
     served = target.to(torch.bfloat16)
@@ -791,8 +773,7 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std=False)
     B = len(rewards)
     if not isinstance(group_size, int) or group_size < 1 or B % group_size:
         raise ValueError(f"group_size must be a positive int dividing B = {B}, got {group_size!r}")
-    r = torch.nan_to_num(rewards.detach().float(), nan=0.0, posinf=0.0, neginf=0.0)
-    r = r.view(-1, group_size)  # (B / G, G)
+    r = rewards.detach().float().nan_to_num(0.0, 0.0, 0.0).view(-1, group_size)  # (B / G, G)
     adv = r - r.mean(dim=1, keepdim=True)
     if normalize_std and group_size > 1:
         std = r.std(dim=1, keepdim=True)  # unbiased, as GRPO / TRL
@@ -806,8 +787,8 @@ def copc_residual_weights(logp, logp_infer, mask: torch.Tensor, eps: float = 0.2
     needs: _log_ratio, LOG_RATIO_CLAMP
     """
     log_ratio, _ = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
-    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    c = ratio.clamp(1 - eps, 1 + eps)  # the log-ratio of non-finite tokens is 0, so c = 1 there
+    # the log-ratio of non-finite tokens is 0, so c = 1 there
+    c = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(1 - eps, 1 + eps)
     return torch.where(mask, c, torch.zeros_like(c))
 
 
@@ -1515,13 +1496,11 @@ GPU_CHUNK_BYTES = 64 << 20
 FAR_FROM_ZERO = 1024.0
 
 
-def _default_chunk_rows(V: int, device: torch.device, fused: bool = False) -> int:
-    """Rows per chunk, at least 1: GPU_CHUNK_BYTES of fp32 on CUDA, CHUNK_BYTES elsewhere; fused:
-    FUSED_CHUNK_ELEMENTS logits (machinery.py)."""
-    if fused:
-        from machinery import FUSED_CHUNK_ELEMENTS
+def _default_chunk_rows(V: int, device: torch.device) -> int:
+    """Rows per chunk, at least 1: GPU_CHUNK_BYTES of fp32 on CUDA, CHUNK_BYTES elsewhere.
 
-        return max(1, FUSED_CHUNK_ELEMENTS // V)
+    needs: CHUNK_BYTES, GPU_CHUNK_BYTES
+    """
     budget = GPU_CHUNK_BYTES if torch.device(device).type == "cuda" else CHUNK_BYTES
     return max(1, budget // (4 * V))
 
@@ -1919,7 +1898,7 @@ def kept_support_from_logits(logits: torch.Tensor, response_ids: torch.Tensor, t
     """
     B, T, V = logits.shape
     flat, ids = logits.reshape(-1, V), response_ids.reshape(-1, 1)  # (N, V), (N, 1)
-    rows = _default_chunk_rows(V, logits.device, fused=False)
+    rows = _default_chunk_rows(V, logits.device)
     parts = []
     for start in range(0, flat.shape[0], rows):
         keep = truncation_mask(flat[start : start + rows].float(), top_p, top_k, min_p)  # (n, V)
