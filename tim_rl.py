@@ -1011,6 +1011,8 @@ def kl_k2(log_rho: torch.Tensor) -> torch.Tensor:
 def kl_k3(log_rho: torch.Tensor) -> torch.Tensor:
     """k3 = rho - 1 - log rho: >= 0 and unbiased. Same shape.
 
+    verl's kl_penalty and slime's low_var_kl clamp k3 at 10; kl_k3 does not.
+
     needs: LOG_RATIO_CLAMP
     """
     return log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp() - 1 - log_rho
@@ -1174,7 +1176,8 @@ def ppo_loss(logp, logp_prox, adv, mask, weights=None, eps_low=0.2, eps_high=0.2
     CIS, ...). With one update per batch r = 1 and the clip is inert; it bites from the second
     update on (RLConfig.updates_per_batch). Anchoring at the sampler instead (p_prox := q) gives
     the plain "sampler log-probs as pi_old" PPO. Clip-higher 0.28 as in DAPO. A non-finite
-    log-ratio drops the token, a non-finite weight counts as 0. (B, T).
+    log-ratio drops the token, a non-finite weight counts as 0. (B, T). verl's default dual clip
+    (clip_ratio_c = 3) bounds an A < 0 token's loss at 3 |A|; ppo_loss has none.
 
     needs: _check_adv, _check_bt, _log_ratio, masked_mean, LOG_RATIO_CLAMP
     """
@@ -1356,7 +1359,8 @@ def aggregate_loss(per_token, mask, mode: str = "token-mean", norm=None) -> torc
     "grpo", GSPO). "seq-mean-token-sum": the mean over sequences of each one's token sum.
     "seq-mean-token-sum-norm": sum / norm, norm default T (verl); TRL "dr_grpo" is norm =
     B * max_completion_length. A sequence with no token is left out of the sequence means, as
-    verl (TRL "grpo" counts it as 0). Non-finite or off the mask -> dropped.
+    verl (TRL "grpo" counts it as 0). Non-finite or off the mask -> dropped. verl's
+    seq-mean-token-mean divides by tokens + 1e-8 (here: tokens), a 1e-8 relative gap.
 
     needs: _check_choice
     """
