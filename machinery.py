@@ -7,6 +7,9 @@
   models and their pre-training.
 - vLLM CPU-build workarounds, checkpoint / resume, the config rules, the doctor's file reader and command,
   TRL's adapter; tim_rl.py's output: the demo's tables and plot (demo) and a train run's summary.
+- The MoE hook plumbing behind routing replay (tim_rl.routed_router_forward is the replay itself), evaluation on
+  the testbed (greedy accuracy, pc), the vLLM sync canary and weight reload, argparse built from the config
+  dataclasses, and the doctor's printed table.
 - OpenMP's wait policy for a shared machine (_openmp_for_a_shared_machine), set at this module's top before
   torch loads: `python tim_rl.py` imports this module first, experiments.py imports it before tim_rl.
 
