@@ -3127,12 +3127,12 @@ def test_each_update_forward_is_forced_to_the_right_experts_r2_the_policy_being_
     seen = []
     forward = tr.response_forward
 
-    def spy(model, rollout, temperature=1.0, params=None, routes=None, **rest):
+    def spy(model, rollout, temperature=1.0, params=None, routes=None, *more, **rest):
         if torch.is_grad_enabled():
             with torch.no_grad():
                 own = forward(model, rollout, temperature, params).routes
             seen.append((rollout, routes, own))
-        return forward(model, rollout, temperature, params, routes, **rest)
+        return forward(model, rollout, temperature, params, routes, *more, **rest)
 
     monkeypatch.setattr(tr, "response_forward", spy)
     behaviour_routes = []
@@ -3662,6 +3662,7 @@ def test_vllm_sampler_reads_the_support_from_a_bounded_request(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: kw))
     sampler = object.__new__(tr.VLLMSampler)
     sampler.tokenizer, sampler.vocab_size = machinery.CharTokenizer(), 128
+    sampler.device = torch.device("cpu")  # the trainer's device (set by __init__)
     inf = math.inf
     sampler.llm = _FakeVLLM([(7, {7: -0.1, 9: -2.5, 11: -inf, 12: -inf}),  # support {7, 9}
                              (5, {5: -0.7, 6: -1.0, 8: -2.0, 10: -3.0})])  # all 4 finite: maybe more kept

@@ -1880,7 +1880,8 @@ def support_logprobs(model, rollout: Rollout, temperature: float = 1.0, topk_ids
                      params: dict | None = None, routes=None, gates=None):
     """response_forward's (log p~ (B, T), log p~ of the top-K ids (B, T, K) or None, hidden, log S
     (B, T) or None): renormalised on rollout.kept_ids (none: plain log-probs, log S None)."""
-    f = response_forward(model, rollout, temperature, params, routes, gates, False, topk_ids)
+    f = response_forward(model, rollout, temperature, params, routes, gates, record=False,
+                         topk_ids=topk_ids)
     return f.logp, f.logp_topk, f.hidden, f.log_s
 
 
