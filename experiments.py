@@ -2587,6 +2587,13 @@ def doctor_cases(seed: int, models: dict, n_prompts: int = 64, n: int = 4) -> li
         return ro, logp, adv
 
     ro, logp, adv = sampled(["clean"], "torch fp32 (KV cache)", 0, fp32)
+    # a hard negative for "clean": the fp32 pair with the sampler at another batch shape and padding (4 prompts a
+    # call, seeded per call); fp16, the numerics ladder's first level, is the one on the other side
+    parts = [_doctor_rollout(model, tok, fp32, problems[i : i + 4], n, 5, seed + i) for i in range(0, n_prompts, 4)]
+    T = max(part[0].mask.shape[1] for part in parts)
+    tensors = [(part[1], part[0].logp_infer, part[0].mask) for part in parts]  # (logp, logp_infer, mask) per call
+    joined = [torch.cat([_pad_to(x, T) for x in xs]) for xs in zip(*tensors)]
+    cases.append(_case(["clean"], "torch fp32, 4 prompts a call", 1, *joined, torch.cat([part[2] for part in parts])))
     numerics = [("fp16", tr.EngineSpec(dtype="fp16")), ("bf16", bf16), ("int8 weights", tr.EngineSpec(quant="int8")),
                 ("fp8 weights", tr.EngineSpec(quant="fp8"))]
     for rank, (label, spec) in enumerate(numerics):
