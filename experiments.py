@@ -3111,6 +3111,43 @@ def bench_eval_memory(quick: bool, out_dir: str) -> list[dict]:
     return rows
 
 
+def _doctor_peak_child(B: int, T: int) -> dict:
+    """diagnose_mismatch on a synthetic (B, T) dump (Linux; run in a fresh process by bench_doctor): its seconds and
+    peak resident memory above what the process held with its inputs loaded. Inputs: fp32 log-probs of both sides
+    with a bf16-like gap (|d| ~ 0.01), answers of T / 2 to T tokens, one advantage per sequence, as TRL dumps them."""
+    g = torch.Generator().manual_seed(0)
+    logp_infer = -3 * torch.rand(B, T, generator=g)  # (B, T)
+    logp_train = logp_infer + 0.01 * torch.randn(B, T, generator=g)
+    mask = torch.arange(T) < torch.randint(T // 2, T + 1, (B, 1), generator=g)  # (B, T)
+    adv = torch.randn(B, generator=g)  # (B,)
+    tr.diagnose_mismatch(logp_train[:4, :64], logp_infer[:4, :64], mask[:4, :64], advantages=adv[:4])  # warm-up
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
+    before = _proc_status_bytes("VmRSS")
+    t0 = time.perf_counter()
+    tr.diagnose_mismatch(logp_train, logp_infer, mask, advantages=adv)
+    seconds = time.perf_counter() - t0
+    extra = _proc_status_bytes("VmHWM") - before
+    inputs = sum(x.numel() * x.element_size() for x in (logp_train, logp_infer, mask, adv))
+    return {"seconds": seconds, "extra_bytes": extra, "input_bytes": inputs}
+
+
+def bench_doctor(quick: bool) -> list[dict]:
+    """The mismatch doctor on a real-size dump (B = 512, T = 8,192; quick: T = 1,024) in a fresh child process: its
+    peak memory over its inputs' bytes, and its seconds."""
+    import subprocess
+
+    B, T = 512, 1_024 if quick else 8_192
+    code = f"import json, experiments; print(json.dumps(experiments._doctor_peak_child({B}, {T})))"
+    child = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
+                           check=True)
+    peak = json.loads(child.stdout.strip().splitlines()[-1])
+    what = f"diagnose_mismatch, B = {B}, T = {T:,} (bf16-like gap, advantages), cpu"
+    return [_row(f"{what}: peak memory", f"its inputs ({peak['input_bytes'] / 2**20:.0f} MiB)",
+                 peak["extra_bytes"] / peak["input_bytes"], "<= 3"),
+            _row(f"{what}: seconds", "1 s", peak["seconds"], "report")]
+
+
 def bench_verifier(repeats: int) -> list[dict]:
     """Worst per-call time of verify() over adversarial 10 kB texts (and one of 1 MB), in milliseconds."""
     n = 10_000
@@ -3154,6 +3191,7 @@ def bench(cfg: BenchConfig) -> list[dict]:
     rows += done("RL step memory", bench_rl_step_memory(q, cfg.out))
     rows += done("gradient checkpointing", bench_gradient_checkpointing(model_dir, 6 if q else 20, cfg.out))
     rows += done("evaluation memory", bench_eval_memory(q, cfg.out))
+    rows += done("doctor", bench_doctor(q))
     rows += done("verifier", bench_verifier(cfg.repeats))
     rows += done("MoE route bytes", bench_route_bytes())
     table = _markdown_table(rows)
