@@ -2502,7 +2502,9 @@ DOCTOR_LONG = ("swap", {"digits": 6, "ops": "s", "steps": 150})  # dose-long's 1
 DOCTOR_GOALS = {"recall above the floors": ">= 0.9", "cause correct, single-cause cases": ">= 0.9",
                 "both causes named, mixed cases": ">= 0.8", "'clean' said of a case above fp16's level": "0"}
 DOCTOR_NOTES = (
-    "How the cases are made: clean = the fp32 KV-cache sampler; numerics = fp16 / bf16 / int8 / fp8 samplers (and "
+    "How the cases are made: clean = the fp32 KV-cache sampler, and as a hard negative the same sampler given 4 "
+    "prompts a call (another batch shape and padding; fp16, the numerics ladder's first level, is the hard negative "
+    "on the other side of the clean cut-off); numerics = fp16 / bf16 / int8 / fp8 samplers (and "
     "bf16 on the 12-token swap task); truncation = an fp32 sampler with top-p / top-k whose recorded log-probs are "
     "renormalised, the trainer's raw; temperature = the sampler at tau, the trainer at 1; misaligned = the sampler's "
     "log-probs one position early (odd seeds) or late (even seeds) on a share of rows; padding = the mask one token "
@@ -2519,7 +2521,10 @@ DOCTOR_NOTES = (
     "<= 5 %, test_doctor_lag_counts_rows_not_tokens), and its fit takes the row's mean log q too (on the tuning "
     "seeds 0-1 the row-level t without it read samplers at temperature 1.05 and 1.25 as lag, t 3.2 and 3.4: correct "
     "rows are surer; with it every temperature case has |t| < 1.6, the lag cases 2.8-7.5); re-published on the "
-    "same seeds.")
+    "same seeds. Numerics is no longer named beside lag (\"cannot tell beside lag\": on the tiny model one Adam "
+    "step's gap is symmetric token noise 7x bf16's, told apart only by its tilt toward the advantages; before, every "
+    "lag case also showed numerics present, 22x its threshold) and its statistic skips the worst 5 % of rows (the "
+    "outlier rows carry their own gap); so the mixed cases are scored on each cause's own signature.")
 DOCTOR_LAG_LR = 3e-5  # the lag cases' AdamW learning rate: RLConfig's
 
 
