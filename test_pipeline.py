@@ -2882,6 +2882,18 @@ def test_doctor_cli_malformed_files_get_one_error_line(tmp_path, capsys):
         assert err.startswith("tim_rl doctor: error:")
 
 
+def test_doctor_thresholds_frozen_before_the_smollm2_evaluation():
+    """The doctor's source (every threshold in it) hashes to experiments.DOCTOR_FROZEN, set before its first run on
+    SmolLM2: a change to a threshold fails here until the constant is updated in the same, visible commit."""
+    import hashlib
+    import inspect
+
+    source = "".join(inspect.getsource(f) for f in (tr.diagnose_mismatch, tr._lag_signature, tr._signature))
+    assert hashlib.sha256(source.encode()).hexdigest()[:16] == ex.DOCTOR_FROZEN
+    planted = source.replace("clean = mean_abs < 1e-4", "clean = mean_abs < 1e-2")  # the twin: 100x looser
+    assert planted != source and hashlib.sha256(planted.encode()).hexdigest()[:16] != ex.DOCTOR_FROZEN
+
+
 def test_doctor_eval_scores_floors_and_goals_from_rows():
     def row(causes, level, rank, cause, named=(), seed=0, abs_diff=0.01):
         return {"seed": seed, "causes": causes, "level": level, "rank": rank, "cause": cause,

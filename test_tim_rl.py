@@ -1832,6 +1832,45 @@ def test_doctor_clean_and_numerics():
     assert _verdicts(found)["truncation"] == _verdicts(found)["temperature"] == "absent"
 
 
+def test_doctor_clean_cut_off_pinned_by_hard_negatives():
+    """Hard negatives on both sides of the clean cut-off (mean |d| < 1e-4): the same fp32 logits reduced in another
+    order (split-K, as a GPU engine at another batch shape or padding does; |d| ~ 6e-7) are clean; the same logits
+    in fp16 (|d| ~ 1e-3, the weakest real engine) are not. A cut-off 100x looser fails the fp16 half; one 1,000x
+    tighter fails the fp32 half."""
+    g = torch.Generator().manual_seed(5)
+    B, T, H, V = 64, 12, 64, 512
+    h, W = torch.randn(B, T, H, generator=g), 3 * torch.randn(H, V, generator=g) / H**0.5  # hidden states, head
+    ids = torch.randint(0, V, (B, T, 1), generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+
+    def logp(logits):  # (B, T, V) -> (B, T)
+        return logits.float().log_softmax(-1).gather(-1, ids)[..., 0]
+
+    trainer = logp(h @ W)
+    split_k = logp(h[..., : H // 2] @ W[: H // 2] + h[..., H // 2 :] @ W[H // 2 :])  # (B, T)
+    fp16 = logp(h.half() @ W.half())
+    assert 0 < (trainer - split_k).abs().mean() < 1e-6  # a real fp32-level gap, not bit-identical
+    assert tr.diagnose_mismatch(trainer, split_k, mask).cause == "clean"
+    found = tr.diagnose_mismatch(trainer, fp16, mask)
+    assert found.cause == "numerics" and 5e-4 < found.numbers["mean |log p/q| per token"] < 5e-3, found
+
+
+def test_doctor_numerics_is_not_named_beside_lag():
+    """An fp32 sampler one optimizer step behind: every token moved both ways (Adam moves every weight), tilted
+    toward the advantages. Lag is named; numerics, whose symmetric gap lag also makes, is not present ("cannot tell
+    beside lag"). Twin: the same gap with unrelated advantages: no lag, so numerics is present."""
+    p, _, mask = _doctor_tensors()
+    g = torch.Generator().manual_seed(6)
+    adv = torch.randn(p.shape[0], generator=g)
+    q = p - 0.05 * torch.randn(p.shape, generator=g) - 0.05 * adv[:, None].sign()  # the sampler: p before the step
+    found = tr.diagnose_mismatch(p, q, mask, advantages=adv)
+    assert found.cause == "lag" and _verdicts(found)["numerics"] == "cannot tell beside lag", found
+    assert "numerics (not tested)" in found.also_possible
+    unrelated = adv[torch.randperm(adv.numel(), generator=g)]
+    twin = tr.diagnose_mismatch(p, q, mask, advantages=unrelated)
+    assert _verdicts(twin)["lag"] == "absent" and _verdicts(twin)["numerics"] == "present", twin
+
+
 def test_doctor_truncation_is_named_only_when_the_sampler_renormalised():
     p, q, mask = _doctor_tensors(top_k=4)
     found = tr.diagnose_mismatch(p, q, mask)

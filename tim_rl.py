@@ -515,28 +515,27 @@ def _lag_signature(logp_infer, d, ok, advantages) -> dict:
     """A trainer some steps ahead of its sampler moved toward positive-advantage tokens.
 
     So at equal log q, d is larger in rows with A > 0 than in rows with A < 0. GRPO's advantage is
-    one number per sequence, so the row is the unit: a Welch t over the rows' mean residual of d on
-    (1, log q, the row's mean log q). Counting tokens would read any per-row gap as lag; without the
-    row's mean log q, a row's confidence (correct rows are surer) would.
+    one number per sequence, so the row is the unit: a Welch t over the rows' mean d less its fit
+    on (1, the row's mean log q), rows weighted by their tokens (the row residuals of a token fit on
+    (1, log q, row mean log q): within-row deviations of log q are orthogonal to row constants).
+    Counting tokens would read any per-row gap as lag; without the fit, a row's confidence (correct
+    rows are surer) would. d is 0 where not ok.
     """
     measures = "t over rows of mean(d - fit on log q), A > 0 vs < 0"
     if advantages is None:
         return _signature("lag", measures, math.nan, 3.0, "cannot tell without advantages")
-    tokens = ok.sum(1)  # (B,)
-    per_row = tokens.clamp(min=1)
-    q = logp_infer.double()
-    row_q = torch.where(ok, q, 0.0).sum(1) / per_row  # (B,)
-    X = torch.stack([torch.ones_like(q[ok]), q[ok], row_q[:, None].expand_as(q)[ok]], 1)  # (N, 3)
-    fit = X @ torch.linalg.lstsq(X, d[ok].double()[:, None]).solution  # (N, 1)
-    residual = torch.zeros_like(q)
-    residual[ok] = d[ok].double() - fit[:, 0]
-    row_residual = residual.sum(1) / per_row  # (B,)
-    row_adv = torch.where(ok, advantages.double(), 0.0).sum(1) / per_row  # (B,)
-    up = row_residual[(tokens > 0) & (row_adv > 0)]
-    down = row_residual[(tokens > 0) & (row_adv < 0)]
+    n = ok.sum(1).double()  # (B,) tokens per row
+    rows = n > 0
+    row_adv = torch.where(ok, _check_adv(advantages, ok), 0.0).sum(1).double()[rows] / n[rows]
+    row_q = torch.where(ok, logp_infer, 0.0).sum(1).double()[rows] / n[rows]  # (B',)
+    row_d = d.sum(1).double()[rows] / n[rows]
+    X = torch.stack([torch.ones_like(row_q), row_q], 1)  # (B', 2)
+    w = n[rows, None].sqrt()  # (B', 1): least squares weighted by each row's tokens
+    residual = row_d - (X @ torch.linalg.lstsq(w * X, w * row_d[:, None]).solution)[:, 0]  # (B',)
+    up = residual[row_adv > 0]
+    down = residual[row_adv < 0]
     if min(up.numel(), down.numel()) < 2:
-        verdict = "cannot tell with fewer than 2 rows each side"
-        return _signature("lag", measures, math.nan, 3.0, verdict)
+        return _signature("lag", measures, math.nan, 3.0, "cannot tell with < 2 rows each side")
     spread = (up.var() / up.numel() + down.var() / down.numel()).sqrt().clamp(min=1e-12)
     return _signature("lag", measures, float((up.mean() - down.mean()) / spread), 3.0)
 
@@ -552,6 +551,7 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     the sampler's top-K ids topk_ids, only shape-checked) the exact truncation test.
     Reconstruction: the rules are this project's, tuned on its own engines (experiments.py
     doctor-eval). Each signature is a small function of d = log p - log q on the usable tokens ok.
+    Memory: two or three (B, T) tensors beside the inputs (no (tokens, 3) fit, no float64 copies).
 
     needs: _check_bt, _check_adv, _log_ratio, LOG_RATIO_CLAMP, Diagnosis, DOCTOR_ADVICE, _signature,
     _lag_signature
@@ -559,28 +559,30 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     _check_bt(mask, logp_train=logp_train, logp_infer=logp_infer)
     p, q = logp_train.detach().float(), logp_infer.detach().float()
     d, ok = _log_ratio(mask, logp_train=p, logp_infer=q)  # (B, T); d = 0 where not ok
-    d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    d.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if not ok.any():
         raise ValueError("mask: no finite token to diagnose")
-    adv = None if advantages is None else _check_adv(advantages, mask)
-    topk = logp_train_topk  # (B, T, K)
+    n = ok.sum(1)  # (B,) usable tokens per row
+    rows = d.abs().sum(1)  # (B,) sum |d| per row
+    mean_abs = float(rows.sum() / n.sum())
+    worst = rows.topk(max(1, math.ceil(0.05 * rows.numel()))).indices  # the worst 5 % of rows
     # padding: a mask off by one counts a prompt token or a pad, where the two sides hold unrelated
     # numbers; the gap then sits at each row's first or last masked token, not inside
-    idx = torch.arange(ok.shape[1], device=ok.device).expand_as(ok)
-    first = idx == torch.where(ok, idx, ok.shape[1]).amin(1, keepdim=True)  # (B, T)
-    last = idx == torch.where(ok, idx, -1).amax(1, keepdim=True)
-    inner = float(d.abs()[ok & ~first & ~last].mean().nan_to_num(0.0) + 1e-3)
-    edge = max(float(d.abs()[ok & e].mean().nan_to_num(0.0)) for e in (first, last))
+    first = d.gather(1, ok.byte().argmax(1, keepdim=True))[n > 0].abs()  # (B',) |d|, first token
+    last = d.gather(1, ok.shape[1] - 1 - ok.flip(1).byte().argmax(1, keepdim=True))[n > 1].abs()
+    inner_n = (n - 2).clamp(min=0).sum()  # every row's tokens less its first and last
+    inner = float((rows.sum() - first.sum() - last.sum()) / inner_n.clamp(min=1)) + 1e-3
+    edge = max(float(first.mean()), float(last.mean().nan_to_num(0.0)))
     # misaligned: log-probs shifted by one position fit log q[t] to log p[t +- 1] far better than to
     # log p[t]; the share of rows (with a gap > 0.05 per token) whose shifted fit is 4x better
-    both = (ok[:, 1:] & ok[:, :-1]).float()  # (B, T - 1): pairs (t, t + 1) inside the mask
-    p0, q0 = p.nan_to_num(0.0, 0.0, 0.0), q.nan_to_num(0.0, 0.0, 0.0)
-    shifted = torch.zeros_like(both[:, 0], dtype=torch.bool)  # (B,)
+    both = ok[:, 1:] & ok[:, :-1]  # (B, T - 1): pairs (t, t + 1) inside the mask
+    pairs = both.sum(1)  # (B,)
+    shifted = torch.zeros_like(pairs, dtype=torch.bool)
     for t, t_next in ((slice(None, -1), slice(1, None)), (slice(1, None), slice(None, -1))):
-        gap = ((q0[:, t] - p0[:, t]).abs() * both).sum(1)  # (B,)
-        fit = ((q0[:, t] - p0[:, t_next]).abs() * both).sum(1)
-        shifted |= (fit < gap / 4) & (gap > 0.05 * both.sum(1))
-    misaligned = float(shifted.float().sum() / (both.sum(1) > 0).float().sum().clamp(min=1))
+        gap = torch.where(both, d[:, t], 0.0).abs_().sum(1)  # (B,)
+        fit = torch.where(both, q[:, t] - p[:, t_next], 0.0).abs_().sum(1)
+        shifted |= (fit < gap / 4) & (gap > 0.05 * pairs)
+    misaligned = float(shifted.sum() / (pairs > 0).sum().clamp(min=1))
     # routing: MoE experts that flip between the two sides make the largest gaps, at the flip and
     # after (attention reads the flipped hidden states). routes = (routes_train, routes_infer), each
     # (B, T, L, k) int: the experts of the forward position that predicts token t
@@ -592,50 +594,54 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
                              f"(B, T) = {tuple(ok.shape)}")
         differs = (routes[0].sort(-1).values != routes[1].sort(-1).values).any(-1).any(-1)  # (B, T)
         flipped = differs.cumsum(1) > 0  # from the row's first flip on
-        after, before = d.abs()[ok & flipped].mean(), d.abs()[ok & ~flipped].mean()
+        after, before = d[ok & flipped].abs().mean(), d[ok & ~flipped].abs().mean()
         routing, routing_verdict = float(after / before.clamp(min=1e-9)), ""
     # outliers: sequences from another policy (a stale request, another checkpoint) concentrate |d|
-    rows = d.abs().sum(1)  # (B,)
-    outliers = float(rows.topk(max(1, math.ceil(0.05 * rows.numel()))).values.sum() / rows.sum())
+    outliers = float(rows[worst].sum() / rows.sum())
     # truncation: a sampler renormalised on its top-p / top-k support records q = p / S on the kept
     # tokens, so p / q = S <= 1 on every token and mean(p / q) = the kept mass; every other cause
     # keeps E_q[p / q] = 1. With the trainer's top-K log-probs (B, T, K), exactly: the share of
     # tokens with p / q < 1 whose p / q is the trainer's mass on a prefix of its sorted top-K
-    if topk is not None:
-        if topk.shape[:2] != mask.shape or topk_ids is not None and topk_ids.shape != topk.shape:
+    if logp_train_topk is not None:
+        top = logp_train_topk.detach().float().sort(-1, descending=True).values  # (B, T, K)
+        if top.shape[:2] != mask.shape or topk_ids is not None and topk_ids.shape != top.shape:
             raise ValueError(f"logp_train_topk / topk_ids must be {tuple(mask.shape)} + (K,)")
-        top = topk.detach().float().sort(-1, descending=True).values  # (B, T, K)
         below = ok & (d < -1e-3)
         # log S, the mass of each prefix, rounds to ~1e-6
         hit = below & ((top.logcumsumexp(-1) - d[..., None]).abs().amin(-1) < 2e-4)
         share = float(hit.sum() / below.sum().clamp(min=1))
         truncation = ("share of p/q < 1 equal to a top-K prefix mass", share, 0.5)
     else:
-        r = d[ok].exp()
-        se = float(r.std() / math.sqrt(max(r.numel(), 1)))
-        below_one = 1 - float(r.mean()) - 4 * se
+        std, mean = torch.std_mean(d[ok].exp())  # of p / q over the usable tokens
+        se = float(std / math.sqrt(n.sum()))
+        below_one = 1 - float(mean) - 4 * se
         truncation = (f"1 - mean(p/q) - 4 standard errors ({se:.2g})", below_one, 0.005)
     # temperature: an unapplied temperature tau makes log q = log p / tau + c (c per position), so
     # the least-squares slope of log q on log p is 1 / tau instead of 1
-    x, y = p[ok].double(), q[ok].double()
-    covariance = ((x - x.mean()) * (y - y.mean())).sum()
-    slope = float(covariance / (x - x.mean()).square().sum().clamp(min=1e-12))
-    # numerics: symmetric (rounding moves log q both ways) and grows with entropy; 2 mean(max(d, 0))
-    # estimates mean |d| from the upward side alone, which one-sided causes (renormalised
-    # truncation) leave at 0
-    upward = float(2 * d[ok].clamp(min=0).mean())
+    x, y = (v[ok] - v[ok].mean() for v in (p, q))  # (N,) each, centred
+    slope = float(torch.dot(x, y) / torch.dot(x, x).clamp(min=1e-12))
+    del x, y  # the doctor keeps few token-sized tensors alive at once
+    # numerics: rounding moves log q both ways, so 2 mean(max(d, 0)) estimates mean |d| from the
+    # upward side alone, which a renormalised truncation (d <= 0) leaves at 0; over the rows outside
+    # the worst 5 % (outliers carry their own gap). Not beside lag: an optimizer step moves log p
+    # both ways too (Adam moves every weight by ~lr; on the tiny model one step's gap is symmetric
+    # noise 7x bf16's), so nothing in d but its tilt toward the advantages tells the two apart
+    kept = ok.index_fill(0, worst, False)  # (B, T)
+    upward = float(2 * torch.where(kept, d, 0.0).clamp_(min=0).sum() / kept.sum().clamp(min=1))
+    lag = _lag_signature(q, d, ok, advantages)
     # the evidence, in DOCTOR_CAUSES' order of specificity (the first present one is the cause)
     evidence = [
         _signature("padding", "edge mean |d| / (interior mean |d| + 1e-3)", edge / inner, 20.0),
         _signature("misaligned", "share of rows fitting log p[t +- 1] 4x better", misaligned, 0.1),
         _signature("routing", "mean |d| after a flip / before", routing, 3.0, routing_verdict),
-        _lag_signature(q, d, ok, adv),
+        lag,
         _signature("outliers", "share of sum |d| in the worst 5 % of sequences", outliers, 0.6),
         _signature("truncation", *truncation),
         _signature("temperature", "|slope of log q on log p - 1|", abs(slope - 1), 0.02),
-        _signature("numerics", "2 mean(max(d, 0)), d = log p - log q", upward, 5e-4),
+        _signature("numerics", "2 mean(max(d, 0)), rows outside the worst 5 %", upward, 5e-4,
+                   "cannot tell beside lag" if lag["verdict"] == "present" else ""),
     ]
-    clean = float(d[ok].abs().mean()) < 1e-4  # below every real engine seen (fp16: ~1e-3)
+    clean = mean_abs < 1e-4  # below every real engine seen (fp16: ~1e-3)
     present = [] if clean else [s["name"] for s in evidence if s["verdict"] == "present"]
     cause = "clean" if clean else (present[0] if present else "numerics")  # numerics: unexplained
     untested = [s["name"] for s in evidence if s["verdict"].startswith("cannot")]
@@ -643,16 +649,14 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     also = present[1:] + ([] if clean else [f"{name} (not tested)" for name in untested])
     # the numbers: mean / max |d| per token, the mean answer length T, percentiles of per-sequence
     # sum_t d, the shares of tokens and sequences beyond the TIS cap 2 and outside IcePop's [0.5, 2]
-    seq = d.sum(1)[ok.any(1)].double()  # (B',)
-    numbers = {"mean |log p/q| per token": float(d[ok].abs().mean()),
-               "max |log p/q|": float(d[ok].abs().max()),
-               "T, mean answer length (tokens)": float(ok.sum(1)[ok.any(1)].double().mean())}
+    seq = d.sum(1, dtype=torch.float64)[n > 0]  # (B',)
+    numbers = {"mean |log p/q| per token": mean_abs, "max |log p/q|": max(d.max(), -d.min()).item(),
+               "T, mean answer length (tokens)": float(n[n > 0].double().mean())}
     for k in (0.0, 0.05, 0.5, 0.95, 1.0):
         numbers[f"per-sequence sum log p/q, {k:.0%} percentile"] = float(seq.quantile(k))
-    for what, x in (("tokens", d[ok].double()), ("sequences", seq)):
-        numbers[f"{what} with p/q > 2 (TIS cap)"] = float((x > math.log(2)).double().mean())
-        outside = (x.abs() > math.log(2)).double().mean()
-        numbers[f"{what} outside [0.5, 2] (IcePop)"] = float(outside)
+    for what, x, count in (("tokens", d, n.sum()), ("sequences", seq, seq.numel())):
+        numbers[f"{what} with p/q > 2 (TIS cap)"] = float((x > math.log(2)).sum() / count)
+        numbers[f"{what} outside [0.5, 2] (IcePop)"] = float((x.abs() > math.log(2)).sum() / count)
     return Diagnosis(cause, also, evidence, advice, numbers)
 
 
