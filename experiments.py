@@ -2192,8 +2192,9 @@ LENGTH2_PILOT_RULE = (
     f"seed or step count), at most {LENGTH2_TRIES} tries; if none passes, the length law is withdrawn and the "
     f"section says so. Harm = the paired Δ of mean log pc / T over evaluations as a share of that length's mean "
     f"control gain; threshold {LENGTH2_HARM:g} (a quarter of the gain lost), reachable at a length when "
-    f"{LENGTH2_HARM:g} x gain >= {LENGTH2_REACH_SE:g} SE of its paired Δ at the design's seeds (checked on the "
-    "pilot, the prediction's length included; a length where it is not is named and the law withdrawn there). "
+    f"{LENGTH2_HARM:g} x gain >= {LENGTH2_REACH_SE:g} SE of its paired Δ at the design's seeds (the pilot's gain; "
+    "round 5's SE per length, scaled to the seeds; the prediction's length included; where it is not, the length "
+    "is named and the law withdrawn). "
     "x is fixed before treatment: a level's x is the base model's mean |logp - logp_infer| under each seed's own "
     f"noise draw (mismatch_at_level with that seed), and each level's s is adjusted until the mean over seeds lies "
     f"within {LENGTH2_X_TOL:.0%} of its target (level_targets) before any run; the fit uses these x, the runs' x "
@@ -2383,8 +2384,8 @@ def length2_power(seeds: int, n_sim: int = 200, n_boot: int = 100, a: float = 1.
 
 def length2_cpu_minutes(seeds: int, run_cpu_s: dict[int, float] | None = None, corrections: bool = False) -> float:
     """CPU minutes of length-2's runs: per fitted length the control and LENGTH_LEVELS none levels, the
-    prediction's control and 3 levels, the pilot's controls (one seed, four lengths); corrections (their own
-    preset, length-2-corrections) add len(LENGTH_CORRECTIONS) arms per fitted length."""
+    prediction's control and 3 levels, the pilot's controls (one seed, four lengths); corrections add
+    len(LENGTH_CORRECTIONS) arms per fitted length (their own preset: the first cut past 200 CPU-min)."""
     cpu = run_cpu_s or LENGTH_RUN_CPU_S
     per_length = 1 + LENGTH_LEVELS + (len(LENGTH_CORRECTIONS) if corrections else 0)
     grid = sum(per_length * cpu[answer_tokens(n)] for n in LENGTH2_DIGITS)
@@ -2465,6 +2466,10 @@ def preset_length2(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
         gains = {answer_tokens(n): control_gain(pilot_runs[length_label("control", answer_tokens(n))][0],
                                                 answer_tokens(n)) for n in lengths}
         passes, reason = length2_pilot_passes(length2_base_pc(model, lengths), gains)
+        unreachable = [T for T, g in gains.items()
+                       if not harm_reachable(g, LENGTH2_ROUND5_SE[T] * math.sqrt(5 / len(seeds)))]
+        if passes and unreachable:
+            passes, reason = False, f"a harm share of {LENGTH2_HARM:g} is not reachable at T = {unreachable}"
     if not passes or pc.smoke:  # --smoke: the pilot only (the grid's levels need the full pilot's samples)
         rows.append(_law_row("(a) the length law", f"withdrawn: {reason}" if not passes else f"smoke: {reason}",
                              seeds=len(seeds)))
