@@ -3388,6 +3388,16 @@ def test_length_preset_publishes_grid_fit_prediction_then_its_verdict_from_fake_
     assert (tmp_path / "README.md").read_text() == "# r\n", "publish writes RESULTS.md, never README.md"
 
 
+def test_length2_design_is_committed_with_its_power_and_cpu_estimate():
+    design = json.loads(ex.LENGTH2_PREDICTION.read_text())
+    seeds = len(design["seeds"])
+    assert design["rule"] == ex.LENGTH2_VERDICT_RULE and design["pilot_rule"] == ex.LENGTH2_PILOT_RULE
+    chosen = next(p for p in design["power"] if p["seeds"] == seeds and p["se_scale"] == 1.0)
+    assert chosen["p_held"] >= 0.8 and chosen["p_not_held_off"] >= 0.8, "seeds chosen from the simulation"
+    run_cpu_s = {int(T): s for T, s in design["run_cpu_s"].items()}
+    assert design["cpu_minutes"] == pytest.approx(ex.length2_cpu_minutes(seeds, run_cpu_s), rel=1e-6)
+    assert design["cpu_minutes"] <= 200 and re.fullmatch("[0-9a-f]{40}", design["commit"])
+
 def test_length2_preset_fixes_x_fits_predicts_then_judges_both_ways_from_fake_runs(tmp_path, monkeypatch):
     (tmp_path / "base").mkdir()
     (tmp_path / "base" / "model.safetensors").write_text("")
