@@ -2457,7 +2457,8 @@ def preset_length2(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     model = LENGTH2_BASE
     base = _preset_base(pc, model=str(model))
     lengths = LENGTH2_DIGITS + (LENGTH2_PREDICT_DIGITS,)
-    passes, reason = False, f"no base at {LENGTH2_BASE}: the pilot found none in {LENGTH2_TRIES} tries"
+    passes, reason = False, (f"no base in bases/{LENGTH2_BASE.name} yet: predictions/length-2.json records the "
+                             f"pilot's tries (after {LENGTH2_TRIES} failed ones the law is withdrawn)")
     if (model / "model.safetensors").is_file():
         passes, reason = length2_pilot_passes(length2_base_pc(model, lengths))
     if passes:
@@ -2471,8 +2472,8 @@ def preset_length2(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
         if passes and unreachable:
             passes, reason = False, f"a harm share of {LENGTH2_HARM:g} is not reachable at T = {unreachable}"
     if not passes or pc.smoke:  # --smoke: the pilot only (the grid's levels need the full pilot's samples)
-        rows.append(_law_row("(a) the length law", f"withdrawn: {reason}" if not passes else f"smoke: {reason}",
-                             seeds=len(seeds)))
+        state = "smoke" if passes else ("withdrawn" if (model / "model.safetensors").is_file() else "pending")
+        rows.append(_law_row("(a) the length law", f"{state}: {reason}", seeds=len(seeds)))
         _write_results(out, "length-2: the length law, one regime", [("Statements:", rows)], "\n\n".join(notes))
         return rows
     levels = {n: length2_levels(model, n, level_targets(answer_tokens(n)), seeds, out) for n in LENGTH2_DIGITS}
