@@ -1757,8 +1757,8 @@ LAW_CHUNK = 1 << 22  # (rows x grid points) per block of the fit's matrix produc
 
 
 def fit_length_law(x: torch.Tensor, T: torch.Tensor, delta: torch.Tensor,
-                   weights: torch.Tensor | None = None) -> LawFit:
-    """Least squares of delta = -b (x T^a)^γ with b >= 0 over the grid LAW_A x LAW_GAMMA, b in closed form at each
+                   weights: torch.Tensor | None = None, a_grid: torch.Tensor = LAW_A) -> LawFit:
+    """Least squares of delta = -b (x T^a)^γ with b >= 0 over the grid a_grid x LAW_GAMMA, b in closed form at each
     grid point (b = max(0, -Σ w d z / Σ w z²), z = (x T^a)^γ). Reconstructed form: issue 39's power law.
 
     x, T: (N,) positive; delta: (..., N) per-seed paired Δ; weights: (..., N) or (N,), e.g. a bootstrap's seed
@@ -1770,7 +1770,7 @@ def fit_length_law(x: torch.Tensor, T: torch.Tensor, delta: torch.Tensor,
         raise ValueError(f"x and T must be (N,) and positive, delta (..., N): got {tuple(x.shape)}, "
                          f"{tuple(T.shape)}, {tuple(delta.shape)}")
     weights = torch.ones_like(delta) if weights is None else torch.as_tensor(weights, dtype=torch.float64)
-    a, gamma = (g.reshape(-1) for g in torch.meshgrid(LAW_A, LAW_GAMMA, indexing="ij"))  # (G,)
+    a, gamma = (g.reshape(-1) for g in torch.meshgrid(a_grid, LAW_GAMMA, indexing="ij"))  # (G,)
     z = torch.exp(gamma[:, None] * (x.log() + a[:, None] * T.log()))  # (G, N)
     lead = delta.shape[:-1]
     d = delta.reshape(-1, x.shape[0])  # (M, N)
@@ -1811,13 +1811,15 @@ class LawInterval(NamedTuple):
 
 
 def bootstrap_length_law(x, T, delta, seed_of, at_T, harm: float = LENGTH_DELTA, n_boot: int = 1000,
-                         level: float = 0.95, generator: torch.Generator | None = None) -> LawInterval:
+                         level: float = 0.95, generator: torch.Generator | None = None,
+                         weights: torch.Tensor | None = None, a_grid: torch.Tensor = LAW_A) -> LawInterval:
     """fit_length_law on all seeds, and on n_boot resamples of the S seeds (each seed's points together: the
     pairing with a shared control makes them one unit). Interval = estimate -+ t_{(1+level)/2, S-1} x the bootstrap
     SD x sqrt(S / (S - 1)) (the bootstrap's variance of a mean is (S-1)/S of the unbiased one): paired_ci's interval
     when the statistic is a mean. a's interval is on a; x*'s on log x* (inf when any resample fits no harm).
 
-    x, T, seed_of: (N,) (seed_of in 0..S-1); delta (..., N): several replicates are fitted at once.
+    x, T, seed_of: (N,) (seed_of in 0..S-1); delta (..., N): several replicates are fitted at once; weights (N,):
+    each point's weight (e.g. 1 / SE² of its level; None: 1), times the resample's seed counts; a_grid: the fit's.
     """
     seed_of = torch.as_tensor(seed_of)
     S = int(seed_of.max()) + 1
@@ -1825,11 +1827,13 @@ def bootstrap_length_law(x, T, delta, seed_of, at_T, harm: float = LENGTH_DELTA,
         raise ValueError("a bootstrap over seeds needs at least two seeds")
     at_T = torch.as_tensor(at_T, dtype=torch.float64)
     delta = torch.as_tensor(delta, dtype=torch.float64)
-    fit = fit_length_law(x, T, delta)
+    point_w = torch.ones(seed_of.shape, dtype=torch.float64) if weights is None else torch.as_tensor(weights).double()
+    fit = fit_length_law(x, T, delta, point_w, a_grid)
     draws = torch.randint(0, S, (n_boot, S), generator=generator)  # (n_boot, S) resampled seeds
     counts = torch.nn.functional.one_hot(draws, S).sum(1).double()  # (n_boot, S)
-    weights = counts[:, seed_of]  # (n_boot, N)
-    boot = fit_length_law(x, T, delta[..., None, :].expand(*delta.shape[:-1], n_boot, delta.shape[-1]), weights)
+    boot_w = counts[:, seed_of] * point_w  # (n_boot, N)
+    boot = fit_length_law(x, T, delta[..., None, :].expand(*delta.shape[:-1], n_boot, delta.shape[-1]), boot_w,
+                          a_grid)
     t = student_t_quantile((1 + level) / 2, S - 1) * math.sqrt(S / (S - 1))
     half_a = t * boot.a.std(-1)
     log_star = x_star(boot, at_T, harm).log()  # (..., n_boot, L)
@@ -1844,15 +1848,22 @@ LAW_EXPONENTS = ((1.0, "a per-sequence budget: x T constant"), (0.5, "x sqrt(T) 
                  (0.0, "a per-token budget: x constant"))
 
 
+LAW_NEAR = 0.5  # "a ≈ v" only for an interval inside v -+ 0.5: half the distance to the next exponent named
+
+
 def law_support(low: float, high: float) -> str:
-    """Which of a = 1, 1/2, 0 the interval [low, high] of a contains: the one it supports, or those it cannot tell
-    apart, or none."""
+    """Which of a = 1, 1/2, 0 the interval [low, high] of a contains: the one it supports (a ≈ v only when the
+    interval lies within v -+ LAW_NEAR; [0.99, 50] holds 1 but does not pin it), or those it cannot tell apart,
+    or none."""
     inside = [(a, meaning) for a, meaning in LAW_EXPONENTS if low <= a <= high]
     if not all(map(math.isfinite, (low, high))):
         return "not measured"
     if len(inside) == 1:
-        return f"a ≈ {inside[0][0]:g} ({inside[0][1]}); excludes " + ", ".join(
-            f"{a:g}" for a, _ in LAW_EXPONENTS if a != inside[0][0])
+        a, meaning = inside[0]
+        excludes = ", ".join(f"{e:g}" for e, _ in LAW_EXPONENTS if e != a)
+        if a - LAW_NEAR <= low and high <= a + LAW_NEAR:
+            return f"a ≈ {a:g} ({meaning}); excludes {excludes}"
+        return f"holds a = {a:g} but not only values near it (interval [{low:.2f}, {high:.2f}]); excludes {excludes}"
     if inside:
         return "not resolved between a = " + " and ".join(f"{a:g}" for a, _ in inside)
     return f"none of a = 1, 1/2, 0 (interval [{low:.2f}, {high:.2f}])"
@@ -2152,7 +2163,389 @@ def preset_length(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     return rows
 
 
-PRESETS = {"precision": preset_precision, "real-lm": preset_real_lm, "length": preset_length} | {
+# ---------------------------------------------------------------------------------------------------------------
+# ---- the length law, second design (length-2): one regime, harm as a share of the control's gain ----
+# Written and committed before any of its runs (issue 46): the same swap task and law Δ(x, T) = -b (x T^a)^γ, but
+# the pilot must show one regime (LENGTH2_PILOT_RULE), harm is the share of the control's gain lost, x is the base
+# model's under each seed's own noise draw (fixed before treatment; the run's x is reported, never fitted), the fit
+# runs on a wide grid weighted by its intervals with a lack-of-fit test and a leave-one-length-out check, and the
+# prediction's verdict fails both ways (LENGTH2_VERDICT_RULE). Its power and CPU time: length2_power,
+# length2_cpu_minutes, published in LENGTH2_DESIGN before the runs. Round 5's `length` stays as its record.
+LENGTH2_DIGITS = (2, 4, 8)  # the fitted lengths T = 5, 9, 17
+LENGTH2_PREDICT_DIGITS = 16  # the prediction's length T = 33: four lengths in all
+LENGTH2_PC_BAND = (0.6, 0.95)  # held-out base pc every length must hold (one regime: room to learn, not none)
+LENGTH2_GAIN_SPREAD = 2.0  # the controls' gains per token (pilot seed) within this factor of each other
+LENGTH2_TRIES = 3  # pre-training tries for a base that passes; after the third the law is withdrawn
+LENGTH2_HARM = 0.25  # harm threshold: none loses a quarter of its length's control gain (mean log pc / T)
+LENGTH2_REACH_SE = 2.5  # reachable: LENGTH2_HARM x gain >= 2.5 SE of that length's paired Δ at the design's seeds
+LENGTH2_X_TOL = 0.10  # each level's base x (mean over the seeds' own noise draws) within 10 % of its target
+LENGTH2_SIDE = 3.0  # the prediction's levels x*/3, x*, 3 x*, widened to bracket its committed interval
+LENGTH2_ALPHA = 0.05  # the verdict's per-level intervals: 95 %, Bonferroni over the prediction's 3 levels
+LAW2_A = torch.linspace(-1.0, 3.0, 201, dtype=torch.float64)  # the wide grid: a in [-1, 3] by 0.02
+LENGTH2_PILOT_SEED = 10  # the gain check's control runs (disjoint from the design's seeds)
+LENGTH2_PREDICTION = Path(__file__).parent / "predictions" / "length-2.json"  # the design, committed before runs
+LENGTH2_PILOT_RULE = (
+    "Pilot rule, written before any run: a base passes when its held-out pc (512 problems) lies in "
+    f"{LENGTH2_PC_BAND[0]}-{LENGTH2_PC_BAND[1]} at every fitted length and the prediction's, and the synced "
+    f"control's gain per token (last evaluation's log pc / T minus step 0's, pilot seed {LENGTH2_PILOT_SEED}) at "
+    f"those lengths lies within {LENGTH2_GAIN_SPREAD:g}x of each other; else the base is pre-trained again (another "
+    f"seed or step count), at most {LENGTH2_TRIES} tries; if none passes, the length law is withdrawn and the "
+    f"section says so. Harm = the paired Δ of mean log pc / T over evaluations as a share of that length's mean "
+    f"control gain; threshold {LENGTH2_HARM:g} (a quarter of the gain lost), reachable at a length when "
+    f"{LENGTH2_HARM:g} x gain >= {LENGTH2_REACH_SE:g} SE of its paired Δ at the design's seeds (the pilot's gain; "
+    "round 5's SE per length, scaled to the seeds; the prediction's length included; where it is not, the length "
+    "is named and the law withdrawn). "
+    "x is fixed before treatment: a level's x is the base model's mean |logp - logp_infer| under each seed's own "
+    f"noise draw (mismatch_at_level with that seed), and each level's s is adjusted until the mean over seeds lies "
+    f"within {LENGTH2_X_TOL:.0%} of its target (level_targets) before any run; the fit uses these x, the runs' x "
+    "are reported beside them and never regressed on.")
+LENGTH2_VERDICT_RULE = (
+    "Verdict rule, written before any run: the law is fitted to the fitted lengths' per-seed harm shares, on the "
+    "grid a in [-1, 3] (LAW2_A), each point weighted by 1 / SE² of its level; lack of fit: the law's weighted "
+    "Σz² against a fit with a free scale per length (chi-square on L - 2 df; p < 0.05: the law does not describe "
+    "the grid, said so); each fitted length left out in turn (its levels' z under the others' fit). The "
+    f"prediction's levels x*/{LENGTH2_SIDE:g}, x*, {LENGTH2_SIDE:g} x* (widened to bracket x*'s committed interval) "
+    "carry the law's committed harm band at each level (bootstrap over seeds). Observed: each level's mean harm "
+    f"share with a {1 - LENGTH2_ALPHA / 3:.1%} t interval (Bonferroni over 3). Not held (more harm): some level's "
+    "interval lies wholly above its band; not held (less harm): some level's interval lies wholly below its band; "
+    "held: neither, and harm is detected (interval above 0) at x* and 3 x*; otherwise not resolved. Invalid "
+    "testbed when that length's control did not learn. Nothing is re-fitted after the prediction's runs.")
+
+
+def harm_reachable(gain: float, se: float, fraction: float = LENGTH2_HARM, k: float = LENGTH2_REACH_SE) -> bool:
+    """The harm threshold fraction x gain is >= k SE of the length's paired Δ: a none that loses that share of the
+    gain would be told from no harm."""
+    return fraction * gain >= k * se
+
+
+def length2_pilot_passes(pc: dict[int, float], gain: dict[int, float] | None = None) -> tuple[bool, str]:
+    """LENGTH2_PILOT_RULE on a base: pc {T: held-out pc} in LENGTH2_PC_BAND at every length, and (when measured)
+    gain {T: control gain per token} within LENGTH2_GAIN_SPREAD. -> (passes, reason)."""
+    low, high = LENGTH2_PC_BAND
+    outside = [f"T={T}: pc {p:.3g}" for T, p in sorted(pc.items()) if not low <= p <= high]
+    if outside:
+        return False, f"base pc outside {low}-{high}: " + ", ".join(outside)
+    if gain is None:
+        return True, "base pc in the band; control gains not measured yet"
+    if min(gain.values()) <= 0 or max(gain.values()) > LENGTH2_GAIN_SPREAD * min(gain.values()):
+        shown = ", ".join(f"T={T}: {g:.3g}" for T, g in sorted(gain.items()))
+        return False, f"control gains per token not within {LENGTH2_GAIN_SPREAD:g}x: {shown}"
+    return True, "base pc in the band and control gains within the spread"
+
+
+def adjust_level(x_of_s, s: float, target: float, tol: float = LENGTH2_X_TOL, tries: int = 6) -> tuple[float, float]:
+    """Secant steps in log s -> log x (slope 2 to start: x ~ s² for small noise) until x_of_s(s) is within tol of
+    target. x_of_s: the base model's mean x over the seeds' own noise draws. -> (s, x); raises after `tries`."""
+    x = x_of_s(s)
+    slope = 2.0
+    for _ in range(tries):
+        if abs(x / target - 1) <= tol:
+            return s, x
+        s_next = s * math.exp((math.log(target) - math.log(x)) / slope)
+        x_next = x_of_s(s_next)
+        if x_next != x and s_next != s:
+            slope = max(0.25, (math.log(x_next) - math.log(x)) / (math.log(s_next) - math.log(s)))
+        s, x = s_next, x_next
+    if abs(x / target - 1) <= tol:
+        return s, x
+    raise ValueError(f"target x {target:.3g}: s {s:.3g} gives x {x:.3g} after {tries} tries")
+
+
+def law_lack_of_fit(x: torch.Tensor, T: torch.Tensor, mean: torch.Tensor, se: torch.Tensor,
+                    a_grid: torch.Tensor = LAW2_A) -> dict:
+    """Per level: x, T, mean harm and its SE. The law's Σz² (z = (mean - law) / se) against a fit with a free scale
+    per length (Δ = -b_T x^γ, one γ): the drop is chi-square on L - 2 df under the law. -> {chi2_law, df_law,
+    chi2_free, drop, df, p}."""
+    w = se.double() ** -2
+    law = fit_length_law(x, T, mean, w, a_grid)
+    lengths = sorted(set(T.tolist()))
+    free = torch.zeros(len(LAW_GAMMA), dtype=torch.float64)
+    for length in lengths:
+        at = T == length
+        z = x[at].double()[None, :] ** LAW_GAMMA[:, None]  # (G, n)
+        szz = (w[at] * z * z).sum(-1)
+        szd = (w[at] * mean[at] * z).sum(-1)
+        b = (-szd / szz).clamp(min=0.0)
+        free += (w[at] * mean[at] ** 2).sum() + 2 * b * szd + b * b * szz
+    chi2_free = float(free.min())
+    drop = float(law.sse) - chi2_free
+    df = len(lengths) - 2
+    p = float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(max(drop, 0.0) / 2))) if df > 0 else math.nan
+    return {"chi2_law": float(law.sse), "df_law": len(x) - 3, "chi2_free": chi2_free, "drop": drop, "df": df, "p": p}
+
+
+def leave_one_length_out(x: torch.Tensor, T: torch.Tensor, mean: torch.Tensor, se: torch.Tensor,
+                         a_grid: torch.Tensor = LAW2_A) -> dict[int, dict]:
+    """Each length left out in turn: the law fitted (1 / se² weights) on the others, and the left-out levels' z =
+    (mean - law) / se. -> {T: {a, max_abs_z}}."""
+    out = {}
+    for length in sorted(set(T.tolist())):
+        keep = T != length
+        fit = fit_length_law(x[keep], T[keep], mean[keep], se[keep].double() ** -2, a_grid)
+        law = -fit.b * (x[~keep] * T[~keep] ** fit.a) ** fit.gamma
+        z = (mean[~keep] - law) / se[~keep]
+        out[int(length)] = {"a": float(fit.a), "max_abs_z": float(z.abs().max())}
+    return out
+
+
+def prediction_levels(star: float, low: float, high: float, side: float = LENGTH2_SIDE) -> list[float]:
+    """x*/side, x*, side x*, the outer two widened to bracket x*'s interval [low, high]."""
+    return [min(star / side, low), star, max(star * side, high)]
+
+
+def law_harm_band(x: torch.Tensor, T: torch.Tensor, share: torch.Tensor, weights: torch.Tensor,
+                  seed_of: torch.Tensor, levels_x: torch.Tensor, T_predict: float, n_boot: int,
+                  generator: torch.Generator, a_grid: torch.Tensor = LAW2_A) -> tuple:
+    """The law fitted to harm shares (weights: 1 / SE² per point) and the bootstrap band of its harm at the
+    prediction's levels: share (..., N) -> (fit, x* at T_predict, band low, band high), bands (..., 3): the
+    2.5 / 97.5 % quantiles of the resampled seeds' law at each level."""
+    S = int(seed_of.max()) + 1
+    fit = fit_length_law(x, T, share, weights, a_grid)
+    draws = torch.randint(0, S, (n_boot, S), generator=generator)  # (n_boot, S)
+    counts = torch.nn.functional.one_hot(draws, S).sum(1).double()  # (n_boot, S)
+    boot_w = counts[:, seed_of] * weights  # (n_boot, N)
+    boot = fit_length_law(x, T, share[..., None, :].expand(*share.shape[:-1], n_boot, share.shape[-1]), boot_w,
+                          a_grid)
+    law = -boot.b[..., None] * (levels_x * T_predict ** boot.a[..., None]) ** boot.gamma[..., None]  # (..., B, 3)
+    band = torch.quantile(law, torch.tensor([0.025, 0.975], dtype=torch.float64), dim=-2)  # (2, ..., 3)
+    return fit, band[0], band[1]
+
+
+def length2_verdict(band_low: torch.Tensor, band_high: torch.Tensor, shares: torch.Tensor) -> list[str]:
+    """LENGTH2_VERDICT_RULE on (..., 3) committed bands (harm shares are <= 0) and (..., 3, S) observed per-seed
+    shares at x*/3, x*, 3 x*. -> one verdict per leading row: held, not held (more harm), not held (less harm),
+    not resolved."""
+    S = shares.shape[-1]
+    mean = shares.mean(-1)
+    half = student_t_quantile(1 - LENGTH2_ALPHA / 6, S - 1) * shares.std(-1) / math.sqrt(S)
+    low, high = mean - half, mean + half
+    more = (high < band_low).any(-1).reshape(-1)
+    less = (low > band_high).any(-1).reshape(-1)
+    detected = (high[..., 1:] < 0).all(-1).reshape(-1)
+    verdicts = []
+    for m, ls, d in zip(more.tolist(), less.tolist(), detected.tolist()):
+        if m:
+            verdicts.append("not held (more harm)")
+        elif ls:
+            verdicts.append("not held (less harm)")
+        else:
+            verdicts.append("held" if d else "not resolved")
+    return verdicts
+
+
+# Round 5's per-length SE of one paired Δ's mean over 5 seeds (RESULTS.md "## length": the power line's median SE
+# for T = 5, 9; the prediction table's median for T = 33; T = 17 was another regime (base pc 0.04), so the median
+# of the other three stands in for it)
+LENGTH2_ROUND5_SE = {5: 1.34e-4, 9: 3.52e-4, 17: 1.34e-4, 33: 8.8e-5}
+LENGTH2_GAIN_GUESS = 0.004  # assumed control gain per token at every length (pc 0.8 -> 0.9 at T ~ 30; the rule's 2x)
+
+
+def length2_power(seeds: int, n_sim: int = 200, n_boot: int = 100, a: float = 1.0, gamma: float = 1.0,
+                  off: float = 0.5, se: dict[int, float] | None = None, generator: torch.Generator | None = None
+                  ) -> dict:
+    """Simulated P(held | law true) and P(not held | a off by `off` at the prediction's length). Per-seed harm
+    shares at the pilot rule's targets: the law (harm share LENGTH2_HARM at x*(9) = level_targets(9)'s third) plus
+    independent normal noise of SD se[T] x sqrt(5) / LENGTH2_GAIN_GUESS (round 5's SEs as shares of the gain); the
+    prediction's truth is the law times (33 / 17)^(-+off γ) (the exponent changes by -+off past the last fitted
+    length). -> {p_held, p_not_held_off (both directions pooled), p_not_held_less, p_not_held_more, a_sd (the
+    fitted a's SD over simulations), a_half (1.96 a_sd: the expected precision of a)}."""
+    generator = generator or torch.Generator().manual_seed(0)
+    se = se or LENGTH2_ROUND5_SE
+    Ts = [answer_tokens(n) for n in LENGTH2_DIGITS]
+    T_p = answer_tokens(LENGTH2_PREDICT_DIGITS)
+    x_ref = level_targets(9)[2]
+    b = LENGTH2_HARM / (x_ref * 9**a) ** gamma
+    xs = torch.tensor([x for T in Ts for x in level_targets(T)] * seeds, dtype=torch.float64)
+    T_all = torch.tensor([T for T in Ts for _ in level_targets(T)] * seeds, dtype=torch.float64)
+    seed_of = torch.arange(seeds).repeat_interleave(len(xs) // seeds)
+    sd = torch.tensor([se[int(t)] * math.sqrt(5) / LENGTH2_GAIN_GUESS for t in T_all.tolist()], dtype=torch.float64)
+    truth = -b * (xs * T_all**a) ** gamma
+    share = truth + sd * torch.randn(n_sim, len(xs), generator=generator, dtype=torch.float64)  # (n_sim, N)
+    weights = (sd**2 / seeds) ** -1
+    star = (LENGTH2_HARM / b) ** (1 / gamma) / T_p**a
+    levels_x = torch.tensor(prediction_levels(star, star / 2, star * 2), dtype=torch.float64)
+    fit, band_low, band_high = law_harm_band(xs, T_all, share, weights, seed_of, levels_x, T_p, n_boot, generator)
+    sd_p = se[T_p] * math.sqrt(5) / LENGTH2_GAIN_GUESS
+    law_p = -b * (levels_x * T_p**a) ** gamma  # (3,)
+    result = {}
+    for name, factor in (("true", 1.0), ("less", (T_p / Ts[-1]) ** (-off * gamma)),
+                         ("more", (T_p / Ts[-1]) ** (off * gamma))):
+        observed = law_p[:, None] * factor + sd_p * torch.randn(n_sim, 3, seeds, generator=generator,
+                                                                dtype=torch.float64)
+        verdicts = length2_verdict(band_low, band_high, observed)
+        result[name] = verdicts
+    held = _mean([v == "held" for v in result["true"]])
+    not_held = _mean([v.startswith("not held") for v in result["less"] + result["more"]])
+    return {"seeds": seeds, "p_held": held, "p_not_held_off": not_held,
+            "p_not_held_less": _mean([v.startswith("not held") for v in result["less"]]),
+            "p_not_held_more": _mean([v.startswith("not held") for v in result["more"]]),
+            "a_sd": float(fit.a.std()), "a_half": 1.96 * float(fit.a.std())}
+
+
+def length2_cpu_minutes(seeds: int, run_cpu_s: dict[int, float] | None = None, corrections: bool = False) -> float:
+    """CPU minutes of length-2's runs: per fitted length the control and LENGTH_LEVELS none levels, the
+    prediction's control and 3 levels, the pilot's controls (one seed, four lengths); corrections add
+    len(LENGTH_CORRECTIONS) arms per fitted length (their own preset: the first cut past 200 CPU-min)."""
+    cpu = run_cpu_s or LENGTH_RUN_CPU_S
+    per_length = 1 + LENGTH_LEVELS + (len(LENGTH_CORRECTIONS) if corrections else 0)
+    grid = sum(per_length * cpu[answer_tokens(n)] for n in LENGTH2_DIGITS)
+    predict = 4 * cpu[answer_tokens(LENGTH2_PREDICT_DIGITS)]
+    pilot = sum(cpu[answer_tokens(n)] for n in LENGTH2_DIGITS + (LENGTH2_PREDICT_DIGITS,))
+    return (seeds * (grid + predict) + pilot) / 60
+
+
+LENGTH2_BASE = Path(__file__).parent / "bases" / "length-2"  # the pilot's passing base, committed (safetensors)
+LENGTH2_BOOT = 1000  # bootstrap resamples behind the fit's intervals and the prediction's bands
+LENGTH2_FILE = Path(__file__).parent / "predictions" / "length-2-prediction.json"  # written once, then committed
+
+
+def length2_base_pc(model_dir: Path, digits: tuple[int, ...]) -> dict[int, float]:
+    """Held-out pc of the base model (512 eval problems of the swap task) at each length T = 2 n + 1."""
+    model_dir = Path(model_dir)
+    tokenizer, model = tr.load_tokenizer(model_dir), tr.load_model(model_dir).eval()
+    pcs = {}
+    for n in digits:
+        problems = machinery.make_arithmetic_task(512, n, 0, "s", split="eval")
+        with torch.no_grad():
+            pcs[answer_tokens(n)] = float(machinery.answer_logprobs(model, tokenizer, problems).exp().mean())
+    return pcs
+
+
+def control_gain(records: list[dict], T: int) -> float:
+    """The control's gain per token: last evaluation's log pc / T minus the first's."""
+    pcs = [max(r["pc_trainer"], PC_FLOOR) for r in records if "reward" not in r and "pc_trainer" in r]
+    return (math.log(pcs[-1]) - math.log(pcs[0])) / T
+
+
+def length2_levels(model_dir: Path, n: int, targets: list[float], seeds: list[int], out: Path) -> list[tuple]:
+    """Per target: (s, base x) with the base x (mean over the seeds' own noise draws) within LENGTH2_X_TOL of it
+    (adjust_level), cached in out/levels-<n>.json. -> [(s, x)] in the targets' order."""
+    cache = out / f"levels-{n}.json"
+    key = {"targets": targets, "seeds": seeds, "model": str(model_dir)}
+    known = json.loads(cache.read_text()) if cache.is_file() else {}
+    if known.get("key") != key:
+        def x_of_s(s: float) -> float:
+            """The base model's x at noise s, each seed with its own noise draw."""
+            return mismatch_at_level(model_dir, n, s, tuple(seeds))["x"]
+
+        known = {"key": key, "levels": [adjust_level(x_of_s, 0.2, target) for target in targets]}
+        out.mkdir(parents=True, exist_ok=True)
+        machinery.write_atomic(cache, json.dumps(known, indent=1))
+    return [tuple(level) for level in known["levels"]]
+
+
+def _none_arms(n: int, levels: list[tuple]) -> list[tuple]:
+    """The control and none at each level's s on the swap task with n digits."""
+    T = answer_tokens(n)
+    task = {"task_digits": n, "max_new_tokens": T}
+    return [(length_label("control", T), CONTROL | task)] + [
+        (length_label("none", T, s), {"correction": "none", "noise": s} | task) for s, _ in levels]
+
+
+def _shares(runs: dict, n: int, levels: list[tuple]) -> tuple[float, list[list[float]]]:
+    """A length's mean control gain per token and, per level, the per-seed harm shares (paired Δ / that gain)."""
+    T = answer_tokens(n)
+    gain = _mean([control_gain(rs, T) for rs in runs[length_label("control", T)]])
+    return gain, [[d / gain for d in length_deltas(runs, length_label("none", T, s), T)] for s, _ in levels]
+
+
+def preset_length2(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
+    """The length law's second design: pilot rule on the committed base -> levels at fixed base x -> grid -> the
+    weighted wide-grid fit, lack of fit, leave-one-length-out -> the prediction (written once, committed before its
+    runs) -> LENGTH2_VERDICT_RULE. Every rule was committed in predictions/length-2.json before any run."""
+    rows, notes = [], [LENGTH2_PILOT_RULE, LENGTH2_VERDICT_RULE]
+    model = LENGTH2_BASE
+    base = _preset_base(pc, model=str(model))
+    lengths = LENGTH2_DIGITS + (LENGTH2_PREDICT_DIGITS,)
+    passes, reason = False, (f"no base in bases/{LENGTH2_BASE.name} yet: predictions/length-2.json records the "
+                             f"pilot's tries (after {LENGTH2_TRIES} failed ones the law is withdrawn)")
+    if (model / "model.safetensors").is_file():
+        passes, reason = length2_pilot_passes(length2_base_pc(model, lengths))
+    if passes:
+        pilot_runs = run_arms(base, [a for n in lengths for a in _none_arms(n, [])], [LENGTH2_PILOT_SEED],
+                              out / "pilot")
+        gains = {answer_tokens(n): control_gain(pilot_runs[length_label("control", answer_tokens(n))][0],
+                                                answer_tokens(n)) for n in lengths}
+        passes, reason = length2_pilot_passes(length2_base_pc(model, lengths), gains)
+        unreachable = [T for T, g in gains.items()
+                       if not harm_reachable(g, LENGTH2_ROUND5_SE[T] * math.sqrt(5 / len(seeds)))]
+        if passes and unreachable:
+            passes, reason = False, f"a harm share of {LENGTH2_HARM:g} is not reachable at T = {unreachable}"
+    if not passes or pc.smoke:  # --smoke: the pilot only (the grid's levels need the full pilot's samples)
+        state = "smoke" if passes else ("withdrawn" if (model / "model.safetensors").is_file() else "pending")
+        rows.append(_law_row("(a) the length law", f"{state}: {reason}", seeds=len(seeds)))
+        _write_results(out, "length-2: the length law, one regime", [("Statements:", rows)], "\n\n".join(notes))
+        return rows
+    levels = {n: length2_levels(model, n, level_targets(answer_tokens(n)), seeds, out) for n in LENGTH2_DIGITS}
+    runs = run_arms(base, [a for n in LENGTH2_DIGITS for a in _none_arms(n, levels[n])], seeds, out)
+    xs, Ts, shares, seed_of, se, table = [], [], [], [], [], []
+    for n in LENGTH2_DIGITS:
+        T = answer_tokens(n)
+        gain, per_level = _shares(runs, n, levels[n])
+        for (s, x), ds in zip(levels[n], per_level):
+            level_se = max(float(torch.tensor(ds).std()) / math.sqrt(len(ds)), 1e-12)
+            xs += [x] * len(ds)
+            Ts += [T] * len(ds)
+            shares += ds
+            seed_of += list(range(len(ds)))
+            se += [level_se] * len(ds)
+            run_x = _mean([seed_value(rs, "mm_abs_diff", "steps") for rs in runs[length_label("none", T, s)]])
+            table.append({"T": T, "s": s, "base x (fitted)": x, "run x (reported)": run_x, "gain / token": gain,
+                          "harm share": _mean(ds), "SE": level_se})
+    x_, T_, share_, se_ = (torch.tensor(v, dtype=torch.float64) for v in (xs, Ts, shares, se))
+    seed_t = torch.tensor(seed_of)
+    T_p = answer_tokens(LENGTH2_PREDICT_DIGITS)
+    law = bootstrap_length_law(x_, T_, share_, seed_t, (T_p,), LENGTH2_HARM, LENGTH2_BOOT,
+                               generator=torch.Generator().manual_seed(0), weights=se_**-2, a_grid=LAW2_A)
+    means = torch.tensor([r["harm share"] for r in table], dtype=torch.float64)
+    level_x = torch.tensor([r["base x (fitted)"] for r in table], dtype=torch.float64)
+    level_T = torch.tensor([float(r["T"]) for r in table], dtype=torch.float64)
+    level_se = torch.tensor([r["SE"] for r in table], dtype=torch.float64)
+    lack = law_lack_of_fit(level_x, level_T, means, level_se)
+    loo = leave_one_length_out(level_x, level_T, means, level_se)
+    a, lo, hi = float(law.fit.a), float(law.a_low), float(law.a_high)
+    rows.append(_law_row(f"(a) the length exponent a of harm share = -b (x T^a)^γ (γ {float(law.fit.gamma):.2g})",
+                         law_support(lo, hi), f"{a:+.2f}", f"[{lo:+.2f}, {hi:+.2f}]", seeds=len(seeds)))
+    fits = "describes" if lack["p"] >= 0.05 else "does not describe"
+    rows.append(_law_row("(b) lack of fit against a free scale per length", (
+        f"the law {fits} the grid (Σz² drop {lack['drop']:.3g} on {lack['df']} df, p {lack['p']:.2g}); left out "
+        + ", ".join(f"T={T}: a {r['a']:+.2f}, max |z| {r['max_abs_z']:.2g}" for T, r in loo.items())),
+        seeds=len(seeds)))
+    star, x_low, x_high = (float(v[0]) for v in (law.x_star, law.x_low, law.x_high))
+    if not LENGTH2_FILE.exists() and math.isfinite(star):
+        targets = prediction_levels(star, x_low, x_high)
+        p_levels = length2_levels(model, LENGTH2_PREDICT_DIGITS, targets, seeds, out)
+        levels_x = torch.tensor([x for _, x in p_levels], dtype=torch.float64)
+        _, band_low, band_high = law_harm_band(x_, T_, share_, se_**-2, seed_t, levels_x, T_p, LENGTH2_BOOT,
+                                               torch.Generator().manual_seed(1))
+        write_prediction(LENGTH2_FILE, {"T": T_p, "x_star": star, "x_low": x_low, "x_high": x_high, "a": a,
+                                        "a_low": lo, "a_high": hi, "levels": p_levels, "targets": targets,
+                                        "band_low": band_low.tolist(), "band_high": band_high.tolist(),
+                                        "seeds": seeds, "numerics": numerics_fingerprint(),
+                                        "rule": LENGTH2_VERDICT_RULE})
+    prediction = json.loads(LENGTH2_FILE.read_text()) if LENGTH2_FILE.exists() else None
+    commit = prediction_commit(LENGTH2_FILE) if prediction else None
+    verdict = f"{LENGTH2_FILE} written: commit it, then run this command again to test it"
+    if prediction and commit:
+        p_levels = [tuple(level) for level in prediction["levels"]]
+        p_runs = run_arms(base, _none_arms(LENGTH2_PREDICT_DIGITS, p_levels), seeds, out / "prediction")
+        learned, _ = control_learned(p_runs, "pc_trainer", length_label("control", T_p))
+        _, p_shares = _shares(p_runs, LENGTH2_PREDICT_DIGITS, p_levels)
+        verdict = "invalid testbed (the control did not learn)" if not learned else length2_verdict(
+            torch.tensor(prediction["band_low"]), torch.tensor(prediction["band_high"]),
+            torch.tensor(p_shares, dtype=torch.float64))[0]
+        verdict += f" (commit {commit[:12]})"
+    rows.append(_law_row(f"(c) the prediction at T={T_p}: harm share within the law's committed band",
+                         verdict, seeds=len(seeds)))
+    _write_results(out, "length-2: the length law, one regime", [
+        ("Statements (a: bootstrap over seeds, Student-t on its SE; weights 1 / SE² per level):", rows),
+        ("Grid (x: the base model's under each seed's own noise draw, fitted; the runs' x reported only):", table)],
+        "\n\n".join(notes))
+    return rows
+
+
+PRESETS = {"precision": preset_precision, "real-lm": preset_real_lm, "length": preset_length,
+           "length-2": preset_length2} | {
     name: functools.partial(rl_preset, p) for name, p in RL_PRESETS.items()}
 
 

@@ -8,6 +8,7 @@ The teaching properties are test_tim_rl.py's; what both files use is conftest.py
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import re
@@ -3399,6 +3400,47 @@ def test_length_preset_publishes_grid_fit_prediction_then_its_verdict_from_fake_
     assert (tmp_path / "README.md").read_text() == "# r\n", "publish writes RESULTS.md, never README.md"
 
 
+def test_length2_design_is_committed_with_its_power_and_cpu_estimate():
+    design = json.loads(ex.LENGTH2_PREDICTION.read_text())
+    seeds = len(design["seeds"])
+    assert design["rule"] == ex.LENGTH2_VERDICT_RULE and design["pilot_rule"] == ex.LENGTH2_PILOT_RULE
+    chosen = next(p for p in design["power"] if p["seeds"] == seeds and p["se_scale"] == 1.0)
+    assert chosen["p_held"] >= 0.8 and chosen["p_not_held_off"] >= 0.8, "seeds chosen from the simulation"
+    run_cpu_s = {int(T): s for T, s in design["run_cpu_s"].items()}
+    assert design["cpu_minutes"] == pytest.approx(ex.length2_cpu_minutes(seeds, run_cpu_s), rel=1e-6)
+    assert design["cpu_minutes"] <= 200 and re.fullmatch("[0-9a-f]{40}", design["commit"])
+
+def test_length2_preset_fixes_x_fits_predicts_then_judges_both_ways_from_fake_runs(tmp_path, monkeypatch):
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "model.safetensors").write_text("")
+    monkeypatch.setattr(ex, "LENGTH2_BASE", tmp_path / "base")
+    monkeypatch.setattr(ex, "LENGTH2_FILE", tmp_path / "predictions" / "length-2-prediction.json")
+    monkeypatch.setattr(ex, "LENGTH2_BOOT", 100)
+    monkeypatch.setattr(ex, "numerics_fingerprint", lambda cache=None: "f")
+    monkeypatch.setattr(ex, "mismatch_at_level", lambda model, n, s, seeds, *a: {"x": 0.3 * s})
+    monkeypatch.setattr(ex, "prediction_commit", lambda path: None)
+    pc = ex.PresetConfig(preset="length-2", out_dir=str(tmp_path / "compare"))
+    out = tmp_path / "compare" / "length-2"
+    monkeypatch.setattr(ex, "length2_base_pc", lambda model, digits: {ex.answer_tokens(n): 0.97 for n in digits})
+    rows = ex.preset_length2(pc, [0, 1, 2, 3, 4], out)
+    assert rows[0]["verdict"].startswith("withdrawn: base pc outside"), "round 5's confident base fails the pilot"
+    monkeypatch.setattr(ex, "length2_base_pc", lambda model, digits: {ex.answer_tokens(n): 0.8 for n in digits})
+    monkeypatch.setattr(ex, "run_arms", _fake_length_runs(a=1.0))  # harm share 0.2 x T: a = 1, γ = 1
+    rows = ex.preset_length2(pc, [0, 1, 2, 3, 4], out)
+    prediction = json.loads(ex.LENGTH2_FILE.read_text())
+    assert rows[0]["verdict"].startswith("a ≈ 1") and "describes the grid" in rows[1]["verdict"]
+    assert prediction["x_star"] == pytest.approx(ex.LENGTH2_HARM / 0.2 / 33, rel=0.1), "0.2 x T = 0.25 at T=33"
+    assert all(abs(x / t - 1) <= ex.LENGTH2_X_TOL for (_, x), t in zip(prediction["levels"], prediction["targets"]))
+    assert "commit it, then run this command again" in rows[2]["verdict"]
+    monkeypatch.setattr(ex, "prediction_commit", lambda path: "c0ffee" * 6 + "beef")
+    assert ex.preset_length2(pc, [0, 1, 2, 3, 4], out)[2]["verdict"].startswith("held (commit c0ffeec0ffee")
+    monkeypatch.setattr(ex, "run_arms", _fake_length_runs(a=0.0))  # the twins: the law breaks both ways
+    assert ex.preset_length2(pc, [0, 1, 2, 3, 4], out)[2]["verdict"].startswith("not held (less harm)")
+    monkeypatch.setattr(ex, "run_arms", _fake_length_runs(a=1.5))
+    assert ex.preset_length2(pc, [0, 1, 2, 3, 4], out)[2]["verdict"].startswith("not held (more harm)")
+    assert json.loads(ex.LENGTH2_FILE.read_text()) == prediction, "written once, never re-fitted"
+
+
 def test_mismatch_at_level_measures_x_and_the_whole_distribution_kl(tmp_path):
     machinery.build_tiny_model(max_positions=32).save_pretrained(str(tmp_path), safe_serialization=True)
     machinery.CharTokenizer().save(tmp_path)
@@ -3417,6 +3459,86 @@ def test_length_preset_as_cut_fits_two_processes_and_the_full_design_would_not()
     without_cispo = 321 if "cispo" in ex.LENGTH_CORRECTIONS else 296  # the issue's design, cispo at its level too
     assert f"{ex.length_cpu_minutes((2, 4, 8, 16), 32):.0f}" == str(without_cispo)
     assert "Cut, before any run" in ex.LENGTH_BUDGET
+
+
+# the length law's second design (length-2): committed before its runs, its verdict able to fail both ways
+def test_length2_verdict_fails_both_ways_on_simulated_shares():
+    band_low = torch.tensor([-0.10, -0.30, -0.90], dtype=torch.float64)  # the law's harm band per level
+    band_high = torch.tensor([-0.05, -0.20, -0.60], dtype=torch.float64)
+    spread = torch.tensor([-0.01, 0.0, 0.01, 0.0, 0.005], dtype=torch.float64)  # (S,) per-seed noise, mean 0.001
+    held = torch.tensor([-0.07, -0.25, -0.75], dtype=torch.float64)[:, None] + spread  # (3, S)
+    assert ex.length2_verdict(band_low, band_high, held) == ["held"]
+    more = torch.tensor([-0.07, -0.60, -0.75], dtype=torch.float64)[:, None] + spread  # twin: twice the harm at x*
+    assert ex.length2_verdict(band_low, band_high, more) == ["not held (more harm)"]
+    less = torch.tensor([-0.07, -0.08, -0.75], dtype=torch.float64)[:, None] + spread  # twin: a third of it
+    assert ex.length2_verdict(band_low, band_high, less) == ["not held (less harm)"]
+    none_at_all = torch.zeros(3, 5, dtype=torch.float64) + spread  # no harm at all: not held, never unresolved
+    assert ex.length2_verdict(band_low, band_high, none_at_all) == ["not held (less harm)"]
+    noisy = torch.tensor([-0.07, -0.25, -0.75], dtype=torch.float64)[:, None] + 60 * spread  # wide intervals
+    assert ex.length2_verdict(band_low, band_high, noisy) == ["not resolved"], "harm not detected at x*"
+    batch = torch.stack([held, more, less])  # (3, 3, S): one verdict per leading row
+    assert ex.length2_verdict(band_low, band_high, batch) == ["held", "not held (more harm)",
+                                                              "not held (less harm)"]
+
+
+def test_law_support_says_a_near_one_only_for_an_interval_near_one():
+    assert ex.law_support(0.8, 1.2).startswith("a ≈ 1 (a per-sequence budget")
+    wide = ex.law_support(0.99, 50.0)
+    assert not wide.startswith("a ≈") and wide.startswith("holds a = 1 but not only values near it")
+    assert "excludes 0.5, 0" in wide and "[0.99, 50.00]" in wide
+    assert not ex.law_support(0.96, 1.96).startswith("a ≈"), "round 5's published interval reaches 2"
+    assert ex.law_support(-0.3, 0.3).startswith("a ≈ 0 (a per-token budget")
+
+
+def test_length2_power_simulation_on_a_tiny_size():
+    quiet = {T: se / 20 for T, se in ex.LENGTH2_ROUND5_SE.items()}  # 20x less noise than round 5
+    power = ex.length2_power(3, n_sim=16, n_boot=16, se=quiet)
+    assert power["p_held"] >= 0.9 and power["p_not_held_off"] >= 0.9, power
+    assert power["a_sd"] < 0.1, "the grid pins a when the noise is small"
+    noisy = {T: se * 20 for T, se in ex.LENGTH2_ROUND5_SE.items()}  # twin: 20x more: nothing is held
+    drowned = ex.length2_power(3, n_sim=16, n_boot=16, se=noisy)
+    assert drowned["p_held"] <= 0.2 and drowned["a_sd"] > power["a_sd"], drowned
+
+
+def _law_levels(scale_T17: float = 1.0):
+    """Level means of the law (a = 1, γ = 1) at the pilot rule's targets, T = 17's scaled; SE 5 % of each."""
+    xs, Ts = [], []
+    for n in ex.LENGTH2_DIGITS:
+        T = ex.answer_tokens(n)
+        xs += ex.level_targets(T)
+        Ts += [T] * ex.LENGTH_LEVELS
+    x, T = torch.tensor(xs, dtype=torch.float64), torch.tensor(Ts, dtype=torch.float64)
+    mean = -0.5 * x * T * torch.where(T == 17, scale_T17, 1.0)
+    return x, T, mean, 0.05 * mean.abs()
+
+
+def test_length2_lack_of_fit_and_leave_one_out_flag_a_length_off_the_law():
+    on_law = ex.law_lack_of_fit(*_law_levels())
+    assert on_law["df"] == 1 and on_law["p"] > 0.5 and on_law["chi2_law"] < 1e-3, on_law
+    off = ex.law_lack_of_fit(*_law_levels(scale_T17=3.0))  # twin: T = 17 harmed 3x what the law says
+    assert off["p"] < 0.01 and off["drop"] > 10, off
+    loo = ex.leave_one_length_out(*_law_levels())
+    assert set(loo) == {5, 9, 17} and all(r["max_abs_z"] < 1 and abs(r["a"] - 1) < 0.05 for r in loo.values())
+    assert ex.leave_one_length_out(*_law_levels(scale_T17=3.0))[17]["max_abs_z"] > 10, "the twin"
+    x, T, mean, se = _law_levels()
+    steep = x / T**1.5  # the same harms at x T^2.5 = old x T: a = 2.5
+    assert float(ex.fit_length_law(steep, T, mean, se**-2, ex.LAW2_A).a) == pytest.approx(2.5), \
+        "the wide grid returns an exponent past round 5's cap of 1.5"
+    assert float(ex.fit_length_law(steep, T, mean, se**-2).a) == pytest.approx(1.5), "the twin: round 5's grid"
+
+
+def test_length2_pilot_rule_and_level_adjustment():
+    assert ex.length2_pilot_passes({5: 0.9, 9: 0.8, 17: 0.7, 33: 0.65})[0]
+    assert not ex.length2_pilot_passes({5: 0.97, 9: 0.93, 17: 0.04, 33: 0.94})[0], "round 5's base fails"
+    assert ex.length2_pilot_passes({5: 0.9, 33: 0.7}, {5: 0.01, 33: 0.006})[0]
+    assert not ex.length2_pilot_passes({5: 0.9, 33: 0.7}, {5: 0.01, 33: 0.004})[0], "gains 2.5x apart"
+    s, x = ex.adjust_level(lambda s: 0.3 * s**1.7, 0.1, 0.02)
+    assert abs(x / 0.02 - 1) <= ex.LENGTH2_X_TOL and x == pytest.approx(0.3 * s**1.7)
+    with pytest.raises(ValueError, match="target x"):
+        ex.adjust_level(lambda s: 0.05, 0.1, 0.02)  # twin: a sampler whose x does not move
+    assert ex.harm_reachable(0.004, 0.0003) and not ex.harm_reachable(0.004, 0.0005)
+    assert ex.prediction_levels(0.01, 0.001, 0.02) == [0.001, 0.01, 0.03], "widened to bracket [low, high]"
+
 
 
 # =================================================================================================================
