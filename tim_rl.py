@@ -1650,7 +1650,7 @@ def encode_problems(tokenizer, problems):
 
 
 def resolve_model_dir(model: str) -> Path:
-    """The model directory a run uses: runs/base and runs/base-moe are pre-trained when missing."""
+    """The model directory a run uses: runs/base and runs/base-moe, when missing, the committed bases/."""
     import machinery
 
     if model in ("runs/base", machinery.MOE_BASE):
