@@ -1046,9 +1046,9 @@ def expert_usage(model, tokenizer, problems) -> list[list[float]]:
     return [[round(float(c / row.sum()), 4) for c in row] for row in counts]
 
 
-# The tiny bases committed with the repository, so every machine starts from the same weights: where a run
-# names one and no model is there yet, it reads the committed copy (made by `python tim_rl.py pretrain --out
-# bases/tiny` and `... --moe --out bases/tiny-moe`), with the PretrainConfig changes it was made with.
+# The tiny bases committed with the repository, so every machine starts from the same weights: a
+# run that names one before a model is there reads the committed copy, made by `python tim_rl.py
+# pretrain --out bases/tiny` and `... --moe --out bases/tiny-moe` (these PretrainConfig changes).
 COMMITTED_BASES = {"runs/base": ("bases/tiny", {}), MOE_BASE: ("bases/tiny-moe", {"moe": True})}
 
 
@@ -1059,8 +1059,8 @@ def committed_base(moe: bool = False) -> Path:
 
 
 def ensure_base_model(path: str | Path = "runs/base", **change) -> Path:
-    """The model at `path`; else, for runs/base and runs/base-moe made with the default settings, the
-    committed copy; else pre-train the tiny model (PretrainConfig with `change`) into `path`."""
+    """The model at `path`; else, for runs/base and runs/base-moe with their settings, the committed
+    copy; else pre-train the tiny model (PretrainConfig with `change`) into `path`."""
     path = Path(path)
     if (path / "config.json").exists():
         return path
@@ -1069,7 +1069,8 @@ def ensure_base_model(path: str | Path = "runs/base", **change) -> Path:
         committed = Path(__file__).resolve().parent / folder
         if (committed / "config.json").exists():
             return committed
-    print(f"[tim_rl] no model at {path}: pre-training the embedded tiny model (~20 s)", file=sys.stderr)
+    print(f"[tim_rl] no model at {path}: pre-training the embedded tiny model (~20 s)",
+          file=sys.stderr)
     pretrain(PretrainConfig(out=str(path), **change))
     return path
 
