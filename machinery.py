@@ -1046,13 +1046,32 @@ def expert_usage(model, tokenizer, problems) -> list[list[float]]:
     return [[round(float(c / row.sum()), 4) for c in row] for row in counts]
 
 
+# The tiny bases committed with the repository, so every machine starts from the same weights: a
+# run that names one before a model is there reads the committed copy, made by `python tim_rl.py
+# pretrain --out bases/tiny` and `... --moe --out bases/tiny-moe` (these PretrainConfig changes).
+COMMITTED_BASES = {"runs/base": ("bases/tiny", {}), MOE_BASE: ("bases/tiny-moe", {"moe": True})}
+
+
+def committed_base(moe: bool = False) -> Path:
+    """The committed tiny base: bases/tiny (the Llama) or bases/tiny-moe (the Qwen3-MoE)."""
+    folder, _ = COMMITTED_BASES[MOE_BASE if moe else "runs/base"]
+    return Path(__file__).resolve().parent / folder
+
+
 def ensure_base_model(path: str | Path = "runs/base", **change) -> Path:
-    """Pre-train the tiny model (PretrainConfig with `change`) into `path` unless a model is there."""
+    """The model at `path`; else, for runs/base and runs/base-moe with their settings, the committed
+    copy; else pre-train the tiny model (PretrainConfig with `change`) into `path`."""
     path = Path(path)
-    if not (path / "config.json").exists():
-        print(f"[tim_rl] no model at {path}: pre-training the embedded tiny model (~20 s)",
-              file=sys.stderr)
-        pretrain(PretrainConfig(out=str(path), **change))
+    if (path / "config.json").exists():
+        return path
+    folder, made_with = COMMITTED_BASES.get(path.as_posix(), (None, None))
+    if folder is not None and PretrainConfig(**change) == PretrainConfig(**made_with):
+        committed = Path(__file__).resolve().parent / folder
+        if (committed / "config.json").exists():
+            return committed
+    print(f"[tim_rl] no model at {path}: pre-training the embedded tiny model (~20 s)",
+          file=sys.stderr)
+    pretrain(PretrainConfig(out=str(path), **change))
     return path
 
 

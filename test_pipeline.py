@@ -485,17 +485,66 @@ def test_hf_tokenizer_stops_at_the_chat_templates_end_of_turn(base_model_dir, tm
 
 
 @pytest.fixture(scope="session")
-def base_model_dir(tmp_path_factory):
-    """The embedded tiny model: $TIM_RL_BASE, else runs/base when the demo or `pretrain` wrote it, else pre-trained
-    here once (~20 s)."""
-    demo_dir = tr.Path(tr.__file__).resolve().parent / "runs" / "base"
-    given_dir = os.environ.get("TIM_RL_BASE") or (demo_dir if (demo_dir / "model.safetensors").is_file() else None)
-    if given_dir:
-        return tr.Path(given_dir)
-    out = tmp_path_factory.mktemp("base")
-    info = machinery.pretrain(machinery.PretrainConfig(out=str(out)))
+def base_model_dir():
+    """The embedded tiny model: $TIM_RL_BASE, else the committed bases/tiny (the same weights
+    on every machine)."""
+    return tr.Path(os.environ.get("TIM_RL_BASE") or machinery.committed_base())
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_the_committed_bases_load_and_score_what_their_pretrain_json_says(moe, tmp_path):
+    """bases/tiny and bases/tiny-moe, committed so every machine starts from the same weights:
+    safetensors of pretrain's architecture, that load_model reads unchanged (saved again, the same
+    tensors), leaving room for RL, and scoring what pretrain.json recorded (held-out greedy exact
+    match; the MoE's expert usage). Twin: the same architecture untrained does not score it."""
+    from safetensors.torch import load_file
+
+    directory = machinery.committed_base(moe)
+    info = tr.json.loads((directory / "pretrain.json").read_text())
+    tokenizer = tr.load_tokenizer(directory)
+    build = machinery.build_tiny_moe_model if moe else machinery.build_tiny_model
+    untrained = build(vocab_size=tokenizer.vocab_size).eval()
+    weights = load_file(directory / "model.safetensors")
+    assert sum(w.numel() for w in weights.values()) == info["params"]
+    assert sum(p.numel() for p in untrained.parameters()) == info["params"]
+    model = tr.load_model(directory).eval()
+    model.save_pretrained(str(tmp_path), safe_serialization=True)
+    saved_again = load_file(tmp_path / "model.safetensors")
+    assert saved_again.keys() == weights.keys()
+    assert all(torch.equal(saved_again[name], w) for name, w in weights.items()), "loaded unchanged"
     assert 0.3 <= info["greedy_accuracy_eval"] <= 0.95, f"pre-training must leave a usable model, got {info}"
-    return out
+    accuracy = machinery._eval_accuracy(model, tokenizer, info["digits"], info["ops"])
+    first = machinery.make_arithmetic_task(64, info["digits"], 0, info["ops"], split="eval")
+    room = 2 * info["digits"] + 1
+    untrained_accuracy = machinery.greedy_accuracy(untrained, tokenizer, first, room)
+    tie_flips = 2 / 512  # a near-tie may flip on another CPU
+    assert abs(accuracy - info["greedy_accuracy_eval"]) <= tie_flips
+    assert abs(untrained_accuracy - info["greedy_accuracy_eval"]) > 0.25
+    if moe:
+        held_out = machinery.make_arithmetic_task(256, info["digits"], 0, info["ops"], split="eval")
+        usage = machinery.expert_usage(model, tokenizer, held_out)
+        for shares, recorded in zip(usage, info["expert_usage"], strict=True):
+            assert len(shares) == 8 and math.isclose(sum(shares), 1.0, abs_tol=1e-3)
+            assert sum(s > 0.01 for s in shares) >= 4, f"the router uses its experts: {shares}"
+            assert max(abs(a - b) for a, b in zip(shares, recorded, strict=True)) <= 0.01
+
+
+def test_runs_base_reads_the_committed_copy_until_a_model_is_there(tmp_path, monkeypatch):
+    """`train --model runs/base` (README) on a fresh clone reads bases/tiny; runs/base-moe
+    bases/tiny-moe. Twins: a model pre-trained into runs/base is read instead; another
+    PretrainConfig is pre-trained, not the committed copy."""
+    monkeypatch.chdir(tmp_path)
+    made = []
+    monkeypatch.setattr(machinery, "pretrain", lambda cfg: made.append(cfg) or {})
+    assert tr.resolve_model_dir("runs/base") == machinery.committed_base()
+    assert tr.resolve_model_dir(machinery.MOE_BASE) == machinery.committed_base(moe=True)
+    assert machinery.ensure_base_model("runs/base", moe=True) == tr.Path("runs/base")
+    assert made[-1].moe
+    assert machinery.ensure_base_model("runs/base", steps=10) == tr.Path("runs/base")
+    assert made[-1].steps == 10
+    (tmp_path / "runs" / "base").mkdir(parents=True)
+    (tmp_path / "runs" / "base" / "config.json").write_text("{}")
+    assert tr.resolve_model_dir("runs/base") == tr.Path("runs/base") and len(made) == 2
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -1409,20 +1458,10 @@ def test_vllm_truncated_sampling_support_and_ratio(base_model_dir):
 
 
 @pytest.fixture(scope="session")
-def moe_base_dir(tmp_path_factory):
-    """The tiny Qwen3-MoE: $TIM_RL_MOE_BASE, else runs/base-moe when `pretrain --moe` wrote it, else pre-trained here
-    once (~20 s)."""
-    made = tr.Path(tr.__file__).resolve().parent / machinery.MOE_BASE
-    given_dir = os.environ.get("TIM_RL_MOE_BASE") or (made if (made / "model.safetensors").is_file() else None)
-    if given_dir:
-        return tr.Path(given_dir)
-    out = tmp_path_factory.mktemp("base-moe")
-    info = machinery.pretrain(machinery.PretrainConfig(out=str(out), moe=True))
-    assert 0.3 <= info["greedy_accuracy_eval"] <= 0.95, f"pre-training must leave a usable model, got {info}"
-    for shares in info["expert_usage"]:  # one row per MoE layer: shares of the routed slots, summing to 1
-        assert len(shares) == 8 and math.isclose(sum(shares), 1.0, abs_tol=1e-3)
-        assert sum(s > 0.01 for s in shares) >= 4, f"the router uses its experts: {shares}"
-    return out
+def moe_base_dir():
+    """The tiny Qwen3-MoE: $TIM_RL_MOE_BASE, else the committed bases/tiny-moe (the same weights
+    on every machine)."""
+    return tr.Path(os.environ.get("TIM_RL_MOE_BASE") or machinery.committed_base(moe=True))
 
 
 @pytest.fixture(scope="module")

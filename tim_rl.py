@@ -1654,7 +1654,7 @@ def encode_problems(tokenizer, problems):
 
 
 def resolve_model_dir(model: str) -> Path:
-    """The model directory a run uses: runs/base and runs/base-moe are pre-trained when missing."""
+    """The model directory a run uses (runs/base, runs/base-moe: bases/'s copy until made)."""
     import machinery
 
     if model in ("runs/base", machinery.MOE_BASE):
