@@ -134,11 +134,9 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows=None, fus
     (machinery.py). Differentiable, with finite gradients wherever a row has a finite logit; on
     CUDA repeated ids make the gradient's scatter_add order-dependent.
 
-    needs: _TokenLogprobs, CHUNK_BYTES, GPU_CHUNK_BYTES
+    needs: _TokenLogprobs, _check_tensor, CHUNK_BYTES, GPU_CHUNK_BYTES
     """
-    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
-        got = getattr(logits, "dtype", type(logits).__name__)
-        raise TypeError(f"logits must be a floating-point torch.Tensor, got {got}")
+    _check_tensor("logits", logits)
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
         got = getattr(ids, "dtype", type(ids).__name__)
         raise TypeError(f"ids must be an int64 or int32 tensor of token ids, got {got}")
@@ -201,7 +199,10 @@ def _check_choice(name: str, value, choices) -> None:
 
 def _check_bt(mask, **tensors) -> None:
     """A TypeError or ValueError naming the argument unless mask is a non-empty (B, T) bool tensor
-    and each named tensor a floating-point one of its shape on its device."""
+    and each named tensor a floating-point one of its shape on its device.
+
+    needs: _check_tensor
+    """
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
         got = getattr(mask, "dtype", type(mask).__name__)
         raise TypeError(f"mask must be a bool tensor (True on generated tokens), got {got}")
@@ -209,28 +210,24 @@ def _check_bt(mask, **tensors) -> None:
         raise ValueError(f"mask must be a non-empty (B, T) tensor, got shape {tuple(mask.shape)}")
     shape = tuple(mask.shape)
     for name, x in tensors.items():
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            got = getattr(x, "dtype", type(x).__name__)
-            raise TypeError(f"{name} must be a floating-point torch.Tensor, got {got}")
+        _check_tensor(name, x)
         if x.shape != mask.shape:
             raise ValueError(f"{name} must have shape (B, T) = {shape}, got {tuple(x.shape)}")
         if x.device != mask.device:
             raise ValueError(f"{name} on {x.device}, mask on {mask.device}: put both on one device")
 
 
-def _check_adv(adv, mask) -> torch.Tensor:
-    """Advantages (B, T), (B, 1) or (B,) as a detached (B, T) float tensor; non-finite -> 0."""
-    if not isinstance(adv, torch.Tensor) or not adv.is_floating_point():
-        got = getattr(adv, "dtype", type(adv).__name__)
-        raise TypeError(f"adv must be a floating-point torch.Tensor, got {got}")
-    if adv.device != mask.device:
-        raise ValueError(f"adv on {adv.device}, mask on {mask.device}: put both on one device")
-    adv = adv[:, None] if adv.shape == mask.shape[:1] else adv  # (B,) -> (B, 1)
-    if adv.shape not in (mask.shape, (len(mask), 1)):
-        got = tuple(adv.shape)
-        raise ValueError(f"adv must have shape (B, T) = {tuple(mask.shape)} or (B, 1), got {got}")
-    adv = adv.detach().float().expand_as(mask)
-    return torch.where(torch.isfinite(adv), adv, torch.zeros_like(adv))
+def _check_adv(adv, mask, name: str = "adv") -> torch.Tensor:
+    """Advantages (B, T), (B, 1) or (B,) as a detached (B, T) float tensor; non-finite -> 0.
+
+    Also per-token weights (name="weights"). The caller checks mask first.
+
+    needs: _check_bt
+    """
+    if isinstance(adv, torch.Tensor) and adv.shape in (mask.shape[:1], (len(mask), 1)):
+        adv = adv.reshape(-1, 1).expand(mask.shape)  # one advantage per sequence, a view
+    _check_bt(mask, **{name: adv})
+    return adv.detach().float().nan_to_num(0.0, 0.0, 0.0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -366,13 +363,11 @@ def mismatch_metrics(logp_train, logp_infer, mask: torch.Tensor) -> dict[str, fl
     """
     log_ratio, ok = _log_ratio(mask, logp_train=logp_train, logp_infer=logp_infer)
     lr = log_ratio[ok].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).double()  # (N,)
-    n, n_mask = lr.numel(), int(mask.sum())
-    out = {"n_tokens": float(n_mask), "frac_nonfinite": (n_mask - n) / max(n_mask, 1)}
-    if n == 0:
-        names = ("k1", "k2", "k3", "abs_diff", "max_abs_diff", "chi2", "mean_log_ratio")
-        return out | dict.fromkeys(names, 0.0) | {"ess": 1.0, "ratio_min": 1.0, "ratio_max": 1.0}
+    n_mask = int(mask.sum())
+    out = {"n_tokens": float(n_mask), "frac_nonfinite": (n_mask - lr.numel()) / max(n_mask, 1)}
+    lr = lr if lr.numel() else lr.new_zeros(1)  # no token measured: the statistics of r = 1
     r = lr.exp()
-    ess = r.sum().square() / (n * r.square().sum())
+    ess = r.sum().square() / (r.numel() * r.square().sum())
     return out | {"k1": float((-lr).mean()), "k2": float((lr.square() / 2).mean()),
                   "k3": float((r - 1 - lr).mean()), "abs_diff": float(lr.abs().mean()),
                   "max_abs_diff": float(lr.abs().max()), "mean_log_ratio": float(lr.mean()),
@@ -415,10 +410,9 @@ def mismatch_ledger(logp, logp_old, logp_infer, mask, logp_master_old=None, log_
     names, logps = zip(*[(name, x.detach().double()) for name, x in chain if x is not None])
     ok = mask & torch.stack([torch.isfinite(x) for x in logps]).all(0)  # (B, T)
     n = ok.sum().clamp(min=1)
-    parts = {"total": (logps[0], logps[-1])}
-    parts |= {name: (a, b) for name, a, b in zip(names, logps, logps[1:])}  # they telescope
+    parts = [("total", logps[0], logps[-1]), *zip(names, logps, logps[1:])]  # they telescope
     out = {}
-    for name, (a, b) in parts.items():
+    for name, a, b in parts:
         diff = torch.where(ok, a - b, 0.0)
         out |= {f"{name}_mean": float(diff.sum() / n), f"{name}_abs": float(diff.abs().sum() / n)}
     return out
@@ -730,11 +724,9 @@ def error_feedback_round_bf16(x: torch.Tensor, residual: torch.Tensor):
     target = x + residual
     served = target.to(torch.bfloat16)
     new_residual = target.sub_(served)  # in place, exact (Sterbenz): within half a cell of target
-    if torch.isnan(new_residual.sum()):  # only inf - inf or nan give nan: one sum finds them
-        bad = torch.isnan(new_residual)
-        served = torch.where(bad, x.to(torch.bfloat16), served)
-        new_residual = torch.where(bad, torch.zeros_like(new_residual), new_residual)
-    return served, new_residual
+    bad = torch.isnan(new_residual)  # only inf - inf or nan give nan
+    served = torch.where(bad, x.to(torch.bfloat16), served)
+    return served, new_residual.masked_fill_(bad, 0.0)
 
 
 def visible_update_fraction(master_before, master_after, served_before, served_after) -> float:
@@ -812,12 +804,10 @@ def copc_advantages(values, rewards, logp, logp_infer, mask, gamma=1.0, lam=1.0,
     _check_device("rewards", rewards, "values", values)
     B, T = mask.shape
     zero = mask.new_zeros(B, T, dtype=torch.float32)
-    if rewards.shape == (B,):
-        last = (mask.cumsum(dim=1) == mask.sum(dim=1, keepdim=True)) & mask  # (B, T) last token
+    if rewards.shape == (B,):  # paid at the last response token
+        last = (mask.cumsum(dim=1) == mask.sum(dim=1, keepdim=True)) & mask  # (B, T)
         rewards = torch.where(last, rewards.float()[:, None], zero)
-    elif rewards.shape != (B, T):
-        raise ValueError(f"rewards must have shape (B,) = {(B,)} or (B, T) = {(B, T)}, got "
-                         f"{tuple(rewards.shape)}")
+    _check_bt(mask, rewards=rewards)  # (B, T) as given, or from (B,)
     v = torch.where(mask, values.detach().float(), zero)
     r = torch.where(mask, torch.nan_to_num(rewards.detach().float()), zero)
     c = copc_residual_weights(logp, logp_infer, mask, eps)  # TIM: stale residuals are down-weighted
@@ -1165,9 +1155,8 @@ def pg_loss(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, weights=N
     """
     _check_bt(mask, logp=logp)
     A = _check_adv(adv, mask)
-    w = mask.float() if weights is None else weights
-    _check_bt(mask, weights=w)
-    w = torch.where(torch.isfinite(w), w.detach().float(), 0.0)  # a change of measure: no gradient
+    # a change of measure: no gradient through the weight
+    w = mask.float() if weights is None else _check_adv(weights, mask, "weights")
     return -masked_mean(w * A * logp, mask & torch.isfinite(logp))  # a non-finite logp: left out
 
 
@@ -1187,9 +1176,8 @@ def ppo_loss(logp, logp_prox, adv, mask, weights=None, eps_low=0.2, eps_high=0.2
     """
     _, ok = _log_ratio(mask, logp=logp, logp_prox=logp_prox)
     A = _check_adv(adv, mask)
-    w = mask.float() if weights is None else weights
-    _check_bt(mask, weights=w)
-    w = torch.where(torch.isfinite(w), w.detach().float(), 0.0)  # a change of measure: no gradient
+    # a change of measure: no gradient through the weight
+    w = mask.float() if weights is None else _check_adv(weights, mask, "weights")
     log_ratio = torch.where(ok, logp - logp_prox.detach(), torch.zeros_like(logp))
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # p / p_prox, with gradient
     surrogate = ratio * A
@@ -1208,7 +1196,7 @@ def score_centering_loss(logp, logp_topk, logp_infer, logp_topk_infer, adv, mask
     alpha = rho_tail f(1 / rho_tail), coef_v = q_v f(p_v / q_v) - alpha p_v (all detached). Exact
     when K = V. logp, logp_infer, adv (B, T); logp_topk (grad) and logp_topk_infer (B, T, K).
 
-    needs: _check_adv, _log_ratio, masked_mean, LOG_RATIO_CLAMP, TAIL_FLOOR, _check_bt,
+    needs: _check_adv, _log_ratio, masked_mean, LOG_RATIO_CLAMP, _score_centering_terms, _check_bt,
     _check_device, _check_tensor
     """
     log_r_y, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
@@ -1223,24 +1211,35 @@ def score_centering_loss(logp, logp_topk, logp_infer, logp_topk_infer, adv, mask
     A = _check_adv(adv, mask)
     p_head = torch.nan_to_num(logp_topk.detach().float(), nan=-math.inf).clamp(max=0).exp()
     q_head = torch.nan_to_num(logp_topk_infer.detach().float(), nan=-math.inf).clamp(max=0).exp()
+    r_y = log_r_y.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # (B, T)
+    f_y, coef = _score_centering_terms(r_y, p_head, q_head, cap, band)  # detached
+    baseline = (coef * torch.where(torch.isfinite(logp_topk), logp_topk, 0.0)).sum(-1)  # (B, T)
+    return -masked_mean(A * (f_y * logp - baseline), ok)  # a non-finite logp: left out
+
+
+def _score_centering_terms(r_y, p_head, q_head, cap=None, band=None):
+    """(f(r_y), coef_v = q_v f(p_v / q_v) - alpha p_v): score centering's weights, [2] App. A.
+
+    The tail beyond the top-k head H is p rescaled to q's tail mass, rho_tail = (1 - sum_H q) /
+    (1 - sum_H p), so alpha = rho_tail f(1 / rho_tail). f = 1 (SC), min(r, cap) (SC + TIS) or
+    r 1[band] (SC + MIS). r_y (B, T); p_head, q_head (B, T, K) probabilities; all detached.
+
+    needs: LOG_RATIO_CLAMP, TAIL_FLOOR
+    """
     q_tail = (1 - q_head.sum(-1)).clamp(min=TAIL_FLOOR)  # (B, T)
     rho_tail = q_tail / (1 - p_head.sum(-1)).clamp(min=TAIL_FLOOR)
-    r_y = log_r_y.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # (B, T)
+    f_y, head, alpha = torch.ones_like(r_y), q_head, rho_tail  # SC alone: f = 1, q f(p/q) = q
     if cap is not None:  # SC + TIS: q f(p/q) = min(p, C q), alpha = min(1, C rho_tail)
         f_y = r_y.clamp(max=cap)
         head, alpha = torch.minimum(p_head, cap * q_head), (cap * rho_tail).clamp(max=1.0)
     elif band is not None:  # SC + MIS: q f(p/q) = p 1[band], alpha = 1[1/hi <= rho_tail <= 1/lo]
         lo, hi = band
-        f_y = torch.where((r_y >= lo) & (r_y <= hi), r_y, torch.zeros_like(log_r_y))
+        f_y = torch.where((r_y >= lo) & (r_y <= hi), r_y, torch.zeros_like(r_y))
         log_r_head = (p_head.log() - q_head.log()).nan_to_num(nan=0.0)  # (B, T, K)
         r_head = log_r_head.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
         head = torch.where((r_head >= lo) & (r_head <= hi), p_head, torch.zeros_like(p_head))
         alpha = ((rho_tail >= 1 / hi) & (rho_tail <= 1 / lo)).float()
-    else:  # SC alone: f = 1, q f(p/q) = q, alpha = rho_tail
-        f_y, head, alpha = torch.ones_like(log_r_y), q_head, rho_tail
-    coef = (head - alpha[..., None] * p_head).nan_to_num(nan=0.0)  # (B, T, K), detached
-    baseline = (coef * torch.where(torch.isfinite(logp_topk), logp_topk, 0.0)).sum(-1)  # (B, T)
-    return -masked_mean(A * (f_y * logp - baseline), ok)  # a non-finite logp: left out
+    return f_y, (head - alpha[..., None] * p_head).nan_to_num(nan=0.0)  # (B, T), (B, T, K)
 
 
 def dlc_loss(logp, logp_old, logp_infer, adv, mask, eps_low=0.2, eps_high=0.28, clamp=1.0,
