@@ -3992,6 +3992,35 @@ def test_temperature_is_folded_in_without_a_copy():
 # The notebook, executed top to bottom from a clean kernel (its own asserts are the checks)
 
 
+def _notebook_wording_faults(cells: list[tuple[str, str]]) -> list[str]:
+    """What a (cell type, source) list says that the notebook must not: project history, a published result
+    printed without being labelled a read with its claim id, TRL's default correction left unnamed."""
+    faults = []
+    for kind, source in cells:
+        if kind == "markdown" and re.search(r"\b[Rr]ound \d", source):
+            faults.append(f"history in the text: {source[:40]!r}")
+        if kind == "code" and "published_rows(" in source and not ("read from RESULTS.md" in source
+                                                                   and "['id']" in source):
+            faults.append(f"a published result not labelled as a read with its id: {source[:40]!r}")
+    front = "\n".join(source for _, source in cells[:3])
+    if "sequence_mask" not in front or "seq_mask_weights" not in front:
+        faults.append("the front page does not name TRL's default correction (sequence_mask = seq_mask_weights)")
+    return faults
+
+
+def test_tutorial_reads_results_with_ids_and_tells_no_history():
+    """The notebook's text: no round history; each published row printed as a read with its claim id; its front
+    page names TRL's default. The twin: a history sentence and an unlabelled read are both caught."""
+    nbformat = pytest.importorskip("nbformat", reason="install the extra `notebook` to read tutorial.ipynb")
+    nb = nbformat.read(tr.Path(__file__).with_name("tutorial.ipynb"), as_version=4)
+    cells = [(c.cell_type, c.source) for c in nb.cells]
+    assert _notebook_wording_faults(cells) == []
+    broken = cells + [("markdown", "Round 5 changed the rules."),
+                      ("code", "rows = experiments.published_rows(text)\nprint(rows)")]
+    assert len(_notebook_wording_faults(broken)) == 2
+    assert len(_notebook_wording_faults(cells[3:])) == 1, "without its front page the default goes unnamed"
+
+
 @pytest.mark.notebook
 def test_tutorial_notebook_executes(base_model_dir, moe_base_dir, tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat", reason="install the extra `notebook` to execute tutorial.ipynb")
