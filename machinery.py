@@ -360,7 +360,7 @@ def config_choices() -> dict[str, tuple]:
 def check_values(obj) -> None:
     """Raise UsageError, naming the flag, for a value below its minimum or not among its choices (args or
     config), a float flag that is not finite, or a learning rate / cap / band that is not positive."""
-    flag = tr._flag
+    flag = cli_flag
     for f in fields(tr.RLConfig):
         value = getattr(obj, f.name, None)
         if isinstance(value, float) and not math.isfinite(value):
@@ -448,7 +448,7 @@ def check_model_routers(cfg, model) -> None:
     """A UsageError when a router flag is set but the loaded model has no router tim_rl replays (no silent
     no-op)."""
     names = ("routing_replay", "router_noise", "router_jitter")
-    flags = [f"{tr._flag(n)} {getattr(cfg, n)}" for n in names if getattr(cfg, n) not in ("none", 0.0)]
+    flags = [f"{cli_flag(n)} {getattr(cfg, n)}" for n in names if getattr(cfg, n) not in ("none", 0.0)]
     if not flags or moe_routers(model):
         return
     its = f"; its router is {router_class(model)}" if is_moe(model) else ""
@@ -478,7 +478,7 @@ def check_cli(args):
         if not existing.is_dir():
             dangling = existing.is_symlink() and not existing.exists()
             what = "a link to nowhere" if dangling else "a file"
-            raise tr.UsageError(f"{tr._flag(name)} {path}: {existing} is {what}, not a directory")
+            raise tr.UsageError(f"{cli_flag(name)} {path}: {existing} is {what}, not a directory")
     resume = getattr(args, "resume", "")
     for need in ("config.json", "checkpoint.safetensors") if resume else ():
         if not (Path(resume) / need).is_file():
@@ -1608,7 +1608,7 @@ def add_config_flags(parser, cls):
         if f.type not in ("bool", bool):  # argparse formats %
             kind = {"type": {"int": int, "float": float, "str": str}.get(f.type, type(f.default))}
             help_text = help_text.replace("%", "%%") + " (default: %(default)s)"
-        parser.add_argument(tr._flag(f.name), default=f.default, help=help_text, **kind)
+        parser.add_argument(cli_flag(f.name), default=f.default, help=help_text, **kind)
     return parser
 
 
@@ -1701,3 +1701,122 @@ def format_diagnosis(diagnosis) -> str:
     for key, value in diagnosis.numbers.items():
         out.append(f"  {key:<44} {value:>10.4g}  {DOCTOR_METRIC_NAMES.get(key, '')}")
     return "\n".join(out)
+
+
+# ---- tim_rl.py's run directory, step clock and command-line parser ----
+
+
+class RunLog:
+    """runs/<name>/ of one run: config.json, metrics.jsonl (a line per record, written at once: a kill
+    loses at most that line) and checkpoint.safetensors; resume=True restores the checkpoint first."""
+
+    def __init__(self, cfg, state, resume: bool):
+        from dataclasses import asdict
+
+        self.cfg, self.state, self.out = cfg, state, Path(cfg.out_dir) / cfg.name
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.start, self.records = resume_run(self.out, state) if resume else (0, [])
+        if resume:
+            print(f"[tim_rl] resuming {self.out} at step {self.start} of {cfg.steps}", file=sys.stderr)
+        # the steps the checkpoint covers, once; never beside older metrics
+        kept = "".join(json.dumps(r) + "\n" for r in self.records)
+        write_atomic(self.out / "metrics.jsonl", kept)
+        write_atomic(self.out / "config.json", json.dumps(asdict(cfg), indent=1))
+
+    def steps(self):
+        """The steps left to run, behind a tqdm bar (cfg.progress)."""
+        from tqdm.auto import tqdm
+
+        cfg = self.cfg
+        return tqdm(range(self.start, cfg.steps), desc=cfg.name, disable=not cfg.progress,
+                    mininterval=2, initial=self.start, total=cfg.steps)
+
+    def write(self, record: dict) -> None:
+        """Keep the record; append it to metrics.jsonl (closed at once: on disk before the next step)."""
+        self.records.append(record)
+        with open(self.out / "metrics.jsonl", "a") as log:
+            log.write(json.dumps(record) + "\n")
+
+    def checkpoint_after(self, step: int) -> None:
+        """Save the run after this step: every cfg.checkpoint_every steps (0: never) and after the last."""
+        every = self.cfg.checkpoint_every
+        if step == self.cfg.steps - 1 or (every > 0 and (step + 1) % every == 0):
+            save_run_checkpoint(self.out, self.state, step + 1)
+
+
+class StepMeter:
+    """What the machine measured in one RL step: seconds per phase (metrics.jsonl's sec_<phase>),
+    lap(phase) adding the time since the last lap to that phase; and the peak memory so far."""
+
+    def __init__(self, phases):
+        self.seconds = dict.fromkeys(phases, 0.0)
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        """Charge the time since the last lap to `phase`."""
+        now = time.perf_counter()
+        self.seconds[phase] += now - self.last
+        self.last = now
+
+    def record(self) -> dict[str, float]:
+        """{peak_rss_mb, sec_<phase>: seconds in the order of the phases}."""
+        seconds = {f"sec_{phase}": seconds for phase, seconds in self.seconds.items()}
+        return {"peak_rss_mb": peak_rss_mb()} | seconds
+
+
+def cli_flag(name: str) -> str:
+    """The command-line flag of a config field: max_new_tokens -> --max-new-tokens."""
+    return "--" + name.replace("_", "-")
+
+
+def cli_parser():
+    """tim_rl.py's argparse parser of every subcommand, flags built from the config dataclasses."""
+    about = "RL under training-inference mismatch. No subcommand: the demo (~5 min)."
+    parser = OneLineParser(prog="tim_rl", description=about)
+    parser.set_defaults(steps=80, seeds="0,1,2,3,4")  # the demo's, also without a subcommand
+    sub = parser.add_subparsers(dest="cmd")
+    add_config_flags(sub.add_parser("pretrain", help="pre-train the embedded tiny model"), PretrainConfig)
+    train = add_config_flags(sub.add_parser("train", help="one RL run"), tr.RLConfig)
+    train.add_argument("--resume", metavar="RUN_DIR", default="", help="continue runs/<name> "
+                       "from its checkpoint and config.json (other flags ignored)")
+    demo = sub.add_parser("demo", help="the default demo (pre-trains the tiny model if needed)")
+    demo.add_argument("--steps", type=int, default=80)
+    demo.add_argument("--seeds", default="0,1,2,3,4")
+    # listed for --help; tim_rl.main hands `doctor ...` to doctor_main, whose parser reads it
+    sub.add_parser("doctor", help="why your trainer and sampler disagree: doctor FILE")
+    return parser
+
+
+def moe_replays(trainer, rollout, temperature: float, routing_replay: str, logp_old):
+    """Trainer.behaviour_logprobs' MoE passes -> (logp_old, logp_old on the sampler's experts, on its
+    experts and gates, the experts the update replays): R2 the ones the updated policy chooses, R3
+    the sampler's (logp_old then on them too); None where the sampler recorded none."""
+    logp_experts = logp_gates = update_routes = None
+    experts, gates = rollout.routed_experts, rollout.routed_weights  # the sampler's
+    if experts is not None:  # the same weights, the sampler's experts (and gate weights)
+        logp_experts = tr.support_logprobs(trainer.behaviour, rollout, temperature, routes=experts)[0]
+        if gates is not None:
+            logp_gates = tr.support_logprobs(trainer.behaviour, rollout, temperature, routes=experts,
+                                             gates=gates)[0]
+    if routing_replay == "r2":  # the experts the updated policy chooses, on the update's weights
+        updated = trainer.behaviour if trainer.loss_on_served else trainer.model
+        update_routes = tr.response_forward(updated, rollout, temperature).routes
+    elif routing_replay == "r3":  # the sampler's experts
+        update_routes = experts
+        if logp_experts is not None:  # the policy runs on the sampler's experts
+            logp_old = logp_experts
+    return logp_old, logp_experts, logp_gates, update_routes
+
+
+@contextlib.contextmanager
+def cli_errors(parser, args):
+    """tim_rl.main's exits: a UsageError (a flag, a combination, or a model setup_run refuses) as one
+    `tim_rl: error: ...` line and status 2; Ctrl-C as status 130 with the command that resumes."""
+    try:
+        yield
+    except tr.UsageError as e:
+        parser.exit(2, f"tim_rl: error: {e}\n")
+    except KeyboardInterrupt:
+        run_dir = args.cmd == "train" and (args.resume or Path(args.out_dir) / args.name)
+        where = f"; python tim_rl.py train --resume {run_dir}" if run_dir else ""
+        parser.exit(130, f"tim_rl: interrupted (the last checkpoint is kept{where})\n")

@@ -227,6 +227,22 @@ def test_cli_mistake_is_one_error_line_with_status_2(argv, words, capsys):
     assert all(w in lines[0] for w in words), lines[0]
 
 
+def test_cli_interrupted_train_names_the_resume_command_and_a_usage_error_is_one_line(capsys):
+    """main's exits (machinery.cli_errors): Ctrl-C in train is status 130 and names the command that resumes the
+    run; a UsageError is one line, status 2. The twin: Ctrl-C in the demo has no run to resume, so no hint."""
+    parser = machinery.cli_parser()
+    train = parser.parse_args(["train", "--out-dir", "there", "--name", "x"])
+    demo = parser.parse_args([])  # no subcommand: the demo
+    for args, error, code, err in [(train, KeyboardInterrupt, 130, "python tim_rl.py train --resume there/x"),
+                                   (demo, KeyboardInterrupt, 130, "last checkpoint is kept)\n"),
+                                   (train, tr.UsageError("--steps must be > 0"), 2, "tim_rl: error: --steps must")]:
+        with pytest.raises(SystemExit) as exit_, machinery.cli_errors(parser, args):
+            raise error
+        out = capsys.readouterr()
+        assert exit_.value.code == code and err in out.err and len(out.err.splitlines()) == 1, out.err
+    assert (demo.steps, demo.seeds) == (80, "0,1,2,3,4"), "the demo's defaults without a subcommand"
+
+
 @pytest.mark.parametrize("command", ["compare", "bench"])
 def test_a_lab_subcommand_of_tim_rl_is_argparses_one_line_error(command, capsys):
     """The lab's subcommands are experiments.py's: tim_rl refuses them as any unknown subcommand, in one line."""
@@ -3873,7 +3889,7 @@ def test_trainer_keeps_gradient_checkpointing_effective():
 def test_train_gradient_checkpointing_flag_runs_the_same_numbers(base_model_dir, tmp_path):
     """train --gradient-checkpointing: the run's model checkpoints, greedy evaluation still decodes with its KV
     cache, and every logged number equals the run without it."""
-    args = tr._parser().parse_args(["train", "--gradient-checkpointing"])
+    args = machinery.cli_parser().parse_args(["train", "--gradient-checkpointing"])
     assert args.gradient_checkpointing is True
     common = {"model": str(base_model_dir), "steps": 2, "prompts": 4, "group": 4, "eval_every": 2, "eval_n": 16,
               "progress": False, "checkpoint_every": 0, "device": "cpu", "out_dir": str(tmp_path),

@@ -74,10 +74,9 @@ import json
 import math
 import re
 import sys
-import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import NamedTuple
@@ -2214,20 +2213,12 @@ class Trainer:
         if rebuilt is not None:  # the same support for the passes below
             merged = merge_support(rollout.kept_ids, rebuilt, rollout.mask)[0]  # (B, T, S)
             rollout = dataclasses.replace(rollout, kept_ids=merged)
-        logp_experts = logp_gates = update_routes = None
-        experts, gates = rollout.routed_experts, rollout.routed_weights  # the sampler's
-        if self.moe and experts is not None:  # TIM: the same weights, the sampler's experts
-            logp_experts = support_logprobs(self.behaviour, rollout, temperature, routes=experts)[0]
-            if gates is not None:  # TIM: and on the sampler's gate weights: gates
-                logp_gates = support_logprobs(self.behaviour, rollout, temperature, routes=experts,
-                                              gates=gates)[0]
-        if self.moe and routing_replay == "r2":  # TIM: R2: the experts the updated policy chooses
-            updated = self.behaviour if self.loss_on_served else self.model  # the update's weights
-            update_routes = response_forward(updated, rollout, temperature).routes
-        elif self.moe and routing_replay == "r3":  # TIM: R3: the sampler's experts
-            update_routes = experts
-            if logp_experts is not None:  # the policy runs on the sampler's experts
-                logp_old = logp_experts
+        replays = (logp_old, None, None, None)  # a dense model replays nothing
+        if self.moe:  # TIM: the sampler's experts (and gates); R2 / R3 the experts updates replay
+            import machinery
+
+            replays = machinery.moe_replays(self, rollout, temperature, routing_replay, logp_old)
+        logp_old, logp_experts, logp_gates, update_routes = replays
         logp_master_old = None
         if self.master_at_export is not None:  # on the experts the update will use
             logp_master_old = support_logprobs(self.master_at_export, rollout, temperature,
@@ -2266,7 +2257,7 @@ class Trainer:
         On the CPU the reference roundings, SR with `generator` itself; on a GPU fused passes, SR's
         noise hash_noise16 seeded by one draw from `generator` per tensor (machinery.gpu_rounding).
         """
-        if mode not in ("rtn", "sr", "ef"):
+        if mode not in ("rtn", "sr", "ef"):  # inline: a traced step enters no check function here
             raise ValueError(f"mode must be one of ('rtn', 'sr', 'ef'), got {mode!r}")
         import machinery  # the GPU roundings; fp64 sums of the visible update fraction
         if mode != "rtn" and self.export_dtype != "bf16":
@@ -2476,25 +2467,25 @@ class Update(NamedTuple):
     adv: torch.Tensor  # (B, T) or (B, 1), the advantages the loss used
     log_s: torch.Tensor | None  # (B, T) log kept mass under truncation, else None
     extra: dict  # first update only: kept_mass, the drift / signal split
-    seconds: dict  # recompute / loss / optimizer
 
 
 def update_on_batch(cfg: RLConfig, state: RunState, ro: Rollout, rewards, behaviour: Behaviour,
-                    logp_prox=None) -> Update:
+                    logp_prox, meter) -> Update:
     """One optimizer step on the whole batch: the arm's loss (plus --k2-coef's term); the weight
     it gives each token: effective_token_weights.
 
     logp (grad) the current trainer; logp_prox the trainer before this batch's first update (None:
     this is it, its own log-probs are the proximal policy); behaviour.logp_old the trainer engine
     on the weights the sampler holds; ro.logp_infer the sampler. behaviour.update_routes: the MoE
-    experts the forward replays (R2 / R3; None: live)."""
-    trainer, clock, extra = state.trainer, [time.perf_counter()], {}
+    experts the forward replays (R2 / R3; None: live). meter: machinery.StepMeter, laps charged to
+    recompute, loss and optimizer."""
+    trainer, extra = state.trainer, {}
     reads_topk = state.arm.reads_topk or cfg.diagnose_drift
     topk_ids = ro.topk_ids if reads_topk and ro.topk_ids.shape[-1] > 0 else None
     # TIM: with truncation the trainer's log-probs are renormalised on the kept support: p~, not p
     logp, logp_topk, hidden, log_s = trainer.support_logprobs(ro, topk_ids, cfg.temperature,
                                                               behaviour.update_routes)
-    clock.append(time.perf_counter())
+    meter.lap("recompute")
     first, logp_kept = logp_prox is None, logp.detach()
     if first and log_s is not None:
         extra["kept_mass"] = float(masked_mean(log_s.detach().exp(), ro.mask))
@@ -2519,16 +2510,15 @@ def update_on_batch(cfg: RLConfig, state: RunState, ro: Rollout, rewards, behavi
     if first and cfg.diagnose_drift:
         extra |= drift_signal_norms(trainer.grad_leaves(), logp, logp_topk, ro.logp_infer,
                                     ro.logp_topk_infer, adv, ro.mask)
-    clock.append(time.perf_counter())
+    meter.lap("loss")
     grad_norm = trainer.step(loss + critic_loss)
-    clock.append(time.perf_counter())
+    meter.lap("optimizer")
     live = torch.isfinite(w_eff)  # masked tokens with A != 0
     negative, zeroed = live & (adv.expand_as(w_eff) < 0), live & (w_eff == 0)
     frac_zeroed = float(zeroed.sum() / live.sum()) if live.any() else math.nan
     frac_neg = float((zeroed & negative).sum() / negative.sum()) if negative.any() else math.nan
-    seconds = {phase: clock[k + 1] - clock[k] for k, phase in enumerate(STEP_PHASES[1:4])}
     return Update(loss.item(), grad_norm, frac_zeroed, frac_neg, logp_kept, logp_prox, adv, log_s,
-                  extra, seconds)
+                  extra)
 
 
 def sample_batch(cfg: RLConfig, step: int, state: RunState) -> tuple[Rollout, list[str]]:
@@ -2550,24 +2540,16 @@ def merge_kept_support(ro: Rollout, rebuilt) -> dict:
     extra["support_differs"] = support_differs(ro.kept_ids, rebuilt, ro.mask & ~beyond)
     if beyond.any():  # logged where it happened (a torch sampler records its whole support: never)
         extra["support_beyond_k"] = int(beyond.sum())
-        warnings.warn("vLLM returned --support-topk finite log-probs at some positions (the kept "
-                      "support may be larger): the trainer renormalises there on the support it "
-                      "rebuilds (support_beyond_k)", stacklevel=1)
+        warnings.warn("vLLM returned --support-topk finite log-probs at some positions: the "
+                      "trainer renormalises there on its rebuilt support", stacklevel=1)
     return extra
 
 
-def route_flips(ro: Rollout, behaviour: Behaviour) -> dict:
-    """MoE: share of fed positions (prompt, response) whose experts differ, sampler vs trainer."""
-    fed = torch.cat([ro.prompt_mask, ro.mask], 1).cpu()  # (B, P + T)
-    flips = routing_flip_rate(ro.routed_experts, behaviour.routes, fed)
-    return {f"route_flip_{name}": share for name, share in flips.items()}
-
-
-def sync_sampler(cfg: RLConfig, state: RunState, ro: Rollout, behaviour: Behaviour):
+def sync_sampler(cfg: RLConfig, state: RunState, ro: Rollout, behaviour: Behaviour, meter):
     """Counts the step since the last sync; every sync_every steps (policy lag k - 1), or when DLC's
     lag or staleness trigger fires, exports the master (rounding it) into the sampler.
 
-    -> (visible update fraction, None without a sync; seconds the export took)."""
+    -> the visible update fraction (None without a sync). meter: the export's seconds."""
     state.since_sync += 1
     due = state.since_sync >= cfg.sync_every
     if not due and state.arm.resync and (cfg.dlc_max_lag > 0 or cfg.dlc_max_staleness > 0):
@@ -2582,13 +2564,13 @@ def sync_sampler(cfg: RLConfig, state: RunState, ro: Rollout, behaviour: Behavio
         due = dlc_should_resync(logp_next, anchor, ro.mask, state.since_sync,
                                 cfg.dlc_max_staleness, cfg.dlc_max_lag)
     if not due:
-        return None, 0.0
-    start = time.perf_counter()
+        return None
+    meter.lap("sync")
     served, visible = state.trainer.export(cfg.export, generator=state.gen)
-    export_seconds = time.perf_counter() - start
+    meter.lap("export")
     state.sampler.load_weights(served)  # TIM: the trainer's weights (and drift) enter the sampler
     state.since_sync = 0
-    return visible, export_seconds
+    return visible
 
 
 def step_record(cfg: RLConfig, step: int, state: RunState, ro: Rollout, rewards,
@@ -2596,8 +2578,6 @@ def step_record(cfg: RLConfig, step: int, state: RunState, ro: Rollout, rewards,
     """One metrics.jsonl line: mismatch metrics and ledger of the first update's log-probs (before
     any step on this batch), loss and grad_norm as means over the updates, what the arm dropped or
     clipped (frac_masked_* / frac_clipped_*, tis_sn's normaliser), the k2 term."""
-    import machinery  # peak_rss_mb
-
     first = updates[0]
     logp = first.logp_prox  # (B, T) the trainer before any step on this batch
     ledger = mismatch_ledger(first.logp_kept, behaviour.logp_old, ro.logp_infer, ro.mask,
@@ -2615,7 +2595,6 @@ def step_record(cfg: RLConfig, step: int, state: RunState, ro: Rollout, rewards,
         x = LossInputs(logp, logp, logp, None, ro.logp_infer, None, None, first.adv, ro.mask)
         record |= state.arm.shares(cfg, x)
     record |= {f"ledger_{k}": v for k, v in ledger.items()} | extra | first.extra
-    record["peak_rss_mb"] = machinery.peak_rss_mb()
     if ro.entropy is not None:  # recorded by the sampler, which had the whole distribution
         record["entropy"] = float(masked_mean(ro.entropy, ro.mask))
     return record
@@ -2623,10 +2602,12 @@ def step_record(cfg: RLConfig, step: int, state: RunState, ro: Rollout, rewards,
 
 def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
     """One step: sample -> score -> behaviour pass -> update(s) -> export / sync -> ledger."""
-    start, sec = time.perf_counter(), dict.fromkeys(STEP_PHASES, 0.0)  # sec_<phase> logged
+    import machinery  # the meter of sec_<phase> and peak_rss_mb
+
+    meter = machinery.StepMeter(STEP_PHASES)
     # 1) sample
     ro, answers = sample_batch(cfg, step, state)
-    sec["sample"] = time.perf_counter() - start
+    meter.lap("sample")
     # 2) score: the verifier's reward per sequence
     rewards = [verify(text, answers[i // cfg.group]) for i, text in enumerate(ro.texts)]
     rewards = torch.tensor(rewards, device=ro.mask.device)
@@ -2637,24 +2618,23 @@ def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
                                                  cfg.routing_replay)
     extra = merge_kept_support(ro, behaviour.rebuilt) if state.truncation else {}
     if behaviour.routes is not None and ro.routed_experts is not None:  # MoE: two engines' experts
-        extra |= route_flips(ro, behaviour)
-    sec["recompute"] = time.perf_counter() - start - sec["sample"]
+        fed = torch.cat([ro.prompt_mask, ro.mask], 1).cpu()  # (B, P + T) prompt and response
+        flips = routing_flip_rate(ro.routed_experts, behaviour.routes, fed)
+        extra |= {f"route_flip_{name}": share for name, share in flips.items()}
+    meter.lap("recompute")
     # 4) update(s): the arm's loss, updates_per_batch optimizer steps on the batch
     updates = []
     for _ in range(cfg.updates_per_batch):
         # TIM: the proximal policy is the trainer before this batch's first update (None: this is
         # it); R2 / R3: behaviour.update_routes are the experts every forward of the update replays
         logp_prox = updates[0].logp_prox if updates else None
-        updates.append(update_on_batch(cfg, state, ro, rewards, behaviour, logp_prox))
-        for phase, seconds in updates[-1].seconds.items():
-            sec[phase] += seconds
+        updates.append(update_on_batch(cfg, state, ro, rewards, behaviour, logp_prox, meter))
     # 5) export / sync
-    start = time.perf_counter()
-    visible, sec["export"] = sync_sampler(cfg, state, ro, behaviour)
-    sec["sync"] = time.perf_counter() - start - sec["export"]
+    visible = sync_sampler(cfg, state, ro, behaviour, meter)
+    meter.lap("sync")
     # 6) ledger and metrics
     record = step_record(cfg, step, state, ro, rewards, behaviour, updates, visible, extra)
-    return record | {f"sec_{phase}": seconds for phase, seconds in sec.items()}
+    return record | meter.record()
 
 
 def setup_run(cfg: RLConfig) -> RunState:
@@ -2690,42 +2670,23 @@ def setup_run(cfg: RLConfig) -> RunState:
 
 
 def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
-    """RL under mismatch: sample -> verify -> advantages -> recompute + ledger -> correct -> step ->
-    sync.
+    """RL under mismatch: evaluate, then rl_step after rl_step; returns the records.
 
-    Writes one JSON line per step to runs/<name>/metrics.jsonl, a checkpoint every
-    cfg.checkpoint_every steps and at the end, and returns the records. resume=True continues
-    from runs/<name>/checkpoint.safetensors (bit for bit the run that was interrupted, on the
-    same machine and thread count)."""
-    from tqdm.auto import tqdm
+    Writes one JSON line per record to runs/<name>/metrics.jsonl, a checkpoint every
+    cfg.checkpoint_every steps and at the end. resume=True continues from
+    runs/<name>/checkpoint.safetensors (bit for bit the run that was interrupted, on the same
+    machine and thread count)."""
+    import machinery  # runs/<name>/ (metrics, config, checkpoints, resume); evaluation
 
-    import machinery  # checkpoints and resume
-
-    state, out = setup_run(cfg), Path(cfg.out_dir) / cfg.name
-    out.mkdir(parents=True, exist_ok=True)
-    start, records = machinery.resume_run(out, state) if resume else (0, [])
-    if resume:
-        print(f"[tim_rl] resuming {out} at step {start} of {cfg.steps}", file=sys.stderr)
-    # the steps the checkpoint covers, once; never beside older metrics
-    machinery.write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
-    machinery.write_atomic(out / "config.json", json.dumps(asdict(cfg), indent=1))
-    with open(out / "metrics.jsonl", "a") as log:
-        def write(record: dict) -> None:
-            """Keep the record; append it to metrics.jsonl, flushed (a kill loses this line)."""
-            records.append(record)
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-
-        for step in tqdm(range(start, cfg.steps), desc=cfg.name, disable=not cfg.progress,
-                         mininterval=2, initial=start, total=cfg.steps):
-            if step % cfg.eval_every == 0:  # before the step's update: step 0 is the start model
-                write(machinery.evaluate(step, state, cfg))
-            write(rl_step(cfg, step, state))
-            every = cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0
-            if step == cfg.steps - 1 or every:
-                machinery.save_run_checkpoint(out, state, step + 1)
-        write(machinery.evaluate(cfg.steps, state, cfg))  # after the last update
-    return records
+    state = setup_run(cfg)
+    log = machinery.RunLog(cfg, state, resume)
+    for step in log.steps():  # the steps left, behind a progress bar
+        if step % cfg.eval_every == 0:  # before the step's update: step 0 is the start model
+            log.write(machinery.evaluate(step, state, cfg))
+        log.write(rl_step(cfg, step, state))
+        log.checkpoint_after(step)
+    log.write(machinery.evaluate(cfg.steps, state, cfg))  # after the last update
+    return log.records
 
 
 # --------------------------------------------------------------------------------------------------
@@ -2775,12 +2736,9 @@ class RLConfig:
     top_p: float = cli_field(1.0, "sampler nucleus truncation (vLLM's rule; 1 = off)")
     top_k: int = cli_field(0, "sampler top-k truncation (0 = off; not the recorded --topk)")
     min_p: float = cli_field(0.0, "sampler min-p truncation: keep p >= min_p * max p (0 = off)")
-    renormalize: bool = cli_field(True, "truncated: the trainer's log-probs renormalised on the "
-                                  "kept support (off: full-vocabulary ones, ratios biased by S)")
-    topk: int = cli_field(32, "sampler top-K ids recorded for sc, sc_tis, sc_mis, drift_only, "
-                          "--diagnose-drift (0: all V, 12 V bytes a token; published runs: 0)")
-    support_topk: int = cli_field(64, "vLLM, truncated: log-probs asked per token (0: all V); "
-                                  "the finite ones: its support (all K finite: the trainer's)")
+    renormalize: bool = cli_field(True, "truncated: trainer log-probs renormalised on kept support")
+    topk: int = cli_field(32, "top-K recorded for sc*, drift_only, --diagnose-drift (0: all V)")
+    support_topk: int = cli_field(64, "vLLM truncated: log-probs per token, finite ones = support")
     baseline: str = cli_field("group", "advantage baseline: group (GRPO mean, no std) | none")
     optimizer: str = cli_field("adamw", "adamw | sgd")
     lr: float = cli_field(3e-5, "learning rate (1e-4 knocks the tiny model back early)")
@@ -2796,12 +2754,10 @@ class RLConfig:
     eps_low: float = cli_field(0.2, "PPO clip low")
     eps_high: float = cli_field(0.28, "PPO clip high")
     dppo_delta: float = cli_field(0.2, "DPPO trust region on |p - q|")
-    rs_threshold: float = cli_field(0.01, "rs arms: drop where the divergence exceeds this (k1: "
-                                          "verl's band, q / p within [1 / it, it])")
+    rs_threshold: float = cli_field(0.01, "rs arms: drop divergence > it (k1: q/p in [1/it, it])")
     rs_estimator: str = cli_field("k3", "rs arms' estimate of KL(q || p) per token: k1 | k2 | k3")
     opsm_delta: float = cli_field(1e-4, "opsm: drop A < 0 sequences, mean(logp_infer - logp) > it")
-    k2_coef: float = cli_field(0.0, "add k2_coef * mean((logp - logp_infer)^2 / 2) to the loss "
-                                    "(prime-rl's kl_tau = k2_coef / 2)")
+    k2_coef: float = cli_field(0.0, "loss + c * mean((logp - logp_infer)^2 / 2); kl_tau = c / 2")
     gspo_eps_low: float = cli_field(3e-4, "gspo: clip low of the sequence ratio (GSPO's 3e-4)")
     gspo_eps_high: float = cli_field(4e-4, "gspo: clip high of the sequence ratio (GSPO's 4e-4)")
     dlc_max_staleness: int = cli_field(0, "DLC: resync after this many steps without one (0 = off)")
@@ -2818,8 +2774,7 @@ class RLConfig:
     vllm_gpu_memory: float = cli_field(0.3, "GPU memory share vLLM takes beside the trainer")
     task: str = cli_field("arithmetic", "arithmetic (the tiny model's) | words (chat)")
     task_digits: int = cli_field(0, "arithmetic task's operand digits (0: the model's own)")
-    routing_replay: str = cli_field("none", "MoE: none | r2 (the experts the policy being updated "
-                                    "chose before the updates) | r3 (the sampler's; torch sampler)")
+    routing_replay: str = cli_field("none", "MoE: none | r2 (policy's experts) | r3 (sampler's)")
     gradient_checkpointing: bool = cli_field(False, "transformers' gradient checkpointing")
 
 
@@ -2846,11 +2801,6 @@ class UsageError(ValueError):
     """A mistake on the command line: main() prints it as one `tim_rl: error: ...` line, exit 2."""
 
 
-def _flag(name: str) -> str:
-    """The command-line flag of a config field: max_new_tokens -> --max-new-tokens."""
-    return "--" + name.replace("_", "-")
-
-
 def _check_engine(engine: EngineSpec) -> None:
     """Raise ValueError, naming the field, for an EngineSpec no TorchSampler can build."""
     _check_choice("engine.dtype", engine.dtype, sorted(_DTYPES))
@@ -2864,26 +2814,6 @@ def _check_engine(engine: EngineSpec) -> None:
 # ---- CLI ----
 
 
-def _parser():
-    """The argparse parser of every subcommand, flags built from the config dataclasses."""
-    import machinery  # PretrainConfig, the flags of a dataclass's fields
-
-    about = "RL under training-inference mismatch. No subcommand: the demo (~5 min)."
-    parser = machinery.OneLineParser(prog="tim_rl", description=about)
-    sub = parser.add_subparsers(dest="cmd")
-    pretrain = sub.add_parser("pretrain", help="pre-train the embedded tiny model")
-    machinery.add_config_flags(pretrain, machinery.PretrainConfig)
-    train = machinery.add_config_flags(sub.add_parser("train", help="one RL run"), RLConfig)
-    train.add_argument("--resume", metavar="RUN_DIR", default="", help="continue runs/<name> "
-                       "from its checkpoint and config.json (other flags ignored)")
-    demo = sub.add_parser("demo", help="the default demo (pre-trains the tiny model if needed)")
-    demo.add_argument("--steps", type=int, default=80)
-    demo.add_argument("--seeds", default="0,1,2,3,4")
-    # listed for --help; main() hands `doctor ...` to machinery.doctor_main, whose parser reads it
-    sub.add_parser("doctor", help="why your trainer and sampler disagree: doctor FILE")
-    return parser
-
-
 def main(argv: list[str] | None = None) -> None:
     """`python tim_rl.py [pretrain|train|demo|doctor] --help`; no subcommand runs the demo."""
     import machinery  # the CLI's rules (config combinations, paths, seeds), the demo, the doctor
@@ -2891,9 +2821,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["doctor"]:  # the mismatch doctor: its own parser
         return machinery.doctor_main(argv[1:])
-    parser = _parser()
+    parser = machinery.cli_parser()
     args = parser.parse_args(argv)
-    try:
+    with machinery.cli_errors(parser, args):  # UsageError: one line, status 2; Ctrl-C: resume hint
         cfg = machinery.checked_cli_config(args)  # every refusal before any work
         if args.cmd == "pretrain":
             pretrain_cfg = machinery.config_from_args(machinery.PretrainConfig, args)
@@ -2902,14 +2832,8 @@ def main(argv: list[str] | None = None) -> None:
             records = run(cfg, resume=bool(args.resume))
             print(machinery.train_summary(records, Path(cfg.out_dir) / cfg.name))
         else:
-            seeds = tuple(int(s) for s in (getattr(args, "seeds", None) or "0,1,2,3,4").split(","))
-            machinery.demo(steps=getattr(args, "steps", 80), seeds=seeds)
-    except UsageError as e:  # a flag, a combination, or a model setup_run refuses
-        parser.exit(2, f"tim_rl: error: {e}\n")
-    except KeyboardInterrupt:
-        run_dir = args.cmd == "train" and (args.resume or Path(args.out_dir) / args.name)
-        where = f"; python tim_rl.py train --resume {run_dir}" if run_dir else ""
-        parser.exit(130, f"tim_rl: interrupted (the last checkpoint is kept{where})\n")
+            seeds = tuple(int(s) for s in args.seeds.split(","))
+            machinery.demo(steps=args.steps, seeds=seeds)
 
 
 if __name__ == "__main__":
