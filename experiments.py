@@ -712,7 +712,7 @@ def truncation_table(model_dir: Path, prompts: list[list[int]], n: int, n_new: i
 def preset_precision(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     """FP16 paper [9]. Claim: an fp16 sampler's mean |Δlogp| against the fp32 trainer is at least 3x smaller than a
     bf16 sampler's (the paper reports about an order of magnitude; 3 = the 3 extra mantissa bits' 8x, halved)."""
-    model_dir = tr.resolve_model_dir(pc.model)
+    model_dir = machinery.resolve_model_dir(pc.model)
     engines = [e for e in default_engines() if e[0] != "torch fp32 exact"]
     measured = measure_engines(model_dir, engines, n_prompts=16 if pc.smoke else 128, seeds=tuple(seeds))
     by_engine, rows = engine_table(measured, engines)
@@ -814,7 +814,7 @@ def kept_support(model, rollout: tr.Rollout, temperature: float, top_p: float, t
     numerics can move a token across the top-p boundary, so it may differ from the sampler's (support_differs).
     """
     with torch.no_grad():
-        logits = tr.response_forward(model, rollout, temperature)[0]  # (B, T, V)
+        logits = tr.response_forward(model, rollout, temperature, logprobs=False).logits  # (B, T, V)
     return tr.kept_support_from_logits(logits, rollout.response_ids, top_p, top_k, min_p)
 
 
@@ -854,7 +854,7 @@ def truncation_rows(model, engine: str, sampler, prompts: list[list[int]], n: in
 
 def _cis_gap_by_confidence(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dict]]:
     """Spread of the fp8 engine gap (log-odds and log-prob) by the trainer's confidence p, seed 0."""
-    model_dir = tr.resolve_model_dir(pc.model)
+    model_dir = machinery.resolve_model_dir(pc.model)
     model, tokenizer = tr.load_model(model_dir).eval(), tr.load_tokenizer(model_dir)
     prompts, _ = tr.encode_problems(tokenizer, machinery.make_arithmetic_task(16 if pc.smoke else 128, split="eval",
                                                                         **machinery.task_kwargs(model_dir)))
@@ -943,7 +943,7 @@ def router_margins(model, rollout: tr.Rollout) -> tuple[torch.Tensor, torch.Tens
              for layer, r in enumerate(routers) if r is not None]
     try:
         with torch.no_grad():
-            forward = tr.response_forward(model, rollout)
+            forward = tr.response_forward(model, rollout, logprobs=False)
     finally:
         for hook in hooks:
             hook.remove()
@@ -1028,7 +1028,7 @@ def _routing_attribution(pc: PresetConfig, seeds: list[int]) -> list[tuple[str, 
 
 def _fair_cast_visibility(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dict]]:
     """Visible update fraction of RTN / SR / EF exports on the model's own Linear weights (export_visibility)."""
-    model = tr.load_model(tr.resolve_model_dir(pc.model))
+    model = tr.load_model(machinery.resolve_model_dir(pc.model))
     weights = torch.cat([p.detach().reshape(-1) for n, p in model.named_parameters() if n.endswith("proj.weight")])
     steps, marks = (10, (1, 10)) if pc.smoke else (150, (1, 10, 50, 150))
     rows = []
@@ -1043,7 +1043,7 @@ def _fair_cast_visibility(pc: PresetConfig, seeds: list[int]) -> tuple[str, list
 
 def _truncation_table(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dict]]:
     """truncation_table of the tiny model (vLLM's engines too when installed, outside --smoke)."""
-    model_dir = tr.resolve_model_dir(pc.model)
+    model_dir = machinery.resolve_model_dir(pc.model)
     prompts, _ = tr.encode_problems(tr.load_tokenizer(model_dir), machinery.make_arithmetic_task(
         16 if pc.smoke else 64, **machinery.task_kwargs(model_dir), split="eval"))
     return ((f"Kept mass S and ratio bias, tiny model, {len(prompts)} prompts x 4 samples x 5 tokens, "
@@ -2970,7 +2970,7 @@ def _stale_rollout(model, tokenizer, spec, problems, n, seed, k):
 
 def _doctor_models() -> dict:
     """The dense base, the MoE base, another checkpoint of the dense one and the long-answer (swap) base."""
-    dirs = {"dense": tr.resolve_model_dir("runs/base"), "moe": tr.resolve_model_dir(machinery.MOE_BASE),
+    dirs = {"dense": machinery.resolve_model_dir("runs/base"), "moe": machinery.resolve_model_dir(machinery.MOE_BASE),
             "other": machinery.ensure_base_model(f"runs/base-{DOCTOR_OTHER[0]}", **DOCTOR_OTHER[1]),
             "long": machinery.ensure_base_model(f"runs/base-{DOCTOR_LONG[0]}", **DOCTOR_LONG[1])}
     return {name: (tr.load_model(d).eval(), machinery.task_kwargs(d)) for name, d in dirs.items()}
@@ -3060,7 +3060,7 @@ def doctor_sample(out: Path, model: str = "runs/base", seed: int = 0) -> Path:
     its bf16 TorchSampler's (32 held-out prompts x 4 samples), GRPO advantages, under TRL's GRPOTrainer names."""
     from safetensors.torch import save_file
 
-    model_dir = tr.resolve_model_dir(model)
+    model_dir = machinery.resolve_model_dir(model)
     problems = machinery.make_arithmetic_task(32, seed=seed, split="eval", **machinery.task_kwargs(model_dir))
     ro, logp, adv = _doctor_rollout(tr.load_model(model_dir).eval(), machinery.CharTokenizer(), tr.EngineSpec(dtype="bf16"),
                                     problems, 4, 5, seed)
@@ -3878,7 +3878,7 @@ def bench_verifier(repeats: int) -> list[dict]:
 def bench(cfg: BenchConfig) -> list[dict]:
     """Run every benchmark row, print the table, write <out>/bench.md. Returns the rows."""
     torch.set_num_threads(os.cpu_count() or 1)
-    model_dir = tr.resolve_model_dir(cfg.model)
+    model_dir = machinery.resolve_model_dir(cfg.model)
     q, device = cfg.quick, machinery.resolve_device(cfg.device)
     gpu = device.type == "cuda"
     print(f"[bench] torch {torch.__version__}, {torch.get_num_threads()} threads, {device}, "

@@ -708,11 +708,11 @@ def trl_grpo_trainer(correction: str = "tis", vllm_dtype: str | None = None, **t
             return out
 
     if vllm_dtype is not None:
-        tr._check_choice("vllm_dtype", vllm_dtype, sorted(tr._VLLM_DTYPES))
+        tr._check_choice("vllm_dtype", vllm_dtype, sorted(VLLM_DTYPES))
     threads = _vllm_environment()
     # vLLM's class as TRL imported it; with vllm_dtype, pinned for this call
     llm = getattr(trl_vllm, "LLM", None)
-    llm = llm if vllm_dtype is None else functools.partial(llm, dtype=tr._VLLM_DTYPES[vllm_dtype])
+    llm = llm if vllm_dtype is None else functools.partial(llm, dtype=VLLM_DTYPES[vllm_dtype])
     with unittest.mock.patch.object(trl_vllm, "LLM", llm, create=True):
         trainer = TimRLGRPOTrainer(**trainer_kwargs)
     torch.set_num_threads(threads)
@@ -1483,7 +1483,7 @@ def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tu
         unused = torch.zeros(0, device=device)  # the sampler's fields: no sampler here
         rollout = tr.Rollout(prompt_ids, prompt_mask, response_ids, mask, unused, unused, unused, [])
         temp = 1.0 if truncation is None else temperature
-        logits = tr.response_forward(model, rollout, temp).logits
+        logits = tr.response_forward(model, rollout, temp, logprobs=False).logits
         if truncation is None:
             logp = tr.token_logprobs(logits, response_ids)  # (B, T)
         else:  # by row chunks of token_logprobs' size: never (B, T, V) masks or a masked copy
@@ -1787,27 +1787,6 @@ def cli_parser():
     return parser
 
 
-def moe_replays(trainer, rollout, temperature: float, routing_replay: str, logp_old):
-    """Trainer.behaviour_logprobs' MoE passes -> (logp_old, logp_old on the sampler's experts, on its
-    experts and gates, the experts the update replays): R2 the ones the updated policy chooses, R3
-    the sampler's (logp_old then on them too); None where the sampler recorded none."""
-    logp_experts = logp_gates = update_routes = None
-    experts, gates = rollout.routed_experts, rollout.routed_weights  # the sampler's
-    if experts is not None:  # the same weights, the sampler's experts (and gate weights)
-        logp_experts = tr.support_logprobs(trainer.behaviour, rollout, temperature, routes=experts)[0]
-        if gates is not None:
-            logp_gates = tr.support_logprobs(trainer.behaviour, rollout, temperature, routes=experts,
-                                             gates=gates)[0]
-    if routing_replay == "r2":  # the experts the updated policy chooses, on the update's weights
-        updated = trainer.behaviour if trainer.loss_on_served else trainer.model
-        update_routes = tr.response_forward(updated, rollout, temperature).routes
-    elif routing_replay == "r3":  # the sampler's experts
-        update_routes = experts
-        if logp_experts is not None:  # the policy runs on the sampler's experts
-            logp_old = logp_experts
-    return logp_old, logp_experts, logp_gates, update_routes
-
-
 @contextlib.contextmanager
 def cli_errors(parser, args):
     """tim_rl.main's exits: a UsageError (a flag, a combination, or a model setup_run refuses) as one
@@ -1820,3 +1799,69 @@ def cli_errors(parser, args):
         run_dir = args.cmd == "train" and (args.resume or Path(args.out_dir) / args.name)
         where = f"; python tim_rl.py train --resume {run_dir}" if run_dir else ""
         parser.exit(130, f"tim_rl: interrupted (the last checkpoint is kept{where})\n")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ---- the samplers' engine plumbing: vLLM's engine and outputs, decode's MoE routes ----
+# What tim_rl.VLLMSampler and tim_rl.decode need from vLLM's API and the MoE hooks, and a learner need not read.
+
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # tim_rl's names -> vLLM's
+
+
+def vllm_engine(model_dir, dtype: str, seed: int, max_model_len: int | None, max_num_seqs: int,
+                gpu_memory: float):
+    """vllm.LLM for tim_rl.VLLMSampler: eager, processed log-probs, any number of them, in-process.
+
+    The environment its CPU build needs (_vllm_environment) is set before vLLM is imported, torch's thread
+    count restored after; on a GPU vLLM takes `gpu_memory` of it (colocated with the trainer).
+    """
+    threads = _vllm_environment()
+    from vllm import LLM  # heavy (~4 s): imported only when a vLLM sampler is built
+
+    on_gpu = {} if _vllm_on_cpu() else {"gpu_memory_utilization": gpu_memory}
+    add_expert_parallel_group()
+    llm = LLM(model=str(model_dir), dtype=VLLM_DTYPES[dtype], enforce_eager=True, block_size=32, seed=seed,
+              max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,
+              logprobs_mode="processed_logprobs", max_logprobs=-1, **on_gpu)
+    torch.set_num_threads(threads)
+    return llm
+
+
+def vllm_tensors(outputs, K: int, pad_id: int) -> tuple:
+    """vllm.LLM.generate's outputs (n completions per request, in order) as tensors on the CPU.
+
+    -> response ids (B, T) padded with pad_id, mask (B, T), each token's log-prob (B, T), the K most probable
+    ids (B, T, K) ranked and their log-probs (B, T, K), -inf where fewer than K came back.
+    """
+    rows = [comp for out in outputs for comp in out.outputs]  # n per prompt, in order
+    B, T = len(rows), max(len(c.token_ids) for c in rows)
+    response_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    logp = torch.zeros(B, T)
+    top_ids = torch.zeros(B, T, K, dtype=torch.long)
+    top_logp = torch.full((B, T, K), -math.inf)
+    for i, comp in enumerate(rows):
+        for t, (tok, lp) in enumerate(zip(comp.token_ids, comp.logprobs)):
+            ranked = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:K]
+            response_ids[i, t], mask[i, t], logp[i, t] = tok, True, lp[tok].logprob
+            top_ids[i, t, : len(ranked)] = torch.tensor([k for k, _ in ranked])
+            top_logp[i, t, : len(ranked)] = torch.tensor([v.logprob for _, v in ranked])
+    return response_ids, mask, logp, top_ids, top_logp
+
+
+def resolve_model_dir(model: str) -> Path:
+    """The model directory a run uses (runs/base, runs/base-moe: bases/'s copy until made)."""
+    if model in ("runs/base", MOE_BASE):
+        return ensure_base_model(model, moe=model == MOE_BASE)
+    return Path(model)
+
+
+def rollout_routes(route_log, batch: int) -> tuple:
+    """decode's replay_routes log as (experts, gate weights), each (B, P + T, L, k) on the CPU.
+
+    The last sampled token is never fed: its position gets no route (-1 experts, nan gates).
+    """
+    last = (0, 0, 0, 0, 0, 1)  # one more position at the end of dim 1
+    routes = torch.nn.functional.pad(stack_routes(route_log, batch), last, value=-1)
+    gates = torch.nn.functional.pad(stack_routes(route_log, batch, 1), last, value=math.nan)
+    return routes, gates

@@ -552,15 +552,15 @@ def test_runs_base_reads_the_committed_copy_until_a_model_is_there(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     made = []
     monkeypatch.setattr(machinery, "pretrain", lambda cfg: made.append(cfg) or {})
-    assert tr.resolve_model_dir("runs/base") == machinery.committed_base()
-    assert tr.resolve_model_dir(machinery.MOE_BASE) == machinery.committed_base(moe=True)
+    assert machinery.resolve_model_dir("runs/base") == machinery.committed_base()
+    assert machinery.resolve_model_dir(machinery.MOE_BASE) == machinery.committed_base(moe=True)
     assert machinery.ensure_base_model("runs/base", moe=True) == tr.Path("runs/base")
     assert made[-1].moe
     assert machinery.ensure_base_model("runs/base", steps=10) == tr.Path("runs/base")
     assert made[-1].steps == 10
     (tmp_path / "runs" / "base").mkdir(parents=True)
     (tmp_path / "runs" / "base" / "config.json").write_text("{}")
-    assert tr.resolve_model_dir("runs/base") == tr.Path("runs/base") and len(made) == 2
+    assert machinery.resolve_model_dir("runs/base") == tr.Path("runs/base") and len(made) == 2
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -4003,6 +4003,27 @@ def test_temperature_is_folded_in_without_a_copy():
     assert torch.equal(ours, copied) and torch.equal(grad, grad_copied)
     assert torch.equal(logits, tr.response_forward(model, ro, 1.0).logits.detach() / 0.7)
 
+
+
+def test_response_forward_without_logprobs_runs_no_logprob_pass(monkeypatch):
+    """logprobs=False (the logits-only and routes-only passes): the same logits and hidden state as the full forward,
+    no log-prob fields, token_logprobs never called; the twin, the default, calls it once."""
+    model = machinery.build_tiny_model(vocab_size=256).eval()
+    ro = _small_rollout(model)
+    calls = []
+    token_logprobs = tr.token_logprobs
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return token_logprobs(*args, **kwargs)
+
+    monkeypatch.setattr(tr, "token_logprobs", spy)
+    with torch.no_grad():
+        bare = tr.response_forward(model, ro, 0.7, logprobs=False)
+        assert calls == [] and bare.logp is None and bare.logp_topk is None and bare.log_s is None
+        full = tr.response_forward(model, ro, 0.7)
+    assert calls == [1] and full.logp is not None
+    assert torch.equal(bare.logits, full.logits) and torch.equal(bare.hidden, full.hidden)
 
 # =================================================================================================================
 # The notebook, executed top to bottom from a clean kernel (its own asserts are the checks)

@@ -1651,15 +1651,6 @@ def encode_problems(tokenizer, problems):
     return [tokenizer.encode(p) for p, _ in problems], [a for _, a in problems]
 
 
-def resolve_model_dir(model: str) -> Path:
-    """The model directory a run uses (runs/base, runs/base-moe: bases/'s copy until made)."""
-    import machinery
-
-    if model in ("runs/base", machinery.MOE_BASE):
-        return machinery.ensure_base_model(model, moe=model == machinery.MOE_BASE)
-    return Path(model)
-
-
 def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
     """The model with every dropout at 0, in training mode too: nn.Dropout's p and every float
     attribute named *dropout* or *jitter* of its modules and config. Train mode then computes what
@@ -1746,13 +1737,10 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     # host draw per call (not a host copy per token), keeps sampling reproducible for a seed
     if generator is not None and generator.device.type != device.type:
         generator = torch.Generator(device).manual_seed(draw_seed(generator))
-    B, P = len(prompts), max(map(len, prompts))  # the prompts left-padded to P
-    pads = [P - len(p) for p in prompts]
-    prompt_ids = torch.tensor([[pad_id] * k + p for k, p in zip(pads, prompts)], device=device)
-    prompt_mask = prompt_ids.new_tensor([[0] * k + [1] * (P - k) for k in pads]).bool()  # (B, P)
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)  # (B, P)
     inputs, attention = prompt_ids, prompt_mask.long()  # the prompt, then one token at a time
     cache = DynamicCache()
-    finished = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
+    finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)  # (B,)
     truncate = temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0)
     ids, masks, logps, entropies, tops, kept = [], [], [], [], [], []
     training = model.training  # a checkpointed model in training mode drops its KV cache: eval here
@@ -1792,15 +1780,10 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
             if done:
                 break
             inputs = token[:, None]
-            attention = torch.cat([attention, attention.new_ones(B, 1)], 1)
+            attention = torch.cat([attention, attention.new_ones(len(prompts), 1)], 1)
     model.train(training)
     response_ids = torch.stack(ids, 1)  # (B, T)
-    routes = gates = None
-    if moe:  # (B, P + T, L, k) each: the last sampled token (never fed) gets none, -1 and nan
-        last = (0, 0, 0, 0, 0, 1)
-        pad = torch.nn.functional.pad
-        routes = pad(machinery.stack_routes(route_log, B), last, value=-1)
-        gates = pad(machinery.stack_routes(route_log, B, 1), last, value=math.nan)
+    routes, gates = machinery.rollout_routes(route_log, len(prompts)) if moe else (None, None)
     decode_text = decode_text or (lambda row: " ".join(map(str, row)))
     texts = [decode_text(row) for row in response_ids.tolist()]
     return Rollout(prompt_ids, prompt_mask, response_ids, torch.stack(masks, 1),
@@ -1813,22 +1796,22 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
 
 class Forward(NamedTuple):
     """response_forward's result at the T response positions (log-probs renormalised on the kept
-    support where there is one)."""
+    support where there is one; None when logprobs=False asked for the forward alone)."""
 
     logits: torch.Tensor  # (B, T, V) logits / temperature
     hidden: torch.Tensor  # (B, T, H) the last hidden state
     routes: torch.Tensor | None  # (B, P + T, L, k) the experts each MoE layer used (None: dense)
-    logp: torch.Tensor  # (B, T) log p~ of the sampled tokens
-    logp_topk: torch.Tensor | None  # (B, T, K) log p~ of topk_ids, -inf off the support
-    log_s: torch.Tensor | None  # (B, T) log of the kept mass S (None: no kept support)
-    rebuilt: torch.Tensor | None  # (B, T, S) the support rebuilt from these logits (truncation)
+    logp: torch.Tensor | None = None  # (B, T) log p~ of the sampled tokens
+    logp_topk: torch.Tensor | None = None  # (B, T, K) log p~ of topk_ids, -inf off the support
+    log_s: torch.Tensor | None = None  # (B, T) log of the kept mass S (None: no kept support)
+    rebuilt: torch.Tensor | None = None  # (B, T, S) the support rebuilt from these logits
 
 
 def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: dict | None = None,
                      routes=None, gates=None, record: bool = True, topk_ids=None,
-                     truncation: tuple | None = None) -> Forward:
-    """One forward over prompt + response, the head on the T response positions only; then one
-    token_logprobs pass for the sampled token, the top-K ids and the kept ids.
+                     truncation: tuple | None = None, logprobs: bool = True) -> Forward:
+    """One forward over prompt + response, the head on the T response positions only; then (unless
+    logprobs=False) one token_logprobs pass for the sampled token, the top-K ids and the kept ids.
 
     `params` (name -> tensor) runs other weights (torch.func.functional_call). An MoE model's
     routers are forced to `routes` and gate weights `gates` (None: live); the experts used come
@@ -1850,14 +1833,14 @@ def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: 
     if moe:  # TIM: R2 / R3: an MoE model's routers run routed_router_forward on the given experts
         routing = machinery.replay_routes(model, routes, gates, record)
     with routing as route_log:
-        if params is None:
-            out = model(**kwargs)
-        else:
-            out = torch.func.functional_call(model, params, args=(), kwargs=kwargs)
+        out = torch.func.functional_call(model, params or {}, args=(), kwargs=kwargs)
     logits = out.logits  # (B, T, V)
     if temperature > 0 and temperature != 1.0:  # in place: the head's output is not saved
         logits.div_(temperature)
     used = machinery.stack_routes(route_log, input_ids.shape[0]) if moe and record else None
+    hidden = out.hidden_states[-1][:, P - 1 : P + T - 1]  # (B, T, H)
+    if not logprobs:  # the forward alone: logits, hidden state and routes
+        return Forward(logits, hidden, used)
     kept, rebuilt = rollout.kept_ids, None  # (B, T, S), -1 pads
     if truncation is not None:
         rebuilt = kept_support_from_logits(logits, rollout.response_ids, *truncation)
@@ -1874,7 +1857,6 @@ def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: 
         if topk_ids is not None:
             on_support = torch.isfinite(rollout.logp_topk_infer)
             logp_topk = torch.where(on_support, logp_topk - log_s[..., None], -math.inf)
-    hidden = out.hidden_states[-1][:, P - 1 : P + T - 1]  # (B, T, H)
     return Forward(logits, hidden, used, logp, logp_topk, log_s, rebuilt)
 
 
@@ -1932,11 +1914,6 @@ def fake_quantize(w: torch.Tensor, quant: str) -> torch.Tensor:
     raise ValueError(f"quant must be 'int8' or 'fp8', got {quant!r}")
 
 
-def _inputs_to_fp32(module, inputs: tuple) -> tuple:
-    """A forward pre-hook: the module's inputs in fp32 (an fp32 module inside a bf16 engine)."""
-    return tuple(x.float() for x in inputs)
-
-
 class TorchSampler:
     """A sampler engine in plain torch: its own copy of the weights in the engine's numerics."""
 
@@ -1955,17 +1932,17 @@ class TorchSampler:
         kept_fp32 = list(routers) if self.engine.router_fp32 else []
         kept_fp32 += [head] if self.engine.head_fp32 else []
         for module in kept_fp32:  # TIM: fp32 weights and inputs (a pre-hook) in a bf16 engine
-            module.float().register_forward_pre_hook(_inputs_to_fp32)
+            module.float().register_forward_pre_hook(lambda _, xs: tuple(x.float() for x in xs))
         if routers:  # read by routed_router_forward: this copy's routers, the jitter's own stream
             jitter = torch.Generator(head.weight.device).manual_seed(self.engine.noise_seed)
             for router in routers:
                 router.logit_jitter, router.jitter_generator = self.engine.router_jitter, jitter
         # the weights the engine's numerics perturb: every nn.Linear's but the lm_head, and an MoE
         # model's routers (Qwen3-MoE: mlp.gate) and experts (gate_up_proj, down_proj: 3-D weights)
-        self.router_weights = {f"{n}.weight" for n, m in self.model.named_modules()
-                               if any(m is r for r in routers)}
+        modules = dict(self.model.named_modules())
+        self.router_weights = {f"{n}.weight" for n, m in modules.items() if m in routers}
         self.perturbed = set(self.router_weights)
-        for name, module in self.model.named_modules():
+        for name, module in modules.items():
             if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
                 self.perturbed.add(f"{name}.weight")
             if type(module).__name__.endswith("Experts"):
@@ -2022,7 +1999,6 @@ class TorchSampler:
         return rollout
 
 
-_VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # vLLM 0.32 raises a temperature in (0, 0.01) to 0.01 (SamplingParams) and treats < 1e-5 as greedy
 VLLM_MIN_TEMPERATURE = 0.01
 
@@ -2032,33 +2008,24 @@ class VLLMSampler:
 
     Log-probs come from SamplingParams(logprobs=K) with logprobs_mode="processed_logprobs": those of
     the distribution sampled from (temperature, then top-p / top-k / min-p: -inf off the kept set).
-    Prompts go in as token ids, so no tokenizer can disagree. In-place sync:
-    machinery.reload_vllm_weights, which needs the in-process engine
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0) to pass tensors. Rollouts come back on the reference's device
-    (the trainer's; none: the CPU).
+    Prompts go in as token ids, so no tokenizer can disagree. The engine: machinery.vllm_engine;
+    in-place sync: machinery.reload_vllm_weights. Rollouts come back on the reference's device (the
+    trainer's; none: the CPU).
     """
 
     def __init__(self, model_dir: str | Path, dtype: str = "fp32", seed: int = 0, tokenizer=None,
                  max_model_len: int | None = None, max_num_seqs: int = 256, gpu_memory: float = 0.3,
                  reference: torch.nn.Module | None = None):
-        import machinery
-
-        threads = machinery._vllm_environment()
-        from vllm import LLM  # heavy (~4 s): imported only when a vLLM sampler is built
+        import machinery  # vLLM's engine and its CPU build's settings
 
         _check_choice("dtype", dtype, sorted(_DTYPES))
-        self.dtype, self.seed = dtype, seed
+        self.dtype = dtype
         self.tokenizer = tokenizer or load_tokenizer(model_dir)
         self.reference = reference  # a torch model holding what each sync loads: the canary
         self.device = next(reference.parameters()).device if reference is not None else "cpu"
-        # colocated with the trainer on one GPU: vLLM takes this share of its memory
-        on_gpu = {} if machinery._vllm_on_cpu() else {"gpu_memory_utilization": gpu_memory}
-        machinery.add_expert_parallel_group()
-        self.llm = LLM(model=str(model_dir), dtype=_VLLM_DTYPES[dtype], enforce_eager=True,
-                       block_size=32, seed=seed, max_model_len=max_model_len,
-                       max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,
-                       logprobs_mode="processed_logprobs", max_logprobs=-1, **on_gpu)
-        torch.set_num_threads(threads)
+        # gpu_memory: colocated with the trainer on one GPU, vLLM takes this share of its memory
+        self.llm = machinery.vllm_engine(model_dir, dtype, seed, max_model_len, max_num_seqs,
+                                         gpu_memory)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -2081,12 +2048,13 @@ class VLLMSampler:
         """
         from vllm import SamplingParams
 
-        K = 0 if topk is None else (self.vocab_size if topk <= 0 else min(topk, self.vocab_size))
+        import machinery  # vLLM's outputs as tensors
+
+        V, pad_id = self.vocab_size, self.tokenizer.pad_id
+        K = 0 if topk is None else (V if topk <= 0 else min(topk, V))
         # one seed per prompt: vLLM seeds completion i of a request with seed + i, so one seed for
         # all would give every prompt's i-th sample the same random stream
-        seeds = [None] * len(prompts)
-        if generator is not None:
-            seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
+        seeds = [draw_seed(generator) if generator is not None else None for _ in prompts]
         _check_truncation(top_p, top_k, min_p)
         if 0 < temperature < VLLM_MIN_TEMPERATURE:
             raise ValueError(f"temperature {temperature} < {VLLM_MIN_TEMPERATURE}: vLLM would "
@@ -2096,31 +2064,20 @@ class VLLMSampler:
                                  top_k=top_k if temperature > 0 else 1, max_tokens=max_new_tokens,
                                  logprobs=K, seed=seed, skip_special_tokens=False,
                                  stop_token_ids=[self.tokenizer.eos_id]) for seed in seeds]
-        requests = [{"prompt_token_ids": p} for p in prompts]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        rows = [comp for out in outputs for comp in out.outputs]  # n per prompt, in order
-        B, T, pad_id = len(rows), max(len(c.token_ids) for c in rows), self.tokenizer.pad_id
-        response_ids = torch.full((B, T), pad_id, dtype=torch.long)
-        mask = torch.zeros(B, T, dtype=torch.bool)
-        logp = torch.zeros(B, T)
-        top_ids = torch.zeros(B, T, K, dtype=torch.long)  # ranked
-        top_logp = torch.full((B, T, K), -math.inf)  # -inf where fewer than K came back
-        for i, comp in enumerate(rows):
-            for t, (tok, lp) in enumerate(zip(comp.token_ids, comp.logprobs)):
-                ranked = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:K]
-                response_ids[i, t], mask[i, t], logp[i, t] = tok, True, lp[tok].logprob
-                top_ids[i, t, : len(ranked)] = torch.tensor([k for k, _ in ranked])
-                top_logp[i, t, : len(ranked)] = torch.tensor([v.logprob for _, v in ranked])
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                    use_tqdm=False)
+        # (B, T) ids, mask, log-probs; (B, T, K) the ranked top-K (-inf where fewer came back)
+        response_ids, mask, logp, top_ids, top_logp = machinery.vllm_tensors(outputs, K, pad_id)
         prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], pad_id)
         kept = None  # TIM: processed log-probs are -inf exactly off the kept support
         if K > 0 and temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0):  # truncated
             finite = torch.isfinite(top_logp) & mask[..., None]  # (B, T, K), ranked: finite first
             # a row whose K are all finite (K < V: the support may go on) is left empty: rebuilt
-            beyond = finite.all(-1, keepdim=True) & (K < self.vocab_size)
+            beyond = finite.all(-1, keepdim=True) & (K < V)
             S = max(int(finite.sum(-1).max()), 1)
             kept = top_ids.masked_fill(~finite | beyond, -1)[..., :S]  # (B, T, S)
         entropy = None  # -sum p log p (0 * -inf read as 0) when the K are the whole distribution
-        if K == self.vocab_size:
+        if K == V:
             entropy = -(top_logp.exp() * top_logp.nan_to_num(neginf=0.0)).sum(-1)  # (B, T)
         texts = [self.tokenizer.decode(row.tolist()) for row in response_ids]
         rollout = Rollout(prompt_ids, prompt_mask, response_ids, mask, logp, top_ids, top_logp,
@@ -2213,12 +2170,20 @@ class Trainer:
         if rebuilt is not None:  # the same support for the passes below
             merged = merge_support(rollout.kept_ids, rebuilt, rollout.mask)[0]  # (B, T, S)
             rollout = dataclasses.replace(rollout, kept_ids=merged)
-        replays = (logp_old, None, None, None)  # a dense model replays nothing
-        if self.moe:  # TIM: the sampler's experts (and gates); R2 / R3 the experts updates replay
-            import machinery
-
-            replays = machinery.moe_replays(self, rollout, temperature, routing_replay, logp_old)
-        logp_old, logp_experts, logp_gates, update_routes = replays
+        logp_experts = logp_gates = update_routes = None
+        experts, gates = rollout.routed_experts, rollout.routed_weights  # the sampler's
+        if self.moe and experts is not None:  # TIM: the same weights, the sampler's experts
+            logp_experts = support_logprobs(self.behaviour, rollout, temperature, routes=experts)[0]
+            if gates is not None:  # TIM: and on the sampler's gate weights: gates
+                logp_gates = support_logprobs(self.behaviour, rollout, temperature, routes=experts,
+                                              gates=gates)[0]
+        if self.moe and routing_replay == "r2":  # TIM: R2: the experts the updated policy chooses
+            updated = self.behaviour if self.loss_on_served else self.model  # the update's weights
+            update_routes = response_forward(updated, rollout, temperature, logprobs=False).routes
+        elif self.moe and routing_replay == "r3":  # TIM: R3: the sampler's experts
+            update_routes = experts
+            if logp_experts is not None:  # the policy runs on the sampler's experts
+                logp_old = logp_experts
         logp_master_old = None
         if self.master_at_export is not None:  # on the experts the update will use
             logp_master_old = support_logprobs(self.master_at_export, rollout, temperature,
@@ -2643,7 +2608,7 @@ def setup_run(cfg: RLConfig) -> RunState:
 
     machinery.check_run_config(cfg)
     torch.manual_seed(cfg.seed)
-    model_dir = resolve_model_dir(cfg.model)
+    model_dir = machinery.resolve_model_dir(cfg.model)
     tokenizer, device = load_tokenizer(model_dir), machinery.resolve_device(cfg.device)
     model = load_model(model_dir, trust_remote_code=cfg.trust_remote_code).to(device)
     if cfg.gradient_checkpointing:  # each layer recomputed in backward: same numbers, less memory
