@@ -1502,15 +1502,6 @@ GPU_CHUNK_BYTES = 64 << 20
 FAR_FROM_ZERO = 1024.0
 
 
-def _default_chunk_rows(V: int, device: torch.device) -> int:
-    """Rows per chunk, at least 1: GPU_CHUNK_BYTES of fp32 on CUDA, CHUNK_BYTES elsewhere.
-
-    needs: CHUNK_BYTES, GPU_CHUNK_BYTES
-    """
-    budget = GPU_CHUNK_BYTES if torch.device(device).type == "cuda" else CHUNK_BYTES
-    return max(1, budget // (4 * V))
-
-
 class _TokenLogprobs(torch.autograd.Function):
     """log softmax(logits)[ids] by row chunks; the backward fills the (N, V) gradient by chunks.
 
@@ -1582,9 +1573,7 @@ def extract_answer(text: str) -> str | None:
     Reads the last MAX_VERIFY_CHARS characters; linear time. A "number" is a _CANDIDATE match
     (digits, sign, commas, decimals, a/b, an exponent); verify decides if it is acceptable.
     """
-    if not isinstance(text, str):
-        return None
-    text = text[-MAX_VERIFY_CHARS:]
+    text = text[-MAX_VERIFY_CHARS:] if isinstance(text, str) else ""  # not a str: no answer
     start = text.rfind("\\boxed{")
     if start >= 0:  # one scan from the opener to its balancing brace (unbalanced: the other rules)
         depth, first = 1, start + len("\\boxed{")
@@ -1644,11 +1633,6 @@ def load_tokenizer(directory: str | Path):
 
     own = (Path(directory) / "pretrain.json").exists()  # a tiny model of machinery.pretrain's
     return machinery.CharTokenizer() if own else machinery.HFTokenizer(directory)
-
-
-def encode_problems(tokenizer, problems):
-    """Prompts as token-id lists (with <bos>) and answers as strings."""
-    return [tokenizer.encode(p) for p, _ in problems], [a for _, a in problems]
 
 
 def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
@@ -1724,8 +1708,6 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     stops at eos_id (the mask includes it); pad_id fills (None: the config's, else eos_id). One host
     sync per token. An MoE model's routers record their experts (R3's routes). -> Rollout
     """
-    from transformers import DynamicCache
-
     import machinery  # the MoE hooks
 
     eos_id = model.config.eos_token_id if eos_id is None else eos_id
@@ -1739,7 +1721,7 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
         generator = torch.Generator(device).manual_seed(draw_seed(generator))
     prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)  # (B, P)
     inputs, attention = prompt_ids, prompt_mask.long()  # the prompt, then one token at a time
-    cache = DynamicCache()
+    cache = None  # the first forward makes a DynamicCache
     finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)  # (B,)
     truncate = temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0)
     ids, masks, logps, entropies, tops, kept = [], [], [], [], [], []
@@ -1829,10 +1811,9 @@ def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: 
     kwargs = {"input_ids": input_ids, "attention_mask": attention, "position_ids": positions,
               "output_hidden_states": True, "logits_to_keep": keep, "use_cache": False}
     moe = routes is not None or machinery.routes_experts(model)
-    routing = contextlib.nullcontext()
-    if moe:  # TIM: R2 / R3: an MoE model's routers run routed_router_forward on the given experts
-        routing = machinery.replay_routes(model, routes, gates, record)
-    with routing as route_log:
+    # TIM: R2 / R3: an MoE model's routers run routed_router_forward on the given experts
+    with (machinery.replay_routes(model, routes, gates, record) if moe
+          else contextlib.nullcontext()) as route_log:
         out = torch.func.functional_call(model, params or {}, args=(), kwargs=kwargs)
     logits = out.logits  # (B, T, V)
     if temperature > 0 and temperature != 1.0:  # in place: the head's output is not saved
@@ -1887,7 +1868,8 @@ def kept_support_from_logits(logits: torch.Tensor, response_ids: torch.Tensor, t
     """
     B, T, V = logits.shape
     flat, ids = logits.reshape(-1, V), response_ids.reshape(-1, 1)  # (N, V), (N, 1)
-    rows = _default_chunk_rows(V, logits.device)
+    budget = GPU_CHUNK_BYTES if logits.device.type == "cuda" else CHUNK_BYTES
+    rows = max(1, budget // (4 * V))  # token_logprobs' chunks
     parts = []
     for start in range(0, flat.shape[0], rows):
         keep = truncation_mask(flat[start : start + rows].float(), top_p, top_k, min_p)  # (n, V)
@@ -2058,8 +2040,7 @@ class VLLMSampler:
         _check_truncation(top_p, top_k, min_p)
         if 0 < temperature < VLLM_MIN_TEMPERATURE:
             raise ValueError(f"temperature {temperature} < {VLLM_MIN_TEMPERATURE}: vLLM would "
-                             f"sample at {VLLM_MIN_TEMPERATURE} while the trainer divides by "
-                             f"{temperature}: every ratio would compare two distributions")
+                             f"sample at {VLLM_MIN_TEMPERATURE}, the trainer at {temperature}")
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, min_p=min_p,
                                  top_k=top_k if temperature > 0 else 1, max_tokens=max_new_tokens,
                                  logprobs=K, seed=seed, skip_special_tokens=False,
@@ -2076,9 +2057,8 @@ class VLLMSampler:
             beyond = finite.all(-1, keepdim=True) & (K < V)
             S = max(int(finite.sum(-1).max()), 1)
             kept = top_ids.masked_fill(~finite | beyond, -1)[..., :S]  # (B, T, S)
-        entropy = None  # -sum p log p (0 * -inf read as 0) when the K are the whole distribution
-        if K == V:
-            entropy = -(top_logp.exp() * top_logp.nan_to_num(neginf=0.0)).sum(-1)  # (B, T)
+        # (B, T) -sum p log p (0 * -inf read as 0) when the K are the whole distribution
+        entropy = -(top_logp.exp() * top_logp.nan_to_num(neginf=0.0)).sum(-1) if K == V else None
         texts = [self.tokenizer.decode(row.tolist()) for row in response_ids]
         rollout = Rollout(prompt_ids, prompt_mask, response_ids, mask, logp, top_ids, top_logp,
                           texts, kept_ids=kept, entropy=entropy)
