@@ -1674,11 +1674,9 @@ class Rollout:
 
     def to(self, device) -> Rollout:
         """The rollout with every tensor on `device`; routes stay on the CPU (moved per layer)."""
-        moved = {}
-        for name, value in vars(self).items():
-            on_device = isinstance(value, torch.Tensor) and not name.startswith("routed_")
-            moved[name] = value.to(device) if on_device else value
-        return Rollout(**moved)
+        tensors = {name: x for name, x in vars(self).items() if isinstance(x, torch.Tensor)}
+        moved = {name: x.to(device) for name, x in tensors.items() if not name.startswith("routed")}
+        return dataclasses.replace(self, **moved)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int = 0, device="cpu") -> tuple:
@@ -1890,8 +1888,8 @@ def fake_quantize(w: torch.Tensor, quant: str) -> torch.Tensor:
         scale = w.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / INT8_MAX  # (..., O, 1)
         return (w / scale).round().clamp(-INT8_MAX, INT8_MAX) * scale
     if quant == "fp8":
-        amax = w.abs().amax(dim=(-2, -1), keepdim=True)  # (..., 1, 1)
-        scale = amax.clamp(min=1e-12) / FP8_E4M3_MAX
+        # (..., 1, 1): one scale per matrix
+        scale = w.abs().amax(dim=(-2, -1), keepdim=True).clamp(min=1e-12) / FP8_E4M3_MAX
         return (w / scale).to(torch.float8_e4m3fn).float() * scale
     raise ValueError(f"quant must be 'int8' or 'fp8', got {quant!r}")
 
@@ -1915,10 +1913,10 @@ class TorchSampler:
         kept_fp32 += [head] if self.engine.head_fp32 else []
         for module in kept_fp32:  # TIM: fp32 weights and inputs (a pre-hook) in a bf16 engine
             module.float().register_forward_pre_hook(lambda _, xs: tuple(x.float() for x in xs))
-        if routers:  # read by routed_router_forward: this copy's routers, the jitter's own stream
-            jitter = torch.Generator(head.weight.device).manual_seed(self.engine.noise_seed)
-            for router in routers:
-                router.logit_jitter, router.jitter_generator = self.engine.router_jitter, jitter
+        # read by routed_router_forward: this copy's routers, the jitter's own stream
+        jitter = torch.Generator(head.weight.device).manual_seed(self.engine.noise_seed)
+        for router in routers:
+            router.logit_jitter, router.jitter_generator = self.engine.router_jitter, jitter
         # the weights the engine's numerics perturb: every nn.Linear's but the lm_head, and an MoE
         # model's routers (Qwen3-MoE: mlp.gate) and experts (gate_up_proj, down_proj: 3-D weights)
         modules = dict(self.model.named_modules())
@@ -1949,9 +1947,9 @@ class TorchSampler:
         unexpected = sorted(set(state_dict) - set(params))
         if missing or unexpected:
             raise ValueError(f"state_dict: missing {missing}, unexpected {unexpected}")
-        for name, target in params.items():  # named_modules order: the noise draws in a fixed order
-            if name not in state_dict:
-                continue
+        # named_modules order: the noise draws in a fixed order
+        loaded = {name: target for name, target in params.items() if name in state_dict}
+        for name, target in loaded.items():
             w = state_dict[name].detach().to(device=target.device, dtype=torch.float32)  # a copy
             if name in self.perturbed and self.engine.quant != "none":
                 w = fake_quantize(w, self.engine.quant)
@@ -2045,8 +2043,8 @@ class VLLMSampler:
                                  top_k=top_k if temperature > 0 else 1, max_tokens=max_new_tokens,
                                  logprobs=K, seed=seed, skip_special_tokens=False,
                                  stop_token_ids=[self.tokenizer.eos_id]) for seed in seeds]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                    use_tqdm=False)
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
         # (B, T) ids, mask, log-probs; (B, T, K) the ranked top-K (-inf where fewer came back)
         response_ids, mask, logp, top_ids, top_logp = machinery.vllm_tensors(outputs, K, pad_id)
         prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], pad_id)
@@ -2060,9 +2058,9 @@ class VLLMSampler:
         # (B, T) -sum p log p (0 * -inf read as 0) when the K are the whole distribution
         entropy = -(top_logp.exp() * top_logp.nan_to_num(neginf=0.0)).sum(-1) if K == V else None
         texts = [self.tokenizer.decode(row.tolist()) for row in response_ids]
-        rollout = Rollout(prompt_ids, prompt_mask, response_ids, mask, logp, top_ids, top_logp,
-                          texts, kept_ids=kept, entropy=entropy)
-        return rollout.to(self.device)
+        # built on the CPU, returned on the reference's device
+        return Rollout(prompt_ids, prompt_mask, response_ids, mask, logp, top_ids, top_logp,
+                       texts, kept_ids=kept, entropy=entropy).to(self.device)
 
 
 # --------------------------------------------------------------------------------------------------
