@@ -53,7 +53,7 @@ def measure_engines(model_dir: str | Path, engines: list[tuple[str, object]], n_
                                   max_model_len=max_model_len))
         for seed in seeds:
             problems = machinery.make_arithmetic_task(n_prompts, seed=seed, split="eval", **machinery.task_kwargs(model_dir))
-            ids = prompts if prompts is not None else tr.encode_problems(tokenizer, problems)[0]
+            ids = prompts if prompts is not None else machinery.encode_problems(tokenizer, problems)[0]
             ro = sampler.sample(ids, n, max_new_tokens, 1.0, topk, torch.Generator().manual_seed(seed))
             with torch.no_grad():
                 # TIM: the trainer's view of the same tokens
@@ -856,7 +856,7 @@ def _cis_gap_by_confidence(pc: PresetConfig, seeds: list[int]) -> tuple[str, lis
     """Spread of the fp8 engine gap (log-odds and log-prob) by the trainer's confidence p, seed 0."""
     model_dir = machinery.resolve_model_dir(pc.model)
     model, tokenizer = tr.load_model(model_dir).eval(), tr.load_tokenizer(model_dir)
-    prompts, _ = tr.encode_problems(tokenizer, machinery.make_arithmetic_task(16 if pc.smoke else 128, split="eval",
+    prompts, _ = machinery.encode_problems(tokenizer, machinery.make_arithmetic_task(16 if pc.smoke else 128, split="eval",
                                                                         **machinery.task_kwargs(model_dir)))
     ro = tr.TorchSampler(model, tr.EngineSpec(quant="fp8"), tokenizer).sample(prompts, 8, 5, 1.0, 0,
                                                                         torch.Generator().manual_seed(0))
@@ -909,7 +909,7 @@ def routing_rows(model_dir: str | Path, seeds: tuple[int, ...] = (0,), n_prompts
                    tr.VLLMSampler(model_dir, dtype="bf16", tokenizer=tokenizer))
         for seed in seeds:
             problems = machinery.make_arithmetic_task(n_prompts, seed=seed, split="eval", **machinery.task_kwargs(model_dir))
-            ro = sampler.sample(tr.encode_problems(tokenizer, problems)[0], n, 5, 1.0, None,
+            ro = sampler.sample(machinery.encode_problems(tokenizer, problems)[0], n, 5, 1.0, None,
                                 torch.Generator().manual_seed(seed))
             behaviour = trainer.behaviour_logprobs(ro, routing_replay="r3" if r3 else "none")
             ledger = tr.mismatch_ledger(behaviour.logp_old, behaviour.logp_old, ro.logp_infer, ro.mask,
@@ -967,7 +967,7 @@ def flips_by_margin(model_dir: str | Path, engines: list[tuple[str, tr.EngineSpe
     problems = machinery.make_arithmetic_task(n_prompts, seed=seed, split="eval", **machinery.task_kwargs(model_dir))
     rows = []
     for label, spec in engines:
-        ro = tr.TorchSampler(model, spec, tokenizer).sample(tr.encode_problems(tokenizer, problems)[0], n, 5, 1.0,
+        ro = tr.TorchSampler(model, spec, tokenizer).sample(machinery.encode_problems(tokenizer, problems)[0], n, 5, 1.0,
                                                             None, torch.Generator().manual_seed(seed))
         own, margins = router_margins(model, ro)
         sampled = ro.routed_experts.to(own)
@@ -1044,7 +1044,7 @@ def _fair_cast_visibility(pc: PresetConfig, seeds: list[int]) -> tuple[str, list
 def _truncation_table(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dict]]:
     """truncation_table of the tiny model (vLLM's engines too when installed, outside --smoke)."""
     model_dir = machinery.resolve_model_dir(pc.model)
-    prompts, _ = tr.encode_problems(tr.load_tokenizer(model_dir), machinery.make_arithmetic_task(
+    prompts, _ = machinery.encode_problems(tr.load_tokenizer(model_dir), machinery.make_arithmetic_task(
         16 if pc.smoke else 64, **machinery.task_kwargs(model_dir), split="eval"))
     return ((f"Kept mass S and ratio bias, tiny model, {len(prompts)} prompts x 4 samples x 5 tokens, "
             "temperature 1, fp32 trainer:"), truncation_table(model_dir, prompts, 4, 5, vllm=not pc.smoke))
@@ -1680,7 +1680,7 @@ def mismatch_at_level(model_dir: str | Path, digits: int, noise: float, seeds: t
     for seed in seeds:
         sampler = tr.TorchSampler(model, tr.EngineSpec(noise=noise, noise_seed=seed + 1234), tokenizer)
         problems = machinery.make_arithmetic_task(n_prompts, digits, seed, "s", split="rl")
-        prompts, answers = tr.encode_problems(tokenizer, problems)
+        prompts, answers = machinery.encode_problems(tokenizer, problems)
         ro = sampler.sample(prompts, n, answer_tokens(digits), 1.0, 0, torch.Generator().manual_seed(seed))
         with torch.no_grad():
             logp, logp_all, _ = tr.sequence_logprobs(model, ro, topk_ids=ro.topk_ids)  # (B, T), (B, T, V)
@@ -2935,7 +2935,7 @@ class DoctorCase(NamedTuple):
 
 def _doctor_rollout(model, tokenizer, spec, problems, n, n_new, seed, temperature=1.0, **truncation):
     """(rollout, the fp32 trainer's logp on its tokens, GRPO advantages) of one TorchSampler engine."""
-    prompts, answers = tr.encode_problems(tokenizer, problems)
+    prompts, answers = machinery.encode_problems(tokenizer, problems)
     sampler = tr.TorchSampler(model, spec, tokenizer)
     ro = sampler.sample(prompts, n, n_new, temperature, None, torch.Generator().manual_seed(seed), **truncation)
     with torch.no_grad():
@@ -3663,7 +3663,7 @@ def bench_corrections(B: int, T: int, V: int, K: int, repeats: int) -> list[dict
 def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, device: torch.device) -> list[dict]:
     """Generated tokens/s of TorchSampler vs HF generate (same model, fp32, batch, max length, device), and vLLM's."""
     tokenizer, model = tr.load_tokenizer(model_dir), tr.load_model(model_dir).to(device).eval()
-    prompts, _ = tr.encode_problems(tokenizer, machinery.make_arithmetic_task(prompts_n, split="eval",
+    prompts, _ = machinery.encode_problems(tokenizer, machinery.make_arithmetic_task(prompts_n, split="eval",
                                                                         **machinery.task_kwargs(model_dir)))
     gen = torch.Generator().manual_seed(0)
 

@@ -1228,7 +1228,7 @@ def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: 
     model_dir = ensure_base_model("runs/base")
     model, tokenizer = tr.load_model(model_dir).eval(), tr.load_tokenizer(model_dir)
     problems = make_arithmetic_task(64, seed=0, split="eval", **task_kwargs(model_dir))
-    prompts = tr.encode_problems(tokenizer, problems)[0]
+    prompts = encode_problems(tokenizer, problems)[0]
     Spec = tr.EngineSpec
     engines = {"torch fp32 (KV cache)": Spec(), "torch fp32 exact": Spec(exact=True),
                "torch fp16": Spec(dtype="fp16"), "torch bf16": Spec(dtype="bf16"),
@@ -1453,7 +1453,7 @@ def stack_routes(log: list[list[tuple]], batch: int, part: int = 0) -> torch.Ten
 
 def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int = 6, batch: int = 256) -> float:
     """Held-out exact-match accuracy of greedy decoding with `model` (any engine's copy)."""
-    prompts, answers = tr.encode_problems(tokenizer, problems)
+    prompts, answers = encode_problems(tokenizer, problems)
     texts = []
     for i in range(0, len(prompts), batch):
         greedy = tr.decode(model, prompts[i : i + batch], max_new_tokens, 0.0, 1, None,
@@ -1487,7 +1487,7 @@ def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tu
         if truncation is None:
             logp = tr.token_logprobs(logits, response_ids)  # (B, T)
         else:  # by row chunks of token_logprobs' size: never (B, T, V) masks or a masked copy
-            rows = tr._default_chunk_rows(logits.shape[-1], logits.device)
+            rows = default_chunk_rows(logits.shape[-1], logits.device)
             flat, flat_ids = logits.flatten(0, 1), response_ids.reshape(-1)  # (N, V), (N,)
             parts = []
             for part, ids in zip(flat.split(rows), flat_ids.split(rows)):
@@ -1502,7 +1502,7 @@ def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tu
 
 def vllm_greedy_accuracy(sampler, problems, max_new_tokens: int = 6) -> float:
     """Held-out greedy exact match of a VLLMSampler's copy of the weights."""
-    prompts, answers = tr.encode_problems(sampler.tokenizer, problems)
+    prompts, answers = encode_problems(sampler.tokenizer, problems)
     texts = sampler.sample(prompts, 1, max_new_tokens, temperature=0.0, topk=1).texts
     return sum(map(tr.verify, texts, answers)) / max(len(prompts), 1)
 
@@ -1865,3 +1865,18 @@ def rollout_routes(route_log, batch: int) -> tuple:
     routes = torch.nn.functional.pad(stack_routes(route_log, batch), last, value=-1)
     gates = torch.nn.functional.pad(stack_routes(route_log, batch, 1), last, value=math.nan)
     return routes, gates
+
+
+# ---- testbed glue: prompts as token ids, eager chunk sizes ----
+
+
+def encode_problems(tokenizer, problems):
+    """Prompts as token-id lists (with <bos>) and answers as strings."""
+    return [tokenizer.encode(p) for p, _ in problems], [a for _, a in problems]
+
+
+def default_chunk_rows(V: int, device: torch.device) -> int:
+    """Rows per eager chunk, at least 1: GPU_CHUNK_BYTES of fp32 on CUDA, CHUNK_BYTES elsewhere
+    (tim_rl.token_logprobs' rule)."""
+    budget = tr.GPU_CHUNK_BYTES if torch.device(device).type == "cuda" else tr.CHUNK_BYTES
+    return max(1, budget // (4 * V))

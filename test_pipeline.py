@@ -132,12 +132,12 @@ def test_default_chunk_rows_are_device_sized():
     """Eager chunks: CHUNK_BYTES of fp32 on the CPU (~6 rows at V = 151 936), GPU_CHUNK_BYTES (>= 64 MiB) on CUDA;
     at least one row for any V."""
     V = 151_936
-    cpu_rows = tr._default_chunk_rows(V, torch.device("cpu"))
-    gpu_rows = tr._default_chunk_rows(V, torch.device("cuda"))
+    cpu_rows = machinery.default_chunk_rows(V, torch.device("cpu"))
+    gpu_rows = machinery.default_chunk_rows(V, torch.device("cuda"))
     assert cpu_rows == tr.CHUNK_BYTES // (4 * V) == 6
     assert tr.GPU_CHUNK_BYTES >= 64 << 20 and gpu_rows == tr.GPU_CHUNK_BYTES // (4 * V)
     assert (gpu_rows + 1) * 4 * V > 64 << 20  # within one row of 64 MiB or more
-    assert tr._default_chunk_rows(1 << 30, torch.device("cuda")) == 1
+    assert machinery.default_chunk_rows(1 << 30, torch.device("cuda")) == 1
 
 
 # =================================================================================================================
@@ -1277,7 +1277,7 @@ def test_vllm_serves_the_moe_through_syncs_and_its_canary_catches_a_mispacked_sy
     tr.VLLMSampler(base_model_dir, dtype="fp32", seed=0)
     model = tr.load_model(moe_base_dir).eval()
     tok = tr.load_tokenizer(moe_base_dir)
-    prompts = tr.encode_problems(tok, machinery.make_arithmetic_task(16, split="eval", **machinery.task_kwargs(moe_base_dir)))[0]
+    prompts = machinery.encode_problems(tok, machinery.make_arithmetic_task(16, split="eval", **machinery.task_kwargs(moe_base_dir)))[0]
     sampler = tr.VLLMSampler(moe_base_dir, dtype="fp32", seed=0, tokenizer=tok, reference=model)
     noise = torch.Generator().manual_seed(0)
 
@@ -1485,7 +1485,7 @@ def moe_exact(moe_base_dir):
     """(fp32 master, tokenizer, an exact-mode fp32 sampler's rollout of 32 x 2 responses)."""
     model = tr.load_model(moe_base_dir).eval()
     tokenizer = tr.load_tokenizer(moe_base_dir)
-    prompts = tr.encode_problems(tokenizer, machinery.make_arithmetic_task(32, seed=3, split="eval"))[0]
+    prompts = machinery.encode_problems(tokenizer, machinery.make_arithmetic_task(32, seed=3, split="eval"))[0]
     sampler = tr.TorchSampler(model, tr.EngineSpec(exact=True), tokenizer)
     ro = sampler.sample(prompts, 2, 5, 1.0, None, torch.Generator().manual_seed(0))
     return model, tokenizer, ro, sampler
@@ -1667,7 +1667,7 @@ def test_router_jitter_is_fresh_per_forward_flips_near_ties_and_stays_on_the_sam
     margins of the trainer's router (near-ties), where router noise flips at every margin up to 0.3."""
     model = tr.load_model(moe_base_dir).eval()
     tok = tr.load_tokenizer(moe_base_dir)
-    prompts = tr.encode_problems(tok, machinery.make_arithmetic_task(16, split="eval", **machinery.task_kwargs(moe_base_dir)))[0]
+    prompts = machinery.encode_problems(tok, machinery.make_arithmetic_task(16, split="eval", **machinery.task_kwargs(moe_base_dir)))[0]
     for spec, fresh in ((tr.EngineSpec(router_jitter=0.05), True), (tr.EngineSpec(router_noise=0.5), False)):
         sampler = tr.TorchSampler(model, spec, tok)
         ro = sampler.sample(prompts, 2, 5, 1.0, None, torch.Generator().manual_seed(0))
@@ -3256,7 +3256,7 @@ def test_torch_sampler_records_gate_weights_and_the_ledger_splits_routing_gates_
     # (its gates come from the KV-cache decode, its log-probs from the scoring pass: equal to fp32 rounding)
     assert torch.allclose(torch.where(ro_exact.mask, exact.logp_old_sampler_gates, 0.0), ro_exact.logp_infer, atol=1e-5)
     sampler = tr.TorchSampler(model, tr.EngineSpec(router_noise=1.0), tokenizer)
-    prompts = tr.encode_problems(tokenizer, machinery.make_arithmetic_task(16, seed=3, split="eval"))[0]
+    prompts = machinery.encode_problems(tokenizer, machinery.make_arithmetic_task(16, seed=3, split="eval"))[0]
     ro = sampler.sample(prompts, 2, 5, 1.0, None, torch.Generator().manual_seed(0))
     assert ro.routed_weights.dtype == torch.float32 and (ro.routed_weights[:, :-1].sum(-1) - 1).abs().max() < 1e-5
     b = trainer.behaviour_logprobs(ro)

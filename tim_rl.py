@@ -1502,15 +1502,6 @@ GPU_CHUNK_BYTES = 64 << 20
 FAR_FROM_ZERO = 1024.0
 
 
-def _default_chunk_rows(V: int, device: torch.device) -> int:
-    """Rows per chunk, at least 1: GPU_CHUNK_BYTES of fp32 on CUDA, CHUNK_BYTES elsewhere.
-
-    needs: CHUNK_BYTES, GPU_CHUNK_BYTES
-    """
-    budget = GPU_CHUNK_BYTES if torch.device(device).type == "cuda" else CHUNK_BYTES
-    return max(1, budget // (4 * V))
-
-
 class _TokenLogprobs(torch.autograd.Function):
     """log softmax(logits)[ids] by row chunks; the backward fills the (N, V) gradient by chunks.
 
@@ -1582,9 +1573,7 @@ def extract_answer(text: str) -> str | None:
     Reads the last MAX_VERIFY_CHARS characters; linear time. A "number" is a _CANDIDATE match
     (digits, sign, commas, decimals, a/b, an exponent); verify decides if it is acceptable.
     """
-    if not isinstance(text, str):
-        return None
-    text = text[-MAX_VERIFY_CHARS:]
+    text = text[-MAX_VERIFY_CHARS:] if isinstance(text, str) else ""  # not a str: no answer
     start = text.rfind("\\boxed{")
     if start >= 0:  # one scan from the opener to its balancing brace (unbalanced: the other rules)
         depth, first = 1, start + len("\\boxed{")
@@ -1646,11 +1635,6 @@ def load_tokenizer(directory: str | Path):
     return machinery.CharTokenizer() if own else machinery.HFTokenizer(directory)
 
 
-def encode_problems(tokenizer, problems):
-    """Prompts as token-id lists (with <bos>) and answers as strings."""
-    return [tokenizer.encode(p) for p, _ in problems], [a for _, a in problems]
-
-
 def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
     """The model with every dropout at 0, in training mode too: nn.Dropout's p and every float
     attribute named *dropout* or *jitter* of its modules and config. Train mode then computes what
@@ -1690,11 +1674,9 @@ class Rollout:
 
     def to(self, device) -> Rollout:
         """The rollout with every tensor on `device`; routes stay on the CPU (moved per layer)."""
-        moved = {}
-        for name, value in vars(self).items():
-            on_device = isinstance(value, torch.Tensor) and not name.startswith("routed_")
-            moved[name] = value.to(device) if on_device else value
-        return Rollout(**moved)
+        tensors = {name: x for name, x in vars(self).items() if isinstance(x, torch.Tensor)}
+        moved = {name: x.to(device) for name, x in tensors.items() if not name.startswith("routed")}
+        return dataclasses.replace(self, **moved)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int = 0, device="cpu") -> tuple:
@@ -1724,8 +1706,6 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     stops at eos_id (the mask includes it); pad_id fills (None: the config's, else eos_id). One host
     sync per token. An MoE model's routers record their experts (R3's routes). -> Rollout
     """
-    from transformers import DynamicCache
-
     import machinery  # the MoE hooks
 
     eos_id = model.config.eos_token_id if eos_id is None else eos_id
@@ -1739,7 +1719,7 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
         generator = torch.Generator(device).manual_seed(draw_seed(generator))
     prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)  # (B, P)
     inputs, attention = prompt_ids, prompt_mask.long()  # the prompt, then one token at a time
-    cache = DynamicCache()
+    cache = None  # the first forward makes a DynamicCache
     finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)  # (B,)
     truncate = temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0)
     ids, masks, logps, entropies, tops, kept = [], [], [], [], [], []
@@ -1829,10 +1809,9 @@ def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: 
     kwargs = {"input_ids": input_ids, "attention_mask": attention, "position_ids": positions,
               "output_hidden_states": True, "logits_to_keep": keep, "use_cache": False}
     moe = routes is not None or machinery.routes_experts(model)
-    routing = contextlib.nullcontext()
-    if moe:  # TIM: R2 / R3: an MoE model's routers run routed_router_forward on the given experts
-        routing = machinery.replay_routes(model, routes, gates, record)
-    with routing as route_log:
+    # TIM: R2 / R3: an MoE model's routers run routed_router_forward on the given experts
+    with (machinery.replay_routes(model, routes, gates, record) if moe
+          else contextlib.nullcontext()) as route_log:
         out = torch.func.functional_call(model, params or {}, args=(), kwargs=kwargs)
     logits = out.logits  # (B, T, V)
     if temperature > 0 and temperature != 1.0:  # in place: the head's output is not saved
@@ -1887,7 +1866,8 @@ def kept_support_from_logits(logits: torch.Tensor, response_ids: torch.Tensor, t
     """
     B, T, V = logits.shape
     flat, ids = logits.reshape(-1, V), response_ids.reshape(-1, 1)  # (N, V), (N, 1)
-    rows = _default_chunk_rows(V, logits.device)
+    budget = GPU_CHUNK_BYTES if logits.device.type == "cuda" else CHUNK_BYTES
+    rows = max(1, budget // (4 * V))  # token_logprobs' chunks
     parts = []
     for start in range(0, flat.shape[0], rows):
         keep = truncation_mask(flat[start : start + rows].float(), top_p, top_k, min_p)  # (n, V)
@@ -1908,8 +1888,8 @@ def fake_quantize(w: torch.Tensor, quant: str) -> torch.Tensor:
         scale = w.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / INT8_MAX  # (..., O, 1)
         return (w / scale).round().clamp(-INT8_MAX, INT8_MAX) * scale
     if quant == "fp8":
-        amax = w.abs().amax(dim=(-2, -1), keepdim=True)  # (..., 1, 1)
-        scale = amax.clamp(min=1e-12) / FP8_E4M3_MAX
+        # (..., 1, 1): one scale per matrix
+        scale = w.abs().amax(dim=(-2, -1), keepdim=True).clamp(min=1e-12) / FP8_E4M3_MAX
         return (w / scale).to(torch.float8_e4m3fn).float() * scale
     raise ValueError(f"quant must be 'int8' or 'fp8', got {quant!r}")
 
@@ -1933,10 +1913,10 @@ class TorchSampler:
         kept_fp32 += [head] if self.engine.head_fp32 else []
         for module in kept_fp32:  # TIM: fp32 weights and inputs (a pre-hook) in a bf16 engine
             module.float().register_forward_pre_hook(lambda _, xs: tuple(x.float() for x in xs))
-        if routers:  # read by routed_router_forward: this copy's routers, the jitter's own stream
-            jitter = torch.Generator(head.weight.device).manual_seed(self.engine.noise_seed)
-            for router in routers:
-                router.logit_jitter, router.jitter_generator = self.engine.router_jitter, jitter
+        # read by routed_router_forward: this copy's routers, the jitter's own stream
+        jitter = torch.Generator(head.weight.device).manual_seed(self.engine.noise_seed)
+        for router in routers:
+            router.logit_jitter, router.jitter_generator = self.engine.router_jitter, jitter
         # the weights the engine's numerics perturb: every nn.Linear's but the lm_head, and an MoE
         # model's routers (Qwen3-MoE: mlp.gate) and experts (gate_up_proj, down_proj: 3-D weights)
         modules = dict(self.model.named_modules())
@@ -1967,9 +1947,9 @@ class TorchSampler:
         unexpected = sorted(set(state_dict) - set(params))
         if missing or unexpected:
             raise ValueError(f"state_dict: missing {missing}, unexpected {unexpected}")
-        for name, target in params.items():  # named_modules order: the noise draws in a fixed order
-            if name not in state_dict:
-                continue
+        # named_modules order: the noise draws in a fixed order
+        loaded = {name: target for name, target in params.items() if name in state_dict}
+        for name, target in loaded.items():
             w = state_dict[name].detach().to(device=target.device, dtype=torch.float32)  # a copy
             if name in self.perturbed and self.engine.quant != "none":
                 w = fake_quantize(w, self.engine.quant)
@@ -2058,14 +2038,13 @@ class VLLMSampler:
         _check_truncation(top_p, top_k, min_p)
         if 0 < temperature < VLLM_MIN_TEMPERATURE:
             raise ValueError(f"temperature {temperature} < {VLLM_MIN_TEMPERATURE}: vLLM would "
-                             f"sample at {VLLM_MIN_TEMPERATURE} while the trainer divides by "
-                             f"{temperature}: every ratio would compare two distributions")
+                             f"sample at {VLLM_MIN_TEMPERATURE}, the trainer at {temperature}")
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, min_p=min_p,
                                  top_k=top_k if temperature > 0 else 1, max_tokens=max_new_tokens,
                                  logprobs=K, seed=seed, skip_special_tokens=False,
                                  stop_token_ids=[self.tokenizer.eos_id]) for seed in seeds]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                    use_tqdm=False)
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
         # (B, T) ids, mask, log-probs; (B, T, K) the ranked top-K (-inf where fewer came back)
         response_ids, mask, logp, top_ids, top_logp = machinery.vllm_tensors(outputs, K, pad_id)
         prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], pad_id)
@@ -2076,13 +2055,12 @@ class VLLMSampler:
             beyond = finite.all(-1, keepdim=True) & (K < V)
             S = max(int(finite.sum(-1).max()), 1)
             kept = top_ids.masked_fill(~finite | beyond, -1)[..., :S]  # (B, T, S)
-        entropy = None  # -sum p log p (0 * -inf read as 0) when the K are the whole distribution
-        if K == V:
-            entropy = -(top_logp.exp() * top_logp.nan_to_num(neginf=0.0)).sum(-1)  # (B, T)
+        # (B, T) -sum p log p (0 * -inf read as 0) when the K are the whole distribution
+        entropy = -(top_logp.exp() * top_logp.nan_to_num(neginf=0.0)).sum(-1) if K == V else None
         texts = [self.tokenizer.decode(row.tolist()) for row in response_ids]
-        rollout = Rollout(prompt_ids, prompt_mask, response_ids, mask, logp, top_ids, top_logp,
-                          texts, kept_ids=kept, entropy=entropy)
-        return rollout.to(self.device)
+        # built on the CPU, returned on the reference's device
+        return Rollout(prompt_ids, prompt_mask, response_ids, mask, logp, top_ids, top_logp,
+                       texts, kept_ids=kept, entropy=entropy).to(self.device)
 
 
 # --------------------------------------------------------------------------------------------------
