@@ -1880,3 +1880,48 @@ def default_chunk_rows(V: int, device: torch.device) -> int:
     (tim_rl.token_logprobs' rule)."""
     budget = tr.GPU_CHUNK_BYTES if torch.device(device).type == "cuda" else tr.CHUNK_BYTES
     return max(1, budget // (4 * V))
+
+
+# ---- tim_rl.py's run plumbing: sampler from the config, recorded top-K, export roundings, MoE flips ----
+
+
+def build_sampler(cfg, trainer, tokenizer):
+    """The run's sampler engine from RLConfig: a TorchSampler on an EngineSpec, or a VLLMSampler."""
+    if cfg.sampler == "vllm":  # --dtype only (check_run_config refused --quant, --noise, --exact)
+        return tr.VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer,
+                              gpu_memory=cfg.vllm_gpu_memory, reference=trainer.behaviour)
+    # its noise seeded apart from the run's
+    engine = tr.EngineSpec(cfg.dtype, cfg.quant, cfg.noise, cfg.seed + 1234, cfg.exact,
+                           router_noise=cfg.router_noise, router_jitter=cfg.router_jitter)
+    return tr.TorchSampler(trainer.model, engine, tokenizer)
+
+
+def recorded_topk(cfg) -> int | None:
+    """The top-K the sampler records: cfg.topk for the arms (and diagnostics) that read it, else
+    None; vLLM under truncation cfg.support_topk, whose finite ones are its kept support.
+
+    At V = 151,936 all-V records would be 12 bytes x V per token: only a flag set to 0 asks for
+    them."""
+    if tr.arm_of(cfg).reads_topk or cfg.diagnose_drift:  # the loss or the diagnostics read them
+        return cfg.topk
+    return cfg.support_topk if cfg.sampler == "vllm" and tr._truncates(cfg) else None
+
+
+def export_roundings(device: torch.device, generator: torch.Generator | None):
+    """Trainer.export's bf16 roundings -> (sr(master), ef(master, residual)): on the CPU the
+    reference stochastic_round_bf16 (with `generator`) and error_feedback_round_bf16; on a GPU
+    gpu_rounding's fused passes."""
+    if device.type == "cuda":
+        return gpu_rounding(device, generator)
+    sr = functools.partial(tr.stochastic_round_bf16, generator=generator)
+    return sr, tr.error_feedback_round_bf16
+
+
+def route_flips(rollout, routes) -> dict:
+    """MoE: {route_flip_<name>: share} of routing_flip_rate between the sampler's experts and the
+    trainer engine's own `routes` (B, P + T, L, k); {} for a dense model (either is None)."""
+    if routes is None or rollout.routed_experts is None:
+        return {}
+    fed = torch.cat([rollout.prompt_mask, rollout.mask], 1).cpu()  # (B, P + T) prompt and response
+    flips = tr.routing_flip_rate(rollout.routed_experts, routes, fed)
+    return {f"route_flip_{name}": share for name, share in flips.items()}

@@ -927,9 +927,9 @@ def test_decode_and_trainer_run_the_head_on_the_positions_they_need_only(base_mo
 def test_top_k_is_recorded_only_for_the_arms_that_read_it_and_entropy_at_sampling_time(base_model_dir):
     """K = 0 for the arms that never read the top-K (a real vocabulary's records would be 12 bytes x V per token),
     the configured K for score centering and the drift diagnostics; the entropy is the full distribution's."""
-    assert tr.recorded_topk(tr.RLConfig(correction="tis")) is None
-    assert tr.recorded_topk(tr.RLConfig(correction="sc_tis", topk=32)) == 32
-    assert tr.recorded_topk(tr.RLConfig(correction="tis", diagnose_drift=True)) == tr.RLConfig().topk == 32
+    assert machinery.recorded_topk(tr.RLConfig(correction="tis")) is None
+    assert machinery.recorded_topk(tr.RLConfig(correction="sc_tis", topk=32)) == 32
+    assert machinery.recorded_topk(tr.RLConfig(correction="tis", diagnose_drift=True)) == tr.RLConfig().topk == 32
     model = tr.load_model(base_model_dir).eval()
     tok = machinery.CharTokenizer()
     prompts = [tok.encode(p) for p, _ in machinery.make_arithmetic_task(8, split="eval")]
@@ -3905,10 +3905,10 @@ def test_vllm_under_truncation_requests_a_bounded_k():
     """recorded_topk never asks for all V unless a flag is 0: vLLM under truncation requests --support-topk, the
     score-centering arms --topk (default bounded; the presets pin the published all-V runs' topk=0)."""
     vllm_top_p = tr.RLConfig(sampler="vllm", top_p=0.9)
-    assert tr.recorded_topk(vllm_top_p) == vllm_top_p.support_topk > 0
-    assert tr.recorded_topk(tr.RLConfig(sampler="vllm", top_p=0.9, support_topk=0)) == 0, "all V: asked for"
-    assert tr.recorded_topk(tr.RLConfig(sampler="vllm")) is None
-    assert tr.recorded_topk(tr.RLConfig(correction="sc_tis")) == tr.RLConfig().topk > 0
+    assert machinery.recorded_topk(vllm_top_p) == vllm_top_p.support_topk > 0
+    assert machinery.recorded_topk(tr.RLConfig(sampler="vllm", top_p=0.9, support_topk=0)) == 0, "all V: asked for"
+    assert machinery.recorded_topk(tr.RLConfig(sampler="vllm")) is None
+    assert machinery.recorded_topk(tr.RLConfig(correction="sc_tis")) == tr.RLConfig().topk > 0
     assert ex._preset_base(ex.PresetConfig()).topk == 0
 
 

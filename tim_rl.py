@@ -69,7 +69,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import json
 import math
 import re
@@ -461,9 +460,8 @@ def log_odds_displacement(logp_train: torch.Tensor, logp_infer: torch.Tensor) ->
 # Each cause the doctor can name, and what to do about it
 DOCTOR_ADVICE = {
     "clean": "nothing to correct: the gap is at fp32 kernel level",
-    "numerics": "engine numerics (dtype, kernels, quantised weights): a token-level correction "
-                "(tis / mis / icepop); an fp16 sampler shrinks a bf16 engine's share [9], not a "
-                "quantised one's",
+    "numerics": "engine numerics (dtype, kernels, quantised weights): per-token tis / mis / icepop;"
+                " an fp16 sampler shrinks a bf16 engine's share [9], not a quantised one's",
     "truncation": "top-p / top-k renormalised by the sampler only: renormalize_on_support, or raw "
                   "sampler log-probs",
     "temperature": "temperature applied on one side only: divide the trainer's logits by it too",
@@ -2206,11 +2204,8 @@ class Trainer:
         if mode != "rtn" and self.export_dtype != "bf16":
             raise ValueError(f"export mode {mode!r} rounds to bf16, not {self.export_dtype}")
         state, dot, norm2, fp32 = {}, 0.0, 0.0, self.export_dtype == "fp32"
-        device = next(self.model.parameters()).device
-        sr = functools.partial(stochastic_round_bf16, generator=generator)
-        ef = error_feedback_round_bf16
-        if device.type == "cuda":
-            sr, ef = machinery.gpu_rounding(device, generator)
+        # the CPU: stochastic_round_bf16 (with `generator`) and error_feedback_round_bf16
+        sr, ef = machinery.export_roundings(next(self.model.parameters()).device, generator)
         for name, p in self.model.named_parameters():
             master = p.detach()
             if fp32:
@@ -2394,7 +2389,7 @@ class RunState:
     eval_set: list
     arm: Arm  # ARMS[cfg.correction]
     truncation: tuple | None  # (top_p, top_k, min_p) when the sampler truncates, else None
-    topk: int | None  # the top-K the sampler records (recorded_topk)
+    topk: int | None  # the top-K the sampler records (machinery.recorded_topk)
     since_sync: int = 0
 
 
@@ -2560,10 +2555,7 @@ def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
     behaviour = state.trainer.behaviour_logprobs(ro, cfg.temperature, state.truncation,
                                                  cfg.routing_replay)
     extra = merge_kept_support(ro, behaviour.rebuilt) if state.truncation else {}
-    if behaviour.routes is not None and ro.routed_experts is not None:  # MoE: two engines' experts
-        fed = torch.cat([ro.prompt_mask, ro.mask], 1).cpu()  # (B, P + T) prompt and response
-        flips = routing_flip_rate(ro.routed_experts, behaviour.routes, fed)
-        extra |= {f"route_flip_{name}": share for name, share in flips.items()}
+    extra |= machinery.route_flips(ro, behaviour.routes)  # MoE: routing_flip_rate of two engines
     meter.lap("recompute")
     # 4) update(s): the arm's loss, updates_per_batch optimizer steps on the batch
     updates = []
@@ -2597,19 +2589,13 @@ def setup_run(cfg: RLConfig) -> RunState:
     trainer = Trainer(model, cfg.lr, cfg.optimizer, export_dtype=cfg.dtype,
                       loss_on_served=cfg.loss_on_served,
                       extra_params=value_head.parameters() if arm.critic else ())
-    if cfg.sampler == "vllm":  # --dtype only (check_run_config refused --quant, --noise, --exact)
-        sampler = VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer,
-                              gpu_memory=cfg.vllm_gpu_memory, reference=trainer.behaviour)
-    else:  # its noise seeded apart from the run's
-        engine = EngineSpec(cfg.dtype, cfg.quant, cfg.noise, cfg.seed + 1234, cfg.exact,
-                            router_noise=cfg.router_noise, router_jitter=cfg.router_jitter)
-        sampler = TorchSampler(trainer.model, engine, tokenizer)
+    sampler = machinery.build_sampler(cfg, trainer, tokenizer)  # TorchSampler or VLLMSampler
     gen = torch.Generator().manual_seed(cfg.seed)
     sampler.load_weights(trainer.export(cfg.export, generator=gen)[0])  # the first served copy
     train_set, eval_set = machinery.run_problems(cfg, model_dir, tokenizer)  # RL, held-out
     truncation = (cfg.top_p, cfg.top_k, cfg.min_p) if _truncates(cfg) else None
     return RunState(trainer, sampler, tokenizer, gen, value_head, train_set, eval_set, arm,
-                    truncation, recorded_topk(cfg))
+                    truncation, machinery.recorded_topk(cfg))
 
 
 def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
@@ -2724,17 +2710,6 @@ class RLConfig:
 def _truncates(cfg: RLConfig) -> bool:
     """Whether the run samples from a truncated distribution (top-p, top-k or min-p at T > 0)."""
     return cfg.temperature > 0 and (cfg.top_p < 1 or cfg.top_k > 0 or cfg.min_p > 0)
-
-
-def recorded_topk(cfg: RLConfig) -> int | None:
-    """The top-K the sampler records: cfg.topk for the arms (and diagnostics) that read it, else
-    None; vLLM under truncation cfg.support_topk, whose finite ones are its kept support.
-
-    At V = 151,936 all-V records would be 12 bytes x V per token: only a flag set to 0 asks for
-    them."""
-    if arm_of(cfg).reads_topk or cfg.diagnose_drift:  # the loss or the diagnostics read them
-        return cfg.topk
-    return cfg.support_topk if cfg.sampler == "vllm" and _truncates(cfg) else None
 
 
 QUANTS = ("none", "int8", "fp8")  # EngineSpec.quant / RLConfig.quant: weight fake-quantisation
