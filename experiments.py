@@ -3308,10 +3308,12 @@ def smol_build_cases(model, tokenizer, prompts: list[list[int]], seed: int = 0,
 
 
 def smol_save_cases(cases: list[DoctorCase], path: Path, info: dict) -> Path:
-    """The cases' tensors as one safetensors file (case i's under "i.<argument>"), labels and `info` in its metadata."""
+    """The cases' tensors as one safetensors file (case i's under "i.<argument>", copied: cases share inputs),
+    labels and `info` in its metadata."""
     from safetensors.torch import save_file
 
-    tensors = {f"{i}.{name}": value.contiguous() for i, case in enumerate(cases) for name, value in case.inputs.items()}
+    tensors = {f"{i}.{name}": value.clone().contiguous()
+               for i, case in enumerate(cases) for name, value in case.inputs.items()}
     labels = [{"causes": list(c.causes), "level": c.level, "rank": c.rank} for c in cases]
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata={"cases": json.dumps(labels), "info": json.dumps(info)})

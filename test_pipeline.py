@@ -2980,6 +2980,9 @@ def _smol_synthetic_cases() -> list:
         logp, logq, mask = _doctor_tensors(B=32, T=64, seed=seed, **kwargs)
         adv = torch.randint(0, 2, (32,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
         cases.append(ex._case(causes, level, rank, logp, logq, mask, adv))
+    shared = cases[0].inputs  # the real build reuses one rollout's tensors across cases: they share memory
+    cases.append(ex._case(("clean",), "exact, same tensors", 1, shared["logp_train"], shared["logp_infer"],
+                          shared["mask"], shared["advantages"]))
     return cases
 
 
@@ -2993,7 +2996,7 @@ def test_doctor_eval_smollm2_scores_cached_cases_with_and_without_advantages(tmp
     assert info_back == info and [c[:3] for c in loaded] == [c[:3] for c in cases]
     assert all(torch.equal(a.inputs[k], b.inputs[k]) for a, b in zip(cases, loaded) for k in a.inputs)
     rows = ex.smol_rows(loaded)
-    assert [r["level"] for r in rows] == ["exact", "noise 0.3", "tau 1.5", "both"]
+    assert [r["level"] for r in rows] == ["exact", "noise 0.3", "tau 1.5", "both", "exact, same tensors"]
     assert all(r["cause (no adv)"] in tr.DOCTOR_CAUSES and r["cause (adv)"] in tr.DOCTOR_CAUSES for r in rows)
     for mode in ("no adv", "adv"):
         headline, confusion, recall = ex.smol_scores(rows, mode)
