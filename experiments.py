@@ -2956,6 +2956,15 @@ def _case(causes, level, rank, logp, logp_infer, mask, adv, **more) -> DoctorCas
     return DoctorCase(tuple(causes), level, rank, inputs | more)
 
 
+def _other_rows_first(rows: int, other: tuple, own: tuple) -> list:
+    """An outliers case's (logp, logp_infer, mask, advantages): `rows` rows of another checkpoint's samples, then
+    the batch's own rows after its first `rows`; each of other / own is (trainer logp, rollout, advantages)."""
+    (logp_o, ro_o, adv_o), (logp, ro, adv) = other, own
+    pad = functools.partial(_pad_to, T=max(ro.mask.shape[1], ro_o.mask.shape[1]))
+    pairs = ((logp_o, logp), (ro_o.logp_infer, ro.logp_infer), (ro_o.mask, ro.mask))
+    return [torch.cat([pad(a), pad(b)[rows:]]) for a, b in pairs] + [torch.cat([adv_o, adv[rows:]])]
+
+
 def _stale_rollout(model, tokenizer, spec, problems, n, seed, k):
     """A sampler k optimizer steps stale: k GRPO policy-gradient steps on rollouts of the stale sampler; returns the
     last rollout, the trainer's logp on it after the k steps and its advantages."""
@@ -3030,12 +3039,8 @@ def doctor_cases(seed: int, models: dict, n_prompts: int = 64, n: int = 4) -> li
         ro_o, logp_o, adv_o = _doctor_rollout(models["other"][0], tok, fp32, problems[:m], n, 5, seed)
         with torch.no_grad():
             logp_o = tr.sequence_logprobs(model, ro_o)[0]  # the trainer's view of those tokens
-        T = max(ro.mask.shape[1], ro_o.mask.shape[1])
-        pad = functools.partial(_pad_to, T=T)
-        joined = [torch.cat([pad(a), pad(b)[m * n :]])  # (B, T): the other checkpoint's rows first
-                  for a, b in ((logp_o, logp), (ro_o.logp_infer, ro.logp_infer), (ro_o.mask, ro.mask))]
-        cases.append(_case(["outliers"], f"{m} of {n_prompts} prompts from another checkpoint", rank, *joined,
-                           torch.cat([adv_o, adv[m * n:]])))
+        joined = _other_rows_first(m * n, (logp_o, ro_o, adv_o), (logp, ro, adv))
+        cases.append(_case(["outliers"], f"{m} of {n_prompts} prompts from another checkpoint", rank, *joined))
     long_model, long_task = models["long"]
     long_problems = machinery.make_arithmetic_task(n_prompts // 4, seed=seed, split="eval", **long_task)
     for causes, label, spec in ((["clean"], "long answers, fp32", fp32), (["numerics"], "long answers, bf16", bf16)):
@@ -3290,12 +3295,9 @@ def smol_build_cases(model, tokenizer, prompts: list[list[int]], seed: int = 0,
         ro_o, _, adv_o = _smol_rollout(model, tokenizer, other, prompts[:m], seed, n_new)
         with torch.no_grad():
             logp_o = tr.sequence_logprobs(model, ro_o)[0]
-        T = max(ro.mask.shape[1], ro_o.mask.shape[1])
-        pad = functools.partial(_pad_to, T=T)
-        joined = [torch.cat([pad(a), pad(b)[m * n :]])  # (B, T): the other checkpoint's rows first
-                  for a, b in ((logp_o, logp), (ro_o.logp_infer, ro.logp_infer), (ro_o.mask, ro.mask))]
-        cases.append(_case(["outliers"], f"samples of {m} prompt{'s' * (m > 1)} from another checkpoint", rank, *joined,
-                           torch.cat([adv_o, adv[m * n :]])))
+        joined = _other_rows_first(m * n, (logp_o, ro_o, adv_o), (logp, ro, adv))
+        cases.append(_case(["outliers"], f"samples of {m} prompt{'s' * (m > 1)} from another checkpoint", rank,
+                           *joined))
     cases.append(_case(["numerics", "lag"], "bf16 sampler 1 step stale", 0, logp_bf_lag1, ro_bf.logp_infer,
                        ro_bf.mask, adv_bf))
     ro_m, logp_m, adv_m = _smol_rollout(model, tokenizer, bf16, prompts, seed, n_new, top_p=0.9)
