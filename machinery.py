@@ -1487,7 +1487,7 @@ def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tu
         if truncation is None:
             logp = tr.token_logprobs(logits, response_ids)  # (B, T)
         else:  # by row chunks of token_logprobs' size: never (B, T, V) masks or a masked copy
-            rows = default_chunk_rows(logits.shape[-1], logits.device)
+            rows = tr._chunk_rows(logits.shape[-1], logits.device)
             flat, flat_ids = logits.flatten(0, 1), response_ids.reshape(-1)  # (N, V), (N,)
             parts = []
             for part, ids in zip(flat.split(rows), flat_ids.split(rows)):
@@ -1867,19 +1867,12 @@ def rollout_routes(route_log, batch: int) -> tuple:
     return routes, gates
 
 
-# ---- testbed glue: prompts as token ids, eager chunk sizes ----
+# ---- testbed glue: prompts as token ids ----
 
 
 def encode_problems(tokenizer, problems):
     """Prompts as token-id lists (with <bos>) and answers as strings."""
     return [tokenizer.encode(p) for p, _ in problems], [a for _, a in problems]
-
-
-def default_chunk_rows(V: int, device: torch.device) -> int:
-    """Rows per eager chunk, at least 1: GPU_CHUNK_BYTES of fp32 on CUDA, CHUNK_BYTES elsewhere
-    (tim_rl.token_logprobs' rule)."""
-    budget = tr.GPU_CHUNK_BYTES if torch.device(device).type == "cuda" else tr.CHUNK_BYTES
-    return max(1, budget // (4 * V))
 
 
 # ---- tim_rl.py's run plumbing: sampler from the config, recorded top-K, export roundings, MoE flips ----

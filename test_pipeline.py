@@ -132,12 +132,12 @@ def test_default_chunk_rows_are_device_sized():
     """Eager chunks: CHUNK_BYTES of fp32 on the CPU (~6 rows at V = 151 936), GPU_CHUNK_BYTES (>= 64 MiB) on CUDA;
     at least one row for any V."""
     V = 151_936
-    cpu_rows = machinery.default_chunk_rows(V, torch.device("cpu"))
-    gpu_rows = machinery.default_chunk_rows(V, torch.device("cuda"))
+    cpu_rows = tr._chunk_rows(V, torch.device("cpu"))
+    gpu_rows = tr._chunk_rows(V, torch.device("cuda"))
     assert cpu_rows == tr.CHUNK_BYTES // (4 * V) == 6
     assert tr.GPU_CHUNK_BYTES >= 64 << 20 and gpu_rows == tr.GPU_CHUNK_BYTES // (4 * V)
     assert (gpu_rows + 1) * 4 * V > 64 << 20  # within one row of 64 MiB or more
-    assert machinery.default_chunk_rows(1 << 30, torch.device("cuda")) == 1
+    assert tr._chunk_rows(1 << 30, torch.device("cuda")) == 1
 
 
 # =================================================================================================================

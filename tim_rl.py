@@ -1496,6 +1496,12 @@ def routed_router_forward(router, hidden: torch.Tensor, forced=None, gates=None)
 CHUNK_BYTES = 4 << 20
 # The same on a GPU without the compiled pass (64 MiB: ~110 rows at V = 151 936): fewer launches.
 GPU_CHUNK_BYTES = 64 << 20
+
+
+def _chunk_rows(V: int, device: torch.device) -> int:
+    """Rows per eager chunk, at least 1: token_logprobs' rule (written out there to copy alone)."""
+    budget = GPU_CHUNK_BYTES if torch.device(device).type == "cuda" else CHUNK_BYTES
+    return max(1, budget // (4 * V))
 # Rows whose largest logit m has |m| above this keep what lse = m + s lost to rounding (ulp(m) / 2).
 FAR_FROM_ZERO = 1024.0
 
@@ -1861,11 +1867,12 @@ def kept_support_from_logits(logits: torch.Tensor, response_ids: torch.Tensor, t
 
     By row chunks of token_logprobs' size: truncation_mask's transients are a few chunks, never (B,
     T, V) masks. One host sync per chunk (its kept count).
+
+    needs: _chunk_rows
     """
     B, T, V = logits.shape
     flat, ids = logits.reshape(-1, V), response_ids.reshape(-1, 1)  # (N, V), (N, 1)
-    budget = GPU_CHUNK_BYTES if logits.device.type == "cuda" else CHUNK_BYTES
-    rows = max(1, budget // (4 * V))  # token_logprobs' chunks
+    rows = _chunk_rows(V, logits.device)  # token_logprobs' chunks
     parts = []
     for start in range(0, flat.shape[0], rows):
         keep = truncation_mask(flat[start : start + rows].float(), top_p, top_k, min_p)  # (n, V)
