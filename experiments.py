@@ -3076,6 +3076,11 @@ def doctor_sample(out: Path, model: str = "runs/base", seed: int = 0) -> Path:
     return out
 
 
+def _named(found) -> list[str]:
+    """What a Diagnosis names: its cause, then every signature present (each once, in that order)."""
+    return list(dict.fromkeys([found.cause] + [s["name"] for s in found.evidence if s["verdict"] == "present"]))
+
+
 def doctor_rows(seeds, models: dict | None = None) -> list[dict]:
     """One row per labelled case and seed: its causes, level, the doctor's cause and the causes it found present."""
     models = models or _doctor_models()
@@ -3085,8 +3090,7 @@ def doctor_rows(seeds, models: dict | None = None) -> list[dict]:
             found = tr.diagnose_mismatch(**case.inputs)
             rows.append({"seed": seed, "causes": case.causes, "level": case.level, "rank": case.rank,
                          "cause": found.cause, "abs_diff": found.numbers["mean |log p/q| per token"],
-                         "named": list(dict.fromkeys([found.cause] + [s["name"] for s in found.evidence
-                                                                      if s["verdict"] == "present"]))})
+                         "named": _named(found)})
     return rows
 
 
@@ -3368,9 +3372,8 @@ def smol_rows(cases: list[DoctorCase]) -> list[dict]:
         row = {"causes": case.causes, "level": case.level, "rank": case.rank}
         for mode, advantages in (("no adv", None), ("adv", case.inputs["advantages"])):
             found = tr.diagnose_mismatch(**(case.inputs | {"advantages": advantages}))
-            present = [s["name"] for s in found.evidence if s["verdict"] == "present"]
             row[f"cause ({mode})"] = found.cause
-            row[f"named ({mode})"] = list(dict.fromkeys([found.cause] + present))
+            row[f"named ({mode})"] = _named(found)
             row["abs_diff"] = found.numbers["mean |log p/q| per token"]
         rows.append(row)
     return rows
