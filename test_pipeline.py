@@ -3567,7 +3567,7 @@ def test_length2_preset_fixes_x_fits_predicts_then_judges_both_ways_from_fake_ru
     monkeypatch.setattr(ex, "numerics_fingerprint", lambda cache=None: "f")
     monkeypatch.setattr(ex, "mismatch_at_level", lambda model, n, s, seeds, *a: {"x": 0.3 * s})
     monkeypatch.setattr(ex, "prediction_commit", lambda path: None)
-    monkeypatch.setattr(ex, "length2_tries", lambda: [])  # the pilot before its first try
+    monkeypatch.setattr(ex, "length2_tries", list)  # the pilot before its first try
     pc = ex.PresetConfig(preset="length-2", out_dir=str(tmp_path / "compare"))
     out = tmp_path / "compare" / "length-2"
     monkeypatch.setattr(ex, "length2_base_pc", lambda model, digits: {ex.answer_tokens(n): 0.97 for n in digits})
