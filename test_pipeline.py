@@ -4054,9 +4054,10 @@ def test_response_forward_without_logprobs_runs_no_logprob_pass(monkeypatch):
 # The notebook, executed top to bottom from a clean kernel (its own asserts are the checks)
 
 
-def _notebook_wording_faults(cells: list[tuple[str, str]]) -> list[str]:
+def _notebook_wording_faults(cells: list[tuple[str, str]], results: str) -> list[str]:
     """What a (cell type, source) list says that the notebook must not: project history, a published result
-    printed without being labelled a read with its claim id, TRL's default correction left unnamed."""
+    printed without being labelled a read with its claim id, a sentence citing a claim worded otherwise than its
+    verdict (README's rule), TRL's default correction left unnamed."""
     faults = []
     for kind, source in cells:
         if kind == "markdown" and re.search(r"\b[Rr]ound \d", source):
@@ -4064,6 +4065,10 @@ def _notebook_wording_faults(cells: list[tuple[str, str]]) -> list[str]:
         if kind == "code" and "published_rows(" in source and not ("read from RESULTS.md" in source
                                                                    and "['id']" in source):
             faults.append(f"a published result not labelled as a read with its id: {source[:40]!r}")
+        if kind == "markdown":  # every sentence that cites a claim: worded as its verdict (README's rule)
+            text = " ".join(source.replace("**", "").split())
+            for sentence in re.split(r"(?<=[.:])\s+(?=[A-Z(*])|\s+- ", text):
+                faults += _sentence_wording(sentence, results) if _cited(sentence) else []
     front = "\n".join(source for _, source in cells[:3])
     if "sequence_mask" not in front or "seq_mask_weights" not in front:
         faults.append("the front page does not name TRL's default correction (sequence_mask = seq_mask_weights)")
@@ -4076,11 +4081,15 @@ def test_tutorial_reads_results_with_ids_and_tells_no_history():
     nbformat = pytest.importorskip("nbformat", reason="install the extra `notebook` to read tutorial.ipynb")
     nb = nbformat.read(tr.Path(__file__).with_name("tutorial.ipynb"), as_version=4)
     cells = [(c.cell_type, c.source) for c in nb.cells]
-    assert _notebook_wording_faults(cells) == []
+    results = tr.Path(__file__).with_name("RESULTS.md").read_text()
+    assert _notebook_wording_faults(cells, results) == []
+    assert sum(bool(_cited(s)) for k, s in cells if k == "markdown") >= 8, "the text cites its claims"
     broken = cells + [("markdown", "Round 5 changed the rules."),
-                      ("code", "rows = experiments.published_rows(text)\nprint(rows)")]
-    assert len(_notebook_wording_faults(broken)) == 2
-    assert len(_notebook_wording_faults(cells[3:])) == 1, "without its front page the default goes unnamed"
+                      ("code", "rows = experiments.published_rows(text)\nprint(rows)"),
+                      ("markdown", "Setting up. TIS beat `none` under router noise [moe-6]. And more."),
+                      ("markdown", "- Router noise is harmless here [moe-1].")]
+    assert len(_notebook_wording_faults(broken, results)) == 4
+    assert len(_notebook_wording_faults(cells[3:], results)) == 1, "without its front page the default goes unnamed"
 
 
 @pytest.mark.notebook
@@ -4203,35 +4212,42 @@ def _result_sentences(readme: str) -> list[tuple[str, str]]:
     return [(b, s) for b in bullets for s in re.split(r"(?<=[.])\s+(?=[A-Z(])", b.replace("**", ""))]
 
 
+def _sentence_wording(sentence: str, results: str) -> list[str]:
+    """The rule on one sentence that cites claims: each id in RESULTS.md's verdict table, its verdict words those
+    of the cited verdicts (resolved / not resolved / both), nothing stronger (OVERSTATED)."""
+    table = results.split("\n<!-- verdicts -->\n")[1].split("<!-- /verdicts -->")[0]
+    in_table = set(re.findall(rf"^\| ({CLAIM_ID}) \|", table, re.MULTILINE))
+    ids = _cited(sentence)
+    if [i for i in ids if i not in in_table]:
+        return [f"cites {[i for i in ids if i not in in_table]}, not in the verdict table: {sentence!r}"]
+    kinds = _verdict_kinds(results)
+    said_not = bool(NOT_RESOLVED_WORDING.search(sentence))
+    said_yes = bool(RESOLVED_WORDING.search(NOT_RESOLVED_WORDING.sub("", sentence)))
+    cited = [kinds[i] for i in ids]
+    problems = []
+    if said_yes and not said_not and not all("resolved" in k for k in cited):
+        problems.append(f"says resolved, cites a claim that did not resolve: {sentence!r}")
+    if said_not and not said_yes and not all("not resolved" in k for k in cited):
+        problems.append(f"says not resolved, cites a claim that resolved: {sentence!r}")
+    if said_not and said_yes and not (any("resolved" in k for k in cited) and any("not resolved" in k for k in cited)):
+        problems.append(f"says both, cites one kind of verdict: {sentence!r}")
+    if OVERSTATED.search(sentence):
+        problems.append(f"words a verdict more strongly than it reads: {sentence!r}")
+    return problems
+
+
 def wording_problems(readme: str, results: str) -> list[str]:
     """Each result sentence of README that cites no claim, cites one RESULTS.md's verdict table lacks, or words its
     result otherwise than the cited verdicts (the rule above); each bullet that reads a verdict 'not resolved'
     without saying what its family could resolve (|Δ| >= a number that RESULTS.md states)."""
-    table = results.split("\n<!-- verdicts -->\n")[1].split("<!-- /verdicts -->")[0]
-    in_table = set(re.findall(rf"^\| ({CLAIM_ID}) \|", table, re.MULTILINE))
-    kinds = _verdict_kinds(results)
     problems = []
     for bullet, sentence in _result_sentences(readme):
-        ids = _cited(sentence)
-        if not ids:
+        if not _cited(sentence):
             problems.append(f"cites no claim: {sentence!r}")
             continue
-        if [i for i in ids if i not in in_table]:
-            problems.append(f"cites {[i for i in ids if i not in in_table]}, not in the verdict table: {sentence!r}")
-            continue
-        said_not = bool(NOT_RESOLVED_WORDING.search(sentence))
-        said_yes = bool(RESOLVED_WORDING.search(NOT_RESOLVED_WORDING.sub("", sentence)))
-        cited = [kinds[i] for i in ids]
-        if said_yes and not said_not and not all("resolved" in k for k in cited):
-            problems.append(f"says resolved, cites a claim that did not resolve: {sentence!r}")
-        if said_not and not said_yes and not all("not resolved" in k for k in cited):
-            problems.append(f"says not resolved, cites a claim that resolved: {sentence!r}")
-        if said_not and said_yes and not (any("resolved" in k for k in cited)
-                                          and any("not resolved" in k for k in cited)):
-            problems.append(f"says both, cites one kind of verdict: {sentence!r}")
-        if OVERSTATED.search(sentence):
-            problems.append(f"words a verdict more strongly than it reads: {sentence!r}")
-        if said_not:
+        found = _sentence_wording(sentence, results)
+        problems += found
+        if not found and NOT_RESOLVED_WORDING.search(sentence):
             sizes = re.findall(r"\|Δ\| ≥ (\d[\d.]*)", bullet)
             if not sizes or [s for s in sizes if s not in results]:
                 problems.append(f"reads 'not resolved' without what its family could resolve: {sentence!r}")
