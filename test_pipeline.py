@@ -3039,6 +3039,26 @@ def test_doctor_eval_smollm2_recall_counts_every_level():
     assert ex.smol_scores(rows, "adv")[0]["'clean' said of a case above fp16's level"] == 1
 
 
+def test_doctor_eval_smollm2_vllm_case_is_built_apart_and_skips_without_vllm(tmp_path, monkeypatch, base_model_dir):
+    class FakeVLLM:  # the bf16 torch sampler in VLLMSampler's place (vLLM is not installed in this environment)
+        def __init__(self, model_dir, dtype, seed, tokenizer):
+            assert dtype == "bf16" and str(model_dir) == str(base_model_dir)
+            self.sampler = tr.TorchSampler(tr.load_model(model_dir), tr.EngineSpec(dtype=dtype), tokenizer)
+
+        def sample(self, *args):
+            return self.sampler.sample(*args)
+
+    monkeypatch.setattr(tr, "VLLMSampler", FakeVLLM)
+    model, tok = tr.load_model(base_model_dir).eval(), tr.load_tokenizer(base_model_dir)
+    prompts = [tok.encode(p) for p, _ in machinery.make_arithmetic_task(3, split="eval")]
+    case = ex.smol_vllm_case(model, tok, str(base_model_dir), prompts, n_new=4)
+    assert (case.causes, case.level, case.rank) == ex.SMOL_VLLM_LEVEL
+    assert case.inputs["mask"].shape[0] == 3 * ex.SMOL_SAMPLES and case.inputs["advantages"].shape == (6,)
+    ex.smol_save_cases(_smol_synthetic_cases(), tmp_path / ex.SMOL_CASES_FILE, {})
+    monkeypatch.setattr(ex, "load_smollm2", lambda: None)
+    assert ex.doctor_eval_smollm2(out=tmp_path, vllm=True).startswith("doctor-eval --model smollm2 --vllm: skipped")
+
+
 def test_doctor_eval_smollm2_skips_without_the_package(tmp_path, monkeypatch):
     monkeypatch.setattr(ex, "load_smollm2", lambda: None)
     text = ex.doctor_eval_smollm2(out=tmp_path)
@@ -3339,6 +3359,10 @@ def test_mixed_digits_pretrain_every_length_in_turn_from_disjoint_pools():
     assert all(machinery._split_of(*map(int, p[:-1].split("s")), "s") == split for split, ps in pools.items() for p in ps)
     # the twin: one length is make_arithmetic_task itself (the default pre-training's problems, bit for bit)
     assert machinery.mixed_arithmetic_task(50, (2,), 7) == machinery.make_arithmetic_task(50, 2, 7)
+    twice = [p for p, _ in machinery.mixed_arithmetic_task(40, (2, 8, 8), 0, "s") if len(p) == 18]
+    assert len(twice) == 26 == len(set(twice)), "a count named twice: twice as often, distinct problems"
+    assert [p for p, _ in machinery.mixed_arithmetic_task(30, (2, 8), 0, "s") if len(p) == 18] == [
+        p for p, _ in machinery.make_arithmetic_task(15, 8, 0, "s")], "each count draws from its own pool in order"
     assert machinery.make_arithmetic_task(2, machinery.MAX_DIGITS, ops="s") and machinery.MAX_DIGITS == 32
     with pytest.raises(ValueError, match="digits"):
         machinery.make_arithmetic_task(2, machinery.MAX_DIGITS + 1, ops="s")
@@ -3572,7 +3596,7 @@ def test_length2_preset_fixes_x_fits_predicts_then_judges_both_ways_from_fake_ru
     out = tmp_path / "compare" / "length-2"
     monkeypatch.setattr(ex, "length2_base_pc", lambda model, digits: {ex.answer_tokens(n): 0.97 for n in digits})
     rows = ex.preset_length2(pc, [0, 1, 2, 3, 4], out)
-    assert rows[0]["verdict"].startswith("withdrawn: base pc outside"), "round 5's confident base fails the pilot"
+    assert rows[0]["verdict"].startswith("pending: base pc outside"), "round 5's confident base fails: try again"
     monkeypatch.setattr(ex, "length2_base_pc", lambda model, digits: {ex.answer_tokens(n): 0.8 for n in digits})
     monkeypatch.setattr(ex, "run_arms", _fake_length_runs(a=1.0))  # harm share 0.2 x T: a = 1, γ = 1
     rows = ex.preset_length2(pc, [0, 1, 2, 3, 4], out)
@@ -4066,8 +4090,9 @@ def _notebook_wording_faults(cells: list[tuple[str, str]], results: str) -> list
                                                                    and "['id']" in source):
             faults.append(f"a published result not labelled as a read with its id: {source[:40]!r}")
         if kind == "markdown":  # every sentence that cites a claim: worded as its verdict (README's rule)
-            text = " ".join(source.replace("**", "").split())
-            for sentence in re.split(r"(?<=[.:])\s+(?=[A-Z(*])|\s+- ", text):
+            prose = [line for line in source.replace("**", "").splitlines() if not line.startswith(("#", "|"))]
+            text = " ".join(" ".join(prose).replace(" - ", " . ").split())  # a bullet starts a sentence
+            for sentence in re.split(r"(?<=[.;:])\s+", text):
                 faults += _sentence_wording(sentence, results) if _cited(sentence) else []
     front = "\n".join(source for _, source in cells[:3])
     if "sequence_mask" not in front or "seq_mask_weights" not in front:
@@ -4087,8 +4112,11 @@ def test_tutorial_reads_results_with_ids_and_tells_no_history():
     broken = cells + [("markdown", "Round 5 changed the rules."),
                       ("code", "rows = experiments.published_rows(text)\nprint(rows)"),
                       ("markdown", "Setting up. TIS beat `none` under router noise [moe-6]. And more."),
-                      ("markdown", "- Router noise is harmless here [moe-1].")]
-    assert len(_notebook_wording_faults(broken, results)) == 4
+                      ("markdown", "## A heading\n\nIntro.\n- one\n- Router noise is harmless here [moe-1]."),
+                      ("markdown", "Not resolved [length-c]. `tis` beat `none` under router noise [moe-6]."),
+                      ("markdown", "| a table | cell [moe-6] beat |\n|---|---|"),  # tables are skipped
+                      ("markdown", "Mismatch hurt in proportion to x T [length-2-a].")]  # withdrawn: no finding
+    assert len(_notebook_wording_faults(broken, results)) == 6
     assert len(_notebook_wording_faults(cells[3:], results)) == 1, "without its front page the default goes unnamed"
 
 
@@ -4196,6 +4224,9 @@ def _verdict_kinds(results: str) -> dict[str, set]:
     kinds = {}
     for row in ex.published_rows(results):
         parts = [p.strip() for p in row["verdict"].split(";")]
+        if row["verdict"].startswith(("withdrawn", "pending")):  # no run made: nothing resolved
+            kinds[row["id"]] = {"not resolved"}
+            continue
         unresolved = ("not", "nowhere", "no ", "no(", "invalid")
         found = {"not resolved" if p.startswith(unresolved) else "resolved" for p in parts}
         if row["claim"].startswith("(") and "resolved" in found:  # a map: it holds where named, not elsewhere
