@@ -3195,6 +3195,7 @@ SMOL_PROMPTS = (
 )
 SMOL_SAMPLES = 2  # samples per prompt: B = 32 rows
 SMOL_NEW_TOKENS = 128  # answers of up to 128 tokens (most stop between 64 and 128)
+SMOL_LONG = 64  # a second reading, added after the first run: each case's rows of 64-128 tokens only
 SMOL_OUTLIER_NOISE = 0.1  # "another checkpoint" for the outlier rows: relative weight noise 0.1 on every Linear
 SMOL_REWARD = "distinct words in the answer / 100 (verifier-free), GRPO advantages over each prompt's 2 samples"
 # The pre-stated levels, (causes, level, rank), fixed before the first run; the builder makes exactly these.
@@ -3452,6 +3453,12 @@ def smol_scores(rows: list[dict], mode: str) -> tuple[dict, list[dict], list[dic
     return headline, confusion, recall
 
 
+def _rows_of_length(case: DoctorCase, at_least: int) -> DoctorCase:
+    """The case with only its rows of at least `at_least` masked tokens (every input's first axis is the row)."""
+    keep = case.inputs["mask"].sum(1) >= at_least  # (B,)
+    return case._replace(inputs={name: value[keep] for name, value in case.inputs.items()})
+
+
 def _smol_cells(rows: list[dict]) -> str:
     """smol_rows as a markdown table: each case's causes, level, mean |log p/q| and what was named in each mode."""
     return _markdown_table([{"true cause": "+".join(r["causes"]), "level": r["level"],
@@ -3499,6 +3506,15 @@ def doctor_eval_smollm2(publish: bool = False, rebuild: bool = False, build_only
                      + "\n\nRecall over every pre-stated level (found = named as the cause or a present signature):"
                      "\n\n" + _markdown_table(recall))
     parts.append("Every case (the first name is the cause):\n\n" + _smol_cells(rows))
+    long_cases = [c for c in (_rows_of_length(c, SMOL_LONG) for c in cases) if c.inputs["mask"].shape[0] >= 2]
+    kept = [int(c.inputs["mask"].shape[0]) for c in long_cases] or [0]
+    long_scored = smol_rows(long_cases)
+    parts.append(f"### Added after the first run: answers of {SMOL_LONG} tokens or more only\n\nThe same cases, each "
+                 f"keeping only its rows of {SMOL_LONG}-{SMOL_NEW_TOKENS} tokens ({min(kept)}-{max(kept)} of "
+                 f"{len(lengths)} rows a case; {len(long_cases)} of {len(cases)} cases keep two or more), scored by "
+                 "the same frozen doctor; not part of the headline above.\n\n"
+                 + _markdown_table([{"number": k, "without advantages": v, "with": w} for (k, v), w in zip(
+                     smol_scores(long_scored, "no adv")[0].items(), smol_scores(long_scored, "adv")[0].values())]))
     if (out / SMOL_VLLM_FILE).exists():  # added after the first run: not in the headline above
         extra, extra_info = smol_load_cases(out / SMOL_VLLM_FILE)
         parts.append(f"### Added after the first run: {SMOL_VLLM_LEVEL[1]}\n\nBuilt in the vLLM environment "

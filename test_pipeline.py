@@ -3010,6 +3010,13 @@ def test_doctor_eval_smollm2_scores_cached_cases_with_and_without_advantages(tmp
     assert f"seeds {', '.join(map(str, ex.DOCTOR_TUNE_SEEDS))} only" in text
     built = ex.doctor_eval_smollm2(out=tmp_path, build_only=True)  # no diagnosis: each case's mean |log p/q|
     assert built.count("\n| ") == len(cases) + 1 and "named" not in built
+    assert f"### Added after the first run: answers of {ex.SMOL_LONG} tokens or more only" in text
+    mask = torch.arange(80)[None, :] < torch.tensor([3, 70, 64])[:, None]  # (3, 80): rows of 3, 70, 64 tokens
+    case = ex.DoctorCase(("lag",), "x", 0, {"mask": mask, "logp_train": torch.randn(3, 80),
+                                            "advantages": torch.tensor([1.0, -1.0, 2.0])})
+    long = ex._rows_of_length(case, 64)
+    assert long.inputs["mask"].sum(1).tolist() == [70, 64] and long.inputs["advantages"].tolist() == [-1.0, 2.0]
+    assert torch.equal(long.inputs["logp_train"], case.inputs["logp_train"][1:]) and long.causes == ("lag",)
     ex.smol_save_cases(cases[1:2], tmp_path / ex.SMOL_VLLM_FILE, info)  # the vLLM case, added after the first run
     with_vllm = ex.doctor_eval_smollm2(out=tmp_path, root=tmp_path)
     head, _, added = with_vllm.partition(f"### Added after the first run: {ex.SMOL_VLLM_LEVEL[1]}")
