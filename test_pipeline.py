@@ -3598,7 +3598,7 @@ def test_length2_preset_fixes_x_fits_predicts_then_judges_both_ways_from_fake_ru
     monkeypatch.setattr(ex, "numerics_fingerprint", lambda cache=None: "f")
     monkeypatch.setattr(ex, "mismatch_at_level", lambda model, n, s, seeds, *a: {"x": 0.3 * s})
     monkeypatch.setattr(ex, "prediction_commit", lambda path: None)
-    monkeypatch.setattr(ex, "length2_tries", list)  # the pilot before its first try
+    monkeypatch.setattr(ex, "length2_pilot", lambda: {"tries": []})  # the pilot before its first try
     pc = ex.PresetConfig(preset="length-2", out_dir=str(tmp_path / "compare"))
     out = tmp_path / "compare" / "length-2"
     monkeypatch.setattr(ex, "length2_base_pc", lambda model, digits: {ex.answer_tokens(n): 0.97 for n in digits})
@@ -3627,13 +3627,13 @@ def test_length2_is_withdrawn_after_its_failed_tries_without_a_run(tmp_path, mon
 
     monkeypatch.setattr(ex, "run_arms", no_run)
     pc = ex.PresetConfig(preset="length-2", out_dir=str(tmp_path))
-    tries = ex.length2_tries()  # as committed in predictions/length-2.json
+    tries = ex.length2_pilot()["tries"]  # as committed in predictions/length-2.json
     rows = ex.preset_length2(pc, [0, 1], tmp_path / "length-2")
     assert len(tries) == ex.LENGTH2_TRIES and not any(t["passes"] for t in tries), "the record: three failed"
     assert rows[0]["verdict"].startswith(f"withdrawn: {ex.LENGTH2_TRIES} pre-training tries failed")
     assert all(f"try {t['try']}: {t['reason']}" in rows[0]["verdict"] for t in tries)
     two = [dict(t, passes=False) for t in tries[:2]]  # the twin: fewer failed tries than the rule allows
-    monkeypatch.setattr(ex, "length2_tries", lambda: two)
+    monkeypatch.setattr(ex, "length2_pilot", lambda: {"tries": two})
     monkeypatch.setattr(ex, "LENGTH2_BASE", tmp_path / "no-base")
     assert ex.preset_length2(pc, [0, 1], tmp_path / "length-2")[0]["verdict"].startswith("pending")
 
