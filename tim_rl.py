@@ -66,22 +66,26 @@ References
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
+import hashlib
 import json
 import math
+import os
+import pickle
+import random
 import re
 import sys
+import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from pathlib import Path
 from typing import NamedTuple
-
-if __name__ == "__main__":  # a command-line run: machinery.py sets OpenMP's policy before torch
-    import machinery  # noqa: F401
 
 import torch
 
@@ -122,15 +126,15 @@ def _log_ratio(mask: torch.Tensor, **pair: torch.Tensor) -> tuple[torch.Tensor, 
     return torch.where(ok, a - b, torch.zeros_like(a)), ok
 
 
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows=None, fused=None):
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows=None, chunk_pass=None):
     """log_softmax(logits.float(), -1).gather(-1, ids) in float32. (..., V), (...) -> (...).
 
     log p_v = z_v - logsumexp(z). ids may carry a trailing K axis, (..., K) -> (..., K), for the
     sampler's top-k ids. Computed by chunks of chunk_rows rows (_TokenLogprobs), so no second
     full-size float32 copy of the logits is made, not even of a strided slice such as
-    logits[:, :-1]. fused (default: on CUDA where torch.compile works): one compiled pass per chunk
-    (machinery.py). Differentiable, with finite gradients wherever a row has a finite logit; on
-    CUDA repeated ids make the gradient's scatter_add order-dependent.
+    logits[:, :-1]. Differentiable, with finite gradients wherever a row has a finite logit; on
+    CUDA repeated ids make the gradient's scatter_add order-dependent. chunk_pass(x (N, V), ids
+    (N, K), chunk_rows) -> (N, K) replaces the eager chunks (the lab's compiled GPU pass).
 
     needs: _TokenLogprobs, _check_tensor, CHUNK_BYTES, GPU_CHUNK_BYTES
     """
@@ -152,14 +156,10 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows=None, fus
         blocks = [(logits.view(-1, V), ids_k.reshape(-1, K))]  # (N, V): a view, or a RuntimeError
     except RuntimeError:  # a strided slice such as logits[:, :-1]: a (T, V) view per leading index
         blocks = [(x.reshape(-1, V), i.reshape(-1, K)) for x, i in zip(logits, ids_k)]
-    if fused or (fused is None and logits.device.type == "cuda"):
-        from machinery import fused_token_logprobs  # compiled passes, imported where they run
-
-        out = [fused_token_logprobs(x, i, chunk_rows, probe=fused is None) for x, i in blocks]
-    else:
-        budget = GPU_CHUNK_BYTES if logits.device.type == "cuda" else CHUNK_BYTES
-        rows = chunk_rows or max(1, budget // (4 * V))
-        out = [_TokenLogprobs.apply(x, i, rows) for x, i in blocks]  # (n, K) each
+    budget = GPU_CHUNK_BYTES if logits.device.type == "cuda" else CHUNK_BYTES
+    rows = chunk_rows or max(1, budget // (4 * V))
+    chunk_pass = chunk_pass or _TokenLogprobs.apply
+    out = [chunk_pass(x, i, rows) for x, i in blocks]  # (n, K) each
     return torch.stack(out).view(ids.shape)
 
 
@@ -475,6 +475,31 @@ DOCTOR_ADVICE = {
 DOCTOR_CAUSES = tuple(DOCTOR_ADVICE)
 
 
+# What the doctor's numbers are called on a dashboard where one equals them (TRL GRPOTrainer)
+DOCTOR_METRIC_NAMES = {"mean |log p/q| per token": "TRL sampling/sampling_logp_difference/mean",
+                       "max |log p/q|": "TRL sampling/sampling_logp_difference/max"}
+
+
+def format_diagnosis(diagnosis) -> str:
+    """A Diagnosis as the table `python tim_rl.py doctor FILE` prints: cause, advice, each
+    signature, the numbers with their dashboard names.
+
+    needs: DOCTOR_METRIC_NAMES
+    """
+    maybe = ", ".join(diagnosis.also_possible)
+    out = [f"cause: {diagnosis.cause}" + (f"   (also possible: {maybe})" if maybe else ""),
+           f"advice: {diagnosis.advice}", "",
+           f"  {'signature':<12} {'statistic':<54} {'value':>10}  {'threshold':>9}  verdict"]
+    for s in diagnosis.evidence:
+        value = "-" if math.isnan(s["statistic"]) else f"{s['statistic']:.4g}"
+        row = f"  {s['name']:<12} {s['measures']:<54} {value:>10}  {s['threshold']:>9.3g}"
+        out.append(f"{row}  {s['verdict']}")
+    out += ["", f"  {'number':<44} {'value':>10}  what your dashboard calls it"]
+    for key, value in diagnosis.numbers.items():
+        out.append(f"  {key:<44} {value:>10.4g}  {DOCTOR_METRIC_NAMES.get(key, '')}")
+    return "\n".join(out)
+
+
 class Diagnosis:
     """diagnose_mismatch's answer (a plain class: it copies with torch and math alone).
 
@@ -489,9 +514,7 @@ class Diagnosis:
         self.evidence, self.numbers = evidence, numbers
 
     def __str__(self) -> str:
-        import machinery  # printing is presentation: the table is formatted there
-
-        return machinery.format_diagnosis(self)
+        return format_diagnosis(self)
 
     __repr__ = __str__
 
@@ -531,6 +554,105 @@ def _lag_signature(logp_infer, d, ok, advantages) -> dict:
     return _signature("lag", measures, float((up.mean() - down.mean()) / spread), 3.0)
 
 
+def _padding_signature(d, ok, n, rows) -> dict:
+    """A mask off by one counts a prompt token or a pad, where the two sides hold unrelated numbers:
+    the gap then sits at each row's first or last masked token, not inside. Needs rows of 3+."""
+    first = d.gather(1, ok.byte().argmax(1, keepdim=True))[n > 0].abs()  # (B',) |d|, first token
+    last = d.gather(1, ok.shape[1] - 1 - ok.flip(1).byte().argmax(1, keepdim=True))[n > 1].abs()
+    inner_n = (n - 2).clamp(min=0).sum()  # every row's tokens less its first and last
+    inner = float((rows.sum() - first.sum() - last.sum()) / inner_n.clamp(min=1)) + 1e-3
+    edge = max(float(first.mean()), float(last.mean().nan_to_num(0.0)))
+    return _signature("padding", "edge mean |d| / (interior mean |d| + 1e-3)", edge / inner, 20.0)
+
+
+def _misaligned_signature(d, p, q, ok) -> dict:
+    """Log-probs shifted by one position fit log q[t] to log p[t +- 1] far better than to log p[t]:
+    the share of rows (with a gap > 0.05 per token) whose shifted fit is 4x better."""
+    both = ok[:, 1:] & ok[:, :-1]  # (B, T - 1): pairs (t, t + 1) inside the mask
+    pairs = both.sum(1)  # (B,)
+    shifted = torch.zeros_like(pairs, dtype=torch.bool)
+    for t, t_next in ((slice(None, -1), slice(1, None)), (slice(1, None), slice(None, -1))):
+        gap = torch.where(both, d[:, t], 0.0).abs_().sum(1)  # (B,)
+        fit = torch.where(both, q[:, t] - p[:, t_next], 0.0).abs_().sum(1)
+        shifted |= (fit < gap / 4) & (gap > 0.05 * pairs)
+    misaligned = float(shifted.sum() / (pairs > 0).sum().clamp(min=1))
+    measures = "share of rows fitting log p[t +- 1] 4x better"
+    return _signature("misaligned", measures, misaligned, 0.1)
+
+
+def _routing_signature(d, ok, routes) -> dict:
+    """MoE experts that flip between the two sides make the largest gaps, at the flip and after
+    (attention reads the flipped hidden states). routes = (routes_train, routes_infer), each (B, T,
+    L, k) int: the experts of the forward position that predicts token t."""
+    measures = "mean |d| after a flip / before"
+    if routes is None:
+        return _signature("routing", measures, math.nan, 3.0, "cannot tell without routes")
+    shapes = [tuple(r.shape) for r in routes]  # two (B, T, L, k)
+    if len(shapes) != 2 or shapes[0] != shapes[1] or shapes[0][:2] != ok.shape:
+        raise ValueError(f"routes must be (routes_train, routes_infer), each (B, T, L, k), "
+                         f"(B, T) = {tuple(ok.shape)}")
+    differs = (routes[0].sort(-1).values != routes[1].sort(-1).values).any(-1).any(-1)  # (B, T)
+    flipped = differs.cumsum(1) > 0  # from the row's first flip on
+    after, before = d[ok & flipped].abs().mean(), d[ok & ~flipped].abs().mean()
+    return _signature("routing", measures, float(after / before.clamp(min=1e-9)), 3.0)
+
+
+def _truncation_signature(d, ok, n, mask, logp_train_topk, topk_ids) -> dict:
+    """A sampler renormalised on its top-p / top-k support records q = p / S on the kept tokens, so
+    p / q = S <= 1 on every token and mean(p / q) = the kept mass; every other cause keeps E_q[p /
+    q] = 1. With the trainer's top-K log-probs (B, T, K), exactly: the share of tokens with p / q <
+    1 whose p / q is the trainer's mass on a prefix of its sorted top-K."""
+    if logp_train_topk is None:
+        std, mean = torch.std_mean(d[ok].exp())  # of p / q over the usable tokens
+        se = float(std / math.sqrt(n.sum()))
+        below_one = 1 - float(mean) - 4 * se
+        return _signature("truncation", f"1 - mean(p/q) - 4 standard errors ({se:.2g})",
+                          below_one, 0.005)
+    top = logp_train_topk.detach().float().sort(-1, descending=True).values  # (B, T, K)
+    if top.shape[:2] != mask.shape or topk_ids is not None and topk_ids.shape != top.shape:
+        raise ValueError(f"logp_train_topk / topk_ids must be {tuple(mask.shape)} + (K,)")
+    below = ok & (d < -1e-3)
+    # log S, the mass of each prefix, rounds to ~1e-6
+    hit = below & ((top.logcumsumexp(-1) - d[..., None]).abs().amin(-1) < 2e-4)
+    share = float(hit.sum() / below.sum().clamp(min=1))
+    return _signature("truncation", "share of p/q < 1 equal to a top-K prefix mass", share, 0.5)
+
+
+def _temperature_signature(p, q, ok) -> dict:
+    """An unapplied temperature tau makes log q = log p / tau + c (c per position), so the
+    least-squares slope of log q on log p is 1 / tau instead of 1."""
+    x, y = (v[ok] - v[ok].mean() for v in (p, q))  # (N,) each, centred
+    slope = float(torch.dot(x, y) / torch.dot(x, x).clamp(min=1e-12))
+    return _signature("temperature", "|slope of log q on log p - 1|", abs(slope - 1), 0.02)
+
+
+def _numerics_signature(d, ok, worst, lag) -> dict:
+    """Rounding moves log q both ways, so 2 mean(max(d, 0)) estimates mean |d| from the upward side
+    alone, which a renormalised truncation (d <= 0) leaves at 0; over the rows outside the worst 5 %
+    (outliers carry their own gap). Not beside lag: an optimizer step moves log p both ways too
+    (Adam moves every weight by ~lr; on the tiny model one step's gap is symmetric noise 7x bf16's),
+    so nothing in d but its tilt toward the advantages tells the two apart."""
+    kept = ok.index_fill(0, worst, False)  # (B, T)
+    upward = float(2 * torch.where(kept, d, 0.0).clamp_(min=0).sum() / kept.sum().clamp(min=1))
+    beside_lag = "cannot tell beside lag" if lag["verdict"] == "present" else ""
+    return _signature("numerics", "2 mean(max(d, 0)), rows outside the worst 5 %", upward, 5e-4,
+                      beside_lag)
+
+
+def _doctor_numbers(d, n, mean_abs: float) -> dict:
+    """mean / max |d| per token, the mean answer length T, percentiles of per-sequence sum_t d, the
+    shares of tokens and sequences beyond the TIS cap 2 and outside IcePop's [0.5, 2]."""
+    seq = d.sum(1, dtype=torch.float64)[n > 0]  # (B',)
+    numbers = {"mean |log p/q| per token": mean_abs, "max |log p/q|": max(d.max(), -d.min()).item(),
+               "T, mean answer length (tokens)": float(n[n > 0].double().mean())}
+    for k in (0.0, 0.05, 0.5, 0.95, 1.0):
+        numbers[f"per-sequence sum log p/q, {k:.0%} percentile"] = float(seq.quantile(k))
+    for what, x, count in (("tokens", d, n.sum()), ("sequences", seq, seq.numel())):
+        numbers[f"{what} with p/q > 2 (TIS cap)"] = float((x > math.log(2)).sum() / count)
+        numbers[f"{what} outside [0.5, 2] (IcePop)"] = float((x.abs() > math.log(2)).sum() / count)
+    return numbers
+
+
 def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=None,
                       logp_train_topk=None, topk_ids=None) -> Diagnosis:
     """Why trainer (p) and sampler (q) disagree, from their per-token log-probs.
@@ -540,12 +662,14 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     bool mask; advantages (B, T), (B, 1) or (B,) enables the lag test; routes = (routes_train,
     routes_infer), (B, T, L, k) int, the routing test; logp_train_topk (B, T, K) (the trainer at
     the sampler's top-K ids topk_ids, only shape-checked) the exact truncation test.
-    Reconstruction: the rules are this project's, tuned on its own engines (experiments.py
-    doctor-eval). Each signature is a small function of d = log p - log q on the usable tokens ok.
+    Reconstruction: the rules are this project's, tuned on its own engines (the lab's doctor-eval).
+    Each signature is a small function of d = log p - log q on the usable tokens ok.
     Memory: two or three (B, T) tensors beside the inputs (no (tokens, 3) fit, no float64 copies).
 
     needs: _check_bt, _check_adv, _log_ratio, LOG_RATIO_CLAMP, Diagnosis, DOCTOR_ADVICE, _signature,
-    _lag_signature
+    _lag_signature, _padding_signature, _misaligned_signature, _routing_signature,
+    _truncation_signature, _temperature_signature, _numerics_signature, _doctor_numbers,
+    format_diagnosis, DOCTOR_METRIC_NAMES
     """
     _check_bt(mask, logp_train=logp_train, logp_infer=logp_infer)
     p, q = logp_train.detach().float(), logp_infer.detach().float()
@@ -557,80 +681,16 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     rows = d.abs().sum(1)  # (B,) sum |d| per row
     mean_abs = float(rows.sum() / n.sum())
     worst = rows.topk(max(1, math.ceil(0.05 * rows.numel()))).indices  # the worst 5 % of rows
-    # padding: a mask off by one counts a prompt token or a pad, where the two sides hold unrelated
-    # numbers; the gap then sits at each row's first or last masked token, not inside
-    first = d.gather(1, ok.byte().argmax(1, keepdim=True))[n > 0].abs()  # (B',) |d|, first token
-    last = d.gather(1, ok.shape[1] - 1 - ok.flip(1).byte().argmax(1, keepdim=True))[n > 1].abs()
-    inner_n = (n - 2).clamp(min=0).sum()  # every row's tokens less its first and last
-    inner = float((rows.sum() - first.sum() - last.sum()) / inner_n.clamp(min=1)) + 1e-3
-    edge = max(float(first.mean()), float(last.mean().nan_to_num(0.0)))
-    # misaligned: log-probs shifted by one position fit log q[t] to log p[t +- 1] far better than to
-    # log p[t]; the share of rows (with a gap > 0.05 per token) whose shifted fit is 4x better
-    both = ok[:, 1:] & ok[:, :-1]  # (B, T - 1): pairs (t, t + 1) inside the mask
-    pairs = both.sum(1)  # (B,)
-    shifted = torch.zeros_like(pairs, dtype=torch.bool)
-    for t, t_next in ((slice(None, -1), slice(1, None)), (slice(1, None), slice(None, -1))):
-        gap = torch.where(both, d[:, t], 0.0).abs_().sum(1)  # (B,)
-        fit = torch.where(both, q[:, t] - p[:, t_next], 0.0).abs_().sum(1)
-        shifted |= (fit < gap / 4) & (gap > 0.05 * pairs)
-    misaligned = float(shifted.sum() / (pairs > 0).sum().clamp(min=1))
-    # routing: MoE experts that flip between the two sides make the largest gaps, at the flip and
-    # after (attention reads the flipped hidden states). routes = (routes_train, routes_infer), each
-    # (B, T, L, k) int: the experts of the forward position that predicts token t
-    routing, routing_verdict = math.nan, "cannot tell without routes"
-    if routes is not None:
-        shapes = [tuple(r.shape) for r in routes]  # two (B, T, L, k)
-        if len(shapes) != 2 or shapes[0] != shapes[1] or shapes[0][:2] != ok.shape:
-            raise ValueError(f"routes must be (routes_train, routes_infer), each (B, T, L, k), "
-                             f"(B, T) = {tuple(ok.shape)}")
-        differs = (routes[0].sort(-1).values != routes[1].sort(-1).values).any(-1).any(-1)  # (B, T)
-        flipped = differs.cumsum(1) > 0  # from the row's first flip on
-        after, before = d[ok & flipped].abs().mean(), d[ok & ~flipped].abs().mean()
-        routing, routing_verdict = float(after / before.clamp(min=1e-9)), ""
     # outliers: sequences from another policy (a stale request, another checkpoint) concentrate |d|
     outliers = float(rows[worst].sum() / rows.sum())
-    # truncation: a sampler renormalised on its top-p / top-k support records q = p / S on the kept
-    # tokens, so p / q = S <= 1 on every token and mean(p / q) = the kept mass; every other cause
-    # keeps E_q[p / q] = 1. With the trainer's top-K log-probs (B, T, K), exactly: the share of
-    # tokens with p / q < 1 whose p / q is the trainer's mass on a prefix of its sorted top-K
-    if logp_train_topk is not None:
-        top = logp_train_topk.detach().float().sort(-1, descending=True).values  # (B, T, K)
-        if top.shape[:2] != mask.shape or topk_ids is not None and topk_ids.shape != top.shape:
-            raise ValueError(f"logp_train_topk / topk_ids must be {tuple(mask.shape)} + (K,)")
-        below = ok & (d < -1e-3)
-        # log S, the mass of each prefix, rounds to ~1e-6
-        hit = below & ((top.logcumsumexp(-1) - d[..., None]).abs().amin(-1) < 2e-4)
-        share = float(hit.sum() / below.sum().clamp(min=1))
-        truncation = ("share of p/q < 1 equal to a top-K prefix mass", share, 0.5)
-    else:
-        std, mean = torch.std_mean(d[ok].exp())  # of p / q over the usable tokens
-        se = float(std / math.sqrt(n.sum()))
-        below_one = 1 - float(mean) - 4 * se
-        truncation = (f"1 - mean(p/q) - 4 standard errors ({se:.2g})", below_one, 0.005)
-    # temperature: an unapplied temperature tau makes log q = log p / tau + c (c per position), so
-    # the least-squares slope of log q on log p is 1 / tau instead of 1
-    x, y = (v[ok] - v[ok].mean() for v in (p, q))  # (N,) each, centred
-    slope = float(torch.dot(x, y) / torch.dot(x, x).clamp(min=1e-12))
-    del x, y  # the doctor keeps few token-sized tensors alive at once
-    # numerics: rounding moves log q both ways, so 2 mean(max(d, 0)) estimates mean |d| from the
-    # upward side alone, which a renormalised truncation (d <= 0) leaves at 0; over the rows outside
-    # the worst 5 % (outliers carry their own gap). Not beside lag: an optimizer step moves log p
-    # both ways too (Adam moves every weight by ~lr; on the tiny model one step's gap is symmetric
-    # noise 7x bf16's), so nothing in d but its tilt toward the advantages tells the two apart
-    kept = ok.index_fill(0, worst, False)  # (B, T)
-    upward = float(2 * torch.where(kept, d, 0.0).clamp_(min=0).sum() / kept.sum().clamp(min=1))
     lag = _lag_signature(q, d, ok, advantages)
     # the evidence, in DOCTOR_CAUSES' order of specificity (the first present one is the cause)
     evidence = [
-        _signature("padding", "edge mean |d| / (interior mean |d| + 1e-3)", edge / inner, 20.0),
-        _signature("misaligned", "share of rows fitting log p[t +- 1] 4x better", misaligned, 0.1),
-        _signature("routing", "mean |d| after a flip / before", routing, 3.0, routing_verdict),
-        lag,
+        _padding_signature(d, ok, n, rows), _misaligned_signature(d, p, q, ok),
+        _routing_signature(d, ok, routes), lag,
         _signature("outliers", "share of sum |d| in the worst 5 % of sequences", outliers, 0.6),
-        _signature("truncation", *truncation),
-        _signature("temperature", "|slope of log q on log p - 1|", abs(slope - 1), 0.02),
-        _signature("numerics", "2 mean(max(d, 0)), rows outside the worst 5 %", upward, 5e-4,
-                   "cannot tell beside lag" if lag["verdict"] == "present" else ""),
+        _truncation_signature(d, ok, n, mask, logp_train_topk, topk_ids),
+        _temperature_signature(p, q, ok), _numerics_signature(d, ok, worst, lag),
     ]
     clean = mean_abs < 1e-4  # below every real engine seen (fp16: ~1e-3)
     present = [] if clean else [s["name"] for s in evidence if s["verdict"] == "present"]
@@ -638,17 +698,7 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     untested = [s["name"] for s in evidence if s["verdict"].startswith("cannot")]
     advice = "; ".join(DOCTOR_ADVICE[c] for c in [cause, *present[1:]])  # every cause present
     also = present[1:] + ([] if clean else [f"{name} (not tested)" for name in untested])
-    # the numbers: mean / max |d| per token, the mean answer length T, percentiles of per-sequence
-    # sum_t d, the shares of tokens and sequences beyond the TIS cap 2 and outside IcePop's [0.5, 2]
-    seq = d.sum(1, dtype=torch.float64)[n > 0]  # (B',)
-    numbers = {"mean |log p/q| per token": mean_abs, "max |log p/q|": max(d.max(), -d.min()).item(),
-               "T, mean answer length (tokens)": float(n[n > 0].double().mean())}
-    for k in (0.0, 0.05, 0.5, 0.95, 1.0):
-        numbers[f"per-sequence sum log p/q, {k:.0%} percentile"] = float(seq.quantile(k))
-    for what, x, count in (("tokens", d, n.sum()), ("sequences", seq, seq.numel())):
-        numbers[f"{what} with p/q > 2 (TIS cap)"] = float((x > math.log(2)).sum() / count)
-        numbers[f"{what} outside [0.5, 2] (IcePop)"] = float((x.abs() > math.log(2)).sum() / count)
-    return Diagnosis(cause, also, evidence, advice, numbers)
+    return Diagnosis(cause, also, evidence, advice, _doctor_numbers(d, n, mean_abs))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1448,7 +1498,7 @@ def drift_signal_norms(params, logp, logp_topk, logp_infer, logp_topk_infer, adv
 # recomputed from the trainer's live router scores. R2 records them from the policy being updated
 # before its update (verl: compute_log_prob), R3 in the inference engine (vLLM and SGLang on a GPU:
 # enable_return_routed_experts). The forced forward is below; the hooks that put it in place of
-# each router's forward for one block (machinery.replay_routes) run only for an MoE model.
+# each router's forward for one block (replay_routes) run only for an MoE model.
 
 
 def routed_router_forward(router, hidden: torch.Tensor, forced=None, gates=None):
@@ -1485,11 +1535,167 @@ def routed_router_forward(router, hidden: torch.Tensor, forced=None, gates=None)
     return logits, weights.to(logits.dtype), ids
 
 
+# transformers 5.19 routers whose forward is Qwen3MoeTopKRouter.forward line for line (softmax,
+# top-k, renormalise; the Qwen3.5-MoE, Qwen3-VL-MoE and Qwen3-Omni-MoE text routers have no
+# norm_topk_prob and always renormalise); others (Mixtral, GPT-OSS, DeepSeek, GLM, Granite, ...)
+# route differently: replay on them is an error
+REPLAYABLE_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3NextTopKRouter",
+                      "OlmoeTopKRouter", "FlexOlmoTopKRouter", "MellumTopKRouter",
+                      "Qwen3OmniMoeThinkerTextTopKRouter", "Qwen3OmniMoeTalkerTextTopKRouter",
+                      "Qwen3OmniMoeTextTopKRouter", "Qwen3_5MoeTopKRouter",
+                      "Qwen3VLMoeTextTopKRouter")
+
+
+# config keys of the experts per token
+MOE_CONFIG_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k")
+
+
+def is_moe(model) -> bool:
+    """Whether `model`'s config or a sub-config sends tokens to experts (MOE_CONFIG_KEYS > 0)."""
+    def routes(config: dict) -> bool:
+        """Any experts-per-token key > 0 here or in a nested config."""
+        here = any(isinstance(config.get(k), int) and config[k] > 0 for k in MOE_CONFIG_KEYS)
+        return here or any(routes(v) for v in config.values() if isinstance(v, dict))
+    return routes(model.config.to_dict())
+
+
+def router_class(model) -> str:
+    """The class names of `model`'s router modules (Router or Gate in the name), for an error."""
+    names = {type(m).__name__ for m in model.modules()}
+    return ", ".join(sorted(n for n in names if re.search("(?i)router|gate$", n))) or "none found"
+
+
+def moe_routers(model) -> list[torch.nn.Module]:
+    """The REPLAYABLE_ROUTERS of a transformers MoE model, in layer order ([]: dense or another).
+
+    Qwen3-MoE's is mlp.gate (Qwen3MoeTopKRouter).
+    """
+    return [m for m in model.modules() if type(m).__name__ in REPLAYABLE_ROUTERS]
+
+
+def routes_experts(model) -> bool:
+    """Whether `model` has a router tim_rl replays; looked up once per model (kept on it)."""
+    if "tim_rl_moe" not in vars(model):
+        model.tim_rl_moe = bool(moe_routers(model))
+    return model.tim_rl_moe
+
+
+def decoder_routers(model) -> list[torch.nn.Module | None]:
+    """The replayable router of each decoder layer, None at a dense layer: the routes' L axis.
+
+    As vLLM's routed_experts (dense layers: mlp_only_layers, dense-first layers). [] for a model
+    without one (moe_routers' order without DecoderLayers).
+    """
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    per_layer = [next((r for r in layer.modules() if type(r).__name__ in REPLAYABLE_ROUTERS), None)
+                 for layer in layers]
+    return per_layer if any(per_layer) else moe_routers(model)
+
+
+def _recompute_forward(router, ids: torch.Tensor, previous):
+    """The router's forward after a replayed forward with gradient: it forces that forward's ids
+    inside a backward (activation checkpointing's recompute, Megatron RouterReplay's backward
+    list); elsewhere `previous`."""
+    def forward(hidden):
+        """routed_router_forward on the kept ids during a backward, else the previous forward."""
+        if torch._C._current_graph_task_id() != -1:  # in a backward
+            return routed_router_forward(router, hidden, ids)
+        return previous(hidden) if previous is not None else type(router).forward(router, hidden)
+    forward.recomputes = True
+    return forward
+
+
+def release_routes(model) -> None:
+    """Drop the routes a replayed forward left on the routers for its backward (after the step)."""
+    for router in moe_routers(model):
+        if getattr(vars(router).get("forward"), "recomputes", False):
+            del router.forward
+
+
+@contextlib.contextmanager
+def replay_routes(model, routes=None, gates=None, record: bool = True):
+    """Within the block every router of `model` (decoder_routers) runs tim_rl.routed_router_forward.
+
+    It is forced to `routes` (B, S, L, k) for a forward over B sequences of S positions (-1: no
+    route; on any device, moved per layer), or live when None, and to the gate weights `gates`
+    (B, S, L, k) when given. Yields a list per layer of (ids (B * n, k) int16, weights (B * n, k)
+    fp32) of each call (record=False: none kept): stack_routes(log, B) -> (B, S, L, k).
+
+    A forward with gradient leaves its ids on the routers for activation checkpointing's recompute
+    in the backward (VeOmni: routes keyed by module), until the next replayed forward or
+    release_routes (Trainer.step).
+    """
+    routers = decoder_routers(model)
+    if routes is not None and not any(routers):  # no silent no-op
+        raise ValueError(f"replay_routes: {type(model).__name__} has no router tim_rl replays (its "
+                         f"router: {router_class(model)}; REPLAYABLE_ROUTERS route as Qwen3-MoE's)")
+    log, kept = [[] for _ in routers], {}
+    keep = routes is not None and torch.is_grad_enabled()  # TIM: a checkpointed layer recomputes
+
+    def replayed(hidden, layer: int, router):
+        """routed_router_forward on this layer's routes, logged (layer: its decoder layer)."""
+        rows = hidden.numel() // router.hidden_dim  # B * S positions
+        forced = forced_gates = None
+        if routes is not None:  # (B * S, k)
+            forced = routes[:, :, layer].reshape(-1, routes.shape[-1]).to(hidden.device)
+        if forced is not None and forced.shape[0] != rows:
+            raise ValueError(f"routes has shape {tuple(routes.shape)}: it needs one route per "
+                             f"position of the forward ({rows} rows)")
+        if gates is not None:
+            forced_gates = gates[:, :, layer].reshape(-1, routes.shape[-1]).to(hidden.device)
+        logits, weights, ids = routed_router_forward(router, hidden, forced, forced_gates)
+        if record:
+            log[layer].append((ids.to(torch.int16), weights.detach().float()))
+        if keep:
+            kept[layer] = ids
+        return logits, weights, ids
+
+    live = {layer: router for layer, router in enumerate(routers) if router is not None}
+    previous = [vars(router).get("forward") for router in live.values()]
+    for layer, router in live.items():  # an instance attribute: nn.Module.__call__ uses it
+        router.forward = functools.partial(replayed, layer=layer, router=router)
+    try:
+        yield log
+    finally:
+        for (layer, router), forward in zip(live.items(), previous):
+            del router.forward
+            forward = _recompute_forward(router, kept[layer], forward) if layer in kept else forward
+            if forward is not None:
+                router.forward = forward
+
+
+def stack_routes(log: list[list[tuple]], batch: int, part: int = 0) -> torch.Tensor | None:
+    """replay_routes' log as (B, S, L, k) on the CPU, calls concatenated along positions.
+
+    part 0: the ids (int16, -1 at a dense layer); part 1: the gate weights (fp32, nan there).
+    KV-cache decoding logs the prompt, then one position per step. None for a dense model (or
+    nothing recorded).
+    """
+    if not any(log):
+        return None
+    layers = [torch.cat([c[part].reshape(batch, -1, c[part].shape[-1]) for c in calls], 1)
+              if calls else None for calls in log]  # (B, S, k) each
+    some = next(x for x in layers if x is not None)
+    fill = torch.full_like(some, -1 if part == 0 else math.nan)
+    return torch.stack([x if x is not None else fill for x in layers], 2).cpu()
+
+
+def rollout_routes(route_log, batch: int) -> tuple:
+    """decode's replay_routes log as (experts, gate weights), each (B, P + T, L, k) on the CPU.
+
+    The last sampled token is never fed: its position gets no route (-1 experts, nan gates).
+    """
+    last = (0, 0, 0, 0, 0, 1)  # one more position at the end of dim 1
+    routes = torch.nn.functional.pad(stack_routes(route_log, batch), last, value=-1)
+    gates = torch.nn.functional.pad(stack_routes(route_log, batch, 1), last, value=math.nan)
+    return routes, gates
+
+
 # --------------------------------------------------------------------------------------------------
 # ---- fast paths (chunked log-probs) ----
 # What keeps token_logprobs' memory small at a real vocabulary (V = 151,936): row chunks with a
 # hand-written backward, never a second (B, T, V) float32 tensor. The compiled single-read GPU
-# passes live in machinery.py, imported only where they run; on a CPU these eager chunks are the
+# passes of the lab (lab/fused.py) are tested bitwise against these eager chunks, the
 # reference.
 
 # Row chunks of at most this many fp32 bytes (4 MiB: ~32 rows at V = 32 000, ~6 at V = 151 936).
@@ -1560,7 +1766,6 @@ class _TokenLogprobs(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------
 # ---- task and reward verifier ----
 # Model text is data, never code: the verifier uses regular expressions and fractions.Fraction only.
-# The task generators (the testbed) live in machinery.py.
 
 MAX_VERIFY_CHARS = 10_000  # extract_answer reads the last 10 000 characters: answers come last
 MAX_NUMBER_CHARS = 64  # a longer digit run is no answer here (and int() of huge strings is slow)
@@ -1617,9 +1822,180 @@ def verify(text: str, answer: str) -> float:
 
 
 # --------------------------------------------------------------------------------------------------
+# ---- the task (the testbed) ----
+# Arithmetic for the tiny model, word problems for a chat model; pools kept apart by a hash.
+
+SPLITS = ("pretrain", "rl", "eval")
+OPS = "+-*s"  # s: swap, "ab s cd=" -> "cdab": a long answer (2 x digits tokens), every token a copy
+MAX_DIGITS = MAX_NUMBER_CHARS // 2  # a product's or a swap's answer (2 x digits) stays a number
+TASKS = ("arithmetic", "words")
+
+
+def _split_of(a: int, b: int, op: str) -> str:
+    """The pool of problem a op b, by a hash of its text, whatever the seed: 20 % eval, 20 % rl,
+    60 % pretrain.
+
+    A cryptographic hash, not a linear one: (7919 a + 104729 b) % 5 depends on (a + b) % 5 only,
+    which put every answer ending in 3 or 8 into the held-out pool (and none into training).
+    """
+    digest = hashlib.blake2b(f"{a}{op}{b}".encode(), digest_size=4).digest()
+    bucket = int.from_bytes(digest, "little") % 5
+    return {0: "eval", 1: "rl"}.get(bucket, "pretrain")
+
+
+def _operands(digits: int) -> range:
+    """The operands of exactly `digits` digits (0-9 for one digit)."""
+    return range(10 ** (digits - 1) * (digits > 1), 10**digits)
+
+
+@functools.cache
+def _eval_pool_size(digits: int, ops: str) -> int:
+    """How many distinct problems the eval pool holds (counted: about 1/5 of all; plenty beyond 3
+    digits)."""
+    if digits > 3:
+        return 10**9
+    pairs = [(a, b) for a in _operands(digits) for b in _operands(digits)]
+    return sum(_split_of(a, b, op) == "eval" for op in set(ops) for a, b in pairs)
+
+
+def _answer(a: int, b: int, op: str) -> str:
+    """a op b as text; the swap "s" gives the digits of b then a."""
+    answers = {"+": a + b, "-": a - b, "*": a * b, "s": f"{b}{a}"}
+    return str(answers[op])
+
+
+def make_arithmetic_task(n: int, digits: int = 2, seed: int = 0, ops: str = "+",
+                         split: str = "pretrain"):
+    """n (prompt, answer) pairs "ab+cd=" -> "e", operands of exactly `digits` digits, from one of 3
+    pools.
+
+    The pools pretrain | rl | eval are disjoint for every seed (a hash of the operands picks the
+    pool): RL never trains on a problem the base model saw, evaluation sees neither. eval draws
+    distinct problems (at most the pool's size); pretrain and rl draw with replacement.
+    """
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    if not isinstance(digits, int) or not 1 <= digits <= MAX_DIGITS:
+        raise ValueError(f"digits must be an int in [1, {MAX_DIGITS}], got {digits!r}")
+    if not ops or set(ops) - set(OPS):
+        raise ValueError(f"ops must be a non-empty string over {OPS!r}, got {ops!r}")
+    _check_choice("split", split, SPLITS)
+    if "s" in ops and digits < 2:
+        raise ValueError("ops 's' needs digits >= 2 (a 1-digit b can be 0, read '09' as 9)")
+    if split == "eval" and n > _eval_pool_size(digits, ops):
+        raise ValueError(f"n = {n} distinct eval problems is more than the eval pool of "
+                         f"{digits}-digit {ops!r} holds ({_eval_pool_size(digits, ops)})")
+    rng = random.Random(f"{seed}-{split}-{digits}-{ops}")
+    operands = _operands(digits)
+    out, seen = [], set()
+    while len(out) < n:
+        a, b = rng.randint(operands[0], operands[-1]), rng.randint(operands[0], operands[-1])
+        op = rng.choice(ops)
+        if _split_of(a, b, op) != split or (split == "eval" and (a, b, op) in seen):
+            continue
+        seen.add((a, b, op))
+        out.append((f"{a}{op}{b}=", _answer(a, b, op)))
+    return out
+
+
+# Word problems for chat models: (text, op); {a} and {b} are drawn, a - b only with b <= a.
+WORD_TEMPLATES = {
+    "apples+": ("Sam has {a} apples and buys {b} more. How many apples does Sam have now?", "+"),
+    "apples-": (("Sam has {a} apples and gives {b} of them away. "
+                 "How many apples does Sam have left?"), "-"),
+    "distance+": (("A cyclist rides {a} km in the morning and {b} km in the afternoon. "
+                   "How many km does she ride?"), "+"),
+    "distance-": (("A trail is {a} km long and Mia has walked {b} km of it. "
+                   "How many km are left?"), "-"),
+    "money+": (("Leo has {a} dollars and earns {b} dollars more. "
+                "How many dollars does Leo have now?"), "+"),
+    "money-": (("Leo has {a} dollars and spends {b} dollars. "
+                "How many dollars does Leo have left?"), "-"),
+    "books+": (("A shelf holds {a} books and {b} more books are put on it. "
+                "How many books are on the shelf?"), "+"),
+    "birds-": (("{a} birds sit on a wire and {b} of them fly away. "
+                "How many birds are still on the wire?"), "-"),
+}
+BOXED_INSTRUCTION = "Put the final answer in \\boxed{}."
+
+
+def make_word_problems(n: int, seed: int = 0, split: str = "rl",
+                       max_operand: int = 20) -> list[tuple[str, str]]:
+    """n (question, answer) word problems a + b or a - b, 0 <= a, b <= max_operand, answer >= 0.
+
+    Two pools, rl | eval, disjoint for every seed: _split_of's hash of (op, a, b) picks the pool,
+    whatever the wording, so no eval sum is an RL sum under another template. eval draws distinct
+    problems.
+    """
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    if not isinstance(max_operand, int) or max_operand < 1:
+        raise ValueError(f"max_operand must be an int >= 1, got {max_operand!r}")
+    _check_choice("split", split, ("rl", "eval"))
+    pool = []
+    for name, (_, op) in WORD_TEMPLATES.items():
+        for a in range(max_operand + 1):
+            last_b = max_operand if op == "+" else a  # a - b >= 0
+            pool += [(name, a, b) for b in range(last_b + 1)
+                     if (_split_of(a, b, op) == "eval") == (split == "eval")]
+    rng = random.Random(f"{seed}-{split}-words-{max_operand}")
+    if split == "eval" and n > len(pool):
+        raise ValueError(f"n = {n} distinct eval word problems is more than the pool holds "
+                         f"({len(pool)})")
+    if split == "eval":
+        picks = rng.sample(pool, n)
+    else:
+        picks = [rng.choice(pool) for _ in range(n)]
+    return [(WORD_TEMPLATES[name][0].format(a=a, b=b), _answer(a, b, name[-1]))
+            for name, a, b in picks]
+
+
+def chat_prompt(tokenizer, question: str) -> str:
+    """The question plus BOXED_INSTRUCTION as one user turn of the tokenizer's chat template."""
+    tok = getattr(tokenizer, "tok", tokenizer)  # HFTokenizer wraps the transformers tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"tokenizer: {type(tok).__name__} has no chat template "
+                         "(task words needs a chat model)")
+    turn = [{"role": "user", "content": f"{question} {BOXED_INSTRUCTION}"}]
+    return tok.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+
+
+def task_kwargs(model_dir: Path) -> dict:
+    """The arithmetic task's digits and ops the tiny model was pre-trained on (its pretrain.json);
+    2-digit addition for other models."""
+    path = Path(model_dir) / "pretrain.json"
+    info = json.loads(path.read_text()) if path.exists() else {}
+    return {"digits": info.get("digits", 2), "ops": info.get("ops", "+")}
+
+
+def run_task_kwargs(cfg, model_dir: str | Path) -> dict:
+    """The arithmetic task a run trains and evaluates on: the model's own, or --task-digits."""
+    task = task_kwargs(model_dir)
+    task["digits"] = cfg.task_digits or task["digits"]
+    return task
+
+
+def encode_problems(tokenizer, problems):
+    """Prompts as token-id lists (with <bos>) and answers as strings."""
+    return [tokenizer.encode(p) for p, _ in problems], [a for _, a in problems]
+
+
+def run_problems(cfg, model_dir, tokenizer) -> tuple[list, list]:
+    """(RL problems, held-out problems) of a run's cfg.task; word problems through the chat
+    template."""
+    n = cfg.steps * cfg.prompts
+    if cfg.task == "arithmetic":
+        task = run_task_kwargs(cfg, model_dir)
+        return (make_arithmetic_task(n, seed=cfg.seed, split="rl", **task),
+                make_arithmetic_task(cfg.eval_n, seed=0, split="eval", **task))
+    rl, held_out = make_word_problems(n, cfg.seed), make_word_problems(cfg.eval_n, 0, "eval")
+    return [[(chat_prompt(tokenizer, q), a) for q, a in problems] for problems in (rl, held_out)]
+
+
+# --------------------------------------------------------------------------------------------------
 # ---- model and tokenizer ----
 # transformers is imported inside these functions: the math above imports with torch alone. The tiny
-# models, the character tokenizer (the testbed) and the HF tokenizer wrapper live in machinery.py.
+# models are pre-trained by the lab (python -m lab pretrain) and committed under bases/.
 
 
 def load_model(path: str | Path, trust_remote_code: bool = False):
@@ -1632,11 +2008,9 @@ def load_model(path: str | Path, trust_remote_code: bool = False):
 
 
 def load_tokenizer(directory: str | Path):
-    """machinery.CharTokenizer if the directory holds pretrain.json, else machinery.HFTokenizer."""
-    import machinery
-
-    own = (Path(directory) / "pretrain.json").exists()  # a tiny model of machinery.pretrain's
-    return machinery.CharTokenizer() if own else machinery.HFTokenizer(directory)
+    """CharTokenizer if the directory holds pretrain.json, else HFTokenizer."""
+    own = (Path(directory) / "pretrain.json").exists()  # a tiny model of pretrain's
+    return CharTokenizer() if own else HFTokenizer(directory)
 
 
 def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
@@ -1649,6 +2023,68 @@ def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
             if isinstance(value, float) and named:
                 setattr(part, name, 0.0)
     return model
+
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+
+
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+
+
+def _until_eos(ids, eos_id: int) -> list[int]:
+    """The ids (ints) before the first eos_id."""
+    ids = [int(i) for i in ids]
+    return ids[: ids.index(eos_id)] if eos_id in ids else ids
+
+
+class CharTokenizer:
+    """One id per printable ASCII character, plus <pad> <bos> <eos> <unk>; vocab padded to
+    `vocab_size`."""
+
+    def __init__(self, vocab_size: int = 128):
+        self.tokens = [*SPECIAL_TOKENS, *(chr(c) for c in range(32, 127))]
+        self.tokens += [f"<unused{i}>" for i in range(vocab_size - len(self.tokens))]
+        self.index = {t: i for i, t in enumerate(self.tokens)}
+        self.vocab_size = len(self.tokens)
+        self.eos_id, self.pad_id, self.bos_id = EOS_ID, PAD_ID, BOS_ID
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        """Token ids of `text`, <bos> first."""
+        return [BOS_ID] * bos + [self.index.get(c, UNK_ID) for c in text]
+
+    def decode(self, ids) -> str:
+        """Text up to the first <eos>; special tokens (and ids off the vocabulary) dropped."""
+        chars = [self.tokens[i] for i in _until_eos(ids, EOS_ID) if 0 <= i < len(self.tokens)]
+        return "".join(c for c in chars if len(c) == 1)
+
+
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")  # ChatML (Qwen), Llama 3, Gemma
+
+
+class HFTokenizer:
+    """CharTokenizer's interface over any saved HF tokenizer (--model directories)."""
+
+    def __init__(self, directory: str | Path):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        template, vocab = self.tok.chat_template or "", self.tok.get_vocab()
+        turn_end = next((t for t in END_OF_TURN if t in template and t in vocab), None)
+        # a chat model ends its answer with the template's end-of-turn token (not EOS in Llama 3)
+        self.eos_id = vocab.get(turn_end, self.tok.eos_token_id)
+        self.pad_id = self.tok.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.eos_id
+        self.vocab_size = len(self.tok)
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        """Token ids of `text` with special tokens, but no second BOS before a chat template's."""
+        bos = bos and not (self.tok.bos_token and text.startswith(self.tok.bos_token))
+        return self.tok(text, add_special_tokens=bos)["input_ids"]
+
+    def decode(self, ids) -> str:
+        """Text up to the first <eos>, special tokens skipped."""
+        return self.tok.decode(_until_eos(ids, self.eos_id), skip_special_tokens=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1697,6 +2133,29 @@ def draw_seed(generator: torch.Generator | None) -> int:
     return int(torch.randint(0, 2**31 - 1, (), generator=generator, device=device))
 
 
+def _recorded_k(topk: int | None, V: int) -> int:
+    """How many of the most probable ids a sampler records: None 0, 0 (or less) all V, else topk."""
+    if topk is None:
+        return 0
+    return V if topk <= 0 else min(topk, V)
+
+
+def _decode_step(logits, temperature: float, truncation: tuple | None, generator):
+    """One position of decode -> (log-probs of the distribution sampled from (B, V), the kept
+    tokens (B, V) bool or None, the sampled token (B,)): temperature, then the kept support."""
+    scaled = logits.float() / (temperature if temperature > 0 else 1.0)  # (B, V)
+    keep = None
+    if truncation is not None:  # TIM: the sampled distribution is renormalised over the kept tokens
+        keep = truncation_mask(scaled, *truncation)  # (B, V)
+        scaled = scaled.masked_fill(~keep, -math.inf)
+    logprobs = torch.log_softmax(scaled, -1)  # (B, V)
+    if temperature > 0:  # (B,), on the logits' device: no host copy per token
+        token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)
+    else:
+        token = logprobs.argmax(-1)
+    return logprobs, keep, token
+
+
 @torch.no_grad()
 def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
            topk: int | None = 0, generator=None, decode_text=None, eos_id: int | None = None,
@@ -1710,12 +2169,11 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     stops at eos_id (the mask includes it); pad_id fills (None: the config's, else eos_id). One host
     sync per token. An MoE model's routers record their experts (R3's routes). -> Rollout
     """
-    import machinery  # the MoE hooks
-
     eos_id = model.config.eos_token_id if eos_id is None else eos_id
     eos_id = eos_id[0] if isinstance(eos_id, (list, tuple)) else eos_id
     if pad_id is None:
-        pad_id = eos_id if model.config.pad_token_id is None else model.config.pad_token_id
+        pad_id = model.config.pad_token_id
+    pad_id = eos_id if pad_id is None else pad_id
     device = next(model.parameters()).device
     # TIM: a GPU's sampling noise differs from the CPU's: a generator on `device`, seeded by one
     # host draw per call (not a host copy per token), keeps sampling reproducible for a seed
@@ -1725,56 +2183,54 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     inputs, attention = prompt_ids, prompt_mask.long()  # the prompt, then one token at a time
     cache = None  # the first forward makes a DynamicCache
     finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)  # (B,)
-    truncate = temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0)
-    ids, masks, logps, entropies, tops, kept = [], [], [], [], [], []
+    truncation = None
+    if temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0):
+        truncation = (top_p, top_k, min_p)
+    steps = []  # per position: (token, mask, log-prob, entropy, top-K, kept ids)
     training = model.training  # a checkpointed model in training mode drops its KV cache: eval here
-    moe = machinery.routes_experts(model)
     model.eval()
-    with machinery.replay_routes(model) if moe else contextlib.nullcontext() as route_log:
+    with replay_routes(model) if routes_experts(model) else contextlib.nullcontext() as route_log:
         for _ in range(max_new_tokens):
             positions = (attention.cumsum(1) - 1).clamp(min=0)  # 0 at each row's first real token
             out = model(input_ids=inputs, past_key_values=cache, use_cache=True,
                         attention_mask=attention, position_ids=positions[:, -inputs.shape[1] :],
                         logits_to_keep=1)  # the head on the last position only
-            cache, logits = out.past_key_values, out.logits[:, -1]  # (B, V)
-            scaled = logits.float() / (temperature if temperature > 0 else 1.0)  # (B, V)
-            if truncate:  # TIM: the sampled distribution is renormalised over the kept tokens
-                keep = truncation_mask(scaled, top_p, top_k, min_p)  # (B, V)
-                scaled = scaled.masked_fill(~keep, -math.inf)
-            logprobs = torch.log_softmax(scaled, -1)  # (B, V)
-            if temperature > 0:  # (B,), on the logits' device: no host copy per token
-                token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)
-            else:
-                token = logprobs.argmax(-1)
+            cache = out.past_key_values
+            logprobs, keep, token = _decode_step(out.logits[:, -1], temperature, truncation,
+                                                 generator)
             token = token.masked_fill(finished, pad_id)
-            masks.append(~finished)
-            ids.append(token)
-            logps.append(logprobs.gather(-1, token[:, None]).squeeze(1))
             # (B,) -sum p log p, 0 * -inf read as 0: the whole distribution is at hand only now
-            entropies.append(-(logprobs.exp() * logprobs.nan_to_num(neginf=0.0)).sum(-1))
-            V = logits.shape[-1]
-            K = 0 if topk is None else (min(topk, V) if topk > 0 else V)
-            tops.append(logprobs.topk(K, dim=-1))
+            entropy = -(logprobs.exp() * logprobs.nan_to_num(neginf=0.0)).sum(-1)
+            top = logprobs.topk(_recorded_k(topk, logprobs.shape[-1]), dim=-1)
+            step = [token, ~finished, logprobs.gather(-1, token[:, None]).squeeze(1), entropy, top]
             finished = finished | (token == eos_id)
             # the one host sync: stop when every row finished; the kept count S sizes the support
-            counts = [finished.all().long()] + ([keep.sum(-1).max()] if truncate else [])
+            counts = [finished.all().long()] + ([keep.sum(-1).max()] if keep is not None else [])
             done, *kept_count = torch.stack(counts).tolist()
-            if truncate:
-                kept.append(support_ids(keep, size=max(kept_count[0], 1)))  # (B, S_t)
+            if keep is not None:
+                step.append(support_ids(keep, size=max(kept_count[0], 1)))  # (B, S_t)
+            steps.append(step)
             if done:
                 break
             inputs = token[:, None]
             attention = torch.cat([attention, attention.new_ones(len(prompts), 1)], 1)
     model.train(training)
+    return _rollout_of(prompt_ids, prompt_mask, steps, route_log, decode_text)
+
+
+def _rollout_of(prompt_ids, prompt_mask, steps: list, route_log, decode_text) -> Rollout:
+    """decode's per-position records as a Rollout: (B, T) tensors, (B, T, K) top-K, (B, T, S) kept
+    ids (-1 padded), an MoE model's routes."""
+    ids, masks, logps, entropies, tops, *kept = zip(*steps)
     response_ids = torch.stack(ids, 1)  # (B, T)
-    routes, gates = machinery.rollout_routes(route_log, len(prompts)) if moe else (None, None)
+    routes, gates = rollout_routes(route_log, len(prompt_ids)) if route_log else (None, None)
     decode_text = decode_text or (lambda row: " ".join(map(str, row)))
     texts = [decode_text(row) for row in response_ids.tolist()]
     return Rollout(prompt_ids, prompt_mask, response_ids, torch.stack(masks, 1),
                    torch.stack(logps, 1), torch.stack([t.indices for t in tops], 1),  # (B, T, K)
                    torch.stack([t.values for t in tops], 1), texts,
                    entropy=torch.stack(entropies, 1),
-                   kept_ids=torch.stack(_pad_last(kept, -1), 1) if kept else None,  # (B, T, S)
+                   kept_ids=torch.stack(_pad_last(kept[0], -1), 1) if kept else None,  # (B, T, S)
                    routed_experts=routes, routed_weights=gates)
 
 
@@ -1803,8 +2259,6 @@ def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: 
     also rebuilds it from the logits (kept_support_from_logits) where the sampler returned none
     (merge_support). Log-probs on it: renormalize_on_support; top-K ids off it get -inf.
     """
-    import machinery  # the MoE hooks
-
     input_ids = torch.cat([rollout.prompt_ids, rollout.response_ids], 1)  # (B, P + T)
     attention = torch.cat([rollout.prompt_mask, torch.ones_like(rollout.mask)], 1).long()
     P, T = rollout.prompt_ids.shape[1], rollout.response_ids.shape[1]
@@ -1812,15 +2266,15 @@ def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: 
     positions = (attention.cumsum(1) - 1).clamp(min=0)  # 0 at each row's first real token
     kwargs = {"input_ids": input_ids, "attention_mask": attention, "position_ids": positions,
               "output_hidden_states": True, "logits_to_keep": keep, "use_cache": False}
-    moe = routes is not None or machinery.routes_experts(model)
+    moe = routes is not None or routes_experts(model)
     # TIM: R2 / R3: an MoE model's routers run routed_router_forward on the given experts
-    with (machinery.replay_routes(model, routes, gates, record) if moe
+    with (replay_routes(model, routes, gates, record) if moe
           else contextlib.nullcontext()) as route_log:
         out = torch.func.functional_call(model, params or {}, args=(), kwargs=kwargs)
     logits = out.logits  # (B, T, V)
     if temperature > 0 and temperature != 1.0:  # in place: the head's output is not saved
         logits.div_(temperature)
-    used = machinery.stack_routes(route_log, input_ids.shape[0]) if moe and record else None
+    used = stack_routes(route_log, input_ids.shape[0]) if moe and record else None
     hidden = out.hidden_states[-1][:, P - 1 : P + T - 1]  # (B, T, H)
     if not logprobs:  # the forward alone: logits, hidden state and routes
         return Forward(logits, hidden, used)
@@ -1903,8 +2357,6 @@ class TorchSampler:
     """A sampler engine in plain torch: its own copy of the weights in the engine's numerics."""
 
     def __init__(self, model_dir_or_model, engine: EngineSpec | None = None, tokenizer=None):
-        import machinery  # the default tokenizer, an MoE's routers
-
         self.engine = engine or EngineSpec()
         _check_engine(self.engine)
         is_path = isinstance(model_dir_or_model, (str, Path))
@@ -1913,7 +2365,7 @@ class TorchSampler:
         head = self.model.get_output_embeddings()
         if self.engine.head_fp32 and head.weight is self.model.get_input_embeddings().weight:
             raise ValueError("engine.head_fp32 needs an untied output head (this one is tied)")
-        routers = machinery.moe_routers(self.model)
+        routers = moe_routers(self.model)
         kept_fp32 = list(routers) if self.engine.router_fp32 else []
         kept_fp32 += [head] if self.engine.head_fp32 else []
         for module in kept_fp32:  # TIM: fp32 weights and inputs (a pre-hook) in a bf16 engine
@@ -1932,7 +2384,7 @@ class TorchSampler:
                 self.perturbed.add(f"{name}.weight")
             if type(module).__name__.endswith("Experts"):
                 self.perturbed |= {f"{name}.{p}" for p, _ in module.named_parameters()}
-        self.tokenizer = tokenizer or machinery.CharTokenizer(self.model.config.vocab_size)
+        self.tokenizer = tokenizer or CharTokenizer(self.model.config.vocab_size)
         self.load_weights({k: v.detach() for k, v in source.state_dict().items()})
 
     @torch.no_grad()
@@ -1988,40 +2440,138 @@ class TorchSampler:
 VLLM_MIN_TEMPERATURE = 0.01
 
 
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # tim_rl's -> vLLM's
+
+
+def _vllm_environment() -> int:
+    """Settings vLLM reads once, at import; returns torch's thread count (to restore after)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: tensors pass
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU build only
+    threads = torch.get_num_threads()
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # else vLLM drops torch to one thread
+    return threads
+
+
+def _vllm_on_cpu() -> bool:
+    """True on vLLM's CPU build (vllm-cpu), False on the GPU build."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _repack_cpu_experts(worker) -> int:
+    """Runs on vLLM 0.32's CPU worker after a reload: re-packs the experts for the CPU kernel.
+
+    A weight update copies the new experts into storage already packed and skips the repack
+    (cpu_moe's process_weights_after_loading runs on the first load only: |Δlogp| 4.4 after one
+    sync). Returns the MoE layers repacked (0 for a dense model). vLLM internals: pinned to 0.32.
+    """
+    modules = worker.model_runner.model.modules()
+    layers = [m for m in modules if getattr(getattr(m, "quant_method", None), "moe_kernel", None)]
+    for layer in layers:
+        layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+    return len(layers)
+
+
+def add_expert_parallel_group() -> None:
+    """vLLM 0.32 makes the expert-parallel group for a process's first engine only: add it after a
+    dense one."""
+    from vllm.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized() and ps._EP is None:
+        world = ps.get_world_group()
+        backend = torch.distributed.get_backend(world.device_group)
+        ranks = [list(range(world.world_size))]
+        ps._EP = ps.init_model_parallel_group(ranks, world.local_rank, backend, group_name="ep")
+
+
+def vllm_engine(model_dir, dtype: str, seed: int, max_model_len: int | None, max_num_seqs: int,
+                gpu_memory: float):
+    """vllm.LLM for VLLMSampler: eager, processed log-probs, any number of them, in-process.
+
+    Its environment is set before vLLM is imported, torch's thread count restored after; on a GPU
+    vLLM takes `gpu_memory` of it (colocated with the trainer).
+    """
+    threads = _vllm_environment()
+    from vllm import LLM  # heavy (~4 s): imported only when a vLLM sampler is built
+
+    on_gpu = {}
+    if not _vllm_on_cpu():
+        on_gpu["gpu_memory_utilization"] = gpu_memory
+    add_expert_parallel_group()
+    llm = LLM(model=str(model_dir), dtype=VLLM_DTYPES[dtype], enforce_eager=True, block_size=32,
+              seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=4096, logprobs_mode="processed_logprobs", max_logprobs=-1,
+              **on_gpu)
+    torch.set_num_threads(threads)
+    return llm
+
+
+def vllm_tensors(outputs, K: int, pad_id: int) -> tuple:
+    """vllm.LLM.generate's outputs (n completions per request, in order) as CPU tensors.
+
+    -> response ids (B, T) padded with pad_id, mask (B, T), each token's log-prob (B, T), the K
+    most probable ids (B, T, K) ranked and their log-probs (B, T, K), -inf where fewer came back.
+    """
+    rows = [comp for out in outputs for comp in out.outputs]  # n per prompt, in order
+    B, T = len(rows), max(len(c.token_ids) for c in rows)
+    response_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    logp = torch.zeros(B, T)
+    top_ids = torch.zeros(B, T, K, dtype=torch.long)
+    top_logp = torch.full((B, T, K), -math.inf)
+    for i, comp in enumerate(rows):
+        for t, (tok, lp) in enumerate(zip(comp.token_ids, comp.logprobs)):
+            ranked = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:K]
+            response_ids[i, t], mask[i, t], logp[i, t] = tok, True, lp[tok].logprob
+            top_ids[i, t, : len(ranked)] = torch.tensor([k for k, _ in ranked])
+            top_logp[i, t, : len(ranked)] = torch.tensor([v.logprob for _, v in ranked])
+    return response_ids, mask, logp, top_ids, top_logp
+
+
+def reload_vllm_weights(llm, named_tensors) -> None:
+    """In-place weight sync of a vllm.LLM: collective_rpc("reload_weights"), reset_prefix_cache.
+
+    Works on vLLM's CPU build, whose repacked Linear weights break the per-parameter
+    `load_weights` of TRL's colocate sync. `named_tensors`: (HF name, tensor); vLLM casts them.
+    """
+    weights = [(n, t.detach()) for n, t in named_tensors]
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    if _vllm_on_cpu():
+        llm.collective_rpc(_repack_cpu_experts)
+    llm.reset_prefix_cache()
+
+
 class VLLMSampler:
     """The same interface over vllm.LLM (the CPU build here, `vllm` on a GPU); in-place weight sync.
 
     Log-probs come from SamplingParams(logprobs=K) with logprobs_mode="processed_logprobs": those of
     the distribution sampled from (temperature, then top-p / top-k / min-p: -inf off the kept set).
-    Prompts go in as token ids, so no tokenizer can disagree. The engine: machinery.vllm_engine;
-    in-place sync: machinery.reload_vllm_weights. Rollouts come back on the reference's device (the
+    Prompts go in as token ids, so no tokenizer can disagree. The engine: vllm_engine;
+    in-place sync: reload_vllm_weights. Rollouts come back on the reference's device (the
     trainer's; none: the CPU).
     """
 
     def __init__(self, model_dir: str | Path, dtype: str = "fp32", seed: int = 0, tokenizer=None,
                  max_model_len: int | None = None, max_num_seqs: int = 256, gpu_memory: float = 0.3,
                  reference: torch.nn.Module | None = None):
-        import machinery  # vLLM's engine and its CPU build's settings
-
         _check_choice("dtype", dtype, sorted(_DTYPES))
         self.dtype = dtype
         self.tokenizer = tokenizer or load_tokenizer(model_dir)
         self.reference = reference  # a torch model holding what each sync loads: the canary
         self.device = next(reference.parameters()).device if reference is not None else "cpu"
         # gpu_memory: colocated with the trainer on one GPU, vLLM takes this share of its memory
-        self.llm = machinery.vllm_engine(model_dir, dtype, seed, max_model_len, max_num_seqs,
+        self.llm = vllm_engine(model_dir, dtype, seed, max_model_len, max_num_seqs,
                                          gpu_memory)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """In-place sync of exported weights (vLLM casts them); with a reference, the sync canary
-        (machinery.check_vllm_sync: both engines score one held-out answer)."""
-        import machinery  # vLLM's reload_weights RPC, its CPU build's expert repacking
-
+        (check_vllm_sync: both engines score one held-out answer)."""
         # TIM: the served copy enters vLLM's own kernels here
-        machinery.reload_vllm_weights(self.llm, state_dict.items())
+        reload_vllm_weights(self.llm, state_dict.items())
         if self.reference is not None:
-            machinery.check_vllm_sync(self)
+            check_vllm_sync(self)
 
     def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5,
                temperature: float = 1.0, topk: int = 0, generator: torch.Generator | None = None,
@@ -2033,10 +2583,8 @@ class VLLMSampler:
         """
         from vllm import SamplingParams
 
-        import machinery  # vLLM's outputs as tensors
-
         V, pad_id = self.vocab_size, self.tokenizer.pad_id
-        K = 0 if topk is None else (V if topk <= 0 else min(topk, V))
+        K = _recorded_k(topk, V)
         # one seed per prompt: vLLM seeds completion i of a request with seed + i, so one seed for
         # all would give every prompt's i-th sample the same random stream
         seeds = [draw_seed(generator) if generator is not None else None for _ in prompts]
@@ -2051,7 +2599,7 @@ class VLLMSampler:
         requests = [{"prompt_token_ids": p} for p in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         # (B, T) ids, mask, log-probs; (B, T, K) the ranked top-K (-inf where fewer came back)
-        response_ids, mask, logp, top_ids, top_logp = machinery.vllm_tensors(outputs, K, pad_id)
+        response_ids, mask, logp, top_ids, top_logp = vllm_tensors(outputs, K, pad_id)
         prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], pad_id)
         kept = None  # TIM: processed log-probs are -inf exactly off the kept support
         if K > 0 and temperature > 0 and (top_p < 1 or top_k > 0 or min_p > 0):  # truncated
@@ -2087,19 +2635,32 @@ class Behaviour(NamedTuple):
     logp_old_sampler_gates: torch.Tensor | None = None
 
 
+EXPORT_STAT_ELEMENTS = 1 << 22  # the visible update fraction's fp64 sums run on 4M-element slices
+
+
+def dot_and_norm2(master, master_before, served, served_before):
+    """(<d served, d master>, |d master|^2) in fp64 over flat slices (no fp64 copy). -> 0-d, 0-d."""
+    dot, norm2 = torch.zeros(2, dtype=torch.float64, device=master.device)  # 0-d views
+    flat = [t.detach().reshape(-1) for t in (master, master_before, served, served_before)]
+    for start in range(0, flat[0].numel(), EXPORT_STAT_ELEMENTS):
+        m, m0, s, s0 = (t[start : start + EXPORT_STAT_ELEMENTS].double() for t in flat)
+        d_master = m - m0
+        dot += (d_master * (s - s0)).sum()
+        norm2 += d_master.square().sum()
+    return dot, norm2
+
+
 class Trainer:
     """fp32 master weights + optimizer; recomputes log-probs; exports the copy the sampler holds."""
 
     def __init__(self, model, lr: float = 1e-4, optimizer: str = "adamw",
                  export_dtype: str = "fp32", loss_on_served: bool = False, extra_params=()):
-        import machinery  # whether the model routes tokens to experts
-
         _check_choice("export_dtype", export_dtype, sorted(_DTYPES))
         _check_choice("optimizer", optimizer, ("adamw", "sgd"))
         # TIM: dropout off, or every forward would differ from the last and show up as lag; training
         # mode kept, so gradient checkpointing (in training mode only) stays effective
         self.model = without_dropout(model.float()).train()
-        self.moe = machinery.routes_experts(self.model)
+        self.moe = routes_experts(self.model)
         # the trainer engine on the weights the sampler holds: logp_old comes from here; its
         # parameters are the served copy (fp32 values of what the sampler holds), no second copy
         self.behaviour = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -2184,9 +2745,7 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         if self.moe:  # the routes a replayed forward kept for activation checkpointing's recompute
-            import machinery
-
-            machinery.release_routes(self.model)
+            release_routes(self.model)
         if self._served_leaves is not None:
             for name, p in self.model.named_parameters():
                 p.grad = self._served_leaves[name].grad
@@ -2202,38 +2761,163 @@ class Trainer:
         """Round the fp32 master to the sampler's dtype (rtn | sr | ef) -> (state dict, visible
         update fraction); the behaviour copy moves to the served weights in place.
 
-        On the CPU the reference roundings, SR with `generator` itself; on a GPU fused passes, SR's
-        noise hash_noise16 seeded by one draw from `generator` per tensor (machinery.gpu_rounding).
+        SR draws its noise with `generator` (on a GPU with a generator there, seeded by one draw
+        from it); EF carries its residual in self.residual.
         """
         if mode not in ("rtn", "sr", "ef"):  # inline: a traced step enters no check function here
             raise ValueError(f"mode must be one of ('rtn', 'sr', 'ef'), got {mode!r}")
-        import machinery  # the GPU roundings; fp64 sums of the visible update fraction
         if mode != "rtn" and self.export_dtype != "bf16":
             raise ValueError(f"export mode {mode!r} rounds to bf16, not {self.export_dtype}")
         state, dot, norm2, fp32 = {}, 0.0, 0.0, self.export_dtype == "fp32"
-        # the CPU: stochastic_round_bf16 (with `generator`) and error_feedback_round_bf16
-        sr, ef = machinery.export_roundings(next(self.model.parameters()).device, generator)
+        device = next(self.model.parameters()).device
+        if generator is not None and generator.device.type != device.type:
+            generator = torch.Generator(device).manual_seed(draw_seed(generator))
         for name, p in self.model.named_parameters():
             master = p.detach()
             if fp32:
                 served = master.clone()
             elif mode == "sr":  # TIM: Fair Cast, unbiased rounding
-                served = sr(master)
+                served = stochastic_round_bf16(master, generator=generator)
             elif mode == "ef":  # TIM: Fair Cast, error feedback
                 residual = self.residual.get(name, torch.zeros_like(master))
-                served, self.residual[name] = ef(master, residual)
+                served, self.residual[name] = error_feedback_round_bf16(master, residual)
             else:  # TIM: round-to-nearest swallows updates below half a cell
                 served = master.to(_DTYPES[self.export_dtype])
             served_before = self.behaviour.get_parameter(name)
             if self.master_at_export is not None:  # <d served, d master> / |d master|^2
                 master_before = self.master_at_export.get_parameter(name)
-                moved = machinery.dot_and_norm2(master, master_before, served, served_before)
+                moved = dot_and_norm2(master, master_before, served, served_before)
                 dot, norm2 = dot + moved[0], norm2 + moved[1]
             served_before.copy_(served)  # TIM: the behaviour copy = what the sampler will hold
             state[name] = served
         if self.master_at_export is not None:
             self.master_at_export.load_state_dict(dict(self.model.named_parameters()), strict=False)
         return state, float(dot / norm2) if norm2 > 0 else (1.0 if fp32 else 0.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# ---- evaluation ----
+# Held-out greedy exact match (acc) and probability of the exact answer (pc), per engine.
+
+def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int = 6, batch: int = 256) -> float:
+    """Held-out exact-match accuracy of greedy decoding with `model` (any engine's copy)."""
+    prompts, answers = encode_problems(tokenizer, problems)
+    texts = []
+    for i in range(0, len(prompts), batch):
+        # temperature 0, K 1
+        greedy = decode(model, prompts[i : i + batch], max_new_tokens, 0.0, 1, None,
+                        tokenizer.decode, tokenizer.eos_id, tokenizer.pad_id)
+        texts += greedy.texts
+    return sum(map(verify, texts, answers)) / max(len(prompts), 1)
+
+
+@torch.no_grad()
+def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tuple | None = None,
+                    temperature: float = 1.0) -> torch.Tensor:
+    """log P(answer + <eos> | prompt) under `model`, teacher-forced, one forward a batch. -> (N,)
+
+    exp() of it is `pc`, the probability of the exact correct answer: far less noisy than greedy
+    match. truncation = (top_p, top_k, min_p): under the policy such a sampler draws from at
+    `temperature` (renormalised over the kept tokens; 0 when an answer token is not kept).
+    """
+    device, out = next(model.parameters()).device, []
+    pad, eos = tokenizer.pad_id, [tokenizer.eos_id]
+    for i in range(0, len(problems), batch):
+        chunk = problems[i : i + batch]
+        prompt_ids, prompt_mask = left_pad([tokenizer.encode(p) for p, _ in chunk], pad, device)
+        answers = [torch.tensor(tokenizer.encode(a, bos=False) + eos) for _, a in chunk]
+        response_ids = torch.nn.utils.rnn.pad_sequence(answers, True, pad).to(device)  # (B, T)
+        lengths = torch.tensor([len(a) for a in answers], device=device)  # (B,)
+        mask = torch.arange(response_ids.shape[1], device=device) < lengths[:, None]  # (B, T)
+        unused = torch.zeros(0, device=device)  # the sampler's fields: no sampler here
+        rollout = Rollout(prompt_ids, prompt_mask, response_ids, mask, unused, unused, unused, [])
+        temp = 1.0 if truncation is None else temperature
+        logits = response_forward(model, rollout, temp, logprobs=False).logits
+        if truncation is None:
+            logp = token_logprobs(logits, response_ids)  # (B, T)
+        else:  # by row chunks of token_logprobs' size: never (B, T, V) masks or a masked copy
+            rows = _chunk_rows(logits.shape[-1], logits.device)
+            flat, flat_ids = logits.flatten(0, 1), response_ids.reshape(-1)  # (N, V), (N,)
+            parts = []
+            for part, ids in zip(flat.split(rows), flat_ids.split(rows)):
+                kept = part.masked_fill(~truncation_mask(part, *truncation), -math.inf)
+                parts.append(token_logprobs(kept, ids))  # TIM: p~; -inf: dropped
+            logp = torch.cat(parts).view(response_ids.shape)  # (B, T)
+            del flat, part, kept  # views: they would keep the logits alive
+        del logits  # before the next batch's forward
+        out.append(torch.where(mask, logp, torch.zeros_like(logp)).sum(1).cpu())
+    return torch.cat(out)
+
+
+def vllm_greedy_accuracy(sampler, problems, max_new_tokens: int = 6) -> float:
+    """Held-out greedy exact match of a VLLMSampler's copy of the weights."""
+    prompts, answers = encode_problems(sampler.tokenizer, problems)
+    texts = sampler.sample(prompts, 1, max_new_tokens, temperature=0.0, topk=1).texts
+    return sum(map(verify, texts, answers)) / max(len(prompts), 1)
+
+
+def vllm_answer_logprobs(sampler, problems) -> torch.Tensor:
+    """log P(answer + <eos> | prompt) from a VLLMSampler's prompt log-probs (teacher-forced).
+    (N,)."""
+    from vllm import SamplingParams
+
+    tok = sampler.tokenizer
+    seqs = [(tok.encode(p), tok.encode(a, bos=False) + [tok.eos_id]) for p, a in problems]
+    requests = [{"prompt_token_ids": p + a} for p, a in seqs]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    outputs = sampler.llm.generate(requests, params, use_tqdm=False)
+    totals = []
+    for out, (p, a) in zip(outputs, seqs):
+        answer = out.prompt_logprobs[len(p) :]  # one {id: Logprob} per answer token
+        totals.append(sum(answer[j][t].logprob for j, t in enumerate(a)))
+    return torch.tensor(totals)
+
+
+def sampler_accuracy(sampler, problems, max_new_tokens: int = 6) -> tuple[float, torch.Tensor]:
+    """(greedy exact match, log P(answer + <eos> | prompt) (N,)) of a sampler engine's weights."""
+    if isinstance(sampler, VLLMSampler):
+        return (vllm_greedy_accuracy(sampler, problems, max_new_tokens),
+                vllm_answer_logprobs(sampler, problems))
+    model, tokenizer = sampler.model, sampler.tokenizer
+    return (greedy_accuracy(model, tokenizer, problems, max_new_tokens),
+            answer_logprobs(model, tokenizer, problems))
+
+
+def evaluate(step: int, state, cfg) -> dict:
+    """Held-out greedy exact match (acc_) and probability of the exact answer (pc_), of trainer
+    and sampler; with truncated sampling also pct_trainer, that probability under the policy the
+    sampler draws from."""
+    model, tokenizer, problems = state.trainer.model, state.tokenizer, state.eval_set
+    tokens = max(6, cfg.max_new_tokens) if cfg.task == "arithmetic" else cfg.max_new_tokens
+    acc_sampler, logp_sampler = sampler_accuracy(state.sampler, problems, tokens)
+    record = {"step": step, "acc_trainer": greedy_accuracy(model, tokenizer, problems, tokens),
+              "acc_sampler": acc_sampler,
+              "pc_trainer": float(answer_logprobs(model, tokenizer, problems).exp().mean()),
+              "pc_sampler": float(logp_sampler.exp().mean())}
+    if _truncates(cfg):  # what a truncated sampler would draw: the objective truncated RL optimises
+        logp = answer_logprobs(model, tokenizer, problems, temperature=cfg.temperature,
+                               truncation=(cfg.top_p, cfg.top_k, cfg.min_p))
+        record["pct_trainer"] = float(logp.exp().mean())
+    return record
+
+
+# the sync canary's bound on one answer's |Δlogp| (check_vllm_sync), calibrated on the CPU
+# build: on the tiny MoE a correct sync gives 5e-7 (fp32), 7e-3 (bf16); a skipped repack > 2
+VLLM_SYNC_TOLERANCE = {"fp32": 1e-4, "bf16": 0.5, "fp16": 0.5}
+
+
+def check_vllm_sync(sampler) -> None:
+    """The sync canary: one held-out answer's log-prob from vLLM and from the torch reference that
+    holds the same weights; RuntimeError beyond VLLM_SYNC_TOLERANCE[dtype] (mis-packed experts: > 2;
+    in fp32 also a stale sync: one step moves it ~1e-3)."""
+    problem = make_arithmetic_task(1, seed=0, split="eval")
+    # (1,) torch on the same weights
+    logp = answer_logprobs(sampler.reference, sampler.tokenizer, problem)
+    gap = float((vllm_answer_logprobs(sampler, problem) - logp).abs())
+    bound = VLLM_SYNC_TOLERANCE[sampler.dtype]
+    if not gap <= bound:
+        raise RuntimeError(f"vLLM sync canary: vLLM ({sampler.dtype}) and torch differ by |Δlogp| "
+                           f"{gap:.3g} > {bound:g} on a held-out answer after a weight sync")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -2396,7 +3080,7 @@ class RunState:
     eval_set: list
     arm: Arm  # ARMS[cfg.correction]
     truncation: tuple | None  # (top_p, top_k, min_p) when the sampler truncates, else None
-    topk: int | None  # the top-K the sampler records (machinery.recorded_topk)
+    topk: int | None  # the top-K the sampler records (recorded_topk)
     since_sync: int = 0
 
 
@@ -2422,7 +3106,7 @@ def update_on_batch(cfg: RLConfig, state: RunState, ro: Rollout, rewards, behavi
     logp (grad) the current trainer; logp_prox the trainer before this batch's first update (None:
     this is it, its own log-probs are the proximal policy); behaviour.logp_old the trainer engine
     on the weights the sampler holds; ro.logp_infer the sampler. behaviour.update_routes: the MoE
-    experts the forward replays (R2 / R3; None: live). meter: machinery.StepMeter, laps charged to
+    experts the forward replays (R2 / R3; None: live). meter: StepMeter, laps charged to
     recompute, loss and optimizer."""
     trainer, extra = state.trainer, {}
     reads_topk = state.arm.reads_topk or cfg.diagnose_drift
@@ -2547,9 +3231,7 @@ def step_record(cfg: RLConfig, step: int, state: RunState, ro: Rollout, rewards,
 
 def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
     """One step: sample -> score -> behaviour pass -> update(s) -> export / sync -> ledger."""
-    import machinery  # the meter of sec_<phase> and peak_rss_mb
-
-    meter = machinery.StepMeter(STEP_PHASES)
+    meter = StepMeter(STEP_PHASES)
     # 1) sample
     ro, answers = sample_batch(cfg, step, state)
     meter.lap("sample")
@@ -2562,7 +3244,7 @@ def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
     behaviour = state.trainer.behaviour_logprobs(ro, cfg.temperature, state.truncation,
                                                  cfg.routing_replay)
     extra = merge_kept_support(ro, behaviour.rebuilt) if state.truncation else {}
-    extra |= machinery.route_flips(ro, behaviour.routes)  # MoE: routing_flip_rate of two engines
+    extra |= route_flips(ro, behaviour.routes)  # MoE: routing_flip_rate of two engines
     meter.lap("recompute")
     # 4) update(s): the arm's loss, updates_per_batch optimizer steps on the batch
     updates = []
@@ -2579,30 +3261,117 @@ def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
     return record | meter.record()
 
 
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, MiB (getrusage: Linux reports KiB)."""
+    import resource  # Unix only
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class StepMeter:
+    """What the machine measured in one RL step: seconds per phase (metrics.jsonl's sec_<phase>),
+    lap(phase) adding the time since the last lap to that phase; and the peak memory so far."""
+
+    def __init__(self, phases):
+        self.seconds = dict.fromkeys(phases, 0.0)
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        """Charge the time since the last lap to `phase`."""
+        now = time.perf_counter()
+        self.seconds[phase] += now - self.last
+        self.last = now
+
+    def record(self) -> dict[str, float]:
+        """{peak_rss_mb, sec_<phase>: seconds in the order of the phases}."""
+        seconds = {f"sec_{phase}": seconds for phase, seconds in self.seconds.items()}
+        return {"peak_rss_mb": peak_rss_mb()} | seconds
+
+
+def route_flips(rollout, routes) -> dict:
+    """MoE: {route_flip_<name>: share} of routing_flip_rate between the sampler's experts and the
+    trainer engine's own `routes` (B, P + T, L, k); {} for a dense model (either is None)."""
+    if routes is None or rollout.routed_experts is None:
+        return {}
+    fed = torch.cat([rollout.prompt_mask, rollout.mask], 1).cpu()  # (B, P + T) prompt and response
+    flips = routing_flip_rate(rollout.routed_experts, routes, fed)
+    return {f"route_flip_{name}": share for name, share in flips.items()}
+
+
+def resolve_device(device: str) -> torch.device:
+    """auto -> cuda when torch sees a GPU, else cpu; cuda without a GPU: an error, --device."""
+    _check_choice("device", device, ("auto", "cpu", "cuda"))
+    gpu = torch.cuda.is_available()
+    if device == "cuda" and not gpu:
+        raise ValueError("device='cuda' (--device cuda) but torch.cuda.is_available() is False: "
+                         "no GPU or a CPU build of torch; use --device cpu or auto")
+    return torch.device(("cuda" if gpu else "cpu") if device == "auto" else device)
+
+
+def vllm_available() -> bool:
+    """True when a package `vllm` (the CPU or the GPU build) lies on sys.path; not imported here:
+    vLLM reads its settings once, at import (_vllm_environment)."""
+    return any((Path(p) / "vllm" / "__init__.py").is_file() for p in sys.path)
+
+
+# The tiny bases committed beside this file (made by `python -m lab pretrain`): what --model
+# runs/base and runs/base-moe read until a model is there
+BASES = {"runs/base": "bases/tiny", "runs/base-moe": "bases/tiny-moe"}
+
+
+def resolve_model_dir(model: str) -> Path:
+    """The model directory a run uses: `model`, or for runs/base(-moe) without one, bases/'s
+    copy."""
+    path = Path(model)
+    if model not in BASES or (path / "config.json").exists():
+        return path
+    return Path(__file__).resolve().parent / BASES[model]
+
+
+def build_sampler(cfg, trainer, tokenizer):
+    """The run's sampler engine from RLConfig: a TorchSampler on an EngineSpec, or a VLLMSampler."""
+    if cfg.sampler == "vllm":  # --dtype only (check_run_config refused --quant, --noise, --exact)
+        return VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer,
+                              gpu_memory=cfg.vllm_gpu_memory, reference=trainer.behaviour)
+    # its noise seeded apart from the run's
+    engine = EngineSpec(cfg.dtype, cfg.quant, cfg.noise, cfg.seed + 1234, cfg.exact,
+                           router_noise=cfg.router_noise, router_jitter=cfg.router_jitter)
+    return TorchSampler(trainer.model, engine, tokenizer)
+
+
+def recorded_topk(cfg) -> int | None:
+    """The top-K the sampler records: cfg.topk for the arms (and diagnostics) that read it, else
+    None; vLLM under truncation cfg.support_topk, whose finite ones are its kept support.
+
+    At V = 151,936 all-V records would be 12 bytes x V per token: only a flag set to 0 asks for
+    them."""
+    if arm_of(cfg).reads_topk or cfg.diagnose_drift:  # the loss or the diagnostics read them
+        return cfg.topk
+    return cfg.support_topk if cfg.sampler == "vllm" and _truncates(cfg) else None
+
+
 def setup_run(cfg: RLConfig) -> RunState:
     """Model, trainer, sampler (holding the first served copy), data; all seeded from cfg.seed."""
-    import machinery  # the config rules, the testbed's tasks
-
-    machinery.check_run_config(cfg)
+    check_run_config(cfg)
     torch.manual_seed(cfg.seed)
-    model_dir = machinery.resolve_model_dir(cfg.model)
-    tokenizer, device = load_tokenizer(model_dir), machinery.resolve_device(cfg.device)
+    model_dir = resolve_model_dir(cfg.model)
+    tokenizer, device = load_tokenizer(model_dir), resolve_device(cfg.device)
     model = load_model(model_dir, trust_remote_code=cfg.trust_remote_code).to(device)
     if cfg.gradient_checkpointing:  # each layer recomputed in backward: same numbers, less memory
         model.gradient_checkpointing_enable()
-    machinery.check_model_routers(cfg, model)
+    check_model_routers(cfg, model)
     arm = arm_of(cfg)
     value_head = torch.nn.Linear(model.config.hidden_size, 1).to(device) if arm.critic else None
     trainer = Trainer(model, cfg.lr, cfg.optimizer, export_dtype=cfg.dtype,
                       loss_on_served=cfg.loss_on_served,
                       extra_params=value_head.parameters() if arm.critic else ())
-    sampler = machinery.build_sampler(cfg, trainer, tokenizer)  # TorchSampler or VLLMSampler
+    sampler = build_sampler(cfg, trainer, tokenizer)  # TorchSampler or VLLMSampler
     gen = torch.Generator().manual_seed(cfg.seed)
     sampler.load_weights(trainer.export(cfg.export, generator=gen)[0])  # the first served copy
-    train_set, eval_set = machinery.run_problems(cfg, model_dir, tokenizer)  # RL, held-out
+    train_set, eval_set = run_problems(cfg, model_dir, tokenizer)  # RL, held-out
     truncation = (cfg.top_p, cfg.top_k, cfg.min_p) if _truncates(cfg) else None
     return RunState(trainer, sampler, tokenizer, gen, value_head, train_set, eval_set, arm,
-                    truncation, machinery.recorded_topk(cfg))
+                    truncation, recorded_topk(cfg))
 
 
 def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
@@ -2612,17 +3381,169 @@ def run(cfg: RLConfig, resume: bool = False) -> list[dict]:
     cfg.checkpoint_every steps and at the end. resume=True continues from
     runs/<name>/checkpoint.safetensors (bit for bit the run that was interrupted, on the same
     machine and thread count)."""
-    import machinery  # runs/<name>/ (metrics, config, checkpoints, resume); evaluation
-
     state = setup_run(cfg)
-    log = machinery.RunLog(cfg, state, resume)
+    log = RunLog(cfg, state, resume)
     for step in log.steps():  # the steps left, behind a progress bar
         if step % cfg.eval_every == 0:  # before the step's update: step 0 is the start model
-            log.write(machinery.evaluate(step, state, cfg))
+            log.write(evaluate(step, state, cfg))
         log.write(rl_step(cfg, step, state))
         log.checkpoint_after(step)
-    log.write(machinery.evaluate(cfg.steps, state, cfg))  # after the last update
+    log.write(evaluate(cfg.steps, state, cfg))  # after the last update
     return log.records
+
+
+# --------------------------------------------------------------------------------------------------
+# ---- run directory: config, metrics, checkpoint, resume ----
+# runs/<name>/: config.json, metrics.jsonl, checkpoint.safetensors (safetensors: no pickle).
+
+def write_atomic(path: Path, text: str, write=None) -> None:
+    """Write text (or call write(temporary path)) to a temporary file next to `path`, fsync it, then
+    rename it over `path` (all or nothing)."""
+    tmp = path.with_name(path.name + ".tmp")
+    if write is None:
+        tmp.write_text(text)
+    else:
+        write(tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _trainer_modules(trainer: Trainer, extra: dict | None) -> dict:
+    """The modules whose parameters a checkpoint holds, by prefix (None: absent)."""
+    return {"model": trainer.model, "master_at_export": trainer.master_at_export} | (extra or {})
+
+
+def trainer_state(trainer: Trainer, extra: dict | None = None) -> tuple[dict, dict]:
+    """(tensors, metadata) that restore a Trainer bit for bit: master, served copy, EF residuals,
+    master at export, optimizer moments, and any extra modules (the COPC value head), prefixed by
+    what they belong to."""
+    modules = _trainer_modules(trainer, extra)
+    tensors = {f"{m}.{n}": p.detach() for m, module in modules.items() if module is not None
+               for n, p in module.named_parameters()}
+    for part in ("served", "residual"):
+        tensors |= {f"{part}.{n}": v for n, v in getattr(trainer, part).items()}
+    opt = trainer.opt.state_dict()
+    for i, slots in opt["state"].items():
+        tensors |= {f"opt.{i}.{key}": torch.as_tensor(v) for key, v in slots.items()}
+    slot_names = {i: list(v) for i, v in opt["state"].items()}
+    return tensors, {"param_groups": opt["param_groups"], "opt_slots": slot_names}
+
+
+@torch.no_grad()
+def load_trainer_state(trainer: Trainer, tensors: dict, meta: dict, extra: dict | None = None):
+    """Inverse of trainer_state (the behaviour copy is rebuilt from the served weights)."""
+    def part(name: str) -> dict:
+        """The tensors under prefix `name.`, the prefix dropped."""
+        return {n[len(name) + 1 :]: v for n, v in tensors.items() if n.startswith(name + ".")}
+
+    device = next(trainer.model.parameters()).device
+    trainer.residual = {n: v.to(device, copy=True) for n, v in part("residual").items()}
+    # the served copy is the behaviour's
+    trainer.behaviour.load_state_dict(part("served"), strict=False)
+    for name, module in _trainer_modules(trainer, extra).items():
+        if module is not None:
+            # buffers (rotary tables) are not saved
+            module.load_state_dict(part(name), strict=False)
+    state = {int(i): {key: tensors[f"opt.{i}.{key}"].clone() for key in keys}
+             for i, keys in meta["opt_slots"].items()}
+    trainer.opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def save_checkpoint(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Atomic safetensors write (write_atomic): a crash leaves the previous checkpoint or the new
+    one.
+
+    `meta` is stored as JSON in the safetensors header (no pickle anywhere).
+    """
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
+    header = {"json": json.dumps(meta)}
+    write_atomic(Path(path), "", lambda tmp: save_file(tensors, str(tmp), metadata=header))
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, meta) from save_checkpoint's file. safetensors only: loading never executes
+    code."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        names = f.keys()  # a safe_open handle is not iterable
+        return {k: f.get_tensor(k) for k in names}, json.loads(f.metadata()["json"])
+
+
+def save_run_checkpoint(out: Path, state, next_step: int) -> None:
+    """out/checkpoint.safetensors: the trainer, the random streams and where to resume (atomic)."""
+    tensors, meta = trainer_state(state.trainer, {"value_head": state.value_head})
+    tensors |= {"rng.generator": state.gen.get_state(), "rng.torch": torch.get_rng_state()}
+    meta |= {"next_step": next_step, "since_sync": state.since_sync}
+    save_checkpoint(out / "checkpoint.safetensors", tensors, meta)
+
+
+def resume_run(out: Path, state) -> tuple[int, list[dict]]:
+    """Restore the checkpoint into the RunState; keep metrics.jsonl lines of the steps it covers
+    (drop later or torn ones)."""
+    if not (out / "checkpoint.safetensors").exists():
+        raise FileNotFoundError(f"resume: no checkpoint.safetensors in {out}")
+    tensors, meta = load_checkpoint(out / "checkpoint.safetensors")
+    load_trainer_state(state.trainer, tensors, meta, {"value_head": state.value_head})
+    state.sampler.load_weights(state.trainer.served)  # the served copy of the last sync
+    state.gen.set_state(tensors["rng.generator"])
+    torch.set_rng_state(tensors["rng.torch"])
+    state.since_sync, start = meta["since_sync"], meta["next_step"]
+    metrics = out / "metrics.jsonl"
+    records = []
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line torn by the kill
+            continue
+        if record.get("step", start) < start:  # an evaluation at `start` runs again
+            records.append(record)
+    return start, records
+
+
+class RunLog:
+    """runs/<name>/ of one run: config.json, metrics.jsonl (a line per record, written at once: a
+    kill loses at most that line) and checkpoint.safetensors; resume=True restores the checkpoint
+    first."""
+
+    def __init__(self, cfg, state, resume: bool):
+        from dataclasses import asdict
+
+        self.cfg, self.state, self.out = cfg, state, Path(cfg.out_dir) / cfg.name
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.start, self.records = resume_run(self.out, state) if resume else (0, [])
+        if resume:
+            print(f"[tim_rl] resuming {self.out} at step {self.start} of {cfg.steps}",
+                  file=sys.stderr)
+        # the steps the checkpoint covers, once; never beside older metrics
+        kept = "".join(json.dumps(r) + "\n" for r in self.records)
+        write_atomic(self.out / "metrics.jsonl", kept)
+        write_atomic(self.out / "config.json", json.dumps(asdict(cfg), indent=1))
+
+    def steps(self):
+        """The steps left to run, behind a tqdm bar (cfg.progress)."""
+        from tqdm.auto import tqdm
+
+        cfg = self.cfg
+        return tqdm(range(self.start, cfg.steps), desc=cfg.name, disable=not cfg.progress,
+                    mininterval=2, initial=self.start, total=cfg.steps)
+
+    def write(self, record: dict) -> None:
+        """Keep the record; append it to metrics.jsonl (closed at once: on disk before the next
+        step)."""
+        self.records.append(record)
+        with open(self.out / "metrics.jsonl", "a") as log:
+            log.write(json.dumps(record) + "\n")
+
+    def checkpoint_after(self, step: int) -> None:
+        """Save the run after this step: every cfg.checkpoint_every steps (0: never) and after the
+        last."""
+        every = self.cfg.checkpoint_every
+        if step == self.cfg.steps - 1 or (every > 0 and (step + 1) % every == 0):
+            save_run_checkpoint(self.out, self.state, step + 1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -2735,33 +3656,473 @@ def _check_engine(engine: EngineSpec) -> None:
         raise ValueError("engine.exact needs dtype fp32 without quantisation or noise")
 
 
+# Smallest value allowed, and the fields that must be finite and > 0. Keys are config field names;
+# a command checks the ones its config has (batch, digits, repeats: the lab's configs).
+CONFIG_MIN = {"steps": 1, "prompts": 1, "group": 1, "max_new_tokens": 1, "eval_every": 1,
+              "eval_n": 1, "sync_every": 1, "updates_per_batch": 1, "checkpoint_every": 0,
+              "topk": 0, "temperature": 0, "batch": 1, "digits": 1, "repeats": 1, "task_digits": 0,
+              "noise": 0, "router_noise": 0, "router_jitter": 0}
+CONFIG_POSITIVE = ("lr", "tis_cap", "seq_tis_cap", "dlc_lag_cap", "mis_high", "dppo_delta",
+                   "vllm_gpu_memory")
+
+
+def config_choices() -> dict[str, tuple]:
+    """The allowed values of each choice field."""
+    return {"sampler": ("torch", "vllm"), "dtype": tuple(_DTYPES), "quant": QUANTS,
+            "correction": CORRECTIONS, "baseline": ("group", "none"), "optimizer": ("adamw", "sgd"),
+            "export": ("rtn", "sr", "ef"), "device": ("auto", "cpu", "cuda"), "task": TASKS,
+            "routing_replay": ("none", "r2", "r3"), "rs_estimator": tuple(RS_ESTIMATORS)}
+
+
+def check_values(obj) -> None:
+    """Raise UsageError, naming the flag, for a value below its minimum or not among its choices
+    (args or config), a float flag that is not finite, or a learning rate / cap / band that is not
+    positive."""
+    flag = cli_flag
+    for f in fields(RLConfig):
+        value = getattr(obj, f.name, None)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{flag(f.name)} must be a finite number, got {value}")
+        if f.name in CONFIG_POSITIVE and value is not None and value <= 0:
+            raise UsageError(f"{flag(f.name)} must be > 0, got {value}")
+    for name, low in CONFIG_MIN.items():
+        if getattr(obj, name, low) < low:
+            raise UsageError(f"{flag(name)} must be >= {low}, got {getattr(obj, name)}")
+    for name, choices in config_choices().items():
+        if getattr(obj, name, choices[0]) not in choices:
+            shown = " | ".join(c for c in choices if c)
+            raise UsageError(f"{flag(name)} must be one of {shown}, got {getattr(obj, name)!r}")
+
+
+def has_chat_template(model_dir: str | Path) -> bool:
+    """Whether the tokenizer saved in model_dir has a chat template (read off its files; nothing is
+    loaded)."""
+    d = Path(model_dir)
+    config = d / "tokenizer_config.json"
+    if (d / "chat_template.jinja").is_file():
+        return True
+    return config.is_file() and "chat_template" in json.loads(config.read_text())
+
+
+def _engine_mistakes(cfg) -> list[tuple[bool, str]]:
+    """(wrong, message) of the sampler's settings: vLLM's limits, the export's dtype."""
+    vllm = cfg.sampler == "vllm"
+    noisy = cfg.quant != "none" or cfg.noise or cfg.router_noise or cfg.router_jitter or cfg.exact
+    return [
+        (cfg.export != "rtn" and cfg.dtype != "bf16",
+         (f"--export {cfg.export} rounds the fp32 master to bf16: it needs --dtype bf16 (the "
+          f"sampler is {cfg.dtype}; rtn is the only export to fp32 / fp16)")),
+        (vllm and not vllm_available(),
+         ("--sampler vllm: vLLM is not installed in this environment (README: Set-up installs "
+          "it in its own environment)")),
+        (vllm and noisy,
+         ("--sampler vllm takes --dtype only (no --quant, --noise, --router-noise, --router-jitter "
+          "or --exact)")),
+        (vllm and cfg.routing_replay == "r3",
+         ("--routing-replay r3 replays the sampler's experts, but VLLMSampler records none (the "
+          "CPU build returns no routes): use --routing-replay r2 or --sampler torch")),
+        (vllm and 0 < cfg.temperature < 0.01,
+         (f"--sampler vllm with --temperature {cfg.temperature}: vLLM samples at 0.01 while the "
+          "trainer would score the requested value (use 0.01 or more)")),
+    ]
+
+
+def check_run_config(cfg) -> None:
+    """Raise ValueError naming the flag(s) for a setting the run would reject later, or that would
+    train nothing."""
+    check_values(cfg)
+    resolve_device(cfg.device)
+    try:
+        _check_truncation(cfg.top_p, cfg.top_k, cfg.min_p)
+    except ValueError as e:
+        raise ValueError("--" + str(e).replace("_", "-", 1)) from None
+    arm = arm_of(cfg)
+    group_relative = cfg.baseline == "group" and not arm.critic  # COPC's advantages: its critic
+    # its longest answer and <eos>: a product or a swap has 2 x digits, else digits + 1
+    task = run_task_kwargs(cfg, cfg.model)
+    digits = task["digits"]
+    answer_tokens = {"+": digits + 1, "-": digits + 1, "*": 2 * digits, "s": 2 * digits}
+    longest = 1 + max(answer_tokens[op] for op in task["ops"])
+    mistakes = [
+        (cfg.task == "arithmetic" and cfg.max_new_tokens < longest,
+         (f"--max-new-tokens {cfg.max_new_tokens} cannot hold this model's answers ({digits}-digit "
+          f"{task['ops']!r}: up to {longest} with <eos>)")),
+        (_truncates(cfg) and not cfg.renormalize and arm.renormalized,
+         ("--no-renormalize applies to the current trainer's sampled-token log-probs only; "
+          f"--correction {cfg.correction} also reads logp_old or the top-K log-probs: run it with "
+          "--renormalize")),
+        (cfg.loss_on_served and (cfg.sync_every, cfg.updates_per_batch) != (1, 1),
+         ("--loss-on-served needs --sync-every 1 and --updates-per-batch 1 (the loss runs on the "
+          "copy the sampler holds until a sync)")),
+        (group_relative and cfg.group == 1,
+         ("--group 1 with --baseline group: each sample is its own group mean, so every advantage "
+          "is 0 and nothing trains (use --group >= 2, or --baseline none)")),
+        (group_relative and cfg.temperature == 0,
+         ("--temperature 0 samples greedily: a group's samples are identical, so every advantage "
+          "is 0 (use --temperature > 0, or --baseline none)")),
+        (Path(cfg.out_dir, cfg.name).resolve() == Path(cfg.model).resolve(),
+         (f"--out-dir {cfg.out_dir} --name {cfg.name}: that run directory is the --model directory "
+          "(a run writes config.json there)")),
+        (cfg.task == "words" and not has_chat_template(cfg.model),
+         (f"--task words needs a chat model (--model DIR with a chat template): {cfg.model} has no "
+          "chat template")),
+        *_engine_mistakes(cfg),
+    ]
+    for wrong, message in mistakes:
+        if wrong:
+            raise ValueError(message)
+
+
+def check_model_routers(cfg, model) -> None:
+    """A UsageError when a router flag is set but the loaded model has no router tim_rl replays (no
+    silent no-op)."""
+    names = ("routing_replay", "router_noise", "router_jitter")
+    flags = [f"{cli_flag(n)} {getattr(cfg, n)}" for n in names
+             if getattr(cfg, n) not in ("none", 0.0)]
+    if not flags or moe_routers(model):
+        return
+    its = f"; its router is {router_class(model)}" if is_moe(model) else ""
+    raise UsageError(f"{flags[0]} acts on MoE routers, but {cfg.model} has no router tim_rl "
+                     f"replays (REPLAYABLE_ROUTERS; --model runs/base-moe is the tiny MoE){its}")
+
+
+def eval_warning(cfg) -> str | None:
+    """One line when --eval-every gives fewer than 5 evaluations although --steps allows 5 (a coarse
+    pc curve)."""
+    count = len(range(0, cfg.steps, cfg.eval_every)) + 1
+    if count < 5 <= cfg.steps + 1:
+        return (f"tim_rl: warning: --steps {cfg.steps} --eval-every {cfg.eval_every} gives {count} "
+                f"evaluations (--eval-every {max(cfg.steps // 4, 1)} gives 5 or more)")
+    return None
+
+
 # --------------------------------------------------------------------------------------------------
 # ---- CLI ----
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`python tim_rl.py [pretrain|train|demo|doctor] --help`; no subcommand runs the demo."""
-    import machinery  # the CLI's rules (config combinations, paths, seeds), the demo, the doctor
+def cli_flag(name: str) -> str:
+    """The command-line flag of a config field: max_new_tokens -> --max-new-tokens."""
+    return "--" + name.replace("_", "-")
 
+
+def add_config_flags(parser, cls):
+    """One --flag per dataclass field, its help text from the field's metadata; the parser."""
+    for f in fields(cls):
+        help_text, kind = f.metadata.get("help"), {"action": argparse.BooleanOptionalAction}
+        if f.type not in ("bool", bool):  # argparse formats %
+            kind = {"type": {"int": int, "float": float, "str": str}.get(f.type, type(f.default))}
+            help_text = help_text.replace("%", "%%") + " (default: %(default)s)"
+        parser.add_argument(cli_flag(f.name), default=f.default, help=help_text, **kind)
+    return parser
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose mistakes are one line and exit status 2 (no usage block before them)."""
+
+    def error(self, message):
+        """Print `prog: error: message` alone and exit with status 2."""
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def cli_parser():
+    """tim_rl.py's argparse parser of every subcommand, flags built from the config dataclasses."""
+    about = "RL under training-inference mismatch. No subcommand: the demo (~5 min)."
+    parser = OneLineParser(prog="tim_rl", description=about)
+    parser.set_defaults(steps=80, seeds="0,1,2,3,4")  # the demo's, also without a subcommand
+    sub = parser.add_subparsers(dest="cmd")
+    train = add_config_flags(sub.add_parser("train", help="one RL run"), RLConfig)
+    train.add_argument("--resume", metavar="RUN_DIR", default="", help="continue runs/<name> "
+                       "from its checkpoint and config.json (other flags ignored)")
+    demo = sub.add_parser("demo", help="the default demo (~5 min; --steps 2 --seeds 0: seconds)")
+    demo.add_argument("--steps", type=int, default=80)
+    demo.add_argument("--seeds", default="0,1,2,3,4")
+    # listed for --help; tim_rl.main hands `doctor ...` to doctor_main, whose parser reads it
+    sub.add_parser("doctor", help="why your trainer and sampler disagree: doctor FILE")
+    return parser
+
+
+@contextlib.contextmanager
+def cli_errors(parser, args):
+    """tim_rl.main's exits: a UsageError (a flag, a combination, or a model setup_run refuses) as
+    one `tim_rl: error: ...` line and status 2; Ctrl-C as status 130 with the command that
+    resumes."""
+    try:
+        yield
+    except UsageError as e:
+        parser.exit(2, f"tim_rl: error: {e}\n")
+    except KeyboardInterrupt:
+        run_dir = args.cmd == "train" and (args.resume or Path(args.out_dir) / args.name)
+        where = f"; python tim_rl.py train --resume {run_dir}" if run_dir else ""
+        parser.exit(130, f"tim_rl: interrupted (the last checkpoint is kept{where})\n")
+
+
+def _check_paths(args) -> None:
+    """A UsageError for --model without config.json, a file where an output directory goes, or a
+    --resume directory that train did not write."""
+    model = getattr(args, "model", "runs/base")
+    if model not in BASES and not (Path(model) / "config.json").is_file():
+        found = "no model directory there"
+        if Path(model).is_dir():
+            found = "a directory without config.json"
+        raise UsageError(f"--model {model}: {found} (expected a Hugging Face causal-LM directory "
+                         "with config.json; omit --model to use the embedded tiny model)")
+    out_dirs = [("out", getattr(args, "out", None)), ("out_dir", getattr(args, "out_dir", None))]
+    if getattr(args, "out_dir", None) and args.cmd == "train":  # the run's own directory
+        out_dirs.append(("name", Path(args.out_dir, args.name)))
+    for name, path in out_dirs:  # a file where a directory goes: refused before any training
+        path = Path(path or ".")
+        existing = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
+        if not existing.is_dir():
+            dangling = existing.is_symlink() and not existing.exists()
+            what = "a link to nowhere" if dangling else "a file"
+            raise UsageError(f"{cli_flag(name)} {path}: {existing} is {what}, not a directory")
+    resume = getattr(args, "resume", "")
+    for need in ("config.json", "checkpoint.safetensors"):
+        if resume and not (Path(resume) / need).is_file():
+            raise UsageError(f"--resume {resume}: no {need} there (expected a run directory "
+                             "written by train)")
+
+
+def check_cli(args):
+    """Raise ValueError, naming the flag(s), for a value or combination the run would reject later
+    (or with a traceback, or that would train nothing); returns the RLConfig train (or the lab's
+    compare) will run."""
+    check_values(args)
+    seeds = getattr(args, "seeds", None) or "0"
+    listed = seeds.split(",")
+    if not re.fullmatch(r"-?\d+(,-?\d+)*", seeds) or len({int(s) for s in listed}) < len(listed):
+        raise UsageError(f"--seeds must be comma-separated integers, each listed once, "
+                         f"got {seeds!r}")
+    _check_paths(args)
+    if args.cmd not in ("train", "compare") or getattr(args, "preset", ""):
+        return None
+    saved = vars(args)
+    if getattr(args, "resume", ""):  # the run's own config
+        saved = json.loads((Path(args.resume) / "config.json").read_text())
+    cfg = RLConfig(**{f.name: saved[f.name] for f in fields(RLConfig) if f.name in saved})
+    check_run_config(cfg)
+    return cfg
+
+
+def checked_cli_config(args):
+    """check_cli's RLConfig (None for other commands), its refusals as UsageError; prints
+    eval_warning's line; silences transformers' per-load progress bar (ours show the work)."""
+    from transformers.utils import logging as hf_logging
+
+    try:
+        cfg = check_cli(args)
+    except ValueError as e:  # a UsageError, or a combination check_run_config refuses
+        raise UsageError(str(e)) from e
+    warning = cfg and eval_warning(cfg)
+    if warning:
+        print(warning, file=sys.stderr)
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar per engine between ours
+    return cfg
+
+
+DOCTOR_KEYS = (("old_per_token_logps", "sampling_per_token_logps", "completion_mask"),  # TRL
+               ("old_log_probs", "rollout_log_probs", "response_mask"))  # verl's DataProto batch
+# a .jsonl without a mask key
+JSONL_KEYS = tuple((train, infer, "mask") for train, infer, _ in DOCTOR_KEYS)
+
+
+def _read_pt(path: Path) -> dict:
+    """A dict of tensors torch.load(weights_only=True) reads; anything else is a one-line
+    ValueError."""
+    if path.is_file() and path.stat().st_size == 0:
+        raise ValueError("the file is empty")
+    try:
+        with warnings.catch_warnings():  # torch's notes on the pickle protocol: said below
+            warnings.simplefilter("ignore")
+            tensors = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError("not a dict of tensors torch.load(weights_only=True) reads (a pickled "
+                         "object? save {name: tensor})") from None
+    if not isinstance(tensors, dict):
+        kind = type(tensors).__name__
+        raise ValueError(f"holds a {kind}, not a dict of named tensors")  # noqa: TRY004
+    return tensors
+
+
+def read_doctor_file(path: Path) -> dict:
+    """name -> tensor from .pt (a dict of tensors), .safetensors or .jsonl (one JSON object per
+    sequence, each key a list over its tokens; rows padded with mask False; without a mask key each
+    row's length is its mask)."""
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    if path.suffix == ".pt":
+        return _read_pt(path)
+    if path.suffix != ".jsonl":
+        raise ValueError("expected a .pt, .safetensors or .jsonl file")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lengths = [max((len(v) for v in row.values() if isinstance(v, list)), default=0)
+               for row in rows]  # each row's longest list
+    T = max(lengths, default=0)
+    keys = (rows or [{}])[0]
+    padded = {k: [row.get(k, []) + [0] * (T - len(row.get(k, []))) for row in rows] for k in keys}
+    tensors = {k: torch.tensor(v) for k, v in padded.items()}
+    if rows and not any(name[2] in tensors for name in DOCTOR_KEYS):  # no mask: each row's length
+        tensors["mask"] = torch.arange(T) < torch.tensor(lengths)[:, None]  # (B, T)
+    return tensors
+
+
+def _doctor_keys(tensors: dict, keys_flag: str) -> tuple:
+    """The names of (logp_train, logp_infer, mask) in a doctor file's tensors: --keys
+    TRAIN,INFER,MASK, else TRL's or verl's names."""
+    names = [*DOCTOR_KEYS, *JSONL_KEYS]
+    if keys_flag:
+        names = [tuple(keys_flag.split(","))]
+    if len(names[0]) != 3:
+        raise ValueError(f"--keys takes three names, TRAIN,INFER,MASK, got {keys_flag!r}")
+    keys = next((k for k in names if set(k) <= set(tensors)), None)
+    if keys is None:
+        wanted = " or ".join(",".join(k) for k in names[: len(DOCTOR_KEYS)])
+        found = ", ".join(sorted(tensors)) or "none"
+        raise ValueError(f"no tensors named {wanted} (found: {found}; --keys TRAIN,INFER,MASK "
+                         "names them)")
+    return keys
+
+
+def doctor_main(argv: list[str]) -> None:
+    """`python tim_rl.py doctor FILE [--keys TRAIN,INFER,MASK]`: diagnose_mismatch on a file's
+    tensors; an unreadable file, a missing key, a bad shape or dtype is one error line and exit
+    status 2."""
+    from safetensors import SafetensorError
+
+    parser = OneLineParser(prog="tim_rl doctor", description="Why trainer and sampler log-probs "
+                           "disagree (TRL / verl tensor names, or --keys; an 'advantages' tensor "
+                           "enables lag).")
+    parser.add_argument("file", type=Path, help=".pt, .safetensors or .jsonl")
+    parser.add_argument("--keys", default="", help="TRAIN,INFER,MASK: the names of the trainer's "
+                        "log-probs, the sampler's and the mask (default: TRL's or verl's names)")
+    args = parser.parse_args(argv)
+    read_as = ""
+    try:
+        tensors = read_doctor_file(args.file)
+        keys = _doctor_keys(tensors, args.keys)
+        read_as = f" (read {', '.join(keys)} as logp_train, logp_infer, mask)"
+        train, infer, mask = (tensors[k] for k in keys)
+        _check_tensor(f"mask ({keys[2]})", mask, floating=False)
+        if mask.dtype != torch.bool and torch.isin(mask, torch.tensor([0, 1])).all():  # 0 / 1
+            mask = mask.bool()
+        print(diagnose_mismatch(train, infer, mask, advantages=tensors.get("advantages")))
+    except (OSError, ValueError, TypeError, RuntimeError, EOFError, SafetensorError) as e:
+        parser.exit(2, f"tim_rl doctor: error: {args.file}: {str(e).splitlines()[0]}{read_as}\n")
+
+
+def train_summary(records: list[dict], out: Path) -> str:
+    """A few numbers of a finished run (first and last evaluation, last step) and the files it
+    wrote."""
+    step, first, last = [r for r in records if "reward" in r][-1], records[0], records[-1]
+    evals = [f"{k} {first[k]:.3f} -> {last[k]:.3f}"
+             for k in ("acc_trainer", "pc_trainer", "pc_sampler")]
+    now = [f"{k} {step[k]:.3g}" for k in ("reward", "mm_abs_diff", "grad_norm")
+           if step[k] is not None]
+    files = [str(out / f) for f in ("metrics.jsonl", "config.json", "checkpoint.safetensors")]
+    return (f"evaluations (first -> last): {'  '.join(evals)}\nstep {step['step']}: "
+            f"{'  '.join(now)}\nwrote {', '.join(files)}")
+
+
+def demo_engines(model_dir: Path, say: Callable) -> None:
+    """The demo's first table: each sampler engine's mismatch vs the fp32 trainer on its tokens."""
+    model, tokenizer = load_model(model_dir).eval(), load_tokenizer(model_dir)
+    problems = make_arithmetic_task(64, seed=0, split="eval", **task_kwargs(model_dir))
+    prompts = encode_problems(tokenizer, problems)[0]
+    Spec = EngineSpec
+    engines = {"torch fp32 (KV cache)": Spec(), "torch fp32 exact": Spec(exact=True),
+               "torch fp16": Spec(dtype="fp16"), "torch bf16": Spec(dtype="bf16"),
+               "torch int8 weights": Spec(quant="int8"),
+               "torch fp8-e4m3 weights": Spec(quant="fp8")}
+    if vllm_available():
+        engines |= {"vLLM fp32": "fp32", "vLLM bf16": "bf16"}
+    say("== 1. measured mismatch of each sampler engine vs the fp32 trainer "
+        "(64 prompts x 4 samples) ==", True)
+    for label, spec in engines.items():
+        if isinstance(spec, EngineSpec):
+            sampler = TorchSampler(model, spec, tokenizer)
+        else:
+            sampler = VLLMSampler(model_dir, dtype=spec, seed=0, tokenizer=tokenizer)
+        ro = sampler.sample(prompts, 4, 5, 1.0, None, torch.Generator().manual_seed(0))
+        del sampler  # vLLM: one engine per process at a time
+        with torch.no_grad():
+            # TIM: same tokens
+            m = mismatch_metrics(sequence_logprobs(model, ro)[0], ro.logp_infer, ro.mask)
+        say(f"{label:<24} k3 {m['k3']:<9.3g} mean |Δlogp| {m['abs_diff']:<9.3g} "
+            f"max |Δlogp| {m['max_abs_diff']:.3g}")
+
+
+def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: int = 16,
+         out: str = "runs/demo") -> None:
+    """The default command: mismatch of every engine, then policy lag hurting and being repaired
+    (mean ± sd over paired seeds; `python -m lab compare` adds paired intervals and verdicts).
+    Writes <out>/demo.md (both tables), <out>/demo.png (trainer pc per arm, mean and ± 1 sd over
+    the seeds) and each run's metrics (its checkpoint is deleted: 34 MB a run)."""
+    from matplotlib.figure import Figure  # no pyplot: a notebook's backend is left alone
+    from tqdm.auto import tqdm
+
+    lines = []
+
+    def say(line: str, gap: bool = False) -> None:
+        """Print the line (after a blank one when `gap`) and keep it for demo.md."""
+        lines.append(line)
+        tqdm.write("\n" * gap + line)
+
+    demo_engines(resolve_model_dir("runs/base"), say)
+    say(f"== 2. policy lag: sampler synced every {sync_every} steps vs every step, {steps} steps, "
+        f"{len(seeds)} paired seeds: held-out trainer pc at step 0 -> after the last step, mean ± "
+        "sd over the seeds (sd with Bessel's correction) ==", True)
+    # sc_tis over all V (topk=0), as README's demo output was run
+    base = RLConfig(steps=steps, sync_every=sync_every, eval_every=max(steps // 4, 1),
+                    out_dir=out, topk=0, checkpoint_every=0, progress=False)
+    arms = {"synced control (k=1, none)": {"correction": "none", "sync_every": 1}}
+    arms |= {f"{c} (k={sync_every})": {"correction": c} for c in ("none", "tis", "sc_tis")}
+    fig = Figure(figsize=(7.5, 4))
+    ax = fig.subplots()
+    bar = tqdm(total=len(arms) * len(seeds), desc="demo runs", unit="run")
+    for i, (label, change) in enumerate(arms.items()):
+        evals = []  # (seeds, evaluations)
+        for seed in seeds:
+            bar.set_description(f"demo: {label}, seed {seed}")
+            cfg = dataclasses.replace(base, name=f"arm{i}_s{seed}", seed=seed, **change)
+            evals.append([r for r in run(cfg) if "pc_trainer" in r])
+            (Path(out) / cfg.name / "checkpoint.safetensors").unlink()
+            bar.update()
+        pc = torch.tensor([[r["pc_trainer"] for r in e] for e in evals], dtype=torch.float64)
+        sd = pc.std(0) if len(seeds) > 1 else torch.zeros(pc.shape[1], dtype=torch.float64)
+        say(f"{label:<28} pc {float(pc[:, 0].mean()):.3f} -> {float(pc[:, -1].mean()):.3f} "
+            f"± {float(sd[-1]):.3f}")
+        x, mean = [r["step"] for r in evals[0]], pc.mean(0)
+        ax.plot(x, mean, marker="o", ms=3, label=label)
+        ax.fill_between(x, mean - sd, mean + sd, alpha=0.15)
+    bar.close()
+    ax.set(title=f"policy lag k={sync_every}: mean and ± 1 sd over {len(seeds)} seeds",
+           xlabel="optimizer step", ylabel="held-out probability of the exact answer (pc)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(Path(out) / "demo.png", dpi=110)
+    write_atomic(Path(out) / "demo.md", "\n".join(lines) + "\n")
+    print(f"\nwrote {out}/demo.md, {out}/demo.png and {out}/arm<i>_s<seed>/metrics.jsonl; "
+          "paired intervals and verdicts: python -m lab compare --help")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python tim_rl.py [train|demo|doctor] --help`; no subcommand runs the demo."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["doctor"]:  # the mismatch doctor: its own parser
-        return machinery.doctor_main(argv[1:])
-    parser = machinery.cli_parser()
+        return doctor_main(argv[1:])
+    parser = cli_parser()
     args = parser.parse_args(argv)
-    with machinery.cli_errors(parser, args):  # UsageError: one line, status 2; Ctrl-C: resume hint
-        cfg = machinery.checked_cli_config(args)  # every refusal before any work
-        if args.cmd == "pretrain":
-            pretrain_cfg = machinery.config_from_args(machinery.PretrainConfig, args)
-            print(json.dumps(machinery.pretrain(pretrain_cfg)))
-        elif args.cmd == "train":
+    with cli_errors(parser, args):  # UsageError: one line, status 2; Ctrl-C: resume hint
+        cfg = checked_cli_config(args)  # every refusal before any work
+        if args.cmd == "train":
             records = run(cfg, resume=bool(args.resume))
-            print(machinery.train_summary(records, Path(cfg.out_dir) / cfg.name))
+            print(train_summary(records, Path(cfg.out_dir) / cfg.name))
         else:
             seeds = tuple(int(s) for s in args.seeds.split(","))
-            machinery.demo(steps=args.steps, seeds=seeds)
+            demo(steps=args.steps, seeds=seeds)
 
 
 if __name__ == "__main__":
-    import tim_rl  # the copy machinery.py imported: one module for the CLI and its helpers
-
-    tim_rl.main()
+    main()

@@ -17,10 +17,10 @@ step() {  # step NAME COMMAND...: run it, log to $OUT/NAME.log, append "NAME rc=
 }
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU'; print(torch.__version__, \
 torch.cuda.get_device_name())" | tee "$OUT/device.txt" || exit 1
-[ -f "$TIM_RL_BASE/config.json" ] || step pretrain python tim_rl.py pretrain --out "$TIM_RL_BASE"
+[ -f "$TIM_RL_BASE/config.json" ] || step pretrain python -m lab pretrain --out "$TIM_RL_BASE"
 step pytest_cuda python -m pytest -q -rs -m cuda
 step pytest_all python -m pytest -q -rs -m "not vllm and not notebook"
-step bench python experiments.py bench --device cuda --model "$TIM_RL_BASE" --out "$OUT/bench"
+step bench python -m lab bench --device cuda --model "$TIM_RL_BASE" --out "$OUT/bench"
 step train python tim_rl.py train --device cuda --dtype bf16 --top-p 0.9 --export sr --correction sc_tis --steps 40 \
   --model "$TIM_RL_BASE" --out-dir "$OUT" --name gpu_train --no-progress
 cat "$OUT/status.txt"

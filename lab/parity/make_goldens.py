@@ -10,12 +10,12 @@ carries only the attributes the method reads (no trainer, no model), and the vLL
 _generate_and_score_completions (an `if` inside a 500-line method) cut out with `ast` and executed as it stands.
 
 Every call runs in float64 on the edge-case batches of issue 44 and writes
-  parity/goldens.safetensors  inputs ("input/<set>/<name>") and outputs ("<case>/<name>"), float64
-  parity/goldens.json         per case: framework, repo, path, function, commit (TRL: version + file sha256),
+  lab/parity/goldens.safetensors  inputs ("input/<set>/<name>") and outputs ("<case>/<name>"), float64
+  lab/parity/goldens.json         per case: framework, repo, path, function, commit (TRL: version + file sha256),
                               keyword arguments, input tensors, output tensors, and what the gradient is of.
 Regenerate (TRL lives in the vLLM environment; the fetched checkouts are bare git directories):
-  python parity/make_goldens.py --verl verl --slime slime --prime-rl prime-rl   (clones at the commits of
-  parity/README.md; TRL 1.16.0 installed)
+  python lab/parity/make_goldens.py --verl verl --slime slime --prime-rl prime-rl   (clones at the commits of
+  lab/parity/README.md; TRL 1.16.0 installed)
 """
 
 import argparse
@@ -578,7 +578,7 @@ def main():
         frameworks["trl"] = info
     args.out.mkdir(parents=True, exist_ok=True)
     save_file(rec.tensors, str(args.out / "goldens.safetensors"))
-    meta = {"generator": "parity/make_goldens.py", "torch": torch.__version__, "python": sys.version.split()[0],
+    meta = {"generator": "lab/parity/make_goldens.py", "torch": torch.__version__, "python": sys.version.split()[0],
             "dtype": "float64", "frameworks": frameworks, "input_sets": sorted(rec.sets), "cases": rec.cases}
     cases = meta.pop("cases")
     head = json.dumps(meta, indent=1, default=str)[:-2]  # one case a line: diffs stay readable

@@ -6,11 +6,11 @@ truncation tables, the numerics fingerprint that stamps every run, `--publish` (
 its verdict table are written from here, never typed by hand) and `bench` (speed and memory as ratios against
 baselines timed side by side). It calls the reference as `tr.NAME`; the reference never imports it.
 
-    python experiments.py compare --preset NAME [--seeds 0,1,2,3,4] [--smoke] [--publish] [--accept-numerics]
-    python experiments.py compare --corrections none,tis,sc_tis --sync-every 16   # several corrections, paired
-    python experiments.py bench [--quick]
-    python experiments.py doctor-eval [--seeds 2,3,4] [--publish]   # the mismatch doctor on labelled cases
-    python experiments.py doctor-eval --model smollm2 [--publish]   # ... on SmolLM2-135M-Instruct (cached)
+    python -m lab compare --preset NAME [--seeds 0,1,2,3,4] [--smoke] [--publish] [--accept-numerics]
+    python -m lab compare --corrections none,tis,sc_tis --sync-every 16   # several corrections, paired
+    python -m lab bench [--quick]
+    python -m lab doctor-eval [--seeds 2,3,4] [--publish]   # the mismatch doctor on labelled cases
+    python -m lab doctor-eval --model smollm2 [--publish]   # ... on SmolLM2-135M-Instruct (cached)
 """
 
 from __future__ import annotations
@@ -31,9 +31,12 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import NamedTuple
 
-import machinery
+import torch
+
 import tim_rl as tr
-from tim_rl import torch  # loaded after machinery's OpenMP choice for a shared machine
+from lab import fused, testbed
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository: README.md, RESULTS.md, bases/
 
 
 def measure_engines(model_dir: str | Path, engines: list[tuple[str, object]], n_prompts: int = 64, n: int = 4,
@@ -52,8 +55,8 @@ def measure_engines(model_dir: str | Path, engines: list[tuple[str, object]], n_
                    tr.VLLMSampler(model_dir, dtype=spec.split("-")[1], seed=seeds[0], tokenizer=tokenizer,
                                   max_model_len=max_model_len))
         for seed in seeds:
-            problems = machinery.make_arithmetic_task(n_prompts, seed=seed, split="eval", **machinery.task_kwargs(model_dir))
-            ids = prompts if prompts is not None else machinery.encode_problems(tokenizer, problems)[0]
+            problems = tr.make_arithmetic_task(n_prompts, seed=seed, split="eval", **tr.task_kwargs(model_dir))
+            ids = prompts if prompts is not None else tr.encode_problems(tokenizer, problems)[0]
             ro = sampler.sample(ids, n, max_new_tokens, 1.0, topk, torch.Generator().manual_seed(seed))
             with torch.no_grad():
                 # TIM: the trainer's view of the same tokens
@@ -71,7 +74,7 @@ def default_engines() -> list[tuple[str, object]]:
                ("torch fp16", tr.EngineSpec(dtype="fp16")), ("torch bf16", tr.EngineSpec(dtype="bf16")),
                ("torch int8 weights", tr.EngineSpec(quant="int8")),
                ("torch fp8-e4m3 weights", tr.EngineSpec(quant="fp8"))]
-    return engines + ([("vLLM fp32", "vllm-fp32"), ("vLLM bf16", "vllm-bf16")] if machinery.vllm_available() else [])
+    return engines + ([("vLLM fp32", "vllm-fp32"), ("vLLM bf16", "vllm-bf16")] if tr.vllm_available() else [])
 
 
 def _markdown_table(rows: list[dict], floats: str = "{:.3g}") -> str:
@@ -438,7 +441,7 @@ def _fingerprint_digest(runs: tuple = FINGERPRINT_RUNS, pretrain_steps: int | No
     try:
         with tempfile.TemporaryDirectory() as tmp:
             steps = FINGERPRINT_PRETRAIN["steps"] if pretrain_steps is None else pretrain_steps
-            base = machinery.pretrain(machinery.PretrainConfig(out=f"{tmp}/base", **FINGERPRINT_PRETRAIN | {"steps": steps}))
+            base = testbed.pretrain(testbed.PretrainConfig(out=f"{tmp}/base", **FINGERPRINT_PRETRAIN | {"steps": steps}))
             records = [{k: v for k, v in base.items() if k != "seconds"}]
             for i, change in enumerate(runs):
                 cfg = tr.RLConfig(**{"model": f"{tmp}/base", "name": f"f{i}", "out_dir": tmp, "steps": 4,
@@ -467,12 +470,12 @@ def numerics_fingerprint(cache: Path | None = None) -> str:
     known = json.loads(cache.read_text()) if cache.is_file() else {}
     if key not in known:
         env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        child = subprocess.run([sys.executable, "-c", ("import experiments; "
+        child = subprocess.run([sys.executable, "-c", ("from lab import experiments; "
                                                       "print(experiments._fingerprint_digest())")],
-                               cwd=Path(__file__).parent, env=env, capture_output=True, text=True, check=True)
+                               cwd=ROOT, env=env, capture_output=True, text=True, check=True)
         known[key] = child.stdout.split()[-1]
         cache.parent.mkdir(parents=True, exist_ok=True)
-        machinery.write_atomic(cache, json.dumps(known, indent=1))
+        tr.write_atomic(cache, json.dumps(known, indent=1))
     return known[key]
 
 
@@ -592,7 +595,7 @@ def rl_preset(p: RLPreset, pc: PresetConfig, seeds: list[int], out: Path) -> lis
     base = _preset_base(pc, **p.base)
     if p.pretrain:  # --smoke: a few pre-training steps, into a directory of its own
         suffix, change = p.pretrain
-        base.model = str(machinery.ensure_base_model(f"{Path(pc.model)}-{suffix}{'-smoke' * pc.smoke}",
+        base.model = str(testbed.ensure_base_model(f"{Path(pc.model)}-{suffix}{'-smoke' * pc.smoke}",
                                            **change | ({"steps": 5} if pc.smoke else {})))
     # the measurement runs on the preset's model (its own base model, when it has one)
     measured = p.measure(replace(pc, model=base.model), seeds) if p.measure else []
@@ -702,7 +705,7 @@ def truncation_table(model_dir: Path, prompts: list[list[int]], n: int, n_new: i
     rows = []
     for label, spec in (("torch fp32", tr.EngineSpec()), ("torch bf16", tr.EngineSpec(dtype="bf16"))):
         rows += truncation_rows(model, label, tr.TorchSampler(model, spec, tokenizer), prompts, n, n_new, topk)
-    for dtype in ("fp32", "bf16") if vllm and machinery.vllm_available() else ():
+    for dtype in ("fp32", "bf16") if vllm and tr.vllm_available() else ():
         sampler = tr.VLLMSampler(model_dir, dtype=dtype, tokenizer=tokenizer, **vllm_kwargs)
         rows += truncation_rows(model, f"vLLM {dtype}", sampler, prompts, n, n_new, topk)
         del sampler
@@ -712,7 +715,7 @@ def truncation_table(model_dir: Path, prompts: list[list[int]], n: int, n_new: i
 def preset_precision(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     """FP16 paper [9]. Claim: an fp16 sampler's mean |Δlogp| against the fp32 trainer is at least 3x smaller than a
     bf16 sampler's (the paper reports about an order of magnitude; 3 = the 3 extra mantissa bits' 8x, halved)."""
-    model_dir = machinery.resolve_model_dir(pc.model)
+    model_dir = tr.resolve_model_dir(pc.model)
     engines = [e for e in default_engines() if e[0] != "torch fp32 exact"]
     measured = measure_engines(model_dir, engines, n_prompts=16 if pc.smoke else 128, seeds=tuple(seeds))
     by_engine, rows = engine_table(measured, engines)
@@ -854,10 +857,10 @@ def truncation_rows(model, engine: str, sampler, prompts: list[list[int]], n: in
 
 def _cis_gap_by_confidence(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dict]]:
     """Spread of the fp8 engine gap (log-odds and log-prob) by the trainer's confidence p, seed 0."""
-    model_dir = machinery.resolve_model_dir(pc.model)
+    model_dir = tr.resolve_model_dir(pc.model)
     model, tokenizer = tr.load_model(model_dir).eval(), tr.load_tokenizer(model_dir)
-    prompts, _ = machinery.encode_problems(tokenizer, machinery.make_arithmetic_task(16 if pc.smoke else 128, split="eval",
-                                                                        **machinery.task_kwargs(model_dir)))
+    prompts, _ = tr.encode_problems(tokenizer, tr.make_arithmetic_task(16 if pc.smoke else 128, split="eval",
+                                                                        **tr.task_kwargs(model_dir)))
     ro = tr.TorchSampler(model, tr.EngineSpec(quant="fp8"), tokenizer).sample(prompts, 8, 5, 1.0, 0,
                                                                         torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -902,14 +905,14 @@ def routing_rows(model_dir: str | Path, seeds: tuple[int, ...] = (0,), n_prompts
     tokenizer, model = tr.load_tokenizer(model_dir), tr.load_model(model_dir).eval()
     trainer = tr.Trainer(model)  # nothing lags: its behaviour copy holds the sampler's (fp32) weights
     rows = []
-    with_vllm = vllm and machinery.vllm_available()
+    with_vllm = vllm and tr.vllm_available()
     engines = routing_engines(router_noise) + ([(VLLM_MOE_ENGINE, None, False)] if with_vllm else [])
     for label, spec, r3 in engines:
         sampler = (tr.TorchSampler(model, spec, tokenizer) if spec is not None else
                    tr.VLLMSampler(model_dir, dtype="bf16", tokenizer=tokenizer))
         for seed in seeds:
-            problems = machinery.make_arithmetic_task(n_prompts, seed=seed, split="eval", **machinery.task_kwargs(model_dir))
-            ro = sampler.sample(machinery.encode_problems(tokenizer, problems)[0], n, 5, 1.0, None,
+            problems = tr.make_arithmetic_task(n_prompts, seed=seed, split="eval", **tr.task_kwargs(model_dir))
+            ro = sampler.sample(tr.encode_problems(tokenizer, problems)[0], n, 5, 1.0, None,
                                 torch.Generator().manual_seed(seed))
             behaviour = trainer.behaviour_logprobs(ro, routing_replay="r3" if r3 else "none")
             ledger = tr.mismatch_ledger(behaviour.logp_old, behaviour.logp_old, ro.logp_infer, ro.mask,
@@ -937,7 +940,7 @@ MARGIN_EDGES = (0.0, 0.01, 0.03, 0.1, 0.3, 1.0, math.inf)
 def router_margins(model, rollout: tr.Rollout) -> tuple[torch.Tensor, torch.Tensor]:
     """The trainer engine's own routing on the rollout's tokens: (routes (B, S, L, k), margins (B, S, L)), margin =
     its k-th minus (k+1)-th largest router logit at each fed position (nan at a dense layer)."""
-    routers = machinery.decoder_routers(model)
+    routers = tr.decoder_routers(model)
     logits = [[] for _ in routers]
     hooks = [r.register_forward_hook(lambda _, __, out, layer=layer: logits[layer].append(out[0].detach()))
              for layer, r in enumerate(routers) if r is not None]
@@ -964,10 +967,10 @@ def flips_by_margin(model_dir: str | Path, engines: list[tuple[str, tr.EngineSpe
     flips at every margin."""
     model_dir = Path(model_dir)
     tokenizer, model = tr.load_tokenizer(model_dir), tr.load_model(model_dir).eval()
-    problems = machinery.make_arithmetic_task(n_prompts, seed=seed, split="eval", **machinery.task_kwargs(model_dir))
+    problems = tr.make_arithmetic_task(n_prompts, seed=seed, split="eval", **tr.task_kwargs(model_dir))
     rows = []
     for label, spec in engines:
-        ro = tr.TorchSampler(model, spec, tokenizer).sample(machinery.encode_problems(tokenizer, problems)[0], n, 5, 1.0,
+        ro = tr.TorchSampler(model, spec, tokenizer).sample(tr.encode_problems(tokenizer, problems)[0], n, 5, 1.0,
                                                             None, torch.Generator().manual_seed(seed))
         own, margins = router_margins(model, ro)
         sampled = ro.routed_experts.to(own)
@@ -1028,7 +1031,7 @@ def _routing_attribution(pc: PresetConfig, seeds: list[int]) -> list[tuple[str, 
 
 def _fair_cast_visibility(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dict]]:
     """Visible update fraction of RTN / SR / EF exports on the model's own Linear weights (export_visibility)."""
-    model = tr.load_model(machinery.resolve_model_dir(pc.model))
+    model = tr.load_model(tr.resolve_model_dir(pc.model))
     weights = torch.cat([p.detach().reshape(-1) for n, p in model.named_parameters() if n.endswith("proj.weight")])
     steps, marks = (10, (1, 10)) if pc.smoke else (150, (1, 10, 50, 150))
     rows = []
@@ -1043,9 +1046,9 @@ def _fair_cast_visibility(pc: PresetConfig, seeds: list[int]) -> tuple[str, list
 
 def _truncation_table(pc: PresetConfig, seeds: list[int]) -> tuple[str, list[dict]]:
     """truncation_table of the tiny model (vLLM's engines too when installed, outside --smoke)."""
-    model_dir = machinery.resolve_model_dir(pc.model)
-    prompts, _ = machinery.encode_problems(tr.load_tokenizer(model_dir), machinery.make_arithmetic_task(
-        16 if pc.smoke else 64, **machinery.task_kwargs(model_dir), split="eval"))
+    model_dir = tr.resolve_model_dir(pc.model)
+    prompts, _ = tr.encode_problems(tr.load_tokenizer(model_dir), tr.make_arithmetic_task(
+        16 if pc.smoke else 64, **tr.task_kwargs(model_dir), split="eval"))
     return ((f"Kept mass S and ratio bias, tiny model, {len(prompts)} prompts x 4 samples x 5 tokens, "
             "temperature 1, fp32 trainer:"), truncation_table(model_dir, prompts, 4, 5, vllm=not pc.smoke))
 
@@ -1679,8 +1682,8 @@ def mismatch_at_level(model_dir: str | Path, digits: int, noise: float, seeds: t
     rows = []
     for seed in seeds:
         sampler = tr.TorchSampler(model, tr.EngineSpec(noise=noise, noise_seed=seed + 1234), tokenizer)
-        problems = machinery.make_arithmetic_task(n_prompts, digits, seed, "s", split="rl")
-        prompts, answers = machinery.encode_problems(tokenizer, problems)
+        problems = tr.make_arithmetic_task(n_prompts, digits, seed, "s", split="rl")
+        prompts, answers = tr.encode_problems(tokenizer, problems)
         ro = sampler.sample(prompts, n, answer_tokens(digits), 1.0, 0, torch.Generator().manual_seed(seed))
         with torch.no_grad():
             logp, logp_all, _ = tr.sequence_logprobs(model, ro, topk_ids=ro.topk_ids)  # (B, T), (B, T, V)
@@ -1704,7 +1707,7 @@ def length_pilot(model_dir: Path, digits: tuple[int, ...], out: Path, smoke: boo
                                                        8 if smoke else 64, 2 if smoke else 8)
                              for s in ladder} for n in digits}
         known = {"stamp": stamp, "digits": list(digits), "measured": measured}
-        machinery.write_atomic(cache, json.dumps(known, indent=1))
+        tr.write_atomic(cache, json.dumps(known, indent=1))
     return {int(n): {float(s): m for s, m in row.items()} for n, row in known["measured"].items()}
 
 
@@ -1876,7 +1879,7 @@ def write_prediction(path: Path, prediction: dict) -> None:
     if path.exists():
         raise FileExistsError(f"{path} exists: a prediction is written once, before its runs")
     path.parent.mkdir(parents=True, exist_ok=True)
-    machinery.write_atomic(path, json.dumps(prediction, indent=1) + "\n")
+    tr.write_atomic(path, json.dumps(prediction, indent=1) + "\n")
 
 
 def prediction_commit(path: Path) -> str | None:
@@ -1961,7 +1964,7 @@ def level_measurements(model_dir: Path, levels: dict[int, list[float]], seeds: t
         measured = {f"{n} {s}": mismatch_at_level(model_dir, n, s, seeds, 8 if smoke else 64, 2 if smoke else 8)
                     for n, ss in levels.items() for s in ss}
         known = {"key": key, "measured": measured}
-        machinery.write_atomic(cache, json.dumps(known, indent=1))
+        tr.write_atomic(cache, json.dumps(known, indent=1))
     return {(int(k.split()[0]), float(k.split()[1])): m for k, m in known["measured"].items()}
 
 
@@ -2084,7 +2087,7 @@ def preset_length(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     """The length law: pilot (LENGTH_PILOT_RULE) -> grid -> fit -> the prediction, written once and committed
     before its runs -> its verdict (LENGTH_VERDICT_RULE). --smoke: 2 lengths, its own prediction file, no commit."""
     suffix, change = LENGTH_PRETRAIN
-    model = machinery.ensure_base_model(f"{Path(pc.model)}-{suffix}{'-smoke' * pc.smoke}",
+    model = testbed.ensure_base_model(f"{Path(pc.model)}-{suffix}{'-smoke' * pc.smoke}",
                                  **change | ({"steps": 5} if pc.smoke else {}))
     digits = LENGTH_DIGITS[:2] if pc.smoke else LENGTH_DIGITS
     predict = LENGTH_DIGITS[2] if pc.smoke else LENGTH_PREDICT_DIGITS
@@ -2395,13 +2398,13 @@ def length2_cpu_minutes(seeds: int, run_cpu_s: dict[int, float] | None = None, c
     return (seeds * (grid + predict) + pilot) / 60
 
 
-LENGTH2_BASE = Path(__file__).parent / "bases" / "length-2"  # where a base that passed the pilot would be committed
+LENGTH2_BASE = ROOT / "bases" / "length-2"  # where a base that passed the pilot would be committed
 LENGTH2_BOOT = 1000  # bootstrap resamples behind the fit's intervals and the prediction's bands
 LENGTH2_FILE = Path(__file__).parent / "predictions" / "length-2-prediction.json"  # written once, then committed
 
 
 def length2_pilot() -> dict:
-    """The pilot's record in predictions/length-2.json: its pre-training tries ({try, command, held_out_pc, passes,
+    """The pilot's record in lab/predictions/length-2.json: its pre-training tries ({try, command, held_out_pc, passes,
     reason, ...} each, in order), status and any deviation from the rule."""
     return json.loads(LENGTH2_PREDICTION.read_text())["pilot"]
 
@@ -2412,9 +2415,9 @@ def length2_base_pc(model_dir: Path, digits: tuple[int, ...]) -> dict[int, float
     tokenizer, model = tr.load_tokenizer(model_dir), tr.load_model(model_dir).eval()
     pcs = {}
     for n in digits:
-        problems = machinery.make_arithmetic_task(512, n, 0, "s", split="eval")
+        problems = tr.make_arithmetic_task(512, n, 0, "s", split="eval")
         with torch.no_grad():
-            pcs[answer_tokens(n)] = float(machinery.answer_logprobs(model, tokenizer, problems).exp().mean())
+            pcs[answer_tokens(n)] = float(tr.answer_logprobs(model, tokenizer, problems).exp().mean())
     return pcs
 
 
@@ -2437,7 +2440,7 @@ def length2_levels(model_dir: Path, n: int, targets: list[float], seeds: list[in
 
         known = {"key": key, "levels": [adjust_level(x_of_s, 0.2, target) for target in targets]}
         out.mkdir(parents=True, exist_ok=True)
-        machinery.write_atomic(cache, json.dumps(known, indent=1))
+        tr.write_atomic(cache, json.dumps(known, indent=1))
     return [tuple(level) for level in known["levels"]]
 
 
@@ -2459,17 +2462,17 @@ def _shares(runs: dict, n: int, levels: list[tuple]) -> tuple[float, list[list[f
 def preset_length2(pc: PresetConfig, seeds: list[int], out: Path) -> list[dict]:
     """The length law's second design: pilot rule on the committed base -> levels at fixed base x -> grid -> the
     weighted wide-grid fit, lack of fit, leave-one-length-out -> the prediction (written once, committed before its
-    runs) -> LENGTH2_VERDICT_RULE. Every rule was committed in predictions/length-2.json before any run."""
+    runs) -> LENGTH2_VERDICT_RULE. Every rule was committed in lab/predictions/length-2.json before any run."""
     rows, notes = [], [LENGTH2_PILOT_RULE, LENGTH2_VERDICT_RULE]
     model = LENGTH2_BASE
     base = _preset_base(pc, model=str(model))
     lengths = LENGTH2_DIGITS + (LENGTH2_PREDICT_DIGITS,)
     pilot = length2_pilot()
     failed = [t for t in pilot["tries"] if not t["passes"]]
-    passes, reason = False, (f"no base in bases/{LENGTH2_BASE.name} yet: predictions/length-2.json records the "
+    passes, reason = False, (f"no base in bases/{LENGTH2_BASE.name} yet: lab/predictions/length-2.json records the "
                              f"pilot's tries (after {LENGTH2_TRIES} failed ones the law is withdrawn)")
     if len(failed) >= LENGTH2_TRIES:  # the pilot rule's end: no run is made
-        reason = (f"{len(failed)} pre-training tries failed the pilot rule (predictions/length-2.json): "
+        reason = (f"{len(failed)} pre-training tries failed the pilot rule (lab/predictions/length-2.json): "
                   + "; ".join(f"try {t['try']}: {t['reason']}" for t in failed))
         notes.append("The tries: " + "; ".join(f"try {t['try']}: `{t['command']}`" for t in failed) + ". "
                      + pilot.get("deviation", ""))
@@ -2584,7 +2587,7 @@ def run_preset(pc: PresetConfig) -> list[Path]:
         seconds = time.perf_counter() - t0 + reused
         print(f"[{name}] {[v['verdict'] for v in verdicts]} ({seconds:.0f} s) -> "
               f"{out / 'results.md'}", file=sys.stderr)
-        command = f"python experiments.py compare --preset {name} --seeds {','.join(map(str, seeds))}"
+        command = f"python -m lab compare --preset {name} --seeds {','.join(map(str, seeds))}"
         (out / "verdicts.json").write_text(json.dumps({"verdicts": verdicts, "command": command, "seconds": seconds}))
         publishing = pc.publish and not pc.smoke
         # runs of other numerics refuse a publication; a plain compare only reports them
@@ -2862,12 +2865,12 @@ def refresh_published(root: Path = Path(".")) -> None:
     section has none, ONE_AT_A_TIME under older sections, the verdict table rebuilt. Changes no verdict and writes
     nothing else (README.md has no verdict table)."""
     path = root / "RESULTS.md"
-    machinery.write_atomic(path, _with_verdicts(_mark_one_at_a_time(_with_ids(path.read_text()))))
+    tr.write_atomic(path, _with_verdicts(_mark_one_at_a_time(_with_ids(path.read_text()))))
 
 
 def publish(name: str, results: str, verdicts: list[dict], command: str, seconds: float, root: Path = Path("."),
             plot: Path | None = None, numerics: str = "") -> list[str]:
-    """Copy a preset's results.md (and its plot, to figures/<name>.png) into RESULTS.md, its rows stamped JUDGED,
+    """Copy a preset's results.md (and its plot, to lab/figures/<name>.png) into RESULTS.md, its rows stamped JUDGED,
     with their ids and the family's power (_stamped) and a changelog against the section it replaces; mark older
     sections judged one at a time; rebuild RESULTS.md's verdict table from every preset there. Writes RESULTS.md and the figure only (never README.md). Returns the
     changelog lines."""
@@ -2880,9 +2883,9 @@ def publish(name: str, results: str, verdicts: list[dict], command: str, seconds
     changes = changelog(before, rows) if before else []
     figure = ""
     if plot is not None and plot.exists():
-        (root / "figures").mkdir(exist_ok=True)
-        (root / "figures" / f"{name}.png").write_bytes(plot.read_bytes())
-        figure = f"\n\n![{name}: the preset's plot, mean over seeds](figures/{name}.png)"
+        (root / "lab" / "figures").mkdir(parents=True, exist_ok=True)
+        (root / "lab" / "figures" / f"{name}.png").write_bytes(plot.read_bytes())
+        figure = f"\n\n![{name}: the preset's plot, mean over seeds](lab/figures/{name}.png)"
     minutes = f"{seconds / 60:.0f} min on this machine: its runs' own time, summed"
     if numerics:
         minutes += f"; {numerics}"
@@ -2892,7 +2895,7 @@ def publish(name: str, results: str, verdicts: list[dict], command: str, seconds
     rows, section = _stamped(name, rows, section, before)
     body = f"<!-- rows {json.dumps(rows)} -->\n## {name}\n\n`{command}` ({minutes}){changed}\n\n" + section + figure
     text = _with_ids(_replace_block(text, f"preset:{name}", body))
-    machinery.write_atomic(path, _with_verdicts(_mark_one_at_a_time(text)))
+    tr.write_atomic(path, _with_verdicts(_mark_one_at_a_time(text)))
     return changes
 
 
@@ -2936,10 +2939,58 @@ DOCTOR_NOTES = (
     "and 0.1 on every seed (was on none; numerics was named) and at 0.01 / 0.02 on 1 of 3 seeds (was on 2 and on 3 "
     "of 3): its floor moved from 0.02 to 0.05.")
 DOCTOR_LAG_LR = 3e-5  # the lag cases' AdamW learning rate: RLConfig's
-# The doctor's thresholds, frozen before its first evaluation on a model they were not tuned on (SmolLM2-135M):
-# sha256 of the source of tr.diagnose_mismatch, tr._lag_signature and tr._signature, 16 hex. A test recomputes it,
-# so a later threshold change must update it here, visibly.
-DOCTOR_FROZEN = "dcce6aa663743aa1"
+# The doctor's decisions, frozen before its first evaluation on a model they were not tuned on (SmolLM2-135M):
+# every statistic, threshold and verdict it gives on twelve hand-made batches (doctor_readings), committed. A test
+# recomputes them, so a change to a threshold or a rule must rewrite this file in the same, visible commit
+# (write_doctor_frozen). Until session 6 this was a hash of the doctor's source, which froze its text, not what it
+# decides; the file was written from the same doctor (hash dcce6aa663743aa1).
+DOCTOR_FROZEN = ROOT / "lab" / "results" / "doctor-frozen.json"
+
+
+def _doctor_frozen_cases(doctor_tensors) -> dict:
+    """name -> (logp_train, logp_infer, mask, keyword arguments) of the frozen cases, from test_tim_rl's
+    _doctor_tensors (a sampler over V = 12 ids with noise, a temperature or a top-k; the trainer's p)."""
+    plain = {"clean": {}, "numerics": {"noise": 0.05}, "numerics-small": {"noise": 0.005},
+             "temperature": {"tau": 0.8}, "truncation": {"top_k": 4}, "one-row": {"B": 1, "noise": 0.02},
+             "short": {"B": 16, "T": 3, "noise": 0.02}}
+    out = {name: (*doctor_tensors(**kw), {}) for name, kw in plain.items()}
+    p, q, mask = doctor_tensors(noise=0.02)
+    g = torch.Generator().manual_seed(1)
+    adv = torch.randn(p.shape[0], 1, generator=g)
+    out["lag"] = (p + 0.05 * adv, q, mask, {"advantages": adv})
+    out["misaligned"] = (torch.cat([p[:, 1:], p[:, :1]], 1), q, mask, {})
+    p, q, mask, full = doctor_tensors(top_k=4, full=True)
+    top = full.topk(6, -1)
+    out["truncation-exact"] = (p, q, mask, {"logp_train_topk": top.values, "topk_ids": top.indices})
+    routes = torch.randint(0, 8, (*p.shape, 2, 2), generator=g)
+    flipped = routes.clone()
+    flipped[:, 3:, 0, 0] = (flipped[:, 3:, 0, 0] + 1) % 8
+    late = torch.where(torch.arange(p.shape[1]) >= 3, 0.3, 0.001)  # (T,): the gap after the flip
+    out["routing"] = (p + late * torch.randn(p.shape, generator=g), q, mask, {"routes": (routes, flipped)})
+    return out
+
+
+def doctor_readings(doctor_tensors) -> dict:
+    """name -> the doctor's cause, advice, evidence (statistics to 9 decimals, thresholds, verdicts) and
+    numbers on each frozen case: what it decides."""
+    def number(v):
+        """A float to 9 decimals; nan and inf as text (JSON has neither)."""
+        return round(v, 9) if math.isfinite(v) else str(v)
+
+    readings = {}
+    for name, (p, q, mask, kw) in _doctor_frozen_cases(doctor_tensors).items():
+        d = tr.diagnose_mismatch(p, q, mask, **kw)
+        evidence = [{k: number(v) if isinstance(v, float) else v for k, v in s.items()} for s in d.evidence]
+        readings[name] = {"cause": d.cause, "also_possible": d.also_possible, "advice": d.advice,
+                          "evidence": evidence, "numbers": {k: number(v) for k, v in d.numbers.items()}}
+    return readings
+
+
+def write_doctor_frozen() -> None:
+    """Rewrite DOCTOR_FROZEN from today's doctor (a deliberate change to its rules; say so in RESULTS.md)."""
+    from test_tim_rl import _doctor_tensors
+
+    DOCTOR_FROZEN.write_text(json.dumps(doctor_readings(_doctor_tensors), indent=1, sort_keys=True) + "\n")
 
 
 class DoctorCase(NamedTuple):
@@ -2951,7 +3002,7 @@ class DoctorCase(NamedTuple):
 
 def _doctor_rollout(model, tokenizer, spec, problems, n, n_new, seed, temperature=1.0, **truncation):
     """(rollout, the fp32 trainer's logp on its tokens, GRPO advantages) of one TorchSampler engine."""
-    prompts, answers = machinery.encode_problems(tokenizer, problems)
+    prompts, answers = tr.encode_problems(tokenizer, problems)
     sampler = tr.TorchSampler(model, spec, tokenizer)
     ro = sampler.sample(prompts, n, n_new, temperature, None, torch.Generator().manual_seed(seed), **truncation)
     with torch.no_grad():
@@ -2995,17 +3046,17 @@ def _stale_rollout(model, tokenizer, spec, problems, n, seed, k):
 
 def _doctor_models() -> dict:
     """The dense base, the MoE base, another checkpoint of the dense one and the long-answer (swap) base."""
-    dirs = {"dense": machinery.resolve_model_dir("runs/base"), "moe": machinery.resolve_model_dir(machinery.MOE_BASE),
-            "other": machinery.ensure_base_model(f"runs/base-{DOCTOR_OTHER[0]}", **DOCTOR_OTHER[1]),
-            "long": machinery.ensure_base_model(f"runs/base-{DOCTOR_LONG[0]}", **DOCTOR_LONG[1])}
-    return {name: (tr.load_model(d).eval(), machinery.task_kwargs(d)) for name, d in dirs.items()}
+    dirs = {"dense": tr.resolve_model_dir("runs/base"), "moe": tr.resolve_model_dir(testbed.MOE_BASE),
+            "other": testbed.ensure_base_model(f"runs/base-{DOCTOR_OTHER[0]}", **DOCTOR_OTHER[1]),
+            "long": testbed.ensure_base_model(f"runs/base-{DOCTOR_LONG[0]}", **DOCTOR_LONG[1])}
+    return {name: (tr.load_model(d).eval(), tr.task_kwargs(d)) for name, d in dirs.items()}
 
 
 def doctor_cases(seed: int, models: dict, n_prompts: int = 64, n: int = 4) -> list[DoctorCase]:
     """The labelled cases of one seed: 64 held-out prompts x 4 samples each."""
-    tok = machinery.CharTokenizer()
+    tok = tr.CharTokenizer()
     model = models["dense"][0]
-    problems = machinery.make_arithmetic_task(n_prompts, seed=seed, split="eval", **models["dense"][1])
+    problems = tr.make_arithmetic_task(n_prompts, seed=seed, split="eval", **models["dense"][1])
     fp32, bf16 = tr.EngineSpec(), tr.EngineSpec(dtype="bf16")
     cases = []
 
@@ -3058,12 +3109,12 @@ def doctor_cases(seed: int, models: dict, n_prompts: int = 64, n: int = 4) -> li
         joined = _other_rows_first(m * n, (logp_o, ro_o, adv_o), (logp, ro, adv))
         cases.append(_case(["outliers"], f"{m} of {n_prompts} prompts from another checkpoint", rank, *joined))
     long_model, long_task = models["long"]
-    long_problems = machinery.make_arithmetic_task(n_prompts // 4, seed=seed, split="eval", **long_task)
+    long_problems = tr.make_arithmetic_task(n_prompts // 4, seed=seed, split="eval", **long_task)
     for causes, label, spec in ((["clean"], "long answers, fp32", fp32), (["numerics"], "long answers, bf16", bf16)):
         ro_l, logp_l, adv_l = _doctor_rollout(long_model, tok, spec, long_problems, n, 13, seed)
         cases.append(_case(causes, label, 1, logp_l, ro_l.logp_infer, ro_l.mask, adv_l))
     moe_model, moe_task = models["moe"]
-    moe_problems = machinery.make_arithmetic_task(n_prompts // 2, seed=seed, split="eval", **moe_task)
+    moe_problems = tr.make_arithmetic_task(n_prompts // 2, seed=seed, split="eval", **moe_task)
     trainer = tr.Trainer(moe_model)
     for rank, noise in enumerate([0.0, 0.01, 0.02, 0.05, 0.1]):  # router weight noise only: experts flip
         ro_m, logp_m, adv_m = _doctor_rollout(moe_model, tok, tr.EngineSpec(router_noise=noise), moe_problems, n, 5,
@@ -3081,9 +3132,9 @@ def doctor_sample(out: Path, model: str = "runs/base", seed: int = 0) -> Path:
     its bf16 TorchSampler's (32 held-out prompts x 4 samples), GRPO advantages, under TRL's GRPOTrainer names."""
     from safetensors.torch import save_file
 
-    model_dir = machinery.resolve_model_dir(model)
-    problems = machinery.make_arithmetic_task(32, seed=seed, split="eval", **machinery.task_kwargs(model_dir))
-    ro, logp, adv = _doctor_rollout(tr.load_model(model_dir).eval(), machinery.CharTokenizer(), tr.EngineSpec(dtype="bf16"),
+    model_dir = tr.resolve_model_dir(model)
+    problems = tr.make_arithmetic_task(32, seed=seed, split="eval", **tr.task_kwargs(model_dir))
+    ro, logp, adv = _doctor_rollout(tr.load_model(model_dir).eval(), tr.CharTokenizer(), tr.EngineSpec(dtype="bf16"),
                                     problems, 4, 5, seed)
     tensors = {"old_per_token_logps": logp, "completion_mask": ro.mask.int(), "advantages": adv.float(),
                "sampling_per_token_logps": torch.where(ro.mask, ro.logp_infer, torch.zeros_like(logp))}
@@ -3151,7 +3202,7 @@ def doctor_eval(seeds=DOCTOR_EVAL_SEEDS, publish: bool = False, root: Path = Pat
               + (f" (also present: {', '.join(r['named'][1:])})" if r["named"][1:] else "")
               for r in rows if r["cause"] not in r["causes"] or not set(r["causes"]) <= set(r["named"])]
     seconds = time.time() - t0
-    command = "python experiments.py doctor-eval --publish"
+    command = "python -m lab doctor-eval --publish"
     text = (f"## doctor-eval\n\n`{command}` ({seconds / 60:.1f} min on this machine, one core)\n\n"
             f"The mismatch doctor (`tr.diagnose_mismatch`) on cases made by this project's samplers and models, each "
             f"with a known cause: seeds {', '.join(map(str, seeds))} (its thresholds were tuned on seeds "
@@ -3164,7 +3215,7 @@ def doctor_eval(seeds=DOCTOR_EVAL_SEEDS, publish: bool = False, root: Path = Pat
             + "\n\n" + DOCTOR_NOTES)
     if publish:
         path = root / "RESULTS.md"
-        machinery.write_atomic(path, _replace_block(path.read_text(), "doctor-eval", text))
+        tr.write_atomic(path, _replace_block(path.read_text(), "doctor-eval", text))
     return text
 
 
@@ -3379,13 +3430,13 @@ def smol_build(out: Path = SMOL_DIR, seed: int = 0, vllm: bool = False) -> Path 
     import tempfile
 
     loaded = load_smollm2()
-    if loaded is None or (vllm and not machinery.vllm_available()):
+    if loaded is None or (vllm and not tr.vllm_available()):
         return None
     t0, cpu0 = time.time(), time.process_time()
     with tempfile.TemporaryDirectory() as tmp:
         write_hf_copy(*loaded, tmp)  # a plain fp32 model: the GGUF-loaded one refuses .float() (the Trainer's)
         del loaded
-        model, tokenizer = tr.load_model(tmp).eval(), machinery.HFTokenizer(tmp)
+        model, tokenizer = tr.load_model(tmp).eval(), tr.HFTokenizer(tmp)
         chats = [tokenizer.tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                    add_generation_prompt=True) for p in SMOL_PROMPTS]
         prompts = [tokenizer.encode(c) for c in chats]
@@ -3487,7 +3538,7 @@ def doctor_eval_smollm2(publish: bool = False, rebuild: bool = False, build_only
     seconds = time.time() - t0
     lengths = cases[0].inputs["mask"].sum(1)  # (B,) the clean case's answer lengths
     long_rows = int((lengths >= SMOL_LONG).sum())
-    command = "python experiments.py doctor-eval --model smollm2 --publish"
+    command = "python -m lab doctor-eval --model smollm2 --publish"
     intro = (f"## doctor-eval-smollm2\n\n`{command}` (scoring {seconds:.0f} s from the cached tensors in "
              f"`{path}`; building them took {info['build minutes']:.1f} min, {info['build CPU minutes']:.1f} CPU-min "
              f"on a shared 2-core machine, {info['torch threads']} torch threads)\n\n"
@@ -3519,14 +3570,14 @@ def doctor_eval_smollm2(publish: bool = False, rebuild: bool = False, build_only
     if (out / SMOL_VLLM_FILE).exists():  # added after the first run: not in the headline above
         extra, extra_info = smol_load_cases(out / SMOL_VLLM_FILE)
         parts.append(f"### Added after the first run: {SMOL_VLLM_LEVEL[1]}\n\nBuilt in the vLLM environment "
-                     f"(`python experiments.py doctor-eval --model smollm2 --vllm`, {extra_info['build minutes']:.1f} "
+                     f"(`python -m lab doctor-eval --model smollm2 --vllm`, {extra_info['build minutes']:.1f} "
                      f"min; answers of {extra_info['answer length min']}-{extra_info['answer length max']} tokens) "
                      "with the same prompts, seed and frozen doctor; not part of the headline numbers above.\n\n"
                      + _smol_cells(smol_rows(extra)))
     text = "\n\n".join(parts)
     if publish:
         results = root / "RESULTS.md"
-        machinery.write_atomic(results, _replace_block(results.read_text(), "doctor-eval-smollm2", text))
+        tr.write_atomic(results, _replace_block(results.read_text(), "doctor-eval-smollm2", text))
     return text
 
 
@@ -3539,7 +3590,7 @@ def doctor_eval_smollm2(publish: bool = False, rebuild: bool = False, build_only
 
 @dataclass
 class BenchConfig:
-    """Sizes of `python experiments.py bench` (--quick shrinks every size so the whole bench runs in under a minute)."""
+    """Sizes of `python -m lab bench` (--quick shrinks every size so the whole bench runs in under a minute)."""
 
     quick: bool = tr.cli_field(False, "small sizes: a smoke run of every row (CI), not the numbers to quote")
     repeats: int = tr.cli_field(5, "timed repeats per measurement (the median is reported)")
@@ -3582,10 +3633,10 @@ def bench_export(n: int, repeats: int, device: torch.device) -> list[dict]:
     residual, gen = torch.zeros_like(x), torch.Generator(device).manual_seed(0)
     return _ratio_rows([
         ("RTN", lambda: x.to(torch.bfloat16), ""), ("clone", lambda: x.clone(), "(floor)"),
-        ("stochastic_round_bf16_fused", lambda: machinery.stochastic_round_bf16_fused(x, tr.draw_seed(None)), "<= 1.5"),
+        ("stochastic_round_bf16_fused", lambda: fused.stochastic_round_bf16_fused(x, tr.draw_seed(None)), "<= 1.5"),
         (("stochastic_round_bf16, torch "
          "RNG"), lambda: tr.stochastic_round_bf16(x, generator=gen), "(reference)"),
-        ("error_feedback_round_bf16_fused", lambda: machinery.error_feedback_round_bf16_fused(x, residual), "<= 2.5"),
+        ("error_feedback_round_bf16_fused", lambda: fused.error_feedback_round_bf16_fused(x, residual), "<= 2.5"),
         ("error_feedback_round_bf16", lambda: tr.error_feedback_round_bf16(x, residual), "(reference)"),
     ], repeats, f" ({n / 2**20:.0f}M fp32, {device.type})")
 
@@ -3650,7 +3701,7 @@ def _peak_extra_bytes(which: str, logits: torch.Tensor, ids: torch.Tensor, repea
     code = (f"import torch, experiments; torch.set_num_threads({torch.get_num_threads()}); "
             f"print(experiments._peak_rss_child({logits.shape[0]}, {logits.shape[1]}, {which!r}))")
     readings = [int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                   cwd=Path(__file__).parent).stdout.split()[-1]) for _ in range(repeats)]
+                                   cwd=ROOT).stdout.split()[-1]) for _ in range(repeats)]
     return sorted(readings)[repeats // 2]
 
 
@@ -3739,8 +3790,8 @@ def bench_corrections(B: int, T: int, V: int, K: int, repeats: int) -> list[dict
 def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, device: torch.device) -> list[dict]:
     """Generated tokens/s of TorchSampler vs HF generate (same model, fp32, batch, max length, device), and vLLM's."""
     tokenizer, model = tr.load_tokenizer(model_dir), tr.load_model(model_dir).to(device).eval()
-    prompts, _ = machinery.encode_problems(tokenizer, machinery.make_arithmetic_task(prompts_n, split="eval",
-                                                                        **machinery.task_kwargs(model_dir)))
+    prompts, _ = tr.encode_problems(tokenizer, tr.make_arithmetic_task(prompts_n, split="eval",
+                                                                        **tr.task_kwargs(model_dir)))
     gen = torch.Generator().manual_seed(0)
 
     def ours(sampler):  # tokens generated by one sample() call
@@ -3751,8 +3802,8 @@ def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, de
         """One HF generate of the same batch; returns its token count."""
         ids, attention = tr.left_pad([p for p in prompts for _ in range(group)], device=device)
         out = model.generate(input_ids=ids, attention_mask=attention.long(), do_sample=True, max_new_tokens=5,
-                             temperature=1.0, top_k=0, top_p=1.0, pad_token_id=machinery.PAD_ID, eos_token_id=machinery.EOS_ID)
-        eos = (out[:, ids.shape[1]:] == machinery.EOS_ID).long()  # (B, <= 5) the new tokens
+                             temperature=1.0, top_k=0, top_p=1.0, pad_token_id=tr.PAD_ID, eos_token_id=tr.EOS_ID)
+        eos = (out[:, ids.shape[1]:] == tr.EOS_ID).long()  # (B, <= 5) the new tokens
         return int((eos.cumsum(1) - eos == 0).sum())  # tokens up to and including the first <eos>
 
     def tokens_per_second(fn):
@@ -3766,7 +3817,7 @@ def bench_samplers(model_dir: Path, prompts_n: int, group: int, repeats: int, de
     rows = [_row(f"TorchSampler tokens/s ({prompts_n}x{group} seqs, fp32, {device.type}; {torch_tps:.0f} "
                  "tok/s)",
                  f"HF generate ({hf_tps:.0f} tok/s)", torch_tps / hf_tps, ">= 1.0")]
-    if machinery.vllm_available():
+    if tr.vllm_available():
         vllm_tps = tokens_per_second(ours(tr.VLLMSampler(model_dir, dtype="fp32", seed=0, tokenizer=tokenizer)))
         rows.append(_row(f"VLLMSampler tokens/s ({vllm_tps:.0f} "
                          "tok/s)", "TorchSampler", vllm_tps / torch_tps, "report"))
@@ -3808,8 +3859,8 @@ def _rl_step_peak_child(correction: str, topk: int, V: int, prompts: int, out_di
     bench_rl_step_memory): a random tiny model whose head has V tokens, `prompts` x 8 samples, 5 tokens each."""
     directory = Path(out_dir) / f"tiny-v{V}"
     if not (directory / "config.json").is_file():
-        machinery.build_tiny_model(vocab_size=V).save_pretrained(str(directory), safe_serialization=True)
-        machinery.CharTokenizer(V).save(directory)
+        testbed.build_tiny_model(vocab_size=V).save_pretrained(str(directory), safe_serialization=True)
+        testbed.save_char_tokenizer(tr.CharTokenizer(V), directory)
     cfg = tr.RLConfig(name=f"peak-{correction}", model=str(directory), correction=correction, topk=topk,
                    temperature=temperature, prompts=prompts, group=8, max_new_tokens=5, steps=2, eval_n=16,
                    progress=False, device="cpu",
@@ -3837,7 +3888,7 @@ def bench_rl_step_memory(quick: bool, out_dir: str) -> list[dict]:
     for correction, topk, temperature in (("tis", 0, 1.0), ("sc_tis", default_k, 1.0), ("tis", 0, 0.7)):
         code = (f"import json, experiments; print(json.dumps(experiments._rl_step_peak_child({correction!r}, "
                 f"{topk}, {V}, {prompts}, {str(out_dir)!r}, {temperature})))")
-        child = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True,
+        child = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                                text=True, check=True)
         peak = json.loads(child.stdout.strip().splitlines()[-1])
         label = f"K = {topk}, the default" if correction.startswith("sc") else "no top-K recorded"
@@ -3853,7 +3904,7 @@ def bench_route_bytes() -> list[dict]:
     """Bytes per token of the routes an MoE rollout carries from sampling to the update (kept on the CPU): the tiny
     MoE's, read off a rollout (expert ids and the torch sampler's gate weights), and Qwen3-30B-A3B's shape (48 decoder
     layers x top-8 int16 ids, as vLLM's routed_experts: 768 B, ~28 GB for 4,096 x 9k tokens)."""
-    ro = tr.TorchSampler(machinery.build_tiny_moe_model()).sample([[1, 5, 6]], 1, 2, generator=torch.Generator().manual_seed(0))
+    ro = tr.TorchSampler(testbed.build_tiny_moe_model()).sample([[1, 5, 6]], 1, 2, generator=torch.Generator().manual_seed(0))
     L, k = ro.routed_experts.shape[2:]
     per_token = [ro.routed_experts[0, 0].numel() * ro.routed_experts.element_size(),
                  ro.routed_weights[0, 0].numel() * ro.routed_weights.element_size()]
@@ -3867,15 +3918,15 @@ def _eval_peak_child(V: int, n: int, top_p: float, out_dir: str) -> dict:
     """Peak resident memory of answer_logprobs over n held-out problems (batches of 256) with a random tiny model
     whose head has V tokens, above what the process held before (Linux; run in a fresh process by
     bench_eval_memory); top_p < 1: the truncated policy's pc, at temperature 0.7."""
-    model, tokenizer = machinery.build_tiny_model(vocab_size=V).eval(), machinery.CharTokenizer(V)
-    problems = machinery.make_arithmetic_task(n, split="eval")
+    model, tokenizer = testbed.build_tiny_model(vocab_size=V).eval(), tr.CharTokenizer(V)
+    problems = tr.make_arithmetic_task(n, split="eval")
     truncation = (top_p, 0, 0.0) if top_p < 1 else None
     with torch.no_grad():
-        machinery.answer_logprobs(model, tokenizer, problems[:2], truncation=truncation)  # warm-up: code paged in
+        tr.answer_logprobs(model, tokenizer, problems[:2], truncation=truncation)  # warm-up: code paged in
         gc.collect()
         Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
         before = _proc_status_bytes("VmRSS")
-        machinery.answer_logprobs(model, tokenizer, problems, truncation=truncation, temperature=0.7)
+        tr.answer_logprobs(model, tokenizer, problems, truncation=truncation, temperature=0.7)
         extra = _proc_status_bytes("VmHWM") - before
     T = 1 + max(len(tokenizer.encode(a, bos=False)) for _, a in problems[:256])
     return {"extra_bytes": extra, "logits_bytes": min(n, 256) * T * V * 4}
@@ -3891,7 +3942,7 @@ def bench_eval_memory(quick: bool, out_dir: str) -> list[dict]:
     for top_p in (1.0, 0.9):
         code = (f"import json, experiments; print(json.dumps(experiments._eval_peak_child({V}, 512, {top_p}, "
                 f"{str(out_dir)!r})))")
-        child = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True,
+        child = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                                text=True, check=True)
         peak = json.loads(child.stdout.strip().splitlines()[-1])
         what = "top-p 0.9, temperature 0.7" if top_p < 1 else "plain"
@@ -3929,7 +3980,7 @@ def bench_doctor(quick: bool) -> list[dict]:
 
     B, T = 512, 1_024 if quick else 8_192
     code = f"import json, experiments; print(json.dumps(experiments._doctor_peak_child({B}, {T})))"
-    child = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
+    child = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                            check=True)
     peak = json.loads(child.stdout.strip().splitlines()[-1])
     what = f"diagnose_mismatch, B = {B}, T = {T:,} (bf16-like gap, advantages), cpu"
@@ -3954,8 +4005,8 @@ def bench_verifier(repeats: int) -> list[dict]:
 def bench(cfg: BenchConfig) -> list[dict]:
     """Run every benchmark row, print the table, write <out>/bench.md. Returns the rows."""
     torch.set_num_threads(os.cpu_count() or 1)
-    model_dir = machinery.resolve_model_dir(cfg.model)
-    q, device = cfg.quick, machinery.resolve_device(cfg.device)
+    model_dir = tr.resolve_model_dir(cfg.model)
+    q, device = cfg.quick, tr.resolve_device(cfg.device)
     gpu = device.type == "cuda"
     print(f"[bench] torch {torch.__version__}, {torch.get_num_threads()} threads, {device}, "
           f"quick={q}", file=sys.stderr)
@@ -3986,7 +4037,7 @@ def bench(cfg: BenchConfig) -> list[dict]:
     rows += done("MoE route bytes", bench_route_bytes())
     table = _markdown_table(rows)
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
-    header = (f"`python experiments.py bench{' --quick' if q else ''} --device {device.type}`: torch "
+    header = (f"`python -m lab bench{' --quick' if q else ''} --device {device.type}`: torch "
               f"{torch.__version__}, {torch.get_num_threads()} threads, median of {cfg.repeats} after a "
               f"warm-up, {time.perf_counter() - t0:.0f} s.\n\n")
     (Path(cfg.out) / "bench.md").write_text(header + table + "\n")
@@ -4000,12 +4051,19 @@ def bench(cfg: BenchConfig) -> list[dict]:
 # ---- CLI ----
 
 
+def config_from_args(cls, args):
+    """The config dataclass `cls` from the parsed flags of the same names."""
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
 def _parser():
     """The argparse parser of compare and bench, flags built from the config dataclasses (tim_rl's helpers)."""
-    parser = machinery.OneLineParser(prog="experiments", description="The lab around tim_rl: paper claims "
+    parser = tr.OneLineParser(prog="lab", description="The lab around tim_rl: paper claims "
                                      "on paired seeds (compare) and speed / memory ratios (bench).")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p_cmp = machinery.add_config_flags(sub.add_parser("compare", help="several corrections side by side (plus a synced "
+    tr.add_config_flags(sub.add_parser("pretrain", help="pre-train the tiny model (bases/ holds the "
+                                       "committed ones)"), testbed.PretrainConfig)
+    p_cmp = tr.add_config_flags(sub.add_parser("compare", help="several corrections side by side (plus a synced "
                                                           "control)"),
                            tr.RLConfig)
     p_cmp.add_argument("--corrections", default="none,tis,sc,sc_tis", help="comma-separated corrections")
@@ -4020,7 +4078,7 @@ def _parser():
     p_cmp.add_argument("--accept-numerics", action="store_true",
                        help="with --publish: publish runs read back from code of other numerics (RESULTS.md "
                             "says so)")
-    machinery.add_config_flags(sub.add_parser("bench", help="speed and memory ratios against baselines timed side by "
+    tr.add_config_flags(sub.add_parser("bench", help="speed and memory ratios against baselines timed side by "
                                                 "side"),
                    BenchConfig)
     p_doc = sub.add_parser("doctor-eval", help="the mismatch doctor on labelled cases from real engines "
@@ -4050,16 +4108,19 @@ def check_cli(args) -> tr.RLConfig | None:
         if c and c not in tr.CORRECTIONS:
             raise tr.UsageError(f"--corrections: {c!r} is not one of {' | '.join(tr.CORRECTIONS)}")
     if args.cmd == "bench":
-        machinery.resolve_device(args.device)  # --device cuda without a GPU: one error line, as train gives
+        tr.resolve_device(args.device)  # --device cuda without a GPU: one error line, as train gives
     if getattr(args, "seeds", None) is not None:
         parse_seeds(args.seeds)  # a repeated or malformed seed list: one error line, before any run
-    return machinery.check_cli(args)
+    return tr.check_cli(args)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python experiments.py compare|bench --help`."""
+    """`python -m lab compare|bench --help`."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.cmd == "pretrain":
+        print(json.dumps(testbed.pretrain(config_from_args(testbed.PretrainConfig, args))))
+        return
     if args.cmd == "doctor-eval" and args.model == "smollm2":
         print(doctor_eval_smollm2(args.publish, args.rebuild, args.build_only, vllm=args.vllm))
         return
@@ -4068,19 +4129,19 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.cmd == "doctor-sample":
         if args.out.suffix != ".safetensors" or args.out.is_dir():
-            parser.exit(2, f"experiments: error: --out {args.out}: expected a .safetensors file path\n")
+            parser.exit(2, f"lab: error: --out {args.out}: expected a .safetensors file path\n")
         try:
-            machinery.check_cli(argparse.Namespace(cmd="doctor-sample", out=str(args.out.parent), model=args.model))
+            tr.check_cli(argparse.Namespace(cmd="doctor-sample", out=str(args.out.parent), model=args.model))
         except ValueError as e:
-            parser.exit(2, f"experiments: error: {e}\n")
+            parser.exit(2, f"lab: error: {e}\n")
         print(f"wrote {doctor_sample(args.out, args.model)}")
         return
     try:
         cfg = check_cli(args)
     except ValueError as e:  # UsageError, or _check_run_config's
-        parser.exit(2, f"experiments: error: {e}\n")
-    if cfg is not None and machinery.eval_warning(cfg):
-        print(machinery.eval_warning(cfg), file=sys.stderr)
+        parser.exit(2, f"lab: error: {e}\n")
+    if cfg is not None and tr.eval_warning(cfg):
+        print(tr.eval_warning(cfg), file=sys.stderr)
     seeds = getattr(args, "seeds", None) or "0,1,2,3,4"
     if args.cmd == "compare" and args.preset:
         pc = PresetConfig(preset=args.preset, seeds=seeds, smoke=args.smoke, model=args.model, publish=args.publish,
@@ -4088,13 +4149,13 @@ def main(argv: list[str] | None = None) -> None:
         try:
             written = run_preset(pc)
         except NumericsMismatch as e:
-            parser.exit(2, f"experiments: error: {e}\n")
+            parser.exit(2, f"lab: error: {e}\n")
         for path in written:
             print(path.read_text())
     elif args.cmd == "compare":
         print(_markdown_table(compare(cfg, args.corrections.split(","), parse_seeds(seeds), cfg.name)))
     else:
-        bench(machinery.config_from_args(BenchConfig, args))
+        bench(config_from_args(BenchConfig, args))
 
 
 if __name__ == "__main__":
