@@ -7,9 +7,16 @@ tokens. That gap biases the policy gradient, and the bias compounds because ever
 copies the biased trainer back into the sampler. This module measures the gap, splits it into its
 sources, and implements every published correction as a short pure function of tensors that you
 can copy into your own trainer. Around the math: a torch and a vLLM sampler, an fp32 trainer with
-atomic checkpoints, the RL loop and an adapter that runs the weight corrections inside TRL's
-GRPOTrainer. The lab (experiments.py: `compare --preset`, one paper claim per preset on paired
-seeds, and `bench`) imports this module; this module never imports it.
+atomic checkpoints, the RL loop, evaluation, the run directory and a short CLI (the demo, `train`,
+`doctor`).
+
+Layout: this file is complete in itself (torch at import; transformers, vllm, safetensors, tqdm and
+matplotlib where used): copy it alone, with bases/tiny as data for the demo. It reads in this order:
+math -> metrics -> the doctor -> bf16 export -> advantages -> corrections -> losses -> MoE replay ->
+verifier and task -> tokenizers -> samplers -> trainer -> evaluation -> loop -> run directory ->
+config checks -> CLI. test_tim_rl.py holds its teaching properties. The repository's lab (lab/:
+paper claims on paired seeds, statistics, benchmarks, compiled GPU passes, the TRL adapter, the
+pipeline tests) imports this module; this module never imports it.
 
 Shape letters
     B  sequences in the batch (prompts x samples per prompt)
@@ -145,7 +152,10 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows=None, chu
     if ids.device != logits.device:
         raise ValueError(f"ids on {ids.device}, logits on {logits.device}: put both on one device")
     lead, V = tuple(logits.shape[:-1]), logits.shape[-1]
-    ids_k = ids.long()[..., None] if ids.shape == lead else ids.long()  # (..., K); one id: K = 1
+    if ids.shape == lead:  # (..., K); one id: K = 1
+        ids_k = ids.long()[..., None]
+    else:
+        ids_k = ids.long()
     if ids_k.shape[:-1] != lead:
         raise ValueError(f"ids must have shape {lead} or {lead} + (K,), got {tuple(ids.shape)}")
     if bool(((ids_k < 0) | (ids_k >= V)).any()):  # one host sync per call
@@ -156,7 +166,10 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows=None, chu
         blocks = [(logits.view(-1, V), ids_k.reshape(-1, K))]  # (N, V): a view, or a RuntimeError
     except RuntimeError:  # a strided slice such as logits[:, :-1]: a (T, V) view per leading index
         blocks = [(x.reshape(-1, V), i.reshape(-1, K)) for x, i in zip(logits, ids_k)]
-    budget = GPU_CHUNK_BYTES if logits.device.type == "cuda" else CHUNK_BYTES
+    if logits.device.type == "cuda":
+        budget = GPU_CHUNK_BYTES
+    else:
+        budget = CHUNK_BYTES
     rows = chunk_rows or max(1, budget // (4 * V))
     chunk_pass = chunk_pass or _TokenLogprobs.apply
     out = [chunk_pass(x, i, rows) for x, i in blocks]  # (n, K) each
@@ -177,13 +190,19 @@ def log1mexp(logp: torch.Tensor) -> torch.Tensor:
 def _check_tensor(name: str, x, *, floating: bool = True) -> None:
     """A TypeError naming the argument unless x is a torch.Tensor (floating-point if `floating`)."""
     if not isinstance(x, torch.Tensor) or (floating and not x.is_floating_point()):
-        kind = "a floating-point torch.Tensor" if floating else "a torch.Tensor"
+        if floating:
+            kind = "a floating-point torch.Tensor"
+        else:
+            kind = "a torch.Tensor"
         raise TypeError(f"{name} must be {kind}, got {getattr(x, 'dtype', type(x).__name__)}")
 
 
 def _check_device(name: str, x, ref_name: str, ref) -> None:
     """A ValueError naming both unless x (a tensor or generator; None passes) is on ref's device."""
-    here = None if x is None else (x.device.type, x.device.index or 0)  # "cuda" is "cuda:0"
+    if x is None:  # "cuda" is "cuda:0"
+        here = None
+    else:
+        here = (x.device.type, x.device.index or 0)
     if here not in (None, (ref.device.type, ref.device.index or 0)):
         raise ValueError(f"{name} on {x.device}, {ref_name} on {ref.device}: "
                          "put both on one device")
@@ -286,7 +305,12 @@ def support_ids(keep: torch.Tensor, size: int | None = None) -> torch.Tensor:
 
     needs: nothing
     """
-    S = size if size is not None else (max(int(keep.sum(-1).max()), 1) if keep.numel() else 1)
+    if size is not None:
+        S = size
+    elif keep.numel():
+        S = max(int(keep.sum(-1).max()), 1)
+    else:
+        S = 1
     order = torch.sort(keep.to(torch.uint8), dim=-1, descending=True, stable=True).indices[..., :S]
     return torch.where(keep.gather(-1, order), order, torch.full_like(order, -1))
 
@@ -326,7 +350,9 @@ def support_differs(kept_a: torch.Tensor, kept_b: torch.Tensor, mask: torch.Tens
     """
     a, b = (kept.sort(-1).values for kept in _pad_last([kept_a, kept_b], -1))  # (B, T, S) each
     differs = (a != b).any(-1)  # (B, T)
-    return float(differs[mask].float().mean()) if mask.any() else 0.0
+    if mask.any():
+        return float(differs[mask].float().mean())
+    return 0.0
 
 
 def merge_support(kept: torch.Tensor | None, rebuilt: torch.Tensor, mask: torch.Tensor):
@@ -363,7 +389,8 @@ def mismatch_metrics(logp_train, logp_infer, mask: torch.Tensor) -> dict[str, fl
     lr = log_ratio[ok].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).double()  # (N,)
     n_mask = int(mask.sum())
     out = {"n_tokens": float(n_mask), "frac_nonfinite": (n_mask - lr.numel()) / max(n_mask, 1)}
-    lr = lr if lr.numel() else lr.new_zeros(1)  # no token measured: the statistics of r = 1
+    if not lr.numel():  # no token measured: the statistics of r = 1
+        lr = lr.new_zeros(1)
     r = lr.exp()
     ess = r.sum().square() / (r.numel() * r.square().sum())
     return out | {"k1": float((-lr).mean()), "k2": float((lr.square() / 2).mean()),
@@ -394,7 +421,10 @@ def mismatch_ledger(logp, logp_old, logp_infer, mask, logp_master_old=None, log_
     needs: _check_bt
     """
     routes = logp_old_sampler_routes
-    gates = None if routes is None else logp_old_sampler_gates  # gates split the routes' part
+    if routes is None:  # gates split the routes' part
+        gates = None
+    else:
+        gates = logp_old_sampler_gates
     inputs = {"logp": logp, "logp_old": logp_old, "logp_infer": logp_infer,
               "logp_master_old": logp_master_old, "log_kept_mass": log_kept_mass,
               "logp_old_sampler_routes": routes, "logp_old_sampler_gates": gates}
@@ -491,7 +521,10 @@ def format_diagnosis(diagnosis) -> str:
            f"advice: {diagnosis.advice}", "",
            f"  {'signature':<12} {'statistic':<54} {'value':>10}  {'threshold':>9}  verdict"]
     for s in diagnosis.evidence:
-        value = "-" if math.isnan(s["statistic"]) else f"{s['statistic']:.4g}"
+        if math.isnan(s["statistic"]):
+            value = "-"
+        else:
+            value = f"{s['statistic']:.4g}"
         row = f"  {s['name']:<12} {s['measures']:<54} {value:>10}  {s['threshold']:>9.3g}"
         out.append(f"{row}  {s['verdict']}")
     out += ["", f"  {'number':<44} {'value':>10}  what your dashboard calls it"]
@@ -634,7 +667,10 @@ def _numerics_signature(d, ok, worst, lag) -> dict:
     so nothing in d but its tilt toward the advantages tells the two apart."""
     kept = ok.index_fill(0, worst, False)  # (B, T)
     upward = float(2 * torch.where(kept, d, 0.0).clamp_(min=0).sum() / kept.sum().clamp(min=1))
-    beside_lag = "cannot tell beside lag" if lag["verdict"] == "present" else ""
+    if lag["verdict"] == "present":
+        beside_lag = "cannot tell beside lag"
+    else:
+        beside_lag = ""
     return _signature("numerics", "2 mean(max(d, 0)), rows outside the worst 5 %", upward, 5e-4,
                       beside_lag)
 
@@ -692,12 +728,13 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
         _truncation_signature(d, ok, n, mask, logp_train_topk, topk_ids),
         _temperature_signature(p, q, ok), _numerics_signature(d, ok, worst, lag),
     ]
-    clean = mean_abs < 1e-4  # below every real engine seen (fp16: ~1e-3)
-    present = [] if clean else [s["name"] for s in evidence if s["verdict"] == "present"]
-    cause = "clean" if clean else (present[0] if present else "numerics")  # numerics: unexplained
-    untested = [s["name"] for s in evidence if s["verdict"].startswith("cannot")]
+    present = [s["name"] for s in evidence if s["verdict"] == "present"]
+    also = present[1:] + [f"{s['name']} (not tested)" for s in evidence
+                          if s["verdict"].startswith("cannot")]
+    cause = (present or ["numerics"])[0]  # numerics: unexplained
+    if mean_abs < 1e-4:  # below every real engine seen (fp16: ~1e-3)
+        cause, present, also = "clean", [], []
     advice = "; ".join(DOCTOR_ADVICE[c] for c in [cause, *present[1:]])  # every cause present
-    also = present[1:] + ([] if clean else [f"{name} (not tested)" for name in untested])
     return Diagnosis(cause, also, evidence, advice, _doctor_numbers(d, n, mean_abs))
 
 
@@ -795,7 +832,9 @@ def visible_update_fraction(master_before, master_after, served_before, served_a
     d_master = master_after.double() - master_before.double()
     d_served = served_after.double() - served_before.double()
     denom = float(d_master.square().sum())
-    return float((d_served * d_master).sum()) / denom if denom > 0 else 0.0
+    if denom > 0:
+        return float((d_served * d_master).sum()) / denom
+    return 0.0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -811,7 +850,10 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std=False)
     needs: nothing
     """
     if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1 or len(rewards) == 0:
-        got = tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__
+        if isinstance(rewards, torch.Tensor):
+            got = tuple(rewards.shape)
+        else:
+            got = type(rewards).__name__
         raise ValueError(f"rewards must be a tensor of shape (B,) with B >= 1, got {got}")
     B = len(rewards)
     if not isinstance(group_size, int) or group_size < 1 or B % group_size:
@@ -1013,7 +1055,10 @@ def calibrated_clip_bounds(ratio_lowprec, ratio_ref, adv, mask, eps_low=0.2, eps
     low_neg = ratio_lowprec[neg].double().sort().values  # (N-,)
     n_clipped = int((ratio_ref[neg] < 1 - eps_low).sum())  # what the reference zeroes
     last = math.nextafter(float(low_neg[-1]), math.inf)  # L when every one is clipped
-    L = float(low_neg[n_clipped]) if n_clipped < low_neg.numel() else last
+    if n_clipped < low_neg.numel():
+        L = float(low_neg[n_clipped])
+    else:
+        L = last
     # P(H) = sum_{A>0, r<=H} A r and N(L) = sum_{A<0, r>=L} |A| r
     p_ref = float((A[pos] * ratio_ref[pos]).double()[ratio_ref[pos] <= 1 + eps_high].sum())
     n_ref = float((-A[neg] * ratio_ref[neg]).double()[ratio_ref[neg] >= 1 - eps_low].sum())
@@ -1024,7 +1069,10 @@ def calibrated_clip_bounds(ratio_lowprec, ratio_ref, adv, mask, eps_low=0.2, eps
     cum = (A[pos].double()[order] * r_pos).cumsum(0)  # P(H) at H = each sorted ratio
     # the P mass the low-precision ratios must reach: P(1 + eps_high) / N(1 - eps_low) * N(L)
     reach = torch.nonzero(cum >= p_ref / n_ref * n_low * (1 - 1e-12))
-    H = float(r_pos[reach[0, 0]]) if reach.numel() else float(r_pos[-1])
+    if reach.numel():
+        H = float(r_pos[reach[0, 0]])
+    else:
+        H = float(r_pos[-1])
     return L, H
 
 
@@ -1087,7 +1135,10 @@ def _within(statistic, threshold, estimator):
     """statistic <= threshold, or for kl_k1 verl's band log lo <= statistic <= log hi."""
     if estimator is not kl_k1:
         return statistic <= threshold
-    lo, hi = threshold if isinstance(threshold, tuple) else (1 / threshold, threshold)
+    if isinstance(threshold, tuple):
+        lo, hi = threshold
+    else:
+        lo, hi = (1 / threshold, threshold)
     return (statistic >= math.log(lo)) & (statistic <= math.log(hi))
 
 
@@ -1203,7 +1254,10 @@ def pg_loss(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, weights=N
     _check_bt(mask, logp=logp)
     A = _check_adv(adv, mask)
     # a change of measure: no gradient through the weight
-    w = mask.float() if weights is None else _check_adv(weights, mask, "weights")
+    if weights is None:
+        w = mask.float()
+    else:
+        w = _check_adv(weights, mask, "weights")
     return -masked_mean(w * A * logp, mask & torch.isfinite(logp))  # a non-finite logp: left out
 
 
@@ -1224,7 +1278,10 @@ def ppo_loss(logp, logp_prox, adv, mask, weights=None, eps_low=0.2, eps_high=0.2
     _, ok = _log_ratio(mask, logp=logp, logp_prox=logp_prox)
     A = _check_adv(adv, mask)
     # a change of measure: no gradient through the weight
-    w = mask.float() if weights is None else _check_adv(weights, mask, "weights")
+    if weights is None:
+        w = mask.float()
+    else:
+        w = _check_adv(weights, mask, "weights")
     log_ratio = torch.where(ok, logp - logp_prox.detach(), torch.zeros_like(logp))
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # p / p_prox, with gradient
     surrogate = ratio * A
@@ -1303,7 +1360,8 @@ def dlc_loss(logp, logp_old, logp_infer, adv, mask, eps_low=0.2, eps_high=0.28, 
     LOG_RATIO_CLAMP
     """
     _check_bt(mask, logp=logp)
-    logp_prox = logp.detach() if logp_prox is None else logp_prox
+    if logp_prox is None:
+        logp_prox = logp.detach()
     weights = dlc_weights(logp_old, logp_infer, mask, clamp=clamp)  # TIM: numerics only
     weights = weights * tis_weights(logp_prox, logp_old, mask, cap=lag_cap)  # TIM: staleness only
     return ppo_loss(logp, logp_prox, adv, mask, weights=weights, eps_low=eps_low, eps_high=eps_high)
@@ -1331,8 +1389,14 @@ def dppo_loss(logp, logp_infer, adv, mask, delta=0.2, delta_low=None, delta_high
     # value r, gradient r grad log p
     ratio = log_r.clamp(max=DPPO_LOG_RATIO_MAX).exp() * (logp - logp.detach()).exp()
     shift = logp.detach().exp() - torch.where(ok, logp_infer.detach(), 0.0).exp()  # p - q
-    high = delta if delta_high is None else delta_high
-    low = delta if delta_low is None else delta_low
+    if delta_high is None:
+        high = delta
+    else:
+        high = delta_high
+    if delta_low is None:
+        low = delta
+    else:
+        low = delta_low
     outside = ((A > 0) & (shift > high)) | ((A < 0) & (shift < -low))
     return -masked_mean(torch.where(outside, 0.0, ratio * A), ok)
 
@@ -1396,7 +1460,10 @@ def cispo_loss(logp, logp_infer, adv, mask, eps_high: float = 0.28, eps_low=None
     """
     log_r, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
     A = _check_adv(adv, mask)
-    low = None if eps_low is None else 1 - eps_low
+    if eps_low is None:
+        low = None
+    else:
+        low = 1 - eps_low
     coef = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(low, 1 + eps_high)  # a weight
     return -masked_mean(coef * A * logp, ok)
 
@@ -1519,7 +1586,10 @@ def routed_router_forward(router, hidden: torch.Tensor, forced=None, gates=None)
         logits = logits + router.logit_jitter * noise.to(logits.dtype)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     ids = torch.topk(probs, router.top_k, dim=-1).indices  # (N, k): the live routing
-    forced = ids if forced is None else forced.to(ids)  # None: the live routing "forced"
+    if forced is None:  # None: the live routing "forced"
+        forced = ids
+    else:
+        forced = forced.to(ids)
     has_route = (forced >= 0).all(-1, keepdim=True)  # (N, 1); no route (the last token): live
     ids = torch.where(has_route, forced, ids)
 
@@ -1589,7 +1659,9 @@ def decoder_routers(model) -> list[torch.nn.Module | None]:
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     per_layer = [next((r for r in layer.modules() if type(r).__name__ in REPLAYABLE_ROUTERS), None)
                  for layer in layers]
-    return per_layer if any(per_layer) else moe_routers(model)
+    if any(per_layer):
+        return per_layer
+    return moe_routers(model)
 
 
 def _recompute_forward(router, ids: torch.Tensor, previous):
@@ -1600,7 +1672,9 @@ def _recompute_forward(router, ids: torch.Tensor, previous):
         """routed_router_forward on the kept ids during a backward, else the previous forward."""
         if torch._C._current_graph_task_id() != -1:  # in a backward
             return routed_router_forward(router, hidden, ids)
-        return previous(hidden) if previous is not None else type(router).forward(router, hidden)
+        if previous is not None:
+            return previous(hidden)
+        return type(router).forward(router, hidden)
     forward.recomputes = True
     return forward
 
@@ -1659,7 +1733,8 @@ def replay_routes(model, routes=None, gates=None, record: bool = True):
     finally:
         for (layer, router), forward in zip(live.items(), previous):
             del router.forward
-            forward = _recompute_forward(router, kept[layer], forward) if layer in kept else forward
+            if layer in kept:
+                forward = _recompute_forward(router, kept[layer], forward)
             if forward is not None:
                 router.forward = forward
 
@@ -1706,7 +1781,10 @@ GPU_CHUNK_BYTES = 64 << 20
 
 def _chunk_rows(V: int, device: torch.device) -> int:
     """Rows per eager chunk, at least 1: token_logprobs' rule (written out there to copy alone)."""
-    budget = GPU_CHUNK_BYTES if torch.device(device).type == "cuda" else CHUNK_BYTES
+    if torch.device(device).type == "cuda":
+        budget = GPU_CHUNK_BYTES
+    else:
+        budget = CHUNK_BYTES
     return max(1, budget // (4 * V))
 # Rows whose largest logit m has |m| above this keep what lse = m + s lost to rounding (ulp(m) / 2).
 FAR_FROM_ZERO = 1024.0
@@ -1782,7 +1860,10 @@ def extract_answer(text: str) -> str | None:
     Reads the last MAX_VERIFY_CHARS characters; linear time. A "number" is a _CANDIDATE match
     (digits, sign, commas, decimals, a/b, an exponent); verify decides if it is acceptable.
     """
-    text = text[-MAX_VERIFY_CHARS:] if isinstance(text, str) else ""  # not a str: no answer
+    if isinstance(text, str):  # not a str: no answer
+        text = text[-MAX_VERIFY_CHARS:]
+    else:
+        text = ""
     start = text.rfind("\\boxed{")
     if start >= 0:  # one scan from the opener to its balancing brace (unbalanced: the other rules)
         depth, first = 1, start + len("\\boxed{")
@@ -1792,8 +1873,13 @@ def extract_answer(text: str) -> str | None:
                 return text[first:j].strip()
     _, hashes, after = text.rpartition("####")  # no ####: after is the whole text
     numbers = _CANDIDATE.findall(after)  # whole candidates: the pattern has no capturing group
-    pick = 0 if hashes else -1  # the first number after the last ####, else the last number
-    return numbers[pick] if numbers else None
+    if hashes:  # the first number after the last ####, else the last number
+        pick = 0
+    else:
+        pick = -1
+    if numbers:
+        return numbers[pick]
+    return None
 
 
 def verify(text: str, answer: str) -> float:
@@ -1935,7 +2021,10 @@ def make_word_problems(n: int, seed: int = 0, split: str = "rl",
     pool = []
     for name, (_, op) in WORD_TEMPLATES.items():
         for a in range(max_operand + 1):
-            last_b = max_operand if op == "+" else a  # a - b >= 0
+            if op == "+":  # a - b >= 0
+                last_b = max_operand
+            else:
+                last_b = a
             pool += [(name, a, b) for b in range(last_b + 1)
                      if (_split_of(a, b, op) == "eval") == (split == "eval")]
     rng = random.Random(f"{seed}-{split}-words-{max_operand}")
@@ -1964,7 +2053,10 @@ def task_kwargs(model_dir: Path) -> dict:
     """The arithmetic task's digits and ops the tiny model was pre-trained on (its pretrain.json);
     2-digit addition for other models."""
     path = Path(model_dir) / "pretrain.json"
-    info = json.loads(path.read_text()) if path.exists() else {}
+    if path.exists():
+        info = json.loads(path.read_text())
+    else:
+        info = {}
     return {"digits": info.get("digits", 2), "ops": info.get("ops", "+")}
 
 
@@ -2010,15 +2102,18 @@ def load_model(path: str | Path, trust_remote_code: bool = False):
 def load_tokenizer(directory: str | Path):
     """CharTokenizer if the directory holds pretrain.json, else HFTokenizer."""
     own = (Path(directory) / "pretrain.json").exists()  # a tiny model of pretrain's
-    return CharTokenizer() if own else HFTokenizer(directory)
+    if own:
+        return CharTokenizer()
+    return HFTokenizer(directory)
 
 
 def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
     """The model with every dropout at 0, in training mode too: nn.Dropout's p and every float
     attribute named *dropout* or *jitter* of its modules and config. Train mode then computes what
     eval mode does, bitwise, and transformers' gradient checkpointing stays on."""
-    for part in [getattr(model, "config", None), *model.modules()]:
-        for name, value in list(vars(part).items()) if part is not None else ():
+    parts = [getattr(model, "config", None), *model.modules()]
+    for part in [p for p in parts if p is not None]:
+        for name, value in list(vars(part).items()):
             named = "dropout" in name or "jitter" in name or isinstance(part, torch.nn.Dropout)  # p
             if isinstance(value, float) and named:
                 setattr(part, name, 0.0)
@@ -2034,7 +2129,9 @@ PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 def _until_eos(ids, eos_id: int) -> list[int]:
     """The ids (ints) before the first eos_id."""
     ids = [int(i) for i in ids]
-    return ids[: ids.index(eos_id)] if eos_id in ids else ids
+    if eos_id in ids:
+        return ids[: ids.index(eos_id)]
+    return ids
 
 
 class CharTokenizer:
@@ -2129,7 +2226,10 @@ def left_pad(prompts: list[list[int]], pad_id: int = 0, device="cpu") -> tuple:
 
 def draw_seed(generator: torch.Generator | None) -> int:
     """One draw in [0, 2^31 - 1) from `generator` (None: torch's default), e.g. a GPU seed."""
-    device = generator.device if generator else "cpu"
+    if generator:
+        device = generator.device
+    else:
+        device = "cpu"
     return int(torch.randint(0, 2**31 - 1, (), generator=generator, device=device))
 
 
@@ -2137,7 +2237,9 @@ def _recorded_k(topk: int | None, V: int) -> int:
     """How many of the most probable ids a sampler records: None 0, 0 (or less) all V, else topk."""
     if topk is None:
         return 0
-    return V if topk <= 0 else min(topk, V)
+    if topk <= 0:
+        return V
+    return min(topk, V)
 
 
 def _decode_step(logits, temperature: float, truncation: tuple | None, generator):
@@ -2156,6 +2258,20 @@ def _decode_step(logits, temperature: float, truncation: tuple | None, generator
     return logprobs, keep, token
 
 
+def _eos_and_pad(config, eos_id: int | None, pad_id: int | None) -> tuple[int, int]:
+    """decode's (eos id, pad id): as given, else the model config's (its first eos id), pad else
+    eos."""
+    if eos_id is None:
+        eos_id = config.eos_token_id
+    if isinstance(eos_id, (list, tuple)):
+        eos_id = eos_id[0]
+    if pad_id is None:
+        pad_id = config.pad_token_id
+    if pad_id is None:
+        pad_id = eos_id
+    return eos_id, pad_id
+
+
 @torch.no_grad()
 def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
            topk: int | None = 0, generator=None, decode_text=None, eos_id: int | None = None,
@@ -2169,11 +2285,7 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     stops at eos_id (the mask includes it); pad_id fills (None: the config's, else eos_id). One host
     sync per token. An MoE model's routers record their experts (R3's routes). -> Rollout
     """
-    eos_id = model.config.eos_token_id if eos_id is None else eos_id
-    eos_id = eos_id[0] if isinstance(eos_id, (list, tuple)) else eos_id
-    if pad_id is None:
-        pad_id = model.config.pad_token_id
-    pad_id = eos_id if pad_id is None else pad_id
+    eos_id, pad_id = _eos_and_pad(model.config, eos_id, pad_id)
     device = next(model.parameters()).device
     # TIM: a GPU's sampling noise differs from the CPU's: a generator on `device`, seeded by one
     # host draw per call (not a host copy per token), keeps sampling reproducible for a seed
@@ -2223,7 +2335,10 @@ def _rollout_of(prompt_ids, prompt_mask, steps: list, route_log, decode_text) ->
     ids (-1 padded), an MoE model's routes."""
     ids, masks, logps, entropies, tops, *kept = zip(*steps)
     response_ids = torch.stack(ids, 1)  # (B, T)
-    routes, gates = rollout_routes(route_log, len(prompt_ids)) if route_log else (None, None)
+    if route_log:
+        routes, gates = rollout_routes(route_log, len(prompt_ids))
+    else:
+        routes, gates = (None, None)
     decode_text = decode_text or (lambda row: " ".join(map(str, row)))
     texts = [decode_text(row) for row in response_ids.tolist()]
     return Rollout(prompt_ids, prompt_mask, response_ids, torch.stack(masks, 1),
@@ -2274,7 +2389,10 @@ def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: 
     logits = out.logits  # (B, T, V)
     if temperature > 0 and temperature != 1.0:  # in place: the head's output is not saved
         logits.div_(temperature)
-    used = stack_routes(route_log, input_ids.shape[0]) if moe and record else None
+    if moe and record:
+        used = stack_routes(route_log, input_ids.shape[0])
+    else:
+        used = None
     hidden = out.hidden_states[-1][:, P - 1 : P + T - 1]  # (B, T, H)
     if not logprobs:  # the forward alone: logits, hidden state and routes
         return Forward(logits, hidden, used)
@@ -2282,12 +2400,21 @@ def response_forward(model, rollout: Rollout, temperature: float = 1.0, params: 
     if truncation is not None:
         rebuilt = kept_support_from_logits(logits, rollout.response_ids, *truncation)
         kept = merge_support(kept, rebuilt, rollout.mask)[0]
-    K = 0 if topk_ids is None else topk_ids.shape[-1]
-    ids = [rollout.response_ids[..., None]] + ([] if topk_ids is None else [topk_ids])
-    ids += [] if kept is None else [kept.clamp(min=0)]
+    if topk_ids is None:
+        K = 0
+    else:
+        K = topk_ids.shape[-1]
+    ids = [rollout.response_ids[..., None]]
+    if topk_ids is not None:
+        ids.append(topk_ids)
+    if kept is not None:
+        ids.append(kept.clamp(min=0))
     both = token_logprobs(logits, torch.cat(ids, -1))  # (B, T, 1 + K + S)
     logp, log_s = both[..., 0], None
-    logp_topk = None if topk_ids is None else both[..., 1 : 1 + K]
+    if topk_ids is None:
+        logp_topk = None
+    else:
+        logp_topk = both[..., 1 : 1 + K]
     if kept is not None:  # p~ = p / S on the kept support
         logp_kept = both[..., 1 + K :].masked_fill(kept < 0, -math.inf)  # (B, T, S)
         logp, log_s = renormalize_on_support(logp, logp_kept)
@@ -2360,14 +2487,20 @@ class TorchSampler:
         self.engine = engine or EngineSpec()
         _check_engine(self.engine)
         is_path = isinstance(model_dir_or_model, (str, Path))
-        source = load_model(model_dir_or_model) if is_path else model_dir_or_model
+        if is_path:
+            source = load_model(model_dir_or_model)
+        else:
+            source = model_dir_or_model
         self.model = copy.deepcopy(source).eval().to(_DTYPES[self.engine.dtype])  # the engine dtype
         head = self.model.get_output_embeddings()
         if self.engine.head_fp32 and head.weight is self.model.get_input_embeddings().weight:
             raise ValueError("engine.head_fp32 needs an untied output head (this one is tied)")
         routers = moe_routers(self.model)
-        kept_fp32 = list(routers) if self.engine.router_fp32 else []
-        kept_fp32 += [head] if self.engine.head_fp32 else []
+        kept_fp32 = []
+        if self.engine.router_fp32:
+            kept_fp32 += routers
+        if self.engine.head_fp32:
+            kept_fp32.append(head)
         for module in kept_fp32:  # TIM: fp32 weights and inputs (a pre-hook) in a bf16 engine
             module.float().register_forward_pre_hook(lambda _, xs: tuple(x.float() for x in xs))
         # read by routed_router_forward: this copy's routers, the jitter's own stream
@@ -2410,8 +2543,12 @@ class TorchSampler:
             w = state_dict[name].detach().to(device=target.device, dtype=torch.float32)  # a copy
             if name in self.perturbed and self.engine.quant != "none":
                 w = fake_quantize(w, self.engine.quant)
-            scale = self.engine.noise if name in self.perturbed else 0.0
-            scale += self.engine.router_noise if name in self.router_weights else 0.0
+            if name in self.perturbed:
+                scale = self.engine.noise
+            else:
+                scale = 0.0
+            if name in self.router_weights:
+                scale += self.engine.router_noise
             if scale:  # the same noise on every device: drawn on the CPU once per load
                 noise = torch.randn(w.shape, generator=noise_gen, device="cpu").to(w.device)
                 w = w + scale * noise * w
@@ -2559,7 +2696,10 @@ class VLLMSampler:
         self.dtype = dtype
         self.tokenizer = tokenizer or load_tokenizer(model_dir)
         self.reference = reference  # a torch model holding what each sync loads: the canary
-        self.device = next(reference.parameters()).device if reference is not None else "cpu"
+        if reference is not None:
+            self.device = next(reference.parameters()).device
+        else:
+            self.device = "cpu"
         # gpu_memory: colocated with the trainer on one GPU, vLLM takes this share of its memory
         self.llm = vllm_engine(model_dir, dtype, seed, max_model_len, max_num_seqs,
                                          gpu_memory)
@@ -2609,7 +2749,10 @@ class VLLMSampler:
             S = max(int(finite.sum(-1).max()), 1)
             kept = top_ids.masked_fill(~finite | beyond, -1)[..., :S]  # (B, T, S)
         # (B, T) -sum p log p (0 * -inf read as 0) when the K are the whole distribution
-        entropy = -(top_logp.exp() * top_logp.nan_to_num(neginf=0.0)).sum(-1) if K == V else None
+        if K == V:
+            entropy = -(top_logp.exp() * top_logp.nan_to_num(neginf=0.0)).sum(-1)
+        else:
+            entropy = None
         texts = [self.tokenizer.decode(row.tolist()) for row in response_ids]
         # built on the CPU, returned on the reference's device
         return Rollout(prompt_ids, prompt_mask, response_ids, mask, logp, top_ids, top_logp,
@@ -2665,10 +2808,15 @@ class Trainer:
         # parameters are the served copy (fp32 values of what the sampler holds), no second copy
         self.behaviour = copy.deepcopy(self.model).eval().requires_grad_(False)
         # the unrounded master at the last export: splits export rounding off the ledger
-        self.master_at_export = copy.deepcopy(self.model).eval() if export_dtype != "fp32" else None
+        if export_dtype != "fp32":
+            self.master_at_export = copy.deepcopy(self.model).eval()
+        else:
+            self.master_at_export = None
         params = list(self.model.parameters()) + list(extra_params)
-        self.opt = (torch.optim.AdamW(params, lr=lr, weight_decay=0.0) if optimizer == "adamw"
-                    else torch.optim.SGD(params, lr=lr))
+        if optimizer == "adamw":
+            self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        else:
+            self.opt = torch.optim.SGD(params, lr=lr)
         self.export_dtype, self.loss_on_served = export_dtype, loss_on_served
         self.residual: dict[str, torch.Tensor] = {}  # error-feedback residuals, fp32
         self._served_leaves: dict[str, torch.Tensor] | None = None
@@ -2722,7 +2870,10 @@ class Trainer:
                 logp_gates = support_logprobs(self.behaviour, rollout, temperature, routes=experts,
                                               gates=gates)[0]
         if self.moe and routing_replay == "r2":  # TIM: R2: the experts the updated policy chooses
-            updated = self.behaviour if self.loss_on_served else self.model  # the update's weights
+            if self.loss_on_served:  # the update's weights
+                updated = self.behaviour
+            else:
+                updated = self.model
             update_routes = response_forward(updated, rollout, temperature, logprobs=False).routes
         elif self.moe and routing_replay == "r3":  # TIM: R3: the sampler's experts
             update_routes = experts
@@ -2738,7 +2889,9 @@ class Trainer:
     def grad_leaves(self) -> list[torch.Tensor]:
         """The tensors the last forward ran on: the served leaves (loss_on_served) or the master."""
         leaves = self._served_leaves
-        return list(leaves.values()) if leaves is not None else list(self.model.parameters())
+        if leaves is not None:
+            return list(leaves.values())
+        return list(self.model.parameters())
 
     def step(self, loss: torch.Tensor) -> float:
         """Backward and one optimizer step on the fp32 master; returns the gradient norm."""
@@ -2752,7 +2905,10 @@ class Trainer:
             self._served_leaves = None
         params = [p for group in self.opt.param_groups for p in group["params"]]
         norms = [p.grad.norm() for p in params if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+        if norms:
+            norm = float(torch.linalg.vector_norm(torch.stack(norms)))
+        else:
+            norm = 0.0
         self.opt.step()
         return norm
 
@@ -2792,7 +2948,9 @@ class Trainer:
             state[name] = served
         if self.master_at_export is not None:
             self.master_at_export.load_state_dict(dict(self.model.named_parameters()), strict=False)
-        return state, float(dot / norm2) if norm2 > 0 else (1.0 if fp32 else 0.0)
+        if norm2 > 0:
+            return state, float(dot / norm2)
+        return state, float(fp32)  # nothing moved: a lossless export saw all of it
 
 
 # --------------------------------------------------------------------------------------------------
@@ -2831,7 +2989,10 @@ def answer_logprobs(model, tokenizer, problems, batch: int = 256, truncation: tu
         mask = torch.arange(response_ids.shape[1], device=device) < lengths[:, None]  # (B, T)
         unused = torch.zeros(0, device=device)  # the sampler's fields: no sampler here
         rollout = Rollout(prompt_ids, prompt_mask, response_ids, mask, unused, unused, unused, [])
-        temp = 1.0 if truncation is None else temperature
+        if truncation is None:
+            temp = 1.0
+        else:
+            temp = temperature
         logits = response_forward(model, rollout, temp, logprobs=False).logits
         if truncation is None:
             logp = token_logprobs(logits, response_ids)  # (B, T)
@@ -2888,7 +3049,10 @@ def evaluate(step: int, state, cfg) -> dict:
     and sampler; with truncated sampling also pct_trainer, that probability under the policy the
     sampler draws from."""
     model, tokenizer, problems = state.trainer.model, state.tokenizer, state.eval_set
-    tokens = max(6, cfg.max_new_tokens) if cfg.task == "arithmetic" else cfg.max_new_tokens
+    if cfg.task == "arithmetic":
+        tokens = max(6, cfg.max_new_tokens)
+    else:
+        tokens = cfg.max_new_tokens
     acc_sampler, logp_sampler = sampler_accuracy(state.sampler, problems, tokens)
     record = {"step": step, "acc_trainer": greedy_accuracy(model, tokenizer, problems, tokens),
               "acc_sampler": acc_sampler,
@@ -3110,7 +3274,10 @@ def update_on_batch(cfg: RLConfig, state: RunState, ro: Rollout, rewards, behavi
     recompute, loss and optimizer."""
     trainer, extra = state.trainer, {}
     reads_topk = state.arm.reads_topk or cfg.diagnose_drift
-    topk_ids = ro.topk_ids if reads_topk and ro.topk_ids.shape[-1] > 0 else None
+    if reads_topk and ro.topk_ids.shape[-1] > 0:
+        topk_ids = ro.topk_ids
+    else:
+        topk_ids = None
     # TIM: with truncation the trainer's log-probs are renormalised on the kept support: p~, not p
     logp, logp_topk, hidden, log_s = trainer.support_logprobs(ro, topk_ids, cfg.temperature,
                                                               behaviour.update_routes)
@@ -3120,16 +3287,11 @@ def update_on_batch(cfg: RLConfig, state: RunState, ro: Rollout, rewards, behavi
         extra["kept_mass"] = float(masked_mean(log_s.detach().exp(), ro.mask))
     if log_s is not None and not cfg.renormalize:  # TIM: full-vocabulary log-probs: biased by S
         logp = logp + log_s
-        logp_topk = None if logp_topk is None else logp_topk + log_s[..., None]
+        if logp_topk is not None:
+            logp_topk = logp_topk + log_s[..., None]
     if first:  # TIM: the proximal policy: the trainer before the batch's first update
         logp_prox = logp.detach()
-    if state.arm.critic:  # COPC: a critic's (B, T) advantages, bounded like the rewards
-        values = torch.sigmoid(state.value_head(hidden.detach()).squeeze(-1))  # (B, T)
-        adv, targets = copc_advantages(values, rewards, logp, ro.logp_infer, ro.mask)
-        critic_loss = 0.5 * masked_mean((values - targets).square(), ro.mask)
-    else:  # (B, 1) GRPO or raw-reward advantages
-        adv = grpo_advantages(rewards, cfg.group) if cfg.baseline == "group" else rewards
-        adv, critic_loss = adv[:, None], 0.0
+    adv, critic_loss = _advantages(cfg, state, ro, rewards, logp, hidden)
     x = LossInputs(logp, logp.detach(), logp_prox, behaviour.logp_old, ro.logp_infer, logp_topk,
                    ro.logp_topk_infer, adv, ro.mask)
     loss = state.arm.loss(cfg, x)
@@ -3144,10 +3306,23 @@ def update_on_batch(cfg: RLConfig, state: RunState, ro: Rollout, rewards, behavi
     meter.lap("optimizer")
     live = torch.isfinite(w_eff)  # masked tokens with A != 0
     negative, zeroed = live & (adv.expand_as(w_eff) < 0), live & (w_eff == 0)
-    frac_zeroed = float(zeroed.sum() / live.sum()) if live.any() else math.nan
-    frac_neg = float((zeroed & negative).sum() / negative.sum()) if negative.any() else math.nan
+    frac_zeroed = float(zeroed.sum() / live.sum())  # nan when no token is live
+    frac_neg = float((zeroed & negative).sum() / negative.sum())
     return Update(loss.item(), grad_norm, frac_zeroed, frac_neg, logp_kept, logp_prox, adv, log_s,
                   extra)
+
+
+def _advantages(cfg: RLConfig, state: RunState, ro: Rollout, rewards, logp, hidden) -> tuple:
+    """(advantages, the critic's loss): COPC's critic gives (B, T) advantages, bounded like the
+    rewards; else (B, 1) GRPO or raw-reward advantages and no critic loss."""
+    if state.arm.critic:
+        values = torch.sigmoid(state.value_head(hidden.detach()).squeeze(-1))  # (B, T)
+        adv, targets = copc_advantages(values, rewards, logp, ro.logp_infer, ro.mask)
+        return adv, 0.5 * masked_mean((values - targets).square(), ro.mask)
+    adv = rewards
+    if cfg.baseline == "group":
+        adv = grpo_advantages(rewards, cfg.group)
+    return adv[:, None], 0.0
 
 
 def sample_batch(cfg: RLConfig, step: int, state: RunState) -> tuple[Rollout, list[str]]:
@@ -3189,7 +3364,8 @@ def sync_sampler(cfg: RLConfig, state: RunState, ro: Rollout, behaviour: Behavio
             logp_next = support_logprobs(state.trainer.model, ro, cfg.temperature,
                                          routes=behaviour.update_routes)[0]
         anchor = behaviour.logp_master_old
-        anchor = behaviour.logp_old if anchor is None else anchor
+        if anchor is None:
+            anchor = behaviour.logp_old
         due = dlc_should_resync(logp_next, anchor, ro.mask, state.since_sync,
                                 cfg.dlc_max_staleness, cfg.dlc_max_lag)
     if not due:
@@ -3216,7 +3392,10 @@ def step_record(cfg: RLConfig, step: int, state: RunState, ro: Rollout, rewards,
               "visible_update_fraction": visible, "staleness": state.since_sync}
     for key in ("loss", "grad_norm", "frac_zeroed", "frac_zeroed_neg_adv"):  # means of the finite
         values = [getattr(u, key) for u in updates if math.isfinite(getattr(u, key))]
-        record[key] = sum(values) / len(values) if values else None
+        if values:
+            record[key] = sum(values) / len(values)
+        else:
+            record[key] = None
     record |= {f"mm_{k}": v for k, v in mismatch_metrics(logp, ro.logp_infer, ro.mask).items()}
     if cfg.k2_coef > 0:
         record["k2_penalty"] = float(k2_penalty(logp, ro.logp_infer, ro.mask, cfg.k2_coef))
@@ -3243,7 +3422,10 @@ def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
     # sampler's experts)
     behaviour = state.trainer.behaviour_logprobs(ro, cfg.temperature, state.truncation,
                                                  cfg.routing_replay)
-    extra = merge_kept_support(ro, behaviour.rebuilt) if state.truncation else {}
+    if state.truncation:
+        extra = merge_kept_support(ro, behaviour.rebuilt)
+    else:
+        extra = {}
     extra |= route_flips(ro, behaviour.routes)  # MoE: routing_flip_rate of two engines
     meter.lap("recompute")
     # 4) update(s): the arm's loss, updates_per_batch optimizer steps on the batch
@@ -3251,7 +3433,10 @@ def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
     for _ in range(cfg.updates_per_batch):
         # TIM: the proximal policy is the trainer before this batch's first update (None: this is
         # it); R2 / R3: behaviour.update_routes are the experts every forward of the update replays
-        logp_prox = updates[0].logp_prox if updates else None
+        if updates:
+            logp_prox = updates[0].logp_prox
+        else:
+            logp_prox = None
         updates.append(update_on_batch(cfg, state, ro, rewards, behaviour, logp_prox, meter))
     # 5) export / sync
     visible = sync_sampler(cfg, state, ro, behaviour, meter)
@@ -3305,7 +3490,9 @@ def resolve_device(device: str) -> torch.device:
     if device == "cuda" and not gpu:
         raise ValueError("device='cuda' (--device cuda) but torch.cuda.is_available() is False: "
                          "no GPU or a CPU build of torch; use --device cpu or auto")
-    return torch.device(("cuda" if gpu else "cpu") if device == "auto" else device)
+    if device == "auto":
+        device = "cuda" if gpu else "cpu"
+    return torch.device(device)
 
 
 def vllm_available() -> bool:
@@ -3347,7 +3534,9 @@ def recorded_topk(cfg) -> int | None:
     them."""
     if arm_of(cfg).reads_topk or cfg.diagnose_drift:  # the loss or the diagnostics read them
         return cfg.topk
-    return cfg.support_topk if cfg.sampler == "vllm" and _truncates(cfg) else None
+    if cfg.sampler == "vllm" and _truncates(cfg):
+        return cfg.support_topk
+    return None
 
 
 def setup_run(cfg: RLConfig) -> RunState:
@@ -3361,15 +3550,20 @@ def setup_run(cfg: RLConfig) -> RunState:
         model.gradient_checkpointing_enable()
     check_model_routers(cfg, model)
     arm = arm_of(cfg)
-    value_head = torch.nn.Linear(model.config.hidden_size, 1).to(device) if arm.critic else None
+    value_head, extra_params = None, ()
+    if arm.critic:
+        value_head = torch.nn.Linear(model.config.hidden_size, 1).to(device)
+        extra_params = value_head.parameters()
     trainer = Trainer(model, cfg.lr, cfg.optimizer, export_dtype=cfg.dtype,
-                      loss_on_served=cfg.loss_on_served,
-                      extra_params=value_head.parameters() if arm.critic else ())
+                      loss_on_served=cfg.loss_on_served, extra_params=extra_params)
     sampler = build_sampler(cfg, trainer, tokenizer)  # TorchSampler or VLLMSampler
     gen = torch.Generator().manual_seed(cfg.seed)
     sampler.load_weights(trainer.export(cfg.export, generator=gen)[0])  # the first served copy
     train_set, eval_set = run_problems(cfg, model_dir, tokenizer)  # RL, held-out
-    truncation = (cfg.top_p, cfg.top_k, cfg.min_p) if _truncates(cfg) else None
+    if _truncates(cfg):
+        truncation = (cfg.top_p, cfg.top_k, cfg.min_p)
+    else:
+        truncation = None
     return RunState(trainer, sampler, tokenizer, gen, value_head, train_set, eval_set, arm,
                     truncation, recorded_topk(cfg))
 
@@ -3493,8 +3687,11 @@ def resume_run(out: Path, state) -> tuple[int, list[dict]]:
     torch.set_rng_state(tensors["rng.torch"])
     state.since_sync, start = meta["since_sync"], meta["next_step"]
     metrics = out / "metrics.jsonl"
+    lines = []
+    if metrics.exists():
+        lines = metrics.read_text().splitlines()
     records = []
-    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+    for line in lines:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:  # a line torn by the kill
@@ -3514,7 +3711,10 @@ class RunLog:
 
         self.cfg, self.state, self.out = cfg, state, Path(cfg.out_dir) / cfg.name
         self.out.mkdir(parents=True, exist_ok=True)
-        self.start, self.records = resume_run(self.out, state) if resume else (0, [])
+        if resume:
+            self.start, self.records = resume_run(self.out, state)
+        else:
+            self.start, self.records = (0, [])
         if resume:
             print(f"[tim_rl] resuming {self.out} at step {self.start} of {cfg.steps}",
                   file=sys.stderr)
@@ -3781,7 +3981,10 @@ def check_model_routers(cfg, model) -> None:
              if getattr(cfg, n) not in ("none", 0.0)]
     if not flags or moe_routers(model):
         return
-    its = f"; its router is {router_class(model)}" if is_moe(model) else ""
+    if is_moe(model):
+        its = f"; its router is {router_class(model)}"
+    else:
+        its = ""
     raise UsageError(f"{flags[0]} acts on MoE routers, but {cfg.model} has no router tim_rl "
                      f"replays (REPLAYABLE_ROUTERS; --model runs/base-moe is the tiny MoE){its}")
 
@@ -3852,7 +4055,10 @@ def cli_errors(parser, args):
         parser.exit(2, f"tim_rl: error: {e}\n")
     except KeyboardInterrupt:
         run_dir = args.cmd == "train" and (args.resume or Path(args.out_dir) / args.name)
-        where = f"; python tim_rl.py train --resume {run_dir}" if run_dir else ""
+        if run_dir:
+            where = f"; python tim_rl.py train --resume {run_dir}"
+        else:
+            where = ""
         parser.exit(130, f"tim_rl: interrupted (the last checkpoint is kept{where})\n")
 
 
@@ -3874,7 +4080,10 @@ def _check_paths(args) -> None:
         existing = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
         if not existing.is_dir():
             dangling = existing.is_symlink() and not existing.exists()
-            what = "a link to nowhere" if dangling else "a file"
+            if dangling:
+                what = "a link to nowhere"
+            else:
+                what = "a file"
             raise UsageError(f"{cli_flag(name)} {path}: {existing} is {what}, not a directory")
     resume = getattr(args, "resume", "")
     for need in ("config.json", "checkpoint.safetensors"):
@@ -4090,7 +4299,10 @@ def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: 
             (Path(out) / cfg.name / "checkpoint.safetensors").unlink()
             bar.update()
         pc = torch.tensor([[r["pc_trainer"] for r in e] for e in evals], dtype=torch.float64)
-        sd = pc.std(0) if len(seeds) > 1 else torch.zeros(pc.shape[1], dtype=torch.float64)
+        if len(seeds) > 1:
+            sd = pc.std(0)
+        else:
+            sd = torch.zeros(pc.shape[1], dtype=torch.float64)
         say(f"{label:<28} pc {float(pc[:, 0].mean()):.3f} -> {float(pc[:, -1].mean()):.3f} "
             f"± {float(sd[-1]):.3f}")
         x, mean = [r["step"] for r in evals[0]], pc.mean(0)
@@ -4109,7 +4321,8 @@ def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: 
 
 def main(argv: list[str] | None = None) -> None:
     """`python tim_rl.py [train|demo|doctor] --help`; no subcommand runs the demo."""
-    argv = sys.argv[1:] if argv is None else argv
+    if argv is None:
+        argv = sys.argv[1:]
     if argv[:1] == ["doctor"]:  # the mismatch doctor: its own parser
         return doctor_main(argv[1:])
     parser = cli_parser()

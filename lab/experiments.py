@@ -3698,7 +3698,7 @@ def _peak_extra_bytes(which: str, logits: torch.Tensor, ids: torch.Tensor, repea
         return torch.cuda.max_memory_allocated() - before
     import subprocess
 
-    code = (f"import torch, experiments; torch.set_num_threads({torch.get_num_threads()}); "
+    code = (f"import torch; from lab import experiments; torch.set_num_threads({torch.get_num_threads()}); "
             f"print(experiments._peak_rss_child({logits.shape[0]}, {logits.shape[1]}, {which!r}))")
     readings = [int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                    cwd=ROOT).stdout.split()[-1]) for _ in range(repeats)]
@@ -3886,7 +3886,7 @@ def bench_rl_step_memory(quick: bool, out_dir: str) -> list[dict]:
     rows = []
     default_k = tr.RLConfig().topk  # score centering's default K (bounded; 0 = all V is a choice)
     for correction, topk, temperature in (("tis", 0, 1.0), ("sc_tis", default_k, 1.0), ("tis", 0, 0.7)):
-        code = (f"import json, experiments; print(json.dumps(experiments._rl_step_peak_child({correction!r}, "
+        code = (f"import json; from lab import experiments; print(json.dumps(experiments._rl_step_peak_child({correction!r}, "
                 f"{topk}, {V}, {prompts}, {str(out_dir)!r}, {temperature})))")
         child = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                                text=True, check=True)
@@ -3940,7 +3940,7 @@ def bench_eval_memory(quick: bool, out_dir: str) -> list[dict]:
     V = 32_000 if quick else 151_936
     rows = []
     for top_p in (1.0, 0.9):
-        code = (f"import json, experiments; print(json.dumps(experiments._eval_peak_child({V}, 512, {top_p}, "
+        code = (f"import json; from lab import experiments; print(json.dumps(experiments._eval_peak_child({V}, 512, {top_p}, "
                 f"{str(out_dir)!r})))")
         child = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                                text=True, check=True)
@@ -3979,7 +3979,7 @@ def bench_doctor(quick: bool) -> list[dict]:
     import subprocess
 
     B, T = 512, 1_024 if quick else 8_192
-    code = f"import json, experiments; print(json.dumps(experiments._doctor_peak_child({B}, {T})))"
+    code = f"import json; from lab import experiments; print(json.dumps(experiments._doctor_peak_child({B}, {T})))"
     child = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                            check=True)
     peak = json.loads(child.stdout.strip().splitlines()[-1])

@@ -2271,7 +2271,7 @@ def test_the_reference_reads_in_order_math_first():
     assert [line[len("# ---- "):-len(" ----")] for line in lines if line.startswith("# ---- ")] == READING_ORDER
     first_def = next(i for i, line in enumerate(lines) if line.startswith(("def ", "class ")))
     assert lines[first_def].startswith("def masked_mean"), "the first definition a reader meets is the math"
-    assert first_def < 110, "only the module docstring, imports and constants come before it"
+    assert first_def < 120, "only the module docstring (with its layout), imports and constants come before it"
     assert "_openmp_for_a_shared_machine" not in inspect.getsource(tr), "the OpenMP shim is the lab's"
 
 
@@ -2314,9 +2314,9 @@ def reader_measures(source: str) -> dict:
             "wide": sum(len(line) > 100 for line in source.splitlines())}
 
 
-# The reference's size as landed (a ratchet: lower these as the file shrinks). Issue 55's goal, not yet met:
-# <= 25,000 tokens, <= 11 tokens per code line, <= 25 conditional expressions.
-REFERENCE_MEASURES = {"tokens": 30_600, "tokens_per_line": 12.9, "ifexp": 107}
+# The reference's size as landed (a ratchet: lower these as the file shrinks). Issue 55's goals: <= 25 conditional
+# expressions (met), <= 25,000 tokens and <= 11 tokens per code line (not yet met).
+REFERENCE_MEASURES = {"tokens": 30_900, "tokens_per_line": 12.0, "ifexp": 25}
 
 
 def test_the_reference_stays_within_what_a_reader_meets():
@@ -2362,11 +2362,12 @@ def test_a_function_a_user_copies_comes_with_few_code_lines(name, most):
     assert sum(map(code_lines, copied)) <= most, {n: code_lines(n) for n in copied}
 
 
-def test_one_dense_tis_step_enters_at_most_42_functions_of_the_reference(base_model_dir, tmp_path):
+def test_one_dense_tis_step_enters_at_most_44_functions_of_the_reference(base_model_dir, tmp_path):
     """Issue 43: one traced dense `tis` RL step (sample, score, behaviour pass, update, sync, record) enters at most
-    42 named functions of tim_rl.py (comprehensions and lambdas not counted). Issue 55 raised the bound from 30: the
-    nine the step ran in machinery.py (the step meter, the tokenizer, the MoE check) now count, and decode's
-    per-token step and its rollout assembly are functions of their own (decode was 76 lines). The twin: the trace
+    44 named functions of tim_rl.py (comprehensions and lambdas not counted). Issue 55 raised the bound from 30: the
+    nine the step ran in machinery.py (the step meter, the tokenizer, the MoE check) now count, and five pieces of
+    functions over 60 lines are functions of their own (decode's token step, eos / pad and rollout assembly; the
+    update's advantages). The twin: the trace
     sees the step's own functions, and a step it does not trace would count none."""
     import sys
 
@@ -2386,7 +2387,7 @@ def test_one_dense_tis_step_enters_at_most_42_functions_of_the_reference(base_mo
     finally:
         sys.setprofile(None)
     assert {"rl_step", "tis_weights", "token_logprobs", "Trainer.step"} <= entered, sorted(entered)
-    assert len(entered) <= 42, sorted(entered)
+    assert len(entered) <= 44, sorted(entered)
 
 
 def test_one_rl_step_is_its_phases_in_order_and_opens_at_most_15_functions_outside_the_math():
