@@ -1302,17 +1302,17 @@ def _own_needs(name: str) -> list[str]:
 
 
 def _needs(name: str) -> list[str]:
-    """Everything a copy of `name` needs: its needs: line, and the needs: line of each named function that has one
-    (token_logprobs names _TokenLogprobs, whose own line lists what the chunks need)."""
-    needs, todo = [], _own_needs(name)
-    while todo:
-        n = todo.pop(0)
-        if n in needs:
-            continue
-        needs.append(n)
-        if "needs:" in (getattr(getattr(_home(n), n), "__doc__", None) or "") and callable(getattr(_home(n), n)):
-            todo += _own_needs(n)
-    return needs
+    """Everything a copy of `name` needs: its needs: line, taken as the whole list (a copy made from it alone
+    runs; the test below checks that every name those functions use is on it)."""
+    return _own_needs(name)
+
+
+def test_a_needs_line_lists_what_its_needs_need():
+    """The twin of the copy test: a needs: line that leaves out what a listed helper uses (tis_weights without
+    _check_bt, which _log_ratio calls) is caught by the same check the copy test makes."""
+    listed = [n for n in _needs("tis_weights") if n != "_check_bt"]
+    used = set().union(*(_module_names_used(getattr(tr, n)) for n in ["tis_weights", *listed]))
+    assert "_check_bt" in used - set(listed)
 
 
 def _module_names_used(obj) -> set[str]:
@@ -1920,6 +1920,36 @@ def test_doctor_outliers_concentrate_in_a_few_rows():
     assert _verdicts(twin)["outliers"] == "absent" and twin.cause != "outliers", twin
 
 
+@pytest.mark.parametrize("B", [1, 2, 19])
+def test_doctor_cannot_tell_outliers_below_its_minimum_rows(B):
+    """Below DOCTOR_MIN_ROWS rows the worst 5 % is a row picked for its size: outliers is 'cannot tell', so pure
+    bf16-like noise on one row is not named outliers (it was: the worst 5 % of one row is the row). The twin: the
+    same noise on DOCTOR_MIN_ROWS rows tests it (absent)."""
+    p, q, mask = _doctor_tensors(B=B, noise=0.02)
+    found = tr.diagnose_mismatch(p, q, mask)
+    assert _verdicts(found)["outliers"] == f"cannot tell ({B} rows < {tr.DOCTOR_MIN_ROWS})"
+    assert found.cause != "outliers", found
+    twin = tr.diagnose_mismatch(*_doctor_tensors(B=tr.DOCTOR_MIN_ROWS, noise=0.02))
+    assert _verdicts(twin)["outliers"] == "absent"
+
+
+def test_doctor_cannot_tell_padding_without_an_interior():
+    """256 rows of 1-2 tokens with the same symmetric noise on every token: no interior to compare the edges with,
+    so padding is 'cannot tell' (it read ~40 against the 1e-3 floor and was named). The twin: rows of 3+ with the
+    same noise test it (absent)."""
+    g = torch.Generator().manual_seed(0)
+    q = -torch.rand(256, 2, generator=g) - 0.1
+    p = q + 0.05 * torch.randn(256, 2, generator=g)
+    mask = torch.ones(256, 2, dtype=torch.bool)
+    mask[::2, 1] = False  # rows of 1 and 2 tokens
+    found = tr.diagnose_mismatch(p, q, mask)
+    padding = next(s for s in found.evidence if s["name"] == "padding")
+    assert padding["statistic"] > padding["threshold"], "without the rule this batch would read padding"
+    assert padding["verdict"].startswith("cannot tell") and found.cause != "padding", found
+    twin = tr.diagnose_mismatch(*_doctor_tensors(B=256, noise=0.05))
+    assert _verdicts(twin)["padding"] == "absent"
+
+
 def test_doctor_routing_needs_routes_and_flips_where_the_gap_is():
     p, q, mask = _doctor_tensors(B=128, noise=0.005)
     g = torch.Generator().manual_seed(4)
@@ -1962,3 +1992,74 @@ def test_doctor_refuses_routes_and_topk_of_the_wrong_shape():
     with pytest.raises(ValueError, match="logp_train_topk"):
         tr.diagnose_mismatch(p, q, mask, logp_train_topk=torch.zeros(128, 5, 3))
     assert tr.diagnose_mismatch(p, q, mask, routes=(routes, routes)).cause == "numerics"  # the twin: shapes fit
+
+
+# =================================================================================================================
+# half precision at the door: fp16 / bf16 log-probs give float32 results and finite gradients
+
+
+def _half_batch(dtype):
+    """(B, T) = (2, 4) log-probs in `dtype`: the trainer's p (a leaf with gradient), the sampler's q, one token
+    at log p/q = 12 (beyond fp16's exp range, ~11.1), a ragged mask, A = +1 / -1, a (B, T, K = 3) top-K head."""
+    q = torch.tensor([[-0.7, -13.0, -1.2, -0.4], [-0.9, -0.3, -2.0, -1.1]])
+    p = q + torch.tensor([[0.05, 12.0, -0.1, 0.02], [-0.03, 0.01, 0.2, 0.0]])
+    mask = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    head = torch.log(torch.tensor([0.5, 0.2, 0.1])).expand(2, 4, 3)
+    leaf = p.to(dtype).requires_grad_(True)
+    return leaf, q.to(dtype), mask, torch.tensor([1.0, -1.0]), head.to(dtype)
+
+
+HALF_WEIGHTS = ["tis_weights", "mis_weights", "seq_tis_weights", "seq_mask_weights", "geo_mask_weights",
+                "cis_weights", "dlc_weights", "copc_mask", "divergence_mask_weights", "divergence_seq_max_mask",
+                "divergence_seq_mean_mask", "divergence_seq_sum_mask", "copc_residual_weights"]
+HALF_LOSSES = {
+    "pg_loss": lambda p, q, m, a, h: tr.pg_loss(p, a, m, tr.tis_weights(p, q, m)),
+    "ppo_loss": lambda p, q, m, a, h: tr.ppo_loss(p, q, a, m),
+    "dppo_loss": lambda p, q, m, a, h: tr.dppo_loss(p, q, a, m),
+    "gspo_loss": lambda p, q, m, a, h: tr.gspo_loss(p, q, a, m),
+    "cispo_loss": lambda p, q, m, a, h: tr.cispo_loss(p, q, a, m),
+    "dlc_loss": lambda p, q, m, a, h: tr.dlc_loss(p, q, q, a, m),
+    "k2_penalty": lambda p, q, m, a, h: tr.k2_penalty(p, q, m),
+    "score_centering_loss": lambda p, q, m, a, h: tr.score_centering_loss(p, h + 0 * p[..., None], q, h, a, m),
+    "aggregate_loss": lambda p, q, m, a, h: tr.aggregate_loss(-(p - q), m, "seq-mean-token-sum"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", HALF_WEIGHTS)
+def test_every_weight_takes_half_precision_and_returns_float32(name, dtype):
+    p, q, mask, _, _ = _half_batch(dtype)
+    w = getattr(tr, name)(p.detach(), q, mask)
+    assert w.dtype == torch.float32 and torch.isfinite(w).all(), (name, w)
+    ref = getattr(tr, name)(p.detach().float(), q.float(), mask)  # the same numbers, upcast by the caller
+    assert torch.equal(w, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", sorted(HALF_LOSSES))
+def test_every_loss_takes_half_precision_with_a_finite_float32_loss_and_gradient(name, dtype):
+    p, q, mask, adv, head = _half_batch(dtype)
+    loss = HALF_LOSSES[name](p, q, mask, adv, head)
+    (grad,) = torch.autograd.grad(loss, p)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss), (name, loss)
+    assert grad.dtype == dtype and torch.isfinite(grad).all(), (name, grad)
+
+
+def test_without_the_door_fp16_overflows_at_a_log_ratio_of_12():
+    """The twin: the ratio the losses take, computed in fp16 as the inputs come, is infinite and its gradient not
+    finite, so the tests above would catch a loss that skipped the upcast."""
+    p, q, mask, adv, _ = _half_batch(torch.float16)
+    ratio = (p - q).exp()
+    (grad,) = torch.autograd.grad((ratio * adv[:, None] * mask).sum(), p)
+    assert torch.isinf(ratio[0, 1]) and not torch.isfinite(grad).all()
+
+
+def test_dppo_loss_stays_finite_summed_over_a_batch_beyond_its_cap():
+    """log r = 100 on 8 x 1,024 tokens: a finite loss and gradient (the cap's promise, 'even summed over a batch's
+    tokens'). The twin: the old cap, e^80 per token, sums to inf over the same batch."""
+    logp = torch.full((8, 1024), -1.0, requires_grad=True)
+    mask = torch.ones(8, 1024, dtype=torch.bool)
+    loss = tr.dppo_loss(logp, logp.detach() - 100.0, torch.ones(8), mask, delta=2.0)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert torch.isinf(torch.full((8, 1024), math.exp(80.0)).sum())

@@ -119,16 +119,31 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp(min=1)
 
 
+def _upcast(*xs):
+    """Each half-precision tensor (fp16, bf16) in float32; float32 and float64 tensors and None as
+    they are. The door of every loss and weight: in fp16 exp() overflows at a log-ratio of ~11.1
+    (a NaN gradient, an infinite loss) and both halves round ratios to 3 significant digits; the
+    gradient flows back through the cast to the caller's tensor.
+
+    needs: nothing
+    """
+    half = (torch.float16, torch.bfloat16)
+    return tuple(x.float() if isinstance(x, torch.Tensor) and x.dtype in half else x for x in xs)
+
+
 def _log_ratio(mask: torch.Tensor, **pair: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log a/b, ok) for pair = {name_a: a, name_b: b}, checked like _check_bt, detached. (B, T).
+    """(log a/b, ok) for pair = {name_a: a, name_b: b}, checked like _check_bt, detached, at least
+    float32 (_upcast). (B, T).
 
     ok = mask & both finite. The log-ratio is 0 where not ok, else raw: a caller clamps it to
     +-LOG_RATIO_CLAMP where it takes exp.
 
-    needs: _check_bt
+    needs: _check_bt, _upcast, _check_tensor
+
+
     """
     _check_bt(mask, **pair)
-    a, b = (x.detach() for x in pair.values())
+    a, b = _upcast(*(x.detach() for x in pair.values()))
     ok = mask & torch.isfinite(a) & torch.isfinite(b)
     return torch.where(ok, a - b, torch.zeros_like(a)), ok
 
@@ -143,7 +158,9 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows=None, chu
     CUDA repeated ids make the gradient's scatter_add order-dependent. chunk_pass(x (N, V), ids
     (N, K), chunk_rows) -> (N, K) replaces the eager chunks (the lab's compiled GPU pass).
 
-    needs: _TokenLogprobs, _check_tensor, CHUNK_BYTES, GPU_CHUNK_BYTES
+    needs: _TokenLogprobs, _check_tensor, CHUNK_BYTES, GPU_CHUNK_BYTES, FAR_FROM_ZERO
+
+
     """
     _check_tensor("logits", logits)
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
@@ -239,7 +256,9 @@ def _check_adv(adv, mask, name: str = "adv") -> torch.Tensor:
 
     Also per-token weights (name="weights"). The caller checks mask first.
 
-    needs: _check_bt
+    needs: _check_bt, _check_tensor
+
+
     """
     if isinstance(adv, torch.Tensor) and adv.shape in (mask.shape[:1], (len(mask), 1)):
         adv = adv.reshape(-1, 1).expand(mask.shape)  # one advantage per sequence, a view
@@ -383,7 +402,9 @@ def mismatch_metrics(logp_train, logp_infer, mask: torch.Tensor) -> dict[str, fl
     abs_diff = mean |log r|. Non-finite log-probs inside the mask are left out and counted in
     frac_nonfinite. Computed in float64.
 
-    needs: _log_ratio, LOG_RATIO_CLAMP
+    needs: _log_ratio, LOG_RATIO_CLAMP, _check_bt, _upcast, _check_tensor
+
+
     """
     log_ratio, ok = _log_ratio(mask, logp_train=logp_train, logp_infer=logp_infer)
     lr = log_ratio[ok].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).double()  # (N,)
@@ -418,7 +439,9 @@ def mismatch_ledger(logp, logp_old, logp_infer, mask, logp_master_old=None, log_
     - logp_infer. The parts sum to total token by token. Tokens where an input is non-finite are
     left out of every part. (B, T) -> {part_mean, part_abs (mean |.|)}.
 
-    needs: _check_bt
+    needs: _check_bt, _check_tensor
+
+
     """
     routes = logp_old_sampler_routes
     if routes is None:  # gates split the routes' part
@@ -503,6 +526,7 @@ DOCTOR_ADVICE = {
     "routing": "MoE experts flip where the gap is largest: routing replay (r3) or fp32 routers",
 }
 DOCTOR_CAUSES = tuple(DOCTOR_ADVICE)
+DOCTOR_MIN_ROWS = 20  # the outliers test: its worst 5 % is at least one row in 20
 
 
 # What the doctor's numbers are called on a dashboard where one equals them (TRL GRPOTrainer)
@@ -589,13 +613,17 @@ def _lag_signature(logp_infer, d, ok, advantages) -> dict:
 
 def _padding_signature(d, ok, n, rows) -> dict:
     """A mask off by one counts a prompt token or a pad, where the two sides hold unrelated numbers:
-    the gap then sits at each row's first or last masked token, not inside. Needs rows of 3+."""
+    the gap then sits at each row's first or last masked token, not inside. Needs an interior: rows
+    of 3+ tokens (without one: cannot tell)."""
     first = d.gather(1, ok.byte().argmax(1, keepdim=True))[n > 0].abs()  # (B',) |d|, first token
     last = d.gather(1, ok.shape[1] - 1 - ok.flip(1).byte().argmax(1, keepdim=True))[n > 1].abs()
     inner_n = (n - 2).clamp(min=0).sum()  # every row's tokens less its first and last
     inner = float((rows.sum() - first.sum() - last.sum()) / inner_n.clamp(min=1)) + 1e-3
     edge = max(float(first.mean()), float(last.mean().nan_to_num(0.0)))
-    return _signature("padding", "edge mean |d| / (interior mean |d| + 1e-3)", edge / inner, 20.0)
+    measures = "edge mean |d| / (interior mean |d| + 1e-3), rows of 3+"
+    if inner_n == 0:  # rows of 1-2 tokens: no interior to compare the edges with
+        return _signature("padding", measures, edge / inner, 20.0, "cannot tell without rows of 3+")
+    return _signature("padding", measures, edge / inner, 20.0)
 
 
 def _misaligned_signature(d, p, q, ok) -> dict:
@@ -702,10 +730,18 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     Each signature is a small function of d = log p - log q on the usable tokens ok.
     Memory: two or three (B, T) tensors beside the inputs (no (tokens, 3) fit, no float64 copies).
 
-    needs: _check_bt, _check_adv, _log_ratio, LOG_RATIO_CLAMP, Diagnosis, DOCTOR_ADVICE, _signature,
-    _lag_signature, _padding_signature, _misaligned_signature, _routing_signature,
-    _truncation_signature, _temperature_signature, _numerics_signature, _doctor_numbers,
-    format_diagnosis, DOCTOR_METRIC_NAMES
+    needs: _check_bt, _check_adv, _log_ratio, LOG_RATIO_CLAMP, Diagnosis, DOCTOR_ADVICE,
+
+
+    _signature, _lag_signature, DOCTOR_MIN_ROWS, _padding_signature, _misaligned_signature,
+
+
+    _routing_signature, _truncation_signature, _temperature_signature, _numerics_signature,
+
+
+    _doctor_numbers, format_diagnosis, DOCTOR_METRIC_NAMES, _check_tensor, _upcast
+
+
     """
     _check_bt(mask, logp_train=logp_train, logp_infer=logp_infer)
     p, q = logp_train.detach().float(), logp_infer.detach().float()
@@ -717,14 +753,19 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     rows = d.abs().sum(1)  # (B,) sum |d| per row
     mean_abs = float(rows.sum() / n.sum())
     worst = rows.topk(max(1, math.ceil(0.05 * rows.numel()))).indices  # the worst 5 % of rows
-    # outliers: sequences from another policy (a stale request, another checkpoint) concentrate |d|
+    # outliers: sequences from another policy (a stale request, another checkpoint) concentrate |d|;
+    # with fewer than DOCTOR_MIN_ROWS rows the worst 5 % is a row picked for its size
     outliers = float(rows[worst].sum() / rows.sum())
+    few_rows, n_rows = "", int((n > 0).sum())
+    if n_rows < DOCTOR_MIN_ROWS:
+        few_rows = f"cannot tell ({n_rows} rows < {DOCTOR_MIN_ROWS})"
     lag = _lag_signature(q, d, ok, advantages)
     # the evidence, in DOCTOR_CAUSES' order of specificity (the first present one is the cause)
     evidence = [
         _padding_signature(d, ok, n, rows), _misaligned_signature(d, p, q, ok),
         _routing_signature(d, ok, routes), lag,
-        _signature("outliers", "share of sum |d| in the worst 5 % of sequences", outliers, 0.6),
+        _signature("outliers", f"share of sum |d| in the worst 5 % of {DOCTOR_MIN_ROWS}+ rows",
+                   outliers, 0.6, few_rows),
         _truncation_signature(d, ok, n, mask, logp_train_topk, topk_ids),
         _temperature_signature(p, q, ok), _numerics_signature(d, ok, worst, lag),
     ]
@@ -869,7 +910,9 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std=False)
 def copc_residual_weights(logp, logp_infer, mask: torch.Tensor, eps: float = 0.2) -> torch.Tensor:
     """c_t = clip(p / q, 1 - eps, 1 + eps), detached: COPC [5]. 1 where non-finite. (B, T).
 
-    needs: _log_ratio, LOG_RATIO_CLAMP
+    needs: _log_ratio, LOG_RATIO_CLAMP, _check_bt, _upcast, _check_tensor
+
+
     """
     log_ratio, _ = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
     # the log-ratio of non-finite tokens is 0, so c = 1 there
@@ -886,7 +929,12 @@ def copc_advantages(values, rewards, logp, logp_infer, mask, gamma=1.0, lam=1.0,
     response token) or (B, T). The state after the last masked token is terminal (value 0).
     Returns detached (advantages, value targets V + A), 0 outside the mask.
 
-    needs: _check_bt, _check_device, _check_tensor, copc_residual_weights
+    needs: _check_bt, _check_device, _check_tensor, copc_residual_weights, _log_ratio,
+
+
+    LOG_RATIO_CLAMP, _upcast
+
+
     """
     _check_bt(mask, values=values, logp=logp, logp_infer=logp_infer)
     _check_tensor("rewards", rewards)
@@ -924,7 +972,9 @@ def tis_weights(logp_old, logp_infer, mask, cap: float = 2.0, low: float = 0.0) 
     low = 0 truncates above only (verl rollout_is="token"); low > 0 is slime's two-sided clip
     (--tis-mode clip, --tis-clip-low low, --tis-clip C).
 
-    needs: _log_ratio, LOG_RATIO_CLAMP
+    needs: _log_ratio, LOG_RATIO_CLAMP, _check_bt, _upcast, _check_tensor
+
+
     """
     log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     w = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(low, cap)
@@ -936,7 +986,9 @@ def mis_weights(logp_old, logp_infer, mask, low: float = 0.5, high: float = 5.0)
 
     Non-finite -> 0.
 
-    needs: _log_ratio, LOG_RATIO_CLAMP
+    needs: _log_ratio, LOG_RATIO_CLAMP, _check_bt, _upcast, _check_tensor
+
+
     """
     log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     rho = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
@@ -959,7 +1011,9 @@ def seq_tis_weights(logp_old, logp_infer, mask, cap: float = 5.0):
     Beware: the product shrinks long sequences towards 0 (TRL #5814); geo_mask_weights does not.
     A non-finite token gives its whole sequence weight 0.
 
-    needs: _log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
+    needs: _log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP, _check_bt, _upcast, _check_tensor
+
+
     """
     total, seq_ok, _ = _sequence_log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     w = total.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(max=cap)  # (B, 1)
@@ -973,7 +1027,9 @@ def seq_mask_weights(logp_old, logp_infer, mask, low: float = 0.0, high: float =
     [clip_min, clip_max] = [None (no lower bound), 3.0], edges kept). A non-finite token gives its
     sequence 0 (TRL counts it as ratio 1). The product shrinks long sequences like seq_tis_weights.
 
-    needs: _log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
+    needs: _log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP, _check_bt, _upcast, _check_tensor
+
+
     """
     total, seq_ok, _ = _sequence_log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     seq_rho = total.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # (B, 1)
@@ -988,7 +1044,9 @@ def geo_mask_weights(logp_old, logp_infer, mask, low: float = 0.99, high: float 
     rollout_rs_threshold "1/high_1/low" (verl's k1 is log q/p: its literal "low_high" bounds q/p),
     and divergence_seq_mean_mask(..., (1 / high, 1 / low), kl_k1), where |log rho| <= 20.
 
-    needs: _log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP
+    needs: _log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP, _check_bt, _upcast, _check_tensor
+
+
     """
     total, seq_ok, _ = _sequence_log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     mean_log_rho = total / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
@@ -1003,7 +1061,9 @@ def cis_weights(logp_old, logp_infer, mask, lam: float = 2.3, kappa: float = 5e-
     gives a cap that tightens with confidence. Upper side only. Non-finite log-ratio -> 1 (left
     uncorrected, as the official code does).
 
-    needs: _log_ratio, LOG_RATIO_CLAMP
+    needs: _log_ratio, LOG_RATIO_CLAMP, _check_bt, _upcast, _check_tensor
+
+
     """
     log_rho, _ = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     p_old = torch.nan_to_num(logp_old.detach().float(), nan=0.0).clamp(max=0.0).exp()
@@ -1019,7 +1079,9 @@ def dlc_weights(logp_old, logp_infer, mask, clamp: float = 1.0):
     part of the engine discrepancy (its batch mean) is removed, the rest is a bounded weight in
     [e^-c, e^c]. Non-finite -> 0.
 
-    needs: _log_ratio, masked_mean
+    needs: _log_ratio, masked_mean, _check_bt, _upcast, _check_tensor
+
+
     """
     d, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     w = (d - masked_mean(d, ok)).clamp(-clamp, clamp).exp()  # centred, then bounded
@@ -1031,7 +1093,9 @@ def copc_mask(logp_old, logp_infer, mask, low: float = 0.5, high: float = 2.0):
 
     The band of mis_weights as a 0/1 mask (rho >= e^-LOG_RATIO_CLAMP > 0). Non-finite -> 0.
 
-    needs: mis_weights
+    needs: mis_weights, _log_ratio, LOG_RATIO_CLAMP, _check_bt, _upcast, _check_tensor
+
+
     """
     return (mis_weights(logp_old, logp_infer, mask, low, high) > 0).float()
 
@@ -1045,7 +1109,9 @@ def calibrated_clip_bounds(ratio_lowprec, ratio_ref, adv, mask, eps_low=0.2, eps
     reference, with P(H) = sum_{A>0, r<=H} A r and N(L) = sum_{A<0, r>=L} |A| r. Falls back to
     (1 - eps_low, 1 + eps_high) when a side has no tokens. (B, T) -> (float, float).
 
-    needs: _check_adv, _check_bt, _log_ratio
+    needs: _check_adv, _check_bt, _log_ratio, _check_tensor, _upcast
+
+
     """
     _, ok = _log_ratio(mask, ratio_lowprec=ratio_lowprec, ratio_ref=ratio_ref)  # checked, finite
     A = _check_adv(adv, mask)
@@ -1115,7 +1181,12 @@ def divergence_mask_weights(logp_old, logp_infer, mask, threshold=0.01, estimato
     for k2, k3; for k1 verl's band on q / p: log lo <= k1 <= log hi with threshold (lo, hi), a lone
     hi meaning (1 / hi, hi). Rejection, not reweighting: kept tokens get weight 1. Non-finite -> 0.
 
-    needs: _divergence, _log_ratio, _within, kl_k1, kl_k3, LOG_RATIO_CLAMP
+    needs: _divergence, _log_ratio, _within, kl_k1, kl_k3, LOG_RATIO_CLAMP, _check_bt, _upcast,
+
+
+    _check_tensor
+
+
     """
     estimate, ok, _ = _divergence(logp_old, logp_infer, mask, estimator)
     return (ok & _within(estimate, threshold, estimator)).float()
@@ -1150,7 +1221,12 @@ def divergence_seq_max_mask(logp_old, logp_infer, mask, threshold=0.01, estimato
     rollout_rs="seq_max_k2|k3". Keeps a sequence whose every token divergence_mask_weights keeps
     (so kl_k1, which verl lacks here, is its band). Non-finite -> 0 for the sequence.
 
-    needs: divergence_mask_weights
+    needs: divergence_mask_weights, _divergence, _log_ratio, _within, kl_k1, kl_k3,
+
+
+    LOG_RATIO_CLAMP, _check_bt, _upcast, _check_tensor
+
+
     """
     kept = divergence_mask_weights(logp_old, logp_infer, mask, threshold, estimator) > 0
     return (mask & (kept | ~mask).all(dim=1, keepdim=True)).float()
@@ -1163,7 +1239,12 @@ def divergence_seq_mean_mask(logp_old, logp_infer, mask, threshold=0.01, estimat
     geo_mask_weights (with kl_k1 a band on the geometric mean of q / p). Non-finite -> 0 for the
     sequence.
 
-    needs: _divergence, _log_ratio, _within, kl_k1, kl_k3, LOG_RATIO_CLAMP
+    needs: _divergence, _log_ratio, _within, kl_k1, kl_k3, LOG_RATIO_CLAMP, _check_bt, _upcast,
+
+
+    _check_tensor
+
+
     """
     estimate, _, seq_ok = _divergence(logp_old, logp_infer, mask, estimator)
     mean = estimate.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
@@ -1177,7 +1258,12 @@ def divergence_seq_sum_mask(logp_old, logp_infer, mask, threshold=0.01, estimato
     so long sequences are dropped first (like the sequence product). Non-finite -> 0 for the
     sequence.
 
-    needs: _divergence, _log_ratio, _within, kl_k1, kl_k3, LOG_RATIO_CLAMP
+    needs: _divergence, _log_ratio, _within, kl_k1, kl_k3, LOG_RATIO_CLAMP, _check_bt, _upcast,
+
+
+    _check_tensor
+
+
     """
     estimate, _, seq_ok = _divergence(logp_old, logp_infer, mask, estimator)
     total = estimate.sum(dim=1, keepdim=True)  # (B, 1)
@@ -1192,7 +1278,9 @@ def self_normalize_weights(weights: torch.Tensor, mask: torch.Tensor) -> torch.T
     sequence weights through self_normalize_seq_weights instead. Non-finite -> 0; all zero stays
     zero. (B, T).
 
-    needs: _check_bt
+    needs: _check_bt, _check_tensor
+
+
     """
     _check_bt(mask, weights=weights)
     ok = mask & torch.isfinite(weights)
@@ -1209,7 +1297,9 @@ def self_normalize_seq_weights(weights: torch.Tensor, mask: torch.Tensor) -> tor
     generated token; non-finite -> 0. An all-masked row is left out of the mean, as verl does
     (slime's mean counts it as a weight 0).
 
-    needs: _check_bt, self_normalize_weights
+    needs: _check_bt, self_normalize_weights, _check_tensor
+
+
     """
     _check_bt(mask, weights=weights)
     first = mask.float().argmax(dim=1, keepdim=True)  # (B, 1)
@@ -1228,7 +1318,9 @@ def opsm_mask(logp, logp_infer, adv, mask, delta: float = 1e-4):
     Positive-advantage sequences are always kept. A non-finite token gets 0 and makes its
     sequence's KL unmeasurable: dropped when A < 0. adv (B, T), (B, 1) or (B,).
 
-    needs: _check_adv, _log_ratio, _sequence_log_ratio
+    needs: _check_adv, _log_ratio, _sequence_log_ratio, _check_bt, _upcast, _check_tensor
+
+
     """
     total, seq_ok, ok = _sequence_log_ratio(mask, logp_infer=logp_infer, logp=logp)  # log q / p
     A = _check_adv(adv, mask)
@@ -1249,8 +1341,11 @@ def pg_loss(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, weights=N
     A non-finite logp inside the mask drops that token (no gradient, no NaN); a non-finite weight
     counts as 0.
 
-    needs: _check_adv, _check_bt, masked_mean
+    needs: _check_adv, _check_bt, masked_mean, _upcast, _check_tensor
+
+
     """
+    logp, = _upcast(logp)
     _check_bt(mask, logp=logp)
     A = _check_adv(adv, mask)
     # a change of measure: no gradient through the weight
@@ -1273,8 +1368,11 @@ def ppo_loss(logp, logp_prox, adv, mask, weights=None, eps_low=0.2, eps_high=0.2
     log-ratio drops the token, a non-finite weight counts as 0. (B, T). verl's default dual clip
     (clip_ratio_c = 3) bounds an A < 0 token's loss at 3 |A|; ppo_loss has none.
 
-    needs: _check_adv, _check_bt, _log_ratio, masked_mean, LOG_RATIO_CLAMP
+    needs: _check_adv, _check_bt, _log_ratio, masked_mean, LOG_RATIO_CLAMP, _upcast, _check_tensor
+
+
     """
+    logp, logp_prox = _upcast(logp, logp_prox)
     _, ok = _log_ratio(mask, logp=logp, logp_prox=logp_prox)
     A = _check_adv(adv, mask)
     # a change of measure: no gradient through the weight
@@ -1300,9 +1398,15 @@ def score_centering_loss(logp, logp_topk, logp_infer, logp_topk_infer, adv, mask
     alpha = rho_tail f(1 / rho_tail), coef_v = q_v f(p_v / q_v) - alpha p_v (all detached). Exact
     when K = V. logp, logp_infer, adv (B, T); logp_topk (grad) and logp_topk_infer (B, T, K).
 
-    needs: _check_adv, _log_ratio, masked_mean, LOG_RATIO_CLAMP, _score_centering_terms, _check_bt,
-    _check_device, _check_tensor
+    needs: _check_adv, _log_ratio, masked_mean, LOG_RATIO_CLAMP, _score_centering_terms,
+
+
+    _check_bt, _check_device, _check_tensor, _upcast, TAIL_FLOOR
+
+
     """
+    logp, logp_topk, logp_infer, logp_topk_infer = _upcast(logp, logp_topk, logp_infer,
+                                                           logp_topk_infer)
     log_r_y, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
     for name, t in (("logp_topk", logp_topk), ("logp_topk_infer", logp_topk_infer)):
         _check_tensor(name, t)
@@ -1357,8 +1461,13 @@ def dlc_loss(logp, logp_old, logp_infer, adv, mask, eps_low=0.2, eps_high=0.28, 
     use up the budget meant for numerics. logp_prox defaults to logp (one update per batch).
 
     needs: _check_adv, _check_bt, dlc_weights, _log_ratio, masked_mean, ppo_loss, tis_weights,
-    LOG_RATIO_CLAMP
+
+
+    LOG_RATIO_CLAMP, _upcast, _check_tensor
+
+
     """
+    logp, logp_old, logp_infer, logp_prox = _upcast(logp, logp_old, logp_infer, logp_prox)
     _check_bt(mask, logp=logp)
     if logp_prox is None:
         logp_prox = logp.detach()
@@ -1367,8 +1476,9 @@ def dlc_loss(logp, logp_old, logp_infer, adv, mask, eps_low=0.2, eps_high=0.28, 
     return ppo_loss(logp, logp_prox, adv, mask, weights=weights, eps_low=eps_low, eps_high=eps_high)
 
 
-# exp(80) ~ 5.5e34: finite in float32 (max 3.4e38), even summed over a batch's tokens
-DPPO_LOG_RATIO_MAX = 80.0
+# exp(64) ~ 6.2e27: finite in float32 (max 3.4e38) even summed over 2^32 tokens with |A| <= 10
+# (at 80 a batch of 8 x 1,024 tokens at log r = 100 summed to inf)
+DPPO_LOG_RATIO_MAX = 64.0
 
 
 def dppo_loss(logp, logp_infer, adv, mask, delta=0.2, delta_low=None, delta_high=None):
@@ -1381,8 +1491,14 @@ def dppo_loss(logp, logp_infer, adv, mask, delta=0.2, delta_low=None, delta_high
     r = e^DPPO_LOG_RATIO_MAX (where prime-rl's float32 overflows soon after); beyond, both are
     e^DPPO_LOG_RATIO_MAX A (grad log p). Non-finite log-ratio -> token dropped. (B, T) -> ().
 
-    needs: _check_adv, _check_bt, _log_ratio, masked_mean, DPPO_LOG_RATIO_MAX
+    needs: _check_adv, _check_bt, _log_ratio, masked_mean, DPPO_LOG_RATIO_MAX, _upcast,
+
+
+    _check_tensor
+
+
     """
+    logp, logp_infer = _upcast(logp, logp_infer)
     log_r, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)  # detached
     A = _check_adv(adv, mask)
     logp = torch.where(ok, logp, 0.0)  # a finite exp below, so a finite gradient
@@ -1408,7 +1524,9 @@ def effective_token_weights(loss, logp: torch.Tensor, adv, mask: torch.Tensor) -
     (undefined). N is the number of masked tokens (losses are token means). Differentiates only
     back to logp, not into the model. Detached.
 
-    needs: _check_adv, _check_bt
+    needs: _check_adv, _check_bt, _check_tensor
+
+
     """
     _check_bt(mask, logp=logp)
     A = _check_adv(adv, mask)
@@ -1431,7 +1549,9 @@ def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness=0, max
     logp_master_old, so export rounding is not counted as lag); both (B, T). An unmeasurable
     (non-finite) lag resyncs.
 
-    needs: _check_bt, _log_ratio, masked_mean
+    needs: _check_bt, _log_ratio, masked_mean, _check_tensor, _upcast
+
+
     """
     lag, ok = _log_ratio(mask, logp=logp, logp_old=logp_old)
     if max_staleness <= 0 and max_lag <= 0:
@@ -1456,8 +1576,16 @@ def cispo_loss(logp, logp_infer, adv, mask, eps_high: float = 0.28, eps_low=None
     MiniMax-M1 and TRL; verl's compute_policy_loss_cispo clips below at 1 - clip_ratio_low (default
     0.2): pass eps_low. Non-finite log-ratio -> token dropped.
 
-    needs: _check_adv, _log_ratio, masked_mean, LOG_RATIO_CLAMP, _check_bt
+    needs: _check_adv, _log_ratio, masked_mean, LOG_RATIO_CLAMP, _check_bt, _upcast,
+
+
+
+    _check_tensor
+
+
+
     """
+    logp, logp_infer = _upcast(logp, logp_infer)
     log_r, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
     A = _check_adv(adv, mask)
     if eps_low is None:
@@ -1479,8 +1607,9 @@ def aggregate_loss(per_token, mask, mode: str = "token-mean", norm=None) -> torc
     verl (TRL "grpo" counts it as 0). Non-finite or off the mask -> dropped. verl's
     seq-mean-token-mean divides by tokens + 1e-8 (here: tokens), a 1e-8 relative gap.
 
-    needs: _check_choice
+    needs: _check_choice, _upcast
     """
+    per_token, = _upcast(per_token)
     _check_choice("mode", mode, ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                                  "seq-mean-token-sum-norm"))
     ok = mask & torch.isfinite(per_token)
@@ -1509,8 +1638,14 @@ def gspo_loss(logp, logp_old, adv, mask, eps_low: float = 3e-4, eps_high: float 
     token TIS gives each token's log-weight sigma^2. A non-finite token drops its sequence.
     logp, logp_old, mask (B, T); adv (B, 1) or (B, T).
 
-    needs: _check_adv, _log_ratio, _sequence_log_ratio, aggregate_loss, LOG_RATIO_CLAMP, _check_bt
+    needs: _check_adv, _log_ratio, _sequence_log_ratio, aggregate_loss, LOG_RATIO_CLAMP,
+
+
+    _check_bt, _upcast, _check_choice, _check_tensor
+
+
     """
+    logp, logp_old = _upcast(logp, logp_old)
     total, seq_ok, ok = _sequence_log_ratio(mask, logp=logp, logp_old=logp_old)  # detached
     A = _check_adv(adv, mask)
     log_s = total / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
@@ -1529,8 +1664,11 @@ def k2_penalty(logp, logp_infer, mask, coef: float = 1e-3):
     must correct; added to any arm's loss (--k2-coef). Non-finite log-ratio -> token dropped.
     (B, T).
 
-    needs: _check_bt, _log_ratio, masked_mean
+    needs: _check_bt, _log_ratio, masked_mean, _upcast, _check_tensor
+
+
     """
+    logp, logp_infer = _upcast(logp, logp_infer)
     _, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
     diff = torch.where(ok, logp - logp_infer.detach(), torch.zeros_like(logp))  # logp's gradient
     return coef * masked_mean(diff.square() / 2, ok)
@@ -1543,7 +1681,12 @@ def drift_signal_norms(params, logp, logp_topk, logp_infer, logp_topk_infer, adv
     drift = g_pg - g_sc. `params` are the leaves the forward ran on (the served copy under
     loss_on_served). (B, T) / (B, T, K) -> floats.
 
-    needs: pg_loss, score_centering_loss
+    needs: pg_loss, score_centering_loss, _check_adv, _check_bt, masked_mean, _upcast, _log_ratio,
+
+
+    LOG_RATIO_CLAMP, _score_centering_terms, _check_device, _check_tensor, TAIL_FLOOR
+
+
     """
     params = [p for p in params if p.requires_grad]
     loss_total = pg_loss(logp, adv, mask)
@@ -4072,6 +4215,9 @@ def _check_paths(args) -> None:
             found = "a directory without config.json"
         raise UsageError(f"--model {model}: {found} (expected a Hugging Face causal-LM directory "
                          "with config.json; omit --model to use the embedded tiny model)")
+    name = getattr(args, "name", "run")
+    if Path(name).name != name or name in ("", ".", ".."):  # runs/<name>/ stays inside --out-dir
+        raise UsageError(f"--name {name!r}: a run name is a name, not a path (no / or ..)")
     out_dirs = [("out", getattr(args, "out", None)), ("out_dir", getattr(args, "out_dir", None))]
     if getattr(args, "out_dir", None) and args.cmd == "train":  # the run's own directory
         out_dirs.append(("name", Path(args.out_dir, args.name)))

@@ -20,10 +20,11 @@ ROOT = Path(tr.__file__).resolve().parent
 LAB = ROOT / "lab"
 
 # Run a file or `-m pytest` with this Python's dependencies but without the project: the editable install's
-# import hook and any path into the repository are removed before the target runs.
+# import hook and any path into the repository (but a virtual environment's packages inside it, as CI's) are
+# removed before the target runs.
 ISOLATE = '''import runpy, sys
 sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
-sys.path[:] = [p for p in sys.path if not p.startswith(REPO)]
+sys.path[:] = [p for p in sys.path if not (p == REPO or p.startswith(REPO + "/") and "-packages" not in p)]
 sys.path.insert(0, ".")
 target, *sys.argv = sys.argv[1:]
 if target == "pytest":

