@@ -85,6 +85,7 @@ import os
 import pickle
 import random
 import re
+import struct
 import sys
 import time
 import warnings
@@ -139,8 +140,6 @@ def _log_ratio(mask: torch.Tensor, **pair: torch.Tensor) -> tuple[torch.Tensor, 
     +-LOG_RATIO_CLAMP where it takes exp.
 
     needs: _check_bt, _upcast, _check_tensor
-
-
     """
     _check_bt(mask, **pair)
     a, b = _upcast(*(x.detach() for x in pair.values()))
@@ -159,8 +158,6 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows=None, chu
     (N, K), chunk_rows) -> (N, K) replaces the eager chunks (the lab's compiled GPU pass).
 
     needs: _TokenLogprobs, _check_tensor, CHUNK_BYTES, GPU_CHUNK_BYTES, FAR_FROM_ZERO
-
-
     """
     _check_tensor("logits", logits)
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
@@ -257,8 +254,6 @@ def _check_adv(adv, mask, name: str = "adv") -> torch.Tensor:
     Also per-token weights (name="weights"). The caller checks mask first.
 
     needs: _check_bt, _check_tensor
-
-
     """
     if isinstance(adv, torch.Tensor) and adv.shape in (mask.shape[:1], (len(mask), 1)):
         adv = adv.reshape(-1, 1).expand(mask.shape)  # one advantage per sequence, a view
@@ -403,8 +398,6 @@ def mismatch_metrics(logp_train, logp_infer, mask: torch.Tensor) -> dict[str, fl
     frac_nonfinite. Computed in float64.
 
     needs: _log_ratio, LOG_RATIO_CLAMP, _check_bt, _upcast, _check_tensor
-
-
     """
     log_ratio, ok = _log_ratio(mask, logp_train=logp_train, logp_infer=logp_infer)
     lr = log_ratio[ok].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).double()  # (N,)
@@ -440,8 +433,6 @@ def mismatch_ledger(logp, logp_old, logp_infer, mask, logp_master_old=None, log_
     left out of every part. (B, T) -> {part_mean, part_abs (mean |.|)}.
 
     needs: _check_bt, _check_tensor
-
-
     """
     routes = logp_old_sampler_routes
     if routes is None:  # gates split the routes' part
@@ -731,17 +722,9 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     Memory: two or three (B, T) tensors beside the inputs (no (tokens, 3) fit, no float64 copies).
 
     needs: _check_bt, _check_adv, _log_ratio, LOG_RATIO_CLAMP, Diagnosis, DOCTOR_ADVICE,
-
-
     _signature, _lag_signature, DOCTOR_MIN_ROWS, _padding_signature, _misaligned_signature,
-
-
     _routing_signature, _truncation_signature, _temperature_signature, _numerics_signature,
-
-
     _doctor_numbers, format_diagnosis, DOCTOR_METRIC_NAMES, _check_tensor, _upcast
-
-
     """
     _check_bt(mask, logp_train=logp_train, logp_infer=logp_infer)
     p, q = logp_train.detach().float(), logp_infer.detach().float()
@@ -911,8 +894,6 @@ def copc_residual_weights(logp, logp_infer, mask: torch.Tensor, eps: float = 0.2
     """c_t = clip(p / q, 1 - eps, 1 + eps), detached: COPC [5]. 1 where non-finite. (B, T).
 
     needs: _log_ratio, LOG_RATIO_CLAMP, _check_bt, _upcast, _check_tensor
-
-
     """
     log_ratio, _ = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
     # the log-ratio of non-finite tokens is 0, so c = 1 there
@@ -930,11 +911,7 @@ def copc_advantages(values, rewards, logp, logp_infer, mask, gamma=1.0, lam=1.0,
     Returns detached (advantages, value targets V + A), 0 outside the mask.
 
     needs: _check_bt, _check_device, _check_tensor, copc_residual_weights, _log_ratio,
-
-
     LOG_RATIO_CLAMP, _upcast
-
-
     """
     _check_bt(mask, values=values, logp=logp, logp_infer=logp_infer)
     _check_tensor("rewards", rewards)
@@ -973,8 +950,6 @@ def tis_weights(logp_old, logp_infer, mask, cap: float = 2.0, low: float = 0.0) 
     (--tis-mode clip, --tis-clip-low low, --tis-clip C).
 
     needs: _log_ratio, LOG_RATIO_CLAMP, _check_bt, _upcast, _check_tensor
-
-
     """
     log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     w = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(low, cap)
@@ -987,8 +962,6 @@ def mis_weights(logp_old, logp_infer, mask, low: float = 0.5, high: float = 5.0)
     Non-finite -> 0.
 
     needs: _log_ratio, LOG_RATIO_CLAMP, _check_bt, _upcast, _check_tensor
-
-
     """
     log_rho, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     rho = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
@@ -1012,8 +985,6 @@ def seq_tis_weights(logp_old, logp_infer, mask, cap: float = 5.0):
     A non-finite token gives its whole sequence weight 0.
 
     needs: _log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP, _check_bt, _upcast, _check_tensor
-
-
     """
     total, seq_ok, _ = _sequence_log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     w = total.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(max=cap)  # (B, 1)
@@ -1028,8 +999,6 @@ def seq_mask_weights(logp_old, logp_infer, mask, low: float = 0.0, high: float =
     sequence 0 (TRL counts it as ratio 1). The product shrinks long sequences like seq_tis_weights.
 
     needs: _log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP, _check_bt, _upcast, _check_tensor
-
-
     """
     total, seq_ok, _ = _sequence_log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     seq_rho = total.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # (B, 1)
@@ -1045,8 +1014,6 @@ def geo_mask_weights(logp_old, logp_infer, mask, low: float = 0.99, high: float 
     and divergence_seq_mean_mask(..., (1 / high, 1 / low), kl_k1), where |log rho| <= 20.
 
     needs: _log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP, _check_bt, _upcast, _check_tensor
-
-
     """
     total, seq_ok, _ = _sequence_log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     mean_log_rho = total / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
@@ -1062,8 +1029,6 @@ def cis_weights(logp_old, logp_infer, mask, lam: float = 2.3, kappa: float = 5e-
     uncorrected, as the official code does).
 
     needs: _log_ratio, LOG_RATIO_CLAMP, _check_bt, _upcast, _check_tensor
-
-
     """
     log_rho, _ = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     p_old = torch.nan_to_num(logp_old.detach().float(), nan=0.0).clamp(max=0.0).exp()
@@ -1080,8 +1045,6 @@ def dlc_weights(logp_old, logp_infer, mask, clamp: float = 1.0):
     [e^-c, e^c]. Non-finite -> 0.
 
     needs: _log_ratio, masked_mean, _check_bt, _upcast, _check_tensor
-
-
     """
     d, ok = _log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     w = (d - masked_mean(d, ok)).clamp(-clamp, clamp).exp()  # centred, then bounded
@@ -1094,8 +1057,6 @@ def copc_mask(logp_old, logp_infer, mask, low: float = 0.5, high: float = 2.0):
     The band of mis_weights as a 0/1 mask (rho >= e^-LOG_RATIO_CLAMP > 0). Non-finite -> 0.
 
     needs: mis_weights, _log_ratio, LOG_RATIO_CLAMP, _check_bt, _upcast, _check_tensor
-
-
     """
     return (mis_weights(logp_old, logp_infer, mask, low, high) > 0).float()
 
@@ -1110,8 +1071,6 @@ def calibrated_clip_bounds(ratio_lowprec, ratio_ref, adv, mask, eps_low=0.2, eps
     (1 - eps_low, 1 + eps_high) when a side has no tokens. (B, T) -> (float, float).
 
     needs: _check_adv, _check_bt, _log_ratio, _check_tensor, _upcast
-
-
     """
     _, ok = _log_ratio(mask, ratio_lowprec=ratio_lowprec, ratio_ref=ratio_ref)  # checked, finite
     A = _check_adv(adv, mask)
@@ -1182,11 +1141,7 @@ def divergence_mask_weights(logp_old, logp_infer, mask, threshold=0.01, estimato
     hi meaning (1 / hi, hi). Rejection, not reweighting: kept tokens get weight 1. Non-finite -> 0.
 
     needs: _divergence, _log_ratio, _within, kl_k1, kl_k3, LOG_RATIO_CLAMP, _check_bt, _upcast,
-
-
     _check_tensor
-
-
     """
     estimate, ok, _ = _divergence(logp_old, logp_infer, mask, estimator)
     return (ok & _within(estimate, threshold, estimator)).float()
@@ -1222,11 +1177,7 @@ def divergence_seq_max_mask(logp_old, logp_infer, mask, threshold=0.01, estimato
     (so kl_k1, which verl lacks here, is its band). Non-finite -> 0 for the sequence.
 
     needs: divergence_mask_weights, _divergence, _log_ratio, _within, kl_k1, kl_k3,
-
-
     LOG_RATIO_CLAMP, _check_bt, _upcast, _check_tensor
-
-
     """
     kept = divergence_mask_weights(logp_old, logp_infer, mask, threshold, estimator) > 0
     return (mask & (kept | ~mask).all(dim=1, keepdim=True)).float()
@@ -1240,11 +1191,7 @@ def divergence_seq_mean_mask(logp_old, logp_infer, mask, threshold=0.01, estimat
     sequence.
 
     needs: _divergence, _log_ratio, _within, kl_k1, kl_k3, LOG_RATIO_CLAMP, _check_bt, _upcast,
-
-
     _check_tensor
-
-
     """
     estimate, _, seq_ok = _divergence(logp_old, logp_infer, mask, estimator)
     mean = estimate.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
@@ -1259,11 +1206,7 @@ def divergence_seq_sum_mask(logp_old, logp_infer, mask, threshold=0.01, estimato
     sequence.
 
     needs: _divergence, _log_ratio, _within, kl_k1, kl_k3, LOG_RATIO_CLAMP, _check_bt, _upcast,
-
-
     _check_tensor
-
-
     """
     estimate, _, seq_ok = _divergence(logp_old, logp_infer, mask, estimator)
     total = estimate.sum(dim=1, keepdim=True)  # (B, 1)
@@ -1279,8 +1222,6 @@ def self_normalize_weights(weights: torch.Tensor, mask: torch.Tensor) -> torch.T
     zero. (B, T).
 
     needs: _check_bt, _check_tensor
-
-
     """
     _check_bt(mask, weights=weights)
     ok = mask & torch.isfinite(weights)
@@ -1298,8 +1239,6 @@ def self_normalize_seq_weights(weights: torch.Tensor, mask: torch.Tensor) -> tor
     (slime's mean counts it as a weight 0).
 
     needs: _check_bt, self_normalize_weights, _check_tensor
-
-
     """
     _check_bt(mask, weights=weights)
     first = mask.float().argmax(dim=1, keepdim=True)  # (B, 1)
@@ -1319,8 +1258,6 @@ def opsm_mask(logp, logp_infer, adv, mask, delta: float = 1e-4):
     sequence's KL unmeasurable: dropped when A < 0. adv (B, T), (B, 1) or (B,).
 
     needs: _check_adv, _log_ratio, _sequence_log_ratio, _check_bt, _upcast, _check_tensor
-
-
     """
     total, seq_ok, ok = _sequence_log_ratio(mask, logp_infer=logp_infer, logp=logp)  # log q / p
     A = _check_adv(adv, mask)
@@ -1342,8 +1279,6 @@ def pg_loss(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, weights=N
     counts as 0.
 
     needs: _check_adv, _check_bt, masked_mean, _upcast, _check_tensor
-
-
     """
     logp, = _upcast(logp)
     _check_bt(mask, logp=logp)
@@ -1369,8 +1304,6 @@ def ppo_loss(logp, logp_prox, adv, mask, weights=None, eps_low=0.2, eps_high=0.2
     (clip_ratio_c = 3) bounds an A < 0 token's loss at 3 |A|; ppo_loss has none.
 
     needs: _check_adv, _check_bt, _log_ratio, masked_mean, LOG_RATIO_CLAMP, _upcast, _check_tensor
-
-
     """
     logp, logp_prox = _upcast(logp, logp_prox)
     _, ok = _log_ratio(mask, logp=logp, logp_prox=logp_prox)
@@ -1399,11 +1332,7 @@ def score_centering_loss(logp, logp_topk, logp_infer, logp_topk_infer, adv, mask
     when K = V. logp, logp_infer, adv (B, T); logp_topk (grad) and logp_topk_infer (B, T, K).
 
     needs: _check_adv, _log_ratio, masked_mean, LOG_RATIO_CLAMP, _score_centering_terms,
-
-
     _check_bt, _check_device, _check_tensor, _upcast, TAIL_FLOOR
-
-
     """
     logp, logp_topk, logp_infer, logp_topk_infer = _upcast(logp, logp_topk, logp_infer,
                                                            logp_topk_infer)
@@ -1461,11 +1390,7 @@ def dlc_loss(logp, logp_old, logp_infer, adv, mask, eps_low=0.2, eps_high=0.28, 
     use up the budget meant for numerics. logp_prox defaults to logp (one update per batch).
 
     needs: _check_adv, _check_bt, dlc_weights, _log_ratio, masked_mean, ppo_loss, tis_weights,
-
-
     LOG_RATIO_CLAMP, _upcast, _check_tensor
-
-
     """
     logp, logp_old, logp_infer, logp_prox = _upcast(logp, logp_old, logp_infer, logp_prox)
     _check_bt(mask, logp=logp)
@@ -1492,11 +1417,7 @@ def dppo_loss(logp, logp_infer, adv, mask, delta=0.2, delta_low=None, delta_high
     e^DPPO_LOG_RATIO_MAX A (grad log p). Non-finite log-ratio -> token dropped. (B, T) -> ().
 
     needs: _check_adv, _check_bt, _log_ratio, masked_mean, DPPO_LOG_RATIO_MAX, _upcast,
-
-
     _check_tensor
-
-
     """
     logp, logp_infer = _upcast(logp, logp_infer)
     log_r, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)  # detached
@@ -1525,8 +1446,6 @@ def effective_token_weights(loss, logp: torch.Tensor, adv, mask: torch.Tensor) -
     back to logp, not into the model. Detached.
 
     needs: _check_adv, _check_bt, _check_tensor
-
-
     """
     _check_bt(mask, logp=logp)
     A = _check_adv(adv, mask)
@@ -1550,8 +1469,6 @@ def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness=0, max
     (non-finite) lag resyncs.
 
     needs: _check_bt, _log_ratio, masked_mean, _check_tensor, _upcast
-
-
     """
     lag, ok = _log_ratio(mask, logp=logp, logp_old=logp_old)
     if max_staleness <= 0 and max_lag <= 0:
@@ -1577,13 +1494,7 @@ def cispo_loss(logp, logp_infer, adv, mask, eps_high: float = 0.28, eps_low=None
     0.2): pass eps_low. Non-finite log-ratio -> token dropped.
 
     needs: _check_adv, _log_ratio, masked_mean, LOG_RATIO_CLAMP, _check_bt, _upcast,
-
-
-
     _check_tensor
-
-
-
     """
     logp, logp_infer = _upcast(logp, logp_infer)
     log_r, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
@@ -1639,11 +1550,7 @@ def gspo_loss(logp, logp_old, adv, mask, eps_low: float = 3e-4, eps_high: float 
     logp, logp_old, mask (B, T); adv (B, 1) or (B, T).
 
     needs: _check_adv, _log_ratio, _sequence_log_ratio, aggregate_loss, LOG_RATIO_CLAMP,
-
-
     _check_bt, _upcast, _check_choice, _check_tensor
-
-
     """
     logp, logp_old = _upcast(logp, logp_old)
     total, seq_ok, ok = _sequence_log_ratio(mask, logp=logp, logp_old=logp_old)  # detached
@@ -1665,8 +1572,6 @@ def k2_penalty(logp, logp_infer, mask, coef: float = 1e-3):
     (B, T).
 
     needs: _check_bt, _log_ratio, masked_mean, _upcast, _check_tensor
-
-
     """
     logp, logp_infer = _upcast(logp, logp_infer)
     _, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
@@ -1682,11 +1587,7 @@ def drift_signal_norms(params, logp, logp_topk, logp_infer, logp_topk_infer, adv
     loss_on_served). (B, T) / (B, T, K) -> floats.
 
     needs: pg_loss, score_centering_loss, _check_adv, _check_bt, masked_mean, _upcast, _log_ratio,
-
-
     LOG_RATIO_CLAMP, _score_centering_terms, _check_device, _check_tensor, TAIL_FLOOR
-
-
     """
     params = [p for p in params if p.requires_grad]
     loss_total = pg_loss(logp, adv, mask)
@@ -3069,7 +2970,8 @@ class Trainer:
             raise ValueError(f"export mode {mode!r} rounds to bf16, not {self.export_dtype}")
         state, dot, norm2, fp32 = {}, 0.0, 0.0, self.export_dtype == "fp32"
         device = next(self.model.parameters()).device
-        if generator is not None and generator.device.type != device.type:
+        on_host = generator is None or generator.device.type == device.type
+        if mode == "sr" and not on_host:  # SR's noise is drawn on the weights' device
             generator = torch.Generator(device).manual_seed(draw_seed(generator))
         for name, p in self.model.named_parameters():
             master = p.detach()
@@ -3639,9 +3541,11 @@ def resolve_device(device: str) -> torch.device:
 
 
 def vllm_available() -> bool:
-    """True when a package `vllm` (the CPU or the GPU build) lies on sys.path; not imported here:
-    vLLM reads its settings once, at import (_vllm_environment)."""
-    return any((Path(p) / "vllm" / "__init__.py").is_file() for p in sys.path)
+    """True when `import vllm` would find vLLM (the CPU or the GPU build; a directory, a zip or
+    an editable install), asked of the import system's finders; not imported here: vLLM reads its
+    settings once, at import (_vllm_environment)."""
+    finders = [f for f in sys.meta_path if hasattr(f, "find_spec")]
+    return any(f.find_spec("vllm", None) is not None for f in finders)
 
 
 # The tiny bases committed beside this file (made by `python -m lab pretrain`): what --model
@@ -4047,14 +3951,11 @@ def has_chat_template(model_dir: str | Path) -> bool:
     return config.is_file() and "chat_template" in json.loads(config.read_text())
 
 
-def _engine_mistakes(cfg) -> list[tuple[bool, str]]:
-    """(wrong, message) of the sampler's settings: vLLM's limits, the export's dtype."""
+def _vllm_mistakes(cfg) -> list[tuple[bool, str]]:
+    """(wrong, message) of a vLLM sampler's settings: what vLLM cannot do that the torch one can."""
     vllm = cfg.sampler == "vllm"
     noisy = cfg.quant != "none" or cfg.noise or cfg.router_noise or cfg.router_jitter or cfg.exact
     return [
-        (cfg.export != "rtn" and cfg.dtype != "bf16",
-         (f"--export {cfg.export} rounds the fp32 master to bf16: it needs --dtype bf16 (the "
-          f"sampler is {cfg.dtype}; rtn is the only export to fp32 / fp16)")),
         (vllm and not vllm_available(),
          ("--sampler vllm: vLLM is not installed in this environment (README: Set-up installs "
           "it in its own environment)")),
@@ -4097,19 +3998,22 @@ def check_run_config(cfg) -> None:
         (cfg.loss_on_served and (cfg.sync_every, cfg.updates_per_batch) != (1, 1),
          ("--loss-on-served needs --sync-every 1 and --updates-per-batch 1 (the loss runs on the "
           "copy the sampler holds until a sync)")),
+        (cfg.export != "rtn" and cfg.dtype != "bf16",
+         (f"--export {cfg.export} rounds the fp32 master to bf16: it needs --dtype bf16 (the "
+          f"sampler is {cfg.dtype}; rtn is the only export to fp32 / fp16)")),
         (group_relative and cfg.group == 1,
          ("--group 1 with --baseline group: each sample is its own group mean, so every advantage "
           "is 0 and nothing trains (use --group >= 2, or --baseline none)")),
         (group_relative and cfg.temperature == 0,
          ("--temperature 0 samples greedily: a group's samples are identical, so every advantage "
           "is 0 (use --temperature > 0, or --baseline none)")),
+        *_vllm_mistakes(cfg),
         (Path(cfg.out_dir, cfg.name).resolve() == Path(cfg.model).resolve(),
          (f"--out-dir {cfg.out_dir} --name {cfg.name}: that run directory is the --model directory "
           "(a run writes config.json there)")),
         (cfg.task == "words" and not has_chat_template(cfg.model),
          (f"--task words needs a chat model (--model DIR with a chat template): {cfg.model} has no "
           "chat template")),
-        *_engine_mistakes(cfg),
     ]
     for wrong, message in mistakes:
         if wrong:
@@ -4209,6 +4113,10 @@ def _check_paths(args) -> None:
     """A UsageError for --model without config.json, a file where an output directory goes, or a
     --resume directory that train did not write."""
     model = getattr(args, "model", "runs/base")
+    base = resolve_model_dir(model)
+    if model in BASES and not (base / "config.json").is_file():
+        raise UsageError(f"--model {model}: no model there, nor the committed copy {base} (copy "
+                         f"{BASES[model]}/ beside tim_rl.py, or pass --model DIR)")
     if model not in BASES and not (Path(model) / "config.json").is_file():
         found = "no model directory there"
         if Path(model).is_dir():
@@ -4283,44 +4191,98 @@ JSONL_KEYS = tuple((train, infer, "mask") for train, infer, _ in DOCTOR_KEYS)
 
 def _read_pt(path: Path) -> dict:
     """A dict of tensors torch.load(weights_only=True) reads; anything else is a one-line
-    ValueError."""
+    ValueError saying what the file should hold."""
     if path.is_file() and path.stat().st_size == 0:
         raise ValueError("the file is empty")
+    expected = "expected a dict {name: tensor} saved by torch.save"
     try:
         with warnings.catch_warnings():  # torch's notes on the pickle protocol: said below
             warnings.simplefilter("ignore")
             tensors = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
-        raise ValueError("not a dict of tensors torch.load(weights_only=True) reads (a pickled "
-                         "object? save {name: tensor})") from None
+        raise ValueError(f"not a dict of tensors torch.load(weights_only=True) reads (a pickled "
+                         f"object?): {expected}") from None
+    except (RuntimeError, KeyError, IndexError, ValueError, EOFError, struct.error):
+        raise ValueError(f"not a file torch.save wrote, or a damaged one: {expected}") from None
     if not isinstance(tensors, dict):
         kind = type(tensors).__name__
         raise ValueError(f"holds a {kind}, not a dict of named tensors")  # noqa: TRY004
     return tensors
 
 
-def read_doctor_file(path: Path) -> dict:
-    """name -> tensor from .pt (a dict of tensors), .safetensors or .jsonl (one JSON object per
-    sequence, each key a list over its tokens; rows padded with mask False; without a mask key each
-    row's length is its mask)."""
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+def _json_kind(value) -> str | None:
+    """"list" for a list of numbers, "number" for a number (booleans count), else None (text)."""
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
+        return "list"
+    return None
 
-        return load_file(str(path))
-    if path.suffix == ".pt":
-        return _read_pt(path)
-    if path.suffix != ".jsonl":
-        raise ValueError("expected a .pt, .safetensors or .jsonl file")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    lengths = [max((len(v) for v in row.values() if isinstance(v, list)), default=0)
-               for row in rows]  # each row's longest list
+
+def _read_jsonl(path: Path) -> dict:
+    """name -> tensor from one JSON object per line: each field that holds numbers (a list per
+    token, or one number per sequence) on every line; text fields are skipped. A line that is not
+    an object, or a field that is a list on one line and something else on another, is a
+    ValueError naming the line and the field. Lists are padded with 0 to the longest."""
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if not isinstance(row, dict):  # the file's content, not an argument's type
+            raise ValueError(f"line {number}: not a JSON object (expected one per "  # noqa: TRY004
+                             "sequence, {name: [a number per token], ...})")
+        rows.append((number, row))
+    first = {}  # field -> (its kind, the line that set it)
+    for number, row in rows:
+        for name, value in row.items():
+            if _json_kind(value) is not None:
+                first.setdefault(name, (_json_kind(value), number))
+    for number, row in rows:
+        for name, (kind, where) in first.items():
+            value = row.get(name)
+            if value is None and kind == "list":  # a row without it: all padding
+                value = []
+            if _json_kind(value) != kind:
+                wanted = {"list": "a list of numbers", "number": "a number"}[kind]
+                raise ValueError(f"line {number}: field {name!r} is {row.get(name)!r:.40}, "
+                                 f"expected {wanted} as on line {where}")
+    lists = [name for name, (kind, _) in first.items() if kind == "list"]
+    lengths = [max([len(row.get(k, [])) for k in lists], default=0) for _, row in rows]
     T = max(lengths, default=0)
-    keys = (rows or [{}])[0]
-    padded = {k: [row.get(k, []) + [0] * (T - len(row.get(k, []))) for row in rows] for k in keys}
-    tensors = {k: torch.tensor(v) for k, v in padded.items()}
-    if rows and not any(name[2] in tensors for name in DOCTOR_KEYS):  # no mask: each row's length
+    tensors = {}
+    for name, (kind, _) in first.items():
+        values = [row.get(name, []) for _, row in rows]
+        if kind == "list":
+            values = [v + [0] * (T - len(v)) for v in values]
+        tensors[name] = torch.tensor(values)
+    masks = [name[2] for name in (*DOCTOR_KEYS, *JSONL_KEYS)]
+    if rows and not any(name in tensors for name in masks):  # no mask: each row's own length
         tensors["mask"] = torch.arange(T) < torch.tensor(lengths)[:, None]  # (B, T)
     return tensors
+
+
+def read_doctor_file(path: Path) -> dict:
+    """name -> tensor from .pt (a dict of tensors), .safetensors or .jsonl (one JSON object per
+    sequence, each field a list over its tokens; rows padded with mask False; without a mask key
+    each row's length is its mask)."""
+    if path.suffix == ".pt":
+        return _read_pt(path)
+    if path.suffix == ".jsonl":
+        return _read_jsonl(path)
+    if path.suffix != ".safetensors":
+        raise ValueError("expected a .pt, .safetensors or .jsonl file")
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except SafetensorError:
+        raise ValueError("not a safetensors file, or a damaged one: expected named tensors saved "
+                         "by safetensors.torch.save_file") from None
 
 
 def _doctor_keys(tensors: dict, keys_flag: str) -> tuple:
@@ -4462,7 +4424,7 @@ def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: 
     fig.savefig(Path(out) / "demo.png", dpi=110)
     write_atomic(Path(out) / "demo.md", "\n".join(lines) + "\n")
     print(f"\nwrote {out}/demo.md, {out}/demo.png and {out}/arm<i>_s<seed>/metrics.jsonl; "
-          "paired intervals and verdicts: python -m lab compare --help")
+          "paired intervals and verdicts: the repository's lab, python -m lab compare --help")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4096,7 +4096,7 @@ def _parser():
     p_sample = sub.add_parser("doctor-sample", help="write README's sample batch for `tim_rl.py doctor FILE`")
     p_sample.add_argument("--out", type=Path, default=Path("examples/doctor_batch.safetensors"),
                           help="the .safetensors file written")
-    p_sample.add_argument("--model", default="runs/base", help="the base model (runs/base is pre-trained if missing)")
+    p_sample.add_argument("--model", default="runs/base", help="the base model (runs/base: the committed bases/tiny until one is there)")
     return parser
 
 

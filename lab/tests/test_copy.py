@@ -111,6 +111,20 @@ def test_the_copied_teaching_tests_pass_alone(copy_dir):
     assert " passed" in out and "failed" not in out
 
 
+def test_the_copied_file_alone_asks_for_a_model_in_one_line(tmp_path):
+    """tim_rl.py copied without bases/: train and the demo refuse in one line naming what to copy (they went on to
+    a traceback from transformers); the doctor needs no model and runs."""
+    shutil.copy(ROOT / "tim_rl.py", tmp_path / "tim_rl.py")
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    (tmp_path / "_isolate.py").write_text(f"REPO = {str(ROOT)!r}\n" + ISOLATE)
+    for argv in (["train", "--steps", "1"], ["demo", "--steps", "1", "--seeds", "0"]):
+        done = subprocess.run([sys.executable, "_isolate.py", "tim_rl.py", *argv], cwd=tmp_path, check=False,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, (argv, done.stderr[-2000:])
+        assert "copy bases/tiny/ beside tim_rl.py" in done.stderr
+    assert "cause: numerics" in _run(tmp_path, "tim_rl.py", "doctor", "examples/doctor_batch.safetensors")
+
+
 def test_the_isolation_hides_the_project(copy_dir):
     """Anti-vacuity for the copy tests: in the copy, `import lab` fails and tim_rl is the copied file."""
     probe = copy_dir / "probe.py"
