@@ -2063,3 +2063,68 @@ def test_dppo_loss_stays_finite_summed_over_a_batch_beyond_its_cap():
     (grad,) = torch.autograd.grad(loss, logp)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
     assert torch.isinf(torch.full((8, 1024), math.exp(80.0)).sum())
+
+
+# =================================================================================================================
+# behaviour pins: planted one-line bugs each caught by what the function decides (issue 56, item 14)
+
+
+def test_a_divergence_exactly_at_its_threshold_is_kept():
+    """verl keeps a token whose divergence equals the threshold (<=): a planted `<` drops it. The twin: just above
+    is dropped."""
+    logp_old = torch.tensor([[-1.0, -1.2, -0.7]])
+    logp_infer = logp_old - torch.tensor([[0.3, 0.05, -0.2]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    k = tr.kl_k3(logp_old - logp_infer)  # (1, 3) float32
+    at = float(k[0, 0])
+    assert tr.divergence_mask_weights(logp_old, logp_infer, mask, at, tr.kl_k3)[0, 0] == 1.0
+    below = float(torch.nextafter(k[0, 0], torch.tensor(0.0)))
+    assert tr.divergence_mask_weights(logp_old, logp_infer, mask, below, tr.kl_k3)[0, 0] == 0.0
+    band = (1 / 1.35, float(torch.exp((logp_old - logp_infer)[0, 0])))  # k1: the band's edge itself
+    assert tr.divergence_mask_weights(logp_old, logp_infer, mask, band, tr.kl_k1)[0, 0] == 1.0
+
+
+def _lag_batch(eps, seed=0, B=64, T=8):
+    """Rows whose log-probs moved eps toward the sign of their advantage (a trainer ahead of its sampler) over
+    symmetric per-token noise 0.02."""
+    g = torch.Generator().manual_seed(seed)
+    q = -torch.rand(B, T, generator=g) * 2 - 0.05
+    adv = torch.randn(B, 1, generator=g)
+    p = q + 0.02 * torch.randn(B, T, generator=g) + eps * adv.sign()
+    return p, q, torch.ones(B, T, dtype=torch.bool), adv
+
+
+def test_the_lag_threshold_is_pinned_by_cases_just_inside_and_outside():
+    """t = 2.87 reads no lag and t = 3.11 reads lag: a threshold moved to 2.0 or 3.5 fails one of them."""
+    inside = tr.diagnose_mismatch(*_lag_batch(0.003)[:3], advantages=_lag_batch(0.003)[3])
+    outside = tr.diagnose_mismatch(*_lag_batch(0.0032)[:3], advantages=_lag_batch(0.0032)[3])
+    t_in, t_out = (next(s["statistic"] for s in d.evidence if s["name"] == "lag") for d in (inside, outside))
+    assert 2.0 < t_in < 3.0 < t_out < 3.5, (t_in, t_out)
+    assert _verdicts(inside)["lag"] == "absent" and _verdicts(outside)["lag"] == "present"
+
+
+def test_the_lag_fit_takes_each_rows_confidence():
+    """No lag, a per-token gap proportional to log q (a temperature-like gap), and correct rows surer than wrong
+    ones: the lag test's fit on each row's mean log q reads no lag; without that covariate the rows' mean gaps
+    differ by the confidence alone (t ~ 25), the twin computed here."""
+    g = torch.Generator().manual_seed(1)
+    adv = torch.randn(64, 1, generator=g)
+    q = -torch.rand(64, 8, generator=g) * torch.where(adv > 0, 0.2, 1.5)  # A > 0 rows: surer
+    p = q * 1.1 + 0.005 * torch.randn(64, 8, generator=g)
+    found = tr.diagnose_mismatch(p, q, torch.ones(64, 8, dtype=torch.bool), advantages=adv)
+    assert _verdicts(found)["lag"] == "absent", found
+    row_d = (p - q).mean(1)
+    up, down = row_d[adv[:, 0] > 0], row_d[adv[:, 0] < 0]
+    t_without = (up.mean() - down.mean()) / (up.var() / up.numel() + down.var() / down.numel()).sqrt()
+    assert t_without > 10
+
+
+def test_the_geometric_mask_averages_over_each_rows_own_length():
+    """A row of 2 generated tokens (padded to T = 6) at log rho 0.015 each: geometric mean e^0.015 > 1.01, masked;
+    a planted division by T (0.005) would keep it. The twin: the same row at 0.005 per token is kept."""
+    logp_old = torch.full((2, 6), -1.0)
+    mask = torch.zeros(2, 6, dtype=torch.bool)
+    mask[:, :2] = True
+    gaps = torch.tensor([[0.015], [0.005]]).expand(2, 6)
+    w = tr.geo_mask_weights(logp_old, logp_old - gaps, mask)
+    assert w[0].sum() == 0 and torch.equal(w[1], mask[1].float())
