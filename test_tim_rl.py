@@ -7,6 +7,7 @@ derandomised, is the default; `HYPOTHESIS_PROFILE=dev` explores more)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -1334,13 +1335,23 @@ def _module_names_used(obj) -> set[str]:
     return {n for n in names if n not in ("torch", "math") and not hasattr(builtins, n)}
 
 
+@functools.cache
+def _module_source(module) -> tuple:
+    """(source, its module-level statements) of a module, read and parsed once per test session."""
+    import ast
+    import inspect
+
+    source = inspect.getsource(module)
+    return source, ast.parse(source).body
+
+
 def _copy_source(name: str) -> str:
     """What a user copies for `name`: a function's or class's source, or a constant's assignment."""
     import ast
     import inspect
 
-    module = inspect.getsource(_home(name))
-    assigned = [n for n in ast.parse(module).body if isinstance(n, ast.Assign) and
+    module, body = _module_source(_home(name))
+    assigned = [n for n in body if isinstance(n, ast.Assign) and
                 any(name in {e.id for e in ast.walk(t) if isinstance(e, ast.Name)} for t in n.targets)]  # a, b = ...
     return ast.get_source_segment(module, assigned[0]) if assigned else inspect.getsource(getattr(_home(name), name))
 
