@@ -1317,9 +1317,8 @@ def test_a_needs_line_lists_what_its_needs_need():
 
 
 def _module_names_used(obj) -> set[str]:
-    """Module-level names read or written by obj's code in tim_rl.py or experiments.py (nested code and class
-    methods included), less
-    torch, math and builtins. A constant (or what torch.compile built from a function) uses none."""
+    """Module-level names read or written by obj's code in a module of HOMES (nested code and class methods
+    included), less torch, math and builtins. A constant (or what torch.compile built from a function) uses none."""
     import builtins
     import dis
     import inspect

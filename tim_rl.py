@@ -498,8 +498,8 @@ def log_odds_displacement(logp_train: torch.Tensor, logp_infer: torch.Tensor) ->
 # ---- the mismatch doctor ----
 # From the (B, T) tensors a trainer already logs, name why trainer and sampler disagree.
 # d = logp_train - logp_infer on the usable tokens; each signature is a small function of d. The
-# thresholds were tuned on the lab's seeds 0-1 and checked on seeds 2-4 (experiments.py
-# doctor-eval; RESULTS.md has its confusion table and detection floors).
+# thresholds were tuned on the lab's seeds 0-1 and checked on seeds 2-4 (`python -m lab
+# doctor-eval`; RESULTS.md has its confusion table and detection floors).
 
 # Each cause the doctor can name, and what to do about it
 DOCTOR_ADVICE = {
@@ -2971,8 +2971,8 @@ class Trainer:
             raise ValueError(f"export mode {mode!r} rounds to bf16, not {self.export_dtype}")
         state, dot, norm2, fp32 = {}, 0.0, 0.0, self.export_dtype == "fp32"
         device = next(self.model.parameters()).device
-        on_host = generator is None or generator.device.type == device.type
-        if mode == "sr" and not on_host:  # SR's noise is drawn on the weights' device
+        same_device = generator is None or generator.device.type == device.type
+        if mode == "sr" and not same_device:  # SR's noise is drawn on the weights' device
             generator = torch.Generator(device).manual_seed(draw_seed(generator))
         for name, p in self.model.named_parameters():
             master = p.detach()
@@ -4114,11 +4114,11 @@ def _check_paths(args) -> None:
     """A UsageError for --model without config.json, a file where an output directory goes, or a
     --resume directory that train did not write."""
     model = getattr(args, "model", "runs/base")
-    base = resolve_model_dir(model)
+    base = resolve_model_dir(model)  # runs/base(-moe): bases/'s copy until one is made
     if model in BASES and not (base / "config.json").is_file():
         raise UsageError(f"--model {model}: no model there, nor the committed copy {base} (copy "
                          f"{BASES[model]}/ beside tim_rl.py, or pass --model DIR)")
-    if model not in BASES and not (Path(model) / "config.json").is_file():
+    if not (base / "config.json").is_file():
         found = "no model directory there"
         if Path(model).is_dir():
             found = "a directory without config.json"
