@@ -2138,3 +2138,85 @@ def test_the_geometric_mask_averages_over_each_rows_own_length():
     gaps = torch.tensor([[0.015], [0.005]]).expand(2, 6)
     w = tr.geo_mask_weights(logp_old, logp_old - gaps, mask)
     assert w[0].sum() == 0 and torch.equal(w[1], mask[1].float())
+
+
+# =================================================================================================================
+# framework modes: an argument makes each function equal one mode of the framework (issue 56, items 1-4); each
+# case is the issue's, and both modes are pinned, so a function that ignored its argument would fail one of them
+
+
+def test_geo_mask_weighted_is_slimes_geometric_mask_mode():
+    """q = [-1, -1], p = q + [0.10, -0.05], band [0.9, 1.1]: both kept. slime --tis-mode mask --tis-level geometric
+    weights each kept token by exp(mean log rho) = e^0.025 = 1.0253; the rejection mask alone gives 1."""
+    q = torch.full((1, 2), -1.0)
+    p = q + torch.tensor([[0.10, -0.05]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    weighted = tr.geo_mask_weights(p, q, mask, 0.9, 1.1, weighted=True)
+    assert torch.allclose(weighted, torch.full((1, 2), math.exp(0.025)))
+    assert torch.equal(tr.geo_mask_weights(p, q, mask, 0.9, 1.1), torch.ones(1, 2))
+
+
+def test_cispo_reductions_are_slimes_per_sample_and_per_token_modes():
+    """mask [[1,0,0],[1,1,1]], logp = logp_infer = -1, A = [+1, -1]: token mean -0.5, slime's default per-sample
+    mean 0.0. mask [[0,0],[1,1]], A = 1: token mean 1.0, slime --calculate-per-token-loss 2/3 (an all-masked
+    sample counts one token)."""
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    logp = torch.full((2, 3), -1.0)
+    adv = torch.tensor([[1.0], [-1.0]])
+    assert float(tr.cispo_loss(logp, logp, adv, mask)) == pytest.approx(-0.5)
+    assert float(tr.cispo_loss(logp, logp, adv, mask, agg="sample-mean")) == pytest.approx(0.0, abs=1e-7)
+    mask = torch.tensor([[0, 0], [1, 1]], dtype=torch.bool)
+    logp, adv = torch.full((2, 2), -1.0), torch.ones(2, 1)
+    assert float(tr.cispo_loss(logp, logp, adv, mask)) == pytest.approx(1.0)
+    assert float(tr.cispo_loss(logp, logp, adv, mask, agg="token-mean-min1")) == pytest.approx(2 / 3)
+
+
+def test_a_rejection_as_weights_is_verl_bypass_as_mask_is_verl_decoupled():
+    """p/q = [1, 1, e, 1/e], logp -1, A 1, k3 threshold 0.01 rejects the last two: as weights (verl bypass_mode:
+    still counted) the loss is 0.5; in the mask (verl's default decoupled mode rewrites response_mask) 1.0."""
+    logp = torch.full((1, 4), -1.0)
+    logp_infer = logp - torch.tensor([[0.0, 0.0, 1.0, -1.0]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    m = tr.divergence_mask_weights(logp, logp_infer, mask, 0.01)
+    assert m.tolist() == [[1.0, 1.0, 0.0, 0.0]]
+    assert float(tr.pg_loss(logp, torch.ones(1, 1), mask, weights=m)) == pytest.approx(0.5)
+    assert float(tr.pg_loss(logp, torch.ones(1, 1), mask & (m > 0))) == pytest.approx(1.0)
+
+
+def test_a_reduction_mode_that_is_not_one_is_refused_by_its_name():
+    with pytest.raises(ValueError, match="agg"):
+        tr.cispo_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 1), torch.ones(1, 2, dtype=torch.bool),
+                      agg="mean")
+
+
+def test_one_icepop_band_in_mis_weights_and_in_the_doctors_share():
+    """issue 56, item 9: mis_weights' default band and the doctor's "outside (IcePop)" share are one band,
+    ICEPOP_BAND = [0.5, 2]: rho 1.9 and 0.55 kept, 2.5 and 0.45 not (under the old [0.5, 5] 2.5 was kept), and the
+    doctor counts exactly the tokens mis_weights drops."""
+    assert tr.ICEPOP_BAND == (0.5, 2.0)
+    rho = torch.tensor([[1.9, 0.55, 2.5, 0.45, 1.0, 1.0]])
+    logp_infer = torch.full_like(rho, -2.0)
+    mask = torch.ones_like(rho, dtype=torch.bool)
+    w = tr.mis_weights(logp_infer + rho.log(), logp_infer, mask)
+    assert torch.allclose(w, torch.tensor([[1.9, 0.55, 0.0, 0.0, 1.0, 1.0]]))
+    found = tr.diagnose_mismatch(logp_infer.expand(32, 6) + rho.log(), logp_infer.expand(32, 6), mask.expand(32, 6))
+    assert found.numbers["tokens outside [0.5, 2] (IcePop)"] == pytest.approx(float((w == 0).float().mean()))
+
+
+def test_length_skew_alone_is_not_outliers_and_a_few_rows_from_another_policy_are():
+    """issue 56, item 7: 4 rows of 2,000 tokens beside 60 of 30, the same symmetric per-token noise on every token:
+    the long rows carry 82 % of sum |d| (the old statistic read "outliers"); per token they are like the rest, so
+    the doctor does not name outliers. The twin: 3 of the 64 rows of 30 tokens at 30x the noise are named."""
+    g = torch.Generator().manual_seed(7)
+    mask = torch.zeros(64, 2000, dtype=torch.bool)
+    mask[:4] = True
+    mask[4:, :30] = True
+    q = -torch.rand(64, 2000, generator=g) * 2
+    noise = 0.01 * torch.randn(64, 2000, generator=g)
+    skewed = tr.diagnose_mismatch(q + noise, q, mask)
+    assert _verdicts(skewed)["outliers"] == "absent" and skewed.cause != "outliers", skewed
+    mask = torch.zeros(64, 30, dtype=torch.bool) | True
+    scale = torch.ones(64, 1)
+    scale[[5, 17, 40]] = 30.0
+    planted = tr.diagnose_mismatch(q[:, :30] + noise[:, :30] * scale, q[:, :30], mask)
+    assert _verdicts(planted)["outliers"] == "present" and planted.cause == "outliers", planted

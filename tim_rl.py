@@ -696,7 +696,7 @@ def _numerics_signature(d, ok, worst, lag) -> dict:
 
 def _doctor_numbers(d, n, mean_abs: float) -> dict:
     """mean / max |d| per token, the mean answer length T, percentiles of per-sequence sum_t d, the
-    shares of tokens and sequences beyond the TIS cap 2 and outside IcePop's [0.5, 2]."""
+    shares of tokens and sequences beyond the TIS cap 2 and outside ICEPOP_BAND."""
     seq = d.sum(1, dtype=torch.float64)[n > 0]  # (B',)
     numbers = {"mean |log p/q| per token": mean_abs, "max |log p/q|": max(d.max(), -d.min()).item(),
                "T, mean answer length (tokens)": float(n[n > 0].double().mean())}
@@ -704,7 +704,9 @@ def _doctor_numbers(d, n, mean_abs: float) -> dict:
         numbers[f"per-sequence sum log p/q, {k:.0%} percentile"] = float(seq.quantile(k))
     for what, x, count in (("tokens", d, n.sum()), ("sequences", seq, seq.numel())):
         numbers[f"{what} with p/q > 2 (TIS cap)"] = float((x > math.log(2)).sum() / count)
-        numbers[f"{what} outside [0.5, 2] (IcePop)"] = float((x.abs() > math.log(2)).sum() / count)
+        lo, hi = ICEPOP_BAND
+        outside = (x < math.log(lo)) | (x > math.log(hi))
+        numbers[f"{what} outside [{lo:g}, {hi:g}] (IcePop)"] = float(outside.sum() / count)
     return numbers
 
 
@@ -725,7 +727,7 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     needs: _check_bt, _check_adv, _log_ratio, LOG_RATIO_CLAMP, Diagnosis, DOCTOR_ADVICE,
     _signature, _lag_signature, DOCTOR_MIN_ROWS, _padding_signature, _misaligned_signature,
     _routing_signature, _truncation_signature, _temperature_signature, _numerics_signature,
-    _doctor_numbers, format_diagnosis, DOCTOR_METRIC_NAMES, _check_tensor, _upcast
+    _doctor_numbers, ICEPOP_BAND, format_diagnosis, DOCTOR_METRIC_NAMES, _check_tensor, _upcast
     """
     _check_bt(mask, logp_train=logp_train, logp_infer=logp_infer)
     p, q = logp_train.detach().float(), logp_infer.detach().float()
@@ -736,10 +738,12 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     n = ok.sum(1)  # (B,) usable tokens per row
     rows = d.abs().sum(1)  # (B,) sum |d| per row
     mean_abs = float(rows.sum() / n.sum())
-    worst = rows.topk(max(1, math.ceil(0.05 * rows.numel()))).indices  # the worst 5 % of rows
-    # outliers: sequences from another policy (a stale request, another checkpoint) concentrate |d|;
-    # with fewer than DOCTOR_MIN_ROWS rows the worst 5 % is a row picked for its size
-    outliers = float(rows[worst].sum() / rows.sum())
+    # outliers: sequences from another policy (a stale request, another checkpoint) concentrate |d|
+    # per token; per row's token, so that long rows are not outliers for their length; with fewer
+    # than DOCTOR_MIN_ROWS rows the worst 5 % is a row picked for its size
+    row_mean = rows / n.clamp(min=1)  # (B,) mean |d| per token of each row
+    worst = row_mean.topk(max(1, math.ceil(0.05 * rows.numel()))).indices  # the worst 5 % of rows
+    outliers = float(row_mean[worst].sum() / row_mean.sum())
     few_rows, n_rows = "", int((n > 0).sum())
     if n_rows < DOCTOR_MIN_ROWS:
         few_rows = f"cannot tell ({n_rows} rows < {DOCTOR_MIN_ROWS})"
@@ -748,7 +752,7 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     evidence = [
         _padding_signature(d, ok, n, rows), _misaligned_signature(d, p, q, ok),
         _routing_signature(d, ok, routes), lag,
-        _signature("outliers", f"share of sum |d| in the worst 5 % of {DOCTOR_MIN_ROWS}+ rows",
+        _signature("outliers", f"share of row means |d|, worst 5 % of {DOCTOR_MIN_ROWS}+ rows",
                    outliers, 0.6, few_rows),
         _truncation_signature(d, ok, n, mask, logp_train_topk, topk_ids),
         _temperature_signature(p, q, ok), _numerics_signature(d, ok, worst, lag),
@@ -957,9 +961,15 @@ def tis_weights(logp_old, logp_infer, mask, cap: float = 2.0, low: float = 0.0) 
     return torch.where(ok, w, 0.0)
 
 
-def mis_weights(logp_old, logp_infer, mask, low: float = 0.5, high: float = 5.0):
-    """w = rho * 1[low <= rho <= high]: masked IS / IcePop [11], band of [2]. (B, T).
+# IcePop's band [lo, hi] on rho: the IcePop paper's, and slime's icepop_function as slime's own
+# tests run it (--tis-clip-low 0.5 --tis-clip 2); the doctor reports the share outside it.
+ICEPOP_BAND = (0.5, 2.0)
 
+
+def mis_weights(logp_old, logp_infer, mask, low: float = 0.5, high: float = 2.0):
+    """w = rho * 1[low <= rho <= high]: masked IS / IcePop [11]. (B, T).
+
+    Default band [0.5, 2], ICEPOP_BAND; [2] uses [0.5, 5] (the `mis` arm's --mis-low / --mis-high).
     Non-finite -> 0.
 
     needs: _log_ratio, LOG_RATIO_CLAMP, _check_bt, _upcast, _check_tensor
@@ -1006,20 +1016,26 @@ def seq_mask_weights(logp_old, logp_infer, mask, low: float = 0.0, high: float =
     return torch.where(mask & seq_ok & (seq_rho >= low) & (seq_rho <= high), seq_rho, 0.0)
 
 
-def geo_mask_weights(logp_old, logp_infer, mask, low: float = 0.99, high: float = 1.01):
-    """w_i = 1[low <= exp(mean_t log rho_it) <= high] on every token of sequence i. (B, T).
+def geo_mask_weights(logp_old, logp_infer, mask, low: float = 0.99, high: float = 1.01,
+                     weighted: bool = False):
+    """w_i = 1[low <= g_i <= high], g_i = exp(mean_t log rho_it), on every token of sequence i.
 
     The geometric-mean sequence mask: a length-neutral replacement for the sequence product
-    (TRL #5814, NeMo-RL #2269). Non-finite -> 0. Equals verl rollout_rs="seq_mean_k1" with
+    (TRL #5814, NeMo-RL #2269). Non-finite -> 0. (B, T). Equals verl rollout_rs="seq_mean_k1" with
     rollout_rs_threshold "1/high_1/low" (verl's k1 is log q/p: its literal "low_high" bounds q/p),
     and divergence_seq_mean_mask(..., (1 / high, 1 / low), kl_k1), where |log rho| <= 20.
+    weighted=True: w_i = g_i inside the band, slime's --tis-mode mask --tis-level geometric (its
+    weights times its mask); False: slime's mask alone (rollout rejection, --use-rs).
 
     needs: _log_ratio, _sequence_log_ratio, LOG_RATIO_CLAMP, _check_bt, _upcast, _check_tensor
     """
     total, seq_ok, _ = _sequence_log_ratio(mask, logp_old=logp_old, logp_infer=logp_infer)
     mean_log_rho = total / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
     geo = mean_log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    return (mask & seq_ok & (geo >= low) & (geo <= high)).float()
+    keep = mask & seq_ok & (geo >= low) & (geo <= high)
+    if weighted:
+        return torch.where(keep, geo, 0.0)
+    return keep.float()
 
 
 def cis_weights(logp_old, logp_infer, mask, lam: float = 2.3, kappa: float = 5e-3):
@@ -1140,6 +1156,9 @@ def divergence_mask_weights(logp_old, logp_infer, mask, threshold=0.01, estimato
     log rho bounded at +-LOG_RATIO_CLAMP first (verl's SAFETY_BOUND). "Within" is k <= threshold
     for k2, k3; for k1 verl's band on q / p: log lo <= k1 <= log hi with threshold (lo, hi), a lone
     hi meaning (1 / hi, hi). Rejection, not reweighting: kept tokens get weight 1. Non-finite -> 0.
+    verl's two modes differ in the token mean's count: bypass_mode (rejection inside the loss) keeps
+    a rejected token in it, pass m as the loss's `weights`; the default decoupled mode rewrites
+    response_mask, pass `mask & (m > 0)` as its mask. So for every rejection mask here.
 
     needs: _divergence, _log_ratio, _within, kl_k1, kl_k3, LOG_RATIO_CLAMP, _check_bt, _upcast,
     _check_tensor
@@ -1481,7 +1500,8 @@ def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness=0, max
 
 
 
-def cispo_loss(logp, logp_infer, adv, mask, eps_high: float = 0.28, eps_low=None):
+def cispo_loss(logp, logp_infer, adv, mask, eps_high: float = 0.28, eps_low=None,
+               agg: str = "token-mean"):
     """-mean_mask(sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp), r = p / q: CISPO. (B, T) -> ().
 
     arXiv 2506.13585. The ratio is clipped as a detached coefficient, not inside PPO's min: no
@@ -1492,11 +1512,13 @@ def cispo_loss(logp, logp_infer, adv, mask, eps_high: float = 0.28, eps_low=None
     makes p / p_prox identically 1 (plain REINFORCE), while p / q covers the whole gap (lag and
     numerics), so the arm is token TIS with cap 1 + eps_high. eps_low None: no lower clip, as
     MiniMax-M1 and TRL; verl's compute_policy_loss_cispo clips below at 1 - clip_ratio_low (default
-    0.2): pass eps_low. Non-finite log-ratio -> token dropped.
+    0.2): pass eps_low. Non-finite log-ratio -> token dropped. agg: aggregate_loss's mode (slime's
+    default reduction is "sample-mean", its --calculate-per-token-loss "token-mean-min1").
 
-    needs: _check_adv, _log_ratio, masked_mean, LOG_RATIO_CLAMP, _check_bt, _upcast,
-    _check_tensor
+    needs: _check_adv, _log_ratio, aggregate_loss, AGG_MODES, LOG_RATIO_CLAMP, _check_bt, _upcast,
+    _check_tensor, _check_choice
     """
+    _check_choice("agg", agg, AGG_MODES)
     logp, logp_infer = _upcast(logp, logp_infer)
     log_r, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
     A = _check_adv(adv, mask)
@@ -1505,7 +1527,11 @@ def cispo_loss(logp, logp_infer, adv, mask, eps_high: float = 0.28, eps_low=None
     else:
         low = 1 - eps_low
     coef = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(low, 1 + eps_high)  # a weight
-    return -masked_mean(coef * A * logp, ok)
+    return aggregate_loss(-coef * A * logp, ok, agg)
+
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+             "sample-mean", "token-mean-min1")
 
 
 def aggregate_loss(per_token, mask, mode: str = "token-mean", norm=None) -> torch.Tensor:
@@ -1518,12 +1544,14 @@ def aggregate_loss(per_token, mask, mode: str = "token-mean", norm=None) -> torc
     B * max_completion_length. A sequence with no token is left out of the sequence means, as
     verl (TRL "grpo" counts it as 0). Non-finite or off the mask -> dropped. verl's
     seq-mean-token-mean divides by tokens + 1e-8 (here: tokens), a 1e-8 relative gap.
+    slime's reductions: "sample-mean" (its default, each sample's token mean averaged over all B
+    samples, an empty one counting 0: TRL "grpo" too) and "token-mean-min1"
+    (--calculate-per-token-loss: sum / sum_i max(tokens_i, 1), an empty sample counting 1).
 
-    needs: _check_choice, _upcast
+    needs: AGG_MODES, _check_choice, _upcast
     """
     per_token, = _upcast(per_token)
-    _check_choice("mode", mode, ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                 "seq-mean-token-sum-norm"))
+    _check_choice("mode", mode, AGG_MODES)
     ok = mask & torch.isfinite(per_token)
     x = torch.where(ok, per_token, 0.0)
     tokens = ok.sum(dim=1)  # (B,)
@@ -1531,9 +1559,13 @@ def aggregate_loss(per_token, mask, mode: str = "token-mean", norm=None) -> torc
         return x.sum() / tokens.sum().clamp(min=1)
     if mode == "seq-mean-token-sum-norm":
         return x.sum() / (mask.shape[1] if norm is None else norm)
+    if mode == "token-mean-min1":
+        return x.sum() / tokens.clamp(min=1).sum()
     seq = x.sum(dim=1)  # (B,)
-    if mode == "seq-mean-token-mean":
+    if mode != "seq-mean-token-sum":
         seq = seq / tokens.clamp(min=1)
+    if mode == "sample-mean":
+        return seq.mean()
     return seq.sum() / (tokens > 0).sum().clamp(min=1)
 
 
@@ -1550,7 +1582,7 @@ def gspo_loss(logp, logp_old, adv, mask, eps_low: float = 3e-4, eps_high: float 
     token TIS gives each token's log-weight sigma^2. A non-finite token drops its sequence.
     logp, logp_old, mask (B, T); adv (B, 1) or (B, T).
 
-    needs: _check_adv, _log_ratio, _sequence_log_ratio, aggregate_loss, LOG_RATIO_CLAMP,
+    needs: _check_adv, _log_ratio, _sequence_log_ratio, aggregate_loss, AGG_MODES, LOG_RATIO_CLAMP,
     _check_bt, _upcast, _check_choice, _check_tensor
     """
     logp, logp_old = _upcast(logp, logp_old)
@@ -4102,12 +4134,17 @@ def cli_errors(parser, args):
     except UsageError as e:
         parser.exit(2, f"tim_rl: error: {e}\n")
     except KeyboardInterrupt:
-        run_dir = args.cmd == "train" and (args.resume or Path(args.out_dir) / args.name)
-        if run_dir:
-            where = f"; python tim_rl.py train --resume {run_dir}"
-        else:
-            where = ""
-        parser.exit(130, f"tim_rl: interrupted (the last checkpoint is kept{where})\n")
+        parser.exit(130, f"tim_rl: interrupted: {_kept_after_interrupt(args)}\n")
+
+
+def _kept_after_interrupt(args) -> str:
+    """What a Ctrl-C left: the run's checkpoint and how to resume, or that none was written."""
+    if args.cmd != "train":
+        return "nothing written"
+    run_dir = Path(args.resume or Path(args.out_dir) / args.name)
+    if (run_dir / "checkpoint.safetensors").is_file():
+        return f"the last checkpoint is kept; python tim_rl.py train --resume {run_dir}"
+    return f"no checkpoint written yet; {run_dir} holds the config and the metrics so far"
 
 
 def _check_paths(args) -> None:
@@ -4127,6 +4164,10 @@ def _check_paths(args) -> None:
     name = getattr(args, "name", "run")
     if Path(name).name != name or name in ("", ".", ".."):  # runs/<name>/ stays inside --out-dir
         raise UsageError(f"--name {name!r}: a run name is a name, not a path (no / or ..)")
+    run_dir = Path(getattr(args, "out_dir", None) or ".", name)
+    if args.cmd == "train" and not args.resume and (run_dir / "config.json").exists():
+        raise UsageError(f"--name {name}: {run_dir} holds a run already (continue it with "
+                         f"--resume {run_dir}, or pass another --name)")
     out_dirs = [("out", getattr(args, "out", None)), ("out_dir", getattr(args, "out_dir", None))]
     if getattr(args, "out_dir", None) and args.cmd == "train":  # the run's own directory
         out_dirs.append(("name", Path(args.out_dir, args.name)))
@@ -4408,10 +4449,7 @@ def demo(steps: int = 80, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), sync_every: 
             (Path(out) / cfg.name / "checkpoint.safetensors").unlink()
             bar.update()
         pc = torch.tensor([[r["pc_trainer"] for r in e] for e in evals], dtype=torch.float64)
-        if len(seeds) > 1:
-            sd = pc.std(0)
-        else:
-            sd = torch.zeros(pc.shape[1], dtype=torch.float64)
+        sd = pc.std(0, correction=min(len(seeds) - 1, 1))  # one seed: 0
         say(f"{label:<28} pc {float(pc[:, 0].mean()):.3f} -> {float(pc[:, -1].mean()):.3f} "
             f"± {float(sd[-1]):.3f}")
         x, mean = [r["step"] for r in evals[0]], pc.mean(0)

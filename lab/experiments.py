@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -522,7 +523,11 @@ def run_arms(base: tr.RLConfig, arms: list[tuple[str, dict]], seeds: list[int],
         stamp = out / cfg.name / "fingerprint"
         records = _finished_run(cfg)
         if records is None:
-            records = tr.run(cfg)
+            try:
+                records = tr.run(cfg)
+            except KeyboardInterrupt:  # an unfinished run is never read back: its directory goes
+                shutil.rmtree(out / cfg.name, ignore_errors=True)
+                raise
             stamp.write_text(current + "\n")
         else:
             reused += _run_seconds(out / cfg.name)
@@ -4114,10 +4119,27 @@ def check_cli(args) -> tr.RLConfig | None:
     return tr.check_cli(args)
 
 
+def _interrupted(args) -> str:
+    """What a Ctrl-C leaves behind, in one line."""
+    if args.cmd == "pretrain":
+        return f"nothing written: pretrain saves {args.out} only when it ends"
+    if args.cmd == "compare":
+        return (f"the finished runs are kept under {args.out_dir} and the same command reuses them; "
+                "the unfinished run's directory was removed")
+    return "nothing written"
+
+
 def main(argv: list[str] | None = None) -> None:
-    """`python -m lab compare|bench --help`."""
+    """`python -m lab compare|bench --help`; Ctrl-C: one line saying what was kept, status 130."""
     parser = _parser()
     args = parser.parse_args(argv)
+    try:
+        _main(parser, args)
+    except KeyboardInterrupt:
+        parser.exit(130, f"lab: interrupted: {_interrupted(args)}\n")
+
+
+def _main(parser, args) -> None:
     if args.cmd == "pretrain":
         print(json.dumps(testbed.pretrain(config_from_args(testbed.PretrainConfig, args))))
         return

@@ -117,12 +117,14 @@ def load_verl(repo: Path) -> tuple[dict, dict]:
     stripped = exec_definitions(text, ["SAFETY_BOUND", "SUPPORTED_ROLLOUT_RS_OPTIONS", "TOKEN_LEVEL_ROLLOUT_RS_OPTIONS",
                                        "_parse_rollout_rs_thresholds", "compute_rollout_rejection_mask",
                                        "compute_rs_metrics", "compute_rollout_correction_weights",
-                                       "compute_is_metrics"], ns, helper)
+                                       "compute_is_metrics", "compute_rollout_correction_and_rejection_mask",
+                                       "compute_offpolicy_metrics"], ns, helper)
     core = "verl/trainer/ppo/core_algos.py"
     text, _ = git_show(repo, core)
     stripped += exec_definitions(text, ["agg_loss", "compute_policy_loss_vanilla", "compute_policy_loss_gspo",
                                         "compute_policy_loss_geo_mean", "compute_policy_loss_cispo",
-                                        "compute_policy_loss_reinforce", "kl_penalty", "kl_penalty_forward"], ns, core)
+                                        "compute_policy_loss_reinforce", "compute_policy_loss_bypass_mode",
+                                        "kl_penalty", "kl_penalty_forward"], ns, core)
     info = {"repo": "volcengine/verl", "commit": commit, "stripped_decorators": stripped,
             "helpers_from_source": "verl/utils/torch_functional.py: masked_sum, masked_mean"}
     return ns, info
@@ -142,6 +144,11 @@ def load_slime(repo: Path) -> tuple[dict, dict]:
     loss = "slime/backends/megatron_utils/loss.py"
     text, _ = git_show(repo, loss)
     stripped += exec_definitions(text, ["vanilla_tis_function", "icepop_function"], ns, loss)
+    cp = "slime/backends/megatron_utils/cp_utils.py"
+    text, _ = git_show(repo, cp)
+    ns["Callable"] = __import__("typing").Callable
+    ns["mpu"] = types.SimpleNamespace(get_context_parallel_world_size=lambda: 1)  # no context parallelism
+    stripped += exec_definitions(text, ["get_sum_of_sample_mean"], ns, cp)
     return ns, {"repo": "THUDM/slime", "commit": commit, "stripped_decorators": stripped}
 
 
@@ -354,6 +361,51 @@ def run_verl(rec: Recorder, ns: dict, info: dict):
                 inputs["rollout_is_weights"] = "compute_rollout_correction_weights(token, 2.0) of logp_old - logp_infer"
             rec.add(f"verl.loss.{name}.{s}", "verl", info, core, fn, s, kw, inputs, {"loss": loss},
                     grad=(loss, logp))
+        if s != "long":
+            run_verl_rejection_modes(rec, ns, info, s, adv, cfg)
+
+
+def _as_module(name: str, **attrs):
+    """sys.modules[name] (and its parents) as a plain module holding attrs: what an in-function import reads."""
+    parts = name.split(".")
+    for i in range(1, len(parts) + 1):
+        sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    vars(sys.modules[name]).update(attrs)
+
+
+def run_verl_rejection_modes(rec: Recorder, ns: dict, info: dict, s: str, adv, cfg):
+    """rollout_rs="token_k3" at "0.01" in verl's two modes (issue 56, item 4). Decoupled (bypass_mode False, the
+    default): the trainer rewrites response_mask with compute_rollout_correction_and_rejection_mask before the actor,
+    so the token-mean's count (batch_num_tokens, from the batch's mask) leaves rejected tokens out; the loss is PPO
+    against the recomputed old_log_prob. Bypass (loss_type "reinforce"): compute_policy_loss_bypass_mode rejects
+    inside the loss, against the current policy, while batch_num_tokens is still the unmodified mask's count."""
+    helper, core = "verl/trainer/ppo/rollout_corr_helper.py", "verl/trainer/ppo/core_algos.py"
+    x = rec.sets[s]
+    rs = {"rollout_rs": "token_k3", "rollout_rs_threshold": "0.01"}
+    _, kept, _ = ns["compute_rollout_correction_and_rejection_mask"](
+        old_log_prob=x["logp_old"], rollout_log_prob=x["logp_infer"], response_mask=x["mask"], **rs)
+    logp = rec.leaf(s)
+    decoupled = ActorConfigStub(**cfg)
+    decoupled.global_batch_info = {"batch_num_tokens": kept.sum()}
+    loss, _ = ns["compute_policy_loss_vanilla"](x["logp_old"], logp, adv, kept, loss_agg_mode="token-mean",
+                                                config=decoupled)
+    rec.add(f"verl.mode.decoupled.token_k3.{s}", "verl", info, f"{helper} + {core}",
+            "compute_rollout_correction_and_rejection_mask, then compute_policy_loss_vanilla", s,
+            {**rs, "bypass_mode": False, "batch_num_tokens": "the rewritten mask's count"},
+            {"old_log_prob": f"input/{s}/logp_old", "rollout_log_prob": f"input/{s}/logp_infer",
+             "log_prob": f"input/{s}/logp", "response_mask": f"input/{s}/mask"}, {"loss": loss}, grad=(loss, logp))
+    logp = rec.leaf(s)
+    bypass = ActorConfigStub(**cfg)
+    bypass.policy_loss = {"rollout_correction": {"loss_type": "reinforce", **rs}}
+    bypass.global_batch_info = {"batch_num_tokens": x["mask"].sum()}
+    _as_module("verl.trainer.ppo.rollout_corr_helper", compute_rollout_correction_and_rejection_mask=ns[
+        "compute_rollout_correction_and_rejection_mask"])
+    loss, _ = ns["compute_policy_loss_bypass_mode"](x["logp_infer"], logp, adv, x["mask"], loss_agg_mode="token-mean",
+                                                    config=bypass)
+    rec.add(f"verl.mode.bypass.token_k3.{s}", "verl", info, core, "compute_policy_loss_bypass_mode", s,
+            {**rs, "bypass_mode": True, "loss_type": "reinforce", "batch_num_tokens": "the batch mask's count"},
+            {"old_log_prob": f"input/{s}/logp_infer (bypass: the rollout's)", "log_prob": f"input/{s}/logp",
+             "response_mask": f"input/{s}/mask"}, {"loss": loss}, grad=(loss, logp))
 
 
 def _slime_args(**kw):
@@ -383,6 +435,15 @@ def run_slime(rec: Recorder, ns: dict, info: dict):
                                                 rollout_log_probs=rows(x["logp_infer"]), loss_masks=rows(x["mask"]))
             case = f"slime.mis.{mode}.{level}{'.norm' if norm else ''}.{s}"
             rec.add(case, "slime", info, mis, "compute_mis_weights", s, kw,
+                    {"train_log_probs": f"rows of input/{s}/logp_old", "rollout_log_probs": f"rows of input/{s}/logp_infer",
+                     "loss_masks": f"rows of input/{s}/mask"},
+                    {"weights": torch.stack(w), "modified_mask": torch.stack(m)})
+        if s != "long":  # examples/train_infer_mismatch_helper/mis.yaml as committed: TIS 2, RS [0.5, 2], veto 1e-4
+            kw = {"use_rs": True, "tis_mode": "truncate", "tis_level": "token", "tis_upper_bound": 2.0,
+                  "tis_lower_bound": 0.5, "rs_level": "token", "rs_veto_threshold": 1e-4, "tis_batch_normalize": True}
+            w, m, _ = ns["compute_mis_weights"](_slime_args(**kw), train_log_probs=rows(x["logp_old"]),
+                                                rollout_log_probs=rows(x["logp_infer"]), loss_masks=rows(x["mask"]))
+            rec.add(f"slime.mis.yaml_default.{s}", "slime", info, mis, "compute_mis_weights", s, kw,
                     {"train_log_probs": f"rows of input/{s}/logp_old", "rollout_log_probs": f"rows of input/{s}/logp_infer",
                      "loss_masks": f"rows of input/{s}/mask"},
                     {"weights": torch.stack(w), "modified_mask": torch.stack(m)})
@@ -427,6 +488,35 @@ def run_slime(rec: Recorder, ns: dict, info: dict):
                     {"ppo_kl": f"input/{s}/logp_infer - input/{s}/logp", "log_probs": f"input/{s}/logp",
                      "advantages": f"input/{s}/adv per token"}, {"per_token_loss": pg}, grad=(pg.sum(), logp),
                     note="per-token loss; grad of its plain sum")
+        run_slime_reducers(rec, ns, info, s, adv)
+
+
+def run_slime_reducers(rec: Recorder, ns: dict, info: dict, s: str, adv):
+    """slime's CISPO (eps_clip 1.0: no lower clip) reduced as slime's loss_function does (issue 56, items 2-3), each
+    sample its own rollout (slime's default when a sample sets no rollout_id). Default: get_sum_of_sample_mean's
+    per-sample means summed, times num_microbatches / step_global_batch_size (one micro-batch of B samples: / B).
+    --calculate-per-token-loss: its token sum, which Megatron divides by loss_function's normalizer num_tokens =
+    sum over samples of clamp_min(loss_mask.sum(), 1) (that expression re-typed: it sits in loss_function)."""
+    x = rec.sets[s]
+    B, T = x["mask"].shape
+    masks = list(x["mask"].unbind(0))
+    for per_token in (False, True):
+        logp = rec.leaf(s)
+        pg, _ = ns["compute_cispo_loss"](x["logp_infer"] - logp, logp, adv, 1.0, 0.28)
+        reduce = ns["get_sum_of_sample_mean"]([T] * B, [T] * B, masks, None, per_token)
+        total = reduce(pg.reshape(-1))
+        if per_token:
+            loss = total / sum(torch.clamp_min(m.sum(), 1) for m in masks)
+        else:
+            loss = total / B
+        name = "per_token" if per_token else "sample_mean"
+        rec.add(f"slime.cispo.1.0.{name}.{s}", "slime", info, "slime/backends/megatron_utils/cp_utils.py",
+                "compute_cispo_loss, then get_sum_of_sample_mean", s,
+                {"eps_clip": 1.0, "eps_clip_high": 0.28, "calculate_per_token_loss": per_token,
+                 "normalizer": "sum clamp_min(mask.sum(), 1)" if per_token else "B (one micro-batch)"},
+                {"ppo_kl": f"input/{s}/logp_infer - input/{s}/logp", "log_probs": f"input/{s}/logp",
+                 "advantages": f"input/{s}/adv per token", "loss_masks": f"rows of input/{s}/mask"},
+                {"loss": loss}, grad=(loss, logp))
 
 
 def run_prime_rl(rec: Recorder, ns: dict, info: dict):

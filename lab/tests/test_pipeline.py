@@ -232,20 +232,67 @@ def test_cli_mistake_is_one_error_line_with_status_2(argv, words, capsys):
     assert all(w in lines[0] for w in words), lines[0]
 
 
-def test_cli_interrupted_train_names_the_resume_command_and_a_usage_error_is_one_line(capsys):
-    """main's exits (tr.cli_errors): Ctrl-C in train is status 130 and names the command that resumes the
-    run; a UsageError is one line, status 2. The twin: Ctrl-C in the demo has no run to resume, so no hint."""
+def test_cli_interrupted_train_says_what_was_kept_and_a_usage_error_is_one_line(capsys, tmp_path):
+    """main's exits (tr.cli_errors): Ctrl-C in train is status 130 and says what was kept: with a checkpoint, the
+    command that resumes the run; before the first one, that none was written (issue 56, item 10). The demo has no
+    run to resume. A UsageError is one line, status 2."""
     parser = tr.cli_parser()
-    train = parser.parse_args(["train", "--out-dir", "there", "--name", "x"])
+    train = parser.parse_args(["train", "--out-dir", str(tmp_path), "--name", "x"])
     demo = parser.parse_args([])  # no subcommand: the demo
-    for args, error, code, err in [(train, KeyboardInterrupt, 130, "python tim_rl.py train --resume there/x"),
-                                   (demo, KeyboardInterrupt, 130, "last checkpoint is kept)\n"),
-                                   (train, tr.UsageError("--steps must be > 0"), 2, "tim_rl: error: --steps must")]:
+    (tmp_path / "x").mkdir()
+    cases = [(train, KeyboardInterrupt, 130, f"no checkpoint written yet; {tmp_path / 'x'} holds"),
+             ("checkpoint", KeyboardInterrupt, 130, f"python tim_rl.py train --resume {tmp_path / 'x'}"),
+             (demo, KeyboardInterrupt, 130, "tim_rl: interrupted: nothing written\n"),
+             (train, tr.UsageError("--steps must be > 0"), 2, "tim_rl: error: --steps must")]
+    for args, error, code, err in cases:
+        if args == "checkpoint":
+            (tmp_path / "x" / "checkpoint.safetensors").write_bytes(b"")
+            args = train
         with pytest.raises(SystemExit) as exit_, tr.cli_errors(parser, args):
             raise error
         out = capsys.readouterr()
         assert exit_.value.code == code and err in out.err and len(out.err.splitlines()) == 1, out.err
     assert (demo.steps, demo.seeds) == (80, "0,1,2,3,4"), "the demo's defaults without a subcommand"
+
+
+def test_train_refuses_a_run_directory_that_holds_a_run(tmp_path, capsys):
+    """README's train lines typed twice: the second would overwrite runs/run; it is refused in one line naming
+    --resume (issue 56, item 10). The twin: another --name, or --resume of it, passes the check."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_:
+        tr.main(["train", "--out-dir", str(tmp_path), "--steps", "2"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "holds a run already" in err and "--resume" in err
+    tr._check_paths(tr.cli_parser().parse_args(["train", "--out-dir", str(tmp_path), "--name", "other"]))
+
+
+def test_lab_ctrl_c_is_one_line_and_compare_removes_only_the_unfinished_run(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in `python -m lab compare` / `pretrain`: status 130 and one line saying what was kept, no traceback;
+    run_arms removes the directory of the run it interrupted and keeps the finished one (issue 56, item 10)."""
+    calls = []
+
+    def fake_run(cfg):
+        calls.append(cfg.name)
+        out = tmp_path / cfg.name
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return [{"step": cfg.steps}]
+
+    monkeypatch.setattr(tr, "run", fake_run)
+    monkeypatch.setattr(ex, "numerics_fingerprint", lambda: "f")
+    with pytest.raises(KeyboardInterrupt):
+        ex.run_arms(tr.RLConfig(steps=1), [("a", {}), ("b", {})], [0], tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["arm0_s0"]
+    capsys.readouterr()  # run_arms' progress bar
+    monkeypatch.setattr(testbed, "pretrain", lambda cfg: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(SystemExit) as exit_:
+        ex.main(["pretrain", "--out", str(tmp_path / "base")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 130 and err == (f"lab: interrupted: nothing written: pretrain saves "
+                                               f"{tmp_path / 'base'} only when it ends\n")
 
 
 @pytest.mark.parametrize("command", ["compare", "bench"])
@@ -2341,8 +2388,10 @@ def reader_measures(source: str) -> dict:
 
 
 # The reference's size as landed (a ratchet: lower these as the file shrinks). Issue 55's goals: <= 25 conditional
-# expressions (met), <= 25,000 tokens and <= 11 tokens per code line (not yet met).
-REFERENCE_MEASURES = {"tokens": 31_460, "tokens_per_line": 11.9, "ifexp": 21}
+# expressions (met), <= 25,000 tokens and <= 11 tokens per code line (not yet met). Raised once, by 160 tokens, for
+# what issue 56 asked tim_rl.py to do (framework modes as arguments, one IcePop band, a refused rerun of a run, the
+# Ctrl-C line that says what was kept), less a simplification of the demo.
+REFERENCE_MEASURES = {"tokens": 31_620, "tokens_per_line": 11.9, "ifexp": 21}
 
 
 def test_the_reference_stays_within_what_a_reader_meets():
@@ -4664,6 +4713,13 @@ PARITY += [
      lambda g, x: {"weights": g["weights"] * g["modified_mask"]}, NONFIN),
     ("slime.mis.mask.geometric", "geo_mask_weights(.., 0.99, 1.01)", _weights(_seq(tr.geo_mask_weights, 0.99, 1.01)),
      lambda g, x: {"weights": g["modified_mask"]}, {}),
+    ("slime.mis.mask.geometric", "geo_mask_weights(.., 0.99, 1.01, weighted=True)",
+     _weights(lambda lo, li, m: tr.geo_mask_weights(lo, li, m, 0.99, 1.01, weighted=True)),
+     lambda g, x: {"weights": g["weights"] * g["modified_mask"]}, NONFIN),
+    ("slime.mis.yaml_default", ("self_normalize_weights(tis_weights(.., 2)) * copc_mask(.., 0.5, 2) * "
+                                "divergence_seq_max_mask(.., (1e-300, 1e4), kl_k1)"), _weights(lambda lo, li, m: tr.self_normalize_weights(
+         tis2(lo, li, m), m) * tr.copc_mask(lo, li, m, 0.5, 2.0) * tr.divergence_seq_max_mask(
+         lo, li, m, (1e-300, 1e4), tr.kl_k1)), lambda g, x: {"weights": g["weights"] * g["modified_mask"]}, NONFIN),
     ("slime.mis.truncate.token.norm", "self_normalize_weights(tis_weights(.., 2), mask)",
      _weights(lambda lo, li, m: tr.self_normalize_weights(tis2(lo, li, m), m)), SLIME_W, NONFIN),
     ("slime.mis.truncate.sequence.norm", "self_normalize_seq_weights(seq_tis_weights(.., 5), mask)",
@@ -4680,6 +4736,19 @@ PARITY += [
     ("slime.cispo.0.2", "cispo_loss(.., 0.28)", cispo_q, _slime_token_mean,
      {s: ["cispo lower clip"] for s in SLIME_SETS} | {s: ["cispo lower clip", "bound at +-20"] for s in BOUND}
      | {s: ["cispo lower clip", "non-finite rule"] for s in NONFIN_IN}),
+    ("slime.cispo.1.0.sample_mean", "cispo_loss(.., 0.28, agg='sample-mean')",
+     _loss(lambda x: tr.cispo_loss(x["logp"], x["logp_infer"], x["adv"], x["mask"], 0.28, agg="sample-mean")), None,
+     {**BOUND, **NONFIN}),
+    ("slime.cispo.1.0.per_token", "cispo_loss(.., 0.28, agg='token-mean-min1')",
+     _loss(lambda x: tr.cispo_loss(x["logp"], x["logp_infer"], x["adv"], x["mask"], 0.28, agg="token-mean-min1")),
+     None, {**BOUND, **NONFIN}),
+    # verl's two modes of rollout_rs (decoupled: the rejection rewrites the mask; bypass: it is a weight)
+    ("verl.mode.decoupled.token_k3", "ppo_loss(logp, logp_old, adv, mask & (divergence_mask_weights(..) > 0))",
+     _loss(lambda x: tr.ppo_loss(x["logp"], x["logp_old"], x["adv"], x["mask"] & (tr.divergence_mask_weights(
+         x["logp_old"], x["logp_infer"], x["mask"]) > 0))), None, NONFIN_IN),
+    ("verl.mode.bypass.token_k3", "pg_loss(logp, adv, mask, weights=divergence_mask_weights(logp, logp_infer, ..))",
+     _loss(lambda x: tr.pg_loss(x["logp"], x["adv"], x["mask"], weights=tr.divergence_mask_weights(
+         x["logp"].detach(), x["logp_infer"], x["mask"]))), None, NONFIN_IN),
     # verl's losses
     ("verl.agg_loss.token-mean", "pg_loss(logp, adv, mask)",
      _loss(lambda x: tr.pg_loss(x["logp"], x["adv"], x["mask"])), None, NONFIN_IN),
@@ -4812,6 +4881,30 @@ def test_parity_with_the_frameworks_goldens(row):
         for key, apart in loose.items():
             outside = apart & ~allowed.any() if apart.dim() == 0 else apart & ~allowed
             assert not outside.any(), f"{case}.{s}/{key} vs {call}: apart beyond {names}: {outside.nonzero()[:3]}"
+
+
+# (golden case, the call of the other mode): each mode's golden is apart from the other mode's call on this set
+MODE_TWINS = [("slime.mis.mask.geometric", "threshold", _weights(_seq(tr.geo_mask_weights, 0.99, 1.01)),
+               lambda g, x: {"weights": g["weights"] * g["modified_mask"]}),
+              ("slime.cispo.1.0.sample_mean", "ragged", cispo_q, None),
+              ("slime.cispo.1.0.per_token", "ragged", cispo_q, None),
+              ("verl.mode.decoupled.token_k3", "threshold", _loss(lambda x: tr.ppo_loss(
+                  x["logp"], x["logp_old"], x["adv"], x["mask"], weights=tr.divergence_mask_weights(
+                      x["logp_old"], x["logp_infer"], x["mask"]))), None),
+              ("verl.mode.bypass.token_k3", "threshold", _loss(lambda x: tr.pg_loss(
+                  x["logp"], x["adv"], x["mask"] & (tr.divergence_mask_weights(
+                      x["logp"].detach(), x["logp_infer"], x["mask"]) > 0))), None)]
+
+
+@pytest.mark.parametrize("case, set_name, other_mode, transform", MODE_TWINS, ids=[t[0] for t in MODE_TWINS])
+def test_parity_modes_are_told_apart(case, set_name, other_mode, transform):
+    """The anti-vacuity twin of the mode rows (issue 56, items 1-4): the argument matters on these inputs, so a
+    function that ignored it could not pass both its row above and this one."""
+    x = _parity_inputs(set_name)
+    golden = _goldens()[1]
+    outputs = {k.split("/", 1)[1]: golden[k] for k in golden if k.startswith(f"{case}.{set_name}/")}
+    want = transform(outputs, x) if transform else outputs
+    assert any(a.any() for a in _apart(want, other_mode(x), x, 1e-3, 1e-6).values()), case
 
 
 def test_parity_covers_every_golden():
