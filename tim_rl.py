@@ -13,10 +13,11 @@ atomic checkpoints, the RL loop, evaluation, the run directory and a short CLI (
 Layout: this file is complete in itself (torch at import; transformers, vllm, safetensors, tqdm and
 matplotlib where used): copy it alone, with bases/tiny as data for the demo. It reads in this order:
 math -> metrics -> the doctor -> bf16 export -> advantages -> corrections -> losses -> MoE replay ->
-verifier and task -> tokenizers -> samplers -> trainer -> evaluation -> loop -> run directory ->
-config checks -> CLI. test_tim_rl.py holds its teaching properties. The repository's lab (lab/:
-paper claims on paired seeds, statistics, benchmarks, compiled GPU passes, the TRL adapter, the
-pipeline tests) imports this module; this module never imports it.
+verifier and task -> tokenizers -> where engines part (per layer) -> samplers -> trainer ->
+evaluation -> loop -> run directory -> config checks -> CLI. test_tim_rl.py holds its teaching
+properties. The repository's lab (lab/: paper claims on paired seeds, statistics, benchmarks,
+compiled GPU passes, the TRL adapter, the pipeline tests) imports this module; this module never
+imports it.
 
 Shape letters
     B  sequences in the batch (prompts x samples per prompt)
@@ -2167,11 +2168,12 @@ def run_problems(cfg, model_dir, tokenizer) -> tuple[list, list]:
 # models are pre-trained by the lab (python -m lab pretrain) and committed under bases/.
 
 
-def load_model(path: str | Path, trust_remote_code: bool = False):
-    """An HF causal LM from a local directory in fp32 (safetensors; no remote code unless asked)."""
+def load_model(path: str | Path, trust_remote_code: bool = False, dtype=torch.float32):
+    """An HF causal LM from a local directory in fp32 (dtype="auto": as stored; safetensors; no
+    remote code unless asked)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
                                                 use_safetensors=True, local_files_only=True,
                                                 trust_remote_code=trust_remote_code)
 
@@ -2259,6 +2261,63 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         """Text up to the first <eos>, special tokens skipped."""
         return self.tok.decode(_until_eos(ids, self.eos_id), skip_special_tokens=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# ---- where two engines part: per-layer divergence ----
+# The log-probs say that two engines disagree; the decoder layers' outputs on the same tokens say
+# where. Precision errors start at the first layer and grow smoothly; a fault (a layer left behind
+# by a partial weight sync, a scaled norm, one layer in another dtype) jumps at its layer.
+LAYER_JUMP = 4.0  # a layer stands out at 4x the largest error before it (and above LAYER_FLOOR)
+LAYER_FLOOR = 1e-6  # fp32 kernels' own relative error between two runs of one model
+
+
+class LayerDivergence(NamedTuple):
+    errors: list[float]  # per decoder layer i (model.model.layers[i]): |h_a - h_b| / |h_a|
+    first: int | None  # the first layer whose error jumps, or None
+
+
+def _layer_outputs(model, ids, mask) -> list[torch.Tensor]:
+    """Each decoder layer's output hidden states, float32 (B, T, H), on one forward pass."""
+    outputs = []
+
+    def keep(module, inputs, output):
+        if isinstance(output, tuple):  # older transformers: (hidden_states, ...)
+            output = output[0]
+        outputs.append(output.float())
+
+    hooks = [layer.register_forward_hook(keep) for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask.long())
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return outputs
+
+
+def layer_divergence(model_a, model_b, input_ids, mask, chunk_rows: int = 4) -> LayerDivergence:
+    """Per decoder layer, sqrt(sum |h_a - h_b|^2 / sum |h_a|^2) over the masked positions.
+
+    Two Hugging Face causal LMs with model.model.layers (same count), input_ids (B, T) int, mask
+    (B, T) bool. first: the first layer i >= 1 with errors[i] > LAYER_JUMP * max(errors[:i],
+    LAYER_FLOOR); layer 0 is the baseline (a fault there reads as the precision's own error).
+    Rows go chunk_rows at a time: the peak holds 2 L chunk_rows T H float32 hidden states.
+
+    needs: LayerDivergence, _layer_outputs, LAYER_JUMP, LAYER_FLOOR
+    """
+    diff = torch.zeros(len(model_a.model.layers), dtype=torch.float64)
+    norm = torch.zeros_like(diff)
+    for start in range(0, len(input_ids), chunk_rows):
+        ids, m = input_ids[start:start + chunk_rows], mask[start:start + chunk_rows]
+        pairs = zip(_layer_outputs(model_a, ids, m), _layer_outputs(model_b, ids, m))
+        for i, (a, b) in enumerate(pairs):
+            diff[i] += (a - b)[m].double().square().sum()
+            norm[i] += a[m].double().square().sum()
+    errors = (diff / norm.clamp(min=1e-300)).sqrt().tolist()
+    jumps = [i for i in range(1, len(errors))
+             if errors[i] > LAYER_JUMP * max(*errors[:i], LAYER_FLOOR)]
+    return LayerDivergence(errors, (jumps or [None])[0])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -4120,7 +4179,8 @@ def cli_parser():
     demo.add_argument("--steps", type=int, default=80)
     demo.add_argument("--seeds", default="0,1,2,3,4")
     # listed for --help; tim_rl.main hands `doctor ...` to doctor_main, whose parser reads it
-    sub.add_parser("doctor", help="why your trainer and sampler disagree: doctor FILE")
+    sub.add_parser("doctor", help="why your trainer and sampler disagree: doctor FILE (where they "
+                   "part, layer by layer: doctor --models DIR_A DIR_B)")
     return parser
 
 
@@ -4353,10 +4413,23 @@ def doctor_main(argv: list[str]) -> None:
     parser = OneLineParser(prog="tim_rl doctor", description="Why trainer and sampler log-probs "
                            "disagree (TRL / verl tensor names, or --keys; an 'advantages' tensor "
                            "enables lag).")
-    parser.add_argument("file", type=Path, help=".pt, .safetensors or .jsonl")
+    parser.add_argument("file", type=Path, nargs="?", help=".pt, .safetensors or .jsonl")
     parser.add_argument("--keys", default="", help="TRAIN,INFER,MASK: the names of the trainer's "
                         "log-probs, the sampler's and the mask (default: TRL's or verl's names)")
+    parser.add_argument("--models", nargs=2, type=Path, metavar=("DIR_A", "DIR_B"),
+                        help="where two copies of a model part: each decoder layer's divergence "
+                        "on the same tokens (each loaded as stored)")
+    parser.add_argument("--prompts", type=Path, help="with --models: a UTF-8 file, a prompt a "
+                        "line (default: random token ids from the vocabulary)")
     args = parser.parse_args(argv)
+    if args.models:
+        try:
+            print(doctor_models(*args.models, args.prompts))
+        except (OSError, ValueError) as e:
+            parser.exit(2, f"tim_rl doctor: error: {str(e).splitlines()[0]}\n")
+        return
+    if args.file is None:
+        parser.error("give a FILE of log-probs, or --models DIR_A DIR_B")
     read_as = ""
     try:
         tensors = read_doctor_file(args.file)
@@ -4369,6 +4442,57 @@ def doctor_main(argv: list[str]) -> None:
         print(diagnose_mismatch(train, infer, mask, advantages=tensors.get("advantages")))
     except (OSError, ValueError, TypeError, RuntimeError, EOFError, SafetensorError) as e:
         parser.exit(2, f"tim_rl doctor: error: {args.file}: {str(e).splitlines()[0]}{read_as}\n")
+
+
+# config.json keys that name a copy, not what it computes
+CONFIG_NOT_NUMERICS = ("_name_or_path", "transformers_version")
+
+
+def _model_config(directory: Path) -> dict:
+    """config.json of a model directory, or a ValueError naming the directory."""
+    path = Path(directory) / "config.json"
+    if not path.is_file() or not (path.parent / "model.safetensors").is_file():
+        raise ValueError(f"--models {directory}: no model there (expected config.json and "
+                         "model.safetensors)")
+    return json.loads(path.read_text())
+
+
+def _doctor_token_ids(prompts: Path | None, model_dir: Path, vocab: int) -> tuple:
+    """(ids, mask) (B, T): the prompt file's lines, tokenized, left-padded; or 8 x 64 random ids."""
+    if prompts is None:
+        ids = torch.randint(vocab, (8, 64), generator=torch.Generator().manual_seed(0))
+        return ids, torch.ones_like(ids, dtype=torch.bool)
+    if not prompts.is_file():
+        raise ValueError(f"--prompts {prompts}: no such file")
+    try:
+        lines = [line for line in prompts.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError:
+        raise ValueError(f"--prompts {prompts}: not UTF-8 text") from None
+    if not lines:
+        raise ValueError(f"--prompts {prompts}: no prompt in it (expected one a line)")
+    tokenizer = load_tokenizer(model_dir)
+    return left_pad([tokenizer.encode(line) for line in lines])
+
+
+def doctor_models(dir_a: Path, dir_b: Path, prompts: Path | None = None) -> str:
+    """The doctor's second stage: the config fields that differ (itself a finding), then each
+    decoder layer's relative error (layer_divergence) and the first layer that stands out."""
+    configs = [_model_config(d) for d in (dir_a, dir_b)]
+    keys = sorted((configs[0].keys() | configs[1].keys()) - set(CONFIG_NOT_NUMERICS))
+    differ = [k for k in keys if configs[0].get(k) != configs[1].get(k)]
+    for key in ("architectures", "num_hidden_layers", "vocab_size"):  # what the comparison needs
+        if key in differ:
+            raise ValueError(f"--models: {key} differs, {configs[0].get(key)} in {dir_a} vs "
+                             f"{configs[1].get(key)} in {dir_b}: not two copies of one model")
+    ids, mask = _doctor_token_ids(prompts, dir_a, configs[0]["vocab_size"])
+    models = [load_model(d, dtype="auto").eval() for d in (dir_a, dir_b)]
+    found = layer_divergence(*models, ids, mask)
+    lines = [f"config fields that differ: {k} {configs[0].get(k)} vs {configs[1].get(k)}"
+             for k in differ] or ["config fields that differ: none"]
+    lines += [f"layer {i:>3}  relative error {e:.3g}" for i, e in enumerate(found.errors)]
+    if found.first is None:
+        return "\n".join([*lines, "no layer stands out"])
+    return "\n".join([*lines, f"first diverging layer: {found.first}"])
 
 
 def train_summary(records: list[dict], out: Path) -> str:

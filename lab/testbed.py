@@ -297,3 +297,62 @@ def save_char_tokenizer(tokenizer: tr.CharTokenizer, directory: str | Path) -> N
         unk_token="<unk>",
     )
     fast.save_pretrained(str(directory))
+
+
+def planted_faults(model, at: tuple = (2, 3, 1)) -> dict:
+    """{name: (reference, its copy, the layer a fault was planted in or None)} for layer_divergence:
+    the fp32 model against bf16, fp16 and int8 copies (no fault), and three faults a practitioner
+    meets, at the layers `at`: a partial sync (the trainer took one Adam step, lr 1e-3, on random
+    ids; the sampler got it in every layer but at[0]), one layer's input norm scaled by 1 %
+    (at[1]), one layer computed in bf16 inside the fp32 model, its weights and output rounded
+    (at[2])."""
+    import copy
+
+    def changed(edit):
+        other = copy.deepcopy(model)
+        edit(other)
+        return other.eval()
+
+    trainer = copy.deepcopy(model)
+    opt = torch.optim.Adam(trainer.parameters(), lr=1e-3)
+    ids = torch.randint(
+        0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1)
+    )
+    trainer(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    trainer.eval()
+
+    def one_step_behind(other):
+        other.load_state_dict(trainer.state_dict())
+        other.model.layers[at[0]].load_state_dict(model.model.layers[at[0]].state_dict())
+
+    def layer_in_bf16(other):
+        layer = other.model.layers[at[2]]
+        for p in layer.parameters():
+            p.data.copy_(p.data.bfloat16().float())
+
+        def rounded(module, inputs, output):
+            if isinstance(output, tuple):
+                return (output[0].bfloat16().float(), *output[1:])
+            return output.bfloat16().float()
+
+        layer.register_forward_hook(rounded)
+
+    def int8(other):
+        for name, p in other.named_parameters():
+            if p.dim() == 2 and "embed" not in name and "lm_head" not in name:
+                p.data.copy_(tr.fake_quantize(p.data, "int8"))
+
+    return {
+        "identical": (model, changed(lambda m: None), None),
+        "bf16": (model, changed(lambda m: m.to(torch.bfloat16)), None),
+        "fp16": (model, changed(lambda m: m.to(torch.float16)), None),
+        "int8": (model, changed(int8), None),
+        f"one step behind at {at[0]}": (trainer, changed(one_step_behind), at[0]),
+        f"norm x1.01 at {at[1]}": (
+            model,
+            changed(lambda m: m.model.layers[at[1]].input_layernorm.weight.data.mul_(1.01)),
+            at[1],
+        ),
+        f"bf16 layer {at[2]}": (model, changed(layer_in_bf16), at[2]),
+    }
