@@ -1105,7 +1105,7 @@ NEUTRAL = {"tis_weights": 0.0, "mis_weights": 0.0, "seq_tis_weights": 0.0, "seq_
            "geo_mask_weights": 0.0, "cis_weights": 1.0, "dlc_weights": 0.0,
            "copc_mask": 0.0, "divergence_mask_weights": 0.0, "divergence_seq_max_mask": 0.0,
            "divergence_seq_mean_mask": 0.0,
-           "divergence_seq_sum_mask": 0.0}  # the documented weight of a non-finite token
+           "divergence_seq_sum_mask": 0.0, "m2po_mask": 0.0}  # the documented weight of a non-finite token
 
 
 @pytest.mark.parametrize("name", sorted(NEUTRAL))
@@ -1266,6 +1266,12 @@ def _copy_calls():
         "score_centering_loss": lambda f: f(a, head, b, head_infer, adv, mask),
         "dlc_loss": lambda f: f(a, b, c, adv, mask),
         "dppo_loss": lambda f: f(a, b, adv, mask),
+        "dppo_kl_loss": lambda f: f(a, b, adv, mask, 0.02, 0.02),
+        "binary_kl_mask": lambda f: f(a, b, adv, mask, 0.02, 0.02),
+        "sapo_loss": lambda f: f(a, b, adv, mask),
+        "m2po_mask": lambda f: f(a, b, mask, 0.5),
+        "prox_logp_loglinear": lambda f: f(a, b, torch.tensor([[3, 4, 5, 6, 7]] * 3) - torch.arange(3)[:, None],
+                                           mask, 7),
         "gspo_loss": lambda f: f(a, b, adv, mask, 0.01, 0.02),
         "aggregate_loss": lambda f: f(a, mask, "seq-mean-token-mean"),
         "effective_token_weights": lambda f: f(-(logp_grad * adv).sum(), logp_grad, adv, mask).nan_to_num(-9.0),
@@ -2021,11 +2027,13 @@ def _half_batch(dtype):
 
 HALF_WEIGHTS = ["tis_weights", "mis_weights", "seq_tis_weights", "seq_mask_weights", "geo_mask_weights",
                 "cis_weights", "dlc_weights", "copc_mask", "divergence_mask_weights", "divergence_seq_max_mask",
-                "divergence_seq_mean_mask", "divergence_seq_sum_mask", "copc_residual_weights"]
+                "divergence_seq_mean_mask", "divergence_seq_sum_mask", "copc_residual_weights", "m2po_mask"]
 HALF_LOSSES = {
     "pg_loss": lambda p, q, m, a, h: tr.pg_loss(p, a, m, tr.tis_weights(p, q, m)),
     "ppo_loss": lambda p, q, m, a, h: tr.ppo_loss(p, q, a, m),
     "dppo_loss": lambda p, q, m, a, h: tr.dppo_loss(p, q, a, m),
+    "dppo_kl_loss": lambda p, q, m, a, h: tr.dppo_kl_loss(p, q, a, m),
+    "sapo_loss": lambda p, q, m, a, h: tr.sapo_loss(p, q, a, m),
     "gspo_loss": lambda p, q, m, a, h: tr.gspo_loss(p, q, a, m),
     "cispo_loss": lambda p, q, m, a, h: tr.cispo_loss(p, q, a, m),
     "dlc_loss": lambda p, q, m, a, h: tr.dlc_loss(p, q, q, a, m),
@@ -2220,3 +2228,88 @@ def test_length_skew_alone_is_not_outliers_and_a_few_rows_from_another_policy_ar
     scale[[5, 17, 40]] = 30.0
     planted = tr.diagnose_mismatch(q[:, :30] + noise[:, :30] * scale, q[:, :30], mask)
     assert _verdicts(planted)["outliers"] == "present" and planted.cause == "outliers", planted
+
+
+# =================================================================================================================
+# the async frameworks' corrections (issue 57, item 3): each by its formula on hand-made or enumerated cases
+
+
+def test_prox_logp_loglinear_interpolates_by_version_and_leaves_the_last_broadcast_alone():
+    """Current version 9: a token of version 8 (the last broadcast, the proximal policy itself) keeps log q; one of
+    7 sits half way to log p in log space (a = 1/2), one of 5 at a = 3/4; a prompt token (-1), a token from the
+    future (9) and a token off the mask keep log q. The twin: at version 10 the version-8 token moves (a = 1/2)."""
+    logp_infer = torch.full((1, 6), -2.0)
+    logp = torch.full((1, 6), -1.0)
+    versions = torch.tensor([[8, 7, 5, -1, 9, 5]])
+    mask = torch.tensor([[True, True, True, True, True, False]])
+    got = tr.prox_logp_loglinear(logp_infer, logp, versions, mask, 9)
+    assert got.tolist() == [[-2.0, -1.5, -1.25, -2.0, -2.0, -2.0]]
+    assert float(tr.prox_logp_loglinear(logp_infer, logp, versions, mask, 10)[0, 0]) == -1.5
+    with pytest.raises(TypeError, match="versions"):
+        tr.prox_logp_loglinear(logp_infer, logp, versions.float(), mask, 9)
+    with pytest.raises(ValueError, match="versions"):
+        tr.prox_logp_loglinear(logp_infer, logp, versions[:, :3], mask, 9)
+
+
+@settings(deadline=None, max_examples=60)
+@given(st.lists(st.floats(-3, 3), min_size=1, max_size=12), st.floats(1e-3, 2.0))
+def test_m2po_mask_drops_the_fewest_largest_until_the_kept_mean_is_below_threshold(gaps, threshold):
+    """Exactly the M2PO rule, checked by enumerating every count of largest tokens dropped: the kept tokens' mean
+    (log p_prox - log q)^2 is below the threshold (or one token is left), and dropping one fewer would not be."""
+    d = torch.tensor([gaps], dtype=torch.float64)
+    mask = torch.ones_like(d, dtype=torch.bool)
+    kept = tr.m2po_mask(d, torch.zeros_like(d), mask, threshold)[0].bool()
+    m2 = d[0].square()
+    order = m2.argsort(descending=True)
+    drop = int((~kept).sum())
+    assert set(order[:drop].tolist()) == set((~kept).nonzero().flatten().tolist()) or m2[order[drop - 1]] == m2[
+        order[drop]], "the largest go first"  # ties may swap which of equal tokens goes
+    assert kept.sum() >= 1
+    assert m2[kept].mean() < threshold or drop == len(gaps) - 1
+    if drop > 0:
+        assert m2[order[drop - 1:]].mean() >= threshold, "one fewer dropped would do"
+
+
+def test_binary_kl_mask_is_the_binary_kl_in_the_advantages_direction():
+    """q = 0.5: p = 0.9 is KL(q || p) = 0.5 log(0.5/0.9) + 0.5 log(0.5/0.1) = 0.511 > 0.05, masked when A > 0 (moved
+    toward A) and kept when A < 0 (moved against it); p = 0.52 (KL 0.0008) is kept either way."""
+    q = torch.log(torch.full((2, 2), 0.5))
+    p = torch.log(torch.tensor([[0.9, 0.52], [0.9, 0.52]]))
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    kl = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
+    assert kl == pytest.approx(0.5108, abs=1e-4)
+    m = tr.binary_kl_mask(p, q, torch.tensor([1.0, -1.0]), mask)
+    assert m.tolist() == [[0.0, 1.0], [1.0, 1.0]]
+    assert tr.binary_kl_mask(p, q, torch.tensor([1.0, -1.0]), mask, delta_high=0.6).tolist() == [[1.0] * 2] * 2
+
+
+def test_dppo_kl_loss_is_dppo_with_the_binary_kl_mask():
+    """The loss is -mean(m r A) with m = binary_kl_mask: equal to dppo_loss where neither masks (deltas too wide to
+    bind), and its gradient is 0 on a masked token."""
+    g = torch.Generator().manual_seed(3)
+    q = -torch.rand(4, 5, generator=g) * 2
+    logp = (q + 0.2 * torch.randn(4, 5, generator=g)).clamp(max=-1e-3).requires_grad_(True)
+    mask, adv = torch.ones(4, 5, dtype=torch.bool), torch.tensor([1.0, -1.0, 0.5, -2.0])
+    wide = tr.dppo_kl_loss(logp, q, adv, mask, 50.0, 50.0)
+    assert torch.allclose(wide, tr.dppo_loss(logp, q, adv, mask, delta=5.0))
+    (grad,) = torch.autograd.grad(tr.dppo_kl_loss(logp, q, adv, mask, 0.005, 0.005), logp)
+    masked = tr.binary_kl_mask(logp, q, adv, mask, 0.005, 0.005) == 0
+    assert masked.any() and (grad[masked] == 0).all() and (grad[~masked] != 0).all()
+
+
+def test_sapo_gradient_is_pgs_at_r_1_and_its_soft_gate_elsewhere():
+    """At p = p_old SAPO's gradient equals pg_loss's exactly (f'(1) = 1); elsewhere each token's weight is
+    f'(r) r = 4 sigmoid(tau (r - 1)) (1 - sigmoid(tau (r - 1))) r, tau by A's sign (effective_token_weights)."""
+    logp_old = torch.log(torch.tensor([[0.5, 0.2, 0.7], [0.3, 0.6, 0.1]]))
+    mask, adv = torch.ones(2, 3, dtype=torch.bool), torch.tensor([1.0, -1.0])
+    at_one = logp_old.clone().requires_grad_(True)
+    (g_sapo,) = torch.autograd.grad(tr.sapo_loss(at_one, logp_old, adv, mask), at_one)
+    (g_pg,) = torch.autograd.grad(tr.pg_loss(at_one, adv, mask), at_one)
+    assert torch.allclose(g_sapo, g_pg, atol=1e-7)
+    logp = (logp_old + torch.tensor([[0.4, -0.3, 0.1], [0.2, -0.5, 0.6]])).requires_grad_(True)
+    w = tr.effective_token_weights(tr.sapo_loss(logp, logp_old, adv, mask), logp, adv, mask)
+    r = (logp - logp_old).detach().exp()
+    tau = torch.tensor([[1.0], [1.05]])
+    s = torch.sigmoid(tau * (r - 1))
+    assert torch.allclose(w, 4 * s * (1 - s) * r, atol=1e-6)
+    assert not torch.allclose(w, torch.ones_like(w), atol=1e-2), "the twin: away from r = 1 it is not PG"

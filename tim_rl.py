@@ -1287,6 +1287,79 @@ def opsm_mask(logp, logp_infer, adv, mask, delta: float = 1e-4):
     return (ok & ~off_policy).float()
 
 
+def _check_versions(versions, mask) -> None:
+    """A TypeError or ValueError naming `versions` unless an integer tensor of mask's shape."""
+    if not isinstance(versions, torch.Tensor) or versions.is_floating_point():
+        raise TypeError(f"versions must be an integer torch.Tensor (B, T), got "
+                        f"{getattr(versions, 'dtype', type(versions).__name__)}")
+    if versions.shape != mask.shape:
+        raise ValueError(f"versions must have shape (B, T) = {tuple(mask.shape)}, got "
+                         f"{tuple(versions.shape)}")
+
+
+def prox_logp_loglinear(logp_infer, logp, versions, mask, version: int) -> torch.Tensor:
+    """log p_prox ~ log q + a (log p - log q), a = clip((v - 1 - v_t) / (v - v_t), 0, 1). (B, T).
+
+    AReaL prox_logp_method="loglinear": decoupled PPO's proximal policy, the weights of version
+    v - 1 (the last broadcast), without a forward pass, between the sampler's log q of a token that
+    version v_t = versions[b, t] sampled and the current trainer's log p (version v), log-linear
+    in the version. A token of version v - 1 keeps log q (a = 0); older ones move toward log p.
+    a = 0 where v_t >= v, v_t < 0 (a prompt token) or off the mask. Detached.
+
+    needs: _check_versions, _check_bt, _upcast, _check_tensor
+    """
+    _check_bt(mask, logp_infer=logp_infer, logp=logp)
+    _check_versions(versions, mask)
+    logp_infer, logp = _upcast(logp_infer.detach(), logp.detach())
+    gap = (version - versions).to(logp.dtype)  # v - v_t
+    a = ((gap - 1) / gap.clamp(min=1)).clamp(0.0, 1.0)
+    a = torch.where(mask & (versions >= 0), a, 0.0)
+    return torch.where(a > 0, logp_infer + a * (logp - logp_infer), logp_infer)
+
+
+def m2po_mask(logp_prox, logp_infer, mask, threshold: float = 0.04) -> torch.Tensor:
+    """m = 0 on the tokens of largest m2 = (log p_prox - log q)^2, dropped largest first until the
+    mean m2 of the kept tokens is < threshold (at least one kept). (B, T) float, detached.
+
+    M2PO (AReaL actor.m2_threshold): a bound on the batch's second moment of the log-ratio, so
+    which tokens go depends on the whole batch. Non-finite -> 0 (and not counted).
+
+    needs: _log_ratio, _check_bt, _upcast, _check_tensor
+    """
+    d, ok = _log_ratio(mask, logp_prox=logp_prox, logp_infer=logp_infer)
+    m2 = d[ok].square()  # (N,) the usable tokens
+    if m2.numel() == 0:
+        return ok.float()
+    largest_first, order = m2.sort(descending=True)
+    kept_after = torch.arange(len(m2), 0, -1, device=m2.device)  # tokens left after dropping i
+    tail_mean = largest_first.flip(0).cumsum(0).flip(0) / kept_after  # mean m2 of [i:]
+    below = tail_mean < threshold
+    below[-1] = True  # at least one token kept
+    drop = int(below.int().argmax())  # the first i whose tail is below the threshold
+    keep = torch.ones_like(m2)
+    keep[order[:drop]] = 0.0
+    return torch.zeros_like(d).masked_scatter(ok, keep)
+
+
+def binary_kl_mask(logp, logp_infer, adv, mask, delta_low: float = 0.05,
+                   delta_high: float = 0.05):
+    """m = 0 iff the sampled token moved toward A (p > q with A > 0, p < q with A < 0) by a binary
+    KL(q || p) = q log(q/p) + (1 - q) log((1 - q) / (1 - p)) above delta. (B, T) float, detached.
+
+    DPPO's binary-KL trust region (arXiv 2602.04879, eq. 14; SkyRL dppo_type="binary_kl", its
+    recommended delta 0.05), beside dppo_loss's binary TV. Non-finite -> 0.
+
+    needs: _log_ratio, _check_adv, log1mexp, _check_bt, _upcast, _check_tensor
+    """
+    _, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
+    A = _check_adv(adv, mask)
+    lp, lq = (torch.where(ok, x.detach(), -1.0) for x in _upcast(logp, logp_infer))
+    kl = lq.exp() * (lq - lp) + (-torch.expm1(lq)) * (log1mexp(lq) - log1mexp(lp))
+    up = (A > 0) & (lp > lq) & (kl > delta_high)
+    down = (A < 0) & (lp < lq) & (kl > delta_low)
+    return (ok & ~up & ~down).float()
+
+
 # --------------------------------------------------------------------------------------------------
 # ---- losses ----
 # Scalars, token means over the batch. Loss values of different corrections are not comparable
@@ -1457,6 +1530,46 @@ def dppo_loss(logp, logp_infer, adv, mask, delta=0.2, delta_low=None, delta_high
         low = delta_low
     outside = ((A > 0) & (shift > high)) | ((A < 0) & (shift < -low))
     return -masked_mean(torch.where(outside, 0.0, ratio * A), ok)
+
+
+def dppo_kl_loss(logp, logp_infer, adv, mask, delta_low: float = 0.05, delta_high=0.05):
+    """-mean_mask(m r A), r = p / q, m = binary_kl_mask: DPPO with its binary-KL trust region.
+
+    SkyRL policy_loss_type="dppo", dppo_type="binary_kl" (value r A, gradient r A grad log p,
+    as dppo_loss; r held at e^DPPO_LOG_RATIO_MAX, where SkyRL bounds log r at +-20). Non-finite
+    log-ratio -> token dropped. (B, T) -> ().
+
+    needs: binary_kl_mask, _log_ratio, _check_adv, log1mexp, masked_mean, DPPO_LOG_RATIO_MAX,
+    _check_bt, _upcast, _check_tensor
+    """
+    keep = binary_kl_mask(logp, logp_infer, adv, mask, delta_low, delta_high)
+    logp, = _upcast(logp)
+    log_r, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
+    logp = torch.where(ok, logp, 0.0)  # a finite exp below, so a finite gradient
+    ratio = log_r.clamp(max=DPPO_LOG_RATIO_MAX).exp() * (logp - logp.detach()).exp()
+    return -masked_mean(keep * ratio * _check_adv(adv, mask), ok)
+
+
+def sapo_loss(logp, logp_old, adv, mask, tau_pos: float = 1.0, tau_neg: float = 1.05,
+              agg: str = "token-mean"):
+    """-agg(f(r) A), f(r) = sigmoid(tau (r - 1)) 4 / tau, r = p / p_old: SAPO. (B, T) -> ().
+
+    arXiv 2511.20347: a soft gate instead of PPO's clip; tau = tau_pos where A > 0, else tau_neg.
+    At r = 1 the gradient is PG's (f'(1) = 1). AReaL use_sapo_loss (its token mean); verl
+    loss_mode="sapo" takes agg="seq-mean-token-mean" (and bounds log r at +-20, as here).
+    Non-finite log-ratio -> token dropped.
+
+    needs: _check_adv, _log_ratio, aggregate_loss, AGG_MODES, LOG_RATIO_CLAMP, _check_bt, _upcast,
+    _check_tensor, _check_choice
+    """
+    _check_choice("agg", agg, AGG_MODES)
+    logp, logp_old = _upcast(logp, logp_old)
+    log_r, ok = _log_ratio(mask, logp=logp, logp_old=logp_old)  # detached
+    A = _check_adv(adv, mask)
+    logp = torch.where(ok, logp, 0.0)
+    r = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp() * (logp - logp.detach()).exp()
+    tau = torch.full_like(logp, tau_neg).masked_fill(A > 0, tau_pos)  # in logp's precision
+    return aggregate_loss(-torch.sigmoid(tau * (r - 1)) * 4 / tau * A, ok, agg)
 
 
 def effective_token_weights(loss, logp: torch.Tensor, adv, mask: torch.Tensor) -> torch.Tensor:

@@ -124,6 +124,7 @@ def load_verl(repo: Path) -> tuple[dict, dict]:
     stripped += exec_definitions(text, ["agg_loss", "compute_policy_loss_vanilla", "compute_policy_loss_gspo",
                                         "compute_policy_loss_geo_mean", "compute_policy_loss_cispo",
                                         "compute_policy_loss_reinforce", "compute_policy_loss_bypass_mode",
+                                        "compute_policy_loss_sapo",
                                         "kl_penalty", "kl_penalty_forward"], ns, core)
     info = {"repo": "volcengine/verl", "commit": commit, "stripped_decorators": stripped,
             "helpers_from_source": "verl/utils/torch_functional.py: masked_sum, masked_mean"}
@@ -166,6 +167,111 @@ def load_prime_rl(repo: Path) -> tuple[dict, dict]:
     return ns, {"repo": "PrimeIntellect-ai/prime-rl", "commit": commit, "stripped_decorators": stripped,
                 "config_defaults_from": f"{cfg_path}: DefaultLossConfig (dppo_mask_low 0.2, dppo_mask_high 0.2, "
                                         "adv_tau 1.0, kl_tau 1e-3)"}
+
+
+def load_areal(repo: Path) -> tuple[dict, dict]:
+    """AReaL's M2PO mask, log-linear proximal log-probs and SAPO loss, with the constants they read."""
+    from enum import Enum
+
+    ns = {"torch": torch, "Enum": Enum}
+    path = "areal/utils/constants.py"
+    text, commit = git_show(repo, path)
+    exec_definitions(text, ["ProxApproxMethod", "PROX_APPROX_METHOD_LOGLINEAR", "PROX_APPROX_METHOD_LINEAR",
+                            "PROX_APPROX_METHOD_ROLLOUT", "PROX_APPROX_METHODS_ALL"], ns, path)
+    actor = "areal/trainer/ppo/actor.py"
+    text, _ = git_show(repo, actor)
+    stripped = exec_definitions(text, ["compute_prox_logp_approximations", "_apply_m2po_masking",
+                                       "_get_m2po_loss_mask"], ns, actor)
+    functional = "areal/utils/functional/functional.py"
+    text, _ = git_show(repo, functional)
+    stripped += exec_definitions(text, ["sapo_loss_fn"], ns, functional)
+    return ns, {"repo": "inclusionAI/AReaL", "commit": commit, "stripped_decorators": stripped}
+
+
+def load_skyrl(repo: Path) -> tuple[dict, dict]:
+    """SkyRL's DPPO loss (binary KL); its off-policy correction (off by default) stubbed to identity."""
+    ns = {"torch": torch, "Optional": Optional, "Tuple": tuple, "Float": _Subscriptable,
+          "AlgorithmConfig": object, "PolicyLossType": types.SimpleNamespace(DPPO="dppo"),
+          "apply_off_policy_correction": lambda loss, old, rollout, mask, cfg: (loss, mask, {})}
+    utils = "skyrl/backends/skyrl_train/utils/torch_utils.py"
+    text, commit = git_show(repo, utils)
+    exec_definitions(text, ["masked_mean", "safe_exp_delta"], ns, utils)
+    path = "skyrl/backends/skyrl_train/utils/ppo_utils.py"
+    text, _ = git_show(repo, path)
+    stripped = exec_definitions(text, ["dppo_policy_loss", "reduce_loss"], ns, path)
+    return ns, {"repo": "NovaSky-AI/SkyRL", "commit": commit, "stripped_decorators": stripped}
+
+
+ASYNC_SETS = ["ragged", "extreme", "beyond20", "threshold", "nonfinite_out", "nonfinite_in"]
+
+
+def _versions(x) -> torch.Tensor:
+    """Per-token sampler versions for the async goldens: row b's tokens from version 7 - (b % 4) on, one version
+    newer from the row's middle on (an in-flight update); -1 (a prompt token) at position 0 of the last row."""
+    B, T = x["mask"].shape
+    rows = 7 - (torch.arange(B) % 4)[:, None] + (torch.arange(T) >= T // 2).long()
+    rows[-1, 0] = -1
+    return rows
+
+
+def run_areal(rec: "Recorder", ns: dict, info: dict):
+    actor, functional = "areal/trainer/ppo/actor.py", "areal/utils/functional/functional.py"
+    for s in ASYNC_SETS:
+        x = rec.sets[s]
+        mask = x["mask"].bool()
+        versions = _versions(x)
+        rec.tensors[f"input/{s}/versions"] = versions.double()
+        approx = ns["compute_prox_logp_approximations"](x["logp_infer"], x["logp"], versions, 9, "loglinear")
+        rec.add(f"areal.prox_loglinear.{s}", "areal", info, actor, "compute_prox_logp_approximations", s,
+                {"current_version": 9, "method": "loglinear"},
+                {"old_logp": f"input/{s}/logp_infer", "logprobs": f"input/{s}/logp",
+                 "versions": f"input/{s}/versions"}, {"prox_logp": approx["loglinear"]})
+        for threshold in (0.04, 1.0):
+            keep = ns["_apply_m2po_masking"](x["logp_infer"], x["logp_old"], mask, threshold)
+            rec.add(f"areal.m2po.{threshold}.{s}", "areal", info, actor, "_apply_m2po_masking", s,
+                    {"m2_threshold": threshold}, {"old_logp": f"input/{s}/logp_infer",
+                                                  "prox_logp": f"input/{s}/logp_old", "loss_mask": f"input/{s}/mask"},
+                    {"mask": keep})
+        logp = rec.leaf(s)
+        adv = x["adv"][:, None].expand_as(x["mask"]).contiguous()
+        loss, _ = ns["sapo_loss_fn"](logp, x["logp_old"], adv, 1.0, 1.05, mask)
+        rec.add(f"areal.sapo.{s}", "areal", info, functional, "sapo_loss_fn", s, {"tau_pos": 1.0, "tau_neg": 1.05},
+                {"logprobs": f"input/{s}/logp", "old_logprobs": f"input/{s}/logp_old",
+                 "advantages": f"input/{s}/adv per token", "loss_mask": f"input/{s}/mask"},
+                {"loss": loss}, grad=(loss, logp))
+
+
+def run_skyrl(rec: "Recorder", ns: dict, info: dict):
+    path = "skyrl/backends/skyrl_train/utils/ppo_utils.py"
+    for s in ASYNC_SETS:
+        x = rec.sets[s]
+        cfg = types.SimpleNamespace(dppo=types.SimpleNamespace(dppo_type="binary_kl", delta_low=0.05, delta_high=0.05),
+                                    off_policy_correction=None)
+        logp = rec.leaf(s)
+        adv = x["adv"][:, None].expand_as(x["mask"]).contiguous()
+        loss, _ = ns["dppo_policy_loss"](logp, x["logp_old"], adv, cfg, x["mask"], x["logp_infer"])
+        rec.add(f"skyrl.dppo.binary_kl.{s}", "skyrl", info, path, "dppo_policy_loss", s,
+                {"dppo_type": "binary_kl", "delta_low": 0.05, "delta_high": 0.05},
+                {"log_probs": f"input/{s}/logp", "rollout_logprobs": f"input/{s}/logp_infer",
+                 "advantages": f"input/{s}/adv per token", "loss_mask": f"input/{s}/mask"},
+                {"loss": loss}, grad=(loss, logp),
+                note="SkyRL sums the masked loss (reduce_loss; its advantages carry the token mean's scale)")
+
+
+def run_verl_sapo(rec: "Recorder", ns: dict, info: dict):
+    core = "verl/trainer/ppo/core_algos.py"
+    cfg = ActorConfigStub(clip_ratio=0.2, tau_pos=1.0, tau_neg=1.05)
+    ns["ActorConfig"] = ActorConfigStub
+    for s in ASYNC_SETS:
+        x = rec.sets[s]
+        logp = rec.leaf(s)
+        adv = x["adv"][:, None].expand_as(x["mask"])
+        loss, _ = ns["compute_policy_loss_sapo"](x["logp_old"], logp, adv, x["mask"], config=cfg)
+        rec.add(f"verl.loss.sapo.{s}", "verl", info, core, "compute_policy_loss_sapo", s,
+                {"tau_pos": 1.0, "tau_neg": 1.05, "loss_agg_mode": "seq-mean-token-mean"},
+                {"old_log_prob": f"input/{s}/logp_old", "log_prob": f"input/{s}/logp",
+                 "advantages": f"input/{s}/adv[:, None] broadcast", "response_mask": f"input/{s}/mask"},
+                {"loss": loss}, grad=(loss, logp))
 
 
 def load_trl() -> tuple[dict, dict]:
@@ -650,6 +756,8 @@ def main():
     p.add_argument("--verl", type=Path, default=Path("verl"))
     p.add_argument("--slime", type=Path, default=Path("slime"))
     p.add_argument("--prime-rl", type=Path, default=Path("prime-rl"))
+    p.add_argument("--areal", type=Path, default=Path("AReaL"))
+    p.add_argument("--skyrl", type=Path, default=Path("SkyRL"))
     p.add_argument("--out", type=Path, default=HERE)
     p.add_argument("--skip-trl", action="store_true", help="when TRL is not installed in this environment")
     args = p.parse_args()
@@ -658,9 +766,13 @@ def main():
     frameworks = {}
     for name, loader, runner, src in (("verl", load_verl, run_verl, args.verl),
                                       ("slime", load_slime, run_slime, args.slime),
-                                      ("prime-rl", load_prime_rl, run_prime_rl, args.prime_rl)):
+                                      ("prime-rl", load_prime_rl, run_prime_rl, args.prime_rl),
+                                      ("areal", load_areal, run_areal, args.areal),
+                                      ("skyrl", load_skyrl, run_skyrl, args.skyrl)):
         ns, info = loader(src)
         runner(rec, ns, info)
+        if name == "verl":
+            run_verl_sapo(rec, ns, info)
         frameworks[name] = info
     if not args.skip_trl:
         ns, info = load_trl()
