@@ -2457,6 +2457,7 @@ class Rollout:
     # none (the last sampled token is never fed); None: a dense model, or unknown
     routed_experts: torch.Tensor | None = None
     routed_weights: torch.Tensor | None = None  # (B, P + T, L, k) float32 gate weights (nan: none)
+    versions: torch.Tensor | None = None  # (B, T) long: the policy version that sampled each token
 
     def to(self, device) -> Rollout:
         """The rollout with every tensor on `device`; routes stay on the CPU (moved per layer)."""
@@ -2524,9 +2525,11 @@ def _eos_and_pad(config, eos_id: int | None, pad_id: int | None) -> tuple[int, i
 @torch.no_grad()
 def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
            topk: int | None = 0, generator=None, decode_text=None, eos_id: int | None = None,
-           pad_id: int | None = None, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0):
+           pad_id: int | None = None, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+           switch=None):
     """KV-cache sampling from softmax(logits / temperature) truncated by min_p, top_k, top_p (greedy
-    at 0).
+    at 0). switch: an in-flight update (Switch): its load() changes the model's weights before
+    decode position switch.at, the earlier tokens' KV cache kept or (recompute) rebuilt.
 
     Records, in float32, the log-probs of the distribution sampled from (temperature applied,
     renormalised over the kept tokens, -inf elsewhere: vLLM's processed log-probs), its entropy, the
@@ -2551,7 +2554,9 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     training = model.training  # a checkpointed model in training mode drops its KV cache: eval here
     model.eval()
     with replay_routes(model) if routes_experts(model) else contextlib.nullcontext() as route_log:
-        for _ in range(max_new_tokens):
+        for i in range(max_new_tokens):
+            if switch is not None and i == switch.at:  # TIM: new weights between two tokens
+                inputs, cache = _switch_weights(switch, prompt_ids, steps, inputs, cache)
             positions = (attention.cumsum(1) - 1).clamp(min=0)  # 0 at each row's first real token
             out = model(input_ids=inputs, past_key_values=cache, use_cache=True,
                         attention_mask=attention, position_ids=positions[:, -inputs.shape[1] :],
@@ -2577,6 +2582,16 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
             attention = torch.cat([attention, attention.new_ones(len(prompts), 1)], 1)
     model.train(training)
     return _rollout_of(prompt_ids, prompt_mask, steps, route_log, decode_text)
+
+
+def _switch_weights(switch, prompt_ids, steps: list, inputs, cache) -> tuple:
+    """An in-flight update inside decode: load the new weights; keep the KV cache, or (recompute)
+    feed the whole sequence again so the earlier tokens' keys and values are the new weights'."""
+    switch.load()
+    if not switch.recompute:
+        return inputs, cache
+    generated = torch.stack([step[0] for step in steps], 1)  # (B, i)
+    return torch.cat([prompt_ids, generated], 1), None
 
 
 def _rollout_of(prompt_ids, prompt_mask, steps: list, route_log, decode_text) -> Rollout:
@@ -2805,11 +2820,12 @@ class TorchSampler:
 
     def sample(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 5,
                temperature: float = 1.0, topk: int = 0, generator: torch.Generator | None = None,
-               top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Rollout:
-        """n samples per prompt (consecutive rows); log-probs, top-K and kept support as sampled."""
+               top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, switch=None) -> Rollout:
+        """n samples per prompt (consecutive rows); log-probs, top-K and kept support as sampled;
+        switch: an in-flight update (decode's)."""
         tok, expanded = self.tokenizer, [p for p in prompts for _ in range(n)]
         rollout = decode(self.model, expanded, max_new_tokens, temperature, topk, generator,
-                         tok.decode, tok.eos_id, tok.pad_id, top_p, top_k, min_p)
+                         tok.decode, tok.eos_id, tok.pad_id, top_p, top_k, min_p, switch)
         if self.engine.exact:
             # TIM: zero-mismatch limit: score the sampled tokens with the trainer's own fp32 forward
             # (Trainer.logprobs' kernels, shapes and weights), so logp_infer == logp_old bitwise; an
@@ -3496,6 +3512,7 @@ class RunState:
     truncation: tuple | None  # (top_p, top_k, min_p) when the sampler truncates, else None
     topk: int | None  # the top-K the sampler records (recorded_topk)
     since_sync: int = 0
+    old_behaviour: tuple | None = None  # after an in-flight update: the old version's copies
 
 
 class Update(NamedTuple):
@@ -3575,13 +3592,88 @@ def _advantages(cfg: RLConfig, state: RunState, ro: Rollout, rewards, logp, hidd
     return adv[:, None], 0.0
 
 
+class Switch(NamedTuple):
+    """An in-flight update: load() before decode position `at`; recompute: rebuild the KV cache."""
+
+    at: int
+    load: Callable
+    recompute: bool
+
+
+def _in_flight_sync(cfg: RLConfig, state: RunState) -> Callable:
+    """The deferred sync, run once: keep the trainer's copies of the old version for the behaviour
+    pass (state.old_behaviour), export the master, load it into the sampler."""
+
+    def load():
+        if state.since_sync == 0:  # done already
+            return
+        trainer = state.trainer
+        state.old_behaviour = (copy.deepcopy(trainer.behaviour),
+                               copy.deepcopy(trainer.master_at_export))
+        served, _ = trainer.export(cfg.export, generator=state.gen)
+        state.sampler.load_weights(served)  # TIM: the update lands between two tokens
+        state.since_sync = 0
+
+    return load
+
+
 def sample_batch(cfg: RLConfig, step: int, state: RunState) -> tuple[Rollout, list[str]]:
-    """This step's prompts, G samples each, on the trainer's device; and their answers."""
+    """This step's prompts, G samples each, on the trainer's device; and their answers. Each token's
+    version: the trainer's after v optimizer steps. With --in-flight a sync that is due lands at
+    decode position --in-flight-at of this batch: the tokens from there on are the trainer's."""
     problems = state.train_set[step * cfg.prompts : (step + 1) * cfg.prompts]
     prompts = [state.tokenizer.encode(prompt) for prompt, _ in problems]
+    versions = ((step - state.since_sync) * cfg.updates_per_batch, step * cfg.updates_per_batch)
+    in_flight = cfg.in_flight and state.since_sync >= cfg.sync_every
+    kwargs = {}
+    if in_flight:
+        kwargs["switch"] = Switch(cfg.in_flight_at, _in_flight_sync(cfg, state), cfg.kv_recompute)
     ro = state.sampler.sample(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, state.topk,
-                              state.gen, cfg.top_p, cfg.top_k, cfg.min_p)
+                              state.gen, cfg.top_p, cfg.top_k, cfg.min_p, **kwargs)
+    ro.versions = torch.full_like(ro.response_ids, versions[0])  # (B, T)
+    if in_flight:
+        kwargs["switch"].load()  # every row ended before the update: it lands now (else a no-op)
+        ro.versions[:, cfg.in_flight_at :] = versions[1]
     return ro, [answer for _, answer in problems]  # the samplers return it on the trainer's device
+
+
+def behaviour_pass(cfg: RLConfig, step: int, state: RunState, ro: Rollout) -> Behaviour:
+    """Trainer.behaviour_logprobs; after an in-flight update, each token's on the version that
+    sampled it (the old one's from state.old_behaviour)."""
+    trainer = state.trainer
+    behaviour = trainer.behaviour_logprobs(ro, cfg.temperature, state.truncation,
+                                           cfg.routing_replay)
+    if state.old_behaviour is None:
+        return behaviour
+    new = (trainer.behaviour, trainer.master_at_export)
+    trainer.behaviour, trainer.master_at_export = state.old_behaviour
+    old = trainer.behaviour_logprobs(ro, cfg.temperature, state.truncation, cfg.routing_replay)
+    trainer.behaviour, trainer.master_at_export = new
+    state.old_behaviour = None
+    newer = ro.versions == step * cfg.updates_per_batch  # (B, T) the tokens after the update
+    logp_old = torch.where(newer, behaviour.logp_old, old.logp_old)
+    logp_master_old = behaviour.logp_master_old
+    if logp_master_old is not None:
+        logp_master_old = torch.where(newer, logp_master_old, old.logp_master_old)
+    return behaviour._replace(logp_old=logp_old, logp_master_old=logp_master_old)
+
+
+def stale_rows(cfg: RLConfig, step: int, ro: Rollout) -> tuple[torch.Tensor, dict]:
+    """(B,) the responses whose oldest token is more than --max-staleness versions behind the
+    trainer at the update (dropped from the loss unless --keep-stale), and the step's staleness
+    record: the token ages' histogram, mean and max, the share of responses that mix versions
+    (miles' mixed_version_ratio), the share dropped."""
+    age = step * cfg.updates_per_batch - ro.versions  # (B, T) versions behind, per token
+    rows = ro.mask.any(1)  # (B,)
+    oldest = torch.where(ro.mask, age, -1).amax(1)  # (B,)
+    youngest = torch.where(ro.mask, age, age.max() + 1).amin(1)
+    stale = rows & (cfg.max_staleness >= 0) & (oldest > cfg.max_staleness)
+    record = {"staleness_hist": torch.bincount(age[ro.mask]).tolist(),
+              "staleness_mean": float(age[ro.mask].double().mean()),
+              "staleness_max": int(oldest.max()),
+              "mixed_version_ratio": float((oldest > youngest)[rows].double().mean()),
+              "frac_stale_rows": float(stale[rows].double().mean())}
+    return stale, record
 
 
 def merge_kept_support(ro: Rollout, rebuilt) -> dict:
@@ -3618,7 +3710,7 @@ def sync_sampler(cfg: RLConfig, state: RunState, ro: Rollout, behaviour: Behavio
             anchor = behaviour.logp_old
         due = dlc_should_resync(logp_next, anchor, ro.mask, state.since_sync,
                                 cfg.dlc_max_staleness, cfg.dlc_max_lag)
-    if not due:
+    if not due or cfg.in_flight:  # in flight: it lands inside the next batch (sample_batch)
         return None
     meter.lap("sync")
     served, visible = state.trainer.export(cfg.export, generator=state.gen)
@@ -3663,6 +3755,9 @@ def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
     meter = StepMeter(STEP_PHASES)
     # 1) sample
     ro, answers = sample_batch(cfg, step, state)
+    stale, staleness = stale_rows(cfg, step, ro)
+    if not cfg.keep_stale:  # async: too stale to train on (their rewards still set the baseline)
+        ro.mask = ro.mask & ~stale[:, None]
     meter.lap("sample")
     # 2) score: the verifier's reward per sequence
     rewards = [verify(text, answers[i // cfg.group]) for i, text in enumerate(ro.texts)]
@@ -3670,8 +3765,7 @@ def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
     # 3) behaviour pass: the trainer engine on the weights the sampler holds, and on the master
     # (with truncation the same forward rebuilds the kept support; an MoE model: also on the
     # sampler's experts)
-    behaviour = state.trainer.behaviour_logprobs(ro, cfg.temperature, state.truncation,
-                                                 cfg.routing_replay)
+    behaviour = behaviour_pass(cfg, step, state, ro)
     if state.truncation:
         extra = merge_kept_support(ro, behaviour.rebuilt)
     else:
@@ -3692,8 +3786,33 @@ def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
     visible = sync_sampler(cfg, state, ro, behaviour, meter)
     meter.lap("sync")
     # 6) ledger and metrics
+    if cfg.in_flight or cfg.max_staleness >= 0:  # async: the versions' record
+        extra |= staleness | version_gaps(cfg, step, ro, updates[0].logp_kept, behaviour)
     record = step_record(cfg, step, state, ro, rewards, behaviour, updates, visible, extra)
     return record | meter.record()
+
+
+def _mean_or_none(x: torch.Tensor) -> float | None:
+    """The mean of a 1-D tensor, None when it is empty (JSON has no NaN)."""
+    if x.numel() == 0:
+        return None
+    return float(x.double().mean())
+
+
+def version_gaps(cfg: RLConfig, step: int, ro: Rollout, logp, behaviour: Behaviour) -> dict:
+    """Async: mean |log p - log q| on a response's first token of a newer version (the in-flight
+    boundary) and on every other token; the ledger's lag part, mean |log p - log p_old|, by version
+    age (p the trainer before this batch's update)."""
+    newer = torch.zeros_like(ro.mask)
+    newer[:, 1:] = ro.versions[:, 1:] > ro.versions[:, :-1]  # (B, T) the first token after a switch
+    gap = (logp - ro.logp_infer).abs()
+    record = {"mm_abs_diff_boundary": _mean_or_none(gap[ro.mask & newer]),
+              "mm_abs_diff_away": _mean_or_none(gap[ro.mask & ~newer])}
+    age = step * cfg.updates_per_batch - ro.versions
+    lag = (logp - behaviour.logp_old).abs()
+    for a in age[ro.mask].unique().tolist():
+        record[f"ledger_lag_abs_age{a}"] = float(lag[ro.mask & (age == a)].double().mean())
+    return record
 
 
 def peak_rss_mb() -> float:
@@ -4053,6 +4172,15 @@ class RLConfig:
     lr: float = cli_field(3e-5, "learning rate (1e-4 knocks the tiny model back early)")
     sync_every: int = cli_field(1, "copy the trainer into the sampler every k steps (lag k - 1)")
     updates_per_batch: int = cli_field(1, "optimizer steps per rollout batch (verl ppo_epochs)")
+    in_flight: bool = cli_field(False, "async: a due sync lands mid-generation of the next batch "
+                                "(partial rollout), at decode position --in-flight-at")
+    in_flight_at: int = cli_field(1, "decode position of an in-flight update (1: every response "
+                                  "of 2+ tokens spans it)")
+    kv_recompute: bool = cli_field(False, "in-flight: recompute the earlier tokens' KV cache under "
+                                   "the new weights (default: kept, as computed)")
+    max_staleness: int = cli_field(-1, "async: drop responses whose oldest token is more than this "
+                                   "many versions behind the trainer (-1: no bound)")
+    keep_stale: bool = cli_field(False, "with --max-staleness: keep them, only count them")
     export: str = cli_field("rtn", "fp32 -> bf16/fp16 export rounding: rtn | sr | ef")
     loss_on_served: bool = cli_field(False, "Fair Cast: forward on the served weights")
     tis_cap: float = cli_field(2.0, "TIS cap C of the token-level weights (tis, ppo, sc_tis)")
@@ -4113,7 +4241,8 @@ def _check_engine(engine: EngineSpec) -> None:
 CONFIG_MIN = {"steps": 1, "prompts": 1, "group": 1, "max_new_tokens": 1, "eval_every": 1,
               "eval_n": 1, "sync_every": 1, "updates_per_batch": 1, "checkpoint_every": 0,
               "topk": 0, "temperature": 0, "batch": 1, "digits": 1, "repeats": 1, "task_digits": 0,
-              "noise": 0, "router_noise": 0, "router_jitter": 0}
+              "noise": 0, "router_noise": 0, "router_jitter": 0, "max_staleness": -1,
+              "in_flight_at": 1}
 CONFIG_POSITIVE = ("lr", "tis_cap", "seq_tis_cap", "dlc_lag_cap", "mis_high", "dppo_delta",
                    "vllm_gpu_memory")
 
@@ -4154,6 +4283,24 @@ def has_chat_template(model_dir: str | Path) -> bool:
     if (d / "chat_template.jinja").is_file():
         return True
     return config.is_file() and "chat_template" in json.loads(config.read_text())
+
+
+def _async_mistakes(cfg) -> list[tuple[bool, str]]:
+    """(wrong, message) of the async schedule's settings."""
+    other = cfg.sampler != "torch" or cfg.exact or _truncates(cfg) or cfg.dlc_max_lag > 0
+    return [
+        (cfg.in_flight and cfg.sync_every == 1,
+         ("--in-flight with --sync-every 1: a sync after every step leaves no update in flight "
+          "(use --sync-every >= 2)")),
+        (cfg.in_flight and cfg.in_flight_at >= cfg.max_new_tokens,
+         f"--in-flight-at {cfg.in_flight_at} must be < --max-new-tokens {cfg.max_new_tokens}"),
+        (cfg.in_flight and other,
+         ("--in-flight runs with the torch sampler alone (no --sampler vllm, --exact, --top-p, "
+          "--top-k, --min-p or --dlc-max-lag)")),
+        ((cfg.kv_recompute or cfg.in_flight_at != 1) and not cfg.in_flight,
+         "--kv-recompute and --in-flight-at apply to --in-flight only"),
+        (cfg.keep_stale and cfg.max_staleness < 0, "--keep-stale needs --max-staleness >= 0"),
+    ]
 
 
 def _vllm_mistakes(cfg) -> list[tuple[bool, str]]:
@@ -4213,6 +4360,7 @@ def check_run_config(cfg) -> None:
          ("--temperature 0 samples greedily: a group's samples are identical, so every advantage "
           "is 0 (use --temperature > 0, or --baseline none)")),
         *_vllm_mistakes(cfg),
+        *_async_mistakes(cfg),
         (Path(cfg.out_dir, cfg.name).resolve() == Path(cfg.model).resolve(),
          (f"--out-dir {cfg.out_dir} --name {cfg.name}: that run directory is the --model directory "
           "(a run writes config.json there)")),
@@ -4228,6 +4376,9 @@ def check_run_config(cfg) -> None:
 def check_model_routers(cfg, model) -> None:
     """A UsageError when a router flag is set but the loaded model has no router tim_rl replays (no
     silent no-op)."""
+    if cfg.in_flight and is_moe(model):
+        raise UsageError("--in-flight with an MoE model: its behaviour pass replays one version's "
+                         "experts (run --in-flight on a dense model)")
     names = ("routing_replay", "router_noise", "router_jitter")
     flags = [f"{cli_flag(n)} {getattr(cfg, n)}" for n in names
              if getattr(cfg, n) not in ("none", 0.0)]

@@ -2392,8 +2392,9 @@ def reader_measures(source: str) -> dict:
 # what issue 56 asked tim_rl.py to do (framework modes as arguments, one IcePop band, a refused rerun of a run, the
 # Ctrl-C line that says what was kept), less a simplification of the demo; and by 910 for issue 58's
 # layer_divergence and `doctor --models` (that issue's budget: <= 1,000 tokens of code); and by 790 for issue 57's
-# async corrections (prox_logp_loglinear, m2po_mask, binary_kl_mask, dppo_kl_loss, sapo_loss; its budget 2,500).
-REFERENCE_MEASURES = {"tokens": 33_330, "tokens_per_line": 11.9, "ifexp": 21}
+# async corrections (prox_logp_loglinear, m2po_mask, binary_kl_mask, dppo_kl_loss, sapo_loss) and by 1,200 for its
+# schedule (in-flight updates, per-token versions, the staleness bound; that issue's budget: 2,500 in all).
+REFERENCE_MEASURES = {"tokens": 34_530, "tokens_per_line": 11.9, "ifexp": 21}
 
 
 def test_the_reference_stays_within_what_a_reader_meets():
@@ -5024,3 +5025,96 @@ def test_doctor_models_names_config_fields_refuses_other_models_and_bad_prompts(
     tr.doctor_main(["--models", str(tmp_path / "a"), str(tmp_path / "a"), "--prompts", str(tmp_path / "p.txt")])
     out = capsys.readouterr().out
     assert "config fields that differ: none" in out and out.splitlines()[-1] == "no layer stands out", out
+
+
+# =================================================================================================================
+# ---- async rollouts: the in-flight schedule, per-token versions, the staleness bound (issue 57, item 1) ----
+
+
+def _reference_logp(model_old, model_new, ids: list[int], prompt_len: int, at: int, recompute: bool) -> list[float]:
+    """A slow, one-row, teacher-forced reference of what the sampler recorded: the response's tokens before decode
+    position `at` scored by the old weights; from `at` on by the new ones, on a KV cache of the old weights for
+    every position before the one fed at step `at` (kept), or on the new weights' own full forward (recompute)."""
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        old = torch.log_softmax(model_old(input_ids=x).logits[0].float(), -1)
+        new = torch.log_softmax(model_new(input_ids=x).logits[0].float(), -1)
+        out = []
+        cache = model_old(input_ids=x[:, : prompt_len + at - 1], use_cache=True).past_key_values
+        for t in range(len(ids) - prompt_len):
+            position = prompt_len + t - 1  # the logits that predict response token t
+            if t < at:
+                out.append(float(old[position, ids[position + 1]]))
+            elif recompute:
+                out.append(float(new[position, ids[position + 1]]))
+            else:  # the new weights on the old weights' cache, one token at a time
+                step = model_new(input_ids=x[:, position : position + 1], past_key_values=cache, use_cache=True)
+                cache = step.past_key_values
+                out.append(float(torch.log_softmax(step.logits[0, -1].float(), -1)[ids[position + 1]]))
+    return out
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["kv-kept", "kv-recomputed"])
+def test_in_flight_logp_infer_is_each_tokens_own_version_by_a_slow_reference(base_model_dir, recompute):
+    """The honesty test of --in-flight: a batch whose weights change before decode position 2, every recorded
+    log q equal (1e-5) to a one-row reference that switches weights at that token's version boundary, the earlier
+    keys and values kept as the old weights computed them or recomputed under the new ones. The twins: scoring
+    every token with the old weights (versions the sampler never held after the switch), or with the other KV
+    mode, misses by far more."""
+    sampler = tr.TorchSampler(base_model_dir)
+    old = tr.copy.deepcopy(sampler.model)
+    new = tr.copy.deepcopy(old)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * p.abs().mean())
+    tok = sampler.tokenizer
+    prompts = [tok.encode(q) for q, _ in tr.make_arithmetic_task(6, seed=1, split="eval")]
+    switch = tr.Switch(2, lambda: sampler.load_weights(dict(new.named_parameters())), recompute)
+    ro = sampler.sample(prompts, 2, 6, 1.0, 0, torch.Generator().manual_seed(0), switch=switch)
+    worst, worst_other, worst_old = 0.0, 0.0, 0.0
+    for b in range(len(ro.mask)):
+        prompt = [int(i) for i in ro.prompt_ids[b][ro.prompt_mask[b]]]
+        n = int(ro.mask[b].sum())
+        ids = prompt + [int(i) for i in ro.response_ids[b, :n]]
+        ref = torch.tensor(_reference_logp(old, new, ids, len(prompt), 2, recompute))
+        other = torch.tensor(_reference_logp(old, new, ids, len(prompt), 2, not recompute))
+        stale = torch.tensor(_reference_logp(old, old, ids, len(prompt), 2, recompute))
+        got = ro.logp_infer[b, :n]
+        worst = max(worst, float((got - ref).abs().max()))
+        worst_other = max(worst_other, float((got - other).abs().max()))
+        worst_old = max(worst_old, float((got - stale).abs().max()))
+    assert ro.mask[:, 3:].any(), "some responses run past the switch"
+    assert worst < 1e-5 and worst_old > 1e-3 and worst_other > 1e-4, (worst, worst_old, worst_other)
+
+
+def test_in_flight_run_records_versions_and_the_kv_caches_share(base_model_dir, tmp_path):
+    """train --sync-every 3 --in-flight (fp32 sampler): the sync due after step 2 lands inside step 3's batch at
+    decode position 1, so nearly every response mixes two versions (ages 0 and 3); with the KV cache recomputed the
+    boundary token's |log p - log q| is exactly 0, with it kept it is not (the kept cache's share). The same seed
+    gives the same versions. --max-staleness 1 drops the responses of the lagged steps (their ages 2)."""
+    common = {"model": str(base_model_dir), "out_dir": str(tmp_path), "steps": 4, "sync_every": 3, "prompts": 4,
+              "group": 4, "eval_every": 4, "eval_n": 8, "progress": False, "checkpoint_every": 0}
+    runs = {}
+    for name, change in (("kept", {}), ("again", {}), ("recomputed", {"kv_recompute": True})):
+        records = tr.run(tr.RLConfig(name=name, in_flight=True, **common | change))
+        runs[name] = [r for r in records if "reward" in r]
+    step3 = {name: records[3] for name, records in runs.items()}
+    assert step3["kept"]["mixed_version_ratio"] > 0.9 and step3["kept"]["staleness_hist"][3] > 0
+    assert step3["recomputed"]["mm_abs_diff_boundary"] == 0.0 < step3["kept"]["mm_abs_diff_boundary"]
+    assert [r["staleness_hist"] for r in runs["kept"]] == [r["staleness_hist"] for r in runs["again"]]
+    dropped = [r for r in tr.run(tr.RLConfig(name="drop", max_staleness=1, **common)) if "reward" in r]
+    assert [r["frac_stale_rows"] for r in dropped] == [0.0, 0.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--in-flight"], "--in-flight with --sync-every 1"),
+    (["--in-flight", "--sync-every", "2", "--in-flight-at", "5"], "--in-flight-at 5 must be <"),
+    (["--in-flight", "--sync-every", "2", "--top-p", "0.9"], "--in-flight runs with the torch sampler alone"),
+    (["--kv-recompute"], "--kv-recompute and --in-flight-at apply to --in-flight only"),
+    (["--max-staleness", "-2"], "--max-staleness must be >= -1"),
+    (["--keep-stale"], "--keep-stale needs --max-staleness >= 0")])
+def test_async_flags_refused_in_one_line(flags, says, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        tr.main(["train", "--out-dir", str(tmp_path), "--steps", "1", *flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and says in err, err
