@@ -1653,6 +1653,7 @@ def test_divergence_arms_weigh_each_token_by_their_formula(correction, reduce):
 
 # (B, 1) hand-made batch of the other arm tests: p_old = 0.5, rho = p / q, A = +1, +1, -1, -1 (ADV)
 RHO_2026 = torch.tensor([[3.0], [0.5], [1.2], [0.8]])
+TAU = torch.where(ADV > 0, 1.0, 1.05)  # SAPO's gate temperatures by the advantage's sign
 
 
 @pytest.mark.parametrize("correction,cfg,expected", [
@@ -1666,6 +1667,12 @@ RHO_2026 = torch.tensor([[3.0], [0.5], [1.2], [0.8]])
     # OPSM: A < 0 and mean log q / p = -log rho > 0.1 drops the fourth sequence only (the third has log q/p < 0)
     ("opsm", {"opsm_delta": 0.1}, lambda rho: torch.tensor([[1.0], [1], [1], [0]])),
     ("none", {"k2_coef": 0.1}, lambda rho: 1 - 0.1 * rho.log() / ADV),  # k2: w = 1 - c (logp - logp_infer) / A
+    # SAPO: w = f'(r) r = 4 s (1 - s) r, s = sigmoid(tau (r - 1)), tau 1 where A > 0, 1.05 where A < 0
+    ("sapo", {}, lambda rho: 4 * torch.sigmoid(TAU * (rho - 1)) * (1 - torch.sigmoid(TAU * (rho - 1))) * rho),
+    # binary KL(q || p) 0.243 (moved toward A > 0: masked), q = 1 (against A), against A < 0, 0.032 < 0.05
+    ("dppo_kl", {}, lambda rho: torch.tensor([[0.0], [1], [1], [1]]) * rho),
+    # M2PO: m2 = (log rho)^2 = 1.21, 0.48, 0.033, 0.050: the tail means fall below 0.04 once three are dropped
+    ("m2po", {}, lambda rho: torch.tensor([[0.0], [0], [1], [0]])),
 ])
 def test_2026_arms_on_a_hand_made_batch(correction, cfg, expected):
     logp_old = torch.log(torch.full((4, 1), 0.5))
@@ -1674,7 +1681,8 @@ def test_2026_arms_on_a_hand_made_batch(correction, cfg, expected):
     assert not torch.allclose(w, torch.ones(4, 1), atol=1e-3), "anti-vacuity: the arm did something here"
 
 
-@pytest.mark.parametrize("correction", ["rs", "rs_seq_max", "rs_seq_mean", "rs_seq_sum", "tis_sn", "opsm", "cispo"])
+@pytest.mark.parametrize("correction", ["rs", "rs_seq_max", "rs_seq_mean", "rs_seq_sum", "tis_sn", "opsm", "cispo",
+                                        "sapo", "dppo_kl", "m2po"])
 def test_2026_arms_reduce_to_plain_reinforce_without_mismatch(correction):
     logp = torch.log(torch.tensor([[0.5, 0.2], [0.4, 0.9], [0.6, 0.3], [0.3, 0.7]]))
     for cfg in ({}, {"k2_coef": 1e-3}):

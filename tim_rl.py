@@ -1349,12 +1349,13 @@ def binary_kl_mask(logp, logp_infer, adv, mask, delta_low: float = 0.05,
     DPPO's binary-KL trust region (arXiv 2602.04879, eq. 14; SkyRL dppo_type="binary_kl", its
     recommended delta 0.05), beside dppo_loss's binary TV. Non-finite -> 0.
 
-    needs: _log_ratio, _check_adv, log1mexp, _check_bt, _upcast, _check_tensor
+    needs: _log_ratio, _check_adv, _check_bt, _upcast, _check_tensor
     """
     _, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
     A = _check_adv(adv, mask)
     lp, lq = (torch.where(ok, x.detach(), -1.0) for x in _upcast(logp, logp_infer))
-    kl = lq.exp() * (lq - lp) + (-torch.expm1(lq)) * (log1mexp(lq) - log1mexp(lp))
+    q_out, p_out = -torch.expm1(lq), -torch.expm1(lp)  # 1 - q, 1 - p; 0 log 0 = 0 (xlogy)
+    kl = lq.exp() * (lq - lp) + torch.xlogy(q_out, q_out) - torch.xlogy(q_out, p_out)
     up = (A > 0) & (lp > lq) & (kl > delta_high)
     down = (A < 0) & (lp < lq) & (kl > delta_low)
     return (ok & ~up & ~down).float()
@@ -1539,8 +1540,8 @@ def dppo_kl_loss(logp, logp_infer, adv, mask, delta_low: float = 0.05, delta_hig
     as dppo_loss; r held at e^DPPO_LOG_RATIO_MAX, where SkyRL bounds log r at +-20). Non-finite
     log-ratio -> token dropped. (B, T) -> ().
 
-    needs: binary_kl_mask, _log_ratio, _check_adv, log1mexp, masked_mean, DPPO_LOG_RATIO_MAX,
-    _check_bt, _upcast, _check_tensor
+    needs: binary_kl_mask, _log_ratio, _check_adv, masked_mean, DPPO_LOG_RATIO_MAX, _check_bt,
+    _upcast, _check_tensor
     """
     keep = binary_kl_mask(logp, logp_infer, adv, mask, delta_low, delta_high)
     logp, = _upcast(logp)
@@ -3391,6 +3392,11 @@ def _pg(x: LossInputs, weights=None):
     return pg_loss(x.logp, x.adv, x.mask, weights)
 
 
+def _m2po(cfg, x: LossInputs):
+    """M2PO's mask on the behaviour gap p_prox / q (AReaL: its old_logp is the rollout's)."""
+    return m2po_mask(x.logp_prox, x.logp_infer, x.mask, cfg.m2_threshold)
+
+
 def _ppo(cfg, x: LossInputs, weights=None):
     """Decoupled PPO: the update p / p_prox clipped, the behaviour gap p_prox / q in `weights`."""
     return ppo_loss(x.logp, x.logp_prox, x.adv, x.mask, weights, cfg.eps_low, cfg.eps_high)  # TIM
@@ -3479,6 +3485,14 @@ ARMS = {
     "cispo": Arm(lambda c, x: cispo_loss(x.logp, x.logp_infer, x.adv, x.mask, c.eps_high),
                  shares=lambda c, x: _dropped(x.logp_now - x.logp_infer > math.log1p(c.eps_high),
                                               x.mask, "clipped")),
+    # the async frameworks': SAPO's soft gate on p / q (AReaL: the rollout's log-probs as p_old),
+    # M2PO's second-moment bound on decoupled PPO, DPPO's binary-KL trust region (SkyRL)
+    "sapo": Arm(lambda c, x: sapo_loss(x.logp, x.logp_infer, x.adv, x.mask, c.sapo_tau_pos,
+                                       c.sapo_tau_neg)),
+    "m2po": Arm(lambda c, x: _ppo(c, x, _m2po(c, x)),
+                shares=lambda c, x: _dropped(_m2po(c, x) == 0, x.mask)),
+    "dppo_kl": Arm(lambda c, x: dppo_kl_loss(x.logp, x.logp_infer, x.adv, x.mask, c.dppo_kl_delta,
+                                             c.dppo_kl_delta)),
     # TIM: the whole sequence's ratio p / q, its log averaged over the tokens, clipped per sequence
     "gspo": Arm(lambda c, x: gspo_loss(x.logp, x.logp_infer, x.adv, x.mask, c.gspo_eps_low,
                                        c.gspo_eps_high)),
@@ -4191,6 +4205,11 @@ class RLConfig:
     eps_low: float = cli_field(0.2, "PPO clip low")
     eps_high: float = cli_field(0.28, "PPO clip high")
     dppo_delta: float = cli_field(0.2, "DPPO trust region on |p - q|")
+    dppo_kl_delta: float = cli_field(0.05, "dppo_kl: binary-KL trust region (SkyRL delta_low/high)")
+    m2_threshold: float = cli_field(0.04, "m2po: bound on the mean (log p_prox - log q)^2 (AReaL "
+                                    "m2_threshold)")
+    sapo_tau_pos: float = cli_field(1.0, "sapo: gate temperature where A > 0 (AReaL sapo_tau_pos)")
+    sapo_tau_neg: float = cli_field(1.05, "sapo: gate temperature where A <= 0 (sapo_tau_neg)")
     rs_threshold: float = cli_field(0.01, "rs arms: drop divergence > it (k1: q/p in [1/it, it])")
     rs_estimator: str = cli_field("k3", "rs arms' estimate of KL(q || p) per token: k1 | k2 | k3")
     opsm_delta: float = cli_field(1e-4, "opsm: drop A < 0 sequences, mean(logp_infer - logp) > it")
@@ -4244,7 +4263,8 @@ CONFIG_MIN = {"steps": 1, "prompts": 1, "group": 1, "max_new_tokens": 1, "eval_e
               "noise": 0, "router_noise": 0, "router_jitter": 0, "max_staleness": -1,
               "in_flight_at": 1}
 CONFIG_POSITIVE = ("lr", "tis_cap", "seq_tis_cap", "dlc_lag_cap", "mis_high", "dppo_delta",
-                   "vllm_gpu_memory")
+                   "vllm_gpu_memory", "dppo_kl_delta", "m2_threshold", "sapo_tau_pos",
+                   "sapo_tau_neg")
 
 
 def config_choices() -> dict[str, tuple]:
