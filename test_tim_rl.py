@@ -2321,3 +2321,27 @@ def test_sapo_gradient_is_pgs_at_r_1_and_its_soft_gate_elsewhere():
     s = torch.sigmoid(tau * (r - 1))
     assert torch.allclose(w, 4 * s * (1 - s) * r, atol=1e-6)
     assert not torch.allclose(w, torch.ones_like(w), atol=1e-2), "the twin: away from r = 1 it is not PG"
+
+
+def test_the_doctor_names_mixed_versions_where_the_gap_jumps_at_a_version_boundary():
+    """issue 57, item 6: 64 responses of 8 tokens, half of them spanning an in-flight update (tokens 0-3 of version
+    5, 4-7 of version 8): the older tokens carry a lag of 0.05 per token, the newer ones bf16-like noise 0.003. The
+    doctor names "mixed versions" and reports the gap by version age. The twin: the same versions with one gap on
+    every token read absent; without versions the test does not appear at all."""
+    g = torch.Generator().manual_seed(5)
+    q = -torch.rand(64, 8, generator=g) * 2
+    mask = torch.ones(64, 8, dtype=torch.bool)
+    versions = torch.full((64, 8), 8)
+    versions[:32, :4] = 5
+    older = versions == 5
+    p = q + torch.where(older, 0.05, 0.003) * torch.randn(64, 8, generator=g)
+    found = tr.diagnose_mismatch(p, q, mask, versions=versions)
+    assert found.cause == "mixed versions" and _verdicts(found)["mixed versions"] == "present", found
+    assert found.numbers["mean |log p/q|, version age 3"] > 5 * found.numbers["mean |log p/q|, version age 0"]
+    even = tr.diagnose_mismatch(q + 0.01 * torch.randn(64, 8, generator=g), q, mask, versions=versions)
+    assert _verdicts(even)["mixed versions"] == "absent", even
+    assert "mixed versions" not in _verdicts(tr.diagnose_mismatch(p, q, mask))
+    with pytest.raises(TypeError, match="versions"):
+        tr.diagnose_mismatch(p, q, mask, versions=versions.float())
+    with pytest.raises(ValueError, match="versions must be >= 0"):
+        tr.diagnose_mismatch(p, q, mask, versions=versions - 6)

@@ -249,6 +249,16 @@ def _check_bt(mask, **tensors) -> None:
             raise ValueError(f"{name} on {x.device}, mask on {mask.device}: put both on one device")
 
 
+def _check_versions(versions, mask) -> None:
+    """A TypeError or ValueError naming `versions` unless an integer tensor of mask's shape."""
+    if not isinstance(versions, torch.Tensor) or versions.is_floating_point():
+        raise TypeError(f"versions must be an integer torch.Tensor (B, T), got "
+                        f"{getattr(versions, 'dtype', type(versions).__name__)}")
+    if versions.shape != mask.shape:
+        raise ValueError(f"versions must have shape (B, T) = {tuple(mask.shape)}, got "
+                         f"{tuple(versions.shape)}")
+
+
 def _check_adv(adv, mask, name: str = "adv") -> torch.Tensor:
     """Advantages (B, T), (B, 1) or (B,) as a detached (B, T) float tensor; non-finite -> 0.
 
@@ -516,6 +526,9 @@ DOCTOR_ADVICE = {
     "outliers": "a few sequences carry the gap (a stale request, another checkpoint?): seq_mask / "
                 "seq_tis",
     "routing": "MoE experts flip where the gap is largest: routing replay (r3) or fp32 routers",
+    "mixed versions": "in-flight updates mix policy versions inside responses: each token on its "
+                      "own version's proximal policy (prox_logp_loglinear), m2po, or "
+                      "--max-staleness",
 }
 DOCTOR_CAUSES = tuple(DOCTOR_ADVICE)
 DOCTOR_MIN_ROWS = 20  # the outliers test: its worst 5 % is at least one row in 20
@@ -650,6 +663,34 @@ def _routing_signature(d, ok, routes) -> dict:
     return _signature("routing", measures, float(after / before.clamp(min=1e-9)), 3.0)
 
 
+def _versions_signature(d, ok, versions) -> dict:
+    """An in-flight update mixes policy versions inside a response: the older tokens' gap (more
+    lag, and the KV cache they left) differs from the newer ones'. A Welch t of |d|, the oldest
+    version's tokens vs the rest, over the responses that hold two or more versions."""
+    measures = "t of |d|, older vs newer tokens inside mixed responses"
+    oldest = torch.where(ok, versions, versions.max() + 1).amin(1, keepdim=True)  # (B, 1)
+    newest = torch.where(ok, versions, versions.min() - 1).amax(1, keepdim=True)
+    mixed = ok & (newest > oldest)  # (B, T) the tokens of responses that span an update
+    older, newer = d.abs()[mixed & (versions == oldest)], d.abs()[mixed & (versions > oldest)]
+    if min(older.numel(), newer.numel()) < 2:
+        return _signature("mixed versions", measures, math.nan, 3.0, "cannot tell without mixed "
+                          "responses")
+    spread = (older.var() / older.numel() + newer.var() / newer.numel()).sqrt().clamp(min=1e-12)
+    t = float((older.mean() - newer.mean()).abs() / spread)
+    return _signature("mixed versions", measures, t, 3.0)
+
+
+def _versions_evidence(d, ok, mask, versions) -> list[dict]:
+    """[_versions_signature] when the caller gave versions (checked), else [] (the doctor as
+    without them)."""
+    if versions is None:
+        return []
+    _check_versions(versions, mask)
+    if (versions[mask] < 0).any():
+        raise ValueError("versions must be >= 0 on the mask (each generated token's version)")
+    return [_versions_signature(d, ok, versions)]
+
+
 def _truncation_signature(d, ok, n, mask, logp_train_topk, topk_ids) -> dict:
     """A sampler renormalised on its top-p / top-k support records q = p / S on the kept tokens, so
     p / q = S <= 1 on every token and mean(p / q) = the kept mass; every other cause keeps E_q[p /
@@ -695,9 +736,10 @@ def _numerics_signature(d, ok, worst, lag) -> dict:
                       beside_lag)
 
 
-def _doctor_numbers(d, n, mean_abs: float) -> dict:
+def _doctor_numbers(d, n, mean_abs: float, ok, versions=None) -> dict:
     """mean / max |d| per token, the mean answer length T, percentiles of per-sequence sum_t d, the
-    shares of tokens and sequences beyond the TIS cap 2 and outside ICEPOP_BAND."""
+    shares of tokens and sequences beyond the TIS cap 2 and outside ICEPOP_BAND; with versions,
+    mean |d| by version age (the batch's newest version at age 0)."""
     seq = d.sum(1, dtype=torch.float64)[n > 0]  # (B',)
     numbers = {"mean |log p/q| per token": mean_abs, "max |log p/q|": max(d.max(), -d.min()).item(),
                "T, mean answer length (tokens)": float(n[n > 0].double().mean())}
@@ -708,18 +750,24 @@ def _doctor_numbers(d, n, mean_abs: float) -> dict:
         lo, hi = ICEPOP_BAND
         outside = (x < math.log(lo)) | (x > math.log(hi))
         numbers[f"{what} outside [{lo:g}, {hi:g}] (IcePop)"] = float(outside.sum() / count)
+    if versions is not None:
+        age = versions.max() - versions
+        for a in age[ok].unique().tolist():
+            numbers[f"mean |log p/q|, version age {a}"] = float(d.abs()[ok & (age == a)].mean())
     return numbers
 
 
 def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=None,
-                      logp_train_topk=None, topk_ids=None) -> Diagnosis:
+                      logp_train_topk=None, topk_ids=None, versions=None) -> Diagnosis:
     """Why trainer (p) and sampler (q) disagree, from their per-token log-probs.
 
     Every signature's statistic and verdict; the first present one in DOCTOR_CAUSES' order of
     specificity is the cause, the rest also_possible. (B, T) float logp_train / logp_infer, (B, T)
     bool mask; advantages (B, T), (B, 1) or (B,) enables the lag test; routes = (routes_train,
     routes_infer), (B, T, L, k) int, the routing test; logp_train_topk (B, T, K) (the trainer at
-    the sampler's top-K ids topk_ids, only shape-checked) the exact truncation test.
+    the sampler's top-K ids topk_ids, only shape-checked) the exact truncation test; versions (B, T)
+    int, the policy version that sampled each token (async runs), the mixed-versions test and the
+    gap by version age (without it, neither appears).
     Reconstruction: the rules are this project's, tuned on its own engines (the lab's doctor-eval).
     Each signature is a small function of d = log p - log q on the usable tokens ok.
     Memory: about four times its inputs at the peak (`python -m lab bench`: 4.2x at B = 512, T =
@@ -728,7 +776,8 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     needs: _check_bt, _check_adv, _log_ratio, LOG_RATIO_CLAMP, Diagnosis, DOCTOR_ADVICE,
     _signature, _lag_signature, DOCTOR_MIN_ROWS, _padding_signature, _misaligned_signature,
     _routing_signature, _truncation_signature, _temperature_signature, _numerics_signature,
-    _doctor_numbers, ICEPOP_BAND, format_diagnosis, DOCTOR_METRIC_NAMES, _check_tensor, _upcast
+    _doctor_numbers, ICEPOP_BAND, format_diagnosis, DOCTOR_METRIC_NAMES, _check_tensor, _upcast,
+    _check_versions, _versions_evidence, _versions_signature
     """
     _check_bt(mask, logp_train=logp_train, logp_infer=logp_infer)
     p, q = logp_train.detach().float(), logp_infer.detach().float()
@@ -752,7 +801,7 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     # the evidence, in DOCTOR_CAUSES' order of specificity (the first present one is the cause)
     evidence = [
         _padding_signature(d, ok, n, rows), _misaligned_signature(d, p, q, ok),
-        _routing_signature(d, ok, routes), lag,
+        _routing_signature(d, ok, routes), *_versions_evidence(d, ok, mask, versions), lag,
         _signature("outliers", f"share of row means |d|, worst 5 % of {DOCTOR_MIN_ROWS}+ rows",
                    outliers, 0.6, few_rows),
         _truncation_signature(d, ok, n, mask, logp_train_topk, topk_ids),
@@ -765,7 +814,7 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     if mean_abs < 1e-4:  # below every real engine seen (fp16: ~1e-3)
         cause, present, also = "clean", [], []
     advice = "; ".join(DOCTOR_ADVICE[c] for c in [cause, *present[1:]])  # every cause present
-    return Diagnosis(cause, also, evidence, advice, _doctor_numbers(d, n, mean_abs))
+    return Diagnosis(cause, also, evidence, advice, _doctor_numbers(d, n, mean_abs, ok, versions))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1285,16 +1334,6 @@ def opsm_mask(logp, logp_infer, adv, mask, delta: float = 1e-4):
     seq_kl = total / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
     off_policy = (A < 0) & ~(seq_ok & (seq_kl <= delta))  # (B, T)
     return (ok & ~off_policy).float()
-
-
-def _check_versions(versions, mask) -> None:
-    """A TypeError or ValueError naming `versions` unless an integer tensor of mask's shape."""
-    if not isinstance(versions, torch.Tensor) or versions.is_floating_point():
-        raise TypeError(f"versions must be an integer torch.Tensor (B, T), got "
-                        f"{getattr(versions, 'dtype', type(versions).__name__)}")
-    if versions.shape != mask.shape:
-        raise ValueError(f"versions must have shape (B, T) = {tuple(mask.shape)}, got "
-                         f"{tuple(versions.shape)}")
 
 
 def prox_logp_loglinear(logp_infer, logp, versions, mask, version: int) -> torch.Tensor:
@@ -4723,7 +4762,8 @@ def doctor_main(argv: list[str]) -> None:
         _check_tensor(f"mask ({keys[2]})", mask, floating=False)
         if mask.dtype != torch.bool and torch.isin(mask, torch.tensor([0, 1])).all():  # 0 / 1
             mask = mask.bool()
-        print(diagnose_mismatch(train, infer, mask, advantages=tensors.get("advantages")))
+        print(diagnose_mismatch(train, infer, mask, advantages=tensors.get("advantages"),
+                                versions=tensors.get("versions")))
     except (OSError, ValueError, TypeError, RuntimeError, EOFError, SafetensorError) as e:
         parser.exit(2, f"tim_rl doctor: error: {args.file}: {str(e).splitlines()[0]}{read_as}\n")
 
