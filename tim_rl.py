@@ -3690,14 +3690,11 @@ def sample_batch(cfg: RLConfig, step: int, state: RunState) -> tuple[Rollout, li
     return ro, [answer for _, answer in problems]  # the samplers return it on the trainer's device
 
 
-def behaviour_pass(cfg: RLConfig, step: int, state: RunState, ro: Rollout) -> Behaviour:
-    """Trainer.behaviour_logprobs; after an in-flight update, each token's on the version that
-    sampled it (the old one's from state.old_behaviour)."""
+def mixed_behaviour(cfg: RLConfig, step: int, state: RunState, ro: Rollout,
+                    behaviour: Behaviour) -> Behaviour:
+    """After an in-flight update: the behaviour pass (on the new version) with each token before the
+    update scored on the old version's copies (state.old_behaviour) instead."""
     trainer = state.trainer
-    behaviour = trainer.behaviour_logprobs(ro, cfg.temperature, state.truncation,
-                                           cfg.routing_replay)
-    if state.old_behaviour is None:
-        return behaviour
     new = (trainer.behaviour, trainer.master_at_export)
     trainer.behaviour, trainer.master_at_export = state.old_behaviour
     old = trainer.behaviour_logprobs(ro, cfg.temperature, state.truncation, cfg.routing_replay)
@@ -3711,11 +3708,12 @@ def behaviour_pass(cfg: RLConfig, step: int, state: RunState, ro: Rollout) -> Be
     return behaviour._replace(logp_old=logp_old, logp_master_old=logp_master_old)
 
 
-def stale_rows(cfg: RLConfig, step: int, ro: Rollout) -> tuple[torch.Tensor, dict]:
-    """(B,) the responses whose oldest token is more than --max-staleness versions behind the
-    trainer at the update (dropped from the loss unless --keep-stale), and the step's staleness
-    record: the token ages' histogram, mean and max, the share of responses that mix versions
-    (miles' mixed_version_ratio), the share dropped."""
+def drop_stale(cfg: RLConfig, step: int, ro: Rollout) -> dict:
+    """Drop from the loss (ro.mask, unless --keep-stale) the responses whose oldest token is more
+    than --max-staleness versions behind the trainer at the update (their rewards still set the
+    group baseline); -> the step's staleness record: the token ages' histogram, mean and max, the
+    share of responses that mix versions (miles' mixed_version_ratio), the share beyond the
+    bound."""
     age = step * cfg.updates_per_batch - ro.versions  # (B, T) versions behind, per token
     rows = ro.mask.any(1)  # (B,)
     oldest = torch.where(ro.mask, age, -1).amax(1)  # (B,)
@@ -3726,7 +3724,9 @@ def stale_rows(cfg: RLConfig, step: int, ro: Rollout) -> tuple[torch.Tensor, dic
               "staleness_max": int(oldest.max()),
               "mixed_version_ratio": float((oldest > youngest)[rows].double().mean()),
               "frac_stale_rows": float(stale[rows].double().mean())}
-    return stale, record
+    if not cfg.keep_stale:
+        ro.mask = ro.mask & ~stale[:, None]
+    return record
 
 
 def merge_kept_support(ro: Rollout, rebuilt) -> dict:
@@ -3808,9 +3808,9 @@ def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
     meter = StepMeter(STEP_PHASES)
     # 1) sample
     ro, answers = sample_batch(cfg, step, state)
-    stale, staleness = stale_rows(cfg, step, ro)
-    if not cfg.keep_stale:  # async: too stale to train on (their rewards still set the baseline)
-        ro.mask = ro.mask & ~stale[:, None]
+    versions = {}
+    if cfg.in_flight or cfg.max_staleness >= 0:  # async: each token's age; the too stale dropped
+        versions = drop_stale(cfg, step, ro)
     meter.lap("sample")
     # 2) score: the verifier's reward per sequence
     rewards = [verify(text, answers[i // cfg.group]) for i, text in enumerate(ro.texts)]
@@ -3818,7 +3818,10 @@ def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
     # 3) behaviour pass: the trainer engine on the weights the sampler holds, and on the master
     # (with truncation the same forward rebuilds the kept support; an MoE model: also on the
     # sampler's experts)
-    behaviour = behaviour_pass(cfg, step, state, ro)
+    behaviour = state.trainer.behaviour_logprobs(ro, cfg.temperature, state.truncation,
+                                                 cfg.routing_replay)
+    if state.old_behaviour is not None:  # after an in-flight update: each token on its own version
+        behaviour = mixed_behaviour(cfg, step, state, ro, behaviour)
     if state.truncation:
         extra = merge_kept_support(ro, behaviour.rebuilt)
     else:
@@ -3826,21 +3829,18 @@ def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
     extra |= route_flips(ro, behaviour.routes)  # MoE: routing_flip_rate of two engines
     meter.lap("recompute")
     # 4) update(s): the arm's loss, updates_per_batch optimizer steps on the batch
-    updates = []
+    updates, logp_prox = [], None
     for _ in range(cfg.updates_per_batch):
         # TIM: the proximal policy is the trainer before this batch's first update (None: this is
         # it); R2 / R3: behaviour.update_routes are the experts every forward of the update replays
-        if updates:
-            logp_prox = updates[0].logp_prox
-        else:
-            logp_prox = None
         updates.append(update_on_batch(cfg, state, ro, rewards, behaviour, logp_prox, meter))
+        logp_prox = updates[0].logp_prox
     # 5) export / sync
     visible = sync_sampler(cfg, state, ro, behaviour, meter)
     meter.lap("sync")
     # 6) ledger and metrics
-    if cfg.in_flight or cfg.max_staleness >= 0:  # async: the versions' record
-        extra |= staleness | version_gaps(cfg, step, ro, updates[0].logp_kept, behaviour)
+    if versions:  # async: the versions' record
+        extra |= versions | version_gaps(cfg, step, ro, updates[0].logp_kept, behaviour)
     record = step_record(cfg, step, state, ro, rewards, behaviour, updates, visible, extra)
     return record | meter.record()
 
@@ -4548,7 +4548,7 @@ def _check_paths(args) -> None:
     if Path(name).name != name or name in ("", ".", ".."):  # runs/<name>/ stays inside --out-dir
         raise UsageError(f"--name {name!r}: a run name is a name, not a path (no / or ..)")
     run_dir = Path(getattr(args, "out_dir", None) or ".", name)
-    if args.cmd == "train" and not args.resume and (run_dir / "config.json").exists():
+    if args.cmd == "train" and not args.resume and (run_dir / "metrics.jsonl").exists():
         raise UsageError(f"--name {name}: {run_dir} holds a run already (continue it with "
                          f"--resume {run_dir}, or pass another --name)")
     out_dirs = [("out", getattr(args, "out", None)), ("out_dir", getattr(args, "out_dir", None))]

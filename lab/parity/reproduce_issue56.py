@@ -130,7 +130,7 @@ def main() -> None:
             _run(["train", "--name", "../../etc", "--out-dir", tmp], tmp),
         )
         Path(tmp, "run").mkdir()
-        Path(tmp, "run", "config.json").write_text("{}")
+        Path(tmp, "run", "metrics.jsonl").write_text("")
         show(
             "10",
             "train into a directory that holds a run",

@@ -259,7 +259,7 @@ def test_train_refuses_a_run_directory_that_holds_a_run(tmp_path, capsys):
     """README's train lines typed twice: the second would overwrite runs/run; it is refused in one line naming
     --resume (issue 56, item 10). The twin: another --name, or --resume of it, passes the check."""
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "config.json").write_text("{}")
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
     with pytest.raises(SystemExit) as exit_:
         tr.main(["train", "--out-dir", str(tmp_path), "--steps", "2"])
     err = capsys.readouterr().err
@@ -2280,7 +2280,8 @@ def test_a_response_cap_shorter_than_the_models_answers_is_refused(tmp_path):
 READING_ORDER = ["log-space helpers", "sampling transforms (top-p / top-k / min-p)", "mismatch metrics",
                  "the mismatch doctor", "weight export (fp32 master -> bf16 served copy)", "advantages", "correction weights", "losses",
                  "MoE routing: record and replay (R2 / R3)", FAST_PATHS, "task and reward verifier",
-                 "the task (the testbed)", "model and tokenizer", "samplers (torch, vLLM)", "trainer",
+                 "the task (the testbed)", "model and tokenizer", "where two engines part: per-layer divergence",
+                 "samplers (torch, vLLM)", "trainer",
                  "evaluation", "experiment loop and ledger", "run directory: config, metrics, checkpoint, resume",
                  "config dataclasses and input checks", "CLI"]
 
@@ -2470,10 +2471,11 @@ def test_one_dense_tis_step_enters_at_most_45_functions_of_the_reference(base_mo
     assert len(entered) <= 45, sorted(entered)
 
 
-def test_one_rl_step_is_its_phases_in_order_and_opens_at_most_15_functions_outside_the_math():
+def test_one_rl_step_is_its_phases_in_order_and_opens_at_most_17_functions_outside_the_math():
     """rl_step (<= 40 lines) calls its phases in reading order: sample, score, behaviour pass, update(s), sync,
-    record. Following the step from run to Trainer.step opens at most 15 functions outside the math, fast-path and
-    config sections (a method counted once per name)."""
+    record. Following the step from run to Trainer.step opens at most 17 functions outside the math, fast-path and
+    config sections (a method counted once per name; 15 before the async schedule's two conditional steps,
+    drop_stale and mixed_behaviour)."""
     defs, graph, section = _reference_graph()
     assert defs["rl_step"].end_lineno - defs["rl_step"].lineno + 1 <= 40
     phases = ["sample_batch", "verify", "Trainer.behaviour_logprobs", "update_on_batch", "sync_sampler", "step_record"]
@@ -2489,7 +2491,7 @@ def test_one_rl_step_is_its_phases_in_order_and_opens_at_most_15_functions_outsi
     outside = {q for q in opened if section[q] not in MATH_SECTIONS + ["config dataclasses and input checks"]}
     names = {q.split(".")[-1] if "." in q and q.split(".")[0] in ("TorchSampler", "VLLMSampler") else q for q in outside}
     print(sorted(names))
-    assert len(names) <= 15, sorted(names)
+    assert len(names) <= 17, sorted(names)
     assert "update_on_batch" in names and "Trainer.behaviour_logprobs" in names, "the count sees the step's phases"
 
 
