@@ -1540,6 +1540,15 @@ def dlc_loss(logp, logp_old, logp_infer, adv, mask, eps_low=0.2, eps_high=0.28, 
 DPPO_LOG_RATIO_MAX = 64.0
 
 
+def _dppo_ratio(logp, logp_infer, mask) -> tuple:
+    """(r, ok, logp): r = p / q with value r and gradient r grad log p, held at
+    e^DPPO_LOG_RATIO_MAX; logp upcast and 0 where not ok (a finite exp, so a finite gradient)."""
+    logp, logp_infer = _upcast(logp, logp_infer)
+    log_r, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)  # detached
+    logp = torch.where(ok, logp, 0.0)
+    return log_r.clamp(max=DPPO_LOG_RATIO_MAX).exp() * (logp - logp.detach()).exp(), ok, logp
+
+
 def dppo_loss(logp, logp_infer, adv, mask, delta=0.2, delta_low=None, delta_high=None):
     """-mean_mask(m r A), r = p / q, m = 0 iff the token already moved > delta toward A. DPPO [8].
 
@@ -1550,15 +1559,12 @@ def dppo_loss(logp, logp_infer, adv, mask, delta=0.2, delta_low=None, delta_high
     r = e^DPPO_LOG_RATIO_MAX (where prime-rl's float32 overflows soon after); beyond, both are
     e^DPPO_LOG_RATIO_MAX A (grad log p). Non-finite log-ratio -> token dropped. (B, T) -> ().
 
-    needs: _check_adv, _check_bt, _log_ratio, masked_mean, DPPO_LOG_RATIO_MAX, _upcast,
-    _check_tensor
+    needs: _dppo_ratio, _check_adv, _check_bt, _log_ratio, masked_mean, DPPO_LOG_RATIO_MAX,
+    _upcast, _check_tensor
     """
-    logp, logp_infer = _upcast(logp, logp_infer)
-    log_r, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)  # detached
+    logp_infer, = _upcast(logp_infer)
+    ratio, ok, logp = _dppo_ratio(logp, logp_infer, mask)
     A = _check_adv(adv, mask)
-    logp = torch.where(ok, logp, 0.0)  # a finite exp below, so a finite gradient
-    # value r, gradient r grad log p
-    ratio = log_r.clamp(max=DPPO_LOG_RATIO_MAX).exp() * (logp - logp.detach()).exp()
     shift = logp.detach().exp() - torch.where(ok, logp_infer.detach(), 0.0).exp()  # p - q
     if delta_high is None:
         high = delta
@@ -1579,14 +1585,11 @@ def dppo_kl_loss(logp, logp_infer, adv, mask, delta_low: float = 0.05, delta_hig
     as dppo_loss; r held at e^DPPO_LOG_RATIO_MAX, where SkyRL bounds log r at +-20). Non-finite
     log-ratio -> token dropped. (B, T) -> ().
 
-    needs: binary_kl_mask, _log_ratio, _check_adv, masked_mean, DPPO_LOG_RATIO_MAX, _check_bt,
-    _upcast, _check_tensor
+    needs: binary_kl_mask, _dppo_ratio, _log_ratio, _check_adv, masked_mean, DPPO_LOG_RATIO_MAX,
+    _check_bt, _upcast, _check_tensor
     """
     keep = binary_kl_mask(logp, logp_infer, adv, mask, delta_low, delta_high)
-    logp, = _upcast(logp)
-    log_r, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
-    logp = torch.where(ok, logp, 0.0)  # a finite exp below, so a finite gradient
-    ratio = log_r.clamp(max=DPPO_LOG_RATIO_MAX).exp() * (logp - logp.detach()).exp()
+    ratio, ok, _ = _dppo_ratio(logp, logp_infer, mask)
     return -masked_mean(keep * ratio * _check_adv(adv, mask), ok)
 
 
@@ -2435,14 +2438,15 @@ def _layer_outputs(model, ids, mask) -> list[torch.Tensor]:
     outputs = []
 
     def keep(module, inputs, output):
+        """Forward hook: the layer's hidden states, float32."""
         if isinstance(output, tuple):  # older transformers: (hidden_states, ...)
             output = output[0]
         outputs.append(output.float())
 
     hooks = [layer.register_forward_hook(keep) for layer in model.model.layers]
     try:
-        with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask.long())
+        with torch.no_grad():  # the decoder stack alone: no (B, T, V) logits
+            model.model(input_ids=ids, attention_mask=mask.long())
     finally:
         for hook in hooks:
             hook.remove()
@@ -3658,6 +3662,7 @@ def _in_flight_sync(cfg: RLConfig, state: RunState) -> Callable:
     pass (state.old_behaviour), export the master, load it into the sampler."""
 
     def load():
+        """Sync now, unless this batch's update already landed."""
         if state.since_sync == 0:  # done already
             return
         trainer = state.trainer

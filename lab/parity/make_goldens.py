@@ -469,6 +469,7 @@ def run_verl(rec: Recorder, ns: dict, info: dict):
                     grad=(loss, logp))
         if s != "long":
             run_verl_rejection_modes(rec, ns, info, s, adv, cfg)
+    run_verl_sapo(rec, ns, info)
 
 
 def _as_module(name: str, **attrs):
@@ -771,8 +772,6 @@ def main():
                                       ("skyrl", load_skyrl, run_skyrl, args.skyrl)):
         ns, info = loader(src)
         runner(rec, ns, info)
-        if name == "verl":
-            run_verl_sapo(rec, ns, info)
         frameworks[name] = info
     if not args.skip_trl:
         ns, info = load_trl()
