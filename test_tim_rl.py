@@ -2008,6 +2008,26 @@ def test_doctor_numbers_are_the_shares_users_act_on():
         tr.diagnose_mismatch(logp_train, logp_infer[:, :2], mask)
 
 
+def test_doctor_numbers_place_the_gap_by_the_trainers_probability():
+    """The gap by bucket of the trainer's p: a gap planted on tokens with p = 0.5 % shows in "<= 1 %"
+    alone, the same gap on p = 95 % tokens in "> 90 %" alone (the twin); a sequence at p/q = 4 is
+    beyond TRL's sequence_mask cap 3, one at 2.5 is not."""
+    for p_token, bucket in ((0.005, "<= 1 %"), (0.95, "> 90 %")):
+        logp_train = torch.full((4, 6), math.log(0.3))
+        logp_train[:, :2] = math.log(p_token)
+        logp_infer = logp_train.clone()
+        logp_infer[:, :2] -= 0.1  # the gap on the planted tokens only
+        numbers = tr.diagnose_mismatch(logp_train, logp_infer, torch.ones(4, 6, dtype=torch.bool)).numbers
+        gaps = {label: numbers[f"mean |log p/q|, trainer p {label}"] for label in tr.GAP_P_LABELS}
+        assert gaps.pop(bucket) == pytest.approx(0.1, abs=1e-5)
+        assert gaps["10-50 %"] == 0.0 and all(math.isnan(v) for k, v in gaps.items() if k != "10-50 %")
+    logp_infer = torch.zeros(4, 3)
+    logp_train = torch.zeros(4, 3)
+    logp_train[0, 0], logp_train[1, 0] = math.log(4), math.log(2.5)
+    numbers = tr.diagnose_mismatch(logp_train, logp_infer, torch.ones(4, 3, dtype=torch.bool)).numbers
+    assert numbers["sequences with p/q > 3 (TRL sequence_mask)"] == 0.25
+
+
 def test_doctor_refuses_routes_and_topk_of_the_wrong_shape():
     p, q, mask = _doctor_tensors(noise=0.05)
     routes = torch.zeros(128, 6, 2, 2, dtype=torch.long)

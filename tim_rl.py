@@ -736,10 +736,15 @@ def _numerics_signature(d, ok, worst, lag) -> dict:
                       beside_lag)
 
 
-def _doctor_numbers(d, n, mean_abs: float, ok, versions=None) -> dict:
+GAP_P_EDGES = (0.01, 0.1, 0.5, 0.9)  # the doctor's buckets of the trainer's p of the sampled token
+GAP_P_LABELS = ("<= 1 %", "1-10 %", "10-50 %", "50-90 %", "> 90 %")
+
+
+def _doctor_numbers(d, n, mean_abs: float, ok, versions=None, logp_train=None) -> dict:
     """mean / max |d| per token, the mean answer length T, percentiles of per-sequence sum_t d, the
-    shares of tokens and sequences beyond the TIS cap 2 and outside ICEPOP_BAND; with versions,
-    mean |d| by version age (the batch's newest version at age 0)."""
+    shares of tokens and sequences beyond the TIS cap 2 and outside ICEPOP_BAND, of sequences
+    beyond TRL's sequence_mask cap 3; with logp_train, mean |d| by the trainer's p of the token
+    (the gap sits on unlikely tokens); with versions, mean |d| by version age (newest: age 0)."""
     seq = d.sum(1, dtype=torch.float64)[n > 0]  # (B',)
     numbers = {"mean |log p/q| per token": mean_abs, "max |log p/q|": max(d.max(), -d.min()).item(),
                "T, mean answer length (tokens)": float(n[n > 0].double().mean())}
@@ -750,6 +755,16 @@ def _doctor_numbers(d, n, mean_abs: float, ok, versions=None) -> dict:
         lo, hi = ICEPOP_BAND
         outside = (x < math.log(lo)) | (x > math.log(hi))
         numbers[f"{what} outside [{lo:g}, {hi:g}] (IcePop)"] = float(outside.sum() / count)
+    beyond_cap = (seq > math.log(3)).double().mean()
+    numbers["sequences with p/q > 3 (TRL sequence_mask)"] = float(beyond_cap)
+    if logp_train is not None:  # 0: p <= 1 %, 1: (1 %, 10 %], ... 4: p > 90 %
+        log_edges = torch.tensor(GAP_P_EDGES, device=d.device).log()
+        bucket = torch.bucketize(logp_train.contiguous(), log_edges, out_int32=True)  # (B, T)
+        abs_d = d.abs()
+        for i, label in enumerate(GAP_P_LABELS):
+            inside = ok & (bucket == i)
+            gap = abs_d[inside].sum() / inside.sum()  # nan: no token in the bucket
+            numbers[f"mean |log p/q|, trainer p {label}"] = float(gap)
     if versions is not None:
         age = versions.max() - versions
         for a in age[ok].unique().tolist():
@@ -770,14 +785,14 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     gap by version age (without it, neither appears).
     Reconstruction: the rules are this project's, tuned on its own engines (the lab's doctor-eval).
     Each signature is a small function of d = log p - log q on the usable tokens ok.
-    Memory: about four times its inputs at the peak (`python -m lab bench`: 4.2x at B = 512, T =
+    Memory: about four times its inputs at the peak (`python -m lab bench`: 4.3x at B = 512, T =
     1,024); no (tokens, 3) fit, no float64 copies.
 
     needs: _check_bt, _check_adv, _log_ratio, LOG_RATIO_CLAMP, Diagnosis, DOCTOR_ADVICE,
     _signature, _lag_signature, DOCTOR_MIN_ROWS, _padding_signature, _misaligned_signature,
     _routing_signature, _truncation_signature, _temperature_signature, _numerics_signature,
     _doctor_numbers, ICEPOP_BAND, format_diagnosis, DOCTOR_METRIC_NAMES, _check_tensor, _upcast,
-    _check_versions, _versions_evidence, _versions_signature
+    _check_versions, _versions_evidence, _versions_signature, GAP_P_EDGES, GAP_P_LABELS
     """
     _check_bt(mask, logp_train=logp_train, logp_infer=logp_infer)
     p, q = logp_train.detach().float(), logp_infer.detach().float()
@@ -814,7 +829,8 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     if mean_abs < 1e-4:  # below every real engine seen (fp16: ~1e-3)
         cause, present, also = "clean", [], []
     advice = "; ".join(DOCTOR_ADVICE[c] for c in [cause, *present[1:]])  # every cause present
-    return Diagnosis(cause, also, evidence, advice, _doctor_numbers(d, n, mean_abs, ok, versions))
+    numbers = _doctor_numbers(d, n, mean_abs, ok, versions, p)
+    return Diagnosis(cause, also, evidence, advice, numbers)
 
 
 # --------------------------------------------------------------------------------------------------

