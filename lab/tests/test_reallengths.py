@@ -173,3 +173,23 @@ def test_vllm_suppresses_the_ids_in_its_processed_logprobs():
     suppressed, plain = rl.score(model, tokens, [tr.EOS_ID]), rl.score(model, tokens, [])
     assert float((suppressed["logp"] - tokens["logp_infer"]).abs().max()) < 1e-3
     assert float((plain["logp"] - tokens["logp_infer"]).abs().max()) > 1e-2
+
+
+def test_the_command_as_a_user_types_it(tmp_path):
+    """`python -m lab real-lengths --smoke` in a fresh directory prints the table; run again over a
+    cache of another build it exits 2 with one line naming the directory."""
+    import os
+    import subprocess
+    import sys
+
+    env = os.environ | {"PYTHONPATH": str(rl.RESULTS.parents[2])}
+    command = [sys.executable, "-m", "lab", "real-lengths", "--smoke"]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| fp32 KV-cache sampler (floor) | 8 |" in done.stdout
+    (tmp_path / "runs" / "real-lengths-smoke" / "key.json").write_text('{"prompts": []}')
+    refused = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        "lab: error: runs/real-lengths-smoke holds tensors of another build (its key.json differs): "
+        "remove it first"]
