@@ -192,6 +192,6 @@ def test_the_command_as_a_user_types_it(tmp_path):
     refused = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
                              check=False)
     assert refused.returncode == 2
-    assert refused.stderr.strip().splitlines() == [
-        "lab: error: runs/real-lengths-smoke holds tensors of another build (its key.json "
-        "differs): remove it first"]
+    line = ("lab: error: runs/real-lengths-smoke holds tensors of another build (its key.json "
+            "differs): remove it first")
+    assert refused.stderr.strip().splitlines() == [line]
