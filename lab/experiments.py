@@ -4145,6 +4145,8 @@ def _parser():
     p_real.add_argument("--smoke", action="store_true", help="a 2-layer random Llama at T = 8 and 16 (CI)")
     p_real.add_argument("--vllm", action="store_true",
                         help="build the vLLM CPU bf16 source (the vLLM environment, after the main build)")
+    p_real.add_argument("--cached-only", action="store_true",
+                        help="read what runs/real-lengths/ holds, build nothing (a partial build says so)")
     p_real.add_argument("--publish", action="store_true",
                         help="write lab/results/real-lengths.json and lab/figures/real-lengths.png")
     p_sample = sub.add_parser("doctor-sample", help="write README's sample batch for `tim_rl.py doctor FILE`")
@@ -4206,6 +4208,7 @@ def _main(parser, args) -> None:
     if args.cmd == "real-lengths":
         from lab import reallengths
 
+        reallengths.CACHED_ONLY = args.cached_only
         try:
             if args.vllm:
                 print(reallengths.build_vllm())

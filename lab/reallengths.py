@@ -166,13 +166,18 @@ def score(model, tokens: dict, suppress: list[int], truncation: tuple | None = N
     return out
 
 
-def _cached(path: Path, make) -> dict:
+CACHED_ONLY = False  # `--cached-only`: read what is cached, build nothing (missing pieces: None)
+
+
+def _cached(path: Path, make) -> dict | None:
     """The tensors in `path`, or make() saved there first (an interrupted build resumes), with the
     wall and CPU seconds it took in the file's metadata (what build_time adds up)."""
     from safetensors.torch import load_file, save_file
 
     if path.exists():
         return load_file(str(path))
+    if CACHED_ONLY:
+        return None
     start, cpu = time.time(), time.process_time()
     tensors = make()
     took = {"wall_s": f"{time.time() - start:.1f}", "cpu_s": f"{time.process_time() - cpu:.1f}"}
@@ -329,29 +334,35 @@ def build(model, tokenizer, prompts: list[list[int]], lengths: dict, out: Path,
             engine_cache.update({k: m for k, (m, _) in engines(trainer).items()})
         return engine_cache[name]
 
-    built = {}
+    built, missing = {}, []
     for T, n in lengths.items():
         cache, got = out / f"T{T}", {}
-        for name, (kwargs, truncation, where) in SAMPLED.items():
-            if not runs_at(where, T, lengths):
+        sets = [name for name, (_, _, where) in SAMPLED.items() if runs_at(where, T, lengths)]
+        scored = [name for name, where in SCORED.items() if runs_at(where, T, lengths)]
+        # the base set and its engines first: the other sets' KV-cache decodes are the slowest pieces
+        for name in [sets[0], *scored, *sets[1:]]:
+            if name in SCORED and "base" in got:
+                got[name] = _cached(cache / f"{name}.safetensors",
+                                    lambda e=name, t=got["base"]: score(engine(e), t, suppress))
                 continue
+            if name in SCORED:
+                continue
+            kwargs, truncation, _ = SAMPLED[name]
             seed = 10 * T + list(SAMPLED).index(name)
             got[name] = _cached(cache / f"sampled {name}.safetensors",
                                 lambda n=n, T=T, s=seed, kw=kwargs: sample_set(
                                     trainer, tokenizer, prompts, n, T, s, suppress, **kw))
-            got[f"trainer on {name}"] = _cached(cache / f"trainer on {name}.safetensors",
-                                                lambda t=got[name], tr_=truncation: score(
-                                                    trainer, t, suppress, tr_))
-        for name, where in SCORED.items():
-            if not runs_at(where, T, lengths):
-                continue
-            got[name] = _cached(cache / f"{name}.safetensors",
-                                lambda e=name, t=got["base"]: score(engine(e), t, suppress))
+            if got[name] is not None:
+                got[f"trainer on {name}"] = _cached(cache / f"trainer on {name}.safetensors",
+                                                    lambda t=got[name], tr_=truncation: score(
+                                                        trainer, t, suppress, tr_))
+        missing += [f"T = {T}: {name}" for name, tensors in got.items() if tensors is None]
+        got = {name: tensors for name, tensors in got.items() if tensors is not None}
         for name, file in VLLM_FILES.items():  # built apart, in the vLLM environment (`--vllm`)
             if (cache / f"{file}.safetensors").exists():
                 got[name] = load_file(str(cache / f"{file}.safetensors"))
         built[T] = got
-    info |= {"torch threads": torch.get_num_threads()} | build_time(out)
+    info |= {"torch threads": torch.get_num_threads(), "not built": missing} | build_time(out)
     return built, info
 
 
@@ -615,7 +626,8 @@ def section(rows: list[dict], info: dict) -> str:
         f"estimate committed before the build said {estimate['estimate CPU minutes']} "
         "(lab/results/real-lengths-estimate.json): the KV-cache decode ran ~5x slower per token "
         "than it assumed, so its cut order was applied before T = 256 was built (fp16, top_k 50 "
-        "and temperature 0.7 at T = 64 only).")
+        "and temperature 0.7 at T = 64 only). vLLM's engine runs in a process of its own: its "
+        "pieces count their wall time, not its CPU time.")
     legend = (
         "x = mean |log p/q| per token; abs sum = |Σ_t log p/q| per sequence (p99 where a length "
         "has ≥ 100 rows, else the max in brackets); seq ESS = (Σ w)² / (N Σ w²), "
@@ -625,10 +637,14 @@ def section(rows: list[dict], info: dict) -> str:
         "cause `diagnose_mismatch` names with its frozen thresholds (expected in brackets).")
     gaps = ("The gap by the trainer's probability of the sampled token (the doctor's numbers) and "
             "by the trainer's entropy decile, mean |log p/q|:")
+    unbuilt = ""
+    if info.get("not built"):
+        unbuilt = (" Not built (this block was published from the cache with `--cached-only`; "
+                   f"`python -m lab real-lengths --publish` builds them): {'; '.join(info['not built'])}.")
     doctor = (f"The doctor at these lengths, its thresholds frozen (no retuning): "
               f"{len(rows) - len(misses)} of {len(rows)} rows named as expected. Misses: "
               f"{'; '.join(misses) or 'none'}.")
-    return "\n\n".join([built, cost, legend, table(rows), gaps, gap_table(rows), doctor])
+    return "\n\n".join([built, cost + unbuilt, legend, table(rows), gaps, gap_table(rows), doctor])
 
 
 def figure(rows: list[dict], path: Path) -> Path:

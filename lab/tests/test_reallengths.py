@@ -195,3 +195,18 @@ def test_the_command_as_a_user_types_it(tmp_path):
     line = ("lab: error: runs/real-lengths-smoke holds tensors of another build (its key.json "
             "differs): remove it first")
     assert refused.stderr.strip().splitlines() == [line]
+
+
+def test_cached_only_publishes_what_is_there_and_names_the_rest(tmp_path, monkeypatch):
+    """--cached-only over a build missing one piece: nothing is built, that source's row is absent,
+    and info names the piece (the published block says so). Without the flag it is built again."""
+    rl.collect(smoke=True, out=tmp_path)
+    (tmp_path / "T16" / "bf16.safetensors").unlink()
+    monkeypatch.setattr(rl, "CACHED_ONLY", True)
+    rows, info = rl.collect(smoke=True, out=tmp_path)
+    assert ("bf16", 16) not in {(r["source"], r["T"]) for r in rows}
+    assert info["not built"] == ["T = 16: bf16"] and not (tmp_path / "T16" / "bf16.safetensors").exists()
+    assert "Not built" in rl.section(rows, info)
+    monkeypatch.setattr(rl, "CACHED_ONLY", False)
+    rows, info = rl.collect(smoke=True, out=tmp_path)
+    assert ("bf16", 16) in {(r["source"], r["T"]) for r in rows} and info["not built"] == []
