@@ -339,7 +339,7 @@ def build(model, tokenizer, prompts: list[list[int]], lengths: dict, out: Path,
         cache, got = out / f"T{T}", {}
         sets = [name for name, (_, _, where) in SAMPLED.items() if runs_at(where, T, lengths)]
         scored = [name for name, where in SCORED.items() if runs_at(where, T, lengths)]
-        # the base set and its engines first: the other sets' KV-cache decodes are the slowest pieces
+        # the base set and its engines first: the other sets' KV-cache decodes are the slowest
         for name in [sets[0], *scored, *sets[1:]]:
             if name in SCORED and "base" in got:
                 got[name] = _cached(cache / f"{name}.safetensors",
@@ -362,7 +362,7 @@ def build(model, tokenizer, prompts: list[list[int]], lengths: dict, out: Path,
             if (cache / f"{file}.safetensors").exists():
                 got[name] = load_file(str(cache / f"{file}.safetensors"))
         built[T] = got
-    info |= {"torch threads": torch.get_num_threads(), "not built": missing} | build_time(out)
+    info |= {"not built": missing} | build_time(out)
     return built, info
 
 
@@ -536,6 +536,7 @@ def reading(built: dict, T: int, label: str) -> dict | None:
             "sequence ESS": float(seq_w.sum() ** 2 / (seq_w.numel() * seq_w.square().sum())),
             "|sum log p/q| per sequence": quantiles(seq.abs()),
             "mean sum log p/q": float(seq.mean()),
+            "sequences with |sum log p/q| > log 3": float((seq.abs() > math.log(3)).float().mean()),
             "masked": masked_shares(logp, logp_infer, mask, adv),
             "gap by trainer probability": {
                 bucket: found.numbers[f"mean |log p/q|, trainer p {bucket}"]
@@ -559,7 +560,8 @@ TABLE_SHARES = ("verl token TIS 2 (clipped)", "TRL sequence_mask cap 3", "IcePop
 
 def table(rows: list[dict]) -> str:
     """The readings as one markdown table: a line per source x length."""
-    head = ["source", "T", "rows", "x", "k3", "seq ESS", "abs sum p50", "p90", "p99 (max)",
+    head = ["source", "T", "rows", "x", "k3", "seq ESS", "mean sum", "abs sum p50", "p90",
+            "p99 (max)",
             *[f"{name}: tok / seq %" for name in TABLE_SHARES], "doctor (expected)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -570,7 +572,8 @@ def table(rows: list[dict]) -> str:
                   for n in TABLE_SHARES]
         doctor = f"{r['doctor']['cause']} ({r['doctor']['expected']})"
         cells = [r["source"], r["T"], r["rows"], f"{r['x (mean |log p/q| per token)']:.3g}",
-                 f"{r['k3']:.2g}", f"{r['sequence ESS']:.3g}", f"{q['p50']:.3g}", f"{q['p90']:.3g}",
+                 f"{r['k3']:.2g}", f"{r['sequence ESS']:.3g}", f"{r['mean sum log p/q']:+.3g}",
+                 f"{q['p50']:.3g}", f"{q['p90']:.3g}",
                  tail_cell, *shares, doctor]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
@@ -622,7 +625,8 @@ def section(rows: list[dict], info: dict) -> str:
         f"base set: {degenerate}.")
     cost = (
         f"Built in {info['wall minutes']:.0f} wall minutes, {info['CPU minutes']:.0f} CPU minutes "
-        f"at {info['torch threads']} threads: {verdict} the budget of {budget} CPU minutes; the "
+        f"(the sum over its pieces, as each recorded them): {verdict} the budget of {budget} CPU "
+        "minutes; the "
         f"estimate committed before the build said {estimate['estimate CPU minutes']} "
         "(lab/results/real-lengths-estimate.json): the KV-cache decode ran ~5x slower per token "
         "than it assumed, so its cut order was applied before T = 256 was built (fp16, top_k 50 "
@@ -635,16 +639,38 @@ def section(rows: list[dict], info: dict) -> str:
         "token, that each framework default clips or masks (tim_rl's functions at their "
         "defaults, lab/parity); doctor = the "
         "cause `diagnose_mismatch` names with its frozen thresholds (expected in brackets).")
+    side = (
+        "Who sampled the tokens sets the sign of the per-sequence drift: the prefill-scored "
+        "engine rows (bf16, fp16, int8, fp8, SR export) score tokens the fp32 sampler drew "
+        "(y ~ p), where the mean of Σ log p/q is +KL(p‖q) > 0; an engine that samples its own "
+        "tokens (y ~ q: the vLLM row, as in RL) drifts the other way, −KL(q‖p) (the mean sum "
+        "column). The two-sided readings (x, k3, |Σ| quantiles, ESS, IcePop, K3-RS) barely "
+        "depend on the side; the one-sided defaults do: TRL's sequence_mask drops only "
+        "Σ > log 3 and OPSM only A < 0 with q > p, so on the engine rows their shares are those "
+        "of the mirrored batch. Read the vLLM row for them.")
     gaps = ("The gap by the trainer's probability of the sampled token (the doctor's numbers) and "
             "by the trainer's entropy decile, mean |log p/q|:")
     unbuilt = ""
     if info.get("not built"):
         unbuilt = (" Not built (this block was published from the cache with `--cached-only`; "
-                   f"`python -m lab real-lengths --publish` builds them): {'; '.join(info['not built'])}.")
+                   "`python -m lab real-lengths --publish` builds them): "
+                   f"{'; '.join(info['not built'])}.")
     doctor = (f"The doctor at these lengths, its thresholds frozen (no retuning): "
               f"{len(rows) - len(misses)} of {len(rows)} rows named as expected. Misses: "
               f"{'; '.join(misses) or 'none'}.")
-    return "\n\n".join([built, cost + unbuilt, legend, table(rows), gaps, gap_table(rows), doctor])
+    return "\n\n".join([built, cost + unbuilt, legend, table(rows), side, gaps, gap_table(rows),
+                        doctor])
+
+
+def figure_title(rows: list[dict]) -> str:
+    """The figure's takeaway, read off the rows: bf16's share of sequences beyond a band of 3 at the
+    shortest and the longest length."""
+    bf16 = sorted((r["T"], r["sequences with |sum log p/q| > log 3"]) for r in rows
+                  if r["source"] == "bf16")
+    (T0, share0), (T1, share1) = bf16[0], bf16[-1]
+    return (f"Per answer the gap grows with length: {share0:.0%} of bf16 answers "
+            "lie "
+            f"beyond a sequence ratio of 3 (either side) at T = {T0}, {share1:.0%} at T = {T1}")
 
 
 def figure(rows: list[dict], path: Path) -> Path:
@@ -663,17 +689,15 @@ def figure(rows: list[dict], path: Path) -> Path:
         Ts = [r["T"] for r in mine]
         left.plot(Ts, [r["|sum log p/q| per sequence"]["p90"] for r in mine], marker="o",
                   label=label)
-        right.plot(Ts, [100 * r["masked"]["TRL sequence_mask cap 3"]["sequences"] for r in mine],
-                   marker="o")
+        right.plot(Ts, [100 * r["sequences with |sum log p/q| > log 3"] for r in mine], marker="o")
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("answer length T (tokens)")
     left.set_yscale("log")
     left.set_ylabel("p90 of |sum_t log p/q| per sequence (nats)")
-    right.set_ylabel("sequences TRL's default sequence_mask drops (%)")
+    right.set_ylabel("sequences with |Σ log p/q| > log 3 (%)")
     left.legend(fontsize=6.5, loc="lower right")
-    fig.suptitle("The per-sequence gap grows with the answer: at 1,024 tokens a sequence-level "
-                 "mask drops what it kept at 64", fontsize=10)
+    fig.suptitle(figure_title(rows), fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
