@@ -740,11 +740,11 @@ GAP_P_EDGES = (0.01, 0.1, 0.5, 0.9)  # the doctor's buckets of the trainer's p o
 GAP_P_LABELS = ("<= 1 %", "1-10 %", "10-50 %", "50-90 %", "> 90 %")
 
 
-def _doctor_numbers(d, n, mean_abs: float, ok, versions=None, logp_train=None) -> dict:
+def _doctor_numbers(d, n, mean_abs: float, ok, logp_train, versions=None) -> dict:
     """mean / max |d| per token, the mean answer length T, percentiles of per-sequence sum_t d, the
     shares of tokens and sequences beyond the TIS cap 2 and outside ICEPOP_BAND, of sequences
-    beyond TRL's sequence_mask cap 3; with logp_train, mean |d| by the trainer's p of the token
-    (the gap sits on unlikely tokens); with versions, mean |d| by version age (newest: age 0)."""
+    beyond TRL's sequence_mask cap 3; mean |d| by the trainer's p of the token (the gap sits on
+    unlikely tokens); with versions, mean |d| by version age (newest: age 0)."""
     seq = d.sum(1, dtype=torch.float64)[n > 0]  # (B',)
     numbers = {"mean |log p/q| per token": mean_abs, "max |log p/q|": max(d.max(), -d.min()).item(),
                "T, mean answer length (tokens)": float(n[n > 0].double().mean())}
@@ -757,14 +757,14 @@ def _doctor_numbers(d, n, mean_abs: float, ok, versions=None, logp_train=None) -
         numbers[f"{what} outside [{lo:g}, {hi:g}] (IcePop)"] = float(outside.sum() / count)
     beyond_cap = (seq > math.log(3)).double().mean()
     numbers["sequences with p/q > 3 (TRL sequence_mask)"] = float(beyond_cap)
-    if logp_train is not None:  # 0: p <= 1 %, 1: (1 %, 10 %], ... 4: p > 90 %
-        log_edges = torch.tensor(GAP_P_EDGES, device=d.device).log()
-        bucket = torch.bucketize(logp_train.contiguous(), log_edges, out_int32=True)  # (B, T)
-        abs_d = d.abs()
-        for i, label in enumerate(GAP_P_LABELS):
-            inside = ok & (bucket == i)
-            gap = abs_d[inside].sum() / inside.sum()  # nan: no token in the bucket
-            numbers[f"mean |log p/q|, trainer p {label}"] = float(gap)
+    log_edges = torch.tensor(GAP_P_EDGES, device=d.device).log()
+    # (B, T): 0 where p <= 1 %, 1 in (1 %, 10 %], ... 4 where p > 90 %
+    bucket = torch.bucketize(logp_train.contiguous(), log_edges, out_int32=True)
+    abs_d = d.abs()
+    for i, label in enumerate(GAP_P_LABELS):
+        inside = ok & (bucket == i)
+        gap = abs_d[inside].sum() / inside.sum()  # nan: no token in the bucket
+        numbers[f"mean |log p/q|, trainer p {label}"] = float(gap)
     if versions is not None:
         age = versions.max() - versions
         for a in age[ok].unique().tolist():
@@ -829,7 +829,7 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     if mean_abs < 1e-4:  # below every real engine seen (fp16: ~1e-3)
         cause, present, also = "clean", [], []
     advice = "; ".join(DOCTOR_ADVICE[c] for c in [cause, *present[1:]])  # every cause present
-    numbers = _doctor_numbers(d, n, mean_abs, ok, versions, p)
+    numbers = _doctor_numbers(d, n, mean_abs, ok, p, versions)
     return Diagnosis(cause, also, evidence, advice, numbers)
 
 

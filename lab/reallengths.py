@@ -21,6 +21,7 @@ import copy
 import itertools
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -224,22 +225,19 @@ def rewards_of(texts: list[str]) -> torch.Tensor:
     return torch.tensor([len(set(t.lower().split())) / 100 for t in texts])
 
 
-def pg_step(model, tokens: dict, lrs: list[float], opt=None):
-    """One AdamW step per entry of `lrs` (lr 0: the moments move, the weights do not) of the policy
-    gradient with the set's GRPO advantages on `tokens`, or on its k-th quarter of rows at step k of
-    4 (len(lrs) == 4: four batches); gradients accumulated over SCORE_ROWS rows at a time.
-    -> the model, moved in place."""
-    opt = opt or torch.optim.AdamW(model.parameters(), lr=lrs[0], weight_decay=0.0)
+def pg_step(model, batches: list[dict], lrs: list[float]):
+    """One AdamW step (a fresh optimizer) per (batch, lr) pair, lr 0 moving the moments and not the
+    weights, of the policy gradient with each batch's GRPO advantages. -> the model, moved in
+    place, its gradients released."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lrs[0], weight_decay=0.0)
     model.train()
-    for k, lr in enumerate(lrs):
-        part_of = slice(None)
-        if len(lrs) == 4:
-            quarter = len(tokens["advantages"]) // 4
-            part_of = slice(k * quarter, (k + 1) * quarter)
-        _accumulate(model, {name: t[part_of] for name, t in tokens.items()})
+    for tokens, lr in zip(batches, lrs, strict=True):
+        _accumulate(model, tokens)
         for group in opt.param_groups:
             group["lr"] = lr
         opt.step()
+    for p in model.parameters():
+        p.grad = None
     return model.eval()
 
 
@@ -259,26 +257,22 @@ def _accumulate(model, tokens: dict) -> None:
         (-(adv[rows, None] * logp).sum() / (B * T)).backward()
 
 
-def engines(trainer) -> dict:
-    """name -> (model, what it is): the sampler engines scored against the fp32 trainer, by
-    prefill."""
-    sr = tr.TorchSampler(trainer, tr.EngineSpec(dtype="bf16"))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in sr.model.named_parameters():
-            p.copy_(tr.stochastic_round_bf16(trainer.get_parameter(name).detach().float(),
-                                             generator=generator))
-    return {
-        "bf16": (tr.TorchSampler(trainer, tr.EngineSpec(dtype="bf16")).model,
-                 "bf16 weights (RTN export) and compute"),
-        "fp16": (tr.TorchSampler(trainer, tr.EngineSpec(dtype="fp16")).model,
-                 "fp16 weights and compute"),
-        "int8": (tr.TorchSampler(trainer, tr.EngineSpec(quant="int8")).model,
-                 "int8 weights per row, fp32 compute"),
-        "fp8": (tr.TorchSampler(trainer, tr.EngineSpec(quant="fp8")).model,
-                "fp8-e4m3 weights per matrix, fp32"),
-        "bf16 SR export": (sr.model, "bf16 weights by stochastic rounding, bf16 compute"),
-    }
+ENGINES = {"bf16": tr.EngineSpec(dtype="bf16"), "fp16": tr.EngineSpec(dtype="fp16"),
+           "int8": tr.EngineSpec(quant="int8"), "fp8": tr.EngineSpec(quant="fp8"),
+           "bf16 SR export": tr.EngineSpec(dtype="bf16")}  # scored against the trainer, by prefill
+
+
+def engine_model(trainer, name: str):
+    """ENGINES[name] on the trainer's weights; "bf16 SR export" holds them rounded to bf16 by
+    stochastic rounding (seed 0) instead of round-to-nearest."""
+    model = tr.TorchSampler(trainer, ENGINES[name]).model
+    if name == "bf16 SR export":
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for weight_name, p in model.named_parameters():
+                master = trainer.get_parameter(weight_name).detach().float()
+                p.copy_(tr.stochastic_round_bf16(master, generator=generator))
+    return model
 
 
 # ---- the build ----
@@ -314,7 +308,8 @@ def build(model, tokenizer, prompts: list[list[int]], lengths: dict, out: Path,
 
     def warm_up():  # off the grid: WARMUP_STEPS AdamW steps on 16 prompts x 2 samples x 32 tokens
         warm = sample_set(model, tokenizer, prompts[:16], 2, 32, 1000, suppress)
-        return pg_step(copy.deepcopy(model), warm, [WARMUP_LR] * WARMUP_STEPS).state_dict()
+        moved = pg_step(copy.deepcopy(model), [warm] * WARMUP_STEPS, [WARMUP_LR] * WARMUP_STEPS)
+        return moved.state_dict()
 
     trainer = copy.deepcopy(model)
     trainer.load_state_dict(_cached(out / "trainer.safetensors", warm_up))
@@ -330,8 +325,8 @@ def build(model, tokenizer, prompts: list[list[int]], lengths: dict, out: Path,
             lag_set = _cached(out / "lag batch.safetensors", lambda: sample_set(
                 trainer, tokenizer, prompts, n, T, 99, suppress))
             engine_cache["lag"] = lag_model(trainer, lag_set)
-        if name != "lag" and name not in engine_cache:
-            engine_cache.update({k: m for k, (m, _) in engines(trainer).items()})
+        if name not in engine_cache:
+            engine_cache[name] = engine_model(trainer, name)
         return engine_cache[name]
 
     built, missing = {}, []
@@ -341,11 +336,9 @@ def build(model, tokenizer, prompts: list[list[int]], lengths: dict, out: Path,
         scored = [name for name, where in SCORED.items() if runs_at(where, T, lengths)]
         # the base set and its engines first: the other sets' KV-cache decodes are the slowest
         for name in [sets[0], *scored, *sets[1:]]:
-            if name in SCORED and "base" in got:
+            if name in SCORED:
                 got[name] = _cached(cache / f"{name}.safetensors",
                                     lambda e=name, t=got["base"]: score(engine(e), t, suppress))
-                continue
-            if name in SCORED:
                 continue
             kwargs, truncation, _ = SAMPLED[name]
             seed = 10 * T + list(SAMPLED).index(name)
@@ -406,8 +399,8 @@ def build_vllm(out: Path = OUT) -> str:
         directory.mkdir(parents=True, exist_ok=True)
         for f in (out / "hf").iterdir():
             if f.name != "model.safetensors":
-                (directory / f.name).write_bytes(f.read_bytes())
-        (directory / "model.safetensors").write_bytes((out / "trainer.safetensors").read_bytes())
+                shutil.copyfile(f, directory / f.name)
+        shutil.copyfile(out / "trainer.safetensors", directory / "model.safetensors")
     trainer = tr.load_model(directory).eval()
     for T in VLLM_LENGTHS:
         cache = out / f"T{T}"
@@ -423,7 +416,9 @@ def lag_model(trainer, lag_set: dict):
     three quarters of lag_set at lr 0 (a fresh optimizer's first step would move every weight by
     the whole lr), then one step at LAG_LR on its last quarter. lag_set is a batch of its own, so
     no length's scored set is one the step was taken on."""
-    return pg_step(copy.deepcopy(trainer), lag_set, [0.0, 0.0, 0.0, LAG_LR])
+    quarter = len(lag_set["advantages"]) // 4
+    parts = [{k: v[i * quarter : (i + 1) * quarter] for k, v in lag_set.items()} for i in range(4)]
+    return pg_step(copy.deepcopy(trainer), parts, [0.0, 0.0, 0.0, LAG_LR])
 
 
 # ---- the readings: one row per source x length ----
