@@ -1,10 +1,11 @@
-"""The largest |log p/q| a published preset's run meets: where LOG_RATIO_CLAMP (20) could move a number.
+"""The largest |log p/q| a published preset's run meets: where LOG_RATIO_CLAMP (20) could move a
+number.
 
 Issue 44: the clamp fix (raw log-ratios summed, the sum bounded) moves seq_tis / seq_mask / geo /
 self_normalize_seq / opsm / DLC weights only where some token's |log p/q| > 20, and dppo only past
-|log r| > 20. Per preset, the arms those functions serve at its most extreme setting run for one seed
-with the preset's steps; every _log_ratio call (every token log-ratio any correction or metric reads)
-and every _sequence_log_ratio sum is watched, and the maxima printed.
+|log r| > 20. Per preset, the arms those functions serve at its most extreme setting run for one
+seed with the preset's steps; every _log_ratio call (every token log-ratio any correction or metric
+reads) and every _sequence_log_ratio sum is watched, and the maxima printed.
 
     OMP_NUM_THREADS=1 python lab/parity/max_log_ratio.py runs/max-log-ratio [ARM-SUBSTRING]
 """
@@ -35,9 +36,9 @@ seen = {"token": 0.0, "sequence": 0.0}
 
 
 def watch(frame, event, result) -> None:
-    """A profiler hook (sys.setprofile) that reads what tr._log_ratio and tr._sequence_log_ratio return: the
-    largest |log a/b| on finite generated tokens and the largest |sum_t log rho_t|. It observes; tim_rl is not
-    changed."""
+    """A profiler hook (sys.setprofile) that reads what tr._log_ratio and tr._sequence_log_ratio
+    return: the largest |log a/b| on finite generated tokens and the largest |sum_t log rho_t|. It
+    observes; tim_rl is not changed."""
     if event != "return" or result is None:
         return
     if frame.f_code is tr._log_ratio.__code__:
@@ -49,7 +50,8 @@ def watch(frame, event, result) -> None:
 
 
 def main(out: Path, only: str = "") -> None:
-    """Run every case (whose arm label contains `only`) for seed 0 and print one JSON line per run."""
+    """Run every case (whose arm label contains `only`) for seed 0 and print one JSON line per run.
+    """
     pc = experiments.PresetConfig(model=str(tr.RLConfig().model))
     for name, label in [(name, label) for name, label in CASES if only in label]:
         preset = experiments.RL_PRESETS[name]
@@ -66,8 +68,14 @@ def main(out: Path, only: str = "") -> None:
         tr.run(cfg)
         sys.setprofile(None)
         cpu = time.process_time() - start
-        row = {"preset": name, "arm": label, "steps": cfg.steps, "max_token_abs_log_ratio": seen["token"],
-               "max_sequence_abs_sum": seen["sequence"], "cpu_s": round(cpu)}
+        row = {
+            "preset": name,
+            "arm": label,
+            "steps": cfg.steps,
+            "max_token_abs_log_ratio": seen["token"],
+            "max_sequence_abs_sum": seen["sequence"],
+            "cpu_s": round(cpu),
+        }
         print(json.dumps(row), flush=True)
 
 

@@ -205,7 +205,10 @@ def test_cached_only_publishes_what_is_there_and_names_the_rest(tmp_path, monkey
     monkeypatch.setattr(rl, "CACHED_ONLY", True)
     rows, info = rl.collect(smoke=True, out=tmp_path)
     assert ("bf16", 16) not in {(r["source"], r["T"]) for r in rows}
-    assert info["not built"] == ["T = 16: bf16"] and not (tmp_path / "T16" / "bf16.safetensors").exists()
+    assert (
+        info["not built"] == ["T = 16: bf16"]
+        and not (tmp_path / "T16" / "bf16.safetensors").exists()
+    )
     assert "Not built" in rl.section(rows, info)
     monkeypatch.setattr(rl, "CACHED_ONLY", False)
     rows, info = rl.collect(smoke=True, out=tmp_path)
