@@ -29,6 +29,7 @@ import math
 import os
 import re
 import shutil
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -1914,6 +1915,120 @@ def claims_2026() -> tuple:
 
 
 
+
+# ---- async rollouts (issue 57, item 5): in-flight updates, whole-batch lag, the corrections ----
+# Arms, claims, the power calculation and the CPU estimate were written and committed
+# (lab/predictions/async.json, async_design) before any of its runs. "In-flight k": the sampler
+# synced every k steps, the due sync landing at decode position 1 of the next batch (the first
+# token the old version's, the rest the new one's, the first token's KV cache kept); "k": the same
+# interval, whole batches. Mean token age in steps: (k - 1) / 2 for whole batches, (k / T +
+# k (k - 1) / 2) / k in flight (T ~ 3 answer tokens): 7.5 vs ~7.8 at k = 16, 1.5 vs ~1.8 at k = 4.
+# At k = 16 one batch in 16 spans an update (the corrections' setting: the staleness preset's lag);
+# at k = 4 one in 4 (the setting where in-flight and whole-batch lag can differ).
+ASYNC_LABEL = f"(in-flight k={PRESET_LAG})"
+ASYNC_K_SHORT = 4
+ASYNC_SHORT = f"(in-flight k={ASYNC_K_SHORT})"
+ASYNC_CORRECTIONS = (("tis", {}), ("ppo x2", {"updates_per_batch": 2}),
+                     ("m2po x2", {"updates_per_batch": 2}), ("dppo_kl", {}))
+
+
+def _lag(k: int, in_flight: bool, **change) -> dict:
+    """RLConfig overrides of one arm: uncorrected unless changed, synced every k steps; a
+    whole-batch arm gets a staleness bound no batch reaches, so it records its token ages too."""
+    bound = {"in_flight": True} if in_flight else {"max_staleness": 1000}
+    return {"correction": "none", "sync_every": k} | bound | change
+
+
+ASYNC_ARMS = (
+    (f"none (k={PRESET_LAG})", _lag(PRESET_LAG, False)),
+    (f"none {ASYNC_LABEL}", _lag(PRESET_LAG, True)),
+    (f"none (k={ASYNC_K_SHORT})", _lag(ASYNC_K_SHORT, False)),
+    (f"none {ASYNC_SHORT}", _lag(ASYNC_K_SHORT, True)),
+    (f"none, KV recomputed {ASYNC_SHORT}", _lag(ASYNC_K_SHORT, True, kv_recompute=True)),
+) + tuple(
+    (f"{label} {ASYNC_LABEL}", _lag(PRESET_LAG, True, correction=label.split()[0], **change))
+    for label, change in ASYNC_CORRECTIONS
+)
+ASYNC_CLAIMS = (
+    Claim(f"in-flight updates at k={PRESET_LAG} hurt uncorrected REINFORCE", f"none {ASYNC_LABEL}",
+          SYNCED_CONTROL, direction=-1),
+    Claim(f"in-flight updates trail whole-batch lag at the same interval k={PRESET_LAG} (none)",
+          f"none {ASYNC_LABEL}", f"none (k={PRESET_LAG})", direction=-1),
+    Claim(f"in-flight updates trail whole-batch lag at the same interval k={ASYNC_K_SHORT} (none)",
+          f"none {ASYNC_SHORT}", f"none (k={ASYNC_K_SHORT})", direction=-1),
+    Claim(f"recomputing the KV cache at an in-flight update beats keeping it (k={ASYNC_K_SHORT})",
+          f"none, KV recomputed {ASYNC_SHORT}", f"none {ASYNC_SHORT}"),
+) + tuple(
+    Claim(f"{label} beats no correction under in-flight updates (k={PRESET_LAG})",
+          f"{label} {ASYNC_LABEL}", f"none {ASYNC_LABEL}")
+    for label, _ in ASYNC_CORRECTIONS
+) + (
+    Claim(f"m2po beats decoupled PPO under in-flight updates (k={PRESET_LAG}, 2 updates per batch)",
+          f"m2po x2 {ASYNC_LABEL}", f"ppo x2 {ASYNC_LABEL}"),
+)
+# each claim's analogue in the staleness preset (whole batches, k = 16): its SE stands in for the
+# claim's before the runs; the arm-vs-arm claims take the median of its corrections'
+ASYNC_ANALOGUE = ("staleness-1", "median", "median", "median", "staleness-2", "staleness-5",
+                  "staleness-5", "staleness-4", "median")
+ASYNC_SEEDS = 5
+ASYNC_BUDGET_MIN = 120  # CPU minutes (issue 57)
+# dropped first if over budget
+ASYNC_CUT_ORDER = (f"m2po x2 {ASYNC_LABEL}", f"dppo_kl {ASYNC_LABEL}",
+                   f"none, KV recomputed {ASYNC_SHORT}")
+ASYNC_FILE = Path(__file__).parent / "predictions" / "async.json"
+ASYNC_NOT_HERE = (
+    "Not in this preset: drop vs keep (--max-staleness): in this schedule every response of a "
+    "batch shares its versions, so a bound drops whole batches, and a batch with no token left "
+    "still takes an AdamW step on its moments alone, which no framework does; AReaL's "
+    "approximated proximal policy (prox_logp_loglinear) as an arm: it is a function and a test, "
+    "not yet a loop option."
+)
+
+
+def async_power(results: str, seeds: int = ASYNC_SEEDS) -> list[dict]:
+    """Per claim, the |Δ| its family's first step resolves (Holm over the claims, two-sided paired
+    t at 5%, `seeds` seeds): t_{1 - 0.05 / (2 m), n-1} x SE, SE its staleness analogue's
+    (interval_se of the published row; 'median': the median of staleness-2..5); and the |Δ|
+    resolved with ~80 % power, (t_crit + t_{0.8, n-1}) x SE (the normal approximation)."""
+    rows = {r["id"]: r for r in published_rows(results) if r["preset"] == "staleness"}
+    ses = {i: interval_se(r["95% CI"], int(r["seeds"])) for i, r in rows.items()}
+    median = statistics.median(ses[f"staleness-{k}"] for k in range(2, 6))
+    t_crit = student_t_quantile(1 - 0.05 / (2 * len(ASYNC_CLAIMS)), seeds - 1)
+    t_power = student_t_quantile(0.8, seeds - 1)
+    out = []
+    for claim, analogue in zip(ASYNC_CLAIMS, ASYNC_ANALOGUE, strict=True):
+        se = median if analogue == "median" else ses[analogue]
+        se_here = se * math.sqrt(5 / seeds)  # the staleness rows are 5-seed intervals
+        out.append({"claim": claim.text, "analogue": analogue, "se": se_here,
+                    "resolvable |Δ|": t_crit * se_here,
+                    "|Δ| at ~80 % power": (t_crit + t_power) * se_here})
+    return out
+
+
+def async_cpu_minutes(results: str) -> dict:
+    """CPU minutes of the preset's runs, from the staleness preset's published minutes per run (its
+    6 arms x 5 seeds, one of them at 2 updates per batch): the control and ASYNC_ARMS, the arms at 2
+    updates per batch counted 1.5x. (All arms run 80 steps; k does not change a step's work.)"""
+    found = re.search(r"--preset staleness --seeds 0,1,2,3,4` \((\d+) min", results)
+    per_run = int(found.group(1)) / 30
+    weight = 1 + sum(1.5 if "x2" in label else 1.0 for label, _ in ASYNC_ARMS)
+    return {"per_run_min": per_run, "runs": (1 + len(ASYNC_ARMS)) * ASYNC_SEEDS,
+            "cpu_min": per_run * weight * ASYNC_SEEDS, "budget_min": ASYNC_BUDGET_MIN,
+            "cut_order": list(ASYNC_CUT_ORDER)}
+
+
+def async_design(results: str) -> dict:
+    """What lab/predictions/async.json holds, written once before the first run."""
+    return {"preset": "async", "status": "design committed before any run",
+            "arms": [label for label, _ in ASYNC_ARMS],
+            "claims": [{"text": c.text, "arm": c.arm, "reference": c.reference,
+                        "direction": c.direction} for c in ASYNC_CLAIMS],
+            "family": f"Holm over {len(ASYNC_CLAIMS)} claims, two-sided paired t, "
+                      f"{ASYNC_SEEDS} seeds, pc auc",
+            "power": async_power(results), "cpu": async_cpu_minutes(results),
+            "not_in_this_preset": ASYNC_NOT_HERE}
+
+
 RL_PRESETS = {
     # CIS [6]: under an fp8 sampler, CIS's confidence-aware cap trains better than token TIS
     "cis": RLPreset(
@@ -2350,6 +2465,21 @@ RL_PRESETS = {
             + MOE_JITTER_PILOT
             + "\n\n"
             + MOE_R2_PILOT
+        ),
+    ),
+    # async rollouts: in-flight updates mix two policy versions inside a response (issue 57)
+    "async": RLPreset(
+        (f"async: in-flight updates vs whole-batch lag (k={ASYNC_K_SHORT}, {PRESET_LAG}), the "
+         "corrections"),
+        ASYNC_ARMS,
+        ASYNC_CLAIMS,
+        extra={"staleness (versions)": ("staleness_mean", "steps"),
+               "mixed": ("mixed_version_ratio", "steps"),
+               "|Δlogp| at the switch": ("mm_abs_diff_boundary", "steps"),
+               "|Δlogp| elsewhere": ("mm_abs_diff_away", "steps")},
+        notes=(
+            "Design, claims, power and CPU estimate committed before the first run "
+            "(lab/predictions/async.json, async_design). " + ASYNC_NOT_HERE
         ),
     ),
 }
@@ -4338,12 +4468,25 @@ def _with_verdicts(results_text: str) -> str:
     return _replace_block(results_text, "verdicts", body)
 
 
+# every published verdict row, as the notebook reads them (rewritten with RESULTS.md)
+CLAIMS_FILE = Path("lab/results/claims.json")
+
+
+def _write_published(root: Path, text: str) -> None:
+    """Write RESULTS.md's text and, from its rows, lab/results/claims.json (one list of rows)."""
+    tr.write_atomic(root / "RESULTS.md", text)
+    (root / CLAIMS_FILE).parent.mkdir(parents=True, exist_ok=True)
+    rows = json.dumps(published_rows(text), indent=1, ensure_ascii=False)
+    tr.write_atomic(root / CLAIMS_FILE, rows + "\n")
+
+
 def refresh_published(root: Path = Path(".")) -> None:
     """Re-apply publish's marks to what is already published in RESULTS.md: claim ids and power
     lines where a section has none, ONE_AT_A_TIME under older sections, the verdict table rebuilt.
-    Changes no verdict and writes nothing else (README.md has no verdict table)."""
-    path = root / "RESULTS.md"
-    tr.write_atomic(path, _with_verdicts(_mark_one_at_a_time(_with_ids(path.read_text()))))
+    Changes no verdict and writes nothing else but lab/results/claims.json (README.md has no
+    verdict table)."""
+    text = (root / "RESULTS.md").read_text()
+    _write_published(root, _with_verdicts(_mark_one_at_a_time(_with_ids(text))))
 
 
 def publish(
@@ -4359,8 +4502,8 @@ def publish(
     """Copy a preset's results.md (and its plot, to lab/figures/<name>.png) into RESULTS.md, its
     rows stamped JUDGED, with their ids and the family's power (_stamped) and a changelog against
     the section it replaces; mark older sections judged one at a time; rebuild RESULTS.md's verdict
-    table from every preset there. Writes RESULTS.md and the figure only (never README.md). Returns
-    the changelog lines."""
+    table from every preset there. Writes RESULTS.md, lab/results/claims.json and the figure
+    only (never README.md). Returns the changelog lines."""
     path = root / "RESULTS.md"
     text = (
         path.read_text()
@@ -4392,7 +4535,7 @@ def publish(
         + figure
     )
     text = _with_ids(_replace_block(text, f"preset:{name}", body))
-    tr.write_atomic(path, _with_verdicts(_mark_one_at_a_time(text)))
+    _write_published(root, _with_verdicts(_mark_one_at_a_time(text)))
     return changes
 
 
@@ -4415,6 +4558,24 @@ DOCTOR_GOALS = {
     "both causes named, mixed cases": ">= 0.8",
     "'clean' said of a case above fp16's level": "0",
 }
+DOCTOR_FLOORS_NOTE = (
+    "The floors are read off the scored seeds themselves (a level counts when found on every one "
+    "of them), so the recall above them is high by construction: only the thresholds are held "
+    "out (tuned on other seeds), not the floors."
+)
+
+
+def _goal_verdict(value: float, goal: str) -> str:
+    """'met' or '**missed**' for a DOCTOR_GOALS entry, '>= v' or 'v' (exactly v)."""
+    if goal.startswith(">="):
+        met = value >= float(goal[2:])
+    else:
+        met = value == float(goal)
+    if met:
+        return "met"
+    return "**missed**"
+
+
 DOCTOR_NOTES = (
     "How the cases are made: clean = the fp32 KV-cache sampler, and as a hard negative the same "
     "sampler given 4 "
@@ -4925,8 +5086,13 @@ def doctor_eval(seeds=DOCTOR_EVAL_SEEDS, publish: bool = False, root: Path = Pat
         + "\n\nDetection floors (a cause is found when the doctor names it, as its "
         "cause or a present signature; the floor is its weakest level found on every seed):\n\n"
         + _markdown_table(floors)
+        + "\n\n"
+        + DOCTOR_FLOORS_NOTE
         + "\n\nThe goals on these seeds:\n\n"
-        + "\n".join(f"- {k}: {v:.3g} (goal {DOCTOR_GOALS[k]})" for k, v in goals.items())
+        + "\n".join(
+            f"- {k}: {v:.3g} (goal {DOCTOR_GOALS[k]}: {_goal_verdict(v, DOCTOR_GOALS[k])})"
+            for k, v in goals.items()
+        )
         + "\n\nMisses (seed, case: what the doctor named):\n\n"
         + "\n".join(misses or ["- none"])
         + "\n\n"

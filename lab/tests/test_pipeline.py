@@ -5957,8 +5957,9 @@ def _notebook_wording_faults(cells: list[tuple[str, str]], results: str) -> list
     for kind, source in cells:
         if kind == "markdown" and re.search(r"\b[Rr]ound \d", source):
             faults.append(f"history in the text: {source[:40]!r}")
-        if kind == "code" and "published_rows(" in source and not ("read from RESULTS.md" in source
-                                                                   and "['id']" in source):
+        calls = re.search(r"(?<!def )published_rows\(", source)  # the notebook defines its reader
+        if kind == "code" and calls and not ("read from RESULTS.md" in source
+                                             and "['id']" in source):
             faults.append(f"a published result not labelled as a read with its id: {source[:40]!r}")
         # every sentence that cites a claim: worded as its verdict (README's rule)
         if kind == "markdown":
@@ -6009,6 +6010,29 @@ def test_tutorial_reads_results_with_ids_and_tells_no_history():
     assert len(_notebook_wording_faults(cells[3:], results)) == 1, (
         "without its front page the default goes unnamed"
     )
+
+
+def test_async_design_was_committed_as_the_preset_runs_it():
+    """lab/predictions/async.json, written before the preset's runs, names the arms and claims the
+    preset runs, a power line per claim and a CPU estimate within the budget; the twin: a claim
+    whose direction changed after the design is a difference."""
+    design = json.loads(ex.ASYNC_FILE.read_text())
+    code = ex.async_design((ROOT / "RESULTS.md").read_text())
+    assert design["arms"] == code["arms"] and design["claims"] == code["claims"]
+    assert len(design["power"]) == len(design["claims"]) == len(ex.ASYNC_CLAIMS)
+    assert design["cpu"]["cpu_min"] <= design["cpu"]["budget_min"]
+    flipped = [c | {"direction": -c["direction"]} for c in code["claims"]]
+    assert flipped != design["claims"]
+
+
+def test_claims_file_is_every_published_row():
+    """lab/results/claims.json (what the notebook reads) holds exactly RESULTS.md's published rows;
+    the twin: one verdict edited in RESULTS.md's text is a difference."""
+    results = (ROOT / "RESULTS.md").read_text()
+    claims = json.loads((ROOT / ex.CLAIMS_FILE).read_text())
+    assert claims == ex.published_rows(results)
+    edited = results.replace('"verdict": "reproduced"', '"verdict": "contradicted"', 1)
+    assert edited != results and claims != ex.published_rows(edited)
 
 
 @pytest.mark.notebook
