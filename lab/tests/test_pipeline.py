@@ -6052,7 +6052,7 @@ def test_tutorial_notebook_executes(base_model_dir, moe_base_dir, tmp_path, monk
     client = nbclient.NotebookClient(nb, timeout=1800, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute()  # raises CellExecutionError on the first failing cell (an assert included)
-    assert (tmp_path / "runs" / "tutorial" / "compare_lag16" / "results.md").exists()
+    assert (tmp_path / "runs" / "tutorial" / "compare_lag16_tis" / "metrics.jsonl").exists()
 
 
 def test_arms_is_the_one_table_the_loop_asks():
