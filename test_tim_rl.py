@@ -2238,6 +2238,8 @@ TAU = torch.where(ADV > 0, 1.0, 1.05)  # SAPO's gate temperatures by the advanta
         # M2PO: m2 = (log rho)^2 = 1.21, 0.48, 0.033, 0.050: the tail means fall below 0.04 once
         # three are dropped
         ("m2po", {}, lambda rho: torch.tensor([[0.0], [0], [1], [0]])),
+        # TRL's sequence mask at cap 2: the sequence ratio, 0 for the sequence with p/q = 3 > 2
+        ("seq_mask", {"seq_mask_cap": 2.0}, lambda rho: torch.tensor([[0.0], [1], [1], [1]]) * rho),
     ],
 )
 def test_2026_arms_on_a_hand_made_batch(correction, cfg, expected):
@@ -2264,6 +2266,7 @@ def test_2026_arms_on_a_hand_made_batch(correction, cfg, expected):
         "sapo",
         "dppo_kl",
         "m2po",
+        "seq_mask",
     ],
 )
 def test_2026_arms_reduce_to_plain_reinforce_without_mismatch(correction):

@@ -3497,6 +3497,11 @@ def _tis(cfg, x: LossInputs, logp=None):
     return tis_weights(x.logp_now if logp is None else logp, x.logp_infer, x.mask, cfg.tis_cap)
 
 
+def _seq_mask(cfg, x: LossInputs):
+    """TRL's sequence mask on the batch: the sequence's p / q, 0 where above --seq-mask-cap."""
+    return seq_mask_weights(x.logp_now, x.logp_infer, x.mask, high=cfg.seq_mask_cap)
+
+
 def _opsm(cfg, x: LossInputs):
     """OPSM's keep mask on the batch."""
     return opsm_mask(x.logp_now, x.logp_infer, x.adv, x.mask, cfg.opsm_delta)
@@ -3515,6 +3520,10 @@ ARMS = {
                                                c.mis_high))),
     "seq_tis": Arm(lambda c, x: _pg(x, seq_tis_weights(x.logp_now, x.logp_infer, x.mask,
                                                        c.seq_tis_cap))),
+    # TRL's default (vllm_importance_sampling_mode="sequence_mask", max 3): the sequence's ratio,
+    # the whole sequence dropped above the cap
+    "seq_mask": Arm(lambda c, x: _pg(x, _seq_mask(c, x)),
+                    shares=lambda c, x: _dropped(_seq_mask(c, x) == 0, x.mask)),
     "geo": Arm(lambda c, x: _pg(x, geo_mask_weights(x.logp_now, x.logp_infer, x.mask))),
     "cis": Arm(lambda c, x: _ppo(c, x, cis_weights(x.logp_prox, x.logp_infer, x.mask))),
     "ppo": Arm(lambda c, x: _ppo(c, x, _tis(c, x, x.logp_prox))),
@@ -4259,6 +4268,7 @@ class RLConfig:
     loss_on_served: bool = cli_field(False, "Fair Cast: forward on the served weights")
     tis_cap: float = cli_field(2.0, "TIS cap C of the token-level weights (tis, ppo, sc_tis)")
     seq_tis_cap: float = cli_field(5.0, "seq_tis: cap on the sequence's importance ratio")
+    seq_mask_cap: float = cli_field(3.0, "seq_mask: drop sequences with p/q above it (TRL's 3)")
     dlc_lag_cap: float = cli_field(2.0, "DLC: cap on its lag ratio p_prox / p_old")
     mis_low: float = cli_field(0.5, "MIS band low")
     mis_high: float = cli_field(5.0, "MIS band high")
@@ -4322,9 +4332,9 @@ CONFIG_MIN = {"steps": 1, "prompts": 1, "group": 1, "max_new_tokens": 1, "eval_e
               "topk": 0, "temperature": 0, "batch": 1, "digits": 1, "repeats": 1, "task_digits": 0,
               "noise": 0, "router_noise": 0, "router_jitter": 0, "max_staleness": -1,
               "in_flight_at": 1}
-CONFIG_POSITIVE = ("lr", "tis_cap", "seq_tis_cap", "dlc_lag_cap", "mis_high", "dppo_delta",
-                   "vllm_gpu_memory", "dppo_kl_delta", "m2_threshold", "sapo_tau_pos",
-                   "sapo_tau_neg")
+CONFIG_POSITIVE = ("lr", "tis_cap", "seq_tis_cap", "seq_mask_cap", "dlc_lag_cap", "mis_high",
+                   "dppo_delta", "vllm_gpu_memory", "dppo_kl_delta", "m2_threshold",
+                   "sapo_tau_pos", "sapo_tau_neg")
 
 
 def config_choices() -> dict[str, tuple]:

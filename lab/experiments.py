@@ -2029,6 +2029,93 @@ def async_design(results: str) -> dict:
             "not_in_this_preset": ASYNC_NOT_HERE}
 
 
+
+# ---- the framework defaults trained head to head (issue 59, item 3) ----
+# Written and committed (lab/predictions/defaults.json, defaults_design) before any of its runs.
+# Each arm is a framework's default correction as tim_rl's parity table matches it: verl / slime /
+# TRL token TIS at cap 2 (verl's decoupled mode equals it at one update per batch), verl's bypass
+# mode (PPO clipped on p / q, the rollout as pi_old: ppo_infer), TRL's default sequence_mask (cap
+# 3: seq_mask), IcePop [0.5, 2] (mis), prime-rl's default loss (DPPO, delta 0.2, with its k2 term,
+# kl_tau 1e-3: --k2-coef 2e-3), and the TIS cap at 1.5, 3 and 5 beside 2. Settings: a bf16 sampler
+# synced every step and an fp32 sampler 16 steps stale on the 3-token task (`defaults`); the
+# same lag on the 12-token swap task (`defaults-long`), where a sequence's summed log-ratio is
+# about four times longer. Not here: slime's mis.yaml (not a loop option), verl's rejection presets
+# (corrections-2026 trained them), an x matched across the two tasks (their x differ; both printed).
+DEFAULTS_ARMS = (
+    ("tis 2", {"correction": "tis"}),
+    ("tis 1.5", {"correction": "tis", "tis_cap": 1.5}),
+    ("tis 3", {"correction": "tis", "tis_cap": 3.0}),
+    ("tis 5", {"correction": "tis", "tis_cap": 5.0}),
+    ("verl bypass", {"correction": "ppo_infer"}),
+    ("TRL sequence_mask 3", {"correction": "seq_mask"}),
+    ("IcePop [0.5, 2]", {"correction": "mis", "mis_high": 2.0}),
+    ("prime-rl DPPO + k2", {"correction": "dppo", "k2_coef": 2e-3}),
+)
+DEFAULTS_SETTINGS = {"defaults": (("(bf16)", {"dtype": "bf16"}),
+                                  (LAG_LABEL, {"sync_every": PRESET_LAG})),
+                     "defaults-long": ((LAG_LABEL, {"sync_every": PRESET_LAG}),)}
+DEFAULTS_SEEDS = 5
+DEFAULTS_BUDGET_MIN = 150  # CPU minutes, both presets (issue 59)
+# CPU minutes per run measured before the design: async's 50 runs in 21, dose-long's 85 in 90
+DEFAULTS_RUN_MIN = {"defaults": 21 / 50, "defaults-long": 90 / 85}
+DEFAULTS_CUT_ORDER = ("tis 1.5", "tis 5", "(bf16) settings")  # dropped first if over budget
+
+
+def defaults_arms(name: str) -> tuple:
+    """Every default at each of the preset's settings, uncorrected REINFORCE beside them."""
+    return tuple(
+        (f"{label} {where}", {"correction": "none"} | arm | change)
+        for where, change in DEFAULTS_SETTINGS[name]
+        for label, arm in (("none", {}),) + DEFAULTS_ARMS
+    )
+
+
+def defaults_claims(name: str) -> tuple:
+    """Per setting: none trails the synced control, and each default beats none."""
+    claims = []
+    for where, _ in DEFAULTS_SETTINGS[name]:
+        claims.append(Claim(f"none trails the synced control {where}", f"none {where}",
+                            SYNCED_CONTROL, direction=-1))
+        claims += [Claim(f"{label} beats no correction {where}", f"{label} {where}",
+                         f"none {where}") for label, _ in DEFAULTS_ARMS]
+    return tuple(claims)
+
+
+def defaults_design(results: str) -> dict:
+    """What lab/predictions/defaults.json holds, written once before the first run: both presets'
+    arms and claims, the |Δ| each family's first step resolves from the staleness preset's median
+    correction SE (Holm, two-sided paired t at 5%, DEFAULTS_SEEDS seeds; async's SEs came out ~4x
+    that: both printed), and the CPU estimate."""
+    rows = [r for r in published_rows(results) if r["preset"] == "staleness"]
+    se = statistics.median(interval_se(r["95% CI"], int(r["seeds"])) for r in rows[1:])
+    presets = {}
+    for name in DEFAULTS_SETTINGS:
+        claims = defaults_claims(name)
+        t_crit = student_t_quantile(1 - 0.05 / (2 * len(claims)), DEFAULTS_SEEDS - 1)
+        runs = (1 + len(defaults_arms(name))) * DEFAULTS_SEEDS
+        presets[name] = {
+            "arms": [label for label, _ in defaults_arms(name)],
+            "claims": [{"text": c.text, "arm": c.arm, "reference": c.reference,
+                        "direction": c.direction} for c in claims],
+            "family": f"Holm over {len(claims)} claims, two-sided paired t, {DEFAULTS_SEEDS} seeds",
+            "resolvable |Δ| at the staleness SE": t_crit * se,
+            "resolvable |Δ| at 4x it (async's)": 4 * t_crit * se,
+            "runs": runs, "cpu_min": runs * DEFAULTS_RUN_MIN[name]}
+    cpu = sum(p["cpu_min"] for p in presets.values())
+    return {"presets": presets, "status": "design committed before any run", "cpu_min": cpu,
+            "budget_min": DEFAULTS_BUDGET_MIN, "cut_order": list(DEFAULTS_CUT_ORDER)}
+
+
+DEFAULTS_FILE = Path(__file__).parent / "predictions" / "defaults.json"
+DEFAULTS_NOTES = (
+    "Design, claims, power and CPU estimate committed before the first run "
+    "(lab/predictions/defaults.json, defaults_design). Each arm is a framework's default "
+    "correction as the parity table matches it (RESULTS.md, Parity with the frameworks)."
+)
+DEFAULTS_EXTRA = {"mismatch x": ("mm_abs_diff", "steps"),
+                  "masked seqs": ("frac_masked_seqs", "steps")}
+
+
 RL_PRESETS = {
     # CIS [6]: under an fp8 sampler, CIS's confidence-aware cap trains better than token TIS
     "cis": RLPreset(
@@ -2466,6 +2553,24 @@ RL_PRESETS = {
             + "\n\n"
             + MOE_R2_PILOT
         ),
+    ),
+    # the framework defaults head to head (issue 59): bf16 and lag 16 on the 3-token task
+    "defaults": RLPreset(
+        "defaults: each framework's default correction, bf16 and lag 16",
+        defaults_arms("defaults"),
+        defaults_claims("defaults"),
+        extra=DEFAULTS_EXTRA,
+        notes=DEFAULTS_NOTES,
+    ),
+    # ... and lag 16 on 12-token answers (dose-long's task and base)
+    "defaults-long": RLPreset(
+        "defaults-long: each framework's default correction, lag 16 on 12-token answers",
+        defaults_arms("defaults-long"),
+        defaults_claims("defaults-long"),
+        base={"max_new_tokens": 13},
+        pretrain=("swap", {"digits": 6, "ops": "s", "steps": 150}),
+        extra=DEFAULTS_EXTRA,
+        notes=DEFAULTS_NOTES,
     ),
     # async rollouts: in-flight updates mix two policy versions inside a response (issue 57)
     "async": RLPreset(
