@@ -1985,13 +1985,25 @@ ASYNC_NOT_HERE = (
 )
 
 
+def _staleness_ses(results: str) -> dict[str, float]:
+    """The SE behind each published staleness claim's 95% interval (interval_se), by claim id: the
+    stand-in for a new lag preset's spread before its runs."""
+    rows = [r for r in published_rows(results) if r["preset"] == "staleness"]
+    return {r["id"]: interval_se(r["95% CI"], int(r["seeds"])) for r in rows}
+
+
+def _claims_record(claims: tuple) -> list[dict]:
+    """Claims as a design file lists them."""
+    return [{"text": c.text, "arm": c.arm, "reference": c.reference, "direction": c.direction}
+            for c in claims]
+
+
 def async_power(results: str, seeds: int = ASYNC_SEEDS) -> list[dict]:
     """Per claim, the |Δ| its family's first step resolves (Holm over the claims, two-sided paired
     t at 5%, `seeds` seeds): t_{1 - 0.05 / (2 m), n-1} x SE, SE its staleness analogue's
     (interval_se of the published row; 'median': the median of staleness-2..5); and the |Δ|
     resolved with ~80 % power, (t_crit + t_{0.8, n-1}) x SE (the normal approximation)."""
-    rows = {r["id"]: r for r in published_rows(results) if r["preset"] == "staleness"}
-    ses = {i: interval_se(r["95% CI"], int(r["seeds"])) for i, r in rows.items()}
+    ses = _staleness_ses(results)
     median = statistics.median(ses[f"staleness-{k}"] for k in range(2, 6))
     t_crit = student_t_quantile(1 - 0.05 / (2 * len(ASYNC_CLAIMS)), seeds - 1)
     t_power = student_t_quantile(0.8, seeds - 1)
@@ -2021,8 +2033,7 @@ def async_design(results: str) -> dict:
     """What lab/predictions/async.json holds, written once before the first run."""
     return {"preset": "async", "status": "design committed before any run",
             "arms": [label for label, _ in ASYNC_ARMS],
-            "claims": [{"text": c.text, "arm": c.arm, "reference": c.reference,
-                        "direction": c.direction} for c in ASYNC_CLAIMS],
+            "claims": _claims_record(ASYNC_CLAIMS),
             "family": f"Holm over {len(ASYNC_CLAIMS)} claims, two-sided paired t, "
                       f"{ASYNC_SEEDS} seeds, pc auc",
             "power": async_power(results), "cpu": async_cpu_minutes(results),
@@ -2086,8 +2097,8 @@ def defaults_design(results: str) -> dict:
     arms and claims, the |Δ| each family's first step resolves from the staleness preset's median
     correction SE (Holm, two-sided paired t at 5%, DEFAULTS_SEEDS seeds; async's SEs came out ~4x
     that: both printed), and the CPU estimate."""
-    rows = [r for r in published_rows(results) if r["preset"] == "staleness"]
-    se = statistics.median(interval_se(r["95% CI"], int(r["seeds"])) for r in rows[1:])
+    ses = _staleness_ses(results)
+    se = statistics.median(ses[f"staleness-{k}"] for k in range(2, 6))
     presets = {}
     for name in DEFAULTS_SETTINGS:
         claims = defaults_claims(name)
@@ -2095,8 +2106,7 @@ def defaults_design(results: str) -> dict:
         runs = (1 + len(defaults_arms(name))) * DEFAULTS_SEEDS
         presets[name] = {
             "arms": [label for label, _ in defaults_arms(name)],
-            "claims": [{"text": c.text, "arm": c.arm, "reference": c.reference,
-                        "direction": c.direction} for c in claims],
+            "claims": _claims_record(claims),
             "family": f"Holm over {len(claims)} claims, two-sided paired t, {DEFAULTS_SEEDS} seeds",
             "resolvable |Δ| at the staleness SE": t_crit * se,
             "resolvable |Δ| at 4x it (async's)": 4 * t_crit * se,
