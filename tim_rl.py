@@ -3441,6 +3441,7 @@ class Arm(NamedTuple):
     renormalized: bool = False  # reads logp_old or top-K: needs the trainer renormalised on support
     critic: bool = False  # COPC: a value head gives (B, T) advantages
     resync: bool = False  # DLC: its lag or staleness trigger may sync before --sync-every
+    proximal: bool = False  # reads logp_prox (decoupled PPO): --prox-logp applies
     # (cfg, LossInputs) -> {metric: share} of what it drops or clips; reads logp_now, logp_infer,
     # adv and mask only (step_record gives it those of the first update)
     shares: Callable | None = None
@@ -3525,8 +3526,9 @@ ARMS = {
     "seq_mask": Arm(lambda c, x: _pg(x, _seq_mask(c, x)),
                     shares=lambda c, x: _dropped(_seq_mask(c, x) == 0, x.mask)),
     "geo": Arm(lambda c, x: _pg(x, geo_mask_weights(x.logp_now, x.logp_infer, x.mask))),
-    "cis": Arm(lambda c, x: _ppo(c, x, cis_weights(x.logp_prox, x.logp_infer, x.mask))),
-    "ppo": Arm(lambda c, x: _ppo(c, x, _tis(c, x, x.logp_prox))),
+    "cis": Arm(lambda c, x: _ppo(c, x, cis_weights(x.logp_prox, x.logp_infer, x.mask)),
+               proximal=True),
+    "ppo": Arm(lambda c, x: _ppo(c, x, _tis(c, x, x.logp_prox)), proximal=True),
     # TIM: the sampler's log-probs as pi_old: the whole gap clipped
     "ppo_infer": Arm(lambda c, x: ppo_loss(x.logp, x.logp_infer, x.adv, x.mask, None, c.eps_low,
                                            c.eps_high)),
@@ -3538,8 +3540,9 @@ ARMS = {
     # DLC: the lag p_prox / p_old and the numerics p_old / q corrected apart
     "dlc": Arm(lambda c, x: dlc_loss(x.logp, x.logp_old, x.logp_infer, x.adv, x.mask, c.eps_low,
                                      c.eps_high, logp_prox=x.logp_prox, lag_cap=c.dlc_lag_cap),
-               renormalized=True, resync=True),
-    "copc": Arm(lambda c, x: _ppo(c, x, copc_mask(x.logp_prox, x.logp_infer, x.mask)), critic=True),
+               renormalized=True, resync=True, proximal=True),
+    "copc": Arm(lambda c, x: _ppo(c, x, copc_mask(x.logp_prox, x.logp_infer, x.mask)), critic=True,
+                proximal=True),
     "calibrated": Arm(_calibrated, renormalized=True),
     # a positive control [2], not a correction: REINFORCE minus its signal part = the drift alone
     "drift_only": Arm(lambda c, x: _pg(x) - _sc(x), reads_topk=True, renormalized=True),
@@ -3557,7 +3560,7 @@ ARMS = {
     # M2PO's second-moment bound on decoupled PPO, DPPO's binary-KL trust region (SkyRL)
     "sapo": Arm(lambda c, x: sapo_loss(x.logp, x.logp_infer, x.adv, x.mask, c.sapo_tau_pos,
                                        c.sapo_tau_neg)),
-    "m2po": Arm(lambda c, x: _ppo(c, x, _m2po(c, x)),
+    "m2po": Arm(lambda c, x: _ppo(c, x, _m2po(c, x)), proximal=True,
                 shares=lambda c, x: _dropped(_m2po(c, x) == 0, x.mask)),
     "dppo_kl": Arm(lambda c, x: dppo_kl_loss(x.logp, x.logp_infer, x.adv, x.mask, c.dppo_kl_delta,
                                              c.dppo_kl_delta)),
@@ -3611,16 +3614,17 @@ class Update(NamedTuple):
     extra: dict  # first update only: kept_mass, the drift / signal split
 
 
-def update_on_batch(cfg: RLConfig, state: RunState, ro: Rollout, rewards, behaviour: Behaviour,
-                    logp_prox, meter) -> Update:
+def update_on_batch(cfg: RLConfig, step: int, state: RunState, ro: Rollout, rewards,
+                    behaviour: Behaviour, logp_prox, meter) -> Update:
     """One optimizer step on the whole batch: the arm's loss (plus --k2-coef's term); the weight
     it gives each token: effective_token_weights.
 
     logp (grad) the current trainer; logp_prox the trainer before this batch's first update (None:
-    this is it, its own log-probs are the proximal policy); behaviour.logp_old the trainer engine
-    on the weights the sampler holds; ro.logp_infer the sampler. behaviour.update_routes: the MoE
-    experts the forward replays (R2 / R3; None: live). meter: StepMeter, laps charged to
-    recompute, loss and optimizer."""
+    this is it, its own log-probs are the proximal policy; --prox-logp loglinear: the loss reads
+    AReaL's approximation of it instead, a version being one batch, the trainer version step + 1);
+    behaviour.logp_old the trainer engine on the weights the sampler holds; ro.logp_infer the
+    sampler. behaviour.update_routes: the MoE experts the forward replays (R2 / R3; None: live).
+    meter: StepMeter, laps charged to recompute, loss and optimizer."""
     trainer, extra = state.trainer, {}
     reads_topk = state.arm.reads_topk or cfg.diagnose_drift
     if reads_topk and ro.topk_ids.shape[-1] > 0:
@@ -3640,8 +3644,14 @@ def update_on_batch(cfg: RLConfig, state: RunState, ro: Rollout, rewards, behavi
             logp_topk = logp_topk + log_s[..., None]
     if first:  # TIM: the proximal policy: the trainer before the batch's first update
         logp_prox = logp.detach()
+    prox = logp_prox
+    if cfg.prox_logp == "loglinear":  # TIM: AReaL's proximal policy by version, no forward pass
+        batch_versions = ro.versions // cfg.updates_per_batch  # (B, T) a version is one batch
+        prox = prox_logp_loglinear(ro.logp_infer, logp, batch_versions, ro.mask, step + 1)
+    if first and cfg.prox_logp == "loglinear":  # its error against the recomputed one
+        extra["prox_abs_err"] = float(masked_mean((prox - logp_prox).abs(), ro.mask))
     adv, critic_loss = _advantages(cfg, state, ro, rewards, logp, hidden)
-    x = LossInputs(logp, logp.detach(), logp_prox, behaviour.logp_old, ro.logp_infer, logp_topk,
+    x = LossInputs(logp, logp.detach(), prox, behaviour.logp_old, ro.logp_infer, logp_topk,
                    ro.logp_topk_infer, adv, ro.mask)
     loss = state.arm.loss(cfg, x)
     if cfg.k2_coef > 0:  # TIM: any arm plus prime-rl's k2 pull toward the sampler
@@ -3863,7 +3873,8 @@ def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
     for _ in range(cfg.updates_per_batch):
         # TIM: the proximal policy is the trainer before this batch's first update (None: this is
         # it); R2 / R3: behaviour.update_routes are the experts every forward of the update replays
-        updates.append(update_on_batch(cfg, state, ro, rewards, behaviour, logp_prox, meter))
+        updates.append(update_on_batch(cfg, step, state, ro, rewards, behaviour, logp_prox,
+                                       meter))
         logp_prox = updates[0].logp_prox
     # 5) export / sync
     visible = sync_sampler(cfg, state, ro, behaviour, meter)
@@ -4255,6 +4266,9 @@ class RLConfig:
     lr: float = cli_field(3e-5, "learning rate (1e-4 knocks the tiny model back early)")
     sync_every: int = cli_field(1, "copy the trainer into the sampler every k steps (lag k - 1)")
     updates_per_batch: int = cli_field(1, "optimizer steps per rollout batch (verl ppo_epochs)")
+    prox_logp: str = cli_field("recompute", "decoupled PPO's proximal policy: recompute (the "
+                               "trainer before the batch's first update) | loglinear (AReaL "
+                               "prox_logp_method: interpolated by version, no forward)")
     in_flight: bool = cli_field(False, "async: a due sync lands mid-generation of the next batch "
                                 "(partial rollout), at decode position --in-flight-at")
     in_flight_at: int = cli_field(1, "decode position of an in-flight update (1: every response "
@@ -4342,7 +4356,8 @@ def config_choices() -> dict[str, tuple]:
     return {"sampler": ("torch", "vllm"), "dtype": tuple(_DTYPES), "quant": QUANTS,
             "correction": CORRECTIONS, "baseline": ("group", "none"), "optimizer": ("adamw", "sgd"),
             "export": ("rtn", "sr", "ef"), "device": ("auto", "cpu", "cuda"), "task": TASKS,
-            "routing_replay": ("none", "r2", "r3"), "rs_estimator": tuple(RS_ESTIMATORS)}
+            "routing_replay": ("none", "r2", "r3"), "rs_estimator": tuple(RS_ESTIMATORS),
+            "prox_logp": ("recompute", "loglinear")}
 
 
 def check_values(obj) -> None:
@@ -4443,6 +4458,9 @@ def check_run_config(cfg) -> None:
         (cfg.export != "rtn" and cfg.dtype != "bf16",
          (f"--export {cfg.export} rounds the fp32 master to bf16: it needs --dtype bf16 (the "
           f"sampler is {cfg.dtype}; rtn is the only export to fp32 / fp16)")),
+        (cfg.prox_logp != "recompute" and not arm.proximal,
+         (f"--prox-logp {cfg.prox_logp} applies to the arms with a proximal policy (ppo, cis, "
+          f"copc, dlc, m2po), not --correction {cfg.correction}")),
         (group_relative and cfg.group == 1,
          ("--group 1 with --baseline group: each sample is its own group mean, so every advantage "
           "is 0 and nothing trains (use --group >= 2, or --baseline none)")),

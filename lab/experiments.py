@@ -2041,6 +2041,58 @@ def async_design(results: str) -> dict:
 
 
 
+# ---- AReaL's approximated proximal policy as a loop option (issue 57, items 3 and 5) ----
+# Written and committed (lab/predictions/async-prox.json, async_prox_design) before any of its
+# runs. Decoupled PPO at 2 updates per batch, 16 steps stale in whole batches and in flight, its
+# proximal policy recomputed (the trainer before the batch's first update, free here) or
+# approximated by AReaL's prox_logp_method="loglinear" (--prox-logp loglinear: a version is one
+# batch; a token s batches old gets log q + s / (s + 1) (log p - log q)). The claims: the
+# approximation still beats no correction, and it costs something against the recomputed policy
+# in both schedules (the direction we expect: it treats the trainer as one batch newer than it is).
+ASYNC_PROX_LOGLINEAR = {"prox_logp": "loglinear"}
+ASYNC_PROX_ARMS = (
+    (f"none {LAG_LABEL}", _lag(PRESET_LAG, False)),
+    (f"ppo x2 {LAG_LABEL}", _lag(PRESET_LAG, False, correction="ppo", updates_per_batch=2)),
+    (f"ppo x2, loglinear proximal {LAG_LABEL}",
+     _lag(PRESET_LAG, False, correction="ppo", updates_per_batch=2, **ASYNC_PROX_LOGLINEAR)),
+    (f"ppo x2 {ASYNC_LABEL}", _lag(PRESET_LAG, True, correction="ppo", updates_per_batch=2)),
+    (f"ppo x2, loglinear proximal {ASYNC_LABEL}",
+     _lag(PRESET_LAG, True, correction="ppo", updates_per_batch=2, **ASYNC_PROX_LOGLINEAR)),
+)
+ASYNC_PROX_CLAIMS = (
+    Claim(f"decoupled PPO with the loglinear proximal policy beats no correction {LAG_LABEL}",
+          f"ppo x2, loglinear proximal {LAG_LABEL}", f"none {LAG_LABEL}"),
+    Claim(f"the loglinear proximal policy trails the recomputed one {LAG_LABEL}",
+          f"ppo x2, loglinear proximal {LAG_LABEL}", f"ppo x2 {LAG_LABEL}", direction=-1),
+    Claim(f"the loglinear proximal policy trails the recomputed one {ASYNC_LABEL}",
+          f"ppo x2, loglinear proximal {ASYNC_LABEL}", f"ppo x2 {ASYNC_LABEL}", direction=-1),
+)
+ASYNC_PROX_FILE = Path(__file__).parent / "predictions" / "async-prox.json"
+ASYNC_PROX_BUDGET_MIN = 40  # CPU minutes
+# CPU minutes per run measured before the design: async's 50 runs in 21 (x2 arms counted 1.5x)
+ASYNC_PROX_RUN_MIN = 21 / 50
+
+
+def async_prox_design(results: str) -> dict:
+    """What lab/predictions/async-prox.json holds, written once before the first run: arms, claims,
+    the |Δ| the family's first step resolves at the staleness preset's median correction SE and at
+    4x it (async's in-flight arms spread ~4x more), the CPU estimate."""
+    ses = _staleness_ses(results)
+    se = statistics.median(ses[f"staleness-{k}"] for k in range(2, 6))
+    t_crit = student_t_quantile(1 - 0.05 / (2 * len(ASYNC_PROX_CLAIMS)), ASYNC_SEEDS - 1)
+    weight = 1 + sum(1.5 if "x2" in label else 1.0 for label, _ in ASYNC_PROX_ARMS)
+    return {"preset": "async-prox", "status": "design committed before any run",
+            "arms": [label for label, _ in ASYNC_PROX_ARMS],
+            "claims": _claims_record(ASYNC_PROX_CLAIMS),
+            "family": f"Holm over {len(ASYNC_PROX_CLAIMS)} claims, two-sided paired t, "
+                      f"{ASYNC_SEEDS} seeds, pc auc",
+            "resolvable |Δ| at the staleness SE": t_crit * se,
+            "resolvable |Δ| at 4x it (async's)": 4 * t_crit * se,
+            "runs": (1 + len(ASYNC_PROX_ARMS)) * ASYNC_SEEDS,
+            "cpu_min": ASYNC_PROX_RUN_MIN * weight * ASYNC_SEEDS,
+            "budget_min": ASYNC_PROX_BUDGET_MIN}
+
+
 # ---- the framework defaults trained head to head (issue 59, item 3) ----
 # Written and committed (lab/predictions/defaults.json, defaults_design) before any of its runs.
 # Each arm is a framework's default correction as tim_rl's parity table matches it: verl / slime /
@@ -2595,6 +2647,20 @@ RL_PRESETS = {
         notes=(
             "Design, claims, power and CPU estimate committed before the first run "
             "(lab/predictions/async.json, async_design). " + ASYNC_NOT_HERE
+        ),
+    ),
+    # AReaL's approximated proximal policy against the recomputed one (issue 57)
+    "async-prox": RLPreset(
+        f"async-prox: decoupled PPO's proximal policy recomputed vs loglinear (k={PRESET_LAG})",
+        ASYNC_PROX_ARMS,
+        ASYNC_PROX_CLAIMS,
+        extra={"staleness (versions)": ("staleness_mean", "steps"),
+               "|prox - recomputed|": ("prox_abs_err", "steps")},
+        notes=(
+            "Design, claims, power and CPU estimate committed before the first run "
+            "(lab/predictions/async-prox.json, async_prox_design). --prox-logp loglinear is "
+            "AReaL's prox_logp_method='loglinear' with a version = one batch; |prox - recomputed| "
+            "is its mean error per token against the proximal policy the recompute uses."
         ),
     ),
 }
