@@ -1980,8 +1980,8 @@ ASYNC_NOT_HERE = (
     "Not in this preset: drop vs keep (--max-staleness): in this schedule every response of a "
     "batch shares its versions, so a bound drops whole batches, and a batch with no token left "
     "still takes an AdamW step on its moments alone, which no framework does; AReaL's "
-    "approximated proximal policy (prox_logp_loglinear) as an arm: it is a function and a test, "
-    "not yet a loop option."
+    "approximated proximal policy (prox_logp_loglinear): a loop option since (--prox-logp "
+    "loglinear), trained in the async-prox preset."
 )
 
 
