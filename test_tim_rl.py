@@ -2240,6 +2240,13 @@ TAU = torch.where(ADV > 0, 1.0, 1.05)  # SAPO's gate temperatures by the advanta
         ("m2po", {}, lambda rho: torch.tensor([[0.0], [0], [1], [0]])),
         # TRL's sequence mask at cap 2: the sequence ratio, 0 for the sequence with p/q = 3 > 2
         ("seq_mask", {"seq_mask_cap": 2.0}, lambda rho: torch.tensor([[0.0], [1], [1], [1]]) * rho),
+        # slime's mis.yaml: TIS 2 normalised by its batch mean (2 + .5 + 1.2 + .8) / 4, times the
+        # band [0.5, 2] (3 is outside; 0.5 is in)
+        (
+            "slime_mis",
+            {},
+            lambda rho: rho.clamp(max=2.0) / 1.125 * torch.tensor([[0.0], [1], [1], [1]]),
+        ),
     ],
 )
 def test_2026_arms_on_a_hand_made_batch(correction, cfg, expected):
@@ -2267,6 +2274,7 @@ def test_2026_arms_on_a_hand_made_batch(correction, cfg, expected):
         "dppo_kl",
         "m2po",
         "seq_mask",
+        "slime_mis",
     ],
 )
 def test_2026_arms_reduce_to_plain_reinforce_without_mismatch(correction):
@@ -2277,6 +2285,19 @@ def test_2026_arms_reduce_to_plain_reinforce_without_mismatch(correction):
     # q moved
     w = _arm_weights(correction, logp, logp, logp, logp + torch.tensor([[0.4, 0.2]]), ADV)
     assert not torch.allclose(w, torch.ones(4, 2), atol=1e-3), "anti-vacuity"
+
+
+def test_slime_mis_vetoes_a_sequence_with_one_token_below_its_floor():
+    """slime's mis.yaml on two 2-token sequences, the first token at p / q = 1: a second token at
+    p / q = 1e-5 (below the veto's 1e-4) zeroes its whole sequence; the twin, at 1e-3 (outside
+    the band [0.5, 2] but above the veto), zeroes that token alone."""
+    logp = torch.log(torch.full((2, 2), 0.5))
+    for ratio, kept_first in ((1e-5, 0.0), (1e-3, 1.0)):
+        log_rho = torch.tensor([[0.0, math.log(ratio)], [0.0, 0.0]])  # row 2: no mismatch
+        w = _arm_weights("slime_mis", logp, logp, logp, logp - log_rho, torch.ones(2, 1))
+        normaliser = (1 + ratio + 2) / 4  # TIS weights' mean over the batch's four tokens
+        assert w[0].tolist() == pytest.approx([kept_first / normaliser, 0.0]), (ratio, w)
+        assert w[1].tolist() == pytest.approx([1 / normaliser] * 2), (ratio, w)
 
 
 @given(logps_BT(), st.floats(min_value=-2.0, max_value=2.0, width=32))

@@ -3503,6 +3503,15 @@ def _seq_mask(cfg, x: LossInputs):
     return seq_mask_weights(x.logp_now, x.logp_infer, x.mask, high=cfg.seq_mask_cap)
 
 
+def _slime_mis(x: LossInputs):
+    """slime's mis.yaml as committed: token TIS 2, batch-normalised, times the token band [0.5, 2]
+    and a veto on any sequence holding a token with p / q < 1e-4 (RESULTS.md's parity row)."""
+    tis = self_normalize_weights(tis_weights(x.logp_now, x.logp_infer, x.mask, 2.0), x.mask)
+    band = copc_mask(x.logp_now, x.logp_infer, x.mask, 0.5, 2.0)
+    veto = divergence_seq_max_mask(x.logp_now, x.logp_infer, x.mask, (1e-300, 1e4), kl_k1)
+    return tis * band * veto
+
+
 def _opsm(cfg, x: LossInputs):
     """OPSM's keep mask on the batch."""
     return opsm_mask(x.logp_now, x.logp_infer, x.adv, x.mask, cfg.opsm_delta)
@@ -3550,6 +3559,9 @@ ARMS = {
     # TIM: truncate, then self-normalise (verl rollout_is_batch_normalize)
     "tis_sn": Arm(lambda c, x: _pg(x, self_normalize_weights(_tis(c, x), x.mask)),
                   shares=lambda c, x: {"sn_mean_weight": float(masked_mean(_tis(c, x), x.mask))}),
+    # slime's default (examples/train_infer_mismatch_helper/mis.yaml), its caps fixed
+    "slime_mis": Arm(lambda c, x: _pg(x, _slime_mis(x)),
+                     shares=lambda c, x: _dropped(_slime_mis(x) == 0, x.mask)),
     "opsm": Arm(lambda c, x: _pg(x, _opsm(c, x)),
                 shares=lambda c, x: _dropped(_opsm(c, x) == 0, x.mask)),
     # TIM: r = p / q, see cispo_loss; clipped tokens keep their gradient, scaled down
@@ -4459,8 +4471,8 @@ def check_run_config(cfg) -> None:
          (f"--export {cfg.export} rounds the fp32 master to bf16: it needs --dtype bf16 (the "
           f"sampler is {cfg.dtype}; rtn is the only export to fp32 / fp16)")),
         (cfg.prox_logp != "recompute" and not arm.proximal,
-         (f"--prox-logp {cfg.prox_logp} applies to the arms with a proximal policy (ppo, cis, "
-          f"copc, dlc, m2po), not --correction {cfg.correction}")),
+         (f"--prox-logp {cfg.prox_logp} applies to the arms with a proximal policy only (ppo, "
+          "cis, copc, dlc, m2po)")),
         (group_relative and cfg.group == 1,
          ("--group 1 with --baseline group: each sample is its own group mean, so every advantage "
           "is 0 and nothing trains (use --group >= 2, or --baseline none)")),

@@ -2073,24 +2073,31 @@ ASYNC_PROX_BUDGET_MIN = 40  # CPU minutes
 ASYNC_PROX_RUN_MIN = 21 / 50
 
 
-def async_prox_design(results: str) -> dict:
-    """What lab/predictions/async-prox.json holds, written once before the first run: arms, claims,
-    the |Δ| the family's first step resolves at the staleness preset's median correction SE and at
-    4x it (async's in-flight arms spread ~4x more), the CPU estimate."""
+def small_design(preset: str, arms: tuple, claims: tuple, budget_min: float, results: str) -> dict:
+    """What a small lag preset's design file holds, written once before its first run: arms,
+    claims, the |Δ| the family's first step resolves at the staleness preset's median correction SE
+    and at 4x it (async's in-flight arms spread ~4x more), the CPU estimate (async's minutes per
+    run, arms at 2 updates per batch counted 1.5x)."""
     ses = _staleness_ses(results)
     se = statistics.median(ses[f"staleness-{k}"] for k in range(2, 6))
-    t_crit = student_t_quantile(1 - 0.05 / (2 * len(ASYNC_PROX_CLAIMS)), ASYNC_SEEDS - 1)
-    weight = 1 + sum(1.5 if "x2" in label else 1.0 for label, _ in ASYNC_PROX_ARMS)
-    return {"preset": "async-prox", "status": "design committed before any run",
-            "arms": [label for label, _ in ASYNC_PROX_ARMS],
-            "claims": _claims_record(ASYNC_PROX_CLAIMS),
-            "family": f"Holm over {len(ASYNC_PROX_CLAIMS)} claims, two-sided paired t, "
+    t_crit = student_t_quantile(1 - 0.05 / (2 * len(claims)), ASYNC_SEEDS - 1)
+    weight = 1 + sum(1.5 if "x2" in label else 1.0 for label, _ in arms)
+    return {"preset": preset, "status": "design committed before any run",
+            "arms": [label for label, _ in arms],
+            "claims": _claims_record(claims),
+            "family": f"Holm over {len(claims)} claims, two-sided paired t, "
                       f"{ASYNC_SEEDS} seeds, pc auc",
             "resolvable |Δ| at the staleness SE": t_crit * se,
             "resolvable |Δ| at 4x it (async's)": 4 * t_crit * se,
-            "runs": (1 + len(ASYNC_PROX_ARMS)) * ASYNC_SEEDS,
+            "runs": (1 + len(arms)) * ASYNC_SEEDS,
             "cpu_min": ASYNC_PROX_RUN_MIN * weight * ASYNC_SEEDS,
-            "budget_min": ASYNC_PROX_BUDGET_MIN}
+            "budget_min": budget_min}
+
+
+def async_prox_design(results: str) -> dict:
+    """What lab/predictions/async-prox.json holds (small_design)."""
+    return small_design("async-prox", ASYNC_PROX_ARMS, ASYNC_PROX_CLAIMS, ASYNC_PROX_BUDGET_MIN,
+                        results)
 
 
 # ---- the framework defaults trained head to head (issue 59, item 3) ----
@@ -2169,6 +2176,30 @@ def defaults_design(results: str) -> dict:
 
 
 DEFAULTS_FILE = Path(__file__).parent / "predictions" / "defaults.json"
+# slime's default, missing from the defaults preset (it was not a loop option then): its mis.yaml
+# as committed (--correction slime_mis: token TIS 2 batch-normalised x the band [0.5, 2] x a 1e-4
+# veto), 16 steps stale on the 3-token task beside none and token TIS 2. Written and committed
+# (lab/predictions/defaults-slime.json, small_design) before any of its runs. The expectation:
+# it beats none, and trails TIS 2, whose cap keeps the tokens the band drops.
+DEFAULTS_SLIME_ARMS = (
+    (f"none {LAG_LABEL}", {"correction": "none", "sync_every": PRESET_LAG}),
+    (f"slime mis.yaml {LAG_LABEL}", {"correction": "slime_mis", "sync_every": PRESET_LAG}),
+    (f"tis 2 {LAG_LABEL}", {"correction": "tis", "sync_every": PRESET_LAG}),
+)
+DEFAULTS_SLIME_CLAIMS = (
+    Claim(f"slime mis.yaml beats no correction {LAG_LABEL}", f"slime mis.yaml {LAG_LABEL}",
+          f"none {LAG_LABEL}"),
+    Claim(f"slime mis.yaml trails token TIS 2 {LAG_LABEL}", f"slime mis.yaml {LAG_LABEL}",
+          f"tis 2 {LAG_LABEL}", direction=-1),
+)
+DEFAULTS_SLIME_FILE = Path(__file__).parent / "predictions" / "defaults-slime.json"
+DEFAULTS_SLIME_BUDGET_MIN = 30  # CPU minutes
+
+
+def defaults_slime_design(results: str) -> dict:
+    """What lab/predictions/defaults-slime.json holds (small_design)."""
+    return small_design("defaults-slime", DEFAULTS_SLIME_ARMS, DEFAULTS_SLIME_CLAIMS,
+                        DEFAULTS_SLIME_BUDGET_MIN, results)
 DEFAULTS_NOTES = (
     "Design, claims, power and CPU estimate committed before the first run "
     "(lab/predictions/defaults.json, defaults_design). Each arm is a framework's default "
@@ -2633,6 +2664,20 @@ RL_PRESETS = {
         pretrain=("swap", {"digits": 6, "ops": "s", "steps": 150}),
         extra=DEFAULTS_EXTRA,
         notes=DEFAULTS_NOTES,
+    ),
+    # slime's default beside none and TIS 2 at lag 16 (issue 59)
+    "defaults-slime": RLPreset(
+        f"defaults-slime: slime's mis.yaml default at lag {PRESET_LAG}",
+        DEFAULTS_SLIME_ARMS,
+        DEFAULTS_SLIME_CLAIMS,
+        extra=DEFAULTS_EXTRA,
+        notes=(
+            "Design, claims, power and CPU estimate committed before the first run "
+            "(lab/predictions/defaults-slime.json, defaults_slime_design). slime_mis is slime's "
+            "mis.yaml as committed, as the parity table matches it (RESULTS.md, Parity with the "
+            "frameworks): the row `self_normalize_weights(tis_weights(.., 2)) · copc_mask(.., 0.5, "
+            "2) · divergence_seq_max_mask(.., (1e-300, 1e4), kl_k1)`."
+        ),
     ),
     # async rollouts: in-flight updates mix two policy versions inside a response (issue 57)
     "async": RLPreset(
