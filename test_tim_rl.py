@@ -2289,15 +2289,25 @@ def test_2026_arms_reduce_to_plain_reinforce_without_mismatch(correction):
 
 def test_slime_mis_vetoes_a_sequence_with_one_token_below_its_floor():
     """slime's mis.yaml on two 2-token sequences, the first token at p / q = 1: a second token at
-    p / q = 1e-5 (below the veto's 1e-4) zeroes its whole sequence; the twin, at 1e-3 (outside
+    p / q = 5e-5 (below the veto's 1e-4) zeroes its whole sequence; the twin, at 2e-4 (outside
     the band [0.5, 2] but above the veto), zeroes that token alone."""
     logp = torch.log(torch.full((2, 2), 0.5))
-    for ratio, kept_first in ((1e-5, 0.0), (1e-3, 1.0)):
+    for ratio, kept_first in ((5e-5, 0.0), (2e-4, 1.0)):
         log_rho = torch.tensor([[0.0, math.log(ratio)], [0.0, 0.0]])  # row 2: no mismatch
         w = _arm_weights("slime_mis", logp, logp, logp, logp - log_rho, torch.ones(2, 1))
         normaliser = (1 + ratio + 2) / 4  # TIS weights' mean over the batch's four tokens
         assert w[0].tolist() == pytest.approx([kept_first / normaliser, 0.0]), (ratio, w)
         assert w[1].tolist() == pytest.approx([1 / normaliser] * 2), (ratio, w)
+
+
+def test_slime_mis_band_is_half_to_two():
+    """Just inside and just outside each edge of slime's token band [0.5, 2]: p / q = 0.45 and 2.2
+    are dropped, 0.55 and 1.9 kept with their TIS weight over the batch mean of min(p / q, 2)."""
+    rho = torch.tensor([[0.45], [0.55], [1.9], [2.2]])
+    logp = torch.log(torch.full((4, 1), 0.5))
+    w = _arm_weights("slime_mis", logp, logp, logp, logp - rho.log(), torch.ones(4, 1))
+    mean = (0.45 + 0.55 + 1.9 + 2.0) / 4
+    assert w[:, 0].tolist() == pytest.approx([0.0, 0.55 / mean, 1.9 / mean, 0.0]), w
 
 
 @given(logps_BT(), st.floats(min_value=-2.0, max_value=2.0, width=32))

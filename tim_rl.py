@@ -1355,11 +1355,12 @@ def opsm_mask(logp, logp_infer, adv, mask, delta: float = 1e-4):
 def prox_logp_loglinear(logp_infer, logp, versions, mask, version: int) -> torch.Tensor:
     """log p_prox ~ log q + a (log p - log q), a = clip((v - 1 - v_t) / (v - v_t), 0, 1). (B, T).
 
-    AReaL prox_logp_method="loglinear": decoupled PPO's proximal policy, the weights of version
-    v - 1 (the last broadcast), without a forward pass, between the sampler's log q of a token that
-    version v_t = versions[b, t] sampled and the current trainer's log p (version v), log-linear
-    in the version. A token of version v - 1 keeps log q (a = 0); older ones move toward log p.
-    a = 0 where v_t >= v, v_t < 0 (a prompt token) or off the mask. Detached.
+    AReaL prox_logp_method="loglinear": decoupled PPO's proximal policy taken as the weights of
+    version v - 1, one version before the trainer's, without a forward pass, between the sampler's
+    log q of a token that version v_t = versions[b, t] sampled and the current trainer's log p
+    (version v), log-linear in the version. A token of version v - 1 keeps log q (a = 0); older
+    ones move toward log p. a = 0 where v_t >= v, v_t < 0 (a prompt token) or off the mask.
+    Detached.
 
     needs: _check_versions, _check_bt, _upcast, _check_tensor
     """
@@ -3443,7 +3444,8 @@ class Arm(NamedTuple):
     resync: bool = False  # DLC: its lag or staleness trigger may sync before --sync-every
     proximal: bool = False  # reads logp_prox (decoupled PPO): --prox-logp applies
     # (cfg, LossInputs) -> {metric: share} of what it drops or clips; reads logp_now, logp_infer,
-    # adv and mask only (step_record gives it those of the first update)
+    # adv and mask only (step_record gives it those of the first update; m2po's logp_prox is the
+    # recomputed one, also under --prox-logp loglinear)
     shares: Callable | None = None
 
 
@@ -3620,7 +3622,7 @@ class Update(NamedTuple):
     frac_zeroed: float  # share of the tokens with A != 0 whose gradient the arm zeroed
     frac_zeroed_neg_adv: float  # the same among the tokens with A < 0
     logp_kept: torch.Tensor  # (B, T) detached, before the step: the trainer on the kept support
-    logp_prox: torch.Tensor  # (B, T) the proximal policy the loss used (first update: its own logp)
+    logp_prox: torch.Tensor  # (B, T) the recomputed proximal policy (first update: its own logp)
     adv: torch.Tensor  # (B, T) or (B, 1), the advantages the loss used
     log_s: torch.Tensor | None  # (B, T) log kept mass under truncation, else None
     extra: dict  # first update only: kept_mass, the drift / signal split
@@ -3633,7 +3635,8 @@ def update_on_batch(cfg: RLConfig, step: int, state: RunState, ro: Rollout, rewa
 
     logp (grad) the current trainer; logp_prox the trainer before this batch's first update (None:
     this is it, its own log-probs are the proximal policy; --prox-logp loglinear: the loss reads
-    AReaL's approximation of it instead, a version being one batch, the trainer version step + 1);
+    AReaL's approximation of it instead: a version is one batch and the trainer's is `step`, AReaL's
+    engine version during the step, so it aims one batch before the recomputed policy);
     behaviour.logp_old the trainer engine on the weights the sampler holds; ro.logp_infer the
     sampler. behaviour.update_routes: the MoE experts the forward replays (R2 / R3; None: live).
     meter: StepMeter, laps charged to recompute, loss and optimizer."""
@@ -3659,7 +3662,7 @@ def update_on_batch(cfg: RLConfig, step: int, state: RunState, ro: Rollout, rewa
     prox = logp_prox
     if cfg.prox_logp == "loglinear":  # TIM: AReaL's proximal policy by version, no forward pass
         batch_versions = ro.versions // cfg.updates_per_batch  # (B, T) a version is one batch
-        prox = prox_logp_loglinear(ro.logp_infer, logp, batch_versions, ro.mask, step + 1)
+        prox = prox_logp_loglinear(ro.logp_infer, logp, batch_versions, ro.mask, step)
     if first and cfg.prox_logp == "loglinear":  # its error against the recomputed one
         extra["prox_abs_err"] = float(masked_mean((prox - logp_prox).abs(), ro.mask))
     adv, critic_loss = _advantages(cfg, state, ro, rewards, logp, hidden)
@@ -4471,8 +4474,8 @@ def check_run_config(cfg) -> None:
          (f"--export {cfg.export} rounds the fp32 master to bf16: it needs --dtype bf16 (the "
           f"sampler is {cfg.dtype}; rtn is the only export to fp32 / fp16)")),
         (cfg.prox_logp != "recompute" and not arm.proximal,
-         (f"--prox-logp {cfg.prox_logp} applies to the arms with a proximal policy only (ppo, "
-          "cis, copc, dlc, m2po)")),
+         (f"--prox-logp {cfg.prox_logp} applies to the arms with a proximal policy only: "
+          f"{', '.join(name for name, a in ARMS.items() if a.proximal)}")),
         (group_relative and cfg.group == 1,
          ("--group 1 with --baseline group: each sample is its own group mean, so every advantage "
           "is 0 and nothing trains (use --group >= 2, or --baseline none)")),

@@ -2046,9 +2046,10 @@ def async_design(results: str) -> dict:
 # runs. Decoupled PPO at 2 updates per batch, 16 steps stale in whole batches and in flight, its
 # proximal policy recomputed (the trainer before the batch's first update, free here) or
 # approximated by AReaL's prox_logp_method="loglinear" (--prox-logp loglinear: a version is one
-# batch; a token s batches old gets log q + s / (s + 1) (log p - log q)). The claims: the
-# approximation still beats no correction, and it costs something against the recomputed policy
-# in both schedules (the direction we expect: it treats the trainer as one batch newer than it is).
+# batch; AReaL's engine version during a step is the step, so a token s >= 1 batches old gets
+# log q + (s - 1) / s (log p - log q), aiming one batch before the recomputed policy). The claims:
+# the approximation still beats no correction, and it costs something against the recomputed
+# policy in both schedules.
 ASYNC_PROX_LOGLINEAR = {"prox_logp": "loglinear"}
 ASYNC_PROX_ARMS = (
     (f"none {LAG_LABEL}", _lag(PRESET_LAG, False)),
@@ -2069,28 +2070,29 @@ ASYNC_PROX_CLAIMS = (
 )
 ASYNC_PROX_FILE = Path(__file__).parent / "predictions" / "async-prox.json"
 ASYNC_PROX_BUDGET_MIN = 40  # CPU minutes
-# CPU minutes per run measured before the design: async's 50 runs in 21 (x2 arms counted 1.5x)
-ASYNC_PROX_RUN_MIN = 21 / 50
+# small_design's CPU minutes per run, measured before the designs: async's 50 runs in 21
+SMALL_RUN_MIN = 21 / 50
+SMALL_SEEDS = 5
 
 
 def small_design(preset: str, arms: tuple, claims: tuple, budget_min: float, results: str) -> dict:
     """What a small lag preset's design file holds, written once before its first run: arms,
     claims, the |Δ| the family's first step resolves at the staleness preset's median correction SE
     and at 4x it (async's in-flight arms spread ~4x more), the CPU estimate (async's minutes per
-    run, arms at 2 updates per batch counted 1.5x)."""
+    run, arms at 2+ updates per batch counted 1.5x)."""
     ses = _staleness_ses(results)
     se = statistics.median(ses[f"staleness-{k}"] for k in range(2, 6))
-    t_crit = student_t_quantile(1 - 0.05 / (2 * len(claims)), ASYNC_SEEDS - 1)
-    weight = 1 + sum(1.5 if "x2" in label else 1.0 for label, _ in arms)
+    t_crit = student_t_quantile(1 - 0.05 / (2 * len(claims)), SMALL_SEEDS - 1)
+    weight = 1 + sum(1.5 if change.get("updates_per_batch", 1) > 1 else 1.0 for _, change in arms)
     return {"preset": preset, "status": "design committed before any run",
             "arms": [label for label, _ in arms],
             "claims": _claims_record(claims),
             "family": f"Holm over {len(claims)} claims, two-sided paired t, "
-                      f"{ASYNC_SEEDS} seeds, pc auc",
+                      f"{SMALL_SEEDS} seeds, pc auc",
             "resolvable |Δ| at the staleness SE": t_crit * se,
             "resolvable |Δ| at 4x it (async's)": 4 * t_crit * se,
-            "runs": (1 + len(arms)) * ASYNC_SEEDS,
-            "cpu_min": ASYNC_PROX_RUN_MIN * weight * ASYNC_SEEDS,
+            "runs": (1 + len(arms)) * SMALL_SEEDS,
+            "cpu_min": SMALL_RUN_MIN * weight * SMALL_SEEDS,
             "budget_min": budget_min}
 
 
@@ -2176,6 +2178,15 @@ def defaults_design(results: str) -> dict:
 
 
 DEFAULTS_FILE = Path(__file__).parent / "predictions" / "defaults.json"
+DEFAULTS_NOTES = (
+    "Design, claims, power and CPU estimate committed before the first run "
+    "(lab/predictions/defaults.json, defaults_design). Each arm is a framework's default "
+    "correction as the parity table matches it (RESULTS.md, Parity with the frameworks)."
+)
+DEFAULTS_EXTRA = {"mismatch x": ("mm_abs_diff", "steps"),
+                  "masked seqs": ("frac_masked_seqs", "steps")}
+
+
 # slime's default, missing from the defaults preset (it was not a loop option then): its mis.yaml
 # as committed (--correction slime_mis: token TIS 2 batch-normalised x the band [0.5, 2] x a 1e-4
 # veto), 16 steps stale on the 3-token task beside none and token TIS 2. Written and committed
@@ -2200,13 +2211,6 @@ def defaults_slime_design(results: str) -> dict:
     """What lab/predictions/defaults-slime.json holds (small_design)."""
     return small_design("defaults-slime", DEFAULTS_SLIME_ARMS, DEFAULTS_SLIME_CLAIMS,
                         DEFAULTS_SLIME_BUDGET_MIN, results)
-DEFAULTS_NOTES = (
-    "Design, claims, power and CPU estimate committed before the first run "
-    "(lab/predictions/defaults.json, defaults_design). Each arm is a framework's default "
-    "correction as the parity table matches it (RESULTS.md, Parity with the frameworks)."
-)
-DEFAULTS_EXTRA = {"mismatch x": ("mm_abs_diff", "steps"),
-                  "masked seqs": ("frac_masked_seqs", "steps")}
 
 
 RL_PRESETS = {

@@ -7609,25 +7609,29 @@ def test_in_flight_run_records_versions_and_the_kv_caches_share(base_model_dir, 
     assert [r["frac_stale_rows"] for r in dropped] == [0.0, 0.0, 1.0, 0.0]
 
 
-def test_loglinear_proximal_is_the_recomputed_one_where_no_version_passed(base_model_dir,
-                                                                           tmp_path):
-    """decoupled PPO, 2 updates per batch, the sampler synced every 2 steps (fp32, so q = p up to
-    the KV cache's rounding): --prox-logp loglinear takes log q as the proximal policy where the
-    batch was sampled by the trainer's own weights (step 0: a = 0), and log q + (log p - log q) / 2
-    one batch later (step 1), whose error against the recomputed proximal policy is the lag's half.
-    The twin: the recomputed run's losses match at step 0 and part at step 1."""
-    common = {"model": str(base_model_dir), "out_dir": str(tmp_path), "steps": 2, "prompts": 4,
-              "group": 4, "eval_every": 2, "eval_n": 8, "progress": False, "checkpoint_every": 0,
-              "sync_every": 2, "updates_per_batch": 2, "correction": "ppo", "lr": 1e-3}
+def test_loglinear_proximal_weighs_each_batch_by_its_age(base_model_dir, tmp_path):
+    """decoupled PPO, 2 updates per batch, the sampler synced every 3 steps (versions 0, 0, 0, then
+    3, 3, 3 in batches; 0 and 6 in optimizer steps): --prox-logp loglinear, AReaL's version the
+    step, gives a batch s = 0, 1, 2 steps old a = 0, 0, 1/2, so its error against the recomputed
+    proximal policy is (1 - a) mean |log p - log q| = ~0, mm_abs_diff, mm_abs_diff / 2; the twins:
+    at step 5 a version read in optimizer steps (6 >= 5: a = 0) would give the whole gap, and
+    the recomputed run's losses match at step 0 and part at step 2."""
+    common = {"model": str(base_model_dir), "out_dir": str(tmp_path), "steps": 6, "prompts": 4,
+              "group": 4, "eval_every": 6, "eval_n": 8, "progress": False, "checkpoint_every": 0,
+              "sync_every": 3, "updates_per_batch": 2, "correction": "ppo", "lr": 1e-3}
     runs = {}
     for method in ("recompute", "loglinear"):
         records = tr.run(tr.RLConfig(name=method, prox_logp=method, **common))
         runs[method] = [r for r in records if "reward" in r]
     err = [r["prox_abs_err"] for r in runs["loglinear"]]
-    assert err[0] < 1e-5 and err[1] > 1e-3, err
+    gap = [r["mm_abs_diff"] for r in runs["loglinear"]]
+    assert err[0] < 1e-5 and err[3] < 1e-5, err
+    for step, a in ((1, 0.0), (2, 0.5), (4, 0.0), (5, 0.5)):
+        assert err[step] == pytest.approx((1 - a) * gap[step], rel=1e-4), (step, err, gap)
+    assert gap[5] > 1e-3, "anti-vacuity: the lag is there to weigh"
     assert all("prox_abs_err" not in r for r in runs["recompute"])
     loss = [[r["loss"] for r in runs[m]] for m in ("recompute", "loglinear")]
-    assert abs(loss[0][0] - loss[1][0]) < 1e-4 < abs(loss[0][1] - loss[1][1]), loss
+    assert abs(loss[0][0] - loss[1][0]) < 1e-4 < abs(loss[0][2] - loss[1][2]), loss
 
 
 @pytest.mark.parametrize(
