@@ -3888,8 +3888,7 @@ def rl_step(cfg: RLConfig, step: int, state: RunState) -> dict:
     for _ in range(cfg.updates_per_batch):
         # TIM: the proximal policy is the trainer before this batch's first update (None: this is
         # it); R2 / R3: behaviour.update_routes are the experts every forward of the update replays
-        updates.append(update_on_batch(cfg, step, state, ro, rewards, behaviour, logp_prox,
-                                       meter))
+        updates.append(update_on_batch(cfg, step, state, ro, rewards, behaviour, logp_prox, meter))
         logp_prox = updates[0].logp_prox
     # 5) export / sync
     visible = sync_sampler(cfg, state, ro, behaviour, meter)
