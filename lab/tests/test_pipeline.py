@@ -6016,6 +6016,54 @@ def test_tutorial_reads_results_with_ids_and_tells_no_history():
     )
 
 
+def _notebook_words(nb) -> tuple[int, int]:
+    """(words, figures) of a notebook: the whitespace-split words of its markdown, of its code
+    comments (the text after '#') and of its printed output (stream text, the text/plain of a result
+    that carries no image); its figures are the outputs that carry an image/png."""
+    import io
+    import tokenize
+
+    words = figures = 0
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            words += len(cell.source.split())
+        if cell.cell_type != "code":
+            continue
+        tokens = tokenize.generate_tokens(io.StringIO(cell.source).readline)
+        comments = [t.string.lstrip("#") for t in tokens if t.type == tokenize.COMMENT]
+        words += sum(len(c.split()) for c in comments)
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            figures += "image/png" in data
+            if out.output_type == "stream":
+                words += len(out.text.split())
+            elif "image/png" not in data:
+                words += len(data.get("text/plain", "").split())
+    return words, figures
+
+
+def test_tutorial_is_a_one_hour_read():
+    """The notebook reads in about an hour: at most 5,000 words over its markdown, code comments and
+    printed output alike, at most 12 figures, at most 1 MB with its outputs. The twins: one more
+    markdown cell of 5,001 words is over the limit; a comment and a printed line are counted."""
+    nbformat = pytest.importorskip(
+        "nbformat", reason="install the extra `notebook` to read tutorial.ipynb"
+    )
+    path = ROOT / "tutorial.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    words, figures = _notebook_words(nb)
+    assert words <= 5_000, f"{words} words: the notebook is a one-hour read"
+    assert 1 <= figures <= 12, f"{figures} figures (its outputs are committed)"
+    assert path.stat().st_size <= 1_000_000, f"{path.stat().st_size} bytes"
+    longer = nbformat.from_dict(nb)
+    longer.cells.append(nbformat.v4.new_markdown_cell("word " * 5_001))
+    assert _notebook_words(longer)[0] > 5_000
+    cell = nbformat.v4.new_code_cell("x = 1  # two words")
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="three more words\n")]
+    longer.cells.append(cell)
+    assert _notebook_words(longer)[0] == words + 5_001 + 5
+
+
 def test_async_design_was_committed_as_the_preset_runs_it():
     """lab/predictions/async.json, written before the preset's runs, names the arms and claims the
     preset runs, a power line per claim and a CPU estimate within the budget; the twin: a claim
