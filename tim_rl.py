@@ -3663,8 +3663,8 @@ def update_on_batch(cfg: RLConfig, step: int, state: RunState, ro: Rollout, rewa
     if cfg.prox_logp == "loglinear":  # TIM: AReaL's proximal policy by version, no forward pass
         batch_versions = ro.versions // cfg.updates_per_batch  # (B, T) a version is one batch
         prox = prox_logp_loglinear(ro.logp_infer, logp, batch_versions, ro.mask, step)
-    if first and cfg.prox_logp == "loglinear":  # its error against the recomputed one
-        extra["prox_abs_err"] = float(masked_mean((prox - logp_prox).abs(), ro.mask))
+        if first:  # its error against the recomputed one
+            extra["prox_abs_err"] = float(masked_mean((prox - logp_prox).abs(), ro.mask))
     adv, critic_loss = _advantages(cfg, state, ro, rewards, logp, hidden)
     x = LossInputs(logp, logp.detach(), prox, behaviour.logp_old, ro.logp_infer, logp_topk,
                    ro.logp_topk_infer, adv, ro.mask)

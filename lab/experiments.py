@@ -1992,6 +1992,11 @@ def _staleness_ses(results: str) -> dict[str, float]:
     return {r["id"]: interval_se(r["95% CI"], int(r["seeds"])) for r in rows}
 
 
+def _median_correction_se(ses: dict[str, float]) -> float:
+    """The median SE of the staleness preset's correction claims (staleness-2..5)."""
+    return statistics.median(ses[f"staleness-{k}"] for k in range(2, 6))
+
+
 def _claims_record(claims: tuple) -> list[dict]:
     """Claims as a design file lists them."""
     return [{"text": c.text, "arm": c.arm, "reference": c.reference, "direction": c.direction}
@@ -2004,7 +2009,7 @@ def async_power(results: str, seeds: int = ASYNC_SEEDS) -> list[dict]:
     (interval_se of the published row; 'median': the median of staleness-2..5); and the |Δ|
     resolved with ~80 % power, (t_crit + t_{0.8, n-1}) x SE (the normal approximation)."""
     ses = _staleness_ses(results)
-    median = statistics.median(ses[f"staleness-{k}"] for k in range(2, 6))
+    median = _median_correction_se(ses)
     t_crit = student_t_quantile(1 - 0.05 / (2 * len(ASYNC_CLAIMS)), seeds - 1)
     t_power = student_t_quantile(0.8, seeds - 1)
     out = []
@@ -2080,8 +2085,7 @@ def small_design(preset: str, arms: tuple, claims: tuple, budget_min: float, res
     claims, the |Δ| the family's first step resolves at the staleness preset's median correction SE
     and at 4x it (async's in-flight arms spread ~4x more), the CPU estimate (async's minutes per
     run, arms at 2+ updates per batch counted 1.5x)."""
-    ses = _staleness_ses(results)
-    se = statistics.median(ses[f"staleness-{k}"] for k in range(2, 6))
+    se = _median_correction_se(_staleness_ses(results))
     t_crit = student_t_quantile(1 - 0.05 / (2 * len(claims)), SMALL_SEEDS - 1)
     weight = 1 + sum(1.5 if change.get("updates_per_batch", 1) > 1 else 1.0 for _, change in arms)
     return {"preset": preset, "status": "design committed before any run",
@@ -2158,8 +2162,7 @@ def defaults_design(results: str) -> dict:
     arms and claims, the |Δ| each family's first step resolves from the staleness preset's median
     correction SE (Holm, two-sided paired t at 5%, DEFAULTS_SEEDS seeds; async's SEs came out ~4x
     that: both printed), and the CPU estimate."""
-    ses = _staleness_ses(results)
-    se = statistics.median(ses[f"staleness-{k}"] for k in range(2, 6))
+    se = _median_correction_se(_staleness_ses(results))
     presets = {}
     for name in DEFAULTS_SETTINGS:
         claims = defaults_claims(name)

@@ -6077,28 +6077,26 @@ def test_async_design_was_committed_as_the_preset_runs_it():
     assert flipped != design["claims"]
 
 
-def test_defaults_slime_design_was_committed_as_the_preset_runs_it():
-    """lab/predictions/defaults-slime.json, written before the preset's runs, names the arms and
-    claims the preset runs within its CPU budget; the twin: a flipped claim is a difference."""
-    design = json.loads(ex.DEFAULTS_SLIME_FILE.read_text())
-    code = ex.defaults_slime_design((ROOT / "RESULTS.md").read_text())
-    assert design["arms"] == code["arms"] == [a for a, _ in ex.RL_PRESETS["defaults-slime"].arms]
+@pytest.mark.parametrize(
+    "preset, option, expected",
+    [
+        ("async-prox", {"prox_logp": "loglinear"}, ["ppo x2, loglinear proximal (k=16)",
+                                                    "ppo x2, loglinear proximal (in-flight k=16)"]),
+        ("defaults-slime", {"correction": "slime_mis"}, ["slime mis.yaml (k=16)"]),
+    ],
+)
+def test_small_design_was_committed_as_the_preset_runs_it(preset, option, expected):
+    """lab/predictions/<preset>.json, written before the preset's runs (small_design), names the
+    arms and claims the preset runs, within its CPU budget, and the arms it is about carry their
+    option; the twin: a claim whose direction changed after the design is a difference."""
+    file, design_of = {"async-prox": (ex.ASYNC_PROX_FILE, ex.async_prox_design),
+                       "defaults-slime": (ex.DEFAULTS_SLIME_FILE, ex.defaults_slime_design)}[preset]
+    design = json.loads(file.read_text())
+    code = design_of((ROOT / "RESULTS.md").read_text())
+    arms = ex.RL_PRESETS[preset].arms
+    assert design["arms"] == code["arms"] == [a for a, _ in arms]
     assert design["claims"] == code["claims"] and design["cpu_min"] <= design["budget_min"]
-    assert dict(ex.DEFAULTS_SLIME_ARMS)["slime mis.yaml (k=16)"]["correction"] == "slime_mis"
-    flipped = [c | {"direction": -c["direction"]} for c in code["claims"]]
-    assert flipped != design["claims"]
-
-
-def test_async_prox_design_was_committed_as_the_preset_runs_it():
-    """lab/predictions/async-prox.json, written before the preset's runs, names the arms and claims
-    the preset runs (the loglinear arms with --prox-logp loglinear) within its CPU budget; the
-    twin: a claim whose direction changed after the design is a difference."""
-    design = json.loads(ex.ASYNC_PROX_FILE.read_text())
-    code = ex.async_prox_design((ROOT / "RESULTS.md").read_text())
-    assert design["arms"] == code["arms"] == [a for a, _ in ex.RL_PRESETS["async-prox"].arms]
-    assert design["claims"] == code["claims"] and design["cpu_min"] <= design["budget_min"]
-    loglinear = [a for a, change in ex.ASYNC_PROX_ARMS if change.get("prox_logp") == "loglinear"]
-    assert loglinear == [a for a in design["arms"] if "loglinear" in a] and len(loglinear) == 2
+    assert [a for a, change in arms if option.items() <= change.items()] == expected
     flipped = [c | {"direction": -c["direction"]} for c in code["claims"]]
     assert flipped != design["claims"]
 
