@@ -1573,6 +1573,10 @@ def test_every_compare_preset_runs_in_smoke_size(base_model_dir, tmp_path):
             assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     smoke = tmp_path / "out" / "smoke"
     assert (smoke / "staleness" / "plot.png").exists() and (smoke / "drift" / "plot.png").exists()
+    arms = list(smoke.glob("*/arm*_s*"))
+    assert len(arms) > 100 and not list(smoke.glob("*/arm*_s*/checkpoint.safetensors")), (
+        "compare keeps only metrics: a checkpoint per arm filled CI's disk"
+    )
     with pytest.raises(ValueError, match="preset must be one of"):
         ex.run_preset(ex.PresetConfig(preset="nope", smoke=True))
 
