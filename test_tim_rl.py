@@ -1461,6 +1461,9 @@ def test_dlc_resync_fires_on_growing_lag():
     assert not tr.dlc_should_resync(
         bad, logp_old, mask, staleness=9, max_staleness=0, max_lag=0.0
     ), "both off"
+    assert not tr.dlc_should_resync(
+        bad, logp_old, mask, staleness=1, max_staleness=10, max_lag=0.0
+    ), "the lag trigger off: an unmeasurable lag is no reason, the staleness one not reached"
 
 
 # ==================================================================================================
@@ -2646,6 +2649,76 @@ def test_doctor_cannot_tell_outliers_below_its_minimum_rows(B):
     assert _verdicts(twin)["outliers"] == "absent"
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (2, 1)])
+def test_doctor_never_names_temperature_from_one_or_two_tokens(shape):
+    """A slope through one or two points is any slope: over 50 seeds of 5e-3 noise, temperature is
+    never named and reads 'cannot tell' (1 x 1 read temperature 197 times in 200, 1 x 2 38). The
+    twin: a real temperature, tau 1.5 on one side, is named on 8 x 6 tokens."""
+    for seed in range(50):
+        g = torch.Generator().manual_seed(seed)
+        p = -3 * torch.rand(*shape, generator=g)
+        q = p + 5e-3 * torch.randn(*shape, generator=g)
+        found = tr.diagnose_mismatch(p, q, torch.ones(*shape, dtype=torch.bool))
+        assert found.cause != "temperature", (seed, found)
+        assert _verdicts(found)["temperature"].startswith("cannot tell"), (seed, found)
+    twin = tr.diagnose_mismatch(*_doctor_tensors(B=8, tau=1.5))
+    assert _verdicts(twin)["temperature"] == "present"
+
+
+def test_doctor_temperature_ignores_a_sentinel_log_prob():
+    """vLLM's server writes -9999 for -inf: one such token in a 64 x 200 batch of bf16-like noise
+    leaves the cause numerics (its log-ratio is past LOG_RATIO_CLAMP, so it is no slope). The twin:
+    the slope with that token in is far from 1, as the doctor read it before."""
+    g = torch.Generator().manual_seed(0)
+    p = -3 * torch.rand(64, 200, generator=g)
+    q = p + 0.01 * torch.randn(64, 200, generator=g)
+    q[5, 7] = -9999.0
+    found = tr.diagnose_mismatch(p, q, torch.ones(64, 200, dtype=torch.bool))
+    assert found.cause == "numerics" and _verdicts(found)["temperature"] == "absent", found
+    x, y = p.flatten() - p.mean(), q.flatten() - q.mean()
+    assert abs(float(torch.dot(x, y) / torch.dot(x, x)) - 1) > 0.02
+
+
+def test_doctor_on_one_token_warns_nothing_and_prints_no_nan():
+    """A 1 x 1 batch: no degrees-of-freedom warning from a standard deviation of one value, the
+    truncation test 'cannot tell', and nothing prints 'nan' (an empty p bucket prints '-', as the
+    evidence table does). The twin: that bucket's number is nan, so printing it raw said 'nan'."""
+    import warnings
+
+    p, q = torch.tensor([[-0.5]]), torch.tensor([[-0.52]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found = tr.diagnose_mismatch(p, q, torch.ones(1, 1, dtype=torch.bool))
+    assert _verdicts(found)["truncation"].startswith("cannot tell")
+    assert "nan" not in str(found).lower()
+    assert math.isnan(found.numbers["mean |log p/q|, trainer p > 90 %"])
+
+
+def test_doctor_reads_versions_on_the_mask_and_refuses_booleans():
+    """Version ages are counted on the usable tokens: a pad holding 999 is no version (the newest
+    was read as 999 and every token as 999 old). A bool tensor is refused, naming versions. The
+    twin: the same pad value on the mask counts."""
+    p, q, mask = _doctor_tensors(B=32, noise=0.01)
+    versions = torch.zeros(mask.shape, dtype=torch.long).masked_fill(~mask, 999)
+    ages = [k for k in tr.diagnose_mismatch(p, q, mask, versions=versions).numbers if "age" in k]
+    assert ages == ["mean |log p/q|, version age 0"]
+    versions[0, 0] = 999
+    ages = [k for k in tr.diagnose_mismatch(p, q, mask, versions=versions).numbers if "age" in k]
+    assert "mean |log p/q|, version age 999" in ages
+    with pytest.raises(TypeError, match="versions"):
+        tr.diagnose_mismatch(p, q, mask, versions=mask)
+
+
+def test_doctor_warns_first_when_log_probs_are_above_zero():
+    """Probabilities passed as log-probs (values in (0, 1]) read as some cause, so the printout's
+    first line says so. The twin: the same batch as log-probs has no warning."""
+    p, q, mask = _doctor_tensors(B=32, noise=0.01)
+    found = tr.diagnose_mismatch(p.exp(), q.exp(), mask)
+    assert str(found).startswith("warning: logp_train is > 0 on"), found
+    assert "logp_infer is > 0" in str(found).splitlines()[1]
+    assert not tr.diagnose_mismatch(p, q, mask).warnings
+
+
 def test_doctor_cannot_tell_padding_without_an_interior():
     """256 rows of 1-2 tokens with the same symmetric noise on every token: no interior to compare
     the edges with, so padding is 'cannot tell' (it read ~40 against the 1e-3 floor and was named).
@@ -2817,6 +2890,70 @@ def test_without_the_door_fp16_overflows_at_a_log_ratio_of_12():
     ratio = (p - q).exp()
     (grad,) = torch.autograd.grad((ratio * adv[:, None] * mask).sum(), p)
     assert torch.isinf(ratio[0, 1]) and not torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("name", ["ppo_loss", "dppo_loss"])
+def test_a_kept_token_beyond_fp16_range_gets_a_saturated_gradient(name):
+    """log p/q = 13.5 on a token the loss keeps (ppo: A < 0, the unclipped side; dppo: p - q ~ 0.08
+    < delta): r |A| / N = 1.8e5 overflows fp16, so its gradient returns saturated at 65504 with the
+    sign of the fp32 one. The twin: the fp32 gradient is that large, and a plain cast of it is inf."""
+    q = torch.tensor([[-16.0, -1.0, -1.0, -1.0]])
+    adv = torch.tensor([{"ppo_loss": -1.0, "dppo_loss": 1.0}[name]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    grads = {}
+    for dtype in (torch.float16, torch.float32):
+        p = torch.tensor([[-2.5, -1.0, -1.0, -1.0]], dtype=dtype, requires_grad=True)
+        loss = getattr(tr, name)(p, q.to(dtype), adv, mask)
+        (grads[dtype],) = torch.autograd.grad(loss, p)
+    big = torch.finfo(torch.float16).max
+    assert abs(float(grads[torch.float32][0, 0])) > 1e5
+    assert torch.isinf(grads[torch.float32][0, 0].half())
+    assert float(grads[torch.float16][0, 0]) == math.copysign(big, grads[torch.float32][0, 0])
+    assert torch.equal(grads[torch.float16][0, 1:].float(), grads[torch.float32][0, 1:])
+
+
+def test_ppo_loss_keeps_the_gradient_of_a_token_past_the_log_ratio_clamp():
+    """A < 0 and log p/p_prox = 21 > LOG_RATIO_CLAMP: PPO takes the unclipped side, r A, so the
+    token's gradient is held at e^20 |A| / N, never 0 (a clamp on the graph zeroed it). The twin:
+    at log r = 19 it is r |A| / N exactly, r = e^19."""
+    for log_r, expected in ((21.0, math.exp(20.0)), (19.0, math.exp(19.0))):
+        logp_prox = torch.tensor([[-30.0, -1.0]])
+        logp = (logp_prox + torch.tensor([[log_r, 0.0]])).requires_grad_(True)
+        loss = tr.ppo_loss(logp, logp_prox, torch.tensor([-1.0]), torch.ones(1, 2, dtype=torch.bool))
+        (grad,) = torch.autograd.grad(loss, logp)
+        assert float(grad[0, 0]) == pytest.approx(expected / 2, rel=1e-5), log_r
+
+
+def test_score_centering_with_bf16_top_k_matches_fp32_at_k_equal_v():
+    """K = V, one position: the bf16 head sums miss 1 by ~1e-3, which as tails against the floor
+    1e-6 gave rho_tail ~ 1e3 and a 5x wrong gradient; floored at their rounding, the gradient on the
+    logits is fp32's to 1 % (SC, SC + TIS, SC + MIS). The twin: the bf16 head's sum is off by more
+    than TAIL_FLOOR, so a floor at TAIL_FLOOR reads rounding as a tail."""
+    z_q = torch.log_softmax(torch.tensor([[[1.9455, 1.0567, 0.3189, -0.5916]]]), -1)
+    mask, adv = torch.ones(1, 1, dtype=torch.bool), torch.ones(1)
+    for kwargs in ({}, {"cap": 2.0}, {"band": (0.5, 5.0)}):
+        grads = {}
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            z = torch.tensor([[[2.0, 1.0, 0.3, -0.5]]], requires_grad=True)
+            lp, lq = torch.log_softmax(z, -1).to(dtype), z_q.to(dtype)
+            loss = tr.score_centering_loss(lp[..., 0], lp, lq[..., 0], lq, adv, mask, **kwargs)
+            (grads[dtype],) = torch.autograd.grad(loss, z)
+        for dtype in (torch.bfloat16, torch.float16):
+            assert torch.allclose(grads[dtype], grads[torch.float32], rtol=0.01, atol=2e-3), kwargs
+    head = torch.log_softmax(torch.tensor([2.0, 1.0, 0.3, -0.5]), -1).bfloat16()
+    head_sum = float(head.float().exp().sum())  # as the loss reads it: upcast, then exp
+    assert abs(1 - head_sum) > 10 * tr.TAIL_FLOOR
+
+
+def test_calibrated_clip_bounds_compares_half_precision_ratios_in_float32():
+    """Ratios exact in bf16 (1.28125, 1.5): upcast at the door, H is the fp32 answer, 1.0; compared
+    in bf16, 1 + 0.28 rounds to 1.28125 and H came out 1.5. The twin: that rounding is real."""
+    mask, adv = torch.ones(1, 4, dtype=torch.bool), torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    ratio_ref, ratio_low = torch.tensor([[1.0, 1.28125, 0.9, 1.0]]), torch.tensor([[1.0, 1.5, 0.9, 1.0]])
+    fp32 = tr.calibrated_clip_bounds(ratio_low, ratio_ref, adv, mask)
+    bf16 = tr.calibrated_clip_bounds(ratio_low.bfloat16(), ratio_ref.bfloat16(), adv, mask)
+    assert bf16[1] == fp32[1] == 1.0
+    assert float(torch.tensor(1 + 0.28).bfloat16()) == 1.28125
 
 
 def test_dppo_loss_stays_finite_summed_over_a_batch_beyond_its_cap():

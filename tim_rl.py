@@ -125,12 +125,20 @@ def _upcast(*xs):
     """Each half-precision tensor (fp16, bf16) in float32; float32 and float64 tensors and None as
     they are. The door of every loss and weight: in fp16 exp() overflows at a log-ratio of ~11.1
     (a NaN gradient, an infinite loss) and both halves round ratios to 3 significant digits; the
-    gradient flows back through the cast to the caller's tensor.
+    gradient flows back through the cast to the caller's tensor, saturated at its dtype's largest
+    value (fp16: 65504, which r |A| / N passes at log r ~ 11 + log N) instead of inf.
 
     needs: nothing
     """
-    half = (torch.float16, torch.bfloat16)
-    return tuple(x.float() if isinstance(x, torch.Tensor) and x.dtype in half else x for x in xs)
+    out = []
+    for x in xs:
+        if isinstance(x, torch.Tensor) and x.dtype in (torch.float16, torch.bfloat16):
+            big = torch.finfo(x.dtype).max
+            x = x.float()
+            if x.requires_grad:  # TIM: the gradient returns in the caller's precision: never inf
+                x.register_hook(lambda grad, big=big: grad.clamp(-big, big))
+        out.append(x)
+    return tuple(out)
 
 
 def _log_ratio(mask: torch.Tensor, **pair: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,7 +259,8 @@ def _check_bt(mask, **tensors) -> None:
 
 def _check_versions(versions, mask) -> None:
     """A TypeError or ValueError naming `versions` unless an integer tensor of mask's shape."""
-    if not isinstance(versions, torch.Tensor) or versions.is_floating_point():
+    if not isinstance(versions, torch.Tensor) or versions.is_floating_point() or (
+            versions.dtype == torch.bool):
         raise TypeError(f"versions must be an integer torch.Tensor (B, T), got "
                         f"{getattr(versions, 'dtype', type(versions).__name__)}")
     if versions.shape != mask.shape:
@@ -532,6 +541,7 @@ DOCTOR_ADVICE = {
 }
 DOCTOR_CAUSES = tuple(DOCTOR_ADVICE)
 DOCTOR_MIN_ROWS = 20  # the outliers test: its worst 5 % is at least one row in 20
+LOGP_ROUNDING = 1e-3  # a log-prob above 0 by more than its kernels' rounding is none
 
 
 # What the doctor's numbers are called on a dashboard where one equals them (TRL GRPOTrainer)
@@ -546,7 +556,8 @@ def format_diagnosis(diagnosis) -> str:
     needs: DOCTOR_METRIC_NAMES
     """
     maybe = ", ".join(diagnosis.also_possible)
-    out = [f"cause: {diagnosis.cause}" + (f"   (also possible: {maybe})" if maybe else ""),
+    out = [f"warning: {w}" for w in diagnosis.warnings]
+    out += [f"cause: {diagnosis.cause}" + (f"   (also possible: {maybe})" if maybe else ""),
            f"advice: {diagnosis.advice}", "",
            f"  {'signature':<12} {'statistic':<54} {'value':>10}  {'threshold':>9}  verdict"]
     for s in diagnosis.evidence:
@@ -558,7 +569,10 @@ def format_diagnosis(diagnosis) -> str:
         out.append(f"{row}  {s['verdict']}")
     out += ["", f"  {'number':<44} {'value':>10}  what your dashboard calls it"]
     for key, value in diagnosis.numbers.items():
-        out.append(f"  {key:<44} {value:>10.4g}  {DOCTOR_METRIC_NAMES.get(key, '')}")
+        shown = f"{value:.4g}"
+        if math.isnan(value):  # no token in that bucket
+            shown = "-"
+        out.append(f"  {key:<44} {shown:>10}  {DOCTOR_METRIC_NAMES.get(key, '')}")
     return "\n".join(out)
 
 
@@ -568,12 +582,14 @@ class Diagnosis:
     cause: the most likely one, of DOCTOR_CAUSES; also_possible: not ruled out (present, or
     untestable here); evidence: one dict per signature (name, measures, statistic, threshold,
     verdict: present | absent | cannot tell without <input>); numbers: |d| per token, quantiles
-    of sum_t log p/q per sequence, shares beyond the usual caps.
+    of sum_t log p/q per sequence, shares beyond the usual caps; warnings: inputs that cannot be
+    log-probs (values above 0), printed first.
     """
 
-    def __init__(self, cause: str, also_possible: list, evidence: list, advice: str, numbers: dict):
+    def __init__(self, cause: str, also_possible: list, evidence: list, advice: str, numbers: dict,
+                 warnings: list | None = None):
         self.cause, self.also_possible, self.advice = cause, also_possible, advice
-        self.evidence, self.numbers = evidence, numbers
+        self.evidence, self.numbers, self.warnings = evidence, numbers, warnings or []
 
     def __str__(self) -> str:
         return format_diagnosis(self)
@@ -696,6 +712,9 @@ def _truncation_signature(d, ok, n, mask, logp_train_topk, topk_ids) -> dict:
     p / q = S <= 1 on every token and mean(p / q) = the kept mass; every other cause keeps E_q[p /
     q] = 1. With the trainer's top-K log-probs (B, T, K), exactly: the share of tokens with p / q <
     1 whose p / q is the trainer's mass on a prefix of its sorted top-K."""
+    if logp_train_topk is None and n.sum() < 2:
+        return _signature("truncation", "1 - mean(p/q) - 4 standard errors", math.nan, 0.005,
+                          "cannot tell with < 2 tokens")
     if logp_train_topk is None:
         std, mean = torch.std_mean(d[ok].exp())  # of p / q over the usable tokens
         se = float(std / math.sqrt(n.sum()))
@@ -714,10 +733,23 @@ def _truncation_signature(d, ok, n, mask, logp_train_topk, topk_ids) -> dict:
 
 def _temperature_signature(p, q, ok) -> dict:
     """An unapplied temperature tau makes log q = log p / tau + c (c per position), so the
-    least-squares slope of log q on log p is 1 / tau instead of 1."""
-    x, y = (v[ok] - v[ok].mean() for v in (p, q))  # (N,) each, centred
-    slope = float(torch.dot(x, y) / torch.dot(x, x).clamp(min=1e-12))
-    return _signature("temperature", "|slope of log q on log p - 1|", abs(slope - 1), 0.02)
+    least-squares slope of log q on log p is 1 / tau instead of 1. Over the tokens with |d| within
+    LOG_RATIO_CLAMP (a sentinel such as vLLM's -9999 for -inf is no slope); a slope within 4 of its
+    standard errors of 1 cannot tell (one or two tokens fit any slope)."""
+    measures = "|slope of log q on log p - 1|"
+    usable = ok & ((p - q).abs() <= LOG_RATIO_CLAMP)
+    x, y = (v[usable] - v[usable].mean() for v in (p, q))  # (N,) each, centred
+    sxx = torch.dot(x, x)
+    if x.numel() < 3 or sxx < 1e-12:
+        return _signature("temperature", measures, math.nan, 0.02, "cannot tell with < 3 tokens "
+                          "of distinct log p")
+    slope = torch.dot(x, y) / sxx
+    se = float(((y - slope * x).square().sum() / (x.numel() - 2) / sxx).sqrt())
+    off = abs(float(slope) - 1)
+    if off > 0.02 and off <= 4 * se:
+        return _signature("temperature", measures, off, 0.02, f"cannot tell: slope 1 within 4 "
+                          f"standard errors ({se:.2g})")
+    return _signature("temperature", measures, off, 0.02)
 
 
 def _numerics_signature(d, ok, worst, lag) -> dict:
@@ -766,10 +798,22 @@ def _doctor_numbers(d, n, mean_abs: float, ok, logp_train, versions=None) -> dic
         gap = abs_d[inside].sum() / inside.sum()  # nan: no token in the bucket
         numbers[f"mean |log p/q|, trainer p {label}"] = float(gap)
     if versions is not None:
-        age = versions.max() - versions
+        age = versions[ok].max() - versions  # the newest usable token: age 0
         for a in age[ok].unique().tolist():
             numbers[f"mean |log p/q|, version age {a}"] = float(d.abs()[ok & (age == a)].mean())
     return numbers
+
+
+def _above_zero(p, q, mask) -> list[str]:
+    """A warning per side holding log-probs above 0 on the mask (probabilities or logits?)."""
+    found = []
+    for name, x in (("logp_train", p), ("logp_infer", q)):
+        above = mask & torch.isfinite(x) & (x > LOGP_ROUNDING)
+        if above.any():
+            found.append(f"{name} is > 0 on {int(above.sum())} of {int(mask.sum())} tokens (max "
+                         f"{float(x[above].max()):.3g}): log-probs are <= 0 (probabilities or "
+                         "logits?)")
+    return found
 
 
 def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=None,
@@ -792,7 +836,8 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
     _signature, _lag_signature, DOCTOR_MIN_ROWS, _padding_signature, _misaligned_signature,
     _routing_signature, _truncation_signature, _temperature_signature, _numerics_signature,
     _doctor_numbers, ICEPOP_BAND, format_diagnosis, DOCTOR_METRIC_NAMES, _check_tensor, _upcast,
-    _check_versions, _versions_evidence, _versions_signature, GAP_P_EDGES, GAP_P_LABELS
+    _check_versions, _versions_evidence, _versions_signature, GAP_P_EDGES, GAP_P_LABELS,
+    _above_zero, LOGP_ROUNDING
     """
     _check_bt(mask, logp_train=logp_train, logp_infer=logp_infer)
     p, q = logp_train.detach().float(), logp_infer.detach().float()
@@ -830,7 +875,7 @@ def diagnose_mismatch(logp_train, logp_infer, mask, *, advantages=None, routes=N
         cause, present, also = "clean", [], []
     advice = "; ".join(DOCTOR_ADVICE[c] for c in [cause, *present[1:]])  # every cause present
     numbers = _doctor_numbers(d, n, mean_abs, ok, p, versions)
-    return Diagnosis(cause, also, evidence, advice, numbers)
+    return Diagnosis(cause, also, evidence, advice, numbers, _above_zero(p, q, mask))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1156,6 +1201,7 @@ def calibrated_clip_bounds(ratio_lowprec, ratio_ref, adv, mask, eps_low=0.2, eps
     needs: _check_adv, _check_bt, _log_ratio, _check_tensor, _upcast
     """
     _, ok = _log_ratio(mask, ratio_lowprec=ratio_lowprec, ratio_ref=ratio_ref)  # checked, finite
+    ratio_lowprec, ratio_ref = _upcast(ratio_lowprec, ratio_ref)  # bf16 rounds 1.28 to 1.28125
     A = _check_adv(adv, mask)
     neg, pos = ok & (A < 0), ok & (A > 0)
     if not neg.any() or not pos.any():
@@ -1452,20 +1498,22 @@ def ppo_loss(logp, logp_prox, adv, mask, weights=None, eps_low=0.2, eps_high=0.2
     update on (RLConfig.updates_per_batch). Anchoring at the sampler instead (p_prox := q) gives
     the plain "sampler log-probs as pi_old" PPO. Clip-higher 0.28 as in DAPO. A non-finite
     log-ratio drops the token, a non-finite weight counts as 0. (B, T). verl's default dual clip
-    (clip_ratio_c = 3) bounds an A < 0 token's loss at 3 |A|; ppo_loss has none.
+    (clip_ratio_c = 3) bounds an A < 0 token's loss at 3 |A|; ppo_loss has none. Past
+    |log r| = LOG_RATIO_CLAMP, r is held there in value and gradient (a token is never silenced).
 
     needs: _check_adv, _check_bt, _log_ratio, masked_mean, LOG_RATIO_CLAMP, _upcast, _check_tensor
     """
     logp, logp_prox = _upcast(logp, logp_prox)
-    _, ok = _log_ratio(mask, logp=logp, logp_prox=logp_prox)
+    log_ratio, ok = _log_ratio(mask, logp=logp, logp_prox=logp_prox)  # detached
     A = _check_adv(adv, mask)
     # a change of measure: no gradient through the weight
     if weights is None:
         w = mask.float()
     else:
         w = _check_adv(weights, mask, "weights")
-    log_ratio = torch.where(ok, logp - logp_prox.detach(), torch.zeros_like(logp))
-    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # p / p_prox, with gradient
+    logp = torch.where(ok, logp, 0.0)
+    # p / p_prox with gradient r grad log p; past e^+-LOG_RATIO_CLAMP both held there, never 0
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp() * (logp - logp.detach()).exp()
     surrogate = ratio * A
     surrogate_clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * A
     return -masked_mean(w * torch.minimum(surrogate, surrogate_clipped), ok)
@@ -1481,10 +1529,15 @@ def score_centering_loss(logp, logp_topk, logp_infer, logp_topk_infer, adv, mask
     modelled as p rescaled to q's tail mass: rho_tail = (1 - sum_H q) / (1 - sum_H p),
     alpha = rho_tail f(1 / rho_tail), coef_v = q_v f(p_v / q_v) - alpha p_v (all detached). Exact
     when K = V. logp, logp_infer, adv (B, T); logp_topk (grad) and logp_topk_infer (B, T, K).
+    Half-precision top-K log-probs: their rounding makes a head's sum miss 1 by up to
+    u sum_H p |log p| (u its unit roundoff), so tails are floored there, not at TAIL_FLOOR (at
+    K = V a bf16 tail of 1e-3 against a floored 1e-6 gave rho_tail 1e3, a 5x wrong gradient).
 
     needs: _check_adv, _log_ratio, masked_mean, LOG_RATIO_CLAMP, _score_centering_terms,
     _check_bt, _check_device, _check_tensor, _upcast, TAIL_FLOOR
     """
+    dtypes = {getattr(t, "dtype", None) for t in (logp_topk, logp_topk_infer)}
+    half = dtypes & {torch.float16, torch.bfloat16}  # their rounding sets the tails' floor
     logp, logp_topk, logp_infer, logp_topk_infer = _upcast(logp, logp_topk, logp_infer,
                                                            logp_topk_infer)
     log_r_y, ok = _log_ratio(mask, logp=logp, logp_infer=logp_infer)
@@ -1500,22 +1553,29 @@ def score_centering_loss(logp, logp_topk, logp_infer, logp_topk_infer, adv, mask
     p_head = torch.nan_to_num(logp_topk.detach().float(), nan=-math.inf).clamp(max=0).exp()
     q_head = torch.nan_to_num(logp_topk_infer.detach().float(), nan=-math.inf).clamp(max=0).exp()
     r_y = log_r_y.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # (B, T)
-    f_y, coef = _score_centering_terms(r_y, p_head, q_head, cap, band)  # detached
+    floor = TAIL_FLOOR
+    if half:  # rounded log-probs: a head's sum is off by up to u sum p |log p|, so is each tail
+        unit = max(torch.finfo(dtype).eps for dtype in half) / 2  # u: bf16 2^-8, fp16 2^-11
+        entropies = [torch.special.entr(head).sum(-1) for head in (p_head, q_head)]  # (B, T)
+        spread = torch.maximum(*entropies)
+        floor = (unit * spread).clamp(min=TAIL_FLOOR)  # (B, T): tails below it are rounding
+    f_y, coef = _score_centering_terms(r_y, p_head, q_head, cap, band, floor)  # detached
     baseline = (coef * torch.where(torch.isfinite(logp_topk), logp_topk, 0.0)).sum(-1)  # (B, T)
     return -masked_mean(A * (f_y * logp - baseline), ok)  # a non-finite logp: left out
 
 
-def _score_centering_terms(r_y, p_head, q_head, cap=None, band=None):
+def _score_centering_terms(r_y, p_head, q_head, cap, band, floor):
     """(f(r_y), coef_v = q_v f(p_v / q_v) - alpha p_v): score centering's weights, [2] App. A.
 
     The tail beyond the top-k head H is p rescaled to q's tail mass, rho_tail = (1 - sum_H q) /
     (1 - sum_H p), so alpha = rho_tail f(1 / rho_tail). f = 1 (SC), min(r, cap) (SC + TIS) or
-    r 1[band] (SC + MIS). r_y (B, T); p_head, q_head (B, T, K) probabilities; all detached.
+    r 1[band] (SC + MIS), cap and band None when unused. r_y (B, T); p_head, q_head (B, T, K)
+    probabilities; all detached. Tails are floored at `floor` (a float, or (B, T)).
 
-    needs: LOG_RATIO_CLAMP, TAIL_FLOOR
+    needs: LOG_RATIO_CLAMP
     """
-    q_tail = (1 - q_head.sum(-1)).clamp(min=TAIL_FLOOR)  # (B, T)
-    rho_tail = q_tail / (1 - p_head.sum(-1)).clamp(min=TAIL_FLOOR)
+    q_tail = torch.maximum(1 - q_head.sum(-1), torch.as_tensor(floor))  # (B, T)
+    rho_tail = q_tail / torch.maximum(1 - p_head.sum(-1), torch.as_tensor(floor))
     f_y, head, alpha = torch.ones_like(r_y), q_head, rho_tail  # SC alone: f = 1, q f(p/q) = q
     if cap is not None:  # SC + TIS: q f(p/q) = min(p, C q), alpha = min(1, C rho_tail)
         f_y = r_y.clamp(max=cap)
@@ -1659,8 +1719,8 @@ def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness=0, max
     logp_old - logp_infer is computed on the same weights on both sides, so no resync can change
     it, and it is deliberately not an input. logp (detached): the trainer now; logp_old: the
     trainer engine on the weights of the last sync (the loop passes the fp32 master at that export,
-    logp_master_old, so export rounding is not counted as lag); both (B, T). An unmeasurable
-    (non-finite) lag resyncs.
+    logp_master_old, so export rounding is not counted as lag); both (B, T). With the lag trigger
+    on, an unmeasurable (non-finite) lag resyncs.
 
     needs: _check_bt, _log_ratio, masked_mean, _check_tensor, _upcast
     """
@@ -1668,7 +1728,8 @@ def dlc_should_resync(logp, logp_old, mask, staleness: int, max_staleness=0, max
     if max_staleness <= 0 and max_lag <= 0:
         return False  # both triggers off
     # an unmeasurable lag is no reason to trust a stale sampler; then: too stale, or lagging
-    if bool((mask & ~ok).any()) or 0 < max_staleness <= staleness:
+    unmeasurable = max_lag > 0 and bool((mask & ~ok).any())
+    if unmeasurable or 0 < max_staleness <= staleness:
         return True
     return max_lag > 0 and float(masked_mean(lag.abs(), ok)) > max_lag
 
@@ -4680,8 +4741,6 @@ JSONL_KEYS = tuple((train, infer, "mask") for train, infer, _ in DOCTOR_KEYS)
 def _read_pt(path: Path) -> dict:
     """A dict of tensors torch.load(weights_only=True) reads; anything else is a one-line
     ValueError saying what the file should hold."""
-    if path.is_file() and path.stat().st_size == 0:
-        raise ValueError("the file is empty")
     expected = "expected a dict {name: tensor} saved by torch.save"
     try:
         with warnings.catch_warnings():  # torch's notes on the pickle protocol: said below
@@ -4699,21 +4758,30 @@ def _read_pt(path: Path) -> dict:
 
 
 def _json_kind(value) -> str | None:
-    """"list" for a list of numbers, "number" for a number (booleans count), else None (text)."""
+    """"list" for a list of numbers, "number" for a number (booleans count), "holes" for a list of
+    numbers with something else among them (null), else None (text, nested lists: skipped)."""
     if isinstance(value, (int, float)):
         return "number"
-    if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
+    if not isinstance(value, list):
+        return None
+    numbers = [isinstance(v, (int, float)) for v in value]
+    if all(numbers):
         return "list"
+    if any(numbers) and not any(isinstance(v, (list, dict)) for v in value):
+        return "holes"
     return None
 
 
-def _read_jsonl(path: Path) -> dict:
+def _read_jsonl(path: Path, aligned=()) -> dict:
     """name -> tensor from one JSON object per line: each field that holds numbers (a list per
     token, or one number per sequence) on every line; text fields are skipped. A line that is not
     an object, or a field that is a list on one line and something else on another, is a
-    ValueError naming the line and the field. Lists are padded with 0 to the longest."""
+    ValueError naming the line and the field, as is a list with a null among its numbers, a line
+    without a field that other lines hold, or `aligned` fields (one number per token each) of
+    different lengths on a line. Lists are padded with 0 to the longest; numbers are float64
+    (versions: int64)."""
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -4727,13 +4795,19 @@ def _read_jsonl(path: Path) -> dict:
     first = {}  # field -> (its kind, the line that set it)
     for number, row in rows:
         for name, value in row.items():
+            if _json_kind(value) == "holes":
+                raise ValueError(f"line {number}: field {name!r} holds {value!r:.40}: a list of "
+                                 "numbers without nulls")
             if _json_kind(value) is not None:
                 first.setdefault(name, (_json_kind(value), number))
     for number, row in rows:
+        sizes = {name: len(row[name]) for name in aligned if isinstance(row.get(name), list)}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"line {number}: one number per token in each of {sizes}")
         for name, (kind, where) in first.items():
             value = row.get(name)
-            if value is None and kind == "list":  # a row without it: all padding
-                value = []
+            if name not in row:
+                raise ValueError(f"line {number}: no field {name!r} (line {where} has one)")
             if _json_kind(value) != kind:
                 wanted = {"list": "a list of numbers", "number": "a number"}[kind]
                 raise ValueError(f"line {number}: field {name!r} is {row.get(name)!r:.40}, "
@@ -4743,25 +4817,33 @@ def _read_jsonl(path: Path) -> dict:
     T = max(lengths, default=0)
     tensors = {}
     for name, (kind, _) in first.items():
-        values = [row.get(name, []) for _, row in rows]
+        values = [row[name] for _, row in rows]
         if kind == "list":
             values = [v + [0] * (T - len(v)) for v in values]
-        tensors[name] = torch.tensor(values)
+        dtype = torch.float64  # JSON writes a log-prob of 0 or an advantage of 1 as an integer
+        if name == "versions":
+            dtype = torch.long
+        tensors[name] = torch.tensor(values, dtype=dtype)
     masks = [name[2] for name in (*DOCTOR_KEYS, *JSONL_KEYS)]
     if rows and not any(name in tensors for name in masks):  # no mask: each row's own length
         tensors["mask"] = torch.arange(T) < torch.tensor(lengths)[:, None]  # (B, T)
     return tensors
 
 
-def read_doctor_file(path: Path) -> dict:
+def read_doctor_file(path: Path, aligned=()) -> dict:
     """name -> tensor from .pt (a dict of tensors), .safetensors or .jsonl (one JSON object per
     sequence, each field a list over its tokens; rows padded with mask False; without a mask key
-    each row's length is its mask)."""
-    if path.suffix == ".pt":
+    each row's length is its mask; the `aligned` fields' lists of one length on each line)."""
+    suffix = path.suffix.lower()
+    if path.is_dir():
+        raise ValueError("a directory, not a file")
+    if path.is_file() and path.stat().st_size == 0:
+        raise ValueError("the file is empty")
+    if suffix == ".pt":
         return _read_pt(path)
-    if path.suffix == ".jsonl":
-        return _read_jsonl(path)
-    if path.suffix != ".safetensors":
+    if suffix == ".jsonl":
+        return _read_jsonl(path, aligned)
+    if suffix != ".safetensors":
         raise ValueError("expected a .pt, .safetensors or .jsonl file")
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -4808,27 +4890,42 @@ def doctor_main(argv: list[str]) -> None:
     parser.add_argument("--prompts", type=Path, help="with --models: a UTF-8 file, a prompt a "
                         "line (default: random token ids from the vocabulary)")
     args = parser.parse_args(argv)
+    if args.models and args.file:
+        parser.error(f"give a FILE or --models DIR_A DIR_B, not both ({args.file})")
+    if args.prompts and not args.models:
+        parser.error("--prompts goes with --models DIR_A DIR_B")
     if args.models:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # no "Loading weights" bar before the table
         try:
             print(doctor_models(*args.models, args.prompts))
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, SafetensorError) as e:
             parser.exit(2, f"tim_rl doctor: error: {str(e).splitlines()[0]}\n")
         return
     if args.file is None:
         parser.error("give a FILE of log-probs, or --models DIR_A DIR_B")
     read_as = ""
     try:
-        tensors = read_doctor_file(args.file)
-        keys = _doctor_keys(tensors, args.keys)
+        keys_flag = args.keys
+        names = {name for keys in (*DOCTOR_KEYS, *JSONL_KEYS) for name in keys}
+        aligned = names | set(keys_flag.split(",")) | {"advantages", "versions"}
+        tensors = read_doctor_file(args.file, aligned)
+        keys = _doctor_keys(tensors, keys_flag)
         read_as = f" (read {', '.join(keys)} as logp_train, logp_infer, mask)"
-        train, infer, mask = (tensors[k] for k in keys)
-        _check_tensor(f"mask ({keys[2]})", mask, floating=False)
-        if mask.dtype != torch.bool and torch.isin(mask, torch.tensor([0, 1])).all():  # 0 / 1
-            mask = mask.bool()
-        print(diagnose_mismatch(train, infer, mask, advantages=tensors.get("advantages"),
-                                versions=tensors.get("versions")))
+        extra = {"advantages": tensors.get("advantages"), "versions": tensors.get("versions")}
+        print(diagnose_mismatch(*_doctor_inputs(tensors, keys), **extra))
     except (OSError, ValueError, TypeError, RuntimeError, EOFError, SafetensorError) as e:
         parser.exit(2, f"tim_rl doctor: error: {args.file}: {str(e).splitlines()[0]}{read_as}\n")
+
+
+def _doctor_inputs(tensors: dict, keys: tuple) -> tuple:
+    """(logp_train, logp_infer, mask) of a doctor file, a 0 / 1 mask as bool."""
+    train, infer, mask = (tensors[k] for k in keys)
+    _check_tensor(f"mask ({keys[2]})", mask, floating=False)
+    if mask.dtype != torch.bool and torch.isin(mask, torch.tensor([0, 1])).all():  # 0 / 1
+        mask = mask.bool()
+    return train, infer, mask
 
 
 # config.json keys that name a copy, not what it computes
@@ -4841,7 +4938,14 @@ def _model_config(directory: Path) -> dict:
     if not path.is_file() or not (path.parent / "model.safetensors").is_file():
         raise ValueError(f"--models {directory}: no model there (expected config.json and "
                          "model.safetensors)")
-    return json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--models {path}: not JSON ({e})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("vocab_size"), int):
+        message = f"--models {path}: expected a model config, with vocab_size"
+        raise ValueError(message)  # noqa: TRY004 (the file's content, not an argument's type)
+    return config
 
 
 def _doctor_token_ids(prompts: Path | None, model_dir: Path, vocab: int) -> tuple:
