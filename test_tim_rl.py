@@ -2956,6 +2956,55 @@ def test_calibrated_clip_bounds_compares_half_precision_ratios_in_float32():
     assert float(torch.tensor(1 + 0.28).bfloat16()) == 1.28125
 
 
+def test_mismatch_metrics_bound_the_ratio_not_the_log_ratio():
+    """log q = -1000 against log p = 0 on one of two tokens: abs_diff is 500 and k1 -500, as their
+    formulas say (clamping log r at 20 read 10 and -10); r, where exp is taken, is held at e^20.
+    The twin: the ledger's total agrees with abs_diff."""
+    logp, logp_infer = torch.zeros(1, 2), torch.tensor([[-1000.0, 0.0]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    m = tr.mismatch_metrics(logp, logp_infer, mask)
+    assert (m["abs_diff"], m["max_abs_diff"], m["k1"]) == (500.0, 1000.0, -500.0)
+    assert m["ratio_max"] == pytest.approx(math.exp(20.0)) and math.isfinite(m["chi2"])
+    ledger = tr.mismatch_ledger(logp, logp, logp_infer, mask)
+    assert ledger["total_abs"] == pytest.approx(m["abs_diff"])
+
+
+def test_api_edges_raise_naming_the_argument():
+    """What a copied function used to take silently: chunk_rows < 0 returned uninitialised memory,
+    ids of another shape than the logits' (B, T) scattered into the wrong rows. The twins: the valid
+    calls agree with the defaults."""
+    logits = torch.randn(2, 3, 7)
+    ids = torch.randint(7, (2, 3))
+    with pytest.raises(ValueError, match="chunk_rows"):
+        tr.token_logprobs(logits, ids, chunk_rows=-1)
+    assert torch.equal(tr.token_logprobs(logits, ids, chunk_rows=1), tr.token_logprobs(logits, ids))
+    with pytest.raises(ValueError, match="response_ids"):
+        tr.kept_support_from_logits(logits, ids[:, :2], 0.9, 0, 0.0)
+    assert tr.kept_support_from_logits(logits, ids, 0.9, 0, 0.0).shape[:2] == (2, 3)
+
+
+def test_renormalize_on_support_upcasts_half_precision():
+    """bf16 and fp16 log-probs come back float32 (they came back in half precision). The twin:
+    the same numbers upcast by the caller give the same result."""
+    logp = torch.log(torch.tensor([[0.3, 0.2]]))
+    kept = torch.log(torch.tensor([[[0.3, 0.5], [0.2, 0.1]]]))
+    for dtype in (torch.bfloat16, torch.float16):
+        out = tr.renormalize_on_support(logp.to(dtype), kept.to(dtype))
+        ref = tr.renormalize_on_support(logp.to(dtype).float(), kept.to(dtype).float())
+        assert all(x.dtype == torch.float32 for x in out)
+        assert all(torch.equal(a, b) for a, b in zip(out, ref))
+
+
+@pytest.mark.parametrize("text, answer", [(".5", "5"), ("-.5", "5"), ("1_000", "0"), ("0x1F", "1"),
+                                          ("v2", "2")])
+def test_verify_reads_no_number_glued_to_what_precedes_it(text, answer):
+    """A digit run right after a point, a letter or "_" is a fragment of something else: it earns
+    no reward (each read as the fragment and scored 1). The twins: the number standing alone, or
+    after a space, a sign or "=", is read."""
+    assert tr.verify(text, answer) == 0.0
+    assert tr.verify(f"x = {answer}", answer) == 1.0 and tr.verify(answer, answer) == 1.0
+
+
 def test_dppo_loss_stays_finite_summed_over_a_batch_beyond_its_cap():
     """log r = 100 on 8 x 1,024 tokens: a finite loss and gradient (the cap's promise, 'even summed
     over a batch's tokens'). The twin: the old cap, e^80 per token, sums to inf over the same batch.

@@ -193,6 +193,9 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk_rows=None, chu
         budget = GPU_CHUNK_BYTES
     else:
         budget = CHUNK_BYTES
+    if chunk_rows is not None and chunk_rows < 0:
+        raise ValueError(f"chunk_rows must be >= 1 (0 or None: the memory budget's), got "
+                         f"{chunk_rows}")
     rows = chunk_rows or max(1, budget // (4 * V))
     chunk_pass = chunk_pass or _TokenLogprobs.apply
     out = [chunk_pass(x, i, rows) for x, i in blocks]  # (n, K) each
@@ -357,11 +360,12 @@ def renormalize_on_support(logp: torch.Tensor, logp_kept: torch.Tensor):
     the truncated policy's score. The support must contain the sampled token. logp (B, T);
     logp_kept (B, T, S) with -inf on padding.
 
-    needs: _check_tensor, _check_device
+    needs: _check_tensor, _check_device, _upcast
     """
     _check_tensor("logp", logp)
     _check_tensor("logp_kept", logp_kept)
     _check_device("logp_kept", logp_kept, "logp", logp)
+    logp, logp_kept = _upcast(logp, logp_kept)
     if logp_kept.dim() != logp.dim() + 1 or logp_kept.shape[:-1] != logp.shape:
         raise ValueError(f"logp_kept must have shape {tuple(logp.shape)} + (S,), "
                          f"got {tuple(logp_kept.shape)}")
@@ -415,17 +419,17 @@ def mismatch_metrics(logp_train, logp_infer, mask: torch.Tensor) -> dict[str, fl
     k1 = mean(-log r), k2 = mean((log r)^2 / 2), k3 = mean(r - 1 - log r) (Schulman's estimators of
     KL(q || p) under y ~ q), chi2 = mean(r^2) - 1, ess = (sum r)^2 / (N sum r^2) in (0, 1],
     abs_diff = mean |log r|. Non-finite log-probs inside the mask are left out and counted in
-    frac_nonfinite. Computed in float64.
+    frac_nonfinite. Computed in float64; r is bounded at e^+-LOG_RATIO_CLAMP, log r is not.
 
     needs: _log_ratio, LOG_RATIO_CLAMP, _check_bt, _upcast, _check_tensor
     """
     log_ratio, ok = _log_ratio(mask, logp_train=logp_train, logp_infer=logp_infer)
-    lr = log_ratio[ok].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).double()  # (N,)
+    lr = log_ratio[ok].double()  # (N,)
     n_mask = int(mask.sum())
     out = {"n_tokens": float(n_mask), "frac_nonfinite": (n_mask - lr.numel()) / max(n_mask, 1)}
     if not lr.numel():  # no token measured: the statistics of r = 1
         lr = lr.new_zeros(1)
-    r = lr.exp()
+    r = lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
     ess = r.sum().square() / (r.numel() * r.square().sum())
     return out | {"k1": float((-lr).mean()), "k2": float((lr.square() / 2).mean()),
                   "k3": float((r - 1 - lr).mean()), "abs_diff": float(lr.abs().mean()),
@@ -1170,7 +1174,9 @@ def dlc_weights(logp_old, logp_infer, mask, clamp: float = 1.0):
 
     Reconstructed from the abstract of Li, Zhou & Lan ("centres numerical errors"): the persistent
     part of the engine discrepancy (its batch mean) is removed, the rest is a bounded weight in
-    [e^-c, e^c]. Non-finite -> 0.
+    [e^-c, e^c]. Non-finite -> 0. The mean is of the raw d: one token at d = +50 among 9 at 0
+    moves the others to e^-1 (a sampler's placeholder log-prob, -1e4, to e^+1); bound or mask such
+    tokens first.
 
     needs: _log_ratio, masked_mean, _check_bt, _upcast, _check_tensor
     """
@@ -2160,8 +2166,10 @@ class _TokenLogprobs(torch.autograd.Function):
 MAX_VERIFY_CHARS = 10_000  # extract_answer reads the last 10 000 characters: answers come last
 MAX_NUMBER_CHARS = 64  # a longer digit run is no answer here (and int() of huge strings is slow)
 # ASCII digits only; no nested quantifiers, so every scan is linear time. A candidate may carry an
-# exponent so that "4.7e1" is one candidate (then rejected), not the number 1.
-_CANDIDATE = re.compile(r"[-+]?[0-9][0-9,]*(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?(?:/[0-9]+)?")
+# exponent so that "4.7e1" is one candidate (then rejected), not the number 1; it never starts
+# right after a letter, a digit of another script, "_" or "." (".5" is no 5, "0x1F" no 1).
+_CANDIDATE = re.compile(r"(?<![\w.])[-+]?[0-9][0-9,]*(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?"
+                        r"(?:/[0-9]+)?")
 _NUMBER = re.compile(r"[-+]?[0-9][0-9,]*(?:\.[0-9]+)?(?:/[0-9]+)?")
 _THOUSANDS = re.compile(r"[-+]?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?(?:/[0-9]+)?")
 
@@ -2201,7 +2209,8 @@ def verify(text: str, answer: str) -> float:
     Accepted: integers, a leading + or -, decimals (47.0 == 47), thousands groups (1,234), fractions
     a/b as values (6/8 == 0.75), leading zeros (047 == 47); "47.", "47%", "47 apples", "$47" read
     47. Rejected (reward 0): 4.7e1, 12,34, unicode digits (٤٧, full-width), numbers over
-    MAX_NUMBER_CHARS, a/0, a non-str text or answer. "4 7" reads as its last number, 7.
+    MAX_NUMBER_CHARS, a/0, a non-str text or answer, a number glued to what precedes it (".5",
+    "-.5", "1_000", "0x1F": none of them reads 5, 0 or 1). "4 7" reads as its last number, 7.
     """
     extracted = extract_answer(text)  # None for a non-str text
     if extracted is None or not isinstance(answer, str):
@@ -2630,6 +2639,19 @@ def _decode_step(logits, temperature: float, truncation: tuple | None, generator
     return logprobs, keep, token
 
 
+def _check_decode(prompts, max_new_tokens: int, temperature: float, top_p, top_k, min_p) -> None:
+    """A ValueError naming the argument for what decode cannot sample: no prompt or an empty one,
+    max_new_tokens < 1, a temperature not a finite number >= 0, a truncation out of range."""
+    if not prompts or not all(len(p) for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not 0 <= temperature < math.inf:  # nan fails too
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got "
+                         f"{temperature}")
+    _check_truncation(top_p, top_k, min_p)
+
+
 def _eos_and_pad(config, eos_id: int | None, pad_id: int | None) -> tuple[int, int]:
     """decode's (eos id, pad id): as given, else the model config's (its first eos id), pad else
     eos."""
@@ -2659,6 +2681,7 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     stops at eos_id (the mask includes it); pad_id fills (None: the config's, else eos_id). One host
     sync per token. An MoE model's routers record their experts (R3's routes). -> Rollout
     """
+    _check_decode(prompts, max_new_tokens, temperature, top_p, top_k, min_p)
     eos_id, pad_id = _eos_and_pad(model.config, eos_id, pad_id)
     device = next(model.parameters()).device
     # TIM: a GPU's sampling noise differs from the CPU's: a generator on `device`, seeded by one
@@ -2835,8 +2858,12 @@ def kept_support_from_logits(logits: torch.Tensor, response_ids: torch.Tensor, t
     By row chunks of token_logprobs' size: truncation_mask's transients are a few chunks, never (B,
     T, V) masks. One host sync per chunk (its kept count).
 
-    needs: _chunk_rows
+    needs: _chunk_rows, _check_tensor
     """
+    _check_tensor("logits", logits)
+    if logits.dim() != 3 or tuple(response_ids.shape) != tuple(logits.shape[:2]):
+        raise ValueError(f"logits must be (B, T, V) and response_ids (B, T), got "
+                         f"{tuple(logits.shape)} and {tuple(response_ids.shape)}")
     B, T, V = logits.shape
     flat, ids = logits.reshape(-1, V), response_ids.reshape(-1, 1)  # (N, V), (N, 1)
     rows = _chunk_rows(V, logits.device)  # token_logprobs' chunks
@@ -2926,7 +2953,11 @@ class TorchSampler:
         # named_modules order: the noise draws in a fixed order
         loaded = {name: target for name, target in params.items() if name in state_dict}
         for name, target in loaded.items():
-            w = state_dict[name].detach().to(device=target.device, dtype=torch.float32)  # a copy
+            given = state_dict[name]
+            if given.shape != target.shape or not given.is_floating_point():  # copy_ broadcasts
+                raise ValueError(f"state_dict[{name!r}]: {given.dtype} {tuple(given.shape)}, "
+                                 f"expected floating point {tuple(target.shape)}")
+            w = given.detach().to(device=target.device, dtype=torch.float32)  # a copy
             if name in self.perturbed and self.engine.quant != "none":
                 w = fake_quantize(w, self.engine.quant)
             if name in self.perturbed:
@@ -3242,6 +3273,7 @@ class Trainer:
         forward's logits (kept_support_from_logits), used where the sampler returned none
         (merge_support). routing_replay: none | r2 | r3 (Config.routing_replay).
         """
+        _check_choice("routing_replay", routing_replay, ("none", "r2", "r3"))
         # MoE: its own experts; truncated: the support rebuilt where the sampler returned none
         forward = response_forward(self.behaviour, rollout, temperature, truncation=truncation)
         logp_old, own_routes, rebuilt = forward.logp, forward.routes, forward.rebuilt
@@ -4410,6 +4442,10 @@ def _check_engine(engine: EngineSpec) -> None:
     _check_choice("engine.dtype", engine.dtype, sorted(_DTYPES))
     _check_choice("engine.quant", engine.quant, QUANTS)
     noisy = engine.noise or engine.router_noise or engine.router_jitter
+    for name in ("noise", "router_noise", "router_jitter"):
+        if not 0 <= getattr(engine, name) < math.inf:  # nan fails too
+            raise ValueError(f"engine.{name} must be a finite number >= 0, got "
+                             f"{getattr(engine, name)}")
     if engine.exact and (engine.dtype != "fp32" or engine.quant != "none" or noisy):
         raise ValueError("engine.exact needs dtype fp32 without quantisation or noise")
 
