@@ -130,15 +130,13 @@ def _upcast(*xs):
 
     needs: nothing
     """
-    out = []
-    for x in xs:
-        if isinstance(x, torch.Tensor) and x.dtype in (torch.float16, torch.bfloat16):
-            big = torch.finfo(x.dtype).max
-            x = x.float()
-            if x.requires_grad:  # TIM: the gradient returns in the caller's precision: never inf
-                x.register_hook(lambda grad, big=big: grad.clamp(-big, big))
-        out.append(x)
-    return tuple(out)
+    half = (torch.float16, torch.bfloat16)
+    up = tuple(x.float() if isinstance(x, torch.Tensor) and x.dtype in half else x for x in xs)
+    for x, y in zip(xs, up):
+        if y is not x and y.requires_grad:  # TIM: its gradient returns in x's precision, saturated
+            most = torch.finfo(x.dtype).max
+            y.register_hook(lambda grad, most=most: grad.clamp(-most, most))
+    return up
 
 
 def _log_ratio(mask: torch.Tensor, **pair: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1505,21 +1503,22 @@ def ppo_loss(logp, logp_prox, adv, mask, weights=None, eps_low=0.2, eps_high=0.2
     the plain "sampler log-probs as pi_old" PPO. Clip-higher 0.28 as in DAPO. A non-finite
     log-ratio drops the token, a non-finite weight counts as 0. (B, T). verl's default dual clip
     (clip_ratio_c = 3) bounds an A < 0 token's loss at 3 |A|; ppo_loss has none. Past
-    |log r| = LOG_RATIO_CLAMP, r is held there in value and gradient (a token is never silenced).
+    |log r| = LOG_RATIO_CLAMP the ratio is clamped on the graph, as verl's compute_policy_loss
+    clamps it: an A < 0 token there keeps its loss, e^20 |A|, and gets no gradient (TRL, unclamped,
+    gives r A grad log p; dppo_loss, sapo_loss hold the value and keep the gradient).
 
     needs: _check_adv, _check_bt, _log_ratio, masked_mean, LOG_RATIO_CLAMP, _upcast, _check_tensor
     """
     logp, logp_prox = _upcast(logp, logp_prox)
-    log_ratio, ok = _log_ratio(mask, logp=logp, logp_prox=logp_prox)  # detached
+    _, ok = _log_ratio(mask, logp=logp, logp_prox=logp_prox)
     A = _check_adv(adv, mask)
     # a change of measure: no gradient through the weight
     if weights is None:
         w = mask.float()
     else:
         w = _check_adv(weights, mask, "weights")
-    logp = torch.where(ok, logp, 0.0)
-    # p / p_prox with gradient r grad log p; past e^+-LOG_RATIO_CLAMP both held there, never 0
-    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp() * (logp - logp.detach()).exp()
+    log_ratio = torch.where(ok, logp - logp_prox.detach(), torch.zeros_like(logp))
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # p / p_prox, with gradient
     surrogate = ratio * A
     surrogate_clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * A
     return -masked_mean(w * torch.minimum(surrogate, surrogate_clipped), ok)
@@ -4456,10 +4455,12 @@ CONFIG_MIN = {"steps": 1, "prompts": 1, "group": 1, "max_new_tokens": 1, "eval_e
               "eval_n": 1, "sync_every": 1, "updates_per_batch": 1, "checkpoint_every": 0,
               "topk": 0, "temperature": 0, "batch": 1, "digits": 1, "repeats": 1, "task_digits": 0,
               "noise": 0, "router_noise": 0, "router_jitter": 0, "max_staleness": -1,
-              "in_flight_at": 1}
+              "in_flight_at": 1, "eps_low": 0, "eps_high": 0, "gspo_eps_low": 0,
+              "gspo_eps_high": 0, "k2_coef": 0, "dlc_max_lag": 0, "dlc_max_staleness": 0,
+              "support_topk": 0, "mis_low": 0}
 CONFIG_POSITIVE = ("lr", "tis_cap", "seq_tis_cap", "seq_mask_cap", "dlc_lag_cap", "mis_high",
                    "dppo_delta", "vllm_gpu_memory", "dppo_kl_delta", "m2_threshold",
-                   "sapo_tau_pos", "sapo_tau_neg")
+                   "sapo_tau_pos", "sapo_tau_neg", "rs_threshold", "opsm_delta")
 
 
 def config_choices() -> dict[str, tuple]:
@@ -4499,6 +4500,23 @@ def has_chat_template(model_dir: str | Path) -> bool:
     if (d / "chat_template.jinja").is_file():
         return True
     return config.is_file() and "chat_template" in json.loads(config.read_text())
+
+
+def _range_mistakes(cfg, task: dict) -> list[tuple[bool, str]]:
+    """(wrong, message) of values in range alone but not together, or that fail only mid-run."""
+    perturbed = cfg.quant != "none" or cfg.noise or cfg.router_noise or cfg.router_jitter
+    pool = _eval_pool_size(task["digits"], task["ops"])
+    return [
+        (cfg.mis_low > cfg.mis_high,
+         f"--mis-low {cfg.mis_low} > --mis-high {cfg.mis_high}: an empty band trains nothing"),
+        (cfg.eps_low >= 1, f"--eps-low {cfg.eps_low} must be < 1 (the clip's low side is 1 - it)"),
+        (cfg.vllm_gpu_memory > 1, f"--vllm-gpu-memory {cfg.vllm_gpu_memory} must be <= 1"),
+        (cfg.exact and (cfg.dtype != "fp32" or perturbed),
+         ("--exact scores with the trainer's fp32 forward: --dtype fp32, no --quant, --noise, "
+          "--router-noise or --router-jitter")),
+        (cfg.task == "arithmetic" and cfg.eval_n > pool,
+         f"--eval-n {cfg.eval_n}: this task's held-out pool holds {pool} problems"),
+    ]
 
 
 def _async_mistakes(cfg) -> list[tuple[bool, str]]:
@@ -4580,6 +4598,7 @@ def check_run_config(cfg) -> None:
           "is 0 (use --temperature > 0, or --baseline none)")),
         *_vllm_mistakes(cfg),
         *_async_mistakes(cfg),
+        *_range_mistakes(cfg, task),
         (Path(cfg.out_dir, cfg.name).resolve() == Path(cfg.model).resolve(),
          (f"--out-dir {cfg.out_dir} --name {cfg.name}: that run directory is the --model directory "
           "(a run writes config.json there)")),
@@ -4656,8 +4675,8 @@ def cli_parser():
     parser.set_defaults(steps=80, seeds="0,1,2,3,4")  # the demo's, also without a subcommand
     sub = parser.add_subparsers(dest="cmd")
     train = add_config_flags(sub.add_parser("train", help="one RL run"), RLConfig)
-    train.add_argument("--resume", metavar="RUN_DIR", default="", help="continue runs/<name> "
-                       "from its checkpoint and config.json (other flags ignored)")
+    train.add_argument("--resume", metavar="RUN_DIR", default="", help="continue RUN_DIR from its "
+                       "checkpoint and config.json (other flags ignored, but --trust-remote-code)")
     demo = sub.add_parser("demo", help="the default demo (~5 min; --steps 2 --seeds 0: seconds)")
     demo.add_argument("--steps", type=int, default=80)
     demo.add_argument("--seeds", default="0,1,2,3,4")
@@ -4682,19 +4701,18 @@ def cli_errors(parser, args):
 
 def _kept_after_interrupt(args) -> str:
     """What a Ctrl-C left: the run's checkpoint and how to resume, or that none was written."""
-    if args.cmd != "train":
-        return "nothing written"
+    if args.cmd != "train":  # the demo
+        return "the demo's runs so far are under runs/demo (a rerun starts them over)"
     run_dir = Path(args.resume or Path(args.out_dir) / args.name)
     if (run_dir / "checkpoint.safetensors").is_file():
         return f"the last checkpoint is kept; python tim_rl.py train --resume {run_dir}"
-    return f"no checkpoint written yet; {run_dir} holds the config and the metrics so far"
+    return f"no checkpoint written yet; delete {run_dir} (its config and metrics) to start over"
 
 
-def _check_paths(args) -> None:
-    """A UsageError for --model without config.json, a file where an output directory goes, or a
-    --resume directory that train did not write."""
-    model = getattr(args, "model", "runs/base")
-    base = resolve_model_dir(model)  # runs/base(-moe): bases/'s copy until one is made
+def _check_model(model: str) -> None:
+    """A UsageError for --model without config.json (runs/base(-moe): bases/'s copy until one is
+    made)."""
+    base = resolve_model_dir(model)
     if model in BASES and not (base / "config.json").is_file():
         raise UsageError(f"--model {model}: no model there, nor the committed copy {base} (copy "
                          f"{BASES[model]}/ beside tim_rl.py, or pass --model DIR)")
@@ -4704,13 +4722,22 @@ def _check_paths(args) -> None:
             found = "a directory without config.json"
         raise UsageError(f"--model {model}: {found} (expected a Hugging Face causal-LM directory "
                          "with config.json; omit --model to use the embedded tiny model)")
+
+
+def _check_paths(args) -> None:
+    """A UsageError for --model without config.json, a file where an output directory goes, or a
+    --resume directory that train did not write (or whose checkpoint is damaged)."""
+    _check_model(getattr(args, "model", "runs/base"))
     name = getattr(args, "name", "run")
     if Path(name).name != name or name in ("", ".", ".."):  # runs/<name>/ stays inside --out-dir
         raise UsageError(f"--name {name!r}: a run name is a name, not a path (no / or ..)")
     run_dir = Path(getattr(args, "out_dir", None) or ".", name)
     if args.cmd == "train" and not args.resume and (run_dir / "metrics.jsonl").exists():
-        raise UsageError(f"--name {name}: {run_dir} holds a run already (continue it with "
-                         f"--resume {run_dir}, or pass another --name)")
+        advice = f"continue it with --resume {run_dir}"
+        if not (run_dir / "checkpoint.safetensors").exists():
+            advice = "it has no checkpoint to resume: delete it to start over"
+        raise UsageError(f"--name {name}: {run_dir} holds a run already ({advice}, or pass "
+                         "another --name)")
     out_dirs = [("out", getattr(args, "out", None)), ("out_dir", getattr(args, "out_dir", None))]
     if getattr(args, "out_dir", None) and args.cmd == "train":  # the run's own directory
         out_dirs.append(("name", Path(args.out_dir, args.name)))
@@ -4724,11 +4751,23 @@ def _check_paths(args) -> None:
             else:
                 what = "a file"
             raise UsageError(f"{cli_flag(name)} {path}: {existing} is {what}, not a directory")
-    resume = getattr(args, "resume", "")
-    for need in ("config.json", "checkpoint.safetensors"):
-        if resume and not (Path(resume) / need).is_file():
-            raise UsageError(f"--resume {resume}: no {need} there (expected a run directory "
+    if getattr(args, "resume", ""):
+        _check_resume_dir(Path(args.resume))
+
+
+def _check_resume_dir(run_dir: Path) -> None:
+    """A UsageError unless run_dir holds what train writes, its checkpoint's header readable."""
+    from safetensors import SafetensorError, safe_open
+
+    for need in ("config.json", "checkpoint.safetensors", "metrics.jsonl"):
+        if not (run_dir / need).is_file():
+            raise UsageError(f"--resume {run_dir}: no {need} there (expected a run directory "
                              "written by train)")
+    try:
+        with safe_open(run_dir / "checkpoint.safetensors", "pt") as checkpoint:
+            checkpoint.metadata()
+    except (SafetensorError, OSError) as e:
+        raise UsageError(f"--resume {run_dir}: checkpoint.safetensors is damaged ({e})") from None
 
 
 def check_cli(args):
@@ -4736,7 +4775,9 @@ def check_cli(args):
     (or with a traceback, or that would train nothing); returns the RLConfig train (or the lab's
     compare) will run."""
     check_values(args)
-    seeds = getattr(args, "seeds", None) or "0"
+    seeds = getattr(args, "seeds", None)
+    if seeds is None:  # train has none (demo's '' is refused below)
+        seeds = "0"
     listed = seeds.split(",")
     if not re.fullmatch(r"-?\d+(,-?\d+)*", seeds) or len({int(s) for s in listed}) < len(listed):
         raise UsageError(f"--seeds must be comma-separated integers, each listed once, "
@@ -4745,11 +4786,33 @@ def check_cli(args):
     if args.cmd not in ("train", "compare") or getattr(args, "preset", ""):
         return None
     saved = vars(args)
-    if getattr(args, "resume", ""):  # the run's own config
-        saved = json.loads((Path(args.resume) / "config.json").read_text())
+    if getattr(args, "resume", ""):  # the run's own config, in the directory named
+        run_dir = Path(args.resume)
+        saved = _saved_config(run_dir) | {"out_dir": str(run_dir.parent), "name": run_dir.name,
+                                          "trust_remote_code": args.trust_remote_code}
     cfg = RLConfig(**{f.name: saved[f.name] for f in fields(RLConfig) if f.name in saved})
+    _check_model(cfg.model)
     check_run_config(cfg)
     return cfg
+
+
+def _saved_config(run_dir: Path) -> dict:
+    """A run directory's config.json, each field of its RLConfig type, else a UsageError naming the
+    file and the field; fields added since keep their defaults."""
+    path = run_dir / "config.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"--resume {run_dir}: {path} is not JSON ({e})") from None
+    if not isinstance(saved, dict):
+        raise UsageError(f"--resume {run_dir}: {path} holds no object of RLConfig's fields")
+    kinds = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
+    for f in fields(RLConfig):
+        value = saved.get(f.name, f.default)
+        wrong_bool = isinstance(value, bool) and f.type != "bool"
+        if wrong_bool or not isinstance(value, kinds[f.type]):
+            raise UsageError(f"--resume {run_dir}: {path}: {f.name} is {value!r}, not a {f.type}")
+    return saved
 
 
 def checked_cli_config(args):
