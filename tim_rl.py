@@ -4091,10 +4091,13 @@ def build_sampler(cfg, trainer, tokenizer):
     if cfg.sampler == "vllm":  # --dtype only (check_run_config refused --quant, --noise, --exact)
         return VLLMSampler(cfg.model, dtype=cfg.dtype, seed=cfg.seed, tokenizer=tokenizer,
                               gpu_memory=cfg.vllm_gpu_memory, reference=trainer.behaviour)
-    # its noise seeded apart from the run's
-    engine = EngineSpec(cfg.dtype, cfg.quant, cfg.noise, cfg.seed + 1234, cfg.exact,
-                           router_noise=cfg.router_noise, router_jitter=cfg.router_jitter)
-    return TorchSampler(trainer.model, engine, tokenizer)
+    return TorchSampler(trainer.model, engine_spec(cfg), tokenizer)
+
+
+def engine_spec(cfg) -> EngineSpec:
+    """The torch sampler's EngineSpec of an RLConfig, its noise seeded apart from the run's."""
+    return EngineSpec(cfg.dtype, cfg.quant, cfg.noise, cfg.seed + 1234, cfg.exact,
+                      router_noise=cfg.router_noise, router_jitter=cfg.router_jitter)
 
 
 def recorded_topk(cfg) -> int | None:
@@ -4446,7 +4449,8 @@ def _check_engine(engine: EngineSpec) -> None:
             raise ValueError(f"engine.{name} must be a finite number >= 0, got "
                              f"{getattr(engine, name)}")
     if engine.exact and (engine.dtype != "fp32" or engine.quant != "none" or noisy):
-        raise ValueError("engine.exact needs dtype fp32 without quantisation or noise")
+        raise ValueError("engine.exact (--exact) needs --dtype fp32 and no quantisation or noise "
+                         "(--quant, --noise, --router-noise, --router-jitter)")
 
 
 # Smallest value allowed, and the fields that must be finite and > 0. Keys are config field names;
@@ -4504,16 +4508,12 @@ def has_chat_template(model_dir: str | Path) -> bool:
 
 def _range_mistakes(cfg, task: dict) -> list[tuple[bool, str]]:
     """(wrong, message) of values in range alone but not together, or that fail only mid-run."""
-    perturbed = cfg.quant != "none" or cfg.noise or cfg.router_noise or cfg.router_jitter
     pool = _eval_pool_size(task["digits"], task["ops"])
     return [
         (cfg.mis_low > cfg.mis_high,
          f"--mis-low {cfg.mis_low} > --mis-high {cfg.mis_high}: an empty band trains nothing"),
         (cfg.eps_low >= 1, f"--eps-low {cfg.eps_low} must be < 1 (the clip's low side is 1 - it)"),
         (cfg.vllm_gpu_memory > 1, f"--vllm-gpu-memory {cfg.vllm_gpu_memory} must be <= 1"),
-        (cfg.exact and (cfg.dtype != "fp32" or perturbed),
-         ("--exact scores with the trainer's fp32 forward: --dtype fp32, no --quant, --noise, "
-          "--router-noise or --router-jitter")),
         (cfg.task == "arithmetic" and cfg.eval_n > pool,
          f"--eval-n {cfg.eval_n}: this task's held-out pool holds {pool} problems"),
     ]
@@ -4567,6 +4567,8 @@ def check_run_config(cfg) -> None:
     except ValueError as e:
         raise ValueError("--" + str(e).replace("_", "-", 1)) from None
     arm = arm_of(cfg)
+    if cfg.sampler == "torch":
+        _check_engine(engine_spec(cfg))  # --exact with a perturbed engine
     group_relative = cfg.baseline == "group" and not arm.critic  # COPC's advantages: its critic
     # its longest answer and <eos>: a product or a swap has 2 x digits, else digits + 1
     task = run_task_kwargs(cfg, cfg.model)
@@ -4790,8 +4792,8 @@ def check_cli(args):
         run_dir = Path(args.resume)
         saved = _saved_config(run_dir) | {"out_dir": str(run_dir.parent), "name": run_dir.name,
                                           "trust_remote_code": args.trust_remote_code}
+        _check_model(saved.get("model", "runs/base"))  # _check_paths saw --model's default
     cfg = RLConfig(**{f.name: saved[f.name] for f in fields(RLConfig) if f.name in saved})
-    _check_model(cfg.model)
     check_run_config(cfg)
     return cfg
 
@@ -4894,11 +4896,12 @@ def _read_jsonl(path: Path, aligned=()) -> dict:
     first = {}  # field -> (its kind, the line that set it)
     for number, row in rows:
         for name, value in row.items():
-            if _json_kind(value) == "holes":
+            kind = _json_kind(value)
+            if kind == "holes":
                 raise ValueError(f"line {number}: field {name!r} holds {value!r:.40}: a list of "
                                  "numbers without nulls")
-            if _json_kind(value) is not None:
-                first.setdefault(name, (_json_kind(value), number))
+            if kind is not None:
+                first.setdefault(name, (kind, number))
     for number, row in rows:
         sizes = {name: len(row[name]) for name in aligned if isinstance(row.get(name), list)}
         if len(set(sizes.values())) > 1:
