@@ -1300,7 +1300,7 @@ def _within(statistic, threshold, estimator):
     if isinstance(threshold, tuple):
         lo, hi = threshold
     else:
-        lo, hi = (1 / threshold, threshold)
+        lo, hi = 1 / threshold, threshold
     return (statistic >= math.log(lo)) & (statistic <= math.log(hi))
 
 
@@ -2746,7 +2746,7 @@ def _rollout_of(prompt_ids, prompt_mask, steps: list, route_log, decode_text) ->
     if route_log:
         routes, gates = rollout_routes(route_log, len(prompt_ids))
     else:
-        routes, gates = (None, None)
+        routes, gates = None, None
     decode_text = decode_text or (lambda row: " ".join(map(str, row)))
     texts = [decode_text(row) for row in response_ids.tolist()]
     return Rollout(prompt_ids, prompt_mask, response_ids, torch.stack(masks, 1),
@@ -3312,7 +3312,9 @@ class Trainer:
         return list(self.model.parameters())
 
     def step(self, loss: torch.Tensor) -> float:
-        """Backward and one optimizer step on the fp32 master; returns the gradient norm."""
+        """Backward and one optimizer step on the fp32 master; returns the gradient norm. A
+        non-finite norm (a NaN or inf loss or gradient) skips the step, as Megatron and torch's
+        GradScaler do: the master and the optimizer's moments stay as they were."""
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         if self.moe:  # the routes a replayed forward kept for activation checkpointing's recompute
@@ -3327,7 +3329,8 @@ class Trainer:
             norm = float(torch.linalg.vector_norm(torch.stack(norms)))
         else:
             norm = 0.0
-        self.opt.step()
+        if math.isfinite(norm):  # TIM: one NaN batch would otherwise poison every later step
+            self.opt.step()
         return norm
 
     @torch.no_grad()
@@ -3938,6 +3941,9 @@ def step_record(cfg: RLConfig, step: int, state: RunState, ro: Rollout, rewards,
             record[key] = sum(values) / len(values)
         else:
             record[key] = None
+    skipped = sum(not math.isfinite(u.grad_norm) for u in updates)  # Trainer.step skipped them
+    if skipped:
+        record["skipped_updates"] = skipped
     record |= {f"mm_{k}": v for k, v in mismatch_metrics(logp, ro.logp_infer, ro.mask).items()}
     if cfg.k2_coef > 0:
         record["k2_penalty"] = float(k2_penalty(logp, ro.logp_infer, ro.mask, cfg.k2_coef))
@@ -4285,11 +4291,9 @@ class RunLog:
 
         self.cfg, self.state, self.out = cfg, state, Path(cfg.out_dir) / cfg.name
         self.out.mkdir(parents=True, exist_ok=True)
+        self.start, self.records = 0, []
         if resume:
             self.start, self.records = resume_run(self.out, state)
-        else:
-            self.start, self.records = (0, [])
-        if resume:
             print(f"[tim_rl] resuming {self.out} at step {self.start} of {cfg.steps}",
                   file=sys.stderr)
         # the steps the checkpoint covers, once; never beside older metrics
