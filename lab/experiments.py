@@ -6769,6 +6769,14 @@ def _parser():
     )
     p_real.add_argument("--publish", action="store_true",
                         help="write lab/results/real-lengths.json and lab/figures/real-lengths.png")
+    p_drop = sub.add_parser(
+        "async-drop", help="continuous batching: does a staleness bound starve the hard problems?"
+    )
+    p_drop.add_argument("--smoke", action="store_true", help="2 steps, 1 seed, tiny batches (CI)")
+    p_drop.add_argument("--publish", action="store_true",
+                        help="write lab/results/async-drop.json (needs the committed design)")
+    p_drop.add_argument("--design", action="store_true",
+                        help="write lab/predictions/async-drop.json (before the first run)")
     p_sample = sub.add_parser(
         "doctor-sample", help="write README's sample batch for `tim_rl.py doctor FILE`"
     )
@@ -6849,6 +6857,17 @@ def _main(parser, args) -> None:
                 print(reallengths.build_vllm())
                 return
             print(reallengths.run(args.smoke, args.publish))
+        except tr.UsageError as e:
+            parser.exit(2, f"lab: error: {e}\n")
+        return
+    if args.cmd == "async-drop":
+        from lab import asyncpool
+
+        try:
+            if args.design:
+                print(asyncpool.write_prediction())
+                return
+            print(asyncpool.main(args.smoke, args.publish))
         except tr.UsageError as e:
             parser.exit(2, f"lab: error: {e}\n")
         return

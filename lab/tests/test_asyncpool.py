@@ -1,0 +1,80 @@
+"""The continuous-batching pool (issue 57, item 4): each token's log-prob and version are the
+weights' that sampled it; the bound drops exactly the responses older than it; the study's command
+runs at smoke size."""
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tim_rl as tr
+from lab import asyncpool as ap
+
+
+def _small(tmp_path, **change):
+    return tr.RLConfig(model="bases/tiny", steps=3, prompts=2, group=2, eval_n=16,
+                       checkpoint_every=0, progress=False, out_dir=str(tmp_path), **change)
+
+
+def _drive(cfg, capacity=4):
+    """run_pool's loop, keeping a copy of the sampler at each version; -> (batches, copies)."""
+    state = tr.setup_run(cfg)
+    pool, copies, batches = ap.Pool(state, cfg, capacity), {}, []
+    for step in range(cfg.steps):
+        copies[step] = copy.deepcopy(state.sampler.model)
+        while len(pool.ready) < cfg.prompts:
+            pool.tick(step)
+        groups, pool.ready = pool.ready[: cfg.prompts], pool.ready[cfg.prompts :]
+        batches.append((step, [copy.deepcopy(g) for g in groups]))
+        ap.pool_step(cfg, step, state, groups)
+    return batches, copies
+
+
+@torch.no_grad()
+def _rescored(model, slot, t):
+    ids = torch.tensor([slot.prompt + slot.tokens[:t]])
+    return float(torch.log_softmax(model(input_ids=ids).logits[0, -1].float(), -1)[slot.tokens[t]])
+
+
+def test_each_token_is_its_versions_weights_and_a_wrong_version_is_not(tmp_path):
+    batches, copies = _drive(_small(tmp_path))
+    worst, wrong, spans = 0.0, 0.0, 0
+    for step, groups in batches:
+        for slot in (s for g in groups for s in g):
+            assert slot.versions == sorted(slot.versions) and slot.versions[-1] <= step
+            spans += slot.versions[0] < slot.versions[-1]
+            for t, (v, logp) in enumerate(zip(slot.versions, slot.logps)):
+                worst = max(worst, abs(_rescored(copies[v], slot, t) - logp))
+                if v > 0:  # the twin: the version before gives another number
+                    wrong = max(wrong, abs(_rescored(copies[v - 1], slot, t) - logp))
+    assert spans > 0, "some response spans an update (the pool is one batch ahead)"
+    assert worst < 1e-5 and wrong > 1e-4, (worst, wrong)
+
+
+def test_the_bound_drops_exactly_the_responses_older_than_it(tmp_path):
+    cfg = _small(tmp_path, max_staleness=0)
+    state = tr.setup_run(cfg)
+    pool = ap.Pool(state, cfg, 4)
+    for step in range(cfg.steps):
+        while len(pool.ready) < cfg.prompts:
+            pool.tick(step)
+        groups, pool.ready = pool.ready[: cfg.prompts], pool.ready[cfg.prompts :]
+        old = [s.versions[0] < step for g in groups for s in g]
+        record, per_problem = ap.pool_step(cfg, step, state, groups)
+        assert record["frac_dropped_rows"] == pytest.approx(sum(old) / len(old))
+        assert sum(c[1] for c in per_problem.values()) == sum(old)
+    kept = ap.pool_step(_small(tmp_path), 0, state, [[ap.Slot(0, [1, 5], [6, 2], [-0.1, -0.2],
+                                                              [0, 0], True)] * 2] * 2)
+    assert kept[0]["frac_dropped_rows"] == 0.0  # no bound: nothing dropped
+
+
+def test_the_study_command_runs_at_smoke_size_and_publish_needs_the_design(tmp_path, monkeypatch):
+    out = subprocess.run([sys.executable, "-m", "lab", "async-drop", "--smoke"], cwd=ap.ROOT,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert all(c["id"] in out.stdout for c in ap.CLAIMS)
+    monkeypatch.setattr(ap, "PREDICTION", tmp_path / "none.json")
+    with pytest.raises(tr.UsageError, match="design committed first"):
+        ap.main(smoke=True, publish=True)
