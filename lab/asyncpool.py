@@ -34,6 +34,7 @@ import tim_rl as tr
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "lab" / "results" / "async-drop.json"
 PREDICTION = ROOT / "lab" / "predictions" / "async-drop.json"
+FIGURE = ROOT / "lab" / "figures" / "async-drop.png"
 
 
 @dataclass
@@ -293,6 +294,34 @@ def report(runs: dict) -> str:
     return "\n".join(lines)
 
 
+def figure(runs: dict, path: Path = FIGURE) -> Path:
+    """Left: the drop arm's dropped share by difficulty, each seed a line; right: final pc per arm,
+    each seed a dot. The title is the takeaway, from the numbers."""
+    from matplotlib.figure import Figure
+
+    drop = runs[list(ARMS)[2]]
+    bins = ("hard", "middle", "easy")
+    hard, easy = (sum(r[f"dropped_{b}"] for r in drop) / len(drop) for b in ("hard", "easy"))
+    kept, dropped = (sum(r["pc_final"] for r in runs[a]) / len(runs[a]) for a in ("keep, tis",
+                                                                                  list(ARMS)[2]))
+    fig = Figure(figsize=(10, 3.6))
+    left, right = fig.subplots(1, 2)
+    for r in drop:
+        left.plot(bins, [r[f"dropped_{b}"] for b in bins], "o-", alpha=0.6)
+    left.set(xlabel="problem (base pass rate: < 0.25 | middle | >= 0.75)",
+             ylabel="share of responses dropped", ylim=(0, 1))
+    for i, (arm, rows) in enumerate(runs.items()):
+        right.plot([i] * len(rows), [r["pc_final"] for r in rows], "o", alpha=0.7)
+    right.set_xticks(range(len(runs)), list(runs))
+    right.set(ylabel="held-out pc after the last step")
+    fig.suptitle(f"a staleness bound of {BOUND} drops {hard:.0%} of the hard problems' responses, "
+                 f"{easy:.0%} of the easy ones'; keeping them with TIS ends at pc {kept:.3f}, "
+                 f"dropping at {dropped:.3f}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def main(smoke: bool = False, publish: bool = False) -> str:
     """`python -m lab async-drop`: run, report; --publish writes lab/results/async-drop.json."""
     if publish and not PREDICTION.exists():
@@ -302,4 +331,5 @@ def main(smoke: bool = False, publish: bool = False) -> str:
     if publish and not smoke:
         RESULTS.write_text(json.dumps({"design": DESIGN, "runs": runs,
                                        "verdicts": verdicts(runs)}, indent=1) + "\n")
+        figure(runs)
     return text

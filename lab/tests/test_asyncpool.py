@@ -78,3 +78,17 @@ def test_the_study_command_runs_at_smoke_size_and_publish_needs_the_design(tmp_p
     monkeypatch.setattr(ap, "PREDICTION", tmp_path / "none.json")
     with pytest.raises(tr.UsageError, match="design committed first"):
         ap.main(smoke=True, publish=True)
+
+
+def test_the_figure_and_the_published_section_are_the_committed_numbers(tmp_path):
+    """The figure draws from runs (its title from their numbers); RESULTS.md's async-drop section is
+    report() of lab/results/async-drop.json, line for line (`python -m lab async-drop --publish`
+    regenerates both)."""
+    import json
+
+    row = {"pc_final": 0.5, "dropped_hard": 0.6, "dropped_middle": 0.5, "dropped_easy": 0.25}
+    path = ap.figure({arm: [row, row] for arm in ap.ARMS}, tmp_path / "f.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    published = json.loads(ap.RESULTS.read_text())
+    assert published["design"] == ap.DESIGN
+    assert ap.report(published["runs"]) in (ap.ROOT / "RESULTS.md").read_text()
