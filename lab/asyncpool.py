@@ -6,7 +6,8 @@ versions, so its bound drops whole batches. Frameworks with partial rollouts (ve
 recipe, AReaL, SkyRL, prime-rl) run a pool instead: a slot that finishes takes the next problem at
 once, the trainer takes the oldest finished groups as soon as a batch is ready, and a response's
 tokens carry the version of the weights that sampled each. A long response spans more updates, so
-its oldest token is staler: a bound drops long responses first. Here that pool, in one process:
+its oldest token is staler. Here that pool, in one process (a group's responses start together, so
+a bound drops whole groups, the ones whose slowest response spans the most updates):
 
 - `Pool.tick` decodes one position of every unfinished slot on the sampler's current weights (the
   prefix re-encoded: the KV cache recomputed under the new weights, `--kv-recompute`'s semantics);
@@ -14,8 +15,11 @@ its oldest token is staler: a bound drops long responses first. Here that pool, 
   sampler is synced after every step (versions = tim_rl's: the trainer's step count).
 - The step is tim_rl's, piece by piece: `drop_stale` (or keep), the verifier, the behaviour pass,
   `update_on_batch` with the arm's loss, `Trainer.export` into the sampler, `step_record`.
-- Difficulty is the control's: each problem's group pass rate in the synced run (same seed, the
-  same problems in the same order), and the study reports which problems' responses were dropped.
+- Difficulty is each problem's pass rate over `group` samples of the base sampler (the control at
+  its start; a generator of its own), and the study reports which problems' responses were dropped.
+- The behaviour pass scores every token on the current weights (no per-version copies): arms that
+  read logp_old or top-K, and the ledger's lag / numerics split, are not per version here, so
+  `check_pool` refuses those arms and the study reports no ledger.
 
 Run `python -m lab async-drop [--smoke] [--publish]`.
 """
@@ -152,9 +156,29 @@ def base_pass_rates(state: tr.RunState, cfg: tr.RLConfig, n: int, seed: int) -> 
     return rates
 
 
+def check_pool(cfg: tr.RLConfig, capacity: int) -> None:
+    """A UsageError naming the setting the pool does not implement (it would be ignored)."""
+    arm = tr.arm_of(cfg)
+    ignored = {"--top-p / --top-k / --min-p": tr._truncates(cfg),
+               "--updates-per-batch != 1": cfg.updates_per_batch != 1,
+               "--sync-every != 1 (the pool syncs after every step)": cfg.sync_every != 1,
+               "--in-flight / --keep-stale": cfg.in_flight or cfg.keep_stale,
+               "--prox-logp loglinear": cfg.prox_logp != "recompute",
+               "--routing-replay": cfg.routing_replay != "none",
+               "--sampler vllm": cfg.sampler != "torch",
+               "--diagnose-drift": cfg.diagnose_drift,
+               f"--correction {cfg.correction} (reads logp_old, top-K, a critic or resyncs)":
+                   arm.renormalized or arm.reads_topk or arm.critic or arm.resync,
+               f"capacity {capacity} < --prompts {cfg.prompts}": capacity < cfg.prompts}
+    wrong = [name for name, bad in ignored.items() if bad]
+    if wrong:
+        raise tr.UsageError(f"the async pool does not implement: {', '.join(wrong)}")
+
+
 def run_pool(cfg: tr.RLConfig, capacity: int) -> tuple[list[dict], dict, list[float]]:
     """cfg.steps steps of the pool; evaluations at 0 and after the last. -> (records,
     {problem: [responses, dropped, correct]}, the base pass rate of each problem)."""
+    check_pool(cfg, capacity)
     state = tr.setup_run(cfg)
     # the pool reads past steps x prompts problems: a longer draw of the same stream (a prefix)
     more = replace(cfg, steps=cfg.steps + capacity)

@@ -18,17 +18,24 @@ def _small(tmp_path, **change):
                        checkpoint_every=0, progress=False, out_dir=str(tmp_path), **change)
 
 
-def _drive(cfg, capacity=4):
-    """run_pool's loop, keeping a copy of the sampler at each version; -> (batches, copies)."""
-    state = tr.setup_run(cfg)
-    pool, copies, batches = ap.Pool(state, cfg, capacity), {}, []
-    for step in range(cfg.steps):
-        copies[step] = copy.deepcopy(state.sampler.model)
-        while len(pool.ready) < cfg.prompts:
-            pool.tick(step)
-        groups, pool.ready = pool.ready[: cfg.prompts], pool.ready[cfg.prompts :]
-        batches.append((step, [copy.deepcopy(g) for g in groups]))
-        ap.pool_step(cfg, step, state, groups)
+def _drive(cfg, monkeypatch, capacity=4):
+    """run_pool itself, keeping a copy of the sampler's model at each version it samples with and
+    each batch it trains on; -> (batches, copies)."""
+    copies, batches = {}, []
+    tick, step_of = ap.Pool.tick, ap.pool_step
+
+    def spying_tick(pool, version):
+        assert version == len(batches), "a token's version is the number of updates so far"
+        copies.setdefault(version, copy.deepcopy(pool.state.sampler.model))
+        tick(pool, version)
+
+    def spying_step(cfg, step, state, groups):
+        batches.append((step, copy.deepcopy(groups)))
+        return step_of(cfg, step, state, groups)
+
+    monkeypatch.setattr(ap.Pool, "tick", spying_tick)
+    monkeypatch.setattr(ap, "pool_step", spying_step)
+    ap.run_pool(cfg, capacity)
     return batches, copies
 
 
@@ -38,8 +45,8 @@ def _rescored(model, slot, t):
     return float(torch.log_softmax(model(input_ids=ids).logits[0, -1].float(), -1)[slot.tokens[t]])
 
 
-def test_each_token_is_its_versions_weights_and_a_wrong_version_is_not(tmp_path):
-    batches, copies = _drive(_small(tmp_path))
+def test_each_token_is_its_versions_weights_and_a_wrong_version_is_not(tmp_path, monkeypatch):
+    batches, copies = _drive(_small(tmp_path), monkeypatch)
     worst, wrong, spans = 0.0, 0.0, 0
     for step, groups in batches:
         for slot in (s for g in groups for s in g):
@@ -56,18 +63,30 @@ def test_each_token_is_its_versions_weights_and_a_wrong_version_is_not(tmp_path)
 def test_the_bound_drops_exactly_the_responses_older_than_it(tmp_path):
     cfg = _small(tmp_path, max_staleness=0)
     state = tr.setup_run(cfg)
-    pool = ap.Pool(state, cfg, 4)
+    pool, stale = ap.Pool(state, cfg, 4), 0
     for step in range(cfg.steps):
         while len(pool.ready) < cfg.prompts:
             pool.tick(step)
         groups, pool.ready = pool.ready[: cfg.prompts], pool.ready[cfg.prompts :]
         old = [s.versions[0] < step for g in groups for s in g]
+        stale += sum(old)
         record, per_problem = ap.pool_step(cfg, step, state, groups)
         assert record["frac_dropped_rows"] == pytest.approx(sum(old) / len(old))
         assert sum(c[1] for c in per_problem.values()) == sum(old)
-    kept = ap.pool_step(_small(tmp_path), 0, state, [[ap.Slot(0, [1, 5], [6, 2], [-0.1, -0.2],
-                                                              [0, 0], True)] * 2] * 2)
-    assert kept[0]["frac_dropped_rows"] == 0.0  # no bound: nothing dropped
+    assert stale > 0, "some batch held a stale response"
+    # a group sampled at version 0, trained at step 2: two versions old
+    groups = [[ap.Slot(0, [1, 5], [6, 2], [-0.1, -0.2], [0, 0], True)] * 2] * 2
+    for bound, dropped in ((-1, 0.0), (2, 0.0), (1, 1.0)):
+        record = ap.pool_step(_small(tmp_path, max_staleness=bound), 2, state, groups)[0]
+        assert record["frac_dropped_rows"] == dropped, bound
+
+
+def test_the_pool_refuses_what_it_would_ignore(tmp_path):
+    for change in ({"top_p": 0.9}, {"updates_per_batch": 2}, {"correction": "dlc"},
+                   {"correction": "sc"}, {"sync_every": 2}):
+        with pytest.raises(tr.UsageError, match="does not implement"):
+            ap.check_pool(_small(tmp_path, **change), 4)
+    ap.check_pool(_small(tmp_path, correction="tis", max_staleness=1), 4)
 
 
 def test_the_study_command_runs_at_smoke_size_and_publish_needs_the_design(tmp_path, monkeypatch):
