@@ -259,8 +259,7 @@ def study(smoke: bool = False, out: Path = Path("runs/async-drop")) -> dict:
     from tqdm.auto import tqdm
 
     seeds = DESIGN["seeds"][:1] if smoke else DESIGN["seeds"]
-    size = {"steps": 80, "prompts": 16, "group": 8, "eval_n": 512}
-    capacity = CAPACITY_GROUPS
+    size, capacity = {"steps": 80, "prompts": 16, "group": 8, "eval_n": 512}, CAPACITY_GROUPS
     if smoke:
         size, capacity = {"steps": 2, "prompts": 2, "group": 2, "eval_n": 16}, 4
     runs = {}
@@ -319,8 +318,7 @@ def report(runs: dict) -> str:
 
 
 def figure(runs: dict, path: Path = FIGURE) -> Path:
-    """Left: the drop arm's dropped share by difficulty, each seed a line; right: final pc per arm,
-    each seed a dot. The title is the takeaway, from the numbers."""
+    """Dropped share by difficulty (a line a seed) and final pc per arm (a dot a seed); titled."""
     from matplotlib.figure import Figure
 
     drop = runs[list(ARMS)[2]]
