@@ -4822,14 +4822,21 @@ def _saved_config(run_dir: Path) -> dict:
 
 
 def checked_cli_config(args):
-    """check_cli's RLConfig (None for other commands), its refusals as UsageError; prints
-    eval_warning's line; silences transformers' per-load progress bar (ours show the work)."""
+    """check_cli's RLConfig (None for other commands), its refusals as UsageError; makes the run's
+    directory; prints eval_warning's line; silences transformers' per-load progress bar (ours show
+    the work)."""
     from transformers.utils import logging as hf_logging
 
     try:
         cfg = check_cli(args)
     except ValueError as e:  # a UsageError, or a combination check_run_config refuses
         raise UsageError(str(e)) from e
+    if cfg is not None:  # the run's directory, made now: an unwritable --out-dir is one line too
+        run_dir = Path(cfg.out_dir, cfg.name)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--out-dir {cfg.out_dir}: cannot create {run_dir} ({e.strerror})")
     warning = cfg and eval_warning(cfg)
     if warning:
         print(warning, file=sys.stderr)

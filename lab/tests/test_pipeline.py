@@ -596,6 +596,22 @@ def test_cli_mistake_from_a_fresh_process_is_one_line_with_status_2(argv, line, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"], "nothing was built or written"
 
 
+@pytest.mark.skipif(not tr.Path("/sys").is_dir(), reason="needs Linux's /sys (never writable)")
+def test_an_unwritable_out_dir_is_one_line_before_any_work(tmp_path):
+    """/sys refuses a new directory to root (EPERM) and to anyone else (EACCES): one line, status 2,
+    before the model loads (the old code built the model, then raised a traceback)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, str(tr.Path(tr.__file__).resolve()), "train", "--out-dir", "/sys/tim_x"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+    )
+    lines = out.stderr.splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
+    assert lines[0].startswith("tim_rl: error: --out-dir /sys/tim_x: cannot create /sys/tim_x/run (")
+
+
 @pytest.mark.parametrize("module", ["tim_rl.py", "lab/experiments.py"])
 def test_the_main_guard_is_the_modules_last_statement(module):
     """`python tim_rl.py doctor FILE` crashed when the guard ran main() before the doctor's CLI was
@@ -3511,8 +3527,10 @@ def reader_measures(source: str) -> dict:
 # 0, half-precision tails and gradients, unchecked sampler and loader arguments, the verifier's
 # glued numbers, --resume writing where config.json said and trusting its remote code, values that
 # trained nothing), no capability added; and by 20 for Trainer.step skipping a non-finite gradient
-# and the record saying so (session 12; RunLog's two resume branches merged gave back 11).
-REFERENCE_MEASURES = {"tokens": 37_060, "tokens_per_line": 11.9, "ifexp": 21}
+# and the record saying so (session 12; RunLog's two resume branches merged gave back 11); and by
+# 40 for the run directory made at the check (an unwritable --out-dir was a traceback after the
+# model was built).
+REFERENCE_MEASURES = {"tokens": 37_100, "tokens_per_line": 11.9, "ifexp": 21}
 
 
 def test_the_reference_stays_within_what_a_reader_meets():
