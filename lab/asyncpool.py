@@ -344,8 +344,11 @@ def figure(runs: dict, path: Path = FIGURE) -> Path:
     return path
 
 
-def main(smoke: bool = False, publish: bool = False) -> str:
-    """`python -m lab async-drop`: run, report; --publish writes lab/results/async-drop.json."""
+def main(smoke: bool = False, publish: bool = False, design: bool = False) -> str:
+    """`python -m lab async-drop`: run, report; --publish writes lab/results/async-drop.json (and
+    the figure); --design writes the design file alone (before the first run)."""
+    if design:
+        return str(write_prediction())
     if publish and not PREDICTION.exists():
         raise tr.UsageError(f"--publish needs the design committed first: {PREDICTION}")
     runs = study(smoke)

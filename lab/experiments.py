@@ -6864,10 +6864,7 @@ def _main(parser, args) -> None:
         from lab import asyncpool
 
         try:
-            if args.design:
-                print(asyncpool.write_prediction())
-                return
-            print(asyncpool.main(args.smoke, args.publish))
+            print(asyncpool.main(args.smoke, args.publish, args.design))
         except tr.UsageError as e:
             parser.exit(2, f"lab: error: {e}\n")
         return
