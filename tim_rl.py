@@ -4837,9 +4837,9 @@ def checked_cli_config(args):
             run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise UsageError(f"--out-dir {cfg.out_dir}: cannot create {run_dir} ({e.strerror})")
-    warning = cfg and eval_warning(cfg)
-    if warning:
-        print(warning, file=sys.stderr)
+        warning = eval_warning(cfg)
+        if warning:
+            print(warning, file=sys.stderr)
     hf_logging.disable_progress_bar()  # no "Loading weights" bar per engine between ours
     return cfg
 

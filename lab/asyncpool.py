@@ -105,7 +105,7 @@ def rollout_of(groups: list[list[Slot]], tokenizer) -> tuple[tr.Rollout, list[in
     response_ids = _right_pad([s.tokens for s in slots], tokenizer.pad_id, torch.long)
     mask = _right_pad([[True] * len(s.tokens) for s in slots], False, torch.bool)
     logp_infer = _right_pad([s.logps for s in slots], 0.0, torch.float32)
-    versions = _right_pad([s.versions for s in slots], max(slots[0].versions), torch.long)
+    versions = _right_pad([s.versions for s in slots], 0, torch.long)  # padding: masked
     B, T = response_ids.shape
     ro = tr.Rollout(prompt_ids, prompt_mask, response_ids, mask, logp_infer,
                     torch.zeros(B, T, 0, dtype=torch.long), torch.zeros(B, T, 0),
@@ -115,21 +115,20 @@ def rollout_of(groups: list[list[Slot]], tokenizer) -> tuple[tr.Rollout, list[in
 
 def pool_step(cfg: tr.RLConfig, step: int, state: tr.RunState, groups) -> tuple[dict, dict]:
     """tim_rl's RL step on finished groups: drop (or keep) the stale, verify, behaviour pass, one
-    update, export into the sampler. -> (metrics record, {problem: [responses, dropped]})."""
+    update, export into the sampler. -> (metrics record, {problem: [responses, dropped,
+    correct]})."""
     meter = tr.StepMeter(tr.STEP_PHASES)
     ro, problems = rollout_of(groups, state.tokenizer)
-    before = ro.mask.any(1)
-    versions = tr.drop_stale(cfg, step, ro)  # ro.mask loses the dropped rows (unless kept)
-    dropped = (before & ~ro.mask.any(1)).tolist()
+    staleness = tr.drop_stale(cfg, step, ro)  # ro.mask loses the dropped rows (unless kept)
+    dropped = (~ro.mask.any(1)).tolist()  # every response holds a token: empty rows were dropped
     answers = [state.train_set[p][1] for p in problems]
     rewards = torch.tensor([tr.verify(t, a) for t, a in zip(ro.texts, answers)])
     behaviour = state.trainer.behaviour_logprobs(ro, cfg.temperature)
     update = tr.update_on_batch(cfg, step, state, ro, rewards, behaviour, None, meter)
     served, visible = state.trainer.export(cfg.export, generator=state.gen)
     state.sampler.load_weights(served)
-    record = tr.step_record(cfg, step, state, ro, rewards, behaviour, [update], visible,
-                            versions) | {"frac_dropped_rows": float(torch.tensor(dropped).float()
-                                                                    .mean())}
+    record = tr.step_record(cfg, step, state, ro, rewards, behaviour, [update], visible, staleness)
+    record["frac_dropped_rows"] = sum(dropped) / len(dropped)
     per_problem: dict[int, list[int]] = {}
     for problem, reward, drop in zip(problems, rewards.tolist(), dropped):
         counts = per_problem.setdefault(problem, [0, 0, 0])
@@ -195,8 +194,7 @@ def run_pool(cfg: tr.RLConfig, capacity: int) -> tuple[list[dict], dict, list[fl
         groups, pool.ready = pool.ready[: cfg.prompts], pool.ready[cfg.prompts :]
         record, counts = pool_step(cfg, step, state, groups)
         records.append(record)
-        for problem, c in counts.items():
-            per_problem[problem] = c
+        per_problem |= counts  # a problem is started once: it lands in one batch
     records.append(tr.evaluate(cfg.steps, state, cfg))
     return records, per_problem, rates
 
